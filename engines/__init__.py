@@ -1,0 +1,1 @@
+"""Inference engines (embedded, SGLang, vLLM) and disk-free weight sync."""

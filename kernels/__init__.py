@@ -1,0 +1,6 @@
+"""Fused Triton kernels for RL post-training, with torch paths and float64-checkable references."""
+
+from kernels.device import backend_for, use_backend
+from kernels.scale import masked_scale
+
+__all__ = ["backend_for", "use_backend", "masked_scale"]

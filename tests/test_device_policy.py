@@ -1,0 +1,65 @@
+"""The device policy: CUDA -> Triton, CPU -> torch, TRITON_INTERPRET=1 -> Triton's interpreter."""
+
+import pytest
+import torch
+
+from kernels import backend_for, masked_scale, use_backend
+from kernels.device import triton_interpret
+
+
+def test_interpreter_is_on_for_tests():
+    # conftest.py sets it before triton is imported; every Triton kernel test relies on it.
+    assert triton_interpret()
+
+
+def test_cpu_tensor_routes_to_triton_under_interpreter_and_torch_when_forced():
+    x = torch.randn(3)
+    assert backend_for(x) == "triton"
+    with use_backend("torch"):
+        assert backend_for(x) == "torch"
+    assert backend_for(x) == "triton"
+
+
+def test_cpu_without_interpreter_routes_to_torch(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert backend_for(torch.randn(3)) == "torch"
+    with use_backend("triton"), pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        backend_for(torch.randn(3))
+
+
+def test_unknown_backend_is_rejected():
+    with pytest.raises(ValueError, match="backend"), use_backend("cuda"):  # type: ignore[arg-type]
+        pass
+
+
+@pytest.mark.parametrize("n", [1, 1000, 1025, 4099])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masked_scale_triton_interpreter_matches_torch(n, dtype):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g).to(dtype)
+    m = (torch.rand(n, generator=g) < 0.7).to(torch.int32)
+    alpha = float(torch.rand((), generator=g)) * 3 - 1.5
+    with use_backend("triton"):
+        y_triton = masked_scale(x, m, alpha)
+    with use_backend("torch"):
+        y_torch = masked_scale(x, m, alpha)
+    expected = torch.where(m.bool(), x.double() * alpha, 0.0)
+    assert y_triton.dtype == torch.float32
+    torch.testing.assert_close(y_triton.double(), expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(y_torch.double(), expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(y_triton[m == 0], torch.zeros_like(y_triton[m == 0]))
+
+
+def test_masked_scale_bad_input_names_argument():
+    with pytest.raises(ValueError, match="mask shape"):
+        masked_scale(torch.randn(4), torch.ones(5, dtype=torch.int32))
+    with pytest.raises(ValueError, match="contiguous"):
+        masked_scale(torch.randn(4, 4).t(), torch.ones(4, 4, dtype=torch.int32).t())
+
+
+@pytest.mark.gpu
+def test_masked_scale_compiled_triton_on_cuda():
+    x = torch.randn(10_000, device="cuda")
+    m = (torch.rand(10_000, device="cuda") < 0.5).int()
+    assert backend_for(x) == "triton"
+    torch.testing.assert_close(masked_scale(x, m, 2.0), torch.where(m.bool(), 2 * x, 0.0))

@@ -1,0 +1,1 @@
+"""Functional FSDP2 + torch.compile trainer, rollouts and loops."""
