@@ -1,0 +1,40 @@
+"""The project's own character-level tokenizer and tiny model presets."""
+
+import random
+
+import pytest
+
+from trainer.models import tiny_model_config
+from trainer.tokenizer import CHARS, build_tokenizer
+
+
+def test_round_trip_on_random_text():
+    tok = build_tokenizer()
+    rng = random.Random(0)
+    for _ in range(20):
+        text = "".join(rng.choice(CHARS) for _ in range(rng.randint(1, 40)))
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert len(ids) == len(text)  # one token per character
+        assert tok.decode(ids) == text
+
+
+def test_chat_template_assistant_mask_covers_exactly_the_reply(tmp_path):
+    tok = build_tokenizer()
+    msgs = [{"role": "user", "content": "12+7="}, {"role": "assistant", "content": "19"}]
+    out = tok.apply_chat_template(msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    ids, mask = out["input_ids"], out["assistant_masks"]
+    assert tok.decode([i for i, m in zip(ids, mask) if m]) == "19<|im_end|>"
+    tok.save_pretrained(tmp_path)
+    from transformers import AutoTokenizer
+
+    again = AutoTokenizer.from_pretrained(tmp_path)
+    assert again("3*4=12")["input_ids"] == tok("3*4=12")["input_ids"]
+
+
+def test_tiny_config_matches_tokenizer():
+    cfg = tiny_model_config("qwen2")
+    assert cfg.vocab_size >= len(build_tokenizer()) and cfg.eos_token_id == build_tokenizer().eos_token_id
+    with pytest.raises(ValueError, match="arch"):
+        tiny_model_config("gpt2")
+    with pytest.raises(ValueError, match="vocab_size"):
+        tiny_model_config(vocab_size=10)
