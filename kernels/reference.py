@@ -6,15 +6,174 @@ Each section belongs to one op; keep them readable: log_softmax + gather, explic
 
 from __future__ import annotations
 
-
+import torch
 
 # ---------------------------------------------------------------------------------------------------------
 # Token log-probs and entropy (kernels/logprobs.py, kernels/linear_logprobs.py)
 # ---------------------------------------------------------------------------------------------------------
 
+
+def token_logprobs_ref(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    mask: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    return_entropy: bool = False,
+    dtype: torch.dtype = torch.float32,
+):
+    """log p(label) under softmax(logits / temperature), and optionally the entropy, per position.
+
+    logits [..., V], labels [...] int64, mask [...] (nonzero = keep). Masked or ignored positions give 0.
+    Math runs in `dtype` (tests pass float64). Returns logp [...] (and entropy [...]).
+    """
+    z = logits.to(dtype) / temperature
+    logp_all = torch.log_softmax(z, dim=-1)
+    keep = labels != ignore_index
+    if mask is not None:
+        keep = keep & mask.bool()
+    safe = torch.where(keep, labels, torch.zeros_like(labels))
+    logp = torch.gather(logp_all, -1, safe.unsqueeze(-1)).squeeze(-1)
+    logp = torch.where(keep, logp, torch.zeros_like(logp))
+    if not return_entropy:
+        return logp
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    entropy = torch.where(keep, entropy, torch.zeros_like(entropy))
+    return logp, entropy
+
+
+def linear_token_logprobs_ref(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, dtype: torch.dtype = torch.float32, **kw
+):
+    """`token_logprobs_ref(hidden @ weight.T, labels, **kw)`, materialising the full [T, V] logits."""
+    logits = hidden.to(dtype) @ weight.to(dtype).t()
+    return token_logprobs_ref(logits, labels, dtype=dtype, **kw)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Policy loss (kernels/policy_loss.py, kernels/linear_policy_loss.py)
 # ---------------------------------------------------------------------------------------------------------
+
+
+def policy_token_weights_ref(
+    mask: torch.Tensor,
+    *,
+    loss_agg: str,
+    cu_seqlens: torch.Tensor | None = None,
+    num_tokens=None,
+    num_seqs=None,
+    max_seq_len: int | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """Aggregation weight of every token, so that loss = Σ_t weight_t · ℓ_t for every loss_agg.
+
+    mask [B, L] (rows are sequences) or [T] packed with cu_seqlens [S+1]. Written with an explicit loop over
+    sequences. num_tokens / num_seqs default to the local counts (masked tokens; rows or segments).
+    """
+    m = mask.to(dtype)
+    if mask.dim() == 2:
+        bounds = [(b, slice(None)) for b in range(mask.shape[0])]
+    else:
+        cu = [int(c) for c in cu_seqlens] if cu_seqlens is not None else [0, mask.shape[0]]
+        bounds = [(slice(cu[s], cu[s + 1]),) for s in range(len(cu) - 1)]
+    n_tok = float(m.sum()) if num_tokens is None else float(num_tokens)
+    n_seq = float(len(bounds)) if num_seqs is None else float(num_seqs)
+    weights = torch.zeros_like(m)
+    for idx in bounds:
+        seq_mask = m[idx]
+        if loss_agg == "token-mean":
+            weights[idx] = seq_mask / max(n_tok, 1.0)
+        elif loss_agg == "seq-mean-token-mean":
+            weights[idx] = seq_mask / max(float(seq_mask.sum()), 1.0) / n_seq
+        elif loss_agg == "seq-mean-token-sum":
+            weights[idx] = seq_mask / n_seq
+        elif loss_agg == "seq-mean-token-sum-norm":
+            weights[idx] = seq_mask / (n_seq * max_seq_len)
+        else:
+            raise ValueError(f"loss_agg={loss_agg!r}")
+    return weights
+
+
+def policy_loss_ref(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    config,
+    old_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    rollout_logprobs: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    num_tokens=None,
+    num_seqs=None,
+    dtype: torch.dtype = torch.float64,
+):
+    """The clipped GRPO/PPO policy loss and its metrics, by autograd through plain torch (math in `dtype`).
+
+    Same arguments as `kernels.policy_loss`; labels equal to -100 count as masked. Returns (loss, metrics dict).
+    """
+    c = config
+    keep = (mask != 0) & (labels != -100)
+    z = logits.to(dtype) / c.temperature
+    logp_all = torch.log_softmax(z, dim=-1)
+    logp = logp_all.gather(-1, torch.where(keep, labels, 0).unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    adv = advantages.to(dtype)
+
+    old = logp.detach() if old_logprobs is None else old_logprobs.to(dtype)
+    log_ratio = torch.clamp(logp - old, -20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    pg_unclipped = -adv * ratio
+    pg_clipped = -adv * torch.clamp(ratio, 1.0 - c.clip_low, 1.0 + c.clip_high)
+    pg = torch.maximum(pg_unclipped, pg_clipped)
+    if c.clip_ratio_c is not None:  # dual clip: bound the loss of negative-advantage tokens
+        pg = torch.where(adv < 0, torch.minimum(pg, -adv * c.clip_ratio_c), pg)
+    if rollout_logprobs is not None:  # truncated importance sampling, old policy vs the engine
+        tis = torch.exp(torch.clamp(old - rollout_logprobs.to(dtype), -20.0, 20.0)).detach()
+        if c.tis_cap is not None:
+            tis = torch.clamp(tis, max=c.tis_cap)
+        pg = pg * tis
+    per_token = pg
+    kl = None
+    if ref_logprobs is not None:
+        diff = logp - ref_logprobs.to(dtype)
+        if c.kl_type == "k1":
+            kl = diff
+        elif c.kl_type == "k2":
+            kl = 0.5 * diff**2
+        else:
+            kl = torch.clamp(torch.exp(-diff) + diff - 1.0, -10.0, 10.0)
+        per_token = per_token + c.kl_coef * kl
+    if c.entropy_coef != 0.0:
+        per_token = per_token - c.entropy_coef * entropy
+
+    weights = policy_token_weights_ref(
+        keep, loss_agg=c.loss_agg, cu_seqlens=cu_seqlens, num_tokens=num_tokens, num_seqs=num_seqs,
+        max_seq_len=c.max_seq_len, dtype=dtype,
+    )
+    loss = (weights * torch.where(keep, per_token, 0.0)).sum()
+
+    # Metrics: token means over the kept tokens, normalised by num_tokens like the token-mean loss.
+    n_tok = max(float(keep.sum()) if num_tokens is None else float(num_tokens), 1.0)
+
+    def token_mean(x):
+        return torch.where(keep, x.detach().to(dtype), 0.0).sum() / n_tok
+
+    metrics = {
+        "clip_frac_low": token_mean(((ratio < 1.0 - c.clip_low) & (adv < 0)).to(dtype)),
+        "clip_frac_high": token_mean(((ratio > 1.0 + c.clip_high) & (adv > 0)).to(dtype)),
+        "approx_kl": token_mean(ratio - 1.0 - log_ratio),
+        "ratio_mean": token_mean(ratio),
+    }
+    if c.clip_ratio_c is not None:
+        metrics["dual_clip_frac"] = token_mean(((adv < 0) & (-adv * c.clip_ratio_c < pg_unclipped)).to(dtype))
+    if c.entropy_coef != 0.0:
+        metrics["entropy"] = token_mean(entropy)
+    if kl is not None:
+        metrics["kl"] = token_mean(kl)
+    return loss, metrics
 
 # ---------------------------------------------------------------------------------------------------------
 # Packing (kernels/packing.py)
