@@ -132,6 +132,11 @@ class RolloutConfig:
     dynamic_filters: tuple[str, ...] = ()  # names of trainer.rollout filters, e.g. "check_reward_nonzero_std"
     max_staleness: int = 1  # async mode: a sample may lag the trainer by this many weight versions
     seed: int = 0
+    apply_chat_template: bool = False  # wrap each prompt as a user turn with the tokenizer's chat template
+    connect_timeout_s: float = 5.0  # an engine that does not accept a connection within this is "not answering"
+    retry_backoff_s: float = 0.2  # wait before retry k is retry_backoff_s * 2**k
+    abort_grace_s: float = 5.0  # after /abort_request, wait this long for engines to return partial samples
+    max_filtered_groups: int = 0  # give up after this many groups dropped by filters in one batch (0 = 10 x batch)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -143,7 +148,8 @@ class RolloutConfig:
         _check(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(self.top_k == -1 or self.top_k > 0, "top_k", f"must be -1 (off) or > 0, got {self.top_k}")
-        _non_negative(self, "max_retries", "max_staleness")
+        _non_negative(self, "max_retries", "max_staleness", "retry_backoff_s", "abort_grace_s", "max_filtered_groups")
+        _positive(self, "connect_timeout_s")
 
 
 @dataclasses.dataclass(frozen=True)

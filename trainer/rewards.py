@@ -1,0 +1,259 @@
+"""Reward functions: built-in verifiable tasks, user `module:function` loading, and failure-safe application.
+
+A reward function takes one finished `Sample` and returns a float (or an awaitable of one). The reference
+answer and the data set's other fields are in `sample.metadata` ("answer", plus any metadata keys).
+
+Built-in tasks, both small enough for the project's character-level tokenizer and a tiny model:
+  - arithmetic: "23+17=" -> "40"; reward 1.0 when the last integer in the response equals the answer.
+  - countdown: reach a target with +-*/ over given numbers, each used at most once; 1.0 correct,
+    0.1 for a well-formed expression over the allowed numbers that misses the target, 0.0 otherwise.
+
+`python -m trainer.rewards --out data` regenerates the shipped data sets deterministically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import importlib
+import importlib.util
+import inspect
+import math
+import os
+import random
+import re
+from collections import Counter
+from collections.abc import Callable, Sequence
+from fractions import Fraction
+from typing import Any
+
+from trainer.types import Sample, Status
+
+RewardFn = Callable[[Sample], Any]  # returns float or Awaitable[float]
+
+_INT_RE = re.compile(r"-?\d+")
+_SPECIALS_RE = re.compile(r"<\|im_end\|>|<\|im_start\|>|<eos>|<pad>|<bos>")
+
+
+def _clean(response: str) -> str:
+    """The response text without chat/special markers (engines may or may not strip them)."""
+    return _SPECIALS_RE.split(response, maxsplit=1)[0].strip()
+
+
+# ----------------------------------------------------------------------------------------------- arithmetic
+def make_arithmetic_problems(n: int, *, seed: int = 0, max_operand: int = 50, ops: str = "+-",
+                             exclude: set[str] | None = None) -> list[dict[str, Any]]:
+    """`n` distinct problems "a<op>b=" with operands in [0, max_operand); a pure function of the arguments.
+
+    `exclude` holds prompts to skip (to make a held-out set disjoint from the training set).
+    """
+    if n > len(ops) * max_operand * max_operand - len(exclude or ()):
+        raise ValueError(f"n={n}: only {len(ops) * max_operand ** 2} distinct problems exist with "
+                         f"max_operand={max_operand}, ops={ops!r}; raise max_operand or lower n")
+    bad = set(ops) - set("+-*")
+    if bad:
+        raise ValueError(f"ops={ops!r}: unsupported operators {sorted(bad)}; use a subset of '+-*'")
+    rng = random.Random(seed)
+    seen = set(exclude or ())
+    out = []
+    while len(out) < n:
+        a, b, op = rng.randrange(max_operand), rng.randrange(max_operand), rng.choice(ops)
+        prompt = f"{a}{op}{b}="
+        if prompt in seen:
+            continue
+        seen.add(prompt)
+        value = a + b if op == "+" else a - b if op == "-" else a * b
+        out.append({"prompt": prompt, "answer": str(value), "task": "arithmetic"})
+    return out
+
+
+def extract_final_integer(response: str) -> int | None:
+    found = _INT_RE.findall(_clean(response))
+    return int(found[-1]) if found else None
+
+
+def arithmetic_reward(sample: Sample) -> float:
+    """1.0 when the last integer of the response equals metadata["answer"], else 0.0."""
+    answer = sample.metadata.get("answer")
+    if answer is None:
+        raise ValueError("arithmetic_reward: sample.metadata has no 'answer'; the prompt file needs an answer key")
+    got = extract_final_integer(sample.response)
+    return 1.0 if got is not None and got == int(answer) else 0.0
+
+
+# ----------------------------------------------------------------------------------------------- countdown
+def make_countdown_problems(n: int, *, seed: int = 0, num_numbers: int = 3, max_number: int = 10) -> list[dict]:
+    """Problems "nums 3 5 7 target 22 :" whose target is reachable (built from a random expression)."""
+    rng = random.Random(seed)
+    out, seen = [], set()
+    while len(out) < n:
+        nums = [rng.randint(1, max_number) for _ in range(num_numbers)]
+        # Target from a random left-to-right expression over a random subset (>= 2 numbers), kept positive int.
+        used = rng.sample(nums, rng.randint(2, num_numbers))
+        value = Fraction(used[0])
+        for x in used[1:]:
+            value = {"+": value + x, "-": value - x, "*": value * x}[rng.choice("+-*")]
+        if value.denominator != 1 or value <= 0:
+            continue
+        prompt = f"nums {' '.join(map(str, nums))} target {int(value)} :"
+        if prompt in seen:
+            continue
+        seen.add(prompt)
+        out.append({"prompt": prompt, "answer": str(int(value)), "numbers": nums, "target": int(value),
+                    "task": "countdown"})
+    return out
+
+
+def _eval_countdown(node: ast.AST, used: list[int]) -> Fraction:
+    """Evaluate +-*/ over integer literals exactly; anything else (names, calls, powers) is rejected."""
+    if isinstance(node, ast.Expression):
+        return _eval_countdown(node.body, used)
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        used.append(node.value)
+        return Fraction(node.value)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div)):
+        a, b = _eval_countdown(node.left, used), _eval_countdown(node.right, used)
+        if isinstance(node.op, ast.Add):
+            return a + b
+        if isinstance(node.op, ast.Sub):
+            return a - b
+        if isinstance(node.op, ast.Mult):
+            return a * b
+        if b == 0:
+            raise ZeroDivisionError("division by zero")
+        return a / b
+    raise ValueError(f"unsupported expression element {type(node).__name__}")
+
+
+def countdown_reward(sample: Sample) -> float:
+    meta = sample.metadata
+    if "numbers" not in meta or "target" not in meta:
+        raise ValueError("countdown_reward: sample.metadata needs 'numbers' and 'target'")
+    text = _clean(sample.response).split("=")[0].strip()
+    if not text or len(text) > 200:
+        return 0.0
+    used: list[int] = []
+    try:
+        value = _eval_countdown(ast.parse(text, mode="eval"), used)
+    except (SyntaxError, ValueError, ZeroDivisionError):
+        return 0.0
+    if Counter(used) - Counter(int(x) for x in meta["numbers"]):
+        return 0.0  # used a number that was not offered, or one more often than offered
+    return 1.0 if value == int(meta["target"]) else 0.1
+
+
+# ----------------------------------------------------------------------------------------------- loading
+BUILTIN_REWARDS: dict[str, RewardFn] = {"arithmetic": arithmetic_reward, "countdown": countdown_reward}
+
+
+def load_reward_fn(spec: str | RewardFn) -> RewardFn:
+    """A built-in name ("arithmetic", "countdown"), "package.module:function" or "path/to/file.py:function"."""
+    if callable(spec):
+        return spec
+    if spec in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[spec]
+    if ":" not in spec:
+        raise ValueError(f"reward {spec!r}: use a built-in name {sorted(BUILTIN_REWARDS)} or 'module:function'")
+    mod_name, fn_name = spec.rsplit(":", 1)
+    try:
+        if mod_name.endswith(".py"):
+            if not os.path.exists(mod_name):
+                raise FileNotFoundError(f"{mod_name} does not exist")
+            loader_spec = importlib.util.spec_from_file_location(os.path.basename(mod_name)[:-3], mod_name)
+            module = importlib.util.module_from_spec(loader_spec)
+            loader_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(mod_name)
+    except Exception as e:  # noqa: BLE001 - any import failure becomes one clear message
+        raise ValueError(f"reward {spec!r}: cannot import {mod_name!r} ({type(e).__name__}: {e})") from e
+    fn = getattr(module, fn_name, None)
+    if fn is None or not callable(fn):
+        raise ValueError(f"reward {spec!r}: module {mod_name!r} has no callable {fn_name!r}")
+    return fn
+
+
+# ----------------------------------------------------------------------------------------------- applying
+def _finish(sample: Sample, value: Any) -> Sample:
+    try:
+        reward = float(value)
+    except (TypeError, ValueError):
+        return _failed(sample, TypeError(f"reward function returned {type(value).__name__}, expected a float"))
+    if not math.isfinite(reward):
+        return _failed(sample, ValueError(f"reward function returned a non-finite value {reward}"))
+    return dataclasses.replace(sample, reward=reward)
+
+
+def _failed(sample: Sample, err: BaseException) -> Sample:
+    # Reward 0.0 (not None) keeps group statistics defined; status FAILED lets the trainer mask the sample.
+    meta = {**sample.metadata, "reward_error": f"{type(err).__name__}: {err}"}
+    return dataclasses.replace(sample, reward=0.0, status=Status.FAILED, metadata=meta)
+
+
+def compute_reward(sample: Sample, reward_fn: RewardFn) -> Sample:
+    """Score one sample; an exception (or a non-finite result) marks it FAILED instead of propagating."""
+    try:
+        value = reward_fn(sample)
+        if inspect.isawaitable(value):
+            raise TypeError("reward function is async; use acompute_reward inside the rollout manager")
+    except Exception as e:  # noqa: BLE001 - a user reward bug must not crash the run
+        return _failed(sample, e)
+    return _finish(sample, value)
+
+
+async def acompute_reward(sample: Sample, reward_fn: RewardFn) -> Sample:
+    """Like `compute_reward`, awaiting the result when the reward function is async."""
+    try:
+        value = reward_fn(sample)
+        if inspect.isawaitable(value):
+            value = await value
+    except Exception as e:  # noqa: BLE001
+        return _failed(sample, e)
+    return _finish(sample, value)
+
+
+def compute_rewards(samples: Sequence[Sample], reward_fn: RewardFn) -> tuple[list[Sample], int]:
+    """Score every sample; returns (scored samples, number whose reward function failed)."""
+    scored = [compute_reward(s, reward_fn) for s in samples]
+    return scored, sum(1 for s in scored if "reward_error" in s.metadata)
+
+
+# ----------------------------------------------------------------------------------------------- data sets
+def write_demo_data(out_dir: str, *, n_train: int = 400, n_test: int = 200, seed: int = 0,
+                    max_operand: int = 50, ops: str = "+-") -> dict[str, str]:
+    """Write the arithmetic (and a small countdown) train / held-out sets; held-out never overlaps train."""
+    from trainer.data import write_jsonl
+
+    train = make_arithmetic_problems(n_train, seed=seed, max_operand=max_operand, ops=ops)
+    test = make_arithmetic_problems(n_test, seed=seed + 1, max_operand=max_operand, ops=ops,
+                                    exclude={r["prompt"] for r in train})
+    cd = make_countdown_problems(n_train // 2 + n_test // 2, seed=seed)
+    paths = {
+        "arithmetic_train": os.path.join(out_dir, "arithmetic_train.jsonl"),
+        "arithmetic_test": os.path.join(out_dir, "arithmetic_test.jsonl"),
+        "countdown_train": os.path.join(out_dir, "countdown_train.jsonl"),
+        "countdown_test": os.path.join(out_dir, "countdown_test.jsonl"),
+    }
+    write_jsonl(paths["arithmetic_train"], train)
+    write_jsonl(paths["arithmetic_test"], test)
+    write_jsonl(paths["countdown_train"], cd[: n_train // 2])
+    write_jsonl(paths["countdown_test"], cd[n_train // 2:])
+    return paths
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="Regenerate the shipped demo data sets (deterministic).")
+    p.add_argument("--out", default="data")
+    p.add_argument("--n-train", type=int, default=400)
+    p.add_argument("--n-test", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-operand", type=int, default=50)
+    p.add_argument("--ops", default="+-")
+    a = p.parse_args(argv)
+    for name, path in write_demo_data(a.out, n_train=a.n_train, n_test=a.n_test, seed=a.seed,
+                                      max_operand=a.max_operand, ops=a.ops).items():
+        print(f"{name}: {path}")
+
+
+if __name__ == "__main__":
+    main()

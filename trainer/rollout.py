@@ -1,0 +1,223 @@
+"""Pure rollout functions: group filters, sample transforms, batch conversion and batch statistics.
+
+The stateful part (HTTP requests, over-sampling, aborts, the partial-sample cache) is
+`trainer.rollout_manager.AsyncRolloutManager`; `generate_rollout_batches` is the plain generator a training
+loop iterates over, one `RolloutBatch` per step.
+
+Dynamic filters take one group (the n samples of one prompt, rewards filled in) and return True to keep it.
+`RolloutConfig.dynamic_filters` names them; a name is a key of `FILTERS` or "module:function".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import statistics
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+from trainer.types import RolloutBatch, RolloutConfig, Sample, Status
+
+GroupFilter = Callable[[Sequence[Sample]], bool]
+SampleTransform = Callable[[list[Sample]], list[Sample]]
+
+
+# ----------------------------------------------------------------------------------------------- filters
+def _rewards(group: Sequence[Sample]) -> list[float]:
+    return [0.0 if s.reward is None else float(s.reward) for s in group]
+
+
+def check_reward_nonzero_std(group: Sequence[Sample], *, eps: float = 1e-6) -> bool:
+    """Keep groups whose rewards differ: with equal rewards every GRPO advantage is 0 and the group
+    contributes no gradient (DAPO's dynamic sampling)."""
+    r = _rewards(group)
+    return len(r) > 1 and statistics.pstdev(r) > eps
+
+
+def check_min_reward(group: Sequence[Sample], *, min_reward: float = 0.0) -> bool:
+    """Keep groups whose mean reward is at least `min_reward` (drops groups of penalised/failed samples)."""
+    r = _rewards(group)
+    return bool(r) and sum(r) / len(r) >= min_reward
+
+
+def check_response_diversity(group: Sequence[Sample], *, min_unique_fraction: float = 0.5) -> bool:
+    """Keep groups in which at least `min_unique_fraction` of the responses are distinct token sequences
+    (and at least two are), so the group is not a collapse onto one answer."""
+    if len(group) < 2:
+        return True
+    unique = len({s.tokens[s.prompt_length:] for s in group})
+    return unique >= 2 and unique / len(group) >= min_unique_fraction
+
+
+def check_reasonable_length(group: Sequence[Sample], *, max_truncated_fraction: float = 0.5) -> bool:
+    """Keep groups where no response is empty and at most `max_truncated_fraction` hit max_new_tokens."""
+    if any(s.response_length == 0 for s in group):
+        return False
+    truncated = sum(1 for s in group if s.status == Status.TRUNCATED)
+    return truncated <= max_truncated_fraction * len(group)
+
+
+def check_quality_and_diversity(group: Sequence[Sample]) -> bool:
+    """All three: a learning signal (reward std > 0), distinct responses, sensible lengths."""
+    return check_reward_nonzero_std(group) and check_response_diversity(group) and check_reasonable_length(group)
+
+
+FILTERS: dict[str, GroupFilter] = {
+    "check_reward_nonzero_std": check_reward_nonzero_std,
+    "check_min_reward": check_min_reward,
+    "check_response_diversity": check_response_diversity,
+    "check_reasonable_length": check_reasonable_length,
+    "check_quality_and_diversity": check_quality_and_diversity,
+}
+
+
+def get_filter(name: str | GroupFilter) -> GroupFilter:
+    """Resolve a filter name (a key of FILTERS or "module:function"); callables pass through."""
+    if callable(name):
+        return name
+    if name in FILTERS:
+        return FILTERS[name]
+    if ":" in name:
+        mod, fn = name.rsplit(":", 1)
+        obj = getattr(importlib.import_module(mod), fn, None)
+        if callable(obj):
+            return obj
+        raise ValueError(f"dynamic_filters: {name!r}: module {mod!r} has no callable {fn!r}")
+    raise ValueError(f"dynamic_filters: unknown filter {name!r}; choose from {sorted(FILTERS)} or 'module:function'")
+
+
+def resolve_filters(names: Sequence[str | GroupFilter]) -> list[tuple[str, GroupFilter]]:
+    return [(n if isinstance(n, str) else getattr(n, "__name__", repr(n)), get_filter(n)) for n in names]
+
+
+def first_failed_filter(group: Sequence[Sample], filters: Sequence[tuple[str, GroupFilter]]) -> str | None:
+    """The name of the first filter that drops `group`, or None when the group passes all of them."""
+    for name, fn in filters:
+        if not fn(group):
+            return name
+    return None
+
+
+# ----------------------------------------------------------------------------------------------- batches
+def apply_sample_transforms(samples: Sequence[Sample], transforms: Sequence[SampleTransform]) -> list[Sample]:
+    """Run list -> list transforms in order (e.g. drop failed samples, cap lengths, add metadata)."""
+    return functools.reduce(lambda acc, t: list(t(acc)), transforms, list(samples))
+
+
+def compute_response_lengths(samples: Sequence[Sample]) -> list[int]:
+    return [s.response_length for s in samples]
+
+
+def extract_sample_fields(samples: Sequence[Sample], fields: Sequence[str] = (
+        "tokens", "response_length", "loss_mask", "reward", "group_index", "rollout_logprobs",
+        "weight_version", "status")) -> dict[str, list[Any]]:
+    """Column view of a batch: {field: [value per sample]}; `loss_mask` is the effective mask (all ones
+    when the sample has none), so the trainer never special-cases None."""
+    out: dict[str, list[Any]] = {}
+    for f in fields:
+        if f == "loss_mask":
+            out[f] = [list(s.effective_loss_mask) for s in samples]
+        elif f in ("tokens", "rollout_logprobs"):
+            out[f] = [None if getattr(s, f) is None else list(getattr(s, f)) for s in samples]
+        elif hasattr(Sample, f) or f in Sample.__dataclass_fields__:
+            out[f] = [getattr(s, f) for s in samples]
+        else:
+            raise ValueError(f"fields: Sample has no field {f!r}")
+    return out
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def build_batch_metadata(samples: Sequence[Sample], *, current_weight_version: int = 0,
+                         counters: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Scalar statistics of a batch for logging (all plain Python numbers, JSON-serialisable)."""
+    rewards = [0.0 if s.reward is None else s.reward for s in samples]
+    lengths = compute_response_lengths(samples)
+    staleness = [current_weight_version - s.weight_version for s in samples]
+    meta: dict[str, Any] = {
+        "num_samples": len(samples),
+        "num_groups": len({s.group_index for s in samples}),
+        "reward_mean": _mean(rewards),
+        "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+        "response_length_mean": _mean(lengths),
+        "response_length_max": max(lengths, default=0),
+        "truncated_fraction": _mean([float(s.status == Status.TRUNCATED) for s in samples]),
+        "failed_fraction": _mean([float(s.status == Status.FAILED) for s in samples]),
+        "weight_version": current_weight_version,
+        "staleness_max": max(staleness, default=0),
+        "staleness_mean": _mean(staleness),
+    }
+    for k, v in (counters or {}).items():
+        meta[k] = v
+    return meta
+
+
+def convert_to_batch(groups: Sequence[Sequence[Sample]], *, current_weight_version: int = 0,
+                     counters: Mapping[str, Any] | None = None) -> RolloutBatch:
+    """Flatten accepted groups into a batch, renumbering group_index 0..G-1 and index 0..N-1."""
+    samples = []
+    for g, group in enumerate(groups):
+        for s in group:
+            samples.append(dataclasses.replace(s, group_index=g, index=len(samples)))
+    return RolloutBatch(samples=tuple(samples),
+                        metadata=build_batch_metadata(samples, current_weight_version=current_weight_version,
+                                                      counters=counters))
+
+
+def group_advantage_ready(batch: RolloutBatch, n_samples_per_prompt: int) -> bool:
+    """True when every group of the batch holds exactly n samples (what GRPO normalisation expects)."""
+    counts: dict[int, int] = {}
+    for s in batch.samples:
+        counts[s.group_index] = counts.get(s.group_index, 0) + 1
+    return all(c == n_samples_per_prompt for c in counts.values())
+
+
+def sample_to_dict(s: Sample) -> dict[str, Any]:
+    """A JSON-friendly dict of a sample (checkpoints of the partial-sample cache)."""
+    d = {f.name: getattr(s, f.name) for f in dataclasses.fields(Sample)}
+    d.update(tokens=list(s.tokens), status=s.status.value, metadata=dict(s.metadata),
+             loss_mask=None if s.loss_mask is None else list(s.loss_mask),
+             rollout_logprobs=None if s.rollout_logprobs is None else list(s.rollout_logprobs))
+    return d
+
+
+def sample_from_dict(d: Mapping[str, Any]) -> Sample:
+    return Sample(**d)
+
+
+# ----------------------------------------------------------------------------------------------- generator
+def generate_rollout_batches(data_buffer: Any, config: RolloutConfig, *, engine_urls: Sequence[str] = (),
+                             num_batches: int | None = None, transforms: Sequence[SampleTransform] = (),
+                             weight_version: Callable[[], int] | None = None, manager: Any = None,
+                             **manager_kw: Any) -> Iterator[RolloutBatch]:
+    """Yield one `RolloutBatch` per step (forever, or `num_batches` times).
+
+    Builds an `AsyncRolloutManager(engine_urls, config, **manager_kw)` unless `manager` is given; its partial-
+    sample cache lives across batches. `weight_version()` is read before each batch (the trainer's current
+    version, for staleness). Each batch runs in its own `trio.run`, so the generator can be iterated from
+    plain synchronous code (or from a worker thread in async-rollout mode).
+    """
+    import trio
+
+    from trainer.rollout_manager import AsyncRolloutManager
+
+    if manager is None:
+        manager = AsyncRolloutManager(engine_urls, config, **manager_kw)
+
+    async def one_batch() -> RolloutBatch:
+        async with manager:
+            return await manager.generate_batch(data_buffer)
+
+    produced = 0
+    while num_batches is None or produced < num_batches:
+        if weight_version is not None:
+            manager.set_weight_version(weight_version())
+        batch = trio.run(one_batch)
+        if transforms:
+            kept = apply_sample_transforms(batch.samples, transforms)
+            batch = RolloutBatch(samples=tuple(kept), metadata=batch.metadata)
+        produced += 1
+        yield batch
