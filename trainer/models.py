@@ -1,9 +1,20 @@
-"""Model construction: tiny presets for tests and the demo (the trainer issue extends this module)."""
+"""Model construction: tiny presets for tests and the demo, and `load_hf_model` (meta build -> FSDP2 -> weights)."""
 
 from __future__ import annotations
 
-from transformers import LlamaConfig, PretrainedConfig, Qwen2Config
+import json
+import os
+from pathlib import Path
 
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config
+
+from trainer.attention import default_attn_implementation
+from trainer.parallel import ROOT_PREFIX, ParallelConfig, decoder_layers, parallelize
 from trainer.tokenizer import SPECIAL_TOKENS, build_tokenizer
 
 TINY_VOCAB = 128  # >= len(build_tokenizer()), a multiple of 32
@@ -34,3 +45,113 @@ def tiny_model_config(arch: str = "llama", *, hidden_size: int = 64, num_layers:
         eos_token_id=ids["eos"],
         rms_norm_eps=1e-6,
     )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loading: meta-device build -> parallelise -> materialise -> load safetensors into the (sharded) model
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _read_config(path_or_config: str | os.PathLike | PretrainedConfig) -> tuple[PretrainedConfig, Path | None]:
+    if isinstance(path_or_config, PretrainedConfig):
+        return path_or_config, None
+    folder = Path(path_or_config)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder}: not a Hugging Face model folder (no config.json)")
+    return AutoConfig.from_pretrained(folder), folder
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / n for n in names]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        found = sorted(p.name for p in folder.iterdir())
+        raise FileNotFoundError(f"{folder}: no weights (*.safetensors) in the model folder; found {found}. Export "
+                                f"one with trainer.checkpoint.export_hf or save_pretrained(safe_serialization=True)")
+    return files
+
+
+def _build_meta(config: PretrainedConfig, attn_implementation: str) -> nn.Module:
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    except (ValueError, KeyError) as e:
+        raise ValueError(f"unsupported architecture {getattr(config, 'model_type', '?')!r} "
+                         f"(architectures={getattr(config, 'architectures', None)}): AutoModelForCausalLM cannot "
+                         f"build it: {e}") from e
+
+
+def _full_state_dict(config: PretrainedConfig, folder: Path | None, model: nn.Module, seed: int,
+                     dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The complete (unsharded) weights on the CPU: from the folder's safetensors, or a seeded random init."""
+    if folder is None:
+        # Random init, identical on every rank and every world size (built in full, then sharded).
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            ref = AutoModelForCausalLM.from_config(config)
+        return {k: v.to(dtype) for k, v in ref.state_dict().items()}
+    sd: dict[str, torch.Tensor] = {}
+    for f in _safetensors_files(folder):
+        sd.update({k: v.to(dtype) for k, v in load_file(str(f)).items()})
+    expected = set(model.state_dict().keys())
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    if tied and "lm_head.weight" in expected and "lm_head.weight" not in sd:
+        sd["lm_head.weight"] = sd.get("model.embed_tokens.weight")
+    missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
+    if missing or unexpected:
+        raise ValueError(f"{folder}: weights do not match the {config.model_type} architecture: missing {missing[:5]}"
+                         f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}")
+    return sd
+
+
+def load_hf_model(path_or_config: str | os.PathLike | PretrainedConfig, *, dtype: torch.dtype = torch.float32,
+                  device: torch.device | str = "cpu", mesh: DeviceMesh | None = None,
+                  parallel: ParallelConfig | None = None, seed: int = 0) -> nn.Module:
+    """Any HF causal LM from a local folder (safetensors) or from a config (seeded random weights).
+
+    Without `mesh`: the plain HF model on `device` in `dtype` (for engines, exports and references).
+    With `mesh`: built on the meta device, parallelised (`trainer.parallel.parallelize`: Liger on CUDA, AC,
+    per-block compile, FSDP2), materialised on `device`, and the full weights loaded into the shards; returns the
+    FSDP root (`TrainModule`, the HF model is `.lm`). `dtype` is the storage (master) dtype of the parameters;
+    compute may be bf16 through the mixed-precision policy.
+    """
+    config, folder = _read_config(path_or_config)
+    device = torch.device(device)
+    impl = default_attn_implementation(device)
+    model = _build_meta(config, impl)
+    decoder_layers(model)  # fail early, with a clear message, on a layout we cannot parallelise
+    if folder is not None:
+        _safetensors_files(folder)  # a folder without weights fails before any work
+    if mesh is None:
+        model = model.to_empty(device=device).to(dtype)
+        sd = _full_state_dict(config, folder, model, seed, dtype)
+        model.load_state_dict(sd, strict=True)
+        _init_buffers(model, device)
+        return model.eval()
+    root = parallelize(model, mesh, parallel or ParallelConfig())
+    root.to_empty(device=device)
+    sd = _full_state_dict(config, folder, model, seed, dtype)
+    # Each rank holds the full tensors on the CPU and keeps its own shard (distribute_tensor slices locally).
+    set_model_state_dict(root, {ROOT_PREFIX + k: v for k, v in sd.items()},
+                         options=StateDictOptions(full_state_dict=True, strict=True))
+    _init_buffers(model, device)
+    return root
+
+
+def _init_buffers(model: nn.Module, device: torch.device) -> None:
+    """to_empty leaves non-persistent buffers (RoPE inv_freq) uninitialised: rebuild the rotary modules' buffers.
+
+    Rebuilding the module from its config (instead of calling a rope init function) stays correct across
+    transformers versions, whose rope helpers change signature.
+    """
+    for module in model.modules():
+        if "Rotary" in type(module).__name__ and hasattr(module, "config"):
+            with torch.device(device):
+                fresh = type(module)(module.config)
+            for name, buf in fresh.named_buffers(recurse=False):
+                module._buffers[name] = buf
+            if hasattr(fresh, "attention_scaling"):
+                module.attention_scaling = fresh.attention_scaling

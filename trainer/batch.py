@@ -1,0 +1,194 @@
+"""Packed micro-batches: what `forward_backward` / `compute_logprobs` consume.
+
+A sample is `tokens = prompt + response` (length L, prompt length P, response length R = L - P). Position j
+of the packed row predicts token j+1 of the same sequence, so within one sample
+
+    labels[j]    = tokens[j+1]                    for P-1 <= j <= L-2 (the response tokens), else -100
+    loss_mask[j] = sample.loss_mask[j+1-P]        on those positions, else 0
+    advantages[j]= the sample's advantage         (broadcast; only read where loss_mask = 1)
+    *_logprobs[j]= per-response-token value [j+1-P] (old / ref / rollout log-probs), else 0
+
+The planner (trainer/planner.py) assigns samples to ranks and micro-batches under a token budget; every row is
+padded to a multiple of `bucket_size` (a small set of shapes, so torch.compile recompiles at most once per
+bucket). Ranks with fewer micro-batches get empty ones (all padding, mask 0) so that every rank runs the same
+number of FSDP forwards. `num_tokens` / `num_seqs` are GLOBAL (all micro-batches of all ranks): the loss of
+each micro-batch is already divided by them, so summing over micro-batches and ranks gives the exact loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from kernels.packing import PackedBatch
+from trainer.types import Sample
+
+IGNORE_INDEX = -100
+
+
+def _move(obj, fn):
+    """dataclasses.replace(obj, every tensor field -> fn(tensor)); nested PackedBatch handled too."""
+    changes = {}
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if isinstance(v, torch.Tensor):
+            changes[f.name] = fn(v)
+        elif isinstance(v, PackedBatch):
+            changes[f.name] = _move(v, fn)
+    return dataclasses.replace(obj, **changes)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class MicroBatch:
+    """One packed row plus its training targets. N = bucketed row length; host sizes are plain ints."""
+
+    row: PackedBatch  # input_ids [N], position_ids [N], seq_index [N], cu_seqlens [S+1], lengths (host)
+    labels: torch.Tensor  # [N] int64 next-token targets, IGNORE_INDEX off the response
+    loss_mask: torch.Tensor  # [N] float32 in {0, 1}
+    advantages: torch.Tensor  # [N] float32
+    num_tokens: int  # global number of loss tokens (sum of loss_mask over every micro-batch of every rank)
+    num_seqs: int  # global number of sequences
+    local_tokens: int = 0  # loss tokens of this micro-batch (host int, known when built: no device read)
+    sample_index: tuple[int, ...] = ()  # indices (into the sample list) of the S sequences, in row order
+    old_logprobs: torch.Tensor | None = None  # [N] float32, log pi_old(label)
+    ref_logprobs: torch.Tensor | None = None  # [N] float32, log pi_ref(label)
+    rollout_logprobs: torch.Tensor | None = None  # [N] float32, the engine's log-probs
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> MicroBatch:
+        """Every tensor on `device` (non_blocking copies overlap compute only from pinned host memory)."""
+        return _move(self, lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> MicroBatch:
+        return _move(self, lambda t: t.pin_memory())
+
+
+def bucketed_length(n: int, bucket_size: int) -> int:
+    """n rounded up to a multiple of bucket_size (at least one bucket)."""
+    return max(1, -(-n // bucket_size)) * bucket_size
+
+
+def _plan(lengths: list[int], token_budget: int, num_ranks: int) -> list[list[list[int]]]:
+    from trainer.planner import plan_micro_batches
+
+    return plan_micro_batches(lengths, token_budget=token_budget, num_ranks=num_ranks)
+
+
+def _response_values(values: Sequence[float] | None, n: int, name: str) -> list[float]:
+    if values is None:
+        return [0.0] * n
+    if len(values) != n:
+        raise ValueError(f"{name}: needs one value per response token ({n}), got {len(values)}")
+    return [float(v) for v in values]
+
+
+def pack_micro_batch(samples: Sequence[Sample], indices: Sequence[int], *, advantages: Sequence[float],
+                     bucket_size: int, pad_id: int, num_tokens: int, num_seqs: int,
+                     old_logprobs: Sequence[Sequence[float]] | None = None,
+                     ref_logprobs: Sequence[Sequence[float]] | None = None) -> MicroBatch:
+    """Pack samples[indices] into one bucketed row (host tensors). Empty `indices` gives an all-padding row."""
+    ids: list[int] = []
+    pos: list[int] = []
+    labels: list[int] = []
+    mask: list[float] = []
+    adv: list[float] = []
+    olp: list[float] = []
+    rlp: list[float] = []
+    roll: list[float] = []
+    cu = [0]
+    has_roll = any(samples[i].rollout_logprobs is not None for i in indices)
+    for i in indices:
+        s = samples[i]
+        L, P = len(s.tokens), s.prompt_length
+        resp_mask = s.effective_loss_mask
+        for j in range(L):
+            ids.append(s.tokens[j])
+            pos.append(j)
+            k = j + 1 - P  # index of the predicted token within the response
+            trained = j + 1 < L and k >= 0
+            labels.append(s.tokens[j + 1] if trained else IGNORE_INDEX)
+            mask.append(float(resp_mask[k]) if trained else 0.0)
+            adv.append(float(advantages[i]))
+            olp.append(float(old_logprobs[i][k]) if trained and old_logprobs is not None else 0.0)
+            rlp.append(float(ref_logprobs[i][k]) if trained and ref_logprobs is not None else 0.0)
+            rl = s.rollout_logprobs
+            roll.append(float(rl[k]) if trained and rl is not None else 0.0)
+        cu.append(len(ids))
+    n = bucketed_length(len(ids), bucket_size)
+    pad = n - len(ids)
+    ids += [pad_id] * pad
+    pos += list(range(pad))
+    labels += [IGNORE_INDEX] * pad
+    for lst in (mask, adv, olp, rlp, roll):
+        lst += [0.0] * pad
+    f32 = torch.float32
+    lengths = tuple(cu[k + 1] - cu[k] for k in range(len(cu) - 1))
+    seq = [k for k, n in enumerate(lengths) for _ in range(n)] + [-1] * pad
+    row = PackedBatch(input_ids=torch.tensor(ids, dtype=torch.int64), position_ids=torch.tensor(pos, dtype=torch.int64),
+                      seq_index=torch.tensor(seq, dtype=torch.int64), cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+                      loss_mask=torch.tensor(mask, dtype=f32), lengths=lengths)
+    return MicroBatch(
+        row=row,
+        labels=torch.tensor(labels, dtype=torch.int64),
+        loss_mask=row.loss_mask,
+        advantages=torch.tensor(adv, dtype=f32),
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        local_tokens=int(sum(mask)),
+        sample_index=tuple(indices),
+        old_logprobs=torch.tensor(olp, dtype=f32) if old_logprobs is not None else None,
+        ref_logprobs=torch.tensor(rlp, dtype=f32) if ref_logprobs is not None else None,
+        rollout_logprobs=torch.tensor(roll, dtype=f32) if has_roll else None,
+    )
+
+
+def build_micro_batches(samples: Sequence[Sample], *, token_budget: int, bucket_size: int,
+                        advantages: Sequence[float] | None = None, pad_id: int = 0, num_ranks: int = 1,
+                        rank: int = 0, old_logprobs: Sequence[Sequence[float]] | None = None,
+                        ref_logprobs: Sequence[Sequence[float]] | None = None) -> list[MicroBatch]:
+    """This rank's packed micro-batches for `samples` (host tensors; forward_backward moves them).
+
+    advantages: one float per sample (default 0, e.g. for SFT). old/ref log-probs: optional per-sample lists with
+    one value per response token (usually attached later with `attach_logprobs`). Every rank must call this with
+    the same arguments (the plan is deterministic), so all ranks agree on the number of micro-batches.
+    """
+    if not samples:
+        raise ValueError("samples: need at least one sample to build micro-batches")
+    if not 0 <= rank < num_ranks:
+        raise ValueError(f"rank={rank}: must be in [0, num_ranks={num_ranks})")
+    if token_budget < bucket_size:
+        raise ValueError(f"token_budget={token_budget} is smaller than bucket_size={bucket_size}")
+    lengths = [len(s.tokens) for s in samples]
+    too_long = [(i, n) for i, n in enumerate(lengths) if n > token_budget]
+    if too_long:
+        i, n = too_long[0]
+        raise ValueError(f"samples[{i}] has {n} tokens > token_budget={token_budget}; raise token_budget or "
+                         f"truncate the sample")
+    if any(n < 1 for n in lengths):
+        raise ValueError("samples: every sample needs at least one token")
+    adv = [0.0] * len(samples) if advantages is None else [float(a) for a in advantages]
+    if len(adv) != len(samples):
+        raise ValueError(f"advantages: need one per sample ({len(samples)}), got {len(adv)}")
+    for name, per in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
+        if per is not None:
+            for i, s in enumerate(samples):
+                _response_values(per[i], s.response_length, f"{name}[{i}]")
+    # With an empty prompt the first response token has no position predicting it: it is never trained.
+    num_tokens = sum(sum(s.effective_loss_mask[1 if s.prompt_length == 0 else 0:]) for s in samples)
+    plan = _plan(lengths, token_budget, num_ranks)
+    n_micro = max(len(per_rank) for per_rank in plan)
+    mine = list(plan[rank]) + [[]] * (n_micro - len(plan[rank]))
+    return [pack_micro_batch(samples, idx, advantages=adv, bucket_size=bucket_size, pad_id=pad_id,
+                             num_tokens=num_tokens, num_seqs=len(samples), old_logprobs=old_logprobs,
+                             ref_logprobs=ref_logprobs) for idx in mine]
+
+
+def attach_logprobs(micro_batches: Sequence[MicroBatch], logprobs: Sequence[torch.Tensor],
+                    field: str) -> list[MicroBatch]:
+    """Micro-batches with `field` ("old_logprobs" / "ref_logprobs") set from `compute_logprobs` output."""
+    if field not in ("old_logprobs", "ref_logprobs", "rollout_logprobs"):
+        raise ValueError(f"field={field!r}: expected old_logprobs, ref_logprobs or rollout_logprobs")
+    if len(logprobs) != len(micro_batches):
+        raise ValueError(f"logprobs: one tensor per micro-batch ({len(micro_batches)}), got {len(logprobs)}")
+    return [dataclasses.replace(mb, **{field: lp.detach()}) for mb, lp in zip(micro_batches, logprobs)]

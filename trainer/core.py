@@ -1,0 +1,376 @@
+"""The functional training core: build once, then thread state through pure-looking step functions.
+
+    components = build_components(model_or_path, TrainerConfig(...))
+    fut = forward_backward(components, micro_batches, config)      # returns at once (queued on CUDA)
+    opt_fut, state = optim_step(components, state, config)         # no host sync between the two
+    metrics = fut.result() | opt_fut.result()                      # the step's only sync, when read
+
+Loss path: the backbone gives hidden states [N, H] of a packed row (trainer.attention.packed_hidden_states,
+no cross-sequence attention) and the fused kernels take them with the lm_head weight [V, H], so the [N, V]
+logits never exist. Every micro-batch's loss is already divided by the GLOBAL token / sequence counts
+(trainer.batch), so gradient accumulation is a plain sum over micro-batches; FSDP's reduce-scatter averages
+over ranks, so each rank scales its backward by the world size to turn that average into the global sum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+from trainer.attention import packed_hidden_states
+from trainer.batch import MicroBatch
+from trainer.futures import TrainFuture
+from trainer.parallel import ParallelConfig, TrainModule
+from trainer.types import TrainingState
+
+LOSSES = ("policy", "nll")
+# Fields that do not change the math of a run (a resume may change them freely).
+_FINGERPRINT_EXCLUDE = ("output_dir", "keep_last", "save_every", "compile", "compile_backend")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+    """Everything the step functions need. `policy_loss` is a kernels.PolicyLossConfig (loss="policy")."""
+
+    lr: float = 1e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 0
+    num_steps: int = 10  # length of the cosine schedule
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0  # 0 = no clipping (the norm is still reported)
+    loss: str = "policy"  # "policy": kernels.linear_policy_loss; "nll": token-level NLL (SFT)
+    policy_loss: Any = None  # kernels.PolicyLossConfig; None = its defaults
+    temperature: float = 1.0  # for compute_logprobs (old / ref log-probs)
+    logprob_chunk_tokens: int | None = None
+    compile: bool = True
+    compile_backend: str = "inductor"
+    activation_checkpointing: bool = False
+    param_dtype: str | None = None  # None: bf16 compute on CUDA, fp32 on CPU
+    token_budget: int = 4096
+    bucket_size: int = 256
+    seed: int = 0
+    output_dir: str = "runs/default"
+    keep_last: int = 2
+    save_every: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "betas", tuple(self.betas))
+        checks = [
+            (self.lr > 0, "lr", "must be > 0"),
+            (0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]"),
+            (self.warmup_steps >= 0, "warmup_steps", "must be >= 0"),
+            (self.num_steps > 0, "num_steps", "must be > 0"),
+            (self.weight_decay >= 0, "weight_decay", "must be >= 0"),
+            (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas", "must be two numbers in [0, 1)"),
+            (self.eps > 0, "eps", "must be > 0"),
+            (self.max_grad_norm >= 0, "max_grad_norm", "must be >= 0 (0 = no clipping)"),
+            (self.loss in LOSSES, "loss", f"must be one of {LOSSES}"),
+            (self.temperature > 0, "temperature", "must be > 0"),
+            (self.token_budget > 0 and self.bucket_size > 0, "token_budget/bucket_size", "must be > 0"),
+            (self.token_budget >= self.bucket_size, "token_budget", "must be >= bucket_size"),
+            (self.keep_last > 0, "keep_last", "must be > 0"),
+            (self.save_every >= 0, "save_every", "must be >= 0"),
+        ]
+        for ok, field, msg in checks:
+            if not ok:
+                raise ValueError(f"TrainerConfig.{field}: {msg}, got {getattr(self, field.split('/')[0])!r}")
+        self.parallel()  # validates compile_backend / param_dtype
+
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(compile=self.compile, compile_backend=self.compile_backend,
+                              activation_checkpointing=self.activation_checkpointing, param_dtype=self.param_dtype)
+
+    def fingerprint(self) -> str:
+        """sha256 over the fields that change the math of a run (checkpoints refuse to resume on a mismatch)."""
+        d = {k: v for k, v in dataclasses.asdict(self).items() if k not in _FINGERPRINT_EXCLUDE}
+        pl = self.policy_loss
+        d["policy_loss"] = dataclasses.asdict(pl) if dataclasses.is_dataclass(pl) else repr(pl)
+        return hashlib.sha256(json.dumps(d, sort_keys=True, default=repr).encode()).hexdigest()[:16]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TrainingComponents:
+    """The long-lived objects of a run (the objects are mutable; the bundle is not)."""
+
+    model: nn.Module  # the Hugging Face causal LM (parameters are DTensor shards)
+    module: TrainModule  # the FSDP root wrapping `model`; every forward goes through it
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    mesh: DeviceMesh
+    device: torch.device
+    config: TrainerConfig
+    compute_stream: Any = None  # torch.cuda.Stream on CUDA
+    copy_stream: Any = None  # torch.cuda.Stream on CUDA (host-to-device copies of the next micro-batch)
+    pending: dict = dataclasses.field(default_factory=lambda: {"tokens": 0})  # tokens since the last optim_step
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.size()
+
+    @property
+    def rank(self) -> int:
+        return self.mesh.get_local_rank()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Building
+# ---------------------------------------------------------------------------------------------------------
+
+
+def init_distributed(device_type: str | None = None) -> DeviceMesh:
+    """A 1-D mesh over all ranks; a single-process group (in-memory store) when not launched by torchrun."""
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not dist.is_initialized():
+        backend = "cuda:nccl,cpu:gloo" if device_type == "cuda" else "gloo"
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def warmup_cosine(step: int, *, warmup_steps: int, num_steps: int, min_lr_ratio: float) -> float:
+    """LR multiplier: linear warmup to 1 over warmup_steps, then cosine decay to min_lr_ratio at num_steps."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, num_steps - warmup_steps))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_components(model: str | os.PathLike | Any, config: TrainerConfig, *,
+                     mesh: DeviceMesh | None = None) -> TrainingComponents:
+    """Load + parallelise the model (a folder, an HF config, or a TrainModule already built) and its optimizer.
+
+    AdamW is fused on CUDA; the schedule is warmup + cosine (`warmup_cosine`).
+    """
+    from trainer.models import load_hf_model
+
+    mesh = mesh if mesh is not None else init_distributed()
+    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+    torch.manual_seed(config.seed)
+    if isinstance(model, TrainModule):
+        root = model
+    else:
+        root = load_hf_model(model, dtype=torch.float32, device=device, mesh=mesh, parallel=config.parallel(),
+                             seed=config.seed)
+    root.train()
+    cuda = device.type == "cuda"
+    optimizer = torch.optim.AdamW(root.parameters(), lr=config.lr, betas=config.betas, eps=config.eps,
+                                  weight_decay=config.weight_decay, fused=cuda or None)
+    lam = lambda s: warmup_cosine(s, warmup_steps=config.warmup_steps, num_steps=config.num_steps,
+                                  min_lr_ratio=config.min_lr_ratio)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lam)
+    streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if cuda else (None, None)
+    return TrainingComponents(model=root.lm, module=root, optimizer=optimizer, scheduler=scheduler, mesh=mesh,
+                              device=device, config=config, compute_stream=streams[0], copy_stream=streams[1])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Losses on one packed micro-batch (run inside the FSDP root's forward)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _policy_loss(lm: nn.Module, mb: MicroBatch, config: TrainerConfig) -> tuple[torch.Tensor, dict]:
+    import kernels
+
+    hidden = packed_hidden_states(lm, mb.row)  # [N, H]
+    weight = lm.get_output_embeddings().weight  # [V, H], unsharded inside the root's forward
+    kwargs = {} if config.policy_loss is None else {"config": config.policy_loss}
+    return kernels.linear_policy_loss(
+        hidden, weight, mb.labels, mb.advantages, mb.loss_mask, old_logprobs=mb.old_logprobs,
+        ref_logprobs=mb.ref_logprobs, rollout_logprobs=mb.rollout_logprobs, cu_seqlens=mb.row.cu_seqlens,
+        num_tokens=mb.num_tokens, num_seqs=mb.num_seqs, **kwargs)
+
+
+def _nll_loss(lm: nn.Module, mb: MicroBatch, config: TrainerConfig) -> tuple[torch.Tensor, dict]:
+    import kernels
+
+    hidden = packed_hidden_states(lm, mb.row)
+    weight = lm.get_output_embeddings().weight
+    logp = kernels.linear_token_logprobs(hidden, weight, mb.labels, temperature=1.0, mask=mb.loss_mask,
+                                         chunk_tokens=config.logprob_chunk_tokens)  # [N], 0 off the mask
+    loss = -(logp * mb.loss_mask).sum() / max(mb.num_tokens, 1)
+    return loss, {}
+
+
+_LOSS_FNS: dict[str, Callable[[nn.Module, MicroBatch, TrainerConfig], tuple[torch.Tensor, dict]]] = {
+    "policy": _policy_loss, "nll": _nll_loss}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Step functions
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _device_batches(components: TrainingComponents, micro_batches: Sequence[MicroBatch]):
+    """Yield micro-batches on the device. On CUDA the copy of batch i+1 (pinned, copy stream) overlaps batch i."""
+    dev = components.device
+    if dev.type != "cuda":
+        yield from (mb.to(dev) for mb in micro_batches)
+        return
+    copy = components.copy_stream
+
+    def start(mb: MicroBatch) -> tuple[MicroBatch, torch.cuda.Event]:
+        with torch.cuda.stream(copy):
+            out = mb.pin_memory().to(dev, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(copy)
+        return out, ev
+
+    nxt = start(micro_batches[0]) if micro_batches else None
+    for i in range(len(micro_batches)):
+        cur, ev = nxt
+        nxt = start(micro_batches[i + 1]) if i + 1 < len(micro_batches) else None
+        torch.cuda.current_stream(dev).wait_event(ev)
+        # The copy stream allocated these tensors; tell the caching allocator the compute stream uses them.
+        for t in _tensors(cur):
+            t.record_stream(torch.cuda.current_stream(dev))
+        yield cur
+
+
+def _tensors(mb: MicroBatch) -> list[torch.Tensor]:
+    out = [getattr(mb, f.name) for f in dataclasses.fields(mb)]
+    out += [getattr(mb.row, f.name) for f in dataclasses.fields(mb.row)]
+    return [t for t in out if isinstance(t, torch.Tensor)]
+
+
+def _on_compute_stream(components: TrainingComponents):
+    import contextlib
+
+    s = components.compute_stream
+    if s is None:
+        return contextlib.nullcontext()
+    # Work queued earlier on the default stream (weights loaded, user ops) must be visible to the compute stream.
+    s.wait_stream(torch.cuda.current_stream(components.device))
+    return torch.cuda.stream(s)
+
+
+def _all_reduce_sum(components: TrainingComponents, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Sum a dict of device scalars over the ranks with one collective (no host sync)."""
+    if components.world_size == 1 or not values:
+        return values
+    keys = sorted(values)
+    flat = torch.stack([values[k].float().reshape(()) for k in keys])
+    dist.all_reduce(flat, group=components.mesh.get_group())
+    return dict(zip(keys, flat.unbind(0)))
+
+
+def forward_backward(components: TrainingComponents, micro_batches: Sequence[MicroBatch],
+                     config: TrainerConfig | None = None) -> TrainFuture[dict]:
+    """Accumulate gradients of the loss over this rank's packed micro-batches; returns a future of the metrics.
+
+    micro_batches: from trainer.batch.build_micro_batches (same count on every rank; each already normalised by
+    the global token / sequence counts). The future's dict has "loss" (the exact global loss, summed over
+    micro-batches and ranks), the loss kernel's metrics summed the same way, and "num_tokens". Gradients stay in
+    the parameters' .grad until `optim_step`.
+    """
+    config = config or components.config
+    if not micro_batches:
+        raise ValueError("micro_batches: empty; build them with trainer.batch.build_micro_batches")
+    loss_fn = _LOSS_FNS[config.loss]
+    world = components.world_size
+    dev = components.device
+    with _on_compute_stream(components):
+        totals: dict[str, torch.Tensor] = {"loss": torch.zeros((), device=dev, dtype=torch.float32)}
+        for mb in _device_batches(components, micro_batches):
+            loss, metrics = components.module(lambda lm, mb=mb: loss_fn(lm, mb, config))
+            (loss * world).backward()
+            totals["loss"] += loss.detach().float()
+            for k, v in metrics.items():
+                v = v.detach().float().reshape(())
+                totals[k] = totals[k] + v if k in totals else v
+        totals = _all_reduce_sum(components, totals)
+        totals["num_tokens"] = float(micro_batches[0].num_tokens)
+        components.pending["tokens"] += micro_batches[0].num_tokens  # global count: identical on every rank
+        return TrainFuture.record(totals, dev)
+
+
+@torch.no_grad()
+def compute_logprobs(components: TrainingComponents, micro_batches: Sequence[MicroBatch], *,
+                     temperature: float | None = None) -> list[torch.Tensor]:
+    """No-grad log pi(label) [N] per micro-batch (0 off the loss mask), on the device: old / ref log-probs.
+
+    Attach them with trainer.batch.attach_logprobs(micro_batches, logps, "old_logprobs").
+    """
+    import kernels
+
+    temp = components.config.temperature if temperature is None else temperature
+    chunk = components.config.logprob_chunk_tokens
+    out = []
+
+    def fn(lm: nn.Module, mb: MicroBatch) -> torch.Tensor:
+        hidden = packed_hidden_states(lm, mb.row)
+        weight = lm.get_output_embeddings().weight
+        return kernels.linear_token_logprobs(hidden, weight, mb.labels, temperature=temp, mask=mb.loss_mask,
+                                             chunk_tokens=chunk)
+
+    with _on_compute_stream(components):
+        for mb in _device_batches(components, micro_batches):
+            out.append(components.module(lambda lm, mb=mb: fn(lm, mb)).float())
+    return out
+
+
+@torch.no_grad()
+def clip_grad_norm(parameters: Sequence[nn.Parameter], max_norm: float, mesh: DeviceMesh) -> torch.Tensor:
+    """Global L2 norm of the gradients of DTensor shards (device scalar) and in-place clipping to max_norm.
+
+    FSDP2 shards every gradient as Shard(0) over the mesh, so the squared norm is the sum of the local squared
+    norms over the ranks: one all-reduce of a scalar. max_norm = 0 only measures.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    dev = grads[0].device if grads else torch.device("cpu")
+    sq = torch.zeros((), device=dev, dtype=torch.float32)
+    sharded = False
+    for g in grads:
+        if isinstance(g, DTensor):
+            if not all(isinstance(pl, Shard) for pl in g.placements):
+                raise ValueError(f"clip_grad_norm: expected Shard placements (FSDP2), got {g.placements}")
+            sharded = True
+            g = g.to_local()
+        sq += g.float().pow(2).sum()
+    if sharded and mesh.size() > 1:
+        dist.all_reduce(sq, group=mesh.get_group())
+    norm = sq.sqrt()
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # stays on the device: no host sync
+        for g in grads:
+            (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.dtype))
+    return norm
+
+
+def optim_step(components: TrainingComponents, state: TrainingState,
+               config: TrainerConfig | None = None) -> tuple[TrainFuture[dict], TrainingState]:
+    """Clip, AdamW step, schedule step, zero grads; returns (future of {"grad_norm", "lr"}, the next state).
+
+    The new state has step + 1, weight_version + 1 and tokens_seen grown by the loss tokens of the
+    forward_backward calls since the last step (global counts).
+    """
+    config = config or components.config
+    params = [p for p in components.module.parameters() if p.requires_grad]
+    with _on_compute_stream(components):
+        lr = components.scheduler.get_last_lr()[0]  # host float: the schedule lives on the host
+        norm = clip_grad_norm(params, config.max_grad_norm, components.mesh)
+        components.optimizer.step()
+        components.scheduler.step()
+        components.optimizer.zero_grad(set_to_none=True)
+        fut = TrainFuture.record({"grad_norm": norm, "lr": lr}, components.device)
+    tokens = components.pending["tokens"]
+    components.pending["tokens"] = 0
+    new_state = dataclasses.replace(state, step=state.step + 1, weight_version=state.weight_version + 1,
+                                    tokens_seen=state.tokens_seen + tokens)
+    return fut, new_state

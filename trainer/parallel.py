@@ -1,0 +1,125 @@
+"""FSDP2 + torch.compile: free functions applied to a (meta-device) Hugging Face causal LM in a fixed order.
+
+    apply_liger            CUDA only: Liger's RMSNorm / SwiGLU / RoPE where Liger supports the architecture
+    apply_ac               optional activation checkpointing of every decoder block (HF's non-reentrant path)
+    compile_blocks         per-decoder-block torch.compile (small graphs, one per block class; fast to build)
+    fully_shard            each block, then the root (a TrainModule wrapping the LM), one MixedPrecisionPolicy
+
+The root is a thin `TrainModule` and not the HF model because the training loss reads the lm_head *weight*
+directly (kernels.linear_policy_loss fuses lm_head + log-softmax so full logits never exist). FSDP2 all-gathers
+a group's parameters in the group's forward pre-hook; making the wrapper the root puts embed/norm/lm_head in a
+group whose forward is exactly the code that uses them, so the weight is unsharded there and its gradient is
+reduce-scattered by the root's backward hook. State-dict keys of the root carry the prefix "lm.".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+ROOT_PREFIX = "lm."
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is parallelised. param_dtype None = bfloat16 on CUDA, float32 on CPU."""
+
+    compile: bool = True
+    compile_backend: str = "inductor"  # tests on CPU use "aot_eager" (same graphs and recompiles, no C++ build)
+    compile_dynamic: bool | None = None  # None: dynamo's default (static first, dynamic after a shape change)
+    activation_checkpointing: bool = False
+    param_dtype: str | None = None  # "float32" | "bfloat16" | None
+    liger: bool = True  # CUDA only
+
+    def __post_init__(self) -> None:
+        if self.param_dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(f"param_dtype: expected None, 'float32' or 'bfloat16', got {self.param_dtype!r}")
+        if self.compile_backend not in ("inductor", "aot_eager", "eager"):
+            raise ValueError(f"compile_backend: expected inductor, aot_eager or eager, got {self.compile_backend!r}")
+
+
+class TrainModule(nn.Module):
+    """FSDP root: runs `fn(lm)` inside the root's forward so the root group's parameters are unsharded there."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, fn: Callable[[nn.Module], Any]) -> Any:
+        return fn(self.lm)
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder blocks of an HF causal LM (`model.model.layers`); a clear error for other layouts."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        arch = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+        raise ValueError(f"unsupported architecture {arch!r}: expected a decoder-only HF causal LM with its blocks "
+                         f"at model.model.layers (Llama, Qwen2, Mistral, ... layouts)")
+    return layers
+
+
+def apply_liger(model: nn.Module) -> bool:
+    """Liger's RMSNorm / SwiGLU / RoPE kernels on the instance (CUDA only). Returns whether they were applied."""
+    model_type = getattr(model.config, "model_type", None)
+    try:
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    except ImportError:
+        warnings.warn("liger-kernel is not installed: model kernels (RMSNorm/SwiGLU/RoPE) stay eager", stacklevel=2)
+        return False
+    fn = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
+    if fn is None:
+        warnings.warn(f"liger-kernel has no kernels for model_type={model_type!r}; using the HF modules",
+                      stacklevel=2)
+        return False
+    # The loss is ours (fused lm_head + policy loss), so Liger's cross-entropy patches stay off.
+    fn(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False, model=model)
+    return True
+
+
+def apply_ac(model: nn.Module) -> None:
+    """Non-reentrant activation checkpointing of every decoder block (keeps parameter names unchanged)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def compile_blocks(model: nn.Module, config: ParallelConfig) -> None:
+    """torch.compile each decoder block in place (`Module.compile`, so state-dict keys do not change)."""
+    for block in decoder_layers(model):
+        block.compile(backend=config.compile_backend, dynamic=config.compile_dynamic)
+
+
+def mixed_precision(device_type: str, config: ParallelConfig) -> MixedPrecisionPolicy:
+    """bf16 compute + fp32 gradient reduction on CUDA by default; plain fp32 on CPU."""
+    name = config.param_dtype or ("bfloat16" if device_type == "cuda" else "float32")
+    if name == "float32":
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, config: ParallelConfig) -> TrainModule:
+    """Apply Liger (CUDA), AC, per-block compile, then fully_shard per block and on the root; returns the root.
+
+    Works on a meta-device model (call `root.to_empty(device=...)` and load weights afterwards).
+    """
+    layers = decoder_layers(model)
+    if mesh.device_type == "cuda" and config.liger:
+        apply_liger(model)
+    if config.activation_checkpointing:
+        apply_ac(model)
+    if config.compile:
+        compile_blocks(model, config)
+    mp = mixed_precision(mesh.device_type, config)
+    n = len(layers)
+    for i, block in enumerate(layers):
+        # The last block's parameters are needed again at once by the backward: keep them gathered.
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < n - 1)
+    root = TrainModule(model)
+    fully_shard(root, mesh=mesh, mp_policy=mp)
+    return root
