@@ -1,0 +1,378 @@
+"""The embedded engine's HTTP server: SGLang's native protocol over starlette/uvicorn.
+
+Endpoints (SGLang's names and fields): GET /health, /get_model_info, /get_weight_version, /flush_cache;
+POST /generate, /init_weights_update_group, /update_weights_from_distributed, /update_weights_from_tensor,
+/destroy_weights_update_group, /pause_generation, /continue_generation.
+
+Our extensions, all optional: `timeout_s` in /init_weights_update_group (the group's collective timeout);
+`load_format: "flattened_bucket"` in /update_weights_from_distributed with `offsets`, `bucket_index` and
+`bucket_nbytes` (see engines/weight_sync.py); `ipc_buckets` in /update_weights_from_tensor (JSON CUDA-IPC handles
+instead of SGLang's pickled tensors: nothing is unpickled from the network).
+
+Concurrency: one "model thread" runs everything that touches the model (generation batches, weight loads), so a
+weight update never overlaps a forward; group joins run on other threads; the event loop only parses and batches.
+Concurrent /generate requests are merged into one batch (up to `max_batch_rows` rows) per model call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import secrets
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import anyio
+import torch
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from engines.embedded.generation import Row, RowResult, generate_rows
+from engines.embedded.receiver import WeightReceiver
+from engines.weight_sync import WeightMeta
+
+SAMPLING_KEYS = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "n", "seed", "sampling_seed",
+                 "ignore_eos"}
+# Accepted and ignored: they change nothing for token-id generation.
+IGNORED_SAMPLING_KEYS = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "min_new_tokens"}
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class _Pending:
+    rows: list[Row]
+    future: asyncio.Future
+
+
+class EngineServer:
+    """The engine's mutable state: the model, its weight version, the batch queue, the weight groups."""
+
+    def __init__(self, model, tokenizer, *, model_path: str, seed: int = 0, max_batch_rows: int = 256,
+                 compile_decode: bool | None = None):
+        self.model, self.tokenizer, self.model_path = model, tokenizer, model_path
+        self.device = next(model.parameters()).device
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.eos_id = tokenizer.eos_token_id
+        self.weight_version = 0
+        self.max_batch_rows = max_batch_rows
+        self.rng = random.Random(seed)
+        self.receiver = WeightReceiver(model, self.device)
+        self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        if compile_decode is None:
+            compile_decode = self.device.type == "cuda"
+        # Decode is the hot loop (one token per row per call): compiled on CUDA only, CPU stays eager.
+        self.decode_fn = torch.compile(model.forward, dynamic=True) if compile_decode else None
+        self.running = asyncio.Event()
+        self.running.set()
+        self.pending: list[_Pending] = []
+        self.wakeup = asyncio.Event()
+        self._batcher: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ batching
+    async def start(self):
+        self.running, self.wakeup = asyncio.Event(), asyncio.Event()  # bind to the server's loop
+        self.running.set()
+        self._batcher = asyncio.create_task(self._batch_loop())
+
+    async def _batch_loop(self):
+        loop = asyncio.get_running_loop()
+        while True:
+            await self.wakeup.wait()
+            await self.running.wait()
+            self.wakeup.clear()
+            batch, rows = [], []
+            while self.pending and (not rows or len(rows) + len(self.pending[0].rows) <= self.max_batch_rows):
+                p = self.pending.pop(0)
+                batch.append(p)
+                rows.extend(p.rows)
+            if self.pending:
+                self.wakeup.set()
+            if not batch:
+                continue
+            version = self.weight_version
+            try:
+                results = await loop.run_in_executor(self.model_thread, self._run_rows, rows)
+            except Exception as e:  # noqa: BLE001 - delivered to each waiting request
+                for p in batch:
+                    if not p.future.done():
+                        p.future.set_exception(e)
+                continue
+            i = 0
+            for p in batch:
+                if not p.future.done():
+                    p.future.set_result((results[i:i + len(p.rows)], version))
+                i += len(p.rows)
+
+    def _run_rows(self, rows: list[Row]) -> list[RowResult]:
+        return generate_rows(self.model, rows, pad_id=self.pad_id, decode_fn=self.decode_fn)
+
+    async def submit(self, rows: list[Row]) -> tuple[list[RowResult], int]:
+        fut = asyncio.get_running_loop().create_future()
+        self.pending.append(_Pending(rows, fut))
+        self.wakeup.set()
+        return await fut
+
+
+# ---------------------------------------------------------------------------------------------- request parsing
+def _int_list(x, what: str) -> list[int]:
+    if not isinstance(x, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in x):
+        raise BadRequest(f"{what} must be a list of token ids (ints)")
+    return x
+
+
+def parse_prompts(body: dict, tokenizer) -> tuple[list[list[int]], bool]:
+    """(prompts, is_batch) from SGLang's input_ids (list or list of lists) or text (str or list of str)."""
+    has_ids, has_text = body.get("input_ids") is not None, body.get("text") is not None
+    if has_ids == has_text:
+        raise BadRequest("give exactly one of 'input_ids' (token ids) or 'text'")
+    if has_ids:
+        ids = body["input_ids"]
+        if isinstance(ids, list) and ids and isinstance(ids[0], list):
+            return [_int_list(p, "input_ids[i]") for p in ids], True
+        return [_int_list(ids, "input_ids")], False
+    text = body["text"]
+    if isinstance(text, str):
+        return [tokenizer(text)["input_ids"]], False
+    if isinstance(text, list) and all(isinstance(t, str) for t in text):
+        return [tokenizer(t)["input_ids"] for t in text], True
+    raise BadRequest("'text' must be a string or a list of strings")
+
+
+def parse_sampling(sp, vocab_size: int) -> dict:
+    if sp is None:
+        sp = {}
+    if not isinstance(sp, dict):
+        raise BadRequest("'sampling_params' must be an object")
+    unknown = set(sp) - SAMPLING_KEYS - IGNORED_SAMPLING_KEYS
+    if unknown:
+        raise BadRequest(f"unsupported sampling_params {sorted(unknown)}; supported: {sorted(SAMPLING_KEYS)}")
+    try:
+        out = {
+            "temperature": float(sp.get("temperature", 1.0)),
+            "top_p": float(sp.get("top_p", 1.0)),
+            "top_k": int(sp.get("top_k", -1)),
+            "max_new_tokens": int(sp.get("max_new_tokens", 128)),
+            "n": int(sp.get("n", 1)),
+            "ignore_eos": bool(sp.get("ignore_eos", False)),
+        }
+    except (TypeError, ValueError) as e:
+        raise BadRequest(f"sampling_params has a non-numeric value: {e}") from e
+    seed = sp.get("seed", sp.get("sampling_seed"))
+    if seed is not None and not isinstance(seed, int):
+        raise BadRequest("sampling_params.seed must be an int")
+    out["seed"] = seed
+    out["stop_token_ids"] = _int_list(sp.get("stop_token_ids") or [], "sampling_params.stop_token_ids")
+    if out["temperature"] < 0 or not 0 < out["top_p"] <= 1 or out["max_new_tokens"] < 0 or out["n"] < 1:
+        raise BadRequest("sampling_params out of range: need temperature >= 0, 0 < top_p <= 1, "
+                         "max_new_tokens >= 0, n >= 1")
+    return out
+
+
+def build_rows(server: EngineServer, prompts: list[list[int]], sps: list[dict]) -> list[Row]:
+    """Rows in prompt-major order (prompt 0's n samples, then prompt 1's...). With a seed, the k-th row of the
+    request uses seed + k; without, each row draws its seed from the server's seeded RNG."""
+    vocab = server.model.config.vocab_size
+    rows, k = [], 0
+    for prompt, sp in zip(prompts, sps):
+        if not prompt:
+            raise BadRequest("a prompt is empty: give at least one token")
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise BadRequest(f"input_ids out of range [0, {vocab})")
+        stops = set(sp["stop_token_ids"])
+        if not sp["ignore_eos"] and server.eos_id is not None:
+            stops.add(server.eos_id)
+        for _ in range(sp["n"]):
+            seed = sp["seed"] + k if sp["seed"] is not None else server.rng.getrandbits(63)
+            rows.append(Row(tuple(prompt), sp["temperature"], sp["top_p"], sp["top_k"], sp["max_new_tokens"],
+                            frozenset(stops), seed))
+            k += 1
+    return rows
+
+
+def _output(server: EngineServer, r: RowResult, prompt_len: int, version: int, rid: str) -> dict:
+    reason = {"type": r.finish_reason}
+    if r.finish_reason == "stop":
+        reason["matched"] = r.output_ids[-1]
+    else:
+        reason["length"] = len(r.output_ids)
+    return {
+        "text": server.tokenizer.decode(r.output_ids),
+        "output_ids": r.output_ids,
+        "meta_info": {
+            "id": rid,
+            "finish_reason": reason,
+            "prompt_tokens": prompt_len,
+            "completion_tokens": len(r.output_ids),
+            "output_token_logprobs": [[lp, t, None] for lp, t in zip(r.logprobs, r.output_ids)],
+            "weight_version": str(version),
+        },
+    }
+
+
+# ---------------------------------------------------------------------------------------------- the app
+def build_app(server: EngineServer, api_key: str | None = None) -> Starlette:
+    async def body_of(request: Request) -> dict:
+        try:
+            body = json.loads(await request.body() or b"{}")
+        except json.JSONDecodeError as e:
+            raise BadRequest(f"request body is not valid JSON: {e}") from e
+        if not isinstance(body, dict):
+            raise BadRequest("request body must be a JSON object")
+        return body
+
+    def endpoint(fn):
+        async def wrapped(request: Request):
+            try:
+                return await fn(request)
+            except BadRequest as e:
+                return JSONResponse({"success": False, "message": str(e), "error": str(e)}, status_code=e.status)
+            except ValueError as e:
+                return JSONResponse({"success": False, "message": str(e), "error": str(e)}, status_code=400)
+            except Exception as e:  # noqa: BLE001 - reported to the client, server stays up
+                msg = f"{type(e).__name__}: {e}"
+                return JSONResponse({"success": False, "message": msg, "error": msg}, status_code=500)
+
+        return wrapped
+
+    async def health(request):
+        return JSONResponse({"status": "ok", "weight_version": str(server.weight_version)})
+
+    async def model_info(request):
+        return JSONResponse({"model_path": server.model_path, "tokenizer_path": server.model_path,
+                             "is_generation": True, "weight_version": str(server.weight_version),
+                             "vocab_size": server.model.config.vocab_size, "device": str(server.device),
+                             "dtype": str(next(server.model.parameters()).dtype).removeprefix("torch.")})
+
+    async def weight_version(request):
+        return JSONResponse({"weight_version": str(server.weight_version)})
+
+    async def flush_cache(request):
+        # The KV cache lives only for one batch, so there is nothing persistent to drop.
+        return JSONResponse({"success": True, "message": "Cache flushed."})
+
+    async def generate(request):
+        body = await body_of(request)
+        if body.get("stream"):
+            raise BadRequest("stream=true is not supported by the embedded engine")
+        prompts, is_batch = parse_prompts(body, server.tokenizer)
+        sp = body.get("sampling_params")
+        sps = [parse_sampling(s, 0) for s in sp] if isinstance(sp, list) else [parse_sampling(sp, 0)] * len(prompts)
+        if len(sps) != len(prompts):
+            raise BadRequest(f"{len(sps)} sampling_params for {len(prompts)} prompts")
+        rows = build_rows(server, prompts, sps)
+        results, version = await server.submit(rows)
+        rid = str(body.get("rid") or secrets.token_hex(8))
+        outs, k = [], 0
+        for prompt, s in zip(prompts, sps):
+            for _ in range(s["n"]):
+                outs.append(_output(server, results[k], len(prompt), version, f"{rid}-{k}"))
+                k += 1
+        return JSONResponse(outs if (is_batch or len(outs) > 1) else outs[0])
+
+    async def init_group(request):
+        body = await body_of(request)
+        need = {"master_address": str, "master_port": int, "rank_offset": int, "world_size": int}
+        for key, typ in need.items():
+            if not isinstance(body.get(key), typ):
+                raise BadRequest(f"field {key!r} is required ({typ.__name__})")
+        kwargs = {k: body[k] for k in need}
+        kwargs["group_name"] = str(body.get("group_name") or "weight_update_group")
+        kwargs["backend"] = str(body.get("backend") or ("nccl" if server.device.type == "cuda" else "gloo"))
+        kwargs["timeout_s"] = float(body.get("timeout_s", 600))
+        await anyio.to_thread.run_sync(lambda: server.receiver.init_group(**kwargs))
+        return JSONResponse({"success": True, "message": f"joined {kwargs['group_name']} as rank "
+                                                         f"{kwargs['rank_offset']}/{kwargs['world_size']}"})
+
+    async def destroy_group(request):
+        body = await body_of(request)
+        name = str(body.get("group_name") or "weight_update_group")
+        return JSONResponse({"success": server.receiver.destroy_group(name), "message": name})
+
+    def _bump(body: dict) -> int:
+        v = body.get("weight_version")
+        server.weight_version = int(v) if v is not None else server.weight_version + 1
+        return server.weight_version
+
+    async def update_distributed(request):
+        body = await body_of(request)
+        meta = WeightMeta.from_wire(body)
+        group = str(body.get("group_name") or "weight_update_group")
+        if body.get("weight_version") is not None and not str(body["weight_version"]).isdigit():
+            raise BadRequest("weight_version must be a non-negative integer (as a string or int)")
+        targets = server.receiver.check(meta, group)  # 400 before joining any broadcast
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(server.model_thread, server.receiver.receive, meta, group, targets)
+        v = _bump(body)
+        return JSONResponse({"success": True, "message": f"updated {len(meta.names)} tensors",
+                             "weight_version": str(v)})
+
+    async def update_tensor(request):
+        body = await body_of(request)
+        if body.get("serialized_named_tensors") is not None:
+            raise BadRequest("pickled 'serialized_named_tensors' are refused; send 'ipc_buckets' (JSON CUDA-IPC "
+                             "handles, engines/weight_sync.py ipc_handle_to_wire)")
+        buckets = body.get("ipc_buckets")
+        if not isinstance(buckets, list):
+            raise BadRequest("field 'ipc_buckets' (list) is required")
+        if server.device.type != "cuda":
+            raise BadRequest("update_weights_from_tensor (CUDA IPC) needs a CUDA engine; use the broadcast path")
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(server.model_thread, server.receiver.receive_ipc, buckets)
+        v = _bump(body)
+        return JSONResponse({"success": True, "message": "updated", "weight_version": str(v)})
+
+    async def pause(request):
+        server.running.clear()
+        return JSONResponse({"success": True, "message": "paused"})
+
+    async def resume(request):
+        server.running.set()
+        return JSONResponse({"success": True, "message": "continued"})
+
+    routes = [
+        Route("/health", endpoint(health), methods=["GET", "POST"]),
+        Route("/health_generate", endpoint(health), methods=["GET", "POST"]),
+        Route("/get_model_info", endpoint(model_info), methods=["GET"]),
+        Route("/get_weight_version", endpoint(weight_version), methods=["GET"]),
+        Route("/flush_cache", endpoint(flush_cache), methods=["GET", "POST"]),
+        Route("/generate", endpoint(generate), methods=["POST"]),
+        Route("/init_weights_update_group", endpoint(init_group), methods=["POST"]),
+        Route("/destroy_weights_update_group", endpoint(destroy_group), methods=["POST"]),
+        Route("/update_weights_from_distributed", endpoint(update_distributed), methods=["POST"]),
+        Route("/update_weights_from_tensor", endpoint(update_tensor), methods=["POST"]),
+        Route("/pause_generation", endpoint(pause), methods=["POST"]),
+        Route("/continue_generation", endpoint(resume), methods=["POST"]),
+    ]
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await server.start()
+        yield
+        server.model_thread.shutdown(wait=False, cancel_futures=True)
+
+    app = Starlette(routes=routes, lifespan=lifespan)
+    return ApiKeyMiddleware(app, api_key) if api_key else app
+
+
+class ApiKeyMiddleware:
+    """ASGI wrapper: with an API key set, every HTTP request needs `Authorization: Bearer KEY` (401 otherwise)."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            got = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(got, self.expected):
+                msg = "missing or wrong API key: send 'Authorization: Bearer <key>'"
+                resp = JSONResponse({"success": False, "message": msg, "error": msg}, status_code=401)
+                return await resp(scope, receive, send)
+        return await self.app(scope, receive, send)

@@ -1,0 +1,81 @@
+"""The one interface the rollout side and the weight-sync sender use to talk to an inference engine.
+
+Three implementations: `engines.sglang.SGLangEngine` (SGLang's native HTTP protocol; it also drives the embedded
+server in `engines/embedded/`), and `engines.vllm.VLLMEngine` (vLLM's OpenAI completions + weight-transfer routes).
+All methods are async (httpx under trio or asyncio); `weight_version` is an int on our side and a decimal string on
+the wire, as SGLang sends it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings (SGLang's names; vLLM's are mapped by its adapter).
+
+    temperature 0 means greedy; top_k <= 0 and top_p >= 1 disable those filters; seed None draws from the engine's
+    own seeded generator (reproducible per server start, not per request).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+    n: int = 1
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 0")
+        if self.n < 1:
+            raise ValueError(f"n={self.n} must be >= 1")
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One generated continuation: token ids, the log-prob of each under the raw (temperature-1, unfiltered)
+    policy distribution, why it stopped ("stop" | "length" | "abort"), and the weights that produced it."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    weight_version: int
+    prompt_ids: list[int] = field(default_factory=list)
+
+
+@runtime_checkable
+class InferenceEngine(Protocol):
+    """What the trainer needs from an engine. `url` identifies it in error messages."""
+
+    url: str
+
+    async def health(self) -> bool: ...
+
+    async def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
+        """One list of `params.n` completions per prompt."""
+        ...
+
+    async def get_weight_version(self) -> int: ...
+
+    async def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str) -> None: ...
+
+    async def update_weights_from_distributed(self, meta: dict) -> None:
+        """Receive weights announced by `meta` (see engines/weight_sync.py, `WeightMeta.to_wire`) by broadcast."""
+        ...
+
+    async def pause_generation(self) -> None: ...
+
+    async def continue_generation(self) -> None: ...
+
+    async def flush_cache(self) -> None: ...
