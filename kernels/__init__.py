@@ -2,6 +2,19 @@
 
 from kernels.device import backend_for, use_backend
 from kernels.logprobs import token_logprobs
+from kernels.packing import (
+    PackedBatch,
+    broadcast_to_tokens,
+    cu_seqlens_from_lengths,
+    pack,
+    pack_batch,
+    packed_layout,
+    shift_left,
+    unpack,
+)
 from kernels.scale import masked_scale
 
-__all__ = ["backend_for", "use_backend", "masked_scale", "token_logprobs"]
+__all__ = [
+    "PackedBatch", "pack", "unpack", "pack_batch", "packed_layout", "cu_seqlens_from_lengths",
+    "broadcast_to_tokens", "shift_left",
+    "backend_for", "use_backend", "masked_scale", "token_logprobs"]

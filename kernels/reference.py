@@ -178,3 +178,52 @@ def policy_loss_ref(
 # ---------------------------------------------------------------------------------------------------------
 # Packing (kernels/packing.py)
 # ---------------------------------------------------------------------------------------------------------
+
+
+def pack_reference(padded: torch.Tensor, lengths: list[int], total: int | None = None, fill: float = 0) -> torch.Tensor:
+    """[B, L, ...] -> [total, ...]: the first lengths[b] rows of each padded[b] in order, then `fill` rows."""
+    rows = [padded[b, :n] for b, n in enumerate(lengths)]
+    flat = torch.cat(rows, dim=0)
+    total = flat.shape[0] if total is None else total
+    tail = torch.full((total - flat.shape[0], *padded.shape[2:]), fill, dtype=padded.dtype)
+    return torch.cat([flat, tail], dim=0)
+
+
+def unpack_reference(flat: torch.Tensor, lengths: list[int], max_len: int, fill: float = 0) -> torch.Tensor:
+    """[N, ...] -> [B, max_len, ...]: sequence b is flat[start_b : start_b + lengths[b]], then `fill`."""
+    out = torch.full((len(lengths), max_len, *flat.shape[1:]), fill, dtype=flat.dtype)
+    start = 0
+    for b, n in enumerate(lengths):
+        out[b, :n] = flat[start : start + n]
+        start += n
+    return out
+
+
+def packed_layout_reference(lengths: list[int], total: int | None = None) -> tuple[list[int], list[int], list[int]]:
+    """Plain-Python (cu_seqlens, position_ids, seq_index) of a packed row; the padding tail is sequence -1 with
+    positions restarting at 0."""
+    cu, pos, seq = [0], [], []
+    for s, n in enumerate(lengths):
+        cu.append(cu[-1] + n)
+        pos.extend(range(n))
+        seq.extend([s] * n)
+    tail = (cu[-1] if total is None else total) - cu[-1]
+    pos.extend(range(tail))
+    seq.extend([-1] * tail)
+    return cu, pos, seq
+
+
+def broadcast_to_tokens_reference(values: list[float], seq_index: list[int], fill: float = 0) -> list[float]:
+    """Per-token values: values[s] for a token of sequence s, `fill` for padding (s == -1)."""
+    return [values[s] if s >= 0 else fill for s in seq_index]
+
+
+def block_causal_mask_reference(seq_index: list[int]) -> torch.Tensor:
+    """[N, N] bool: query i may attend key j iff j <= i and both tokens belong to the same sequence (padding,
+    index -1, is its own causal block so no softmax row is empty)."""
+    n = len(seq_index)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        for j in range(i + 1):
+            mask[i, j] = seq_index[i] == seq_index[j]
+    return mask
