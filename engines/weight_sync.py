@@ -454,3 +454,61 @@ class WeightSyncSender:
         if on_bucket is not None:
             on_bucket(b, n)
         return work
+
+
+# ----------------------------------------------------------------------------------------------- verification
+@dataclass(frozen=True)
+class VerifyResult:
+    """max |engine log-prob - trainer log-prob| per engine over the probe tokens, and the versions engines report."""
+
+    max_abs_diff: tuple[float, ...]
+    versions: tuple[int, ...]
+    expected_version: int
+    tol: float
+
+    @property
+    def ok(self) -> bool:
+        return all(d <= self.tol for d in self.max_abs_diff) and all(v == self.expected_version
+                                                                        for v in self.versions)
+
+
+# fp32 both sides: the only difference is batched/cached vs one-shot attention arithmetic. bf16: one bf16 rounding
+# of logits-scale values (~2^-8 relative at |logit| ~ 10) dominates.
+VERIFY_TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+
+
+def verify_sync(model: nn.Module, engines: Sequence, probe_prompts: Sequence[Sequence[int]], *,
+                expected_version: int, max_new_tokens: int = 8, tol: float | None = None) -> VerifyResult:
+    """Generate greedily from `probe_prompts` on every engine, recompute the log-prob of each generated token with
+    the trainer's model, compare. Call on every trainer rank (an FSDP2 forward is collective); rank 0 asks the
+    engines and shares their answers over the trainer's default group."""
+    from engines.protocol import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True)
+    answers = None
+    if _trainer_rank() == 0:
+        calls = _HttpCalls(engines, lambda eng: eng.generate([list(p) for p in probe_prompts], params), "generate")
+        answers = calls.join(300.0, "verify_sync generate")
+        answers = [[[(c.output_ids, c.logprobs, c.weight_version) for c in group] for group in per_engine]
+                   for per_engine in answers]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [answers]
+        dist.broadcast_object_list(box, src=0)
+        answers = box[0]
+    dtype = next(model.parameters()).dtype
+    tol = VERIFY_TOL.get(dtype, 1e-2) if tol is None else tol
+    diffs, versions = [], []
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        for per_engine in answers:
+            worst = 0.0
+            for prompt, group in zip(probe_prompts, per_engine):
+                ids, lps, version = group[0]
+                versions.append(version)
+                seq = torch.tensor([list(prompt) + ids], device=device)
+                logits = model(input_ids=seq).logits.float()[0, len(prompt) - 1:-1]
+                ours = logits.log_softmax(-1).gather(-1, torch.tensor(ids, device=device)[:, None])[:, 0]
+                worst = max(worst, (ours.cpu() - torch.tensor(lps)).abs().max().item())
+            diffs.append(worst)
+    per_engine_versions = tuple(versions[i * len(probe_prompts)] for i in range(len(answers)))
+    return VerifyResult(tuple(diffs), per_engine_versions, expected_version, tol)

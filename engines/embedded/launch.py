@@ -1,0 +1,68 @@
+"""Start an embedded engine as a real subprocess (tests, benchmarks, the demo) and stop it reliably."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EngineProcess:
+    """`with EngineProcess(model="tiny") as eng: eng.url ...` — spawns `python -m engines.embedded`, waits for
+    /health (deadline `start_timeout_s`), and kills the process on exit (also on errors)."""
+
+    def __init__(self, model: str = "tiny", *, port: int | None = None, api_key: str | None = None, seed: int = 0,
+                 extra_args: tuple[str, ...] = (), start_timeout_s: float = 120.0, threads: int = 1):
+        self.model, self.port, self.api_key, self.seed = model, port or free_port(), api_key, seed
+        self.extra_args, self.start_timeout_s, self.threads = extra_args, start_timeout_s, threads
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> EngineProcess:
+        cmd = [sys.executable, "-m", "engines.embedded", "--model", self.model, "--port", str(self.port),
+               "--seed", str(self.seed), "--threads", str(self.threads), *self.extra_args]
+        if self.api_key:
+            cmd += ["--api-key", self.api_key]
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        self.proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode(errors="replace")[-2000:]
+                raise RuntimeError(f"engine exited with code {self.proc.returncode} while starting:\n{err}")
+            try:
+                if httpx.get(self.url + "/health", headers=headers, timeout=2.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.kill()
+        raise TimeoutError(f"engine on port {self.port} not healthy within {self.start_timeout_s:.0f}s")
+
+    def kill(self) -> None:
+        """SIGKILL (what a crash looks like to the trainer) and reap."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+    def __enter__(self) -> EngineProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.kill()

@@ -1,0 +1,105 @@
+"""Weight sync: bucket layout and wire format (pure), then the full sender -> receiver path in one process
+(receivers run on trio worker threads with their own gloo ranks), per-tensor and bucketed, 1 and 2 receivers."""
+
+import pytest
+import torch
+import trio
+
+from engines.embedded.presets import build_tiny_model
+from engines.embedded.receiver import WeightReceiver
+from engines.weight_sync import ALIGN, WeightMeta, WeightSyncError, WeightSyncSender, dtype_from_wire, plan_buckets
+
+
+def test_plan_buckets_layout_is_aligned_disjoint_and_in_bounds():
+    g = torch.Generator().manual_seed(0)
+    shapes = [tuple(int(d) for d in torch.randint(1, 40, (int(torch.randint(1, 3, (1,), generator=g)),),
+                                                    generator=g)) for _ in range(50)]
+    shapes.append((3000,))  # 12000 bytes in fp32: larger than a bucket, gets its own
+    names = [f"p{i}" for i in range(len(shapes))]
+    meta = plan_buckets(names, shapes, torch.float32, bucket_bytes=4096)
+    spans = {}
+    for s, off, b in zip(shapes, meta.offsets, meta.bucket_index):
+        n = torch.Size(s).numel() * 4
+        assert off % ALIGN == 0 and off + n <= meta.bucket_nbytes[b]
+        spans.setdefault(b, []).append((off, off + n))
+    for b, ss in spans.items():
+        ss.sort()
+        assert all(a[1] <= c[0] for a, c in zip(ss, ss[1:])), f"overlap in bucket {b}"
+        if max(e for _, e in ss) > 4096:
+            assert len(ss) == 1, "only a lone oversized tensor may exceed the bucket size"
+    assert list(meta.bucket_index) == sorted(meta.bucket_index)  # order preserved
+    assert WeightMeta.from_wire(meta.to_wire(weight_version=3, group_name="g")) == meta
+
+
+@pytest.mark.parametrize("body,match", [
+    ({"names": ["a"], "dtypes": ["float32"]}, "shapes"),
+    ({"names": ["a"], "dtypes": ["float32", "float32"], "shapes": [[1]]}, "same length"),
+    ({"names": ["a"], "dtypes": ["floaty"], "shapes": [[1]]}, "not a torch dtype"),
+    ({"names": ["a"], "dtypes": ["float32"], "shapes": [[-1]]}, "non-negative"),
+    ({"names": ["a"], "dtypes": ["float32"], "shapes": [[4]], "load_format": "flattened_bucket", "offsets": [0],
+      "bucket_index": [0], "bucket_nbytes": [8]}, "does not fit"),
+    ({"names": ["a"], "dtypes": ["float32"], "shapes": [[4]], "load_format": "pickle"}, "not supported"),
+])
+def test_wire_validation_names_the_bad_field(body, match):
+    with pytest.raises(ValueError, match=match):
+        WeightMeta.from_wire(body)
+
+
+def test_dtype_names():
+    assert dtype_from_wire("torch.bfloat16") is torch.bfloat16 and dtype_from_wire("float32") is torch.float32
+
+
+class InProcessEngine:
+    """The receive side without HTTP: what the embedded server does, on a trio worker thread."""
+
+    def __init__(self, model):
+        self.url, self.model = "inproc", model
+        self.receiver = WeightReceiver(model, torch.device("cpu"))
+        self.version = 0
+
+    async def init_weights_update_group(self, **kw):
+        await trio.to_thread.run_sync(lambda: self.receiver.init_group(**kw))
+
+    async def update_weights_from_distributed(self, body):
+        meta = WeightMeta.from_wire(body)
+        targets = self.receiver.check(meta, body["group_name"])
+        await trio.to_thread.run_sync(self.receiver.receive, meta, body["group_name"], targets)
+        self.version = int(body["weight_version"])
+
+
+def _perturb(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.01)
+
+
+@pytest.mark.parametrize("mode,bucket_bytes,n_engines", [("bucketed", 16 << 10, 1), ("bucketed", 512 << 20, 2),
+                                                         ("per_tensor", 512 << 20, 1)])
+def test_sync_in_process_makes_weights_bitwise_equal(mode, bucket_bytes, n_engines):
+    trainer = build_tiny_model(seed=1)
+    _perturb(trainer, 123)
+    engines = [InProcessEngine(build_tiny_model(seed=1)) for _ in range(n_engines)]
+    sender = WeightSyncSender(trainer, engines, bucket_bytes=bucket_bytes, timeout_s=30, mode=mode)
+    if mode == "bucketed" and bucket_bytes < (1 << 20):
+        assert len(sender.meta.bucket_nbytes) > 4  # exercises the double-buffer reuse
+    sender.init_group()
+    seen = []
+    assert sender.sync(on_bucket=lambda k, n: seen.append(k)) == 1
+    for eng in engines:
+        assert eng.version == 1
+        for (n, p), (_, q) in zip(trainer.named_parameters(), eng.model.named_parameters()):
+            assert torch.equal(p, q), n
+    # a second sync after another change, and the version keeps counting
+    _perturb(trainer, 7)
+    assert sender.sync() == 2
+    for (n, p), (_, q) in zip(trainer.named_parameters(), engines[0].model.named_parameters()):
+        assert torch.equal(p, q), n
+    sender.close()
+
+
+def test_sync_without_group_is_a_clear_error():
+    trainer = build_tiny_model(seed=1)
+    sender = WeightSyncSender(trainer, [InProcessEngine(build_tiny_model(seed=1))], timeout_s=5)
+    with pytest.raises(WeightSyncError, match="init_group"):
+        sender.sync()
