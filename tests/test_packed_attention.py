@@ -1,0 +1,183 @@
+"""Packed attention: a packed row's forward/backward equals each sequence run alone (tiny Llama / Qwen2, fp32)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+import trainer.attention as attention
+from kernels import pack_batch, shift_left, use_backend
+from kernels.reference import block_causal_mask_reference
+from trainer.attention import (
+    block_causal_mask,
+    default_attn_implementation,
+    flex_block_mask,
+    packed_attention_kwargs,
+    packed_hidden_states,
+    packed_logits,
+)
+
+V = 97
+
+
+def tiny_model(arch: str, attn: str = "sdpa", seed: int = 0):
+    cls = LlamaConfig if arch == "llama" else Qwen2Config
+    cfg = cls(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32)
+
+
+def random_sequences(seed: int, lengths):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, V, (n,), generator=g) for n in lengths]
+
+
+LENGTHS = [7, 1, 23, 12, 40]  # includes a one-token sequence; 83 real tokens
+
+
+def test_block_causal_mask_matches_reference():
+    seq = torch.tensor([0, 0, 0, 1, 2, 2, -1, -1])
+    ref = block_causal_mask_reference(seq.tolist())
+    m = block_causal_mask(seq)
+    assert m.shape == (1, 1, 8, 8) and m.dtype == torch.bool and torch.equal(m[0, 0], ref)
+    f = block_causal_mask(seq, torch.float32)
+    assert torch.equal(f[0, 0] == 0, ref) and (f[0, 0][~ref] == torch.finfo(torch.float32).min).all()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("pad_to", [None, 128])
+def test_packed_logits_equal_per_sequence_logits(arch, attn, pad_to):
+    model = tiny_model(arch, attn).eval()
+    seqs = random_sequences(1, LENGTHS)
+    with use_backend("torch"):
+        batch = pack_batch(seqs, pad_to=pad_to)
+    with torch.no_grad():
+        packed = packed_logits(model, batch)  # [N, V]
+        alone = torch.cat([model(input_ids=s[None]).logits[0] for s in seqs])  # [T, V]
+        hidden = packed_hidden_states(model, batch)
+        hidden_alone = torch.cat([model.model(input_ids=s[None]).last_hidden_state[0] for s in seqs])
+    T = sum(LENGTHS)
+    assert packed.shape == (batch.padded_len, V) and hidden.shape == (batch.padded_len, 64)
+    torch.testing.assert_close(packed[:T], alone, rtol=0, atol=1e-5)
+    torch.testing.assert_close(hidden[:T], hidden_alone, rtol=0, atol=1e-5)
+    assert torch.isfinite(packed).all()  # the padding tail is its own block: no empty softmax rows
+
+
+def test_without_document_mask_the_row_leaks():
+    # The comparison above can fail: a plain causal mask over the row (what position_ids alone give SDPA when
+    # transformers does not detect packing) mixes sequences and moves the logits far beyond 1e-5.
+    model = tiny_model("llama").eval()
+    seqs = random_sequences(2, LENGTHS)
+    with use_backend("torch"):
+        batch = pack_batch(seqs)
+    kw = packed_attention_kwargs(model, batch)
+    kw["attention_mask"] = block_causal_mask(torch.zeros_like(batch.seq_index))
+    with torch.no_grad():
+        leaky = model(**kw).logits[0]
+        alone = torch.cat([model(input_ids=s[None]).logits[0] for s in seqs])
+    assert (leaky - alone).abs().max() > 1e-2
+
+
+def _token_loss(logits, targets, weights):
+    # Weighted next-token NLL; the weights are random so every token's gradient is distinct and non-trivial.
+    nll = F.cross_entropy(logits, targets.clamp(min=0), reduction="none")
+    return (nll * weights * (targets >= 0)).sum()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_packed_loss_gradients_equal_sum_of_per_sequence_gradients(arch):
+    model = tiny_model(arch).train()
+    seqs = random_sequences(3, LENGTHS)
+    g = torch.Generator().manual_seed(4)
+    weights = [torch.rand(n, generator=g) + 0.5 for n in LENGTHS]
+    with use_backend("torch"):
+        batch = pack_batch(seqs, pad_to=96)
+    targets = shift_left(batch.input_ids, batch.seq_index, fill=-100)
+    w = torch.cat(weights + [torch.zeros(batch.padded_len - batch.num_tokens)])
+    _token_loss(packed_logits(model, batch), targets, w).backward()
+    packed = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    model.zero_grad()
+    for s, wt in zip(seqs, weights):
+        t = torch.cat([s[1:], torch.tensor([-100])])
+        _token_loss(model(input_ids=s[None]).logits[0], t, wt).backward()  # grads accumulate: the sum
+    for name, p in model.named_parameters():
+        rel = (packed[name] - p.grad).norm() / p.grad.norm()
+        assert rel < 1e-4, f"{name}: relative gradient error {rel:.2e}"
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_block_mask_equals_dense_block_causal_mask():
+    # FlexAttention's document mask (the CUDA path without flash-attn) against SDPA with the dense mask, run
+    # through flex_attention's eager implementation on CPU; the full model goes through it in the gpu test.
+    from torch.nn.attention.flex_attention import flex_attention
+
+    g = torch.Generator().manual_seed(6)
+    with use_backend("torch"):
+        batch = pack_batch(random_sequences(6, [30, 5, 60, 1]), pad_to=128)
+    q, k, v = (torch.randn(1, 2, 128, 16, generator=g) for _ in range(3))
+    flex = flex_attention(q, k, v, block_mask=flex_block_mask(batch.seq_index))
+    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=block_causal_mask(batch.seq_index))
+    torch.testing.assert_close(flex, dense, rtol=0, atol=1e-5)
+
+
+def _varlen_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    # A stand-in for flash-attn's varlen kernel: causal SDPA on each cu_seq_lens_q segment. It proves the varlen
+    # kwargs reach every layer with segments that reproduce per-sequence attention.
+    cu = kwargs["cu_seq_lens_q"].tolist()
+    assert attention_mask is None and kwargs["max_length_q"] == max(b - a for a, b in zip(cu[:-1], cu[1:]))
+    rep = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+    out = torch.cat([
+        F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True,
+                                       scale=scaling)
+        for a, b in zip(cu[:-1], cu[1:])
+    ], dim=2)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def test_varlen_kwargs_path_matches_per_sequence(monkeypatch):
+    AttentionInterface.register("varlen_sdpa_test", _varlen_sdpa)
+    monkeypatch.setattr(attention, "_FLASH", (*attention._FLASH, "varlen_sdpa_test"))
+    model = tiny_model("qwen2", "varlen_sdpa_test").eval()
+    ref_model = tiny_model("qwen2", "sdpa").eval()  # same seed, same weights
+    seqs = random_sequences(7, LENGTHS)
+    with use_backend("torch"):
+        batch = pack_batch(seqs, pad_to=100)
+    kw = packed_attention_kwargs(model, batch)
+    assert kw["cu_seq_lens_q"].tolist() == [0, 7, 8, 31, 43, 83, 100]  # the padding tail is the last segment
+    with torch.no_grad():
+        packed = packed_logits(model, batch)
+        alone = torch.cat([ref_model(input_ids=s[None]).logits[0] for s in seqs])
+    torch.testing.assert_close(packed[:83], alone, rtol=0, atol=1e-5)
+
+
+def test_unknown_attn_implementation_is_a_clear_error():
+    model = tiny_model("llama")
+    model.config._attn_implementation = "paged|sdpa"
+    with use_backend("torch"):
+        batch = pack_batch(random_sequences(8, [3, 4]))
+    with pytest.raises(ValueError, match="no packed path"):
+        packed_attention_kwargs(model, batch)
+
+
+def test_default_attn_implementation_follows_the_device():
+    assert default_attn_implementation("cpu") == "sdpa"
+    expected = "flash_attention_2" if attention.flash_attn_available() else "flex_attention"
+    assert default_attn_implementation("cuda") == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_packed_logits_on_cuda_default_attention(arch):
+    impl = default_attn_implementation("cuda")
+    model = tiny_model(arch, impl).cuda().eval()
+    ref = tiny_model(arch, "sdpa").cuda().eval()
+    seqs = [s.cuda() for s in random_sequences(9, LENGTHS)]
+    batch = pack_batch(seqs, pad_to=128)
+    with torch.no_grad():
+        packed = packed_logits(model, batch)
+        alone = torch.cat([ref(input_ids=s[None]).logits[0] for s in seqs])
+    torch.testing.assert_close(packed[:83], alone, rtol=0, atol=1e-4)
