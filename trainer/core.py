@@ -186,26 +186,33 @@ def build_components(model: str | os.PathLike | Any, config: TrainerConfig, *,
 
 
 def _policy_loss(lm: nn.Module, mb: MicroBatch, config: TrainerConfig) -> tuple[torch.Tensor, dict]:
-    import kernels
-
     hidden = packed_hidden_states(lm, mb.row)  # [N, H]
     weight = lm.get_output_embeddings().weight  # [V, H], unsharded inside the root's forward
     kwargs = {} if config.policy_loss is None else {"config": config.policy_loss}
-    return kernels.linear_policy_loss(
+    return _kernel("linear_policy_loss", "linear_policy_loss")(
         hidden, weight, mb.labels, mb.advantages, mb.loss_mask, old_logprobs=mb.old_logprobs,
         ref_logprobs=mb.ref_logprobs, rollout_logprobs=mb.rollout_logprobs, cu_seqlens=mb.row.cu_seqlens,
         num_tokens=mb.num_tokens, num_seqs=mb.num_seqs, **kwargs)
 
 
 def _nll_loss(lm: nn.Module, mb: MicroBatch, config: TrainerConfig) -> tuple[torch.Tensor, dict]:
-    import kernels
-
     hidden = packed_hidden_states(lm, mb.row)
     weight = lm.get_output_embeddings().weight
-    logp = kernels.linear_token_logprobs(hidden, weight, mb.labels, temperature=1.0, mask=mb.loss_mask,
-                                         chunk_tokens=config.logprob_chunk_tokens)  # [N], 0 off the mask
+    linear_token_logprobs = _kernel("linear_token_logprobs", "linear_logprobs")
+    logp = linear_token_logprobs(hidden, weight, mb.labels, temperature=1.0, mask=mb.loss_mask,
+                                 chunk_tokens=config.logprob_chunk_tokens)  # [N], 0 off the mask
     loss = -(logp * mb.loss_mask).sum() / max(mb.num_tokens, 1)
     return loss, {}
+
+
+def _kernel(name: str, module: str) -> Callable:
+    """kernels.<name> (the public export), or the same function from its module while __init__ lacks it."""
+    import importlib
+
+    import kernels
+
+    fn = getattr(kernels, name, None)
+    return fn if fn is not None else getattr(importlib.import_module(f"kernels.{module}"), name)
 
 
 _LOSS_FNS: dict[str, Callable[[nn.Module, MicroBatch, TrainerConfig], tuple[torch.Tensor, dict]]] = {
@@ -307,8 +314,7 @@ def compute_logprobs(components: TrainingComponents, micro_batches: Sequence[Mic
 
     Attach them with trainer.batch.attach_logprobs(micro_batches, logps, "old_logprobs").
     """
-    import kernels
-
+    linear_token_logprobs = _kernel("linear_token_logprobs", "linear_logprobs")
     temp = components.config.temperature if temperature is None else temperature
     chunk = components.config.logprob_chunk_tokens
     out = []
@@ -316,7 +322,7 @@ def compute_logprobs(components: TrainingComponents, micro_batches: Sequence[Mic
     def fn(lm: nn.Module, mb: MicroBatch) -> torch.Tensor:
         hidden = packed_hidden_states(lm, mb.row)
         weight = lm.get_output_embeddings().weight
-        return kernels.linear_token_logprobs(hidden, weight, mb.labels, temperature=temp, mask=mb.loss_mask,
+        return linear_token_logprobs(hidden, weight, mb.labels, temperature=temp, mask=mb.loss_mask,
                                              chunk_tokens=chunk)
 
     with _on_compute_stream(components):
@@ -374,3 +380,29 @@ def optim_step(components: TrainingComponents, state: TrainingState,
     new_state = dataclasses.replace(state, step=state.step + 1, weight_version=state.weight_version + 1,
                                     tokens_seen=state.tokens_seen + tokens)
     return fut, new_state
+
+
+def trainer_config_from(cfg: Any, **overrides: Any) -> TrainerConfig:
+    """TrainerConfig from an SFTTrainingConfig (loss "nll") or an RLTrainingConfig (loss "policy")."""
+    from trainer.types import RLTrainingConfig, SFTTrainingConfig
+
+    shared = dict(lr=cfg.lr, min_lr_ratio=cfg.min_lr_ratio, warmup_steps=cfg.warmup_steps, num_steps=cfg.num_steps,
+                  weight_decay=cfg.weight_decay, betas=cfg.betas, max_grad_norm=cfg.max_grad_norm,
+                  token_budget=cfg.token_budget, bucket_size=cfg.micro_batch_buckets, seed=cfg.seed,
+                  output_dir=cfg.output_dir, keep_last=cfg.keep_last, save_every=cfg.save_every)
+    if isinstance(cfg, SFTTrainingConfig):
+        shared["loss"] = "nll"
+    elif isinstance(cfg, RLTrainingConfig):
+        from kernels.policy_loss import PolicyLossConfig
+
+        shared["loss"] = "policy"
+        shared["temperature"] = cfg.rollout.temperature
+        shared["policy_loss"] = PolicyLossConfig(
+            loss_agg=cfg.loss_agg, clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_ratio_c=cfg.clip_ratio_c,
+            kl_coef=cfg.kl_coef, kl_type=cfg.kl_type, entropy_coef=cfg.entropy_coef, tis_cap=cfg.tis_cap,
+            temperature=cfg.rollout.temperature,
+            max_seq_len=(cfg.rollout.max_new_tokens if cfg.loss_agg == "seq-mean-token-sum-norm" else None))
+    else:
+        raise ValueError(f"cfg: expected SFTTrainingConfig or RLTrainingConfig, got {type(cfg).__name__}")
+    shared.update(overrides)
+    return TrainerConfig(**shared)

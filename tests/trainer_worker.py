@@ -1,0 +1,112 @@
+"""Subprocess entry points for the trainer tests (fresh processes: FSDP ranks, kill-and-resume).
+
+    python tests/trainer_worker.py fsdp   <out.pt> <world_size>             # spawns world_size gloo ranks
+    python tests/trainer_worker.py train  <out.pt> <output_dir> <steps> <save_at> [resume]
+
+Both train the tiny llama on a deterministic synthetic batch per step (a function of the step index only), on
+the CPU torch path of the kernels, and write the per-step losses (and full parameters) to <out.pt>.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "0"  # CPU production path: torch implementations of the kernels
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from kernels import use_backend  # noqa: E402
+from trainer.batch import build_micro_batches  # noqa: E402
+from trainer.core import TrainerConfig, build_components, forward_backward, init_distributed, optim_step  # noqa: E402
+from trainer.models import tiny_model_config  # noqa: E402
+from trainer.types import Sample, TrainingState  # noqa: E402
+
+BUDGET, BUCKET = 128, 32
+
+
+def config(output_dir: str = "runs/test", compile: bool = True) -> TrainerConfig:
+    return TrainerConfig(loss="nll", lr=3e-3, warmup_steps=1, num_steps=6, compile=compile,
+                         compile_backend="aot_eager", token_budget=BUDGET, bucket_size=BUCKET,
+                         output_dir=output_dir, max_grad_norm=1.0, seed=0)
+
+
+def step_samples(step: int, n: int = 6) -> list[Sample]:
+    """A deterministic batch for `step`: random prompts + responses of varying lengths."""
+    g = torch.Generator().manual_seed(1000 + step)
+    out = []
+    for _ in range(n):
+        p = int(torch.randint(2, 10, (), generator=g))
+        r = int(torch.randint(3, 40, (), generator=g))
+        toks = torch.randint(6, 90, (p + r,), generator=g).tolist()
+        mask = (torch.rand(r, generator=g) > 0.2).long().tolist()
+        out.append(Sample(prompt="", tokens=toks, response_length=r, loss_mask=mask))
+    return out
+
+
+def train_steps(comp, state: TrainingState, steps: range) -> tuple[TrainingState, list[float]]:
+    losses = []
+    for step in steps:
+        mbs = build_micro_batches(step_samples(step), token_budget=BUDGET, bucket_size=BUCKET,
+                                  num_ranks=comp.world_size, rank=comp.rank)
+        fut = forward_backward(comp, mbs)
+        ofut, state = optim_step(comp, state)
+        losses.append(fut.result()["loss"])
+        ofut.result()
+    return state, losses
+
+
+def full_params(comp) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(comp.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _fsdp_rank(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    with use_backend("torch"):
+        comp = build_components(tiny_model_config(), config(), mesh=init_distributed("cpu"))
+        _, losses = train_steps(comp, TrainingState(), range(3))
+        params = full_params(comp)
+    if rank == 0:
+        torch.save({"losses": losses, "params": params}, out)
+    dist.destroy_process_group()
+
+
+def main(argv: list[str]) -> None:
+    mode, out = argv[0], argv[1]
+    if mode == "fsdp":
+        import socket
+
+        import torch.multiprocessing as mp
+
+        world = int(argv[2])
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(_fsdp_rank, args=(world, port, out), nprocs=world, join=True)
+    elif mode == "train":
+        from trainer.checkpoint import load_checkpoint, save_checkpoint
+
+        output_dir, steps, save_at = argv[2], int(argv[3]), int(argv[4])
+        resume = len(argv) > 5 and argv[5] == "resume"
+        with use_backend("torch"):
+            comp = build_components(tiny_model_config(), config(output_dir, compile=False))
+            state, losses = TrainingState(), []
+            if resume:
+                state, extra = load_checkpoint(comp, output_dir)
+                assert extra["next_step"] == state.step
+            while state.step < steps:
+                state, (loss,) = train_steps(comp, state, range(state.step, state.step + 1))
+                losses.append(loss)
+                if state.step == save_at and not resume:
+                    save_checkpoint(comp, state, {"next_step": state.step})
+        torch.save({"losses": losses, "first_step": steps - len(losses)}, out)
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

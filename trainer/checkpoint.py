@@ -1,0 +1,194 @@
+"""Checkpoints: sharded model + optimizer (torch.distributed.checkpoint), JSON state, RNG, config fingerprint.
+
+Layout of `<output_dir>/checkpoints/step_00000012/`:
+    *.distcp, .metadata     DCP shards of {"model": ..., "optim": ...} (each rank writes its own shards)
+    rng_rank{r}.pt          torch / CUDA / python / numpy RNG states of rank r
+    state.json              TrainingState, the caller's `extra` (data position, ...), scheduler state,
+                            config fingerprint, world size; written LAST
+
+Everything is written into `.tmp_step_00000012/` and renamed when complete, so a crash mid-save leaves only a
+hidden temporary folder that `latest_checkpoint` ignores. `export_hf` writes a consolidated Hugging Face folder
+(config.json + model.safetensors [+ tokenizer]) that `load_hf_model` and the inference engines read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+from trainer.core import TrainingComponents
+from trainer.parallel import ROOT_PREFIX
+from trainer.types import TrainingState
+
+FORMAT_VERSION = 1
+_STEP_RE = re.compile(r"^step_(\d+)$")
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def checkpoints_root(output_dir: str | os.PathLike) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    """A renamed step folder with its state.json (the last file written)."""
+    p = Path(path)
+    return bool(_STEP_RE.match(p.name)) and (p / "state.json").is_file() and (p / ".metadata").is_file()
+
+
+def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints under output_dir, oldest first."""
+    root = checkpoints_root(output_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and is_complete(p)]
+    return sorted(found, key=lambda p: int(_STEP_RE.match(p.name).group(1)))
+
+
+def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint, or None."""
+    ckpts = list_checkpoints(output_dir)
+    return ckpts[-1] if ckpts else None
+
+
+def _rng_state() -> dict[str, Any]:
+    out = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state()
+    return out
+
+
+def _set_rng_state(rng: dict[str, Any]) -> None:
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+
+
+def save_checkpoint(components: TrainingComponents, state: TrainingState,
+                    extra: dict[str, Any] | None = None) -> TrainingState:
+    """Write a complete checkpoint of step `state.step` (collective: every rank calls it); returns `state`.
+
+    `extra` is JSON data the caller needs to resume (e.g. {"data_position": 96}). Keeps the newest
+    `config.keep_last` complete checkpoints.
+    """
+    cfg = components.config
+    root = checkpoints_root(cfg.output_dir)
+    final = root / f"step_{state.step:08d}"
+    tmp = root / f".tmp_step_{state.step:08d}"
+    extra = dict(extra or {})
+    json.dumps(extra)  # fail before writing anything when `extra` is not JSON data
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    model_sd, optim_sd = get_state_dict(components.module, components.optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    torch.save(_rng_state(), tmp / f"rng_rank{_rank()}.pt")
+    _barrier()
+    if _rank() == 0:
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "state": dataclasses.asdict(state),
+            "extra": extra,
+            "scheduler": components.scheduler.state_dict(),
+            "fingerprint": cfg.fingerprint(),
+            "world_size": components.world_size,
+        }
+        (tmp / "state.json").write_text(json.dumps(meta, indent=1, default=repr))
+        if final.exists():  # re-saving the same step (e.g. Ctrl-C right after a periodic save)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in list_checkpoints(cfg.output_dir)[:-cfg.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return state
+
+
+def load_checkpoint(components: TrainingComponents, path: str | os.PathLike) -> tuple[TrainingState, dict]:
+    """Restore model, optimizer, scheduler and RNG from `path` (a step folder, or an output_dir: its newest).
+
+    Returns (TrainingState, extra). Raises ValueError when `path` is not a complete checkpoint or when it was
+    written with a different config fingerprint (a resume must not silently change the run).
+    """
+    p = Path(path)
+    if not _STEP_RE.match(p.name):
+        newest = latest_checkpoint(p)
+        if newest is None:
+            raise ValueError(f"{p}: no complete checkpoint (step_NNNNNNNN with state.json) under "
+                             f"{checkpoints_root(p)}")
+        p = newest
+    if not is_complete(p):
+        raise ValueError(f"{p}: not a complete checkpoint (state.json or .metadata missing: an interrupted save?); "
+                         f"pass the output_dir to resume from the newest complete one")
+    meta = json.loads((p / "state.json").read_text())
+    fp = components.config.fingerprint()
+    if meta["fingerprint"] != fp:
+        raise ValueError(f"{p}: config fingerprint {meta['fingerprint']} differs from this run's {fp}; resume with "
+                         f"the same TrainerConfig (only output_dir/keep_last/save_every/compile may change)")
+    model_sd, optim_sd = get_state_dict(components.module, components.optimizer)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(p))
+    set_state_dict(components.module, components.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    components.scheduler.load_state_dict(meta["scheduler"])
+    rng_file = p / f"rng_rank{_rank()}.pt"
+    if meta["world_size"] == components.world_size and rng_file.is_file():
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    components.pending["tokens"] = 0
+    return TrainingState(**meta["state"]), meta["extra"]
+
+
+def export_hf(components: TrainingComponents, path: str | os.PathLike, *, tokenizer: Any = None,
+              dtype: torch.dtype | None = None) -> Path | None:
+    """Consolidated Hugging Face folder (config.json, model.safetensors, tokenizer if given) at `path`.
+
+    Collective (every rank gathers its shards); rank 0 writes to `<path>.tmp` and renames. Returns the path on
+    rank 0, None elsewhere.
+    """
+    full = get_model_state_dict(components.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if _rank() != 0:
+        _barrier()
+        return None
+    lm = components.model
+    sd = {k.removeprefix(ROOT_PREFIX): v for k, v in full.items()}
+    if getattr(lm.config, "tie_word_embeddings", False):
+        sd.pop("lm_head.weight", None)  # tied to model.embed_tokens.weight; loaders re-tie
+    sd = {k: (v.to(dtype) if dtype is not None else v).contiguous() for k, v in sd.items()}
+    out = Path(path)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    lm.config.save_pretrained(tmp)
+    save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    _barrier()
+    return out

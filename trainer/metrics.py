@@ -1,0 +1,58 @@
+"""Metrics sinks: a `MetricsLogger` protocol and the JSONL logger every run writes (one JSON object per line)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class MetricsLogger(Protocol):
+    """Anything with log(step, metrics) and close(); metrics are host numbers (read from futures first)."""
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return repr(v)  # JSON has no nan/inf; keep them visible as strings
+    if isinstance(v, (int, float, str, bool)) or v is None:
+        return v
+    if hasattr(v, "item"):
+        return _jsonable(v.item())  # host sync (marked): only host values should reach a logger
+    return repr(v)
+
+
+class JSONLLogger:
+    """Appends {"step": s, "time": t, **metrics} lines to `path` (rank 0 only when `enabled` is False elsewhere)."""
+
+    def __init__(self, path: str | os.PathLike, *, enabled: bool = True) -> None:
+        self.path = Path(path)
+        self.enabled = enabled
+        self._fh = None
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fh = self.path.open("a", encoding="utf-8")
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if self._fh is None:
+            return
+        row = {"step": int(step), "time": time.time(), **{k: _jsonable(v) for k, v in metrics.items()}}
+        self._fh.write(json.dumps(row) + "\n")
+        self._fh.flush()
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The rows a JSONLLogger wrote."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

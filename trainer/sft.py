@@ -1,0 +1,156 @@
+"""Supervised fine-tuning on chat conversations with an assistant-only loss.
+
+The loss mask comes from span tracking over the chat template, so it works for any template (no
+`{% generation %}` markers needed): for assistant turn i, the tokens between the rendering of messages[:i]
+with the generation prompt and the rendering of messages[:i+1] are the assistant's, minus the template's
+whitespace glue after the end-of-turn token. A conversation becomes a Sample whose "prompt" is its first
+token, so every later token is a response token with loss_mask 1 exactly on assistant tokens, and SFT goes
+through the same packed micro-batches and `forward_backward` as RL, with the token-level NLL
+-sum(m * logp) / N_tok (TrainerConfig.loss = "nll").
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trainer.batch import build_micro_batches
+from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.core import (
+    TrainerConfig,
+    TrainingComponents,
+    build_components,
+    forward_backward,
+    optim_step,
+    trainer_config_from,
+)
+from trainer.metrics import JSONLLogger, MetricsLogger
+from trainer.types import Sample, SFTTrainingConfig, TrainingState
+
+ROLES = ("system", "user", "assistant", "tool")
+Conversation = Sequence[Mapping[str, str]]
+
+
+def _check_messages(messages: Conversation, where: str = "messages") -> None:
+    if not messages:
+        raise ValueError(f"{where}: empty conversation")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
+            raise ValueError(f"{where}[{i}]: expected a dict with 'role' and 'content', got {m!r}")
+        if m["role"] not in ROLES:
+            raise ValueError(f"{where}[{i}].role={m['role']!r}: expected one of {ROLES}")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ValueError(f"{where}: no assistant message, so nothing to train on")
+
+
+def _encode(tokenizer: Any, messages: Conversation, add_generation_prompt: bool = False) -> list[int]:
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def compute_loss_mask(tokenizer: Any, messages: Conversation) -> tuple[list[int], list[int]]:
+    """(token ids of the conversation, 0/1 mask that is 1 exactly on assistant tokens incl. the end-of-turn)."""
+    _check_messages(messages)
+    ids = _encode(tokenizer, messages)
+    mask = [0] * len(ids)
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = _encode(tokenizer, messages[:i], add_generation_prompt=True)
+        through = _encode(tokenizer, messages[: i + 1])
+        if ids[: len(before)] != before or ids[: len(through)] != through:
+            raise ValueError(f"messages[{i}]: the chat template does not render conversation prefixes as token "
+                             f"prefixes, so assistant spans cannot be tracked; use a template that does")
+        start, end = len(before), len(through)
+        while end > start and tokenizer.decode([ids[end - 1]]).strip() == "":
+            end -= 1  # template glue (newlines) after the end-of-turn token is not the assistant's output
+        mask[start:end] = [1] * (end - start)
+    return ids, mask
+
+
+def tokenize_conversation(tokenizer: Any, messages: Conversation, *, max_length: int) -> tuple[Sample, bool]:
+    """A Sample (first token = prompt, the rest = response with the assistant mask) and whether it was truncated."""
+    if max_length < 2:
+        raise ValueError(f"max_length={max_length}: need at least 2 tokens (one input, one target)")
+    ids, mask = compute_loss_mask(tokenizer, messages)
+    truncated = len(ids) > max_length
+    ids, mask = ids[:max_length], mask[:max_length]
+    return Sample(prompt="", tokens=tuple(ids), response_length=len(ids) - 1, loss_mask=tuple(mask[1:])), truncated
+
+
+def _batch_indices(n: int, position: int, batch_size: int, seed: int) -> list[int]:
+    """Indices of the batch at data `position`: a fresh seeded permutation per epoch (resumable by position)."""
+    out = []
+    for p in range(position, position + batch_size):
+        epoch, k = divmod(p, n)
+        out.append(int(np.random.default_rng(seed + epoch).permutation(n)[k]))
+    return out
+
+
+def run_sft_training(model: Any, conversations: Sequence[Conversation], config: SFTTrainingConfig, *,
+                     tokenizer: Any = None, trainer_config: TrainerConfig | None = None,
+                     logger: MetricsLogger | None = None, resume: bool = False,
+                     components: TrainingComponents | None = None) -> tuple[TrainingComponents, TrainingState, list]:
+    """collate -> forward_backward -> optim_step -> log -> checkpoint, for config.num_steps steps.
+
+    model: a folder, an HF config or a built TrainModule (ignored when `components` is given). Writes
+    metrics.jsonl and checkpoints under config.output_dir; `resume` continues from the newest complete
+    checkpoint there. Ctrl-C writes a checkpoint before re-raising. Returns (components, final state, the
+    per-step metric dicts).
+    """
+    from tqdm import tqdm
+
+    from trainer.tokenizer import build_tokenizer
+
+    tokenizer = tokenizer or build_tokenizer()
+    tcfg = trainer_config or trainer_config_from(config)
+    if tcfg.loss != "nll":
+        raise ValueError(f"trainer_config.loss={tcfg.loss!r}: SFT trains with loss='nll'")
+    for i, conv in enumerate(conversations):
+        _check_messages(conv, f"conversations[{i}]")
+    samples, n_trunc = [], 0
+    for conv in conversations:
+        s, cut = tokenize_conversation(tokenizer, conv, max_length=config.max_length)
+        samples.append(s)
+        n_trunc += cut
+    if n_trunc:
+        warnings.warn(f"{n_trunc} of {len(samples)} conversations were truncated to max_length={config.max_length}",
+                      stacklevel=2)
+    comp = components or build_components(model, tcfg)
+    state, position = TrainingState(), 0
+    out = Path(tcfg.output_dir)
+    if resume and latest_checkpoint(out) is not None:
+        state, extra = load_checkpoint(comp, out)
+        position = int(extra.get("data_position", 0))
+    logger = logger or JSONLLogger(out / "metrics.jsonl", enabled=comp.rank == 0)
+    history: list[dict] = []
+    pad_id = tokenizer.pad_token_id or 0
+    bar = tqdm(total=config.num_steps, initial=state.step, disable=comp.rank != 0, desc="sft")
+    try:
+        while state.step < config.num_steps:
+            idx = _batch_indices(len(samples), position, config.batch_size, config.seed)
+            batch = [samples[i] for i in idx]
+            mbs = build_micro_batches(batch, token_budget=tcfg.token_budget, bucket_size=tcfg.bucket_size,
+                                      pad_id=pad_id, num_ranks=comp.world_size, rank=comp.rank)
+            fut = forward_backward(comp, mbs, tcfg)
+            opt_fut, state = optim_step(comp, state, tcfg)
+            position += config.batch_size
+            metrics = {**fut.result(), **opt_fut.result()}
+            logger.log(state.step, metrics)
+            history.append(metrics)
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['loss']:.4f}")
+            if tcfg.save_every and state.step % tcfg.save_every == 0:
+                save_checkpoint(comp, state, {"data_position": position})
+        save_checkpoint(comp, state, {"data_position": position})
+    except KeyboardInterrupt:
+        save_checkpoint(comp, state, {"data_position": position})
+        raise
+    finally:
+        bar.close()
+        logger.close()
+    return comp, state, history
