@@ -411,12 +411,23 @@ class WeightSyncSender:
             else:
                 self._send_buckets(calls, on_bucket)
             calls.join(self.timeout_s, "update_weights_from_distributed")
-        except BaseException:
+        except WeightSyncError as e:
             self.close()  # the group may hold a half-done collective: force a re-init
+            raise self._explain(e, calls) from e
+        except BaseException:
+            self.close()
             raise
         self.weight_version = version
         self.last_sync_s = time.perf_counter() - t0
         return version
+
+    def _explain(self, err: WeightSyncError, calls: _HttpCalls) -> WeightSyncError:
+        """A transport error does not say which engine died; its HTTP call usually does, a moment later."""
+        calls._thread.join(min(2.0, self.timeout_s))
+        if calls.error is not None and calls.error is not err:
+            return WeightSyncError(f"{calls.error} (transport: {err}); restart the engine and call init_group()")
+        urls = ", ".join(getattr(e, "url", str(e)) for e in self.engines)
+        return WeightSyncError(f"{err} (engines: {urls}); restart the failed engine and call init_group()")
 
     def _send_per_tensor(self, calls: _HttpCalls) -> None:
         for i, t in self._gathered():

@@ -33,6 +33,10 @@ class EngineProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> EngineProcess:
+        return self.launch().wait_healthy()
+
+    def launch(self) -> EngineProcess:
+        """Spawn without waiting (start several engines in parallel, then wait_healthy() each)."""
         cmd = [sys.executable, "-m", "engines.embedded", "--model", self.model, "--port", str(self.port),
                "--seed", str(self.seed), "--threads", str(self.threads), *self.extra_args]
         if self.api_key:
@@ -40,6 +44,10 @@ class EngineProcess:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
         self.proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        return self
+
+    def wait_healthy(self) -> EngineProcess:
+        """Poll /health until it answers 200 (or the process exits, or the deadline passes)."""
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
