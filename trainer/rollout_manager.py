@@ -309,8 +309,8 @@ class AsyncRolloutManager:
         uid = self._group_uid
         self._group_uid += 1
         meta = {**prompt.metadata, "answer": prompt.answer, "prompt_index": prompt.index, "group_uid": uid}
-        return [Sample(prompt=prompt.prompt, tokens=tuple(ids), rollout_logprobs=(), metadata=meta, index=j)
-                for j in range(self.config.n_samples_per_prompt)]
+        return [Sample(prompt=prompt.prompt, tokens=tuple(ids), rollout_logprobs=(), index=j,
+                       metadata={**meta, "sample_index": j}) for j in range(self.config.n_samples_per_prompt)]
 
     def _refresh_cached(self, group: list[Sample]) -> tuple[list[Sample], int]:
         """Restart the samples of a cached group that lag the trainer by more than max_staleness versions."""
@@ -373,7 +373,8 @@ class AsyncRolloutManager:
         groups: dict[int, list[Sample]] = {}  # slot -> current state of each group this batch touched
         accepted: list[int] = []
         filtered: set[int] = set()
-        running: set[int] = set()
+        running: set[int] = set()  # group tasks still alive
+        received = 0  # groups reported back to this loop; launched - received = groups still owed to it
         self._stopping = False
         send, recv = trio.open_memory_channel(math.inf)
 
@@ -395,7 +396,7 @@ class AsyncRolloutManager:
 
             while len(accepted) < need:
                 want = math.ceil(c.over_sampling_factor * (need - len(accepted)))
-                while len(running) < want:
+                while len(groups) - received < want:
                     if cached:
                         group, restarted = self._refresh_cached(cached.pop(0))
                         counters["samples_restarted_stale"] += restarted
@@ -403,6 +404,7 @@ class AsyncRolloutManager:
                         group = self._new_group(data_buffer.get_prompts(1)[0])
                     launch(group)
                 slot = await recv.receive()
+                received += 1
                 group = groups[slot]
                 counters["reward_failed"] += sum(1 for s in group if "reward_error" in s.metadata)
                 dropped_by = first_failed_filter(group, self.filters)

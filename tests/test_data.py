@@ -1,0 +1,89 @@
+"""DataBuffer (epochs, seeded shuffle, resume) and the JSONL loader's errors."""
+
+import json
+import random
+
+import pytest
+
+from trainer.data import DataBuffer, Prompt, load_jsonl, write_jsonl
+
+
+def _prompts(n):
+    return [Prompt(prompt=f"p{i}", answer=str(i), index=i) for i in range(n)]
+
+
+def test_every_prompt_once_per_epoch_and_epochs_reshuffle():
+    rng = random.Random(1)
+    n, seed = rng.randint(7, 23), rng.randint(0, 10_000)
+    buf = DataBuffer(_prompts(n), seed=seed)
+    # Draw in ragged chunks that straddle epoch boundaries.
+    drawn = []
+    while len(drawn) < 3 * n:
+        drawn += [p.index for p in buf.get_prompts(min(rng.randint(1, 5), 3 * n - len(drawn)))]
+    epochs = [drawn[k * n:(k + 1) * n] for k in range(3)]
+    for e in epochs:
+        assert sorted(e) == list(range(n))
+    assert epochs[0] != epochs[1] and epochs[1] != epochs[2]  # fresh permutation per epoch
+    assert buf.epoch_id == 2 and buf.sample_offset == n
+    # Same seed -> same order; other seed -> other order.
+    assert [p.index for p in DataBuffer(_prompts(n), seed=seed).get_prompts(3 * n)] == drawn
+    assert [p.index for p in DataBuffer(_prompts(n), seed=seed + 1).get_prompts(n)] != epochs[0]
+    assert [p.index for p in DataBuffer(_prompts(n), shuffle=False).get_prompts(n)] == list(range(n))
+
+
+def test_state_dict_resume_continues_the_same_stream():
+    n = 11
+    ref = DataBuffer(_prompts(n), seed=5)
+    stream = [p.index for p in ref.get_prompts(40)]
+    a = DataBuffer(_prompts(n), seed=5)
+    head = [p.index for p in a.get_prompts(17)]
+    state = json.loads(json.dumps(a.state_dict()))  # must survive a JSON checkpoint
+    b = DataBuffer(_prompts(n), seed=999)  # a different seed is overwritten by the state
+    b.load_state_dict(state)
+    assert head + [p.index for p in b.get_prompts(23)] == stream
+    with pytest.raises(ValueError, match="same prompt file"):
+        DataBuffer(_prompts(n + 1)).load_state_dict(state)
+    with pytest.raises(ValueError, match="missing keys"):
+        b.load_state_dict({"epoch_id": 0})
+
+
+def test_load_jsonl_keeps_answer_and_metadata(tmp_path):
+    path = tmp_path / "p.jsonl"
+    write_jsonl(path, [{"prompt": "1+2=", "answer": 3, "level": "easy"}, {"prompt": "x", "tags": [1, 2]}])
+    with open(path, "a") as f:
+        f.write("\n   \n")  # blank lines are skipped
+    ps = load_jsonl(path)
+    assert [(p.prompt, p.answer, dict(p.metadata), p.index) for p in ps] == [
+        ("1+2=", "3", {"level": "easy"}, 0), ("x", None, {"tags": [1, 2]}, 1)]
+    assert len(DataBuffer.from_jsonl(path)) == 2
+
+
+def test_empty_prompt_file_is_a_clear_error(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n\n")
+    with pytest.raises(ValueError, match=r"empty\.jsonl: no prompts found"):
+        load_jsonl(path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_jsonl(tmp_path / "nope.jsonl")
+    with pytest.raises(ValueError, match="at least one prompt"):
+        DataBuffer([])
+
+
+@pytest.mark.parametrize("bad, msg", [
+    ('{"prompt": "ok"', "malformed JSON"),
+    ('["a list"]', "expected a JSON object"),
+    ('{"question": "no prompt key"}', "missing key 'prompt'"),
+    ('{"prompt": ""}', "non-empty string"),
+])
+def test_malformed_line_names_file_and_line(tmp_path, bad, msg):
+    path = tmp_path / "bad.jsonl"
+    lines = ['{"prompt": "a"}', "", '{"prompt": "b"}', bad, '{"prompt": "c"}']
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=msg) as e:
+        load_jsonl(path)
+    assert f"{path}:4:" in str(e.value)
+
+
+def test_get_prompts_rejects_negative():
+    with pytest.raises(ValueError, match="n: must be >= 0"):
+        DataBuffer(_prompts(3)).get_prompts(-1)

@@ -1,0 +1,114 @@
+"""Built-in verifiable rewards, reward loading and failure isolation, and the shipped data sets."""
+
+import json
+import os
+import random
+
+import pytest
+
+from trainer.data import load_jsonl
+from trainer.rewards import (
+    arithmetic_reward,
+    compute_rewards,
+    countdown_reward,
+    load_reward_fn,
+    make_arithmetic_problems,
+    make_countdown_problems,
+    write_demo_data,
+)
+from trainer.tokenizer import build_tokenizer
+from trainer.types import Sample, Status
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _sample(response, **meta):
+    return Sample(prompt="q", tokens=(7, 8), response=response, metadata=meta)
+
+
+def test_arithmetic_problems_are_correct_distinct_and_tokenizable():
+    tok = build_tokenizer()
+    seed = random.randint(0, 10_000)
+    probs = make_arithmetic_problems(300, seed=seed, max_operand=30, ops="+-*")
+    assert len({p["prompt"] for p in probs}) == 300
+    for p in probs:
+        a, op, b = p["prompt"][:-1].partition("+") if "+" in p["prompt"] else (
+            p["prompt"][:-1].partition("*") if "*" in p["prompt"] else p["prompt"][:-1].partition("-"))
+        expect = {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
+        assert int(p["answer"]) == expect
+        assert tok.unk_token_id not in tok(p["prompt"] + p["answer"], add_special_tokens=False)["input_ids"]
+    assert make_arithmetic_problems(50, seed=seed) == make_arithmetic_problems(50, seed=seed)
+    with pytest.raises(ValueError, match="distinct problems"):
+        make_arithmetic_problems(10_000, max_operand=5)
+
+
+def test_arithmetic_reward_exact_match_on_final_integer():
+    rng = random.Random(3)
+    for _ in range(50):
+        ans = rng.randint(-99, 99)
+        other = ans + rng.choice([-1, 1]) * rng.randint(1, 9)
+        assert arithmetic_reward(_sample(f"{ans}", answer=str(ans))) == 1.0
+        assert arithmetic_reward(_sample(f"{other} no, {ans}<|im_end|>junk 5", answer=str(ans))) == 1.0
+        assert arithmetic_reward(_sample(f"{ans} no {other}", answer=str(ans))) == 0.0
+        assert arithmetic_reward(_sample(f"{ans}{rng.randint(0, 9)}", answer=str(ans))) == 0.0
+    assert arithmetic_reward(_sample("no digits", answer="4")) == 0.0
+
+
+def test_countdown_problems_solvable_and_reward_rules():
+    for p in make_countdown_problems(40, seed=1):
+        assert p["target"] > 0 and len(p["numbers"]) == 3
+    meta = {"numbers": [3, 5, 7], "target": 22}
+    assert countdown_reward(_sample("3*5+7", **meta)) == 1.0
+    assert countdown_reward(_sample("(7+5)*3-14 = 22", **meta)) == 0.0  # 14 was not offered
+    assert countdown_reward(_sample("3*5+7+3", **meta)) == 0.0  # 3 used twice
+    assert countdown_reward(_sample("3+5+7", **meta)) == 0.1  # well-formed, wrong value
+    assert countdown_reward(_sample("7/(5-5)", **meta)) == 0.0
+    assert countdown_reward(_sample("__import__('os')", **meta)) == 0.0
+    assert countdown_reward(_sample("(7*3+5)/1", numbers=[7, 3, 5, 1], target=26)) == 1.0
+
+
+def test_raising_reward_marks_failed_and_counts(tmp_path):
+    def flaky(sample):
+        if "boom" in sample.response:
+            raise RuntimeError("reward server down")
+        if "nan" in sample.response:
+            return float("nan")
+        return 0.5
+
+    samples = [_sample("fine"), _sample("boom"), _sample("nan"), _sample("fine too")]
+    scored, failed = compute_rewards(samples, flaky)
+    assert failed == 2
+    assert [s.status for s in scored] == [Status.PENDING, Status.FAILED, Status.FAILED, Status.PENDING]
+    assert [s.reward for s in scored] == [0.5, 0.0, 0.0, 0.5]
+    assert "RuntimeError: reward server down" in scored[1].metadata["reward_error"]
+    # A missing answer is a reward error too, not a crash.
+    scored, failed = compute_rewards([_sample("3")], arithmetic_reward)
+    assert failed == 1 and "answer" in scored[0].metadata["reward_error"]
+
+
+def test_load_reward_fn_builtin_module_and_file(tmp_path):
+    assert load_reward_fn("arithmetic") is arithmetic_reward
+    assert load_reward_fn("trainer.rewards:countdown_reward") is countdown_reward
+    f = tmp_path / "my_reward.py"
+    f.write_text("def score(sample):\n    return float(len(sample.response))\n")
+    assert load_reward_fn(f"{f}:score")(_sample("abcd")) == 4.0
+    with pytest.raises(ValueError, match="no callable 'nope'"):
+        load_reward_fn("trainer.rewards:nope")
+    with pytest.raises(ValueError, match="cannot import"):
+        load_reward_fn("not_a_module_xyz:fn")
+    with pytest.raises(ValueError, match="module:function"):
+        load_reward_fn("unknown_builtin")
+
+
+def test_shipped_data_is_what_the_script_writes(tmp_path):
+    paths = write_demo_data(str(tmp_path))
+    for path in paths.values():
+        shipped = os.path.join(ROOT, "data", os.path.basename(path))
+        with open(shipped) as a, open(path) as b:
+            assert a.read() == b.read(), f"data/{os.path.basename(path)} is stale: rerun python -m trainer.rewards"
+    train = {p.prompt for p in load_jsonl(paths["arithmetic_train"])}
+    test = load_jsonl(paths["arithmetic_test"])
+    assert not train & {p.prompt for p in test}  # held-out really is held out
+    assert all(arithmetic_reward(_sample(p.answer, answer=p.answer)) == 1.0 for p in test)
+    with open(paths["countdown_test"]) as f:
+        assert all(json.loads(line)["task"] == "countdown" for line in f)

@@ -1,0 +1,348 @@
+"""AsyncRolloutManager against real loopback HTTP servers that speak SGLang's native /generate shape.
+
+`FakeEngine` is a starlette app served by uvicorn in a thread: it "answers" arithmetic prompts (right or
+wrong depending on the seed), returns per-token log-probs from a known formula, its weight_version, honours
+/abort_request by returning partial output with finish_reason "abort", and can be told to be slow or to fail.
+"""
+
+import asyncio
+import dataclasses
+import re
+import socket
+import statistics
+import threading
+import time
+
+import pytest
+import trio
+import uvicorn
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from trainer.data import DataBuffer, Prompt
+from trainer.rewards import arithmetic_reward
+from trainer.rollout import generate_rollout_batches
+from trainer.rollout_manager import AsyncRolloutManager, EngineUnavailableError
+from trainer.tokenizer import build_tokenizer
+from trainer.types import RolloutConfig, Sample, Status
+
+TOK = build_tokenizer()
+EOS = TOK.eos_token_id
+
+
+def engine_logprob(token_id: int, position: int) -> float:
+    """The fake engine's log-prob of `token_id` at absolute position `position` (known to the tests)."""
+    return -((token_id * 31 + position * 7) % 97 + 1) / 100
+
+
+class FakeEngine:
+    """Prompt "a<op>b=": even a -> always the right answer (a zero-variance group); odd a -> right with p=1/2.
+    Prompts with b % slow_mod == 0 answer "the answer is X": 2 quick tokens, then slow_latency per token."""
+
+    def __init__(self):
+        self.version = 0
+        self.latency = 0.002
+        self.slow_mod = 0
+        self.slow_latency = 0.5
+        self.fail_generate = 0  # answer this many /generate calls with HTTP 503
+        self.active = 0
+        self.requests = 0
+        self.aborts = 0
+        self._abort_gen = 0
+        app = Starlette(routes=[Route("/generate", self.generate, methods=["POST"]),
+                                Route("/health", self.health, methods=["GET"]),
+                                Route("/abort_request", self.abort, methods=["POST"])])
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="error", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.01)
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=5)
+
+    async def health(self, request):
+        return JSONResponse({"ok": True})
+
+    async def abort(self, request):
+        body = await request.json()
+        assert body.get("abort_all") is True
+        self.aborts += 1
+        self._abort_gen += 1
+        return JSONResponse({})
+
+    async def generate(self, request):
+        body = await request.json()
+        self.requests += 1
+        if self.fail_generate > 0:
+            self.fail_generate -= 1
+            return JSONResponse({"error": "overloaded"}, status_code=503)
+        ids, sp = body["input_ids"], body["sampling_params"]
+        assert body["return_logprob"] is True and EOS in sp["stop_token_ids"]
+        m = re.match(r"(\d+)([+\-*])(\d+)=(.*)", TOK.decode(ids))
+        a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
+        import random
+        rng = random.Random(sp["seed"])
+        answer = a + b if op == "+" else a - b
+        guess = answer if a % 2 == 0 or rng.random() < 0.5 else answer + 1
+        slow = self.slow_mod and b % self.slow_mod == 0
+        partial = m.group(4)  # a resumed request: continue the text it started
+        text = f"the answer is {guess}" if slow or partial else str(guess)
+        todo = TOK(text[len(partial):], add_special_tokens=False)["input_ids"] + [EOS]
+        out, finish, gen = [], "stop", self._abort_gen
+        self.active += 1
+        try:
+            for k, t in enumerate(todo):
+                if len(out) == sp["max_new_tokens"]:
+                    finish = "length"
+                    break
+                await asyncio.sleep(self.slow_latency if slow and k >= 2 else self.latency)
+                if self._abort_gen != gen:
+                    finish = "abort"
+                    break
+                out.append(t)
+        finally:
+            self.active -= 1
+        lps = [[engine_logprob(t, len(ids) + i), t, None] for i, t in enumerate(out)]
+        return JSONResponse({"text": TOK.decode(out), "output_ids": out, "meta_info": {
+            "id": body.get("rid"), "finish_reason": {"type": finish}, "prompt_tokens": len(ids),
+            "completion_tokens": len(out), "output_token_logprobs": lps, "weight_version": str(self.version)}})
+
+
+@pytest.fixture(scope="module")
+def engines():
+    es = [FakeEngine(), FakeEngine()]
+    yield es
+    for e in es:
+        e.close()
+
+
+@pytest.fixture
+def engine(engines):
+    for e in engines:
+        e.version, e.slow_mod, e.fail_generate, e.latency = 0, 0, 0, 0.002
+    return engines[0]
+
+
+def _buffer(prompts, seed=0):
+    return DataBuffer([Prompt(prompt=p, answer=str(eval(p[:-1])), index=i) for i, p in enumerate(prompts)],
+                      seed=seed, shuffle=False)
+
+
+def _arith_buffer(n=40, seed=0):
+    import random
+    rng = random.Random(seed)
+    return _buffer([f"{rng.randint(0, 60)}+{rng.randint(1, 60)}=" for _ in range(n)])
+
+
+def _run(manager, buffer):
+    async def go():
+        async with manager:
+            batch = await manager.generate_batch(buffer)
+            assert manager.num_in_flight == 0
+            return batch
+    return trio.run(go)
+
+
+def _check_logprobs(s: Sample):
+    """Samples keep exactly the engine's log-probs, position by position, across resumed segments."""
+    expect = [engine_logprob(t, s.prompt_length + i) for i, t in enumerate(s.tokens[s.prompt_length:])]
+    assert s.rollout_logprobs == pytest.approx(expect, abs=1e-12)
+
+
+def test_batch_from_two_engines_keeps_logprobs_versions_and_groups(engines, engine):
+    for e in engines:
+        e.version = 3
+    before = [e.requests for e in engines]
+    cfg = RolloutConfig(rollout_batch_size=4, n_samples_per_prompt=3, max_new_tokens=8, seed=11)
+    m = AsyncRolloutManager([e.url for e in engines], cfg, tokenizer=TOK, reward_fn="arithmetic")
+    batch = _run(m, _arith_buffer())
+    assert len(batch) == 12 and all(e.requests > b for e, b in zip(engines, before))  # both engines used
+    for g in range(4):
+        group = [s for s in batch.samples if s.group_index == g]
+        assert len(group) == 3 and len({s.prompt for s in group}) == 1
+    for s in batch.samples:
+        assert s.status == Status.COMPLETED and s.weight_version == 3 and s.metadata["weight_versions"] == [3]
+        assert list(s.tokens[: s.prompt_length]) == TOK(s.prompt, add_special_tokens=False)["input_ids"]
+        assert s.tokens[-1] == EOS and s.response == TOK.decode(list(s.tokens[s.prompt_length:]))
+        assert s.reward == arithmetic_reward(s) and s.reward == float(int(s.response[:-5]) == eval(s.prompt[:-1]))
+        _check_logprobs(s)
+    assert batch.metadata["groups_submitted"] == 4 and batch.metadata["weight_version"] == 0
+    assert batch.metadata["reward_mean"] == pytest.approx(statistics.mean(batch.rewards))
+
+
+def test_oversampling_fills_batch_and_filter_drops_zero_variance_groups(engine):
+    cfg = RolloutConfig(rollout_batch_size=4, n_samples_per_prompt=4, over_sampling_factor=2.0, max_new_tokens=8,
+                        dynamic_filters=("check_reward_nonzero_std",), seed=1)
+    m = AsyncRolloutManager([engine.url], cfg, tokenizer=TOK, reward_fn="arithmetic")
+    # The 8 groups first in flight (2 x 4) all have an even first operand, so the engine is always right and
+    # they have zero reward variance: every accepted group must come from the odd prompts launched after.
+    import random
+    rng = random.Random(2)
+    prompts = [f"{2 * rng.randint(0, 30)}+{rng.randint(1, 60)}=" for _ in range(8)]
+    prompts += [f"{2 * rng.randint(0, 30) + 1}+{rng.randint(1, 60)}=" for _ in range(40)]
+    batch = _run(m, _buffer(prompts))
+    md = batch.metadata
+    assert len(batch) == 16
+    for g in range(4):
+        rewards = [s.reward for s in batch.samples if s.group_index == g]
+        assert statistics.pstdev(rewards) > 0
+        assert int(batch.samples[4 * g].prompt.split("+")[0]) % 2 == 1  # even a -> all right -> zero variance
+    assert md["groups_filtered"] >= 1 and md["filtered_check_reward_nonzero_std"] == md["groups_filtered"]
+    assert 8 < md["groups_submitted"] <= 8 + md["groups_filtered"]  # replacements only for dropped groups
+
+
+def test_abort_leaves_no_stray_requests_and_partials_resume_with_their_version(engine):
+    engine.slow_mod, engine.version, engine.latency = 5, 7, 0.005
+    # Fast prompts (b % 5 != 0) and slow ones (b % 5 == 0) interleaved; 2 needed, 3x over-sampled.
+    prompts = ["1+2=", "3+5=", "5+1=", "7+10=", "9+15=", "11+20=", "13+3=", "15+4=", "17+6=", "19+7="]
+    cfg = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2, over_sampling_factor=3.0,
+                        max_new_tokens=24, max_staleness=1, abort_grace_s=3.0, seed=3)
+    m = AsyncRolloutManager([engine.url], cfg, tokenizer=TOK, reward_fn="arithmetic")
+    m.set_weight_version(7)
+    buf = _buffer(prompts)
+    t0 = time.monotonic()
+    batch = _run(m, buf)
+    assert time.monotonic() - t0 < 5  # did not wait for the slow requests (they need > 10 s)
+    assert {s.prompt for s in batch.samples} == {"1+2=", "5+1="}
+    assert engine.aborts >= 1 and m.num_in_flight == 0
+    deadline = time.monotonic() + 2
+    while engine.active and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.active == 0  # the engine is not still generating for requests nobody waits on
+    cached = m.partial_groups
+    assert sorted(g[0].prompt for g in cached) == ["11+20=", "3+5=", "7+10=", "9+15="]
+    partial = [s for g in cached for s in g if s.response_length > 0]
+    assert partial and batch.metadata["samples_aborted"] == len(partial)
+    for s in partial:
+        assert s.status == Status.ABORTED and s.metadata["weight_versions"] == [7] and s.weight_version == 7
+        assert s.response.startswith("th")
+        _check_logprobs(s)
+    before = {(g[0].prompt, s.metadata["sample_index"]): s.tokens for g in cached for s in g}
+
+    # Next batch under version 8: cached groups go first and finish; partial tokens are kept as a prefix.
+    engine.slow_mod, engine.version = 0, 8
+    m.set_weight_version(8)
+    state = m.state_dict()  # survives a checkpoint round trip
+    # Exactly the 4 cached groups are needed and launched first (no over-sampling), so all of them finish.
+    cfg2 = dataclasses.replace(cfg, rollout_batch_size=4, over_sampling_factor=1.0)
+    m2 = AsyncRolloutManager([engine.url], cfg2, tokenizer=TOK, reward_fn="arithmetic")
+    m2.load_state_dict(state)
+    batch2 = _run(m2, buf)
+    assert batch2.metadata["groups_resumed"] == 4 and batch2.metadata["groups_submitted"] == 4
+    assert {s.prompt for s in batch2.samples} == {g[0].prompt for g in cached}
+    resumed = [s for s in batch2.samples if len(s.metadata["weight_versions"]) == 2]
+    assert len(resumed) == len(partial)
+    for s in batch2.samples:
+        old = before[(s.prompt, s.metadata["sample_index"])]
+        assert s.tokens[: len(old)] == old and s.status == Status.COMPLETED
+        _check_logprobs(s)
+    for s in resumed:
+        assert s.metadata["weight_versions"] == [7, 8] and s.weight_version == 7  # oldest segment counts
+        assert s.reward == float(int(s.response.split()[-1].replace("<eos>", "")) == eval(s.prompt[:-1]))
+
+
+def test_stale_partials_restart_from_the_prompt(engine):
+    engine.slow_mod, engine.latency = 5, 0.005
+    cfg = RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=2, over_sampling_factor=2.0,
+                        max_new_tokens=24, max_staleness=0, abort_grace_s=3.0)
+    m = AsyncRolloutManager([engine.url], cfg, tokenizer=TOK, reward_fn="arithmetic")
+    buf = _buffer(["1+2=", "3+5=", "2+2=", "4+4="])
+    _run(m, buf)
+    partial = [s for g in m.partial_groups for s in g if s.response_length > 0]
+    assert partial
+    engine.slow_mod, engine.version = 0, 1
+    m.set_weight_version(1)  # max_staleness=0: version-0 tokens may not be continued
+    batch = _run(m, buf)
+    assert batch.metadata["samples_restarted_stale"] == len(partial)
+    for s in batch.samples:
+        assert s.metadata["weight_versions"] == [1] and s.weight_version == 1
+
+
+def test_engine_that_does_not_answer_fails_clearly_within_bounded_time(engine):
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    dead_url = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    closed.close()  # nothing listens there: connection refused
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # accepts TCP connections (kernel backlog) but never answers
+    silent_url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    cfg = RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=2, max_retries=2, retry_backoff_s=0.05,
+                        request_timeout_s=0.3, connect_timeout_s=0.3)
+    try:
+        for url in (dead_url, silent_url):
+            t0 = time.monotonic()
+            with pytest.raises(EngineUnavailableError, match=re.escape(url) + ".*GET /health after 3 attempts"):
+                _run(AsyncRolloutManager([url], cfg, tokenizer=TOK), _arith_buffer())
+            assert time.monotonic() - t0 < 5
+    finally:
+        silent.close()
+    # A flaky engine: 503s are retried, then succeed; an engine that keeps failing ends in a clear error.
+    engine.fail_generate = 2
+    m = AsyncRolloutManager([engine.url], cfg, tokenizer=TOK, reward_fn="arithmetic")
+    assert len(_run(m, _arith_buffer())) == 2 and m.stats["retries"] == 2
+    engine.fail_generate = 1000
+    with pytest.raises(EngineUnavailableError, match="POST /generate after 3 attempts.*503"):
+        _run(AsyncRolloutManager([engine.url], cfg, tokenizer=TOK), _arith_buffer())
+
+
+def test_raising_reward_marks_samples_failed_without_crashing(engine):
+    def reward(sample):
+        if sample.metadata["prompt_index"] % 2:
+            raise KeyError("judge unavailable")
+        return arithmetic_reward(sample)
+
+    cfg = RolloutConfig(rollout_batch_size=4, n_samples_per_prompt=2, max_new_tokens=8)
+    batch = _run(AsyncRolloutManager([engine.url], cfg, tokenizer=TOK, reward_fn=reward), _arith_buffer())
+    failed = [s for s in batch.samples if s.status == Status.FAILED]
+    assert len(failed) == 4 and batch.metadata["reward_failed"] == 4
+    assert all(s.metadata["prompt_index"] % 2 == 1 and s.reward == 0.0 for s in failed)
+    assert batch.metadata["failed_fraction"] == 0.5
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_custom_sync_and_async_generate_fns(kind):
+    seen_threads = set()
+
+    def extend(call, sample):
+        seen_threads.add(threading.current_thread() is threading.main_thread())
+        resp = TOK(str(eval(sample.prompt[:-1]) + sample.index), add_special_tokens=False)["input_ids"]
+        return Sample(prompt=sample.prompt, tokens=sample.tokens + tuple(resp), response=TOK.decode(resp),
+                      response_length=len(resp), rollout_logprobs=(-0.5,) * len(resp), metadata=sample.metadata,
+                      index=sample.index, status=Status.COMPLETED, weight_version=call.weight_version)
+
+    async def extend_async(call, sample):
+        await trio.sleep(0.001)
+        return extend(call, sample)
+
+    cfg = RolloutConfig(rollout_batch_size=3, n_samples_per_prompt=3, dynamic_filters=("check_reward_nonzero_std",))
+    m = AsyncRolloutManager([], cfg, tokenizer=TOK, reward_fn="arithmetic",
+                            generate_fn=extend if kind == "sync" else extend_async)
+    m.set_weight_version(4)
+    batch = _run(m, _arith_buffer())
+    assert seen_threads == ({False} if kind == "sync" else {True})  # sync fns run in worker threads
+    for s in batch.samples:  # sample 0 of each group is right, the others are off by their index
+        assert s.reward == float(s.metadata["sample_index"] == 0) and s.weight_version == 4
+
+
+def test_generate_rollout_batches_is_deterministic(engine):
+    cfg = RolloutConfig(rollout_batch_size=3, n_samples_per_prompt=2, max_new_tokens=8, temperature=0.7, seed=5)
+
+    def stream():
+        gen = generate_rollout_batches(_arith_buffer(), cfg, engine_urls=[engine.url], tokenizer=TOK,
+                                       reward_fn="arithmetic", num_batches=3, weight_version=lambda: 2)
+        return [[(s.tokens, s.reward, s.weight_version) for s in b.samples] for b in gen]
+
+    a, b = stream(), stream()
+    assert a == b and len(a) == 3
+    assert len({tuple(x[0] for x in batch) for batch in a}) == 3  # different prompts each step
+    with pytest.raises(ValueError, match="unknown filter"):
+        AsyncRolloutManager([engine.url], RolloutConfig(dynamic_filters=("nope",)), tokenizer=TOK)
+    with pytest.raises(ValueError, match="engine_urls"):
+        AsyncRolloutManager([], cfg, tokenizer=TOK)
