@@ -15,18 +15,15 @@ import sys
 os.environ["TRITON_INTERPRET"] = "0"  # CPU production path: torch implementations of the kernels
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
-from kernels import use_backend  # noqa: E402
-from trainer.batch import build_micro_batches  # noqa: E402
-from trainer.core import TrainerConfig, build_components, forward_backward, init_distributed, optim_step  # noqa: E402
-from trainer.models import tiny_model_config  # noqa: E402
 from trainer.types import Sample, TrainingState  # noqa: E402
 
 BUDGET, BUCKET = 128, 32
 
 
-def config(output_dir: str = "runs/test", compile: bool = True) -> TrainerConfig:
+def config(output_dir: str = "runs/test", compile: bool = True):
+    from trainer.core import TrainerConfig
+
     return TrainerConfig(loss="nll", lr=3e-3, warmup_steps=1, num_steps=6, compile=compile,
                          compile_backend="aot_eager", token_budget=BUDGET, bucket_size=BUCKET,
                          output_dir=output_dir, max_grad_norm=1.0, seed=0)
@@ -46,6 +43,9 @@ def step_samples(step: int, n: int = 6) -> list[Sample]:
 
 
 def train_steps(comp, state: TrainingState, steps: range) -> tuple[TrainingState, list[float]]:
+    from trainer.batch import build_micro_batches
+    from trainer.core import forward_backward, optim_step
+
     losses = []
     for step in steps:
         mbs = build_micro_batches(step_samples(step), token_budget=BUDGET, bucket_size=BUCKET,
@@ -64,10 +64,16 @@ def full_params(comp) -> dict[str, torch.Tensor]:
 
 
 def _fsdp_rank(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from kernels import use_backend
+    from trainer.core import build_components, init_distributed
+    from trainer.models import tiny_model_config
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     with use_backend("torch"):
-        comp = build_components(tiny_model_config(), config(), mesh=init_distributed("cpu"))
+        comp = build_components(tiny_model_config(), config(compile=False), mesh=init_distributed("cpu"))
         _, losses = train_steps(comp, TrainingState(), range(3))
         params = full_params(comp)
     if rank == 0:
@@ -88,7 +94,10 @@ def main(argv: list[str]) -> None:
             port = s.getsockname()[1]
         mp.spawn(_fsdp_rank, args=(world, port, out), nprocs=world, join=True)
     elif mode == "train":
+        from kernels import use_backend
         from trainer.checkpoint import load_checkpoint, save_checkpoint
+        from trainer.core import build_components
+        from trainer.models import tiny_model_config
 
         output_dir, steps, save_at = argv[2], int(argv[3]), int(argv[4])
         resume = len(argv) > 5 and argv[5] == "resume"

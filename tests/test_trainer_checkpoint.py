@@ -1,0 +1,76 @@
+"""Checkpoints: kill-and-resume reproduces later steps exactly in a fresh process; incomplete checkpoints are
+never picked; a changed config is refused; keep_last prunes."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import use_backend
+from trainer.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from trainer.core import build_components
+from trainer.models import tiny_model_config
+from trainer.types import TrainingState
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "trainer_worker.py"
+sys.path.insert(0, str(WORKER.parent))
+import trainer_worker as w  # noqa: E402
+
+
+def test_kill_and_resume_reproduces_steps_exactly(tmp_path):
+    out = tmp_path / "run"
+    with use_backend("torch"):
+        comp = build_components(tiny_model_config(), w.config(str(out), compile=False))
+        state, first = w.train_steps(comp, TrainingState(), range(2))
+        save_checkpoint(comp, state, {"next_step": state.step})
+        state, rest = w.train_steps(comp, state, range(2, 4))
+    assert state.step == 4 and state.tokens_seen > 0
+    # A fresh process resumes from the step-2 checkpoint and runs steps 3-4.
+    env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, str(WORKER), "train", str(tmp_path / "r.pt"), str(out), "4", "2", "resume"],
+                   check=True, timeout=240, env=env, cwd=ROOT)
+    resumed = torch.load(tmp_path / "r.pt")
+    assert resumed["first_step"] == 2
+    assert resumed["losses"] == rest, (resumed["losses"], rest)  # bit-exact
+    assert rest[0] != first[1]
+
+
+def test_incomplete_checkpoints_and_fingerprint(tmp_path):
+    out = tmp_path / "run"
+    cfg = w.config(str(out), compile=False)
+    cfg = dataclasses.replace(cfg, keep_last=2)
+    with use_backend("torch"):
+        comp = build_components(tiny_model_config(), cfg)
+        state = TrainingState()
+        for _ in range(3):
+            state, _ = w.train_steps(comp, state, range(state.step, state.step + 1))
+            save_checkpoint(comp, state, {"next_step": state.step})
+    assert [p.name for p in list_checkpoints(out)] == ["step_00000002", "step_00000003"]  # keep_last=2
+    newest = latest_checkpoint(out)
+    # A crash mid-save: a later step folder without state.json and a leftover temporary folder.
+    shutil.copytree(newest, newest.parent / "step_00000009")
+    (newest.parent / "step_00000009" / "state.json").unlink()
+    (newest.parent / ".tmp_step_00000010").mkdir()
+    assert latest_checkpoint(out) == newest
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        load_checkpoint(comp, newest.parent / "step_00000009")
+    with pytest.raises(ValueError, match="no complete checkpoint"):
+        load_checkpoint(comp, tmp_path / "elsewhere")
+    state2, extra = load_checkpoint(comp, out)
+    assert state2 == state and extra == {"next_step": 3}
+    other = dataclasses.replace(comp, config=dataclasses.replace(cfg, lr=cfg.lr * 2))
+    with pytest.raises(ValueError, match="fingerprint"):
+        load_checkpoint(other, out)
+    # output_dir / keep_last may change on resume
+    same = dataclasses.replace(comp, config=dataclasses.replace(cfg, keep_last=5, output_dir=str(tmp_path / "x")))
+    assert load_checkpoint(same, newest)[0] == state
+    with pytest.raises(TypeError):
+        save_checkpoint(comp, state, {"bad": object()})
