@@ -1,6 +1,8 @@
 """Fused Triton kernels for RL post-training, with torch paths and float64-checkable references."""
 
+from kernels.advantages import grpo_advantages, reinforce_advantages, rloo_advantages
 from kernels.device import backend_for, use_backend
+from kernels.linear_policy_loss import linear_policy_loss
 from kernels.logprobs import token_logprobs
 from kernels.packing import (
     PackedBatch,
@@ -12,9 +14,12 @@ from kernels.packing import (
     shift_left,
     unpack,
 )
+from kernels.policy_loss import PolicyLossConfig, policy_loss
 from kernels.scale import masked_scale
 
 __all__ = [
     "PackedBatch", "pack", "unpack", "pack_batch", "packed_layout", "cu_seqlens_from_lengths",
     "broadcast_to_tokens", "shift_left",
-    "backend_for", "use_backend", "masked_scale", "token_logprobs"]
+    "backend_for", "use_backend", "masked_scale", "token_logprobs",
+    "PolicyLossConfig", "policy_loss", "linear_policy_loss", "grpo_advantages", "rloo_advantages",
+    "reinforce_advantages"]

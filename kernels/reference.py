@@ -127,9 +127,10 @@ def policy_loss_ref(
     ratio = torch.exp(log_ratio)
     pg_unclipped = -adv * ratio
     pg_clipped = -adv * torch.clamp(ratio, 1.0 - c.clip_low, 1.0 + c.clip_high)
-    pg = torch.maximum(pg_unclipped, pg_clipped)
+    pg_ppo = torch.maximum(pg_unclipped, pg_clipped)
+    pg = pg_ppo
     if c.clip_ratio_c is not None:  # dual clip: bound the loss of negative-advantage tokens
-        pg = torch.where(adv < 0, torch.minimum(pg, -adv * c.clip_ratio_c), pg)
+        pg = torch.where(adv < 0, torch.minimum(pg_ppo, -adv * c.clip_ratio_c), pg_ppo)
     if rollout_logprobs is not None:  # truncated importance sampling, old policy vs the engine
         tis = torch.exp(torch.clamp(old - rollout_logprobs.to(dtype), -20.0, 20.0)).detach()
         if c.tis_cap is not None:
@@ -168,8 +169,8 @@ def policy_loss_ref(
         "ratio_mean": token_mean(ratio),
     }
     if c.clip_ratio_c is not None:
-        metrics["dual_clip_frac"] = token_mean(((adv < 0) & (-adv * c.clip_ratio_c < pg_unclipped)).to(dtype))
-    if c.entropy_coef != 0.0:
+        metrics["dual_clip_frac"] = token_mean(((adv < 0) & (-adv * c.clip_ratio_c < pg_ppo)).to(dtype))
+    if c.entropy_coef != 0.0 or c.log_entropy:
         metrics["entropy"] = token_mean(entropy)
     if kl is not None:
         metrics["kl"] = token_mean(kl)
