@@ -144,7 +144,7 @@ class AsyncRolloutManager:
 
     def __init__(self, engine_urls: Sequence[str], config: RolloutConfig, *, tokenizer: Any,
                  reward_fn: str | RewardFn | None = None, generate_fn: GenerateFn | None = None,
-                 filters: Sequence[Any] | None = None, check_health: bool = True) -> None:
+                 filters: Sequence[Any] | None = None, check_health: bool = True, api_key: str | None = None) -> None:
         self.engine_urls = [u.rstrip("/") for u in engine_urls]
         if not self.engine_urls and generate_fn is None:
             raise ValueError("engine_urls: give at least one engine URL (e.g. http://127.0.0.1:30000) "
@@ -156,6 +156,7 @@ class AsyncRolloutManager:
         self._gen_is_async = generate_fn is None or inspect.iscoroutinefunction(generate_fn)
         self.filters = resolve_filters(config.dynamic_filters if filters is None else filters)
         self.check_health = check_health
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.weight_version = 0
         self.partial_groups: list[list[Sample]] = []  # groups cut by the last batch, resumed first by the next
         self._group_uid = 0  # monotonically increasing id of each group drawn from the buffer (seeds, order)
@@ -172,7 +173,7 @@ class AsyncRolloutManager:
         c = self.config
         timeout = httpx.Timeout(c.request_timeout_s, connect=min(c.connect_timeout_s, c.request_timeout_s))
         limits = httpx.Limits(max_connections=c.max_concurrency + 2 * len(self.engine_urls))
-        self._client = httpx.AsyncClient(timeout=timeout, limits=limits)
+        self._client = httpx.AsyncClient(timeout=timeout, limits=limits, headers=self._headers)
         self._limiter = trio.CapacityLimiter(c.max_concurrency)
         try:
             if self.check_health:
@@ -239,21 +240,30 @@ class AsyncRolloutManager:
             f"{time.monotonic() - t0:.1f}s (last error: {type(last).__name__}: {last}); check that the server is "
             f"running at that URL, or raise max_retries / request_timeout_s")
 
-    async def _abort_all(self, urls: Sequence[str] | set[str] = ()) -> None:
-        """Ask every engine to cut its running requests short (best effort: errors are ignored)."""
+    async def _abort_all(self, urls: Sequence[str] | set[str] = ()) -> bool:
+        """Ask engines to cut their running requests short (best effort: errors are ignored).
+
+        Returns True when every engine accepted /abort_request, i.e. cut requests will come back early with
+        their partial output and are worth waiting for. Engines without it get SGLang's
+        /pause_generation {"mode": "abort"} + /continue_generation instead, and are not waited for.
+        """
+        ok: list[bool] = []
+
         async def one(url: str) -> None:
             try:
                 r = await self._client.post(url + "/abort_request", json={"abort_all": True, "rid": ""}, timeout=2)
-                if r.status_code == 404:  # engines without abort_request: pause in abort mode, then resume
+                ok.append(r.status_code < 400)
+                if r.status_code in (404, 405):
                     await self._client.post(url + "/pause_generation", json={"mode": "abort"}, timeout=2)
                     await self._client.post(url + "/continue_generation", json={}, timeout=2)
                 self.stats["aborts_sent"] += 1
             except httpx.HTTPError:
-                pass
+                ok.append(False)
 
         async with trio.open_nursery() as n:
             for url in set(urls) or set(self._in_flight.values()) or self.engine_urls:
                 n.start_soon(one, url)
+        return all(ok)
 
     # ----------------------------------------------------------------------------------------- one sample
     def _sampling_params(self, seed: int) -> dict[str, Any]:
@@ -424,10 +434,9 @@ class AsyncRolloutManager:
             self._stopping = True
             if running:
                 with trio.move_on_after(c.abort_grace_s):
-                    if self._in_flight:
-                        await self._abort_all()
-                    while running:
-                        await trio.sleep(0.005)
+                    if self._in_flight and await self._abort_all():
+                        while running:  # cut requests return their partial output
+                            await trio.sleep(0.005)
             nursery.cancel_scope.cancel()
 
         # Every group neither accepted nor filtered out is cached for the next batch: groups cut mid-generation

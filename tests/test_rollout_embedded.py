@@ -1,0 +1,90 @@
+"""AsyncRolloutManager against the real embedded engine (`python -m engines.embedded --model tiny`).
+
+The tiny model is random, so arithmetic rewards would all be 0; the reward here is the parity of the first
+response token, which gives groups with and without reward variance. The engine has no /abort_request (it
+answers 404), so the manager falls back to /pause_generation + /continue_generation and cancels the cut
+requests itself: they come back as pending samples of cached groups, and the next batch resumes them.
+"""
+
+import statistics
+
+import pytest
+import torch
+import trio
+
+from engines.embedded.launch import EngineProcess
+from engines.embedded.presets import build_tiny_model
+from trainer.data import DataBuffer, load_jsonl
+from trainer.rollout_manager import AsyncRolloutManager
+from trainer.tokenizer import build_tokenizer
+from trainer.types import RolloutConfig, Status
+
+SEED = 3
+TOK = build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with EngineProcess("tiny", seed=SEED, api_key="k") as proc:
+        yield proc
+
+
+def first_token_parity(sample):
+    return float(sample.tokens[sample.prompt_length] % 2 == 0)
+
+
+def _run(manager, buffer):
+    async def go():
+        async with manager:
+            batch = await manager.generate_batch(buffer)
+            assert manager.num_in_flight == 0
+            return batch
+    return trio.run(go)  # returns only once every task of the batch has ended
+
+
+def _hf_logprobs(model, s):
+    seq = torch.tensor([list(s.tokens)])
+    with torch.no_grad():
+        lp = model(input_ids=seq).logits.float().log_softmax(-1)[0, s.prompt_length - 1:-1]
+    return lp.gather(-1, seq[0, s.prompt_length:, None])[:, 0]
+
+
+def test_manager_with_embedded_engine_oversamples_filters_and_carries_groups_over(engine):
+    cfg = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2, over_sampling_factor=2.0, max_new_tokens=12,
+                        max_concurrency=3, temperature=1.0, dynamic_filters=("check_reward_nonzero_std",), seed=7,
+                        apply_chat_template=True, abort_grace_s=2.0)
+    m = AsyncRolloutManager([engine.url], cfg, tokenizer=TOK, reward_fn=first_token_parity, api_key="k")
+    buf = DataBuffer(load_jsonl("data/arithmetic_train.jsonl"), seed=0)
+    batch = _run(m, buf)
+    md = batch.metadata
+    assert len(batch) == 4 and md["groups_submitted"] >= 4
+    for g in range(2):
+        group = [s for s in batch.samples if s.group_index == g]
+        assert statistics.pstdev([s.reward for s in group]) > 0  # zero-variance groups were dropped
+    assert md.get("filtered_check_reward_nonzero_std", 0) == md["groups_filtered"]
+    cached = m.partial_groups
+    # Over-sampled groups that were neither accepted nor dropped are cut and cached (>= 1 by construction).
+    assert len(cached) == md["groups_cached"] == md["groups_submitted"] - 2 - md["groups_filtered"] >= 1
+    assert m.stats["aborts_sent"] >= 1
+    done_before = {(g[0].metadata["group_uid"], s.metadata["sample_index"]): s for g in cached for s in g
+                   if s.status in (Status.COMPLETED, Status.TRUNCATED)}
+
+    model = build_tiny_model(SEED)
+    # The engine is not wedged by the cut requests: the next batch resumes every cached group first.
+    m.set_weight_version(1)
+    cfg2 = RolloutConfig(**{**cfg.__dict__, "rollout_batch_size": max(1, len(cached)), "over_sampling_factor": 1.0,
+                            "dynamic_filters": ()})
+    m2 = AsyncRolloutManager([engine.url], cfg2, tokenizer=TOK, reward_fn=first_token_parity, api_key="k")
+    m2.load_state_dict(m.state_dict())
+    batch2 = _run(m2, buf)
+    assert batch2.metadata["groups_resumed"] == len(cached)
+    for s in list(batch.samples) + list(batch2.samples):
+        assert s.status in (Status.COMPLETED, Status.TRUNCATED) and s.metadata["weight_versions"] == [0]
+        assert s.weight_version == 0 and len(s.rollout_logprobs) == s.response_length >= 1
+        assert s.tokens[-1] == TOK.eos_token_id or s.status == Status.TRUNCATED or \
+            s.tokens[-1] == TOK.convert_tokens_to_ids("<|im_end|>")
+        # Samples keep the engine's own log-probs (equal to a plain HF forward of the same weights).
+        assert torch.allclose(torch.tensor(s.rollout_logprobs), _hf_logprobs(model, s), atol=1e-4, rtol=0)
+        key = (s.metadata["group_uid"], s.metadata["sample_index"])
+        if key in done_before:  # a sample finished before the cut is carried over unchanged
+            assert s.tokens == done_before[key].tokens and s.rollout_logprobs == done_before[key].rollout_logprobs
