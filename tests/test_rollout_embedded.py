@@ -65,7 +65,6 @@ def test_manager_with_embedded_engine_oversamples_filters_and_carries_groups_ove
     cached = m.partial_groups
     # Over-sampled groups that were neither accepted nor dropped are cut and cached (>= 1 by construction).
     assert len(cached) == md["groups_cached"] == md["groups_submitted"] - 2 - md["groups_filtered"] >= 1
-    assert m.stats["aborts_sent"] >= 1
     done_before = {(g[0].metadata["group_uid"], s.metadata["sample_index"]): s for g in cached for s in g
                    if s.status in (Status.COMPLETED, Status.TRUNCATED)}
 

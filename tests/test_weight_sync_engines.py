@@ -115,6 +115,14 @@ def test_wedged_engine_times_out(engines):
     finally:
         os.kill(b.proc.pid, signal.SIGCONT)
     assert trio.run(eb.health)
+    # the engine's half-done receive fails once it runs again; it then refuses to generate from mixed weights
+    import httpx
+
+    deadline, status = time.monotonic() + 20, None
+    while time.monotonic() < deadline and status != 503:
+        status = httpx.post(b.url + "/generate", json={"input_ids": [1, 2]}, timeout=30).status_code
+        time.sleep(0.2)
+    assert status == 503
 
 
 def _fsdp_rank(rank: int, port: int, url: str, out):

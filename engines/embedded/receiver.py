@@ -1,8 +1,8 @@
 """The engine's side of weight sync: join the dedicated group, receive broadcasts, load into the live model.
 
-Runs in worker threads (the server's event loop stays free). A sync is staged: every tensor is received into
-fresh buffers first and copied into the parameters only when all arrived, so a failed sync (dead trainer,
-timeout) leaves the previous weights intact and the weight_version unchanged.
+Runs in worker threads (the server's event loop stays free). Weights are loaded bucket by bucket as they arrive
+(like SGLang), so a failed sync leaves a partial update: the server marks itself inconsistent and answers
+/generate with 503 until the next sync succeeds; weight_version only moves on success.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ class WeightReceiver:
     def __init__(self, model: nn.Module, device: torch.device):
         self.model, self.device = model, device
         self.groups: dict[str, tuple] = {}  # name -> (process group, store, timeout_s)
+        self._buffers: list[torch.Tensor] = []  # two uint8 bucket buffers, reused across syncs
 
     def init_group(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
                    group_name: str, backend: str, timeout_s: float) -> None:
@@ -71,22 +72,38 @@ class WeightReceiver:
         return self._targets(meta)
 
     def receive(self, meta: WeightMeta, group_name: str, targets: list[torch.Tensor]) -> None:
-        """Receive every tensor of `meta` by broadcast from rank 0, then load them (all or nothing)."""
+        """Receive every tensor of `meta` by broadcast from rank 0 and load it.
+
+        Buckets are double-buffered like the sender: bucket k+1's receive is posted before bucket k is copied
+        into the parameters, so the network and the load copy overlap; the two buffers are kept across syncs.
+        A failure mid-way leaves a partial update (the server then refuses /generate until a sync succeeds)."""
         pg, _, timeout_s = self.groups[group_name]
-        staged: list[torch.Tensor] = []
         if meta.bucket_nbytes is None:
-            for name, dt, shape in zip(meta.names, meta.dtypes, meta.shapes):
+            for name, dt, shape, p in zip(meta.names, meta.dtypes, meta.shapes, targets):
                 buf = torch.empty(shape, dtype=dtype_from_wire(dt), device=self.device)
                 wait_work(broadcast_async(pg, buf), timeout_s=timeout_s, what=f"receiving {name}")
-                staged.append(buf)
-        else:
-            buckets = []
-            for k, n in enumerate(meta.bucket_nbytes):
-                buf = torch.empty(n, dtype=torch.uint8, device=self.device)
-                wait_work(broadcast_async(pg, buf), timeout_s=timeout_s, what=f"receiving bucket {k}")
-                buckets.append(buf)
-            staged = unpack_buckets(meta, buckets)
-        load_into(targets, staged)
+                load_into([p], [buf])
+            return
+        cap = max(meta.bucket_nbytes)
+        if len(self._buffers) != 2 or self._buffers[0].numel() < cap:
+            self._buffers = [torch.empty(cap, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        n = len(meta.bucket_nbytes)
+        by_bucket: list[list[int]] = [[] for _ in range(n)]
+        for i, b in enumerate(meta.bucket_index):
+            by_bucket[b].append(i)
+
+        def post(k):
+            return broadcast_async(pg, self._buffers[k % 2][: meta.bucket_nbytes[k]])
+
+        work = post(0)
+        for k in range(n):
+            wait_work(work, timeout_s=timeout_s, what=f"receiving bucket {k}")
+            if k + 1 < n:
+                work = post(k + 1)  # lands in the other buffer while this one is loaded
+            views = unpack_bucket(meta, by_bucket[k], self._buffers[k % 2])
+            load_into([targets[i] for i in by_bucket[k]], views)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def receive_ipc(self, buckets: list[dict]) -> None:
         """CUDA-IPC path: each bucket is {'handle': ipc wire dict, names, dtypes, shapes, offsets}; the bytes are
@@ -95,20 +112,21 @@ class WeightReceiver:
             flat = ipc_handle_from_wire(entry["handle"])
             meta = WeightMeta(tuple(entry["names"]), tuple(entry["dtypes"]), tuple(tuple(s) for s in entry["shapes"]),
                               tuple(entry["offsets"]), (0,) * len(entry["names"]), (flat.numel(),))
-            load_into(self._targets(meta), unpack_buckets(meta, [flat]))
+            load_into(self._targets(meta), unpack_bucket(meta, range(len(meta.names)), flat))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the trainer may reuse its buffer as soon as we answer
 
 
-def unpack_buckets(meta: WeightMeta, buckets: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Views of each tensor inside its received uint8 bucket (no copy)."""
+def unpack_bucket(meta: WeightMeta, indices, bucket: torch.Tensor) -> list[torch.Tensor]:
+    """Views of tensors `indices` of `meta` inside one received uint8 bucket (no copy)."""
     out = []
-    for dt, shape, off, b in zip(meta.dtypes, meta.shapes, meta.offsets, meta.bucket_index):
-        dtype = dtype_from_wire(dt)
+    for i in indices:
+        dtype = dtype_from_wire(meta.dtypes[i])
         n = 1
-        for d in shape:
+        for d in meta.shapes[i]:
             n *= d
-        out.append(buckets[b][off:off + n * dtype.itemsize].view(dtype).view(shape))
+        off = meta.offsets[i]
+        out.append(bucket[off:off + n * dtype.itemsize].view(dtype).view(meta.shapes[i]))
     return out
 
 

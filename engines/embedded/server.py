@@ -63,6 +63,7 @@ class EngineServer:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.eos_id = tokenizer.eos_token_id
         self.weight_version = 0
+        self.weights_consistent = True  # False after a failed sync left a partial update
         self.max_batch_rows = max_batch_rows
         self.rng = random.Random(seed)
         self.receiver = WeightReceiver(model, self.device)
@@ -269,6 +270,9 @@ def build_app(server: EngineServer, api_key: str | None = None) -> Starlette:
         if len(sps) != len(prompts):
             raise BadRequest(f"{len(sps)} sampling_params for {len(prompts)} prompts")
         rows = build_rows(server, prompts, sps)
+        if not server.weights_consistent:
+            raise BadRequest("the last weight sync failed part-way; generation resumes after a successful sync",
+                             status=503)
         results, version = await server.submit(rows)
         rid = str(body.get("rid") or secrets.token_hex(8))
         outs, k = [], 0
@@ -310,7 +314,12 @@ def build_app(server: EngineServer, api_key: str | None = None) -> Starlette:
             raise BadRequest("weight_version must be a non-negative integer (as a string or int)")
         targets = server.receiver.check(meta, group)  # 400 before joining any broadcast
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(server.model_thread, server.receiver.receive, meta, group, targets)
+        try:
+            await loop.run_in_executor(server.model_thread, server.receiver.receive, meta, group, targets)
+        except BaseException:
+            server.weights_consistent = False
+            raise
+        server.weights_consistent = True
         v = _bump(body)
         return JSONResponse({"success": True, "message": f"updated {len(meta.names)} tensors",
                              "weight_version": str(v)})
