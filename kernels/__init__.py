@@ -3,6 +3,7 @@
 from kernels.advantages import grpo_advantages, reinforce_advantages, rloo_advantages
 from kernels.device import backend_for, use_backend
 from kernels.linear_policy_loss import linear_policy_loss
+from kernels.linear_logprobs import linear_token_logprobs
 from kernels.logprobs import token_logprobs
 from kernels.packing import (
     PackedBatch,
