@@ -2,8 +2,8 @@
 
 from kernels.advantages import grpo_advantages, reinforce_advantages, rloo_advantages
 from kernels.device import backend_for, use_backend
-from kernels.linear_policy_loss import linear_policy_loss
 from kernels.linear_logprobs import linear_token_logprobs
+from kernels.linear_policy_loss import linear_policy_loss
 from kernels.logprobs import token_logprobs
 from kernels.packing import (
     PackedBatch,
@@ -21,6 +21,6 @@ from kernels.scale import masked_scale
 __all__ = [
     "PackedBatch", "pack", "unpack", "pack_batch", "packed_layout", "cu_seqlens_from_lengths",
     "broadcast_to_tokens", "shift_left",
-    "backend_for", "use_backend", "masked_scale", "token_logprobs",
+    "backend_for", "use_backend", "masked_scale", "token_logprobs", "linear_token_logprobs",
     "PolicyLossConfig", "policy_loss", "linear_policy_loss", "grpo_advantages", "rloo_advantages",
     "reinforce_advantages"]
