@@ -46,6 +46,7 @@ class FakeEngine:
         self.slow_mod = 0
         self.slow_latency = 0.5
         self.fail_generate = 0  # answer this many /generate calls with HTTP 503
+        self.jitter = 0.0  # per-request latency multiplier in [1, 1 + jitter], drawn from the request seed
         self.active = 0
         self.requests = 0
         self.aborts = 0
@@ -94,6 +95,7 @@ class FakeEngine:
         partial = m.group(4)  # a resumed request: continue the text it started
         text = f"the answer is {guess}" if slow or partial else str(guess)
         todo = TOK(text[len(partial):], add_special_tokens=False)["input_ids"] + [EOS]
+        scale = 1 + self.jitter * rng.random()
         out, finish, gen = [], "stop", self._abort_gen
         self.active += 1
         try:
@@ -101,7 +103,7 @@ class FakeEngine:
                 if len(out) == sp["max_new_tokens"]:
                     finish = "length"
                     break
-                await asyncio.sleep(self.slow_latency if slow and k >= 2 else self.latency)
+                await asyncio.sleep(scale * (self.slow_latency if slow and k >= 2 else self.latency))
                 if self._abort_gen != gen:
                     finish = "abort"
                     break
@@ -125,7 +127,7 @@ def engines():
 @pytest.fixture
 def engine(engines):
     for e in engines:
-        e.version, e.slow_mod, e.fail_generate, e.latency = 0, 0, 0, 0.002
+        e.version, e.slow_mod, e.fail_generate, e.latency, e.jitter = 0, 0, 0, 0.002, 0.0
     return engines[0]
 
 
@@ -346,3 +348,44 @@ def test_generate_rollout_batches_is_deterministic(engine):
         AsyncRolloutManager([engine.url], RolloutConfig(dynamic_filters=("nope",)), tokenizer=TOK)
     with pytest.raises(ValueError, match="engine_urls"):
         AsyncRolloutManager([], cfg, tokenizer=TOK)
+
+
+@pytest.mark.parametrize("seed", [6, 12, 17, 19])  # all over-sample; 6 and 17 filter zero variance
+def test_no_prompt_is_lost_across_batches_under_random_timing(engines, engine, seed):
+    """Seeded sweep: random latencies, over-sampling and filters; every group drawn from the buffer ends up
+    exactly once in a batch, dropped by a filter, or in the cache; nothing is left running."""
+    import random
+    rng = random.Random(seed)
+    for e in engines:
+        e.jitter, e.latency = 20.0, 0.001
+    cfg = RolloutConfig(rollout_batch_size=rng.randint(1, 3), n_samples_per_prompt=rng.randint(2, 3),
+                        over_sampling_factor=rng.choice([1.0, 1.5, 3.0]), max_new_tokens=8,
+                        max_concurrency=rng.randint(2, 16), seed=seed,
+                        dynamic_filters=rng.choice([(), ("check_reward_nonzero_std",), ("check_min_reward",)]))
+
+    async def reward(sample):  # async reward functions are awaited
+        await trio.sleep(0)
+        return arithmetic_reward(sample)
+
+    m = AsyncRolloutManager([e.url for e in engines], cfg, tokenizer=TOK, reward_fn=reward)
+    buf = _arith_buffer(30, seed=seed)
+    accepted_uids, filtered = [], 0
+    for _ in range(3):
+        batch = _run(m, buf)
+        md = batch.metadata
+        assert len(batch) == cfg.rollout_batch_size * cfg.n_samples_per_prompt
+        assert md["groups_submitted"] == cfg.rollout_batch_size + md["groups_filtered"] + md["groups_cached"]
+        for g in range(cfg.rollout_batch_size):
+            group = [s for s in batch.samples if s.group_index == g]
+            assert len({s.metadata["group_uid"] for s in group}) == 1
+            assert all(fn(group) for _, fn in m.filters)
+            _ = [_check_logprobs(s) for s in group]
+        accepted_uids += sorted({s.metadata["group_uid"] for s in batch.samples})
+        filtered += md["groups_filtered"]
+    cached_uids = [g[0].metadata["group_uid"] for g in m.partial_groups]
+    assert len(set(accepted_uids)) == len(accepted_uids) and not set(accepted_uids) & set(cached_uids)
+    assert len(accepted_uids) + len(cached_uids) + filtered == m.state_dict()["group_uid"]
+    deadline = time.monotonic() + 2
+    while any(e.active for e in engines) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert all(e.active == 0 for e in engines)
