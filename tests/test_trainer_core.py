@@ -81,6 +81,59 @@ def test_nll_loss_and_logprobs_match_plain_reference(components):
     assert with_old[0].old_logprobs is logps[0] or torch.equal(with_old[0].old_logprobs, logps[0])
 
 
+def _plain_copy(components):
+    """A plain (unsharded) HF model with the current weights of the sharded one."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(components.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    plain = load_hf_model(tiny_model_config(), dtype=torch.float32)
+    plain.load_state_dict({k.removeprefix("lm."): v for k, v in full.items()})
+    return plain
+
+
+def test_policy_loss_and_grads_match_full_logit_reference(components):
+    from kernels.policy_loss import PolicyLossConfig
+    from kernels.reference import policy_loss_ref
+
+    samples = _samples(5, n=7)
+    adv = torch.randn(7, generator=torch.Generator().manual_seed(0)).tolist()
+    pcfg = PolicyLossConfig(loss_agg="seq-mean-token-mean", kl_coef=0.1, clip_low=0.1, clip_high=0.15)
+    cfg = TrainerConfig(loss="policy", policy_loss=pcfg, token_budget=64, bucket_size=32)
+    with use_backend("torch"):
+        mbs = build_micro_batches(samples, token_budget=64, bucket_size=32, advantages=adv)
+        logps = compute_logprobs(components, mbs)
+        g = torch.Generator().manual_seed(1)
+        # old = current + noise (so ratios leave the clip range), ref = current + other noise
+        old = [lp + 0.2 * torch.randn(lp.shape, generator=g) * mb.loss_mask for lp, mb in zip(logps, mbs)]
+        ref = [lp + 0.1 * torch.randn(lp.shape, generator=g) * mb.loss_mask for lp, mb in zip(logps, mbs)]
+        mbs = attach_logprobs(attach_logprobs(mbs, old, "old_logprobs"), ref, "ref_logprobs")
+        plain = _plain_copy(components)
+        fut = forward_backward(components, mbs, cfg)
+        got = fut.result()
+        grads = {n.removeprefix("lm."): p.grad.full_tensor() for n, p in components.module.named_parameters()}
+        components.optimizer.zero_grad(set_to_none=True)
+        components.pending["tokens"] = 0
+    # Reference: each sequence on its own through the plain model, full-vocabulary logits, float64 loss.
+    total = 0.0
+    for mb in mbs:
+        logits = torch.zeros(mb.row.padded_len, plain.config.vocab_size, dtype=torch.float64)
+        rows = []
+        for k, i in enumerate(mb.sample_index):
+            lo, hi = int(mb.row.cu_seqlens[k]), int(mb.row.cu_seqlens[k + 1])
+            rows.append((lo, hi, plain(input_ids=torch.tensor(samples[i].tokens)[None]).logits[0].double()))
+        logits = torch.cat([r[2] for r in rows] + [logits[int(mb.row.cu_seqlens[-1]):]]) if rows else logits
+        loss, metrics = policy_loss_ref(logits, mb.labels, mb.advantages, mb.loss_mask, config=pcfg,
+                                        old_logprobs=mb.old_logprobs, ref_logprobs=mb.ref_logprobs,
+                                        cu_seqlens=mb.segments, num_tokens=mb.num_tokens, num_seqs=mb.num_seqs)
+        total = total + loss
+    total.backward()
+    assert abs(got["loss"] - total.item()) < 1e-5 * max(1.0, abs(total.item())), (got["loss"], total.item())
+    assert "clip_frac_low" in got and "kl" in got
+    for n, p in plain.named_parameters():
+        rel = (grads[n] - p.grad).norm() / p.grad.norm().clamp(min=1e-12)
+        assert rel < 1e-4, (n, rel.item())
+
+
 def test_micro_batch_targets_and_global_counts():
     samples = _samples(7, n=6)
     adv = [0.5 * i - 1 for i in range(6)]

@@ -50,6 +50,7 @@ class MicroBatch:
     advantages: torch.Tensor  # [N] float32
     num_tokens: int  # global number of loss tokens (sum of loss_mask over every micro-batch of every rank)
     num_seqs: int  # global number of sequences
+    segments: torch.Tensor | None = None  # [S+2] int32: cu_seqlens plus the padding tail as one more segment (= N)
     local_tokens: int = 0  # loss tokens of this micro-batch (host int, known when built: no device read)
     sample_index: tuple[int, ...] = ()  # indices (into the sample list) of the S sequences, in row order
     old_logprobs: torch.Tensor | None = None  # [N] float32, log pi_old(label)
@@ -135,6 +136,7 @@ def pack_micro_batch(samples: Sequence[Sample], indices: Sequence[int], *, advan
         advantages=torch.tensor(adv, dtype=f32),
         num_tokens=num_tokens,
         num_seqs=num_seqs,
+        segments=torch.tensor(cu + ([n] if pad else []), dtype=torch.int32),
         local_tokens=int(sum(mask)),
         sample_index=tuple(indices),
         old_logprobs=torch.tensor(olp, dtype=f32) if old_logprobs is not None else None,

@@ -188,11 +188,18 @@ def build_components(model: str | os.PathLike | Any, config: TrainerConfig, *,
 def _policy_loss(lm: nn.Module, mb: MicroBatch, config: TrainerConfig) -> tuple[torch.Tensor, dict]:
     hidden = packed_hidden_states(lm, mb.row)  # [N, H]
     weight = lm.get_output_embeddings().weight  # [V, H], unsharded inside the root's forward
-    kwargs = {} if config.policy_loss is None else {"config": config.policy_loss}
+    if config.policy_loss is None:
+        from kernels.policy_loss import PolicyLossConfig
+
+        pcfg = PolicyLossConfig(temperature=config.temperature)
+    else:
+        pcfg = config.policy_loss
+    # Sequences for the per-sequence aggregations: the real ones plus the padding tail (mask 0, contributes 0);
+    # the global num_seqs keeps the normalisation exact.
     return _kernel("linear_policy_loss", "linear_policy_loss")(
-        hidden, weight, mb.labels, mb.advantages, mb.loss_mask, old_logprobs=mb.old_logprobs,
-        ref_logprobs=mb.ref_logprobs, rollout_logprobs=mb.rollout_logprobs, cu_seqlens=mb.row.cu_seqlens,
-        num_tokens=mb.num_tokens, num_seqs=mb.num_seqs, **kwargs)
+        hidden, weight, mb.labels, mb.advantages, mb.loss_mask, config=pcfg, old_logprobs=mb.old_logprobs,
+        ref_logprobs=mb.ref_logprobs, rollout_logprobs=mb.rollout_logprobs, cu_seqlens=mb.segments,
+        num_tokens=mb.num_tokens, num_seqs=mb.num_seqs, chunk_tokens=config.logprob_chunk_tokens)
 
 
 def _nll_loss(lm: nn.Module, mb: MicroBatch, config: TrainerConfig) -> tuple[torch.Tensor, dict]:
