@@ -77,8 +77,9 @@ def _token_logprobs_fwd_kernel(
                 s = s * tl.exp(m - m_new) + tl.sum(tl.where(valid, tl.exp(z - m_new), 0.0), axis=0)
                 m = m_new
         lse, ent = softmax_stats_finalize(m, s, sd)
-        # The label's logit by a direct load (the host checked 0 <= label < V for kept rows).
-        logp = tl.load(row_ptr + label).to(tl.float32) * inv_t - lse
+        # The label's logit by a direct load (the host checked 0 <= label < V for kept rows); logp as
+        # (z_label − m) − log s rather than z_label − lse keeps fp32 precision when the logits are large.
+        logp = (tl.load(row_ptr + label).to(tl.float32) * inv_t - m) - tl.log(s)
     tl.store(logp_ptr + row, logp)
     tl.store(lse_ptr + row, lse)
     if HAS_ENT:

@@ -38,7 +38,9 @@ def token_logprobs_ref(
     logp = torch.where(keep, logp, torch.zeros_like(logp))
     if not return_entropy:
         return logp
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    # H = -sum p log p, with 0 log 0 = 0 (a -inf logit, i.e. a banned token, contributes nothing).
+    p = logp_all.exp()
+    entropy = -torch.where(p > 0, p * logp_all, torch.zeros_like(p)).sum(-1)
     entropy = torch.where(keep, entropy, torch.zeros_like(entropy))
     return logp, entropy
 
