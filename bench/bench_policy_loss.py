@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -62,7 +63,9 @@ def make_inputs(B, L, V, device, seed=0):
     labels = torch.randint(0, V, (B, L), generator=g)
     mask = (torch.rand(B, L, generator=g) < 0.9).float()
     adv = torch.randn(B, generator=g)
-    old = -torch.rand(B, L, generator=g) * 3 - 8  # log-probs near log(1/V)
+    # Logits ~ N(0, 0.5²) (weight scale below): log-probs ≈ −log V − 0.125 ± 0.5; old within ~0.3 of them so the
+    # ratios fall on both sides of the clip range, and k3 stays below its clamp (Liger does not clamp k3).
+    old = -math.log(V) - 0.125 + 0.3 * torch.randn(B, L, generator=g)
     ref = old + 0.1 * torch.randn(B, L, generator=g)
     return {k: v.to(device) for k, v in dict(labels=labels, mask=mask, adv=adv, old=old, ref=ref).items()}
 
@@ -104,7 +107,7 @@ def hidden_call(provider, t, hidden, weight):
 
         mod = LigerFusedLinearGRPOLoss(beta=CONFIG.kl_coef, epsilon_low=CONFIG.clip_low,
                                        epsilon_high=CONFIG.clip_high, loss_type="dapo", temperature=1.0,
-                                       use_ref_model=True, compiled=hidden.is_cuda)
+                                       use_ref_model=True)  # compiled=True: Liger's default
         return lambda: mod(hidden, weight, t["labels"], t["mask"], t["adv"], ref_per_token_logps=t["ref"],
                            old_per_token_logps=t["old"])[0]
     if provider == "ours":
@@ -174,7 +177,7 @@ def test_policy_loss_from_logits(benchmark, request, provider, mode, size):
         pytest.skip("Liger's triton_grpo_loss has no CPU path (only the interpreter, a correctness tool)")
     B, L, V, dtype = _shape(LOGITS_SIZES, size, SMALL_LOGITS, device, small)
     t = make_inputs(B, L, V, device)
-    logits = torch.randn(B, L + 1, V, device=device, dtype=dtype, requires_grad=mode == "full")
+    logits = (0.5 * torch.randn(B, L + 1, V, device=device)).to(dtype).requires_grad_(mode == "full")
     with _backend_ctx(device, small):
         fn = logits_call(provider, t, logits)
         benchmark.pedantic(_run_mode(fn, mode), rounds=1 if small else 5, iterations=1, warmup_rounds=1)
@@ -197,7 +200,7 @@ def test_policy_loss_from_hidden(benchmark, request, provider, mode, size):
     t = make_inputs(B, L, V, device)
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(B, L, H, generator=g).to(device, dtype).requires_grad_(mode == "full")
-    weight = (torch.randn(V, H, generator=g) * H**-0.5).to(device, dtype).requires_grad_(mode == "full")
+    weight = (torch.randn(V, H, generator=g) * 0.5 * H**-0.5).to(device, dtype).requires_grad_(mode == "full")
     with _backend_ctx(device, small):
         fn = hidden_call(provider, t, hidden, weight)
         benchmark.pedantic(_run_mode(fn, mode), rounds=1 if small else 3, iterations=1, warmup_rounds=1)
@@ -219,7 +222,7 @@ def _child(provider: str, B: int, L: int, H: int, V: int, rounds: int) -> None:
     torch.manual_seed(0)
     t = make_inputs(B, L, V, "cpu")
     hidden = torch.randn(B, L, H).requires_grad_(True)
-    weight = (torch.randn(V, H) * H**-0.5).requires_grad_(True)
+    weight = (torch.randn(V, H) * 0.5 * H**-0.5).requires_grad_(True)
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with use_backend("torch"):
         fn = hidden_call(provider, t, hidden, weight)

@@ -10,9 +10,10 @@ so its gradient can be produced while the chunk's logits are at hand: for a chun
     ∂L/∂W  += dzᵀ h_c                                 [V, H]           (GEMM 3)
 
 Three GEMMs per chunk instead of the four of "recompute the logits in backward" (forward GEMM, then recompute,
-then two gradient GEMMs), and no second exp pass: p = exp(z − m) / s is already in the buffer from the
-statistics pass. Backward only scales the stored gradients by the upstream scalar. Peak memory is one chunk
-[n, V] fp32 (two with the entropy term) plus the gradients of hidden and W, which autograd needs anyway.
+then two gradient GEMMs), and, without the entropy term, no second exp pass: p = exp(z − m) / s is already in
+the buffer from the statistics pass. Backward only scales the stored gradients by the upstream scalar. Peak
+memory is one chunk [n, V] fp32 (up to three with entropy) plus the gradients of hidden and W, which autograd
+needs anyway. On the torch path masked tokens are skipped (no GEMM rows for padding).
 When no gradient is needed (no_grad, or neither input requires grad) only the forward work runs.
 """
 
@@ -20,11 +21,12 @@ from __future__ import annotations
 
 import torch
 
-from kernels._softmax_tiles import chunk_logits, chunk_softmax_stats, finalize_softmax_stats
+from kernels._softmax_tiles import chunk_logits, chunk_logprob_grad_, chunk_softmax_stats, finalize_softmax_stats
 from kernels.device import backend_for
 from kernels.policy_loss import (
     N_METRICS,
     PolicyLossConfig,
+    kept_row_chunks,
     metrics_dict,
     policy_loss_bwd_triton,
     policy_loss_fwd_triton,
@@ -42,20 +44,11 @@ def _default_chunk_tokens(vocab: int, device: torch.device) -> int:
     return max(64, min(8192, budget // max(vocab, 1)) // 64 * 64)
 
 
-def _grad_from_exp_(e, d, labels, s, lse_minus_m, entropy, g_logp, g_ent, inv_t):
-    """dlogits of a chunk in place of e = exp(z − m) [n, V], as left by `chunk_softmax_stats` over the full row.
-
-    p = e / s; with the entropy term log p = d − (lse − m) where d = z − m (the stats pass's scratch), and
-    dz = [g_logp (onehot − p) − g_ent p (log p + H)] · inv_t = −p (g_ent (d − (lse − m) + H) + g_logp) inv_t + onehot.
-    Returns the buffer holding dz (e, or d when the entropy term is on).
-    """
-    if g_ent is None:
-        out = e.mul_((g_logp * (-inv_t) / s).unsqueeze(1))
-    else:
-        coef = (g_ent * (entropy - lse_minus_m) + g_logp).unsqueeze(1)
-        out = d.mul_(g_ent.unsqueeze(1)).add_(coef).mul_(e).mul_((-inv_t / s).unsqueeze(1))
-    out.scatter_add_(1, labels.unsqueeze(1), (g_logp * inv_t).unsqueeze(1))
-    return out
+def _logprob_grad_from_exp_(e, labels, s, g_logp, inv_t):
+    """dlogits = g_logp (onehot − p) · inv_t written over e = exp(z − m) [n, V] (what `chunk_softmax_stats`
+    leaves in its buffer), with s = Σ_j e_j over the whole row: p = e / s, so no second exp pass."""
+    e.mul_((g_logp * (-inv_t) / s).unsqueeze(1))
+    return e.scatter_add_(1, labels.unsqueeze(1), (g_logp * inv_t).unsqueeze(1))
 
 
 def _forward_torch(h, w, tok, config, need_h, need_w, chunk):
@@ -69,26 +62,29 @@ def _forward_torch(h, w, tok, config, need_h, need_w, chunk):
     vals = torch.zeros(N_METRICS, n, dtype=torch.float32, device=h.device)
     grad_h = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if need_h else None
     grad_w = torch.zeros(w.shape, dtype=torch.float32, device=h.device) if need_w else None
-    rows = min(chunk, n)
-    buf = torch.empty(rows * vocab, dtype=torch.float32, device=h.device)
+    buf = torch.empty(min(chunk, n) * vocab, dtype=torch.float32, device=h.device)
     scratch = torch.empty_like(buf) if config.needs_entropy else None
-    for a in range(0, n, chunk):
-        b = min(a + chunk, n)
-        tc = tok.rows(a, b)
-        h_c = h[a:b] if h.dtype == torch.float32 else h[a:b].float()
-        z = chunk_logits(h_c, w32, inv_t, out=buf[: (b - a) * vocab].view(b - a, vocab))
+    # With the entropy term the gradient needs log p as well: keep a copy of z for `chunk_logprob_grad_`.
+    z_copy = torch.empty_like(buf) if ent_term and need_grad else None
+    for rows, tc in kept_row_chunks(tok, chunk):  # padding tokens are skipped: they cost nothing
+        k = tc.labels.numel()
+        h_c = h[rows] if h.dtype == torch.float32 else h[rows].float()
+        z = chunk_logits(h_c, w32, inv_t, out=buf[: k * vocab].view(k, vocab))
+        if z_copy is not None:
+            zc = z_copy[: k * vocab].view(k, vocab).copy_(z)
         m, s, sd, z_label = chunk_softmax_stats(z, tc.labels, with_entropy=config.needs_entropy, scratch=scratch)
         lse, logp, ent = finalize_softmax_stats((m, s, sd, z_label))
-        loss_t, dloss, vals[:, a:b] = policy_token_terms(logp, ent if config.needs_entropy else None, tc, config)
-        wloss[a:b] = tc.weight * loss_t
+        loss_t, dloss, vals[:, rows] = policy_token_terms(logp, ent if config.needs_entropy else None, tc, config)
+        wloss[rows] = tc.weight * loss_t
         if not need_grad:
             continue
-        d = scratch[: (b - a) * vocab].view(b - a, vocab) if ent_term else None
-        g_ent = tc.weight * (-config.entropy_coef) if ent_term else None
-        dz = _grad_from_exp_(z, d, tc.labels, s, lse - m, ent, tc.weight * dloss, g_ent, inv_t)
-        dz.masked_fill_(~tc.keep.unsqueeze(1), 0.0)  # masked rows: exact zeros, even from non-finite padding
+        if ent_term:
+            dz = chunk_logprob_grad_(zc, tc.labels, lse, ent, tc.weight * dloss, tc.weight * (-config.entropy_coef),
+                                     inv_t)
+        else:  # z now holds exp(z − m): p = e / s without another exp pass
+            dz = _logprob_grad_from_exp_(z, tc.labels, s, tc.weight * dloss, inv_t)
         if need_h:
-            torch.mm(dz, w32, out=grad_h[a:b])
+            grad_h[rows] = torch.mm(dz, w32)
         if need_w:
             grad_w.addmm_(dz.t(), h_c)
     return wloss, vals, grad_h, grad_w

@@ -119,8 +119,29 @@ class TokenInputs:
 
     def rows(self, start: int, stop: int) -> TokenInputs:
         """The same inputs for tokens [start, stop) (views, no copies)."""
+        return self.take(slice(start, stop))
+
+    def take(self, rows: slice | torch.Tensor) -> TokenInputs:
+        """The same inputs for the tokens `rows` (a slice, or an index tensor)."""
         fields = (getattr(self, f.name) for f in dataclasses.fields(self))
-        return TokenInputs(*(None if t is None else t[start:stop] for t in fields))
+        return TokenInputs(*(None if t is None else t[rows] for t in fields))
+
+
+def kept_row_chunks(tok: TokenInputs, chunk: int):
+    """Yield (rows, inputs of those rows) over the kept tokens, `chunk` at a time, for the torch paths.
+
+    Masked and ignored tokens are skipped, so padding costs nothing; rows is a slice when every token is kept,
+    else an index tensor. Counting the kept tokens is a host sync: fine on the CPU path these loops serve.
+    """
+    n = tok.keep.numel()
+    if bool(tok.keep.all()):  # host sync (torch path)
+        for a in range(0, n, chunk):
+            yield slice(a, min(a + chunk, n)), tok.rows(a, min(a + chunk, n))
+    else:
+        kept = tok.keep.nonzero().squeeze(1)
+        for a in range(0, kept.numel(), chunk):
+            idx = kept[a : a + chunk]
+            yield idx, tok.take(idx)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -536,40 +557,41 @@ def _row_chunk(vocab: int) -> int:
 
 
 def policy_loss_fwd_torch(x: torch.Tensor, tok: TokenInputs, config: PolicyLossConfig):
-    """Same outputs as `policy_loss_fwd_triton`, by chunks of rows through the torch chunk helpers."""
+    """Same outputs as `policy_loss_fwd_triton`, by chunks of kept rows through the torch chunk helpers."""
     n, vocab = x.shape
     lse, logp, ent = (torch.zeros(n, dtype=torch.float32, device=x.device) for _ in range(3))
     step = _row_chunk(vocab)
     buf = torch.empty(min(step, n) * vocab, dtype=torch.float32, device=x.device)
     scratch = torch.empty_like(buf) if config.needs_entropy else None
-    for a in range(0, n, step):
-        b = min(a + step, n)
-        z = buf[: (b - a) * vocab].view(b - a, vocab)
-        z.copy_(x[a:b]).mul_(1.0 / config.temperature)
-        stats = chunk_softmax_stats(z, tok.labels[a:b], with_entropy=config.needs_entropy, scratch=scratch)
-        lse[a:b], logp[a:b], ent[a:b] = finalize_softmax_stats(stats)
+    for rows, tc in kept_row_chunks(tok, step):
+        k = tc.labels.numel()
+        z = buf[: k * vocab].view(k, vocab)
+        z.copy_(x[rows]).mul_(1.0 / config.temperature)
+        stats = chunk_softmax_stats(z, tc.labels, with_entropy=config.needs_entropy, scratch=scratch)
+        lse[rows], logp[rows], ent[rows] = finalize_softmax_stats(stats)
     loss, dloss, vals = policy_token_terms(logp, ent if config.needs_entropy else None, tok, config)
     return tok.weight * loss, tok.weight * dloss, lse, ent, vals
 
 
 def policy_loss_bwd_torch(x, tok, glogp, lse, ent, grad_out, config, out=None) -> torch.Tensor:
     n, vocab = x.shape
-    dx = torch.empty_like(x) if out is None else out
+    dx = out if out is not None else torch.empty_like(x)
     inv_t = 1.0 / config.temperature
     go = grad_out.reshape(()).float()
     g_logp_all = glogp * go
-    g_ent_all = tok.weight * (-config.entropy_coef) * go if config.entropy_coef != 0.0 else None
+    has_ent = config.entropy_coef != 0.0
+    g_ent_all = tok.weight * (-config.entropy_coef) * go if has_ent else None
     step = _row_chunk(vocab)
     buf = torch.empty(min(step, n) * vocab, dtype=torch.float32, device=x.device)
-    for a in range(0, n, step):
-        b = min(a + step, n)
-        z = buf[: (b - a) * vocab].view(b - a, vocab)
-        z.copy_(x[a:b]).mul_(inv_t)
-        has_ent = g_ent_all is not None
-        chunk_logprob_grad_(z, tok.labels[a:b], lse[a:b], ent[a:b] if has_ent else None, g_logp_all[a:b],
-                            g_ent_all[a:b] if has_ent else None, inv_t)
-        # Masked rows have zero coefficients; the fill also clears a NaN from non-finite padding logits there.
-        dx[a:b] = z.masked_fill_(~tok.keep[a:b].unsqueeze(1), 0.0)
+    if not bool(tok.keep.all()):  # host sync (torch path)
+        dx.zero_()  # masked rows are skipped below: their gradient is 0
+    for rows, tc in kept_row_chunks(tok, step):
+        k = tc.labels.numel()
+        z = buf[: k * vocab].view(k, vocab)
+        z.copy_(x[rows]).mul_(inv_t)
+        chunk_logprob_grad_(z, tc.labels, lse[rows], ent[rows] if has_ent else None, g_logp_all[rows],
+                            g_ent_all[rows] if has_ent else None, inv_t)
+        dx[rows] = z.to(dx.dtype)
     return dx
 
 
