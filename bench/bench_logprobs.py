@@ -1,0 +1,273 @@
+"""Token log-prob benchmarks: from logits (token_logprobs) and from hidden states (linear_token_logprobs).
+
+    make bench                                   (pytest-benchmark at the issue's sizes for this device)
+    .venv/bin/python bench/bench_logprobs.py     (CPU target, side by side: linear fwd+bwd at T=4096, H=256,
+                                                  V=32000 fp32, time and peak RSS of each provider in a fresh
+                                                  subprocess)
+
+Providers
+    torch          kernels.reference (log_softmax + gather, fp32 math), eager
+    torch-compile  the same under torch.compile
+    liger          from logits: liger_kernel.ops.grpo_loss.fused_selective_log_softmax (Triton, forward only,
+                   takes [B, L+1, V] and drops the last position); from hidden:
+                   liger_kernel.chunked_loss.fused_linear_ppo._ChunkedSelectiveLogProbFunction (chunked torch,
+                   any device; the same op, no entropy)
+    liger-grpo     from hidden only: LigerFusedLinearGRPOLoss (the chunked GRPO loss; the issue's CPU yardstick)
+    ours           kernels.token_logprobs / kernels.linear_token_logprobs (log-probs only, like Liger)
+    ours-entropy   the same with return_entropy=True (upstream gradient through both outputs)
+Derived figures: GB/s for the logits op (fwd reads T·V logits; fwd+bwd reads them twice and writes T·V
+gradients), TFLOP/s for the hidden op (2·T·H·V per GEMM; 1 GEMM forward, 3 forward+backward: the useful work,
+not counting the chunked implementations' recompute), peak memory (CUDA allocator peak, or peak RSS in the script).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kernels import linear_token_logprobs, token_logprobs, use_backend  # noqa: E402
+from kernels.reference import linear_token_logprobs_ref, token_logprobs_ref  # noqa: E402
+
+LOGITS_PROVIDERS = ("torch", "torch-compile", "liger", "ours", "ours-entropy")
+HIDDEN_PROVIDERS = ("torch", "torch-compile", "liger", "liger-grpo", "ours", "ours-entropy")
+# name -> (device, shape): (T, V, dtype) from logits; (T, H, V, dtype) from hidden.
+LOGITS_SIZES = {
+    "cpu-T4096-V32000": ("cpu", (4096, 32000, torch.bfloat16)),
+    **{f"cuda-T{T}-V{V}": ("cuda", (T, V, torch.bfloat16)) for T in (4096, 16384) for V in (32000, 151936)},
+}
+HIDDEN_SIZES = {
+    "cpu-T4096-H256-V32000": ("cpu", (4096, 256, 32000, torch.float32)),
+    **{f"cuda-T{T}-H896-V{V}": ("cuda", (T, 896, V, torch.bfloat16)) for T in (4096, 16384) for V in (32000, 151936)},
+}
+SMALL_LOGITS = (64, 1271, torch.float32)
+SMALL_HIDDEN = (64, 32, 1271, torch.float32)
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+@functools.cache
+def _compiled(fn):
+    return torch.compile(fn, dynamic=False)
+
+
+def logits_call(provider, logits, labels, mask):
+    """Zero-argument closure returning (logp, entropy | None); `logits` is [1, T+1, V] (Liger's layout)."""
+    if provider == "liger":
+        from liger_kernel.ops.grpo_loss import fused_selective_log_softmax
+
+        return lambda: (fused_selective_log_softmax(logits, labels[None], temperature=1.0, mask=mask[None])[0], None)
+    x = logits[0, :-1]  # [T, V], contiguous rows
+    if provider in ("ours", "ours-entropy"):
+        ent = provider == "ours-entropy"
+        return lambda: _pair(token_logprobs(x, labels, mask=mask, return_entropy=ent))
+    ref = _compiled(token_logprobs_ref) if provider == "torch-compile" else token_logprobs_ref
+    return lambda: _pair(ref(x, labels, mask=mask))
+
+
+def hidden_call(provider, hidden, weight, labels, mask):
+    """Zero-argument closure returning (logp, entropy | None) from hidden [T, H] and weight [V, H]."""
+    if provider == "liger":
+        from liger_kernel.chunked_loss.fused_linear_ppo import _ChunkedSelectiveLogProbFunction as F
+
+        return lambda: (F.apply(hidden, weight, labels, None, 1.0, 4096) * mask, None)
+    if provider == "liger-grpo":
+        from liger_kernel.chunked_loss.grpo_loss import LigerFusedLinearGRPOLoss
+
+        # beta=0 (no reference model): the loss is the clipped surrogate over the same chunked log-probs.
+        mod = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, compiled=hidden.is_cuda, chunk_size=1)
+        B = 4 if hidden.shape[0] % 4 == 0 else 1
+        h3 = hidden.view(B, -1, hidden.shape[1])
+        adv = torch.randn(B, device=hidden.device)
+        return lambda: (mod(h3, weight, labels.view(B, -1), mask.view(B, -1).float(), adv)[0], None)
+    if provider in ("ours", "ours-entropy"):
+        ent = provider == "ours-entropy"
+        return lambda: _pair(linear_token_logprobs(hidden, weight, labels, mask=mask, return_entropy=ent))
+    ref = _compiled(linear_token_logprobs_ref) if provider == "torch-compile" else linear_token_logprobs_ref
+    return lambda: _pair(ref(hidden, weight, labels, mask=mask))
+
+
+def _pair(out):
+    return out if isinstance(out, tuple) else (out, None)
+
+
+def _run_mode(fn, mode, grads):
+    def run():
+        logp, ent = fn()
+        if mode == "full":
+            loss = logp.sum() if logp.ndim == 0 else (logp * grads[0]).sum()
+            if ent is not None:
+                loss = loss + (ent * grads[1]).sum()
+            loss.backward()
+        _sync()
+
+    return run
+
+
+def _shape(sizes, size, small_shape, device, small):
+    if small:
+        if size != next(iter(sizes)):
+            pytest.skip("the smoke run (--benchmark-disable) measures one small shape")
+        return small_shape
+    if sizes[size][0] != device:
+        pytest.skip(f"size {size} is for {sizes[size][0]}; this machine is {device}")
+    return sizes[size][1]
+
+
+def _skip_reason(provider, mode, device, small, op):
+    if provider.startswith("liger"):
+        try:
+            import liger_kernel  # noqa: F401
+        except ImportError:
+            return "liger_kernel is not installed on this machine"
+        if op == "logits" and mode == "full":
+            return "Liger's fused_selective_log_softmax is forward-only (no autograd)"
+        if op == "logits" and device == "cpu" and not small:
+            return "Liger's fused_selective_log_softmax is Triton-only (the interpreter is a correctness tool)"
+    if provider == "torch-compile" and device == "cpu" and small:
+        return "torch.compile on CPU spends tens of seconds compiling C++ here; measured only at full size"
+    return None
+
+
+def _backend_ctx(device, small):
+    # On CPU time the torch path: conftest.py sets TRITON_INTERPRET=1, which would time the interpreter.
+    return use_backend("torch") if device == "cpu" and not small else contextlib.nullcontext()
+
+
+def _record_memory(benchmark, run):
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        run()
+        benchmark.extra_info["peak_mem_MB"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def _inputs(T, V, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, V, (T,), generator=g).to(device)
+    mask = (torch.rand(T, generator=g) < 0.9).to(device)
+    grads = (torch.randn(T, generator=g).to(device), torch.randn(T, generator=g).to(device))
+    return labels, mask, grads
+
+
+@pytest.mark.parametrize("size", list(LOGITS_SIZES))
+@pytest.mark.parametrize("mode", ["fwd", "full"])
+@pytest.mark.parametrize("provider", LOGITS_PROVIDERS)
+def test_logprobs_from_logits(benchmark, request, provider, mode, size):
+    device = _device()
+    small = request.config.getoption("benchmark_disable")
+    if (reason := _skip_reason(provider, mode, device, small, "logits")) is not None:
+        pytest.skip(reason)
+    T, V, dtype = _shape(LOGITS_SIZES, size, SMALL_LOGITS, device, small)
+    labels, mask, grads = _inputs(T, V, device)
+    logits = (2 * torch.randn(1, T + 1, V, device=device)).to(dtype).requires_grad_(mode == "full")
+    with _backend_ctx(device, small):
+        run = _run_mode(logits_call(provider, logits, labels, mask), mode, grads)
+        benchmark.pedantic(run, rounds=1 if small else 5, iterations=1, warmup_rounds=1)
+        _record_memory(benchmark, run)
+    moved = T * V * logits.element_size() * (1 if mode == "fwd" else 3)
+    benchmark.extra_info.update(shape=f"T={T} V={V} {dtype}")
+    if benchmark.stats is not None:
+        benchmark.extra_info["GB_per_s"] = moved / benchmark.stats.stats.median / 1e9
+
+
+@pytest.mark.parametrize("size", list(HIDDEN_SIZES))
+@pytest.mark.parametrize("mode", ["fwd", "full"])
+@pytest.mark.parametrize("provider", HIDDEN_PROVIDERS)
+def test_logprobs_from_hidden(benchmark, request, provider, mode, size):
+    device = _device()
+    small = request.config.getoption("benchmark_disable")
+    if (reason := _skip_reason(provider, mode, device, small, "hidden")) is not None:
+        pytest.skip(reason)
+    T, H, V, dtype = _shape(HIDDEN_SIZES, size, SMALL_HIDDEN, device, small)
+    labels, mask, grads = _inputs(T, V, device)
+    hidden = torch.randn(T, H, device=device).to(dtype).requires_grad_(mode == "full")
+    weight = (torch.randn(V, H, device=device) * H**-0.5).to(dtype).requires_grad_(mode == "full")
+    with _backend_ctx(device, small):
+        run = _run_mode(hidden_call(provider, hidden, weight, labels, mask), mode, grads)
+        benchmark.pedantic(run, rounds=1 if small else 3, iterations=1, warmup_rounds=1)
+        _record_memory(benchmark, run)
+    # GEMM work a materialising implementation needs: logits (fwd), + dhidden and dweight (bwd).
+    flops = 2 * T * H * V * (1 if mode == "fwd" else 3)
+    benchmark.extra_info.update(shape=f"T={T} H={H} V={V} {dtype}")
+    if benchmark.stats is not None:
+        benchmark.extra_info["TFLOP_per_s"] = flops / benchmark.stats.stats.median / 1e12
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Side-by-side script: the issue's CPU target (python bench/bench_logprobs.py)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _child(provider: str, reps: int) -> dict:
+    """Time fwd+bwd of one provider at the CPU target shape; peak RSS added over the inputs (this process)."""
+    torch.manual_seed(0)
+    T, H, V, dtype = HIDDEN_SIZES["cpu-T4096-H256-V32000"][1]
+    labels, mask, grads = _inputs(T, V, "cpu")
+    mask = torch.ones_like(mask)  # every token kept: the dense work Liger does
+    hidden = torch.randn(T, H, dtype=dtype, requires_grad=True)
+    weight = (torch.randn(V, H) * H**-0.5).to(dtype).requires_grad_(True)
+    with use_backend("torch"):
+        run = _run_mode(hidden_call(provider, hidden, weight, labels, mask), "full", grads)
+        with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the peak-RSS mark (Linux)
+        base = _status_kb("VmRSS")
+        run()  # warm-up (and the memory peak)
+        peak = _status_kb("VmHWM")
+        times, cpu = [], []
+        for _ in range(reps):
+            hidden.grad = weight.grad = None
+            t0, c0 = time.perf_counter(), time.process_time()
+            run()
+            times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+    return {"provider": provider, "threads": torch.get_num_threads(), "min_s": min(times),
+            "median_s": sorted(times)[len(times) // 2], "min_cpu_s": min(cpu), "peak_added_MB": (peak - base) / 1024}
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1])
+    return 0
+
+
+def main():
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":
+        print(json.dumps(_child(sys.argv[2], int(sys.argv[3]))))
+        return
+    reps = int(os.environ.get("REPS", "3"))
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    rows = []
+    for provider in ("liger-grpo", "liger", "ours", "ours-entropy"):
+        out = subprocess.run([sys.executable, __file__, "--child", provider, str(reps)], env=env,
+                             capture_output=True, text=True, check=True)
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        print(json.dumps(rows[-1]))
+    by = {r["provider"]: r for r in rows}
+    for yard in ("liger-grpo", "liger"):
+        print(f"ours vs {yard}: time x{by['ours']['min_s'] / by[yard]['min_s']:.2f} (wall), "
+              f"x{by['ours']['min_cpu_s'] / by[yard]['min_cpu_s']:.2f} (cpu), memory "
+              f"{by['ours']['peak_added_MB']:.0f} MB vs {by[yard]['peak_added_MB']:.0f} MB")
+
+
+if __name__ == "__main__":
+    main()
