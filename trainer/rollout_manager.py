@@ -20,10 +20,10 @@ Structured concurrency means nothing outlives `generate_batch`: no stray tasks, 
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import inspect
 import math
-import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -34,9 +34,6 @@ import trio
 from trainer.rewards import RewardFn, acompute_reward, load_reward_fn
 from trainer.rollout import convert_to_batch, first_failed_filter, resolve_filters, sample_from_dict, sample_to_dict
 from trainer.types import RolloutBatch, RolloutConfig, Sample, Status
-
-if sys.version_info < (3, 11):  # pragma: no cover
-    from exceptiongroup import BaseExceptionGroup
 
 
 class EngineUnavailableError(RuntimeError):
@@ -130,8 +127,16 @@ def restart_sample(sample: Sample) -> Sample:
                                loss_mask=None, reward=None, status=Status.PENDING, metadata=meta)
 
 
+def _oldest_first(groups: list[list[Sample]]) -> list[list[Sample]]:
+    """Cached groups in the order they were drawn from the data buffer (so none starves)."""
+    return sorted(groups, key=lambda g: g[0].metadata["group_uid"])
+
+
+_EXC_GROUP = getattr(builtins, "ExceptionGroup", ())  # Python >= 3.11; trio raises these from nurseries
+
+
 def _first_leaf(eg: BaseException) -> BaseException:
-    while isinstance(eg, BaseExceptionGroup):
+    while isinstance(eg, _EXC_GROUP):
         eg = eg.exceptions[0]
     return eg
 
@@ -368,21 +373,49 @@ class AsyncRolloutManager:
             raise RuntimeError("generate_batch needs an open manager: `async with manager: ...`")
         try:
             return await self._generate_batch(data_buffer)
-        except BaseExceptionGroup as eg:  # surface the real error (e.g. EngineUnavailableError), not a group
+        except _EXC_GROUP as eg:  # surface the real error (e.g. EngineUnavailableError), not a group
             raise _first_leaf(eg) from eg
 
     async def _generate_batch(self, data_buffer: Any) -> RolloutBatch:
-        c = self.config
         t0 = time.monotonic()
-        need = c.rollout_batch_size
-        max_dropped = c.max_filtered_groups or 10 * need
         cached, self.partial_groups = self.partial_groups, []
-        counters = {"groups_submitted": 0, "groups_filtered": 0, "groups_resumed": len(cached),
+        n_cached = len(cached)
+        counters = {"groups_submitted": 0, "groups_filtered": 0, "groups_resumed": 0,
                     "samples_restarted_stale": 0, "reward_failed": 0, "groups_cached": 0, "samples_aborted": 0}
         filtered_by: dict[str, int] = {}
         groups: dict[int, list[Sample]] = {}  # slot -> current state of each group this batch touched
         accepted: list[int] = []
         filtered: set[int] = set()
+        try:
+            await self._fill(data_buffer, cached, groups, accepted, filtered, counters, filtered_by)
+        except BaseException:
+            # An engine failed (or we were cancelled): keep every group not dropped by a filter (accepted ones
+            # too, the batch was never delivered), so a retry loses no prompt.
+            self.partial_groups = _oldest_first(cached + [g for slot, g in groups.items() if slot not in filtered])
+            raise
+        # Every group neither accepted nor filtered out is cached for the next batch: groups cut mid-generation
+        # (partial samples keep their tokens, log-probs and versions) and groups that finished after the batch
+        # filled (re-scored next time), plus cached groups this batch did not need. Oldest first in line.
+        taken = set(accepted) | filtered
+        counters["groups_resumed"] = n_cached - len(cached)
+        self.partial_groups = _oldest_first(cached + [g for slot, g in groups.items() if slot not in taken])
+        counters["groups_cached"] = len(self.partial_groups)
+        counters["samples_aborted"] = sum(1 for g in self.partial_groups for s in g if s.status == Status.ABORTED)
+        counters.update({f"filtered_{k}": v for k, v in filtered_by.items()})
+        counters["rollout_seconds"] = time.monotonic() - t0
+        # Deterministic order: by the order groups were drawn, not by the order they finished.
+        order = sorted(accepted, key=lambda sl: groups[sl][0].metadata["group_uid"])
+        return convert_to_batch([groups[sl] for sl in order], current_weight_version=self.weight_version,
+                                counters=counters)
+
+    async def _fill(self, data_buffer: Any, cached: list[list[Sample]], groups: dict[int, list[Sample]],
+                    accepted: list[int], filtered: set[int], counters: dict[str, Any],
+                    filtered_by: dict[str, int]) -> None:
+        """Launch, collect and filter groups until `accepted` holds rollout_batch_size of them; then cut the
+        rest. Mutates its arguments (the caller owns the bookkeeping, also when this raises)."""
+        c = self.config
+        need = c.rollout_batch_size
+        max_dropped = c.max_filtered_groups or 10 * need
         running: set[int] = set()  # group tasks still alive
         received = 0  # groups reported back to this loop; launched - received = groups still owed to it
         self._stopping = False
@@ -438,17 +471,3 @@ class AsyncRolloutManager:
                         while running:  # cut requests return their partial output
                             await trio.sleep(0.005)
             nursery.cancel_scope.cancel()
-
-        # Every group neither accepted nor filtered out is cached for the next batch: groups cut mid-generation
-        # (partial samples keep their tokens, log-probs and versions) and groups that finished after the batch
-        # filled (re-scored next time).
-        taken = set(accepted) | filtered
-        self.partial_groups = [g for slot, g in groups.items() if slot not in taken]
-        counters["groups_cached"] = len(self.partial_groups)
-        counters["samples_aborted"] = sum(1 for g in self.partial_groups for s in g if s.status == Status.ABORTED)
-        counters.update({f"filtered_{k}": v for k, v in filtered_by.items()})
-        counters["rollout_seconds"] = time.monotonic() - t0
-        # Deterministic order: by the order groups were drawn, not by the order they finished.
-        order = sorted(accepted, key=lambda sl: groups[sl][0].metadata["group_uid"])
-        return convert_to_batch([groups[sl] for sl in order], current_weight_version=self.weight_version,
-                                counters=counters)
