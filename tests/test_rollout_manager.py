@@ -36,6 +36,12 @@ def engine_logprob(token_id: int, position: int) -> float:
     return -((token_id * 31 + position * 7) % 97 + 1) / 100
 
 
+SGLANG_SAMPLING_KEYS = {"temperature", "top_p", "top_k", "min_p", "max_new_tokens", "min_new_tokens", "stop",
+                        "stop_token_ids", "n", "sampling_seed", "ignore_eos", "skip_special_tokens", "no_stop_trim"}
+SGLANG_REQUEST_KEYS = {"text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
+                       "top_logprobs_num", "rid", "stream"}
+
+
 class FakeEngine:
     """Prompt "a<op>b=": even a -> always the right answer (a zero-variance group); odd a -> right with p=1/2.
     Prompts with b % slow_mod == 0 answer "the answer is X": 2 quick tokens, then slow_latency per token."""
@@ -84,11 +90,15 @@ class FakeEngine:
             self.fail_generate -= 1
             return JSONResponse({"error": "overloaded"}, status_code=503)
         ids, sp = body["input_ids"], body["sampling_params"]
+        # Like SGLang (SamplingParams(**sp), GenerateReqInput fields), unknown keys are an error.
+        unknown = (set(sp) - SGLANG_SAMPLING_KEYS) | (set(body) - SGLANG_REQUEST_KEYS)
+        if unknown:
+            return JSONResponse({"error": f"unknown keys {sorted(unknown)}"}, status_code=400)
         assert body["return_logprob"] is True and EOS in sp["stop_token_ids"]
         m = re.match(r"(\d+)([+\-*])(\d+)=(.*)", TOK.decode(ids))
         a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
         import random
-        rng = random.Random(sp["seed"])
+        rng = random.Random(sp["sampling_seed"])  # SGLang's name for the per-request seed
         answer = a + b if op == "+" else a - b
         guess = answer if a % 2 == 0 or rng.random() < 0.5 else answer + 1
         slow = self.slow_mod and b % self.slow_mod == 0

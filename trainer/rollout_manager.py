@@ -280,7 +280,7 @@ class AsyncRolloutManager:
             if c.apply_chat_template:
                 stop.add(int(self.tokenizer.convert_tokens_to_ids("<|im_end|>")))
         return {"temperature": c.temperature, "top_p": c.top_p, "top_k": c.top_k, "max_new_tokens": c.max_new_tokens,
-                "stop_token_ids": sorted(stop), "seed": seed}
+                "stop_token_ids": sorted(stop), "sampling_seed": seed}
 
     async def _generate_one(self, url: str, sample: Sample, seed: int, rid: str) -> Sample:
         async with self._limiter:
