@@ -346,13 +346,19 @@ def test_custom_sync_and_async_generate_fns(kind):
 def test_generate_rollout_batches_is_deterministic(engine):
     cfg = RolloutConfig(rollout_batch_size=3, n_samples_per_prompt=2, max_new_tokens=8, temperature=0.7, seed=5)
 
+    def double(samples):
+        return [dataclasses.replace(s, reward=2 * s.reward) for s in samples]
+
     def stream():
         gen = generate_rollout_batches(_arith_buffer(), cfg, engine_urls=[engine.url], tokenizer=TOK,
-                                       reward_fn="arithmetic", num_batches=3, weight_version=lambda: 2)
+                                       reward_fn="arithmetic", num_batches=3, weight_version=lambda: 2,
+                                       transforms=[double])
         return [[(s.tokens, s.reward, s.weight_version) for s in b.samples] for b in gen]
 
     a, b = stream(), stream()
     assert a == b and len(a) == 3
+    assert {r for batch in a for _, r, _ in batch} <= {0.0, 2.0} and any(r == 2.0 for batch in a for _, r, _ in batch)
+    assert all(v == 0 for batch in a for _, _, v in batch)  # the engine's version, not the trainer's
     assert len({tuple(x[0] for x in batch) for batch in a}) == 3  # different prompts each step
     with pytest.raises(ValueError, match="unknown filter"):
         AsyncRolloutManager([engine.url], RolloutConfig(dynamic_filters=("nope",)), tokenizer=TOK)
