@@ -519,7 +519,7 @@ def policy_loss_fwd_triton(x: torch.Tensor, tok: TokenInputs, config: PolicyLoss
     dummy = tok.advantages
     c = config
     _policy_loss_fwd_kernel[(n,)](
-        x, tok.labels, tok.keep, tok.weight, tok.advantages,
+        x, tok.labels, tok.keep.view(torch.uint8), tok.weight, tok.advantages,
         tok.old if tok.old is not None else dummy,
         tok.ref if tok.ref is not None else dummy,
         tok.rollout if tok.rollout is not None else dummy,
@@ -540,7 +540,8 @@ def policy_loss_bwd_triton(x, tok, glogp, lse, ent, grad_out, config, out=None) 
     if n == 0:
         return dx
     _policy_loss_bwd_kernel[(n,)](
-        x, dx, tok.labels, tok.keep, tok.weight, glogp, lse, ent, grad_out.reshape(()).float().contiguous(),
+        x, dx, tok.labels, tok.keep.view(torch.uint8), tok.weight, glogp, lse, ent,
+        grad_out.reshape(()).float().contiguous(),
         vocab, 1.0 / config.temperature, config.entropy_coef,
         HAS_ENT=config.entropy_coef != 0.0, BLOCK_V=_block_v(vocab, x.device),
     )

@@ -121,6 +121,7 @@ def policy_loss_ref(
     z = logits.to(dtype) / c.temperature
     logp_all = torch.log_softmax(z, dim=-1)
     logp = logp_all.gather(-1, torch.where(keep, labels, 0).unsqueeze(-1)).squeeze(-1)
+    logp = torch.where(keep, logp, 0.0)  # masked tokens: a finite placeholder (label 0 may be a −inf logit)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     adv = advantages.to(dtype)
 

@@ -166,6 +166,18 @@ def test_masked_and_ignored_tokens_get_zero_gradient(backend):
     assert x.grad[~dropped].abs().sum() > 0
 
 
+def test_banned_tokens_with_minus_inf_logits(backend):
+    # Samplers mask banned tokens with −inf: they have p = 0 and must give exact zeros, not NaN.
+    config = PolicyLossConfig(loss_agg="token-mean", kl_coef=0.1, clip_ratio_c=3.0)
+    logits, inputs = make_case("padded", 1271, 13)
+    banned = torch.rand(logits.shape, generator=torch.Generator().manual_seed(14)) < 0.3
+    banned &= torch.arange(1271) != inputs["labels"].clamp(min=0).unsqueeze(-1)  # never the sampled token
+    logits = logits.masked_fill(banned, float("-inf"))
+    (loss, metrics, grad), ref = check(logits, inputs, config, 13)
+    assert torch.equal(grad[banned], torch.zeros_like(grad[banned]))
+    assert_matches((loss, metrics, grad), ref)
+
+
 def _split_rows(inputs, rows):
     return {k: (v[rows] if isinstance(v, torch.Tensor) and k != "cu_seqlens" else v) for k, v in inputs.items()}
 
@@ -262,6 +274,27 @@ def test_linear_equals_policy_loss_on_logits(backend, layout, entropy_coef):
     torch.testing.assert_close(loss, loss3.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(h1.grad, h3.grad, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(w1.grad, w3.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_linear_bf16(backend):
+    # bf16 hidden and lm_head, fp32 softmax math: against the reference on the bf16 values upcast (design.md).
+    config = PolicyLossConfig(loss_agg="seq-mean-token-sum", **{k: v for k, v in FULL.items() if k != "max_seq_len"})
+    _, inputs = make_case("packed", 1271, 45, n_seqs=3, max_len=6)
+    g = torch.Generator().manual_seed(46)
+    hidden = torch.randn(inputs["labels"].shape[0], 32, generator=g).bfloat16()
+    weight = (torch.randn(1271, 32, generator=g) * 0.3).bfloat16()
+    args, kw = positional(inputs)
+    h1, w1 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    loss, _ = linear_policy_loss(h1, w1, *args, config=config, chunk_tokens=4, **kw)
+    loss.backward()
+    h2, w2 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+    rloss, _ = policy_loss_ref(h2 @ w2.t(), *args, config=config, **kw)
+    rloss.backward()
+    # The bf16 GEMM output (Triton path) is rounded to bf16 before the fp32 softmax: loss within bf16 precision.
+    torch.testing.assert_close(loss.double(), rloss, rtol=2e-2, atol=1e-3)
+    for ours, ref in ((h1.grad, h2.grad), (w1.grad, w2.grad)):
+        assert ours.dtype == torch.bfloat16
+        assert (ours.double() - ref).norm() / ref.norm() < 3e-2
 
 
 def test_linear_frozen_head_and_no_grad(backend):
