@@ -53,6 +53,8 @@ IGNORE_INDEX = -100
 METRIC_NAMES = ("clip_frac_low", "clip_frac_high", "approx_kl", "ratio_mean", "dual_clip_frac", "entropy", "kl")
 N_METRICS = len(METRIC_NAMES)
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Compiled Triton reads module globals only as constexprs (the interpreter does not check this).
+_M_START = tl.constexpr(M_INIT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -431,7 +433,7 @@ def _policy_loss_fwd_kernel(
         return
     label = tl.load(labels_ptr + row)
     x_row = x_ptr + row * V  # int64 offsets: N * V exceeds 2**31 at 16k tokens x 152k vocabulary
-    m = M_INIT
+    m = _M_START
     s = 0.0
     sd = 0.0
     z_label = 0.0
