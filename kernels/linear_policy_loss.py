@@ -96,8 +96,10 @@ def _forward_triton(h, w, tok, config, need_h, need_w, chunk):
     need_grad = need_h or need_w
     wloss = torch.zeros(n, dtype=torch.float32, device=h.device)
     vals = torch.zeros(N_METRICS, n, dtype=torch.float32, device=h.device)
-    grad_h = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if need_h else None
-    grad_w = torch.zeros(w.shape, dtype=torch.float32, device=h.device) if need_w else None
+    # Gradients in the inputs' dtype, accumulated in place by the GEMMs (no [V, H] temporary per chunk); with
+    # bf16 the lm_head gradient adds a few chunk partials in bf16, as Liger's fused linear losses do.
+    grad_h = torch.empty(h.shape, dtype=h.dtype, device=h.device) if need_h else None
+    grad_w = torch.zeros(w.shape, dtype=w.dtype, device=h.device) if need_w else None
     one = torch.ones((), dtype=torch.float32, device=h.device)
     buf = torch.empty(min(chunk, n) * vocab, dtype=h.dtype, device=h.device)
     for a in range(0, n, chunk):
@@ -109,9 +111,9 @@ def _forward_triton(h, w, tok, config, need_h, need_w, chunk):
             continue
         dz = policy_loss_bwd_triton(x, tc, glogp, lse, ent, one, config, out=x)  # in place over the logits
         if need_h:
-            grad_h[a:b] = torch.mm(dz, w).float()
+            torch.mm(dz, w, out=grad_h[a:b])
         if need_w:
-            grad_w += torch.mm(dz.t(), h[a:b]).float()
+            grad_w.addmm_(dz.t(), h[a:b])
     return wloss, vals, grad_h, grad_w
 
 
