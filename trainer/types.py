@@ -16,7 +16,7 @@ LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mea
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce")
 
 
-class Status(str, enum.Enum):
+class Status(enum.StrEnum):
     """Life cycle of one sample: a rollout request may finish, hit the length limit, be cut, or fail."""
 
     PENDING = "pending"  # submitted, not yet answered

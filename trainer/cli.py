@@ -1,0 +1,320 @@
+"""Command line: `python -m trainer {sft,rl,sft+rl,demo} --config configs/X.toml [--set key=value ...] [--resume]`.
+
+A run config is one TOML file (see configs/demo.toml): [model] (a preset or a folder), [data] (JSONL prompt
+files and the reward function), [engines] (URLs of SGLang-protocol servers, or how many embedded engines to
+start), [sft] (trainer.types.SFTTrainingConfig), [rl] and [rl.rollout] (RLTrainingConfig, RolloutConfig) and
+[eval]. `--set rl.lr=3e-4` overrides any key (the value is parsed as TOML, so strings need quotes only when
+they would parse as something else). Unknown keys are errors that name the key.
+
+Multi-GPU: launch with `torchrun --nproc-per-node N -m trainer rl --config ...`; rank 0 starts the embedded
+engines (or talks to the given URLs) and every rank trains its FSDP2 shard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+import tomllib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from trainer.types import RLTrainingConfig, SFTTrainingConfig, config_from_dict
+
+MODES = ("sft", "rl", "sft+rl", "demo")
+TOP_KEYS = {"name", "output_dir", "seed", "model", "data", "engines", "sft", "rl", "eval"}
+MODEL_KEYS = {"preset", "path", "arch", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+              "intermediate_size", "max_position_embeddings", "tie_word_embeddings"}
+DATA_KEYS = {"train", "eval", "sft", "reward"}
+ENGINE_KEYS = {"urls", "embedded", "api_key", "threads", "start_timeout_s"}
+EVAL_KEYS = {"max_new_tokens", "limit"}
+
+
+# ----------------------------------------------------------------------------------------------- config
+def parse_overrides(pairs: Sequence[str]) -> dict[str, Any]:
+    """["rl.lr=3e-4", "name=x"] -> nested dict; values parsed as TOML scalars/arrays, else kept as strings."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ValueError(f"--set {pair!r}: expected key=value, e.g. --set rl.lr=3e-4")
+        key, raw = pair.split("=", 1)
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        node = out
+        *parents, leaf = key.strip().split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_run_config(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """The TOML run config with --set overrides applied and every section's keys checked."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--config {path}: no such file (see configs/ for examples)")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{path}: not valid TOML: {e}") from e
+    cfg = merge(raw, parse_overrides(overrides))
+    for section, known in (("", TOP_KEYS), ("model", MODEL_KEYS), ("data", DATA_KEYS), ("engines", ENGINE_KEYS),
+                           ("eval", EVAL_KEYS)):
+        table = cfg if not section else cfg.get(section, {})
+        unknown = sorted(set(table) - known)
+        if unknown:
+            where = f"[{section}]" if section else "top level"
+            raise ValueError(f"{path}: unknown config key(s) {unknown} at {where}; known: {sorted(known)}")
+    cfg.setdefault("name", path.stem)
+    cfg.setdefault("output_dir", f"runs/{cfg['name']}")
+    cfg.setdefault("seed", 0)
+    return cfg
+
+
+def sft_config(cfg: dict[str, Any]) -> SFTTrainingConfig:
+    values = {"seed": cfg["seed"], **cfg.get("sft", {}), "output_dir": str(Path(cfg["output_dir"]) / "sft")}
+    return config_from_dict(SFTTrainingConfig, values)
+
+
+def rl_config(cfg: dict[str, Any]) -> RLTrainingConfig:
+    values = {"seed": cfg["seed"], **cfg.get("rl", {}), "output_dir": str(Path(cfg["output_dir"]) / "rl")}
+    return config_from_dict(RLTrainingConfig, values)
+
+
+# ----------------------------------------------------------------------------------------------- model
+def prepare_model_folder(cfg: dict[str, Any], tokenizer: Any) -> Path:
+    """The HF folder both the trainer and the engines load: [model].path, or a preset written once (seeded)."""
+    m = cfg.get("model", {})
+    if "path" in m:
+        folder = Path(m["path"])
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"[model].path = {folder}: not a Hugging Face model folder (no config.json)")
+        return folder
+    if m.get("preset", "tiny") != "tiny":
+        raise ValueError(f"[model].preset = {m['preset']!r}: the only preset is 'tiny'; or set [model].path")
+    from engines.embedded.presets import build_tiny_model
+
+    folder = Path(cfg["output_dir"]) / "init_model"
+    if not (folder / "model.safetensors").is_file():
+        sizes = {k: v for k, v in m.items() if k in MODEL_KEYS - {"preset", "path", "arch"}}
+        model = build_tiny_model(cfg["seed"], arch=m.get("arch", "llama"), **sizes)
+        model.save_pretrained(folder, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
+    return folder
+
+
+@contextlib.contextmanager
+def engines_for(cfg: dict[str, Any], model_folder: Path, *, is_main: bool):
+    """Yield the engine URLs: [engines].urls as given, or that many embedded engines started here (rank 0)."""
+    e = cfg.get("engines", {})
+    urls = list(e.get("urls", []))
+    if urls or not is_main:
+        yield urls
+        return
+    from engines.embedded.launch import EngineProcess
+
+    procs = [EngineProcess(str(model_folder), api_key=e.get("api_key") or None, seed=cfg["seed"],
+                           threads=e.get("threads", 1), start_timeout_s=e.get("start_timeout_s", 180.0))
+             for _ in range(int(e.get("embedded", 1)))]
+    try:
+        for p in procs:
+            p.launch()
+        for p in procs:
+            p.wait_healthy()
+        yield [p.url for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def _share(obj: Any) -> Any:
+    """Rank 0's value on every rank (engine URLs under torchrun)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return obj
+
+
+# ----------------------------------------------------------------------------------------------- evaluation
+def evaluate(urls: Sequence[str], prompts: Sequence[Any], *, tokenizer: Any, reward_fn: Any, max_new_tokens: int,
+             api_key: str | None = None, chat: bool = True) -> float:
+    """Greedy accuracy (mean reward of one temperature-0 sample per prompt) served by the first engine."""
+    from engines.protocol import SamplingParams
+    from engines.sglang import SGLangEngine
+    from trainer.rewards import compute_rewards
+    from trainer.types import Sample, Status
+
+    def encode(text: str) -> list[int]:
+        if chat:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                tokenize=True)
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    ids = [encode(p.prompt) for p in prompts]
+    stop = (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=stop)
+    engine = SGLangEngine(urls[0], api_key=api_key)
+
+    async def run():
+        return await engine.generate(ids, params)
+
+    outs = trio.run(run)
+    samples = []
+    for p, prompt_ids, group in zip(prompts, ids, outs):
+        c = group[0]
+        samples.append(Sample(prompt=p.prompt, tokens=tuple(prompt_ids) + tuple(c.output_ids),
+                              response=tokenizer.decode(c.output_ids), response_length=len(c.output_ids),
+                              metadata={**p.metadata, "answer": p.answer}, status=Status.COMPLETED))
+    scored, _ = compute_rewards(samples, reward_fn)
+    return sum(s.reward or 0.0 for s in scored) / max(len(scored), 1)
+
+
+def sft_conversations(prompts: Sequence[Any]) -> list[list[dict[str, str]]]:
+    """Prompt/answer records as one-turn chats (a record may carry full "messages" in its metadata instead)."""
+    out = []
+    for p in prompts:
+        msgs = p.metadata.get("messages")
+        out.append(list(msgs) if msgs else [{"role": "user", "content": p.prompt},
+                                            {"role": "assistant", "content": str(p.answer)}])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- run
+def run(mode: str, cfg: dict[str, Any], *, resume: bool = False) -> dict[str, Any]:
+    """Run `mode` end to end; returns the summary (also written to <output_dir>/summary.json on rank 0)."""
+    from engines.sglang import SGLangEngine
+    from engines.weight_sync import WeightSyncSender
+    from trainer.core import build_components, init_distributed, trainer_config_from
+    from trainer.data import DataBuffer, load_jsonl
+    from trainer.plot import plot_metrics
+    from trainer.rl import run_rl_training
+    from trainer.sft import run_sft_training
+    from trainer.tokenizer import build_tokenizer
+
+    t_start = time.time()
+    out = Path(cfg["output_dir"])
+    mesh = init_distributed()
+    is_main = mesh.get_rank() == 0
+    data = cfg.get("data", {})
+    if "train" not in data:
+        raise ValueError("[data].train: give a JSONL prompt file (prompt, answer, any metadata)")
+    tokenizer = build_tokenizer()
+    model_folder = prepare_model_folder(cfg, tokenizer) if is_main else None
+    model_folder = Path(_share(str(model_folder)))
+    if (model_folder / "tokenizer.json").is_file():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_folder)
+    reward_fn = data.get("reward", "trainer.rewards:arithmetic_reward")
+    eval_prompts = load_jsonl(data["eval"]) if "eval" in data else []
+    ev = cfg.get("eval", {})
+    if ev.get("limit"):
+        eval_prompts = eval_prompts[: int(ev["limit"])]
+    api_key = cfg.get("engines", {}).get("api_key") or None
+    rl_cfg = rl_config(cfg) if mode != "sft" else None
+    summary: dict[str, Any] = {"mode": mode, "config": cfg.get("name")}
+    with engines_for(cfg, model_folder, is_main=is_main or mode == "sft") as urls:
+        urls = _share(urls) if mode != "sft" else urls
+
+        def accuracy(label: str) -> None:
+            if is_main and eval_prompts and urls:
+                acc = evaluate(urls, eval_prompts, tokenizer=tokenizer, reward_fn=reward_fn, api_key=api_key,
+                               max_new_tokens=int(ev.get("max_new_tokens", rl_cfg.rollout.max_new_tokens if rl_cfg
+                                                         else 16)),
+                               chat=rl_cfg.rollout.apply_chat_template if rl_cfg else True)
+                summary[f"accuracy_{label}"] = acc
+                print(f"[{label}] held-out accuracy: {acc:.3f} on {len(eval_prompts)} problems", flush=True)
+
+        components = None
+        if mode in ("sft+rl", "demo", "rl") and urls:
+            accuracy("before_sft" if mode != "rl" else "before_rl")
+        if mode in ("sft", "sft+rl", "demo"):
+            scfg = sft_config(cfg)
+            sft_prompts = load_jsonl(data.get("sft", data["train"]))
+            components, sft_state, sft_hist = run_sft_training(str(model_folder), sft_conversations(sft_prompts),
+                                                               scfg, tokenizer=tokenizer, resume=resume)
+            summary["sft_steps"] = sft_state.step
+            summary["sft_final_loss"] = sft_hist[-1]["loss"] if sft_hist else None
+            if is_main:
+                plot_metrics(Path(scfg.output_dir) / "metrics.jsonl", out / "sft.png", title=f"{cfg['name']} SFT")
+        if mode in ("rl", "sft+rl", "demo"):
+            tcfg = trainer_config_from(rl_cfg)
+            comp = build_components(components.module if components is not None else str(model_folder), tcfg)
+            engines = [SGLangEngine(u, api_key=api_key) for u in urls]
+            sender = WeightSyncSender(comp.model, engines)
+            sender.init_group()
+            if components is not None:  # engines serve the SFT weights from here on
+                sender.sync(weight_version=0)
+                accuracy("after_sft")
+            buffer = DataBuffer.from_jsonl(data["train"], seed=cfg["seed"])
+            comp, state, hist = run_rl_training(None, buffer, rl_cfg, engine_urls=urls, tokenizer=tokenizer,
+                                                reward_fn=reward_fn, trainer_config=tcfg, components=comp,
+                                                resume=resume, api_key=api_key, sender=sender)
+            sender.close()
+            summary["rl_steps"] = state.step
+            summary["rl_final_reward_mean"] = hist[-1]["reward_mean"] if hist else None
+            accuracy("after_rl")
+            if is_main:
+                plot_metrics(Path(rl_cfg.output_dir) / "metrics.jsonl", out / "rl.png", title=f"{cfg['name']} GRPO")
+    summary["wall_seconds"] = round(time.time() - t_start, 1)
+    if is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def print_table(summary: dict[str, Any]) -> None:
+    rows = [("before SFT", "accuracy_before_sft"), ("after SFT", "accuracy_after_sft"),
+            ("after RL", "accuracy_after_rl")]
+    print("\n| stage | held-out accuracy |\n|---|---|")
+    for label, key in rows:
+        if key in summary:
+            print(f"| {label} | {summary[key] * 100:.1f} % |")
+    print(f"\nRL steps: {summary.get('rl_steps')}, wall time: {summary['wall_seconds']:.0f} s", flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m trainer", description=__doc__.split("\n")[0])
+    ap.add_argument("mode", choices=MODES)
+    ap.add_argument("--config", default=None, help="TOML run config (demo: configs/demo.toml)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config key, e.g. --set rl.num_steps=20 (repeatable)")
+    ap.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    args = ap.parse_args(argv)
+    config = args.config or ("configs/demo.toml" if args.mode == "demo" else None)
+    if config is None:
+        ap.error(f"{args.mode}: --config is required (e.g. configs/demo.toml)")
+    try:
+        cfg = load_run_config(config, args.overrides)
+        summary = run(args.mode, cfg, resume=args.resume)
+    except KeyboardInterrupt:
+        print("interrupted: a checkpoint was written; continue with --resume", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print_table(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

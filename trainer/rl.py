@@ -1,0 +1,260 @@
+"""GRPO/PPO training as one readable function: generate -> reward -> advantages -> pack -> forward_backward ->
+optim_step -> sync -> log -> checkpoint.
+
+    comp, state, history = run_rl_training(model, buffer, RLTrainingConfig(...), engine_urls=[...],
+                                           reward_fn="trainer.rewards:arithmetic_reward")
+
+Rollouts come from inference engines over HTTP (the embedded engine by default; SGLang / vLLM by URL) through
+`trainer.rollout.generate_rollout_batches`; the engines get the new weights every `sync_every` steps by
+broadcast (engines.weight_sync), never through disk. In async mode the batch of step n+1 is generated (in a
+worker thread, by the engine processes) while step n trains; the weights that generated it lag by at most
+`rollout.max_staleness` versions, and the policy loss corrects for it with old log-probs recomputed by the
+trainer (`compute_logprobs`) plus truncated importance sampling against the engine's own log-probs.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.batch import attach_logprobs, build_micro_batches
+from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.core import (
+    TrainerConfig,
+    TrainingComponents,
+    build_components,
+    compute_logprobs,
+    forward_backward,
+    optim_step,
+    trainer_config_from,
+)
+from trainer.metrics import JSONLLogger, MetricsLogger
+from trainer.rollout import generate_rollout_batches
+from trainer.types import RLTrainingConfig, RolloutBatch, Sample, TrainingState
+
+
+def compute_advantages(samples: Sequence[Sample], estimator: str) -> list[float]:
+    """One advantage per sample from its reward and its group (samples of one prompt share metadata group_uid)."""
+    from kernels.advantages import grpo_advantages, reinforce_advantages, rloo_advantages
+
+    rewards = torch.tensor([0.0 if s.reward is None else s.reward for s in samples], dtype=torch.float64)
+    uids = [s.metadata.get("group_uid", s.group_index) for s in samples]
+    remap = {u: i for i, u in enumerate(dict.fromkeys(uids))}
+    groups = torch.tensor([remap[u] for u in uids], dtype=torch.int64)
+    if estimator == "grpo":
+        adv = grpo_advantages(rewards, groups)
+    elif estimator == "rloo":
+        adv = rloo_advantages(rewards, groups)
+    elif estimator == "reinforce":
+        adv = reinforce_advantages(rewards, rewards.mean())
+    else:
+        raise ValueError(f"advantage_estimator={estimator!r}: choose grpo, rloo or reinforce")
+    return [float(a) for a in adv]
+
+
+def _batch_metrics(batch: RolloutBatch) -> dict[str, float]:
+    rewards = [s.reward for s in batch.samples if s.reward is not None]
+    lengths = [s.response_length for s in batch.samples]
+    meta = {k: float(v) for k, v in batch.metadata.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {**{f"rollout/{k}": v for k, v in meta.items()},
+            "reward_mean": sum(rewards) / max(len(rewards), 1),
+            "response_length_mean": sum(lengths) / max(len(lengths), 1),
+            "num_samples": float(len(batch.samples))}
+
+
+def train_on_batch(components: TrainingComponents, state: TrainingState, batch: RolloutBatch,
+                   config: RLTrainingConfig, tcfg: TrainerConfig, *,
+                   ref_components: TrainingComponents | None = None) -> tuple[dict, TrainingState]:
+    """advantages -> pack -> (old/ref log-probs) -> ppo_epochs x (forward_backward -> optim_step); returns metrics.
+
+    Old log-probs are recomputed by the trainer when they can differ from the current policy (ppo_epochs > 1,
+    async rollouts, or TIS); otherwise the loss runs on-policy (old = logp.detach(), one pass fewer).
+    """
+    samples = list(batch.samples)
+    advantages = compute_advantages(samples, config.advantage_estimator)
+    mbs = build_micro_batches(samples, token_budget=tcfg.token_budget, bucket_size=tcfg.bucket_size,
+                              advantages=advantages, pad_id=0, num_ranks=components.world_size,
+                              rank=components.rank)
+    if config.ppo_epochs > 1 or config.async_rollout or config.tis_cap is not None:
+        mbs = attach_logprobs(mbs, compute_logprobs(components, mbs), "old_logprobs")
+    if ref_components is not None:
+        mbs = attach_logprobs(mbs, compute_logprobs(ref_components, mbs), "ref_logprobs")
+    futures = []
+    for _ in range(config.ppo_epochs):
+        fut = forward_backward(components, mbs, tcfg)
+        opt_fut, state = optim_step(components, state, tcfg)
+        futures.append((fut, opt_fut))
+    # Reading the last futures is the step's only host sync (design rule 8).
+    fut, opt_fut = futures[-1]
+    metrics = {**fut.result(), **opt_fut.result()}
+    return {k: float(v) for k, v in metrics.items()}, state
+
+
+class _Prefetcher:
+    """Generates the next rollout batch in a worker thread while the trainer trains (async mode).
+
+    Mutable state (the pending future) is why this is a class. The engines are separate processes, so the
+    generation really runs in parallel with training; the thread only waits on HTTP.
+    """
+
+    def __init__(self, batches) -> None:
+        self._batches = batches
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
+        self._pending: concurrent.futures.Future | None = None
+
+    def start(self) -> None:
+        assert self._pending is None, "one batch in flight at a time"
+        self._pending = self._pool.submit(next, self._batches)
+
+    def take(self) -> RolloutBatch:
+        assert self._pending is not None, "start() first"
+        fut, self._pending = self._pending, None
+        return fut.result()
+
+    def wait_idle(self) -> None:
+        """Block until the in-flight batch is generated (it stays queued for `take`): engines are idle after."""
+        if self._pending is not None:
+            concurrent.futures.wait([self._pending])
+
+    def close(self) -> None:
+        if self._pending is not None:
+            self._pending.cancel()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, engine_urls: Sequence[str],
+                    tokenizer: Any = None, reward_fn: Any = "trainer.rewards:arithmetic_reward",
+                    trainer_config: TrainerConfig | None = None, components: TrainingComponents | None = None,
+                    logger: MetricsLogger | None = None, resume: bool = False, api_key: str | None = None,
+                    probe_prompts: Sequence[Sequence[int]] | None = None,
+                    on_step: Callable[[int, dict], None] | None = None, sender: Any = None,
+                    ) -> tuple[TrainingComponents, TrainingState, list[dict]]:
+    """Train with GRPO/PPO for config.num_steps steps; returns (components, final state, per-step metrics).
+
+    model: a folder, an HF config or a built TrainModule (ignored when `components` is given, e.g. after SFT).
+    data_buffer: trainer.data.DataBuffer of prompts (with answers in metadata for verifiable rewards).
+    engine_urls: SGLang-protocol engines (the embedded engine or SGLang). Their weights are synced from the
+    trainer at the start (so they serve the policy being trained) and every `sync_every` steps.
+    sender: an engines.weight_sync.WeightSyncSender whose group is already up (the caller owns it); by default
+    one is built here, and closed at the end.
+    Writes metrics.jsonl and checkpoints under config.output_dir; resume=True continues from the newest complete
+    checkpoint there (data position and partial-rollout cache included). Ctrl-C writes a checkpoint first.
+    """
+    from tqdm import tqdm
+
+    from engines.sglang import SGLangEngine
+    from engines.weight_sync import WeightSyncSender, verify_sync
+    from trainer.rollout_manager import AsyncRolloutManager
+    from trainer.tokenizer import build_tokenizer
+
+    if config.async_rollout and config.rollout.max_staleness < 1:
+        raise ValueError("rollout.max_staleness: async_rollout trains on batches one version old; set it >= 1")
+    tokenizer = tokenizer or build_tokenizer()
+    tcfg = trainer_config or trainer_config_from(config)
+    comp = components or build_components(model, tcfg)
+    ref = _reference_components(comp, tcfg) if config.kl_coef > 0 else None  # frozen starting weights
+    out = Path(tcfg.output_dir)
+    state = TrainingState()
+    manager = AsyncRolloutManager(engine_urls, config.rollout, tokenizer=tokenizer, reward_fn=reward_fn,
+                                  api_key=api_key)
+    if resume and latest_checkpoint(out) is not None:
+        state, extra = load_checkpoint(comp, out)
+        data_buffer.load_state_dict(extra["data_buffer"])
+        manager.load_state_dict(extra["rollout_manager"])
+    engines = [SGLangEngine(u, api_key=api_key) for u in engine_urls]
+    own_sender = sender is None
+    if own_sender:
+        sender = WeightSyncSender(comp.model, engines, weight_version=state.weight_version)
+    logger = logger or JSONLLogger(out / "metrics.jsonl", enabled=comp.rank == 0)
+    is_main = comp.rank == 0
+    batches = generate_rollout_batches(data_buffer, config.rollout, manager=manager,
+                                       weight_version=lambda: sender.weight_version)
+    prefetch = _Prefetcher(batches) if config.async_rollout else None
+    history: list[dict] = []
+    bar = tqdm(total=config.num_steps, initial=state.step, disable=not is_main, desc="rl")
+
+    def extra() -> dict:
+        return {"data_buffer": data_buffer.state_dict(), "rollout_manager": manager.state_dict()}
+
+    try:
+        if own_sender:
+            sender.init_group()
+        sync_s = _sync(sender, state.weight_version)  # engines serve exactly the weights being trained
+        if prefetch is not None:
+            prefetch.start()
+        while state.step < config.num_steps:
+            t0 = time.perf_counter()
+            batch = prefetch.take() if prefetch is not None else next(batches)
+            gen_s = time.perf_counter() - t0
+            if prefetch is not None and state.step + 1 < config.num_steps:
+                prefetch.start()  # step n+1 generates with the current engine weights while step n trains
+            t1 = time.perf_counter()
+            metrics, state = train_on_batch(comp, state, batch, config, tcfg, ref_components=ref)
+            train_s = time.perf_counter() - t1
+            if state.step % config.sync_every == 0 or state.step == config.num_steps:
+                if prefetch is not None:
+                    prefetch.wait_idle()  # the engine must not change weights mid-request
+                sync_s = _sync(sender, state.weight_version)
+            metrics.update(_batch_metrics(batch))
+            tokens = sum(len(s.tokens) for s in batch.samples)
+            metrics.update(step=state.step, weight_version=state.weight_version, time_generate_s=gen_s,
+                           time_train_s=train_s, time_sync_s=sync_s, train_tokens_per_s=tokens / max(train_s, 1e-9))
+            if config.verify_sync and state.step % config.sync_every == 0:
+                res = verify_sync(comp.model, engines, probe_prompts or _default_probes(batch),
+                                  expected_version=sender.weight_version)
+                metrics["verify_sync_max_abs_diff"] = max(res.max_abs_diff)
+                if not res.ok:
+                    raise RuntimeError(f"verify_sync failed after step {state.step}: engine log-probs differ from "
+                                       f"the trainer's by {res.max_abs_diff} (tol {res.tol}), versions "
+                                       f"{res.versions} vs {res.expected_version}")
+            logger.log(state.step, metrics)
+            history.append(metrics)
+            if on_step is not None:
+                on_step(state.step, metrics)
+            bar.update(1)
+            bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", loss=f"{metrics['loss']:.4f}")
+            if tcfg.save_every and state.step % tcfg.save_every == 0:
+                save_checkpoint(comp, state, extra())
+        save_checkpoint(comp, state, extra())
+    except KeyboardInterrupt:
+        save_checkpoint(comp, state, extra())
+        raise
+    finally:
+        bar.close()
+        if prefetch is not None:
+            prefetch.close()
+        batches.close()
+        if own_sender:
+            sender.close()
+        logger.close()
+    return comp, state, history
+
+
+def _sync(sender: Any, version: int) -> float:
+    t0 = time.perf_counter()
+    sender.sync(weight_version=version)
+    return time.perf_counter() - t0
+
+
+def _default_probes(batch: RolloutBatch) -> list[list[int]]:
+    return [list(s.tokens[:s.prompt_length]) for s in batch.samples[:2]]
+
+
+def _reference_components(components: TrainingComponents, tcfg: TrainerConfig) -> TrainingComponents:
+    """A frozen copy of the current policy (the reference for the KL term), sharded like it, built in memory."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    ref = build_components(components.model.config, dataclasses.replace(tcfg, compile=False))
+    set_model_state_dict(ref.module, get_model_state_dict(components.module))
+    ref.module.requires_grad_(False)
+    return ref
+
+
+def replace_rollout(config: RLTrainingConfig, **changes: Any) -> RLTrainingConfig:
+    return dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, **changes))
