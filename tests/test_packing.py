@@ -1,5 +1,10 @@
 """Pack/unpack kernels, packed layout, per-sequence broadcast: Triton (interpreted) and torch paths vs reference."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -186,3 +191,42 @@ def test_bad_input_is_a_clear_value_error():
         broadcast_to_tokens(torch.randn(2, 2), torch.zeros(4, dtype=torch.int64))
     with pytest.raises(ValueError, match="1-D integer tensor"):
         pack(x, torch.tensor([1.0, 2.0, 3.0]))
+
+
+# The interpreter accepts code the compiler rejects: compile every kernel for an H100 target (PTX through the
+# ptxas bundled with triton; no GPU needed), in a subprocess because conftest turned the interpreter on here.
+_COMPILE_SCRIPT = textwrap.dedent("""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from kernels.packing import _broadcast_kernel, _layout_kernel, _pack_kernel, _unpack_kernel
+
+    target = GPUTarget("cuda", 90, 32)
+    def build(fn, sig, consts):
+        sig = {**sig, **{k: "constexpr" for k in consts}}
+        assert "ptx" in triton.compile(ASTSource(fn, sig, consts), target=target).asm
+    for x, fill in (("*fp32", 0.5), ("*bf16", 0.0), ("*i64", -100), ("*u8", 0), ("*i32", 7)):
+        for L in ("i32", "i64"):
+            base = dict(len_ptr="*i32", cu_ptr="*i32", L=L, D="i32")
+            build(_pack_kernel, dict(pad_ptr=x, flat_ptr=x, **base), dict(BLOCK_T=64, BLOCK_D=256))
+            build(_unpack_kernel, dict(flat_ptr=x, pad_ptr=x, **base), dict(FILL=fill, BLOCK_T=64, BLOCK_D=4))
+        build(_broadcast_kernel, dict(val_ptr=x, seq_ptr="*i64", out_ptr=x, N="i32"), dict(FILL=fill, BLOCK=256))
+    for cu in ("*i32", "*i64"):
+        build(_layout_kernel, dict(cu_ptr=cu, pos_ptr="*i64", seq_ptr="*i64", N="i32", S="i32"),
+              dict(N_ITERS=7, BLOCK=256))
+    print("compiled")
+""")
+
+
+def test_triton_kernels_compile_for_sm90():
+    try:
+        from triton.backends import backends
+    except ImportError:
+        pytest.skip("this triton has no backend registry")
+    if "nvidia" not in backends:
+        pytest.skip("this triton build has no NVIDIA backend to compile with")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
