@@ -294,6 +294,8 @@ def packed_layout(cu_seqlens: torch.Tensor, total: int | None = None) -> tuple[t
     S = cu_seqlens.numel() - 1
     T = int(cu_seqlens[-1]) if total is None else None  # host sync (marked) only when total is not given
     N = T if total is None else int(total)
+    if total is not None and not cu_seqlens.is_cuda and N < int(cu_seqlens[-1]):  # free check on the host only
+        raise ValueError(f"total={N} < cu_seqlens[-1] = {int(cu_seqlens[-1])}; the row must hold every real token")
     dev = cu_seqlens.device
     pos = torch.empty(N, dtype=torch.int64, device=dev)
     seq = torch.empty(N, dtype=torch.int64, device=dev)

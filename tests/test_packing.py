@@ -189,6 +189,8 @@ def test_bad_input_is_a_clear_value_error():
         pack_batch([torch.arange(3), torch.arange(2)], pad_to=4)
     with pytest.raises(ValueError, match="one value per sequence"):
         broadcast_to_tokens(torch.randn(2, 2), torch.zeros(4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="total=4 < cu_seqlens"):
+        packed_layout(cu_seqlens_from_lengths([3, 2]), 4)
     with pytest.raises(ValueError, match="1-D integer tensor"):
         pack(x, torch.tensor([1.0, 2.0, 3.0]))
 

@@ -112,6 +112,8 @@ def test_bad_input_is_a_clear_value_error():
         plan_micro_batches([1], token_budget=0)
     with pytest.raises(ValueError, match="token_budget=-5"):
         plan_micro_batches([1], token_budget=-5)
+    with pytest.raises(ValueError, match=r"lengths\[1\] = 2.5"):
+        plan_micro_batches([3, 2.5], token_budget=100)
     with pytest.raises(ValueError, match="num_ranks=0"):
         plan_micro_batches([1], token_budget=10, num_ranks=0)
 

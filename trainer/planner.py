@@ -43,7 +43,9 @@ def _check(lengths: Sequence[int], token_budget: int, num_ranks: int) -> list[in
     if not isinstance(num_ranks, int) or num_ranks <= 0:
         raise ValueError(f"num_ranks={num_ranks!r}: must be a positive int (data-parallel world size)")
     lens = [int(n) for n in lengths]
-    for i, n in enumerate(lens):
+    for i, (n, raw) in enumerate(zip(lens, lengths)):
+        if n != raw:
+            raise ValueError(f"lengths[{i}] = {raw!r}: sequence lengths must be integers (token counts)")
         if n <= 0:
             raise ValueError(f"lengths[{i}] = {n}: every sequence length must be > 0 (drop empty samples first)")
         if n > token_budget:
