@@ -32,15 +32,23 @@ from kernels._softmax_tiles import (
 from kernels.device import backend_for
 from kernels.logprobs import _FLOAT_DTYPES, _bwd_triton, _fwd_triton
 
-# CPU chunk shape: a [256 x 2048] fp32 chunk is 2 MiB and the weight slice [2048 x H] 2 MiB at H=256, so the
-# chunk, the slice and its gradient stay in L2/L3 while the GEMMs still see large enough operands.
+# CPU chunk shape. One thread: a [256 x 2048] fp32 chunk is 2 MiB and the weight slice [2048 x H] 2 MiB at
+# H=256, so chunk, slice and slice gradient stay in L2 while the GEMMs still see large enough operands (measured
+# best single-threaded). Several threads: every torch op is a parallel region ending in a barrier, and with
+# ~3000 small ops per call a descheduled thread stalls the others (2-3x slower on a shared 2-core machine), so
+# the chunk grows to [1024 x 8192] (32 MiB, L3-resident): ~100 ops, same memory order.
 _CPU_CHUNK_TOKENS = 256
 _CPU_CHUNK_VOCAB = 2048
+_CPU_CHUNK_TOKENS_MT = 1024
+_CPU_CHUNK_VOCAB_MT = 8192
 # CUDA: token chunks whose [n, V] logits take about 256 MiB in the input dtype.
 _GPU_CHUNK_BYTES = 1 << 28
 
 
 def _cpu_chunks(chunk_tokens: int | None) -> tuple[int, int]:
+    """(tokens, vocabulary) of a CPU chunk; `chunk_tokens` (the public argument) overrides the token count."""
+    if torch.get_num_threads() > 1:
+        return (chunk_tokens or _CPU_CHUNK_TOKENS_MT), _CPU_CHUNK_VOCAB_MT
     return (chunk_tokens or _CPU_CHUNK_TOKENS), _CPU_CHUNK_VOCAB
 
 
@@ -231,7 +239,7 @@ def linear_token_logprobs(
     hidden [T, H] and weight [V, H] (the lm_head) of one float dtype (fp32/bf16/fp16); labels [T] int64;
     mask [T] (nonzero keeps a token). Returns fp32 logp [T] (and entropy [T] with `return_entropy`), 0 where
     masked or ignored; differentiable w.r.t. hidden and weight. `chunk_tokens` overrides the token chunk size
-    (default: ~256 MiB of logits per chunk on CUDA, 256 tokens on CPU).
+    (default: ~256 MiB of logits per chunk on CUDA; 256 tokens single-threaded, 1024 multi-threaded on CPU).
     """
     if not isinstance(hidden, torch.Tensor) or hidden.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"hidden must be a float32/bfloat16/float16 tensor, got {getattr(hidden, 'dtype', hidden)}")

@@ -143,7 +143,9 @@ def _linear_inputs(T, H, V, dtype, gen):
 @pytest.mark.parametrize("chunk_tokens,chunk_vocab", [(None, None), (7, 500)])
 def test_linear_equals_token_logprobs_on_materialised_logits(backend, monkeypatch, chunk_tokens, chunk_vocab):
     if chunk_vocab is not None:
-        monkeypatch.setattr(linear_mod, "_CPU_CHUNK_VOCAB", chunk_vocab)  # several vocabulary slices on CPU
+        # Several vocabulary slices on CPU, whatever the thread count.
+        monkeypatch.setattr(linear_mod, "_CPU_CHUNK_VOCAB", chunk_vocab)
+        monkeypatch.setattr(linear_mod, "_CPU_CHUNK_VOCAB_MT", chunk_vocab)
     gen = torch.Generator().manual_seed(21 + (chunk_tokens or 0))
     T, H, V = 45, 32, 1271
     hidden, weight, labels, mask = _linear_inputs(T, H, V, torch.float32, gen)
