@@ -238,8 +238,14 @@ def _child(provider: str, reps: int) -> dict:
             run()
             times.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - c0)
-    return {"provider": provider, "threads": torch.get_num_threads(), "min_s": min(times),
-            "median_s": sorted(times)[len(times) // 2], "min_cpu_s": min(cpu), "peak_added_MB": (peak - base) / 1024}
+    return {
+        "provider": provider,
+        "threads": torch.get_num_threads(),
+        "min_s": min(times),
+        "median_s": sorted(times)[len(times) // 2],
+        "min_cpu_s": min(cpu),
+        "peak_added_MB": (peak - base) / 1024,
+    }
 
 
 def _status_kb(field: str) -> int:
@@ -258,15 +264,22 @@ def main():
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     rows = []
     for provider in ("liger-grpo", "liger", "ours", "ours-entropy"):
-        out = subprocess.run([sys.executable, __file__, "--child", provider, str(reps)], env=env,
-                             capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, __file__, "--child", provider, str(reps)],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
         print(json.dumps(rows[-1]))
     by = {r["provider"]: r for r in rows}
     for yard in ("liger-grpo", "liger"):
-        print(f"ours vs {yard}: time x{by['ours']['min_s'] / by[yard]['min_s']:.2f} (wall), "
-              f"x{by['ours']['min_cpu_s'] / by[yard]['min_cpu_s']:.2f} (cpu), memory "
-              f"{by['ours']['peak_added_MB']:.0f} MB vs {by[yard]['peak_added_MB']:.0f} MB")
+        print(
+            f"ours vs {yard}: time x{by['ours']['min_s'] / by[yard]['min_s']:.2f} (wall), "
+            f"x{by['ours']['min_cpu_s'] / by[yard]['min_cpu_s']:.2f} (cpu), memory "
+            f"{by['ours']['peak_added_MB']:.0f} MB vs {by[yard]['peak_added_MB']:.0f} MB"
+        )
 
 
 if __name__ == "__main__":

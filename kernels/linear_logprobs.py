@@ -65,8 +65,9 @@ def _fwd_torch(h, w, labels, inv_t, with_ent, chunk_tokens):
     buf = torch.empty(n_tok * n_voc, dtype=torch.float32, device=h.device)
     scratch = torch.empty_like(buf) if with_ent else None
     stats: list = [None] * ((N + n_tok - 1) // n_tok)
+    h = h if h.dtype == torch.float32 else h.float()  # upcast once ([N, H] is small), not per chunk
     for v0 in range(0, V, n_voc):
-        w_v = w[v0 : v0 + n_voc]
+        w_v = w[v0 : v0 + n_voc].float()  # a no-op for fp32; one upcast per slice for bf16/fp16
         v = w_v.shape[0]
         for i, t0 in enumerate(range(0, N, n_tok)):
             h_c = h[t0 : t0 + n_tok]
@@ -285,7 +286,13 @@ def linear_token_logprobs(
         return (zero, zero.clone()) if return_entropy else zero
     backend = backend_for(hidden)
     logp, ent = _LinearTokenLogprobs.apply(
-        hidden, weight, labels.contiguous(), keep_idx, 1.0 / float(temperature), bool(return_entropy),
-        chunk_tokens, backend,
+        hidden,
+        weight,
+        labels.contiguous(),
+        keep_idx,
+        1.0 / float(temperature),
+        bool(return_entropy),
+        chunk_tokens,
+        backend,
     )
     return (logp, ent) if return_entropy else logp

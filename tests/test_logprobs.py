@@ -40,6 +40,7 @@ CASES = [
     ((3, 11), 1271, torch.bfloat16, 1.3, True),
     ((2, 3, 5), 1271, torch.float32, 1.0, False),
     ((2, 9), 7, torch.bfloat16, 0.6, False),
+    ((5,), 1271, torch.float16, 0.9, True),
     ((4,), 50257, torch.float32, 0.9, True),
     ((2,), 151936, torch.bfloat16, 1.0, True),
 ]
