@@ -24,6 +24,8 @@ losses (and gradients, and metrics) of micro-batches and data-parallel ranks add
 
 Forward: one pass over the vocabulary per token row gives lse, H, logp, then ℓ, ∂ℓ/∂logp and the per-token
 metric values; backward: one pass writes dlogits. Labels equal to -100 count as masked.
+Host syncs: input validation (non-finite advantages, labels out of range, bad cu_seqlens) reads one combined
+flag vector; the torch (CPU) paths also count the kept rows to skip padding. Metrics stay on the device.
 """
 
 from __future__ import annotations
@@ -555,30 +557,39 @@ def policy_loss_bwd_triton(x, tok, glogp, lse, ent, grad_out, config, out=None) 
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _scaled_rows_(z: torch.Tensor, x: torch.Tensor, rows, inv_t: float) -> torch.Tensor:
+    """z [k, V] fp32 <- x[rows] · inv_t: one pass for fp32 x; bf16/fp16 are upcast first (the product in fp32)."""
+    if x.dtype == torch.float32:
+        return torch.mul(x[rows], inv_t, out=z)
+    return z.copy_(x[rows]).mul_(inv_t)
+
+
 def _row_chunk(vocab: int) -> int:
     return max(1, (1 << 22) // max(vocab, 1))  # ~16 MB of fp32 scratch per chunk
 
 
 def policy_loss_fwd_torch(x: torch.Tensor, tok: TokenInputs, config: PolicyLossConfig):
-    """Same outputs as `policy_loss_fwd_triton`, by chunks of kept rows through the torch chunk helpers."""
+    """Same outputs as `policy_loss_fwd_triton`, by chunks of rows through the torch chunk helpers.
+
+    Every row is processed (gathering the kept rows would cost a copy of the logits: this path is memory-bound);
+    the per-token terms of masked rows are zeroed by `policy_token_terms`, whatever their logits hold."""
     n, vocab = x.shape
     lse, logp, ent = (torch.zeros(n, dtype=torch.float32, device=x.device) for _ in range(3))
     step = _row_chunk(vocab)
     buf = torch.empty(min(step, n) * vocab, dtype=torch.float32, device=x.device)
     scratch = torch.empty_like(buf) if config.needs_entropy else None
-    for rows, tc in kept_row_chunks(tok, step):
-        k = tc.labels.numel()
-        z = buf[: k * vocab].view(k, vocab)
-        z.copy_(x[rows]).mul_(1.0 / config.temperature)
-        stats = chunk_softmax_stats(z, tc.labels, with_entropy=config.needs_entropy, scratch=scratch)
-        lse[rows], logp[rows], ent[rows] = finalize_softmax_stats(stats)
+    for a in range(0, n, step):
+        b = min(a + step, n)
+        z = _scaled_rows_(buf[: (b - a) * vocab].view(b - a, vocab), x, slice(a, b), 1.0 / config.temperature)
+        stats = chunk_softmax_stats(z, tok.labels[a:b], with_entropy=config.needs_entropy, scratch=scratch)
+        lse[a:b], logp[a:b], ent[a:b] = finalize_softmax_stats(stats)
     loss, dloss, vals = policy_token_terms(logp, ent if config.needs_entropy else None, tok, config)
     return tok.weight * loss, tok.weight * dloss, lse, ent, vals
 
 
 def policy_loss_bwd_torch(x, tok, glogp, lse, ent, grad_out, config, out=None) -> torch.Tensor:
     n, vocab = x.shape
-    dx = out if out is not None else torch.empty_like(x)
+    dx = torch.empty_like(x) if out is None else out
     inv_t = 1.0 / config.temperature
     go = grad_out.reshape(()).float()
     g_logp_all = glogp * go
@@ -586,15 +597,16 @@ def policy_loss_bwd_torch(x, tok, glogp, lse, ent, grad_out, config, out=None) -
     g_ent_all = tok.weight * (-config.entropy_coef) * go if has_ent else None
     step = _row_chunk(vocab)
     buf = torch.empty(min(step, n) * vocab, dtype=torch.float32, device=x.device)
-    if not bool(tok.keep.all()):  # host sync (torch path)
-        dx.zero_()  # masked rows are skipped below: their gradient is 0
-    for rows, tc in kept_row_chunks(tok, step):
-        k = tc.labels.numel()
-        z = buf[: k * vocab].view(k, vocab)
-        z.copy_(x[rows]).mul_(inv_t)
-        chunk_logprob_grad_(z, tc.labels, lse[rows], ent[rows] if has_ent else None, g_logp_all[rows],
-                            g_ent_all[rows] if has_ent else None, inv_t)
-        dx[rows] = z.to(dx.dtype)
+    for a in range(0, n, step):
+        b = min(a + step, n)
+        z = _scaled_rows_(buf[: (b - a) * vocab].view(b - a, vocab), x, slice(a, b), inv_t)
+        chunk_logprob_grad_(z, tok.labels[a:b], lse[a:b], ent[a:b] if has_ent else None, g_logp_all[a:b],
+                            g_ent_all[a:b] if has_ent else None, inv_t)
+        # Masked rows have zero coefficients; zero them exactly (non-finite padding logits give 0 · inf = NaN).
+        masked = (~tok.keep[a:b]).nonzero().squeeze(1)  # host sync (torch path); only the masked rows are touched
+        if masked.numel():
+            z.index_fill_(0, masked, 0.0)
+        dx[a:b] = z
     return dx
 
 
