@@ -33,6 +33,8 @@ import triton.language as tl
 
 # Start value of the running max: finite so that (m - m_new) * s stays 0 * finite = 0 on the first tile.
 M_INIT = -3.0e38
+# The same value for use inside @triton.jit code (compiled Triton only reads globals that are tl.constexpr).
+M_INIT_TL = tl.constexpr(M_INIT)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -211,6 +213,7 @@ def chunk_logprob_grad_(
 
 __all__ = [
     "M_INIT",
+    "M_INIT_TL",
     "softmax_tile_update",
     "softmax_stats_finalize",
     "tile_label_value",

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels._softmax_tiles import (
-    M_INIT,
+    M_INIT_TL,
     chunk_logprob_grad_,
     chunk_softmax_stats,
     finalize_softmax_stats,
@@ -62,7 +62,7 @@ def _token_logprobs_fwd_kernel(
     if keep:
         row_ptr = x_ptr + row * stride_row
         label = tl.load(lab_ptr + row)
-        m = M_INIT
+        m = M_INIT_TL
         s = 0.0
         sd = 0.0
         for start in range(0, V, BLOCK_V):
