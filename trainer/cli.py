@@ -3,8 +3,11 @@
 A run config is one TOML file (see configs/demo.toml): [model] (a preset or a folder), [data] (JSONL prompt
 files and the reward function), [engines] (URLs of SGLang-protocol servers, or how many embedded engines to
 start), [sft] (trainer.types.SFTTrainingConfig), [rl] and [rl.rollout] (RLTrainingConfig, RolloutConfig) and
-[eval]. `--set rl.lr=3e-4` overrides any key (the value is parsed as TOML, so strings need quotes only when
-they would parse as something else). Unknown keys are errors that name the key.
+[eval], and [trainer] (trainer.core.TrainerConfig overrides: compile, logprob_chunk_tokens, ...).
+[data].format is "chat" (prompts are user turns of the chat template) or "plain" (the prompt text itself, the
+answer follows it directly): it applies to SFT, rollouts and evaluation alike. `--set rl.lr=3e-4` overrides
+any key (the value is parsed as TOML, so strings need quotes only when they would parse as something else).
+Unknown keys are errors that name the key.
 
 Multi-GPU: launch with `torchrun --nproc-per-node N -m trainer rl --config ...`; rank 0 starts the embedded
 engines (or talks to the given URLs) and every rank trains its FSDP2 shard.
@@ -27,10 +30,11 @@ import trio
 from trainer.types import RLTrainingConfig, SFTTrainingConfig, config_from_dict
 
 MODES = ("sft", "rl", "sft+rl", "demo")
-TOP_KEYS = {"name", "output_dir", "seed", "model", "data", "engines", "sft", "rl", "eval"}
+TOP_KEYS = {"name", "output_dir", "seed", "model", "data", "engines", "sft", "rl", "eval", "trainer"}
 MODEL_KEYS = {"preset", "path", "arch", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
               "intermediate_size", "max_position_embeddings", "tie_word_embeddings"}
-DATA_KEYS = {"train", "eval", "sft", "reward"}
+DATA_KEYS = {"train", "eval", "sft", "reward", "format"}
+FORMATS = ("chat", "plain")
 ENGINE_KEYS = {"urls", "embedded", "api_key", "threads", "start_timeout_s"}
 EVAL_KEYS = {"max_new_tokens", "limit"}
 
@@ -79,6 +83,9 @@ def load_run_config(path: str | Path, overrides: Sequence[str] = ()) -> dict[str
         if unknown:
             where = f"[{section}]" if section else "top level"
             raise ValueError(f"{path}: unknown config key(s) {unknown} at {where}; known: {sorted(known)}")
+    fmt = cfg.get("data", {}).get("format", "chat")
+    if fmt not in FORMATS:
+        raise ValueError(f"{path}: [data].format = {fmt!r}; choose one of {FORMATS}")
     cfg.setdefault("name", path.stem)
     cfg.setdefault("output_dir", f"runs/{cfg['name']}")
     cfg.setdefault("seed", 0)
@@ -92,7 +99,23 @@ def sft_config(cfg: dict[str, Any]) -> SFTTrainingConfig:
 
 def rl_config(cfg: dict[str, Any]) -> RLTrainingConfig:
     values = {"seed": cfg["seed"], **cfg.get("rl", {}), "output_dir": str(Path(cfg["output_dir"]) / "rl")}
+    chat = cfg.get("data", {}).get("format", "chat") == "chat"
+    values["rollout"] = {**values.get("rollout", {}), "apply_chat_template": chat}
     return config_from_dict(RLTrainingConfig, values)
+
+
+def trainer_overrides(cfg: dict[str, Any]) -> dict[str, Any]:
+    """[trainer] keys, checked against TrainerConfig's fields."""
+    import dataclasses
+
+    from trainer.core import TrainerConfig
+
+    over = dict(cfg.get("trainer", {}))
+    known = {f.name for f in dataclasses.fields(TrainerConfig)}
+    unknown = sorted(set(over) - known)
+    if unknown:
+        raise ValueError(f"unknown config key(s) {unknown} in [trainer]; known: {sorted(known)}")
+    return over
 
 
 # ----------------------------------------------------------------------------------------------- model
@@ -187,8 +210,22 @@ def evaluate(urls: Sequence[str], prompts: Sequence[Any], *, tokenizer: Any, rew
     return sum(s.reward or 0.0 for s in scored) / max(len(scored), 1)
 
 
-def sft_conversations(prompts: Sequence[Any]) -> list[list[dict[str, str]]]:
-    """Prompt/answer records as one-turn chats (a record may carry full "messages" in its metadata instead)."""
+def sft_examples(prompts: Sequence[Any], tokenizer: Any, fmt: str) -> list[Any]:
+    """SFT examples from prompt/answer records.
+
+    chat: one-turn conversations (a record may carry full "messages" in its metadata instead), tokenized by
+    trainer.sft with the assistant-only mask. plain: Samples `prompt + answer + eos`, the loss on answer + eos,
+    exactly the token layout the rollouts of a plain-format run produce.
+    """
+    from trainer.types import Sample
+
+    if fmt == "plain":
+        out = []
+        for p in prompts:
+            prompt_ids = tokenizer(p.prompt, add_special_tokens=False)["input_ids"]
+            answer_ids = tokenizer(str(p.answer), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            out.append(Sample(prompt=p.prompt, tokens=tuple(prompt_ids + answer_ids), response_length=len(answer_ids)))
+        return out
     out = []
     for p in prompts:
         msgs = p.metadata.get("messages")
@@ -224,6 +261,7 @@ def run(mode: str, cfg: dict[str, Any], *, resume: bool = False) -> dict[str, An
 
         tokenizer = AutoTokenizer.from_pretrained(model_folder)
     reward_fn = data.get("reward", "trainer.rewards:arithmetic_reward")
+    fmt = data.get("format", "chat")
     eval_prompts = load_jsonl(data["eval"]) if "eval" in data else []
     ev = cfg.get("eval", {})
     if ev.get("limit"):
@@ -239,7 +277,7 @@ def run(mode: str, cfg: dict[str, Any], *, resume: bool = False) -> dict[str, An
                 acc = evaluate(urls, eval_prompts, tokenizer=tokenizer, reward_fn=reward_fn, api_key=api_key,
                                max_new_tokens=int(ev.get("max_new_tokens", rl_cfg.rollout.max_new_tokens if rl_cfg
                                                          else 16)),
-                               chat=rl_cfg.rollout.apply_chat_template if rl_cfg else True)
+                               chat=fmt == "chat")
                 summary[f"accuracy_{label}"] = acc
                 print(f"[{label}] held-out accuracy: {acc:.3f} on {len(eval_prompts)} problems", flush=True)
 
@@ -249,14 +287,15 @@ def run(mode: str, cfg: dict[str, Any], *, resume: bool = False) -> dict[str, An
         if mode in ("sft", "sft+rl", "demo"):
             scfg = sft_config(cfg)
             sft_prompts = load_jsonl(data.get("sft", data["train"]))
-            components, sft_state, sft_hist = run_sft_training(str(model_folder), sft_conversations(sft_prompts),
-                                                               scfg, tokenizer=tokenizer, resume=resume)
+            components, sft_state, sft_hist = run_sft_training(
+                str(model_folder), sft_examples(sft_prompts, tokenizer, fmt), scfg, tokenizer=tokenizer, resume=resume,
+                trainer_config=trainer_config_from(scfg, **trainer_overrides(cfg)))
             summary["sft_steps"] = sft_state.step
             summary["sft_final_loss"] = sft_hist[-1]["loss"] if sft_hist else None
             if is_main:
                 plot_metrics(Path(scfg.output_dir) / "metrics.jsonl", out / "sft.png", title=f"{cfg['name']} SFT")
         if mode in ("rl", "sft+rl", "demo"):
-            tcfg = trainer_config_from(rl_cfg)
+            tcfg = trainer_config_from(rl_cfg, **trainer_overrides(cfg))
             comp = build_components(components.module if components is not None else str(model_folder), tcfg)
             engines = [SGLangEngine(u, api_key=api_key) for u in urls]
             sender = WeightSyncSender(comp.model, engines)

@@ -219,8 +219,8 @@ def compute_rewards(samples: Sequence[Sample], reward_fn: RewardFn) -> tuple[lis
 
 
 # ----------------------------------------------------------------------------------------------- data sets
-def write_demo_data(out_dir: str, *, n_train: int = 400, n_test: int = 200, seed: int = 0,
-                    max_operand: int = 50, ops: str = "+-") -> dict[str, str]:
+def write_demo_data(out_dir: str, *, n_train: int = 700, n_test: int = 200, seed: int = 0,
+                    max_operand: int = 30, ops: str = "+") -> dict[str, str]:
     """Write the arithmetic (and a small countdown) train / held-out sets; held-out never overlaps train."""
     from trainer.data import write_jsonl
 
@@ -244,11 +244,13 @@ def write_demo_data(out_dir: str, *, n_train: int = 400, n_test: int = 200, seed
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="Regenerate the shipped demo data sets (deterministic).")
     p.add_argument("--out", default="data")
-    p.add_argument("--n-train", type=int, default=400)
+    p.add_argument("--n-train", type=int, default=700)
     p.add_argument("--n-test", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-operand", type=int, default=50)
-    p.add_argument("--ops", default="+-")
+    # The demo's difficulty: a+b with operands below 30 (900 problems: 700 train, 200 held out). A tiny model
+    # reaches ~40 % greedy accuracy after a short SFT, which leaves RL room to show its effect.
+    p.add_argument("--max-operand", type=int, default=30)
+    p.add_argument("--ops", default="+")
     a = p.parse_args(argv)
     for name, path in write_demo_data(a.out, n_train=a.n_train, n_test=a.n_test, seed=a.seed,
                                       max_operand=a.max_operand, ops=a.ops).items():

@@ -194,6 +194,8 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
             gen_s = time.perf_counter() - t0
             if prefetch is not None and state.step + 1 < config.num_steps:
                 prefetch.start()  # step n+1 generates with the current engine weights while step n trains
+            # Versions behind the weights being trained: 0 in synchronous mode, 1 in async mode.
+            lag = [state.weight_version - s.weight_version for s in batch.samples]
             t1 = time.perf_counter()
             metrics, state = train_on_batch(comp, state, batch, config, tcfg, ref_components=ref)
             train_s = time.perf_counter() - t1
@@ -202,11 +204,13 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
                     prefetch.wait_idle()  # the engine must not change weights mid-request
                 sync_s = _sync(sender, state.weight_version)
             metrics.update(_batch_metrics(batch))
+            metrics.update(train_staleness_max=float(max(lag)), train_staleness_min=float(min(lag)),
+                           train_staleness_mean=sum(lag) / len(lag))
             tokens = sum(len(s.tokens) for s in batch.samples)
             metrics.update(step=state.step, weight_version=state.weight_version, time_generate_s=gen_s,
                            time_train_s=train_s, time_sync_s=sync_s, train_tokens_per_s=tokens / max(train_s, 1e-9))
             if config.verify_sync and state.step % config.sync_every == 0:
-                res = verify_sync(comp.model, engines, probe_prompts or _default_probes(batch),
+                res = verify_sync(_ThroughRoot(comp.module), engines, probe_prompts or _default_probes(batch),
                                   expected_version=sender.weight_version)
                 metrics["verify_sync_max_abs_diff"] = max(res.max_abs_diff)
                 if not res.ok:
@@ -240,6 +244,18 @@ def _sync(sender: Any, version: int) -> float:
     t0 = time.perf_counter()
     sender.sync(weight_version=version)
     return time.perf_counter() - t0
+
+
+class _ThroughRoot(torch.nn.Module):
+    """`model(**kw)` run through the FSDP root, so the root group's parameters (embeddings, lm_head) are
+    unsharded: verify_sync's probe forward needs the whole model."""
+
+    def __init__(self, root: torch.nn.Module) -> None:
+        super().__init__()
+        self.root = root
+
+    def forward(self, **kw: Any) -> Any:
+        return self.root(lambda lm: lm(**kw))
 
 
 def _default_probes(batch: RolloutBatch) -> list[list[int]]:

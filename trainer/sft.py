@@ -110,10 +110,14 @@ def run_sft_training(model: Any, conversations: Sequence[Conversation], config: 
     tcfg = trainer_config or trainer_config_from(config)
     if tcfg.loss != "nll":
         raise ValueError(f"trainer_config.loss={tcfg.loss!r}: SFT trains with loss='nll'")
-    for i, conv in enumerate(conversations):
-        _check_messages(conv, f"conversations[{i}]")
     samples, n_trunc = [], 0
-    for conv in conversations:
+    for i, conv in enumerate(conversations):
+        if isinstance(conv, Sample):  # already tokenized (e.g. plain prompt+completion, see trainer.cli)
+            if len(conv.tokens) > config.max_length:
+                raise ValueError(f"conversations[{i}]: {len(conv.tokens)} tokens > max_length={config.max_length}")
+            samples.append(conv)
+            continue
+        _check_messages(conv, f"conversations[{i}]")
         s, cut = tokenize_conversation(tokenizer, conv, max_length=config.max_length)
         samples.append(s)
         n_trunc += cut
