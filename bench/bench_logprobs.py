@@ -137,6 +137,11 @@ def _skip_reason(provider, mode, device, small, op):
             import liger_kernel  # noqa: F401
         except ImportError:
             return "liger_kernel is not installed on this machine"
+        if op == "hidden" and provider == "liger":
+            import liger_kernel.chunked_loss.fused_linear_ppo as ppo
+
+            if not hasattr(ppo, "_ChunkedSelectiveLogProbFunction"):
+                return "this liger_kernel has no chunked selective log-prob function (added in 0.8)"
         if op == "logits" and mode == "full":
             return "Liger's fused_selective_log_softmax is forward-only (no autograd)"
         if op == "logits" and device == "cpu" and not small:
