@@ -25,6 +25,15 @@ sys.path.insert(0, str(WORKER.parent))
 import trainer_worker as w  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _torch_path():
+    """In-process training runs on the production CPU path (torch), not the Triton interpreter."""
+    from kernels import use_backend
+
+    with use_backend("torch"):
+        yield
+
+
 def test_kill_and_resume_reproduces_steps_exactly(tmp_path):
     out = tmp_path / "run"
     with use_backend("torch"):

@@ -25,6 +25,16 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "trainer_worker.py"
 
 
+
+@pytest.fixture(autouse=True)
+def _torch_path():
+    """In-process training runs on the production CPU path (torch), not the Triton interpreter."""
+    from kernels import use_backend
+
+    with use_backend("torch"):
+        yield
+
+
 def _samples(seed: int, n: int = 5, max_len: int = 40) -> list[Sample]:
     g = torch.Generator().manual_seed(seed)
     out = []

@@ -17,6 +17,15 @@ from trainer.tokenizer import build_tokenizer
 from trainer.types import SFTTrainingConfig
 
 
+@pytest.fixture(autouse=True)
+def _torch_path():
+    """In-process training runs on the production CPU path (torch), not the Triton interpreter."""
+    from kernels import use_backend
+
+    with use_backend("torch"):
+        yield
+
+
 def _toy_chats(n: int, seed: int) -> list[list[dict]]:
     rng = random.Random(seed)
     chats = []

@@ -12,11 +12,9 @@ from __future__ import annotations
 import os
 import sys
 
-os.environ["TRITON_INTERPRET"] = "0"  # CPU production path: torch implementations of the kernels
+import torch
 
-import torch  # noqa: E402
-
-from trainer.types import Sample, TrainingState  # noqa: E402
+from trainer.types import Sample, TrainingState
 
 BUDGET, BUCKET = 128, 32
 
@@ -118,4 +116,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    # CPU production path: torch implementations of the kernels. Only when run as a process of its own: the
+    # test modules import this file, and must not switch the interpreter off for the whole pytest session.
+    os.environ["TRITON_INTERPRET"] = "0"
     main(sys.argv[1:])

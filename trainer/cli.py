@@ -181,7 +181,7 @@ def evaluate(urls: Sequence[str], prompts: Sequence[Any], *, tokenizer: Any, rew
     """Greedy accuracy (mean reward of one temperature-0 sample per prompt) served by the first engine."""
     from engines.protocol import SamplingParams
     from engines.sglang import SGLangEngine
-    from trainer.rewards import compute_rewards
+    from trainer.rewards import compute_rewards, load_reward_fn
     from trainer.types import Sample, Status
 
     def encode(text: str) -> list[int]:
@@ -206,7 +206,9 @@ def evaluate(urls: Sequence[str], prompts: Sequence[Any], *, tokenizer: Any, rew
         samples.append(Sample(prompt=p.prompt, tokens=tuple(prompt_ids) + tuple(c.output_ids),
                               response=tokenizer.decode(c.output_ids), response_length=len(c.output_ids),
                               metadata={**p.metadata, "answer": p.answer}, status=Status.COMPLETED))
-    scored, _ = compute_rewards(samples, reward_fn)
+    scored, n_failed = compute_rewards(samples, load_reward_fn(reward_fn))
+    if n_failed == len(scored):
+        raise RuntimeError(f"evaluation: the reward function failed on all {n_failed} samples; see its errors above")
     return sum(s.reward or 0.0 for s in scored) / max(len(scored), 1)
 
 
