@@ -5,6 +5,7 @@ reward instead (the fraction of response characters that are digits), which GRPO
 """
 
 import json
+import math
 
 import pytest
 import torch
@@ -114,6 +115,16 @@ def test_advantages_are_grouped_by_prompt():
     assert adv[2] == adv[3] == 0.0  # a group without reward variance carries no signal
     with pytest.raises(ValueError, match="advantage_estimator"):
         compute_advantages(samples, "ppo")
+
+
+def test_kl_to_a_frozen_reference_and_entropy_are_logged(engine, tmp_path):
+    cfg = _config(tmp_path, num_steps=3, kl_coef=0.05, kl_type="k3", log_entropy=True)
+    _, state, history = _run(engine, cfg)
+    assert state.step == 3
+    # Step 1 trains the reference weights themselves (KL exactly 0); the policy then moves away from them.
+    assert history[0]["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert history[-1]["kl"] > 1e-6
+    assert all(0 < m["entropy"] < math.log(TOK.vocab_size + 64) for m in history)
 
 
 def test_async_without_staleness_budget_is_rejected(engine, tmp_path):

@@ -407,6 +407,7 @@ def trainer_config_from(cfg: Any, **overrides: Any) -> TrainerConfig:
         shared["policy_loss"] = PolicyLossConfig(
             loss_agg=cfg.loss_agg, clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_ratio_c=cfg.clip_ratio_c,
             kl_coef=cfg.kl_coef, kl_type=cfg.kl_type, entropy_coef=cfg.entropy_coef, tis_cap=cfg.tis_cap,
+            log_entropy=cfg.log_entropy,
             temperature=cfg.rollout.temperature,
             max_seq_len=(cfg.rollout.max_new_tokens if cfg.loss_agg == "seq-mean-token-sum-norm" else None))
     else:

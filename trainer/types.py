@@ -207,6 +207,7 @@ class RLTrainingConfig(_OptimConfig):
     kl_type: str = "k3"
     entropy_coef: float = 0.0
     tis_cap: float | None = None
+    log_entropy: bool = False  # compute and log the policy entropy even when entropy_coef = 0
     ppo_epochs: int = 1  # optimizer steps per rollout batch (>1 makes old != current policy)
     sync_every: int = 1  # weight sync to engines every N steps
     async_rollout: bool = False  # generate step n+1 while step n trains
