@@ -9,21 +9,24 @@ import trainer.attention as attention
 from kernels import pack_batch, shift_left, use_backend
 from kernels.reference import block_causal_mask_reference
 from trainer.attention import (
+    PACKED_SDPA,
     block_causal_mask,
     default_attn_implementation,
     flex_block_mask,
     packed_attention_kwargs,
     packed_hidden_states,
     packed_logits,
+    packed_sdpa_attention,
+    packed_segment_indices,
 )
 
 V = 97
 
 
-def tiny_model(arch: str, attn: str = "sdpa", seed: int = 0):
+def tiny_model(arch: str, attn: str = "sdpa", seed: int = 0, kv_heads: int = 2):
     cls = LlamaConfig if arch == "llama" else Qwen2Config
     cfg = cls(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6)
+              num_key_value_heads=kv_heads, max_position_embeddings=512, rms_norm_eps=1e-6)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32)
 
@@ -46,13 +49,19 @@ def test_block_causal_mask_matches_reference():
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", [PACKED_SDPA, "sdpa", "eager"])
 @pytest.mark.parametrize("pad_to", [None, 128])
 def test_packed_logits_equal_per_sequence_logits(arch, attn, pad_to):
-    model = tiny_model(arch, attn).eval()
+    model = tiny_model(arch, attn).eval()  # 4 query heads over 2 kv heads: GQA
     seqs = random_sequences(1, LENGTHS)
     with use_backend("torch"):
         batch = pack_batch(seqs, pad_to=pad_to)
+    if attn == PACKED_SDPA:  # the gathered path runs (not the plain-sdpa fallback) and no N x N mask is built
+        kw = packed_attention_kwargs(model, batch)
+        segments = len(LENGTHS) + (pad_to is not None)
+        lmax = max(*LENGTHS, batch.padded_len - batch.num_tokens)  # the padding tail is a segment too
+        assert kw["packed_gather_index"].shape == (segments, lmax)
+        assert kw["attention_mask"].shape == (1, batch.padded_len)
     with torch.no_grad():
         packed = packed_logits(model, batch)  # [N, V]
         alone = torch.cat([model(input_ids=s[None]).logits[0] for s in seqs])  # [T, V]
@@ -106,6 +115,80 @@ def test_packed_loss_gradients_equal_sum_of_per_sequence_gradients(arch):
     for name, p in model.named_parameters():
         rel = (packed[name] - p.grad).norm() / p.grad.norm()
         assert rel < 1e-4, f"{name}: relative gradient error {rel:.2e}"
+
+
+def test_packed_segment_indices_match_a_loop():
+    g = torch.Generator().manual_seed(11)
+    for _ in range(5):
+        lengths = tuple(int(n) for n in torch.randint(0, 9, (int(torch.randint(1, 6, (1,), generator=g)),),
+                                                      generator=g))
+        n = sum(lengths) + int(torch.randint(0, 4, (1,), generator=g)) + (sum(lengths) == 0)
+        gather, scatter = packed_segment_indices(lengths, n)
+        segs = [x for x in lengths if x > 0] + ([n - sum(lengths)] if n > sum(lengths) else [])
+        lmax, start, flat = max(segs), 0, []
+        assert gather.shape == (len(segs), lmax)
+        for s, ln in enumerate(segs):
+            assert gather[s].tolist() == [start + min(j, ln - 1) for j in range(lmax)]
+            flat += [s * lmax + j for j in range(ln)]
+            start += ln
+        assert scatter.tolist() == flat
+
+
+class _Attn(torch.nn.Module):
+    is_causal = True
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_packed_sdpa_attention_equals_dense_block_causal_sdpa(kv_heads):
+    # The attention function alone, forward and backward, against SDPA with the dense document mask (the
+    # reference path), with a non-default scale and GQA by repeat_interleave.
+    g = torch.Generator().manual_seed(12)
+    with use_backend("torch"):
+        batch = pack_batch(random_sequences(12, [9, 1, 30, 4]), pad_to=56)
+    gather, scatter = packed_segment_indices(batch.lengths, batch.padded_len)
+    q = torch.randn(1, 4, 56, 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(1, kv_heads, 56, 8, generator=g, requires_grad=True) for _ in range(2))
+    out, _ = packed_sdpa_attention(_Attn(), q, k, v, None, scaling=0.3, packed_gather_index=gather,
+                                   packed_scatter_index=scatter)  # [1, N, H, D]
+    rep = 4 // kv_heads
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                         attn_mask=block_causal_mask(batch.seq_index), scale=0.3).transpose(1, 2)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
+    w = torch.randn(out.shape, generator=g)
+    grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+    ref_grads = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_packed_sdpa_gradients_equal_dense_mask_gradients(arch):
+    seqs = random_sequences(13, LENGTHS)
+    g = torch.Generator().manual_seed(14)
+    with use_backend("torch"):
+        batch = pack_batch(seqs, pad_to=96)
+    targets = shift_left(batch.input_ids, batch.seq_index, fill=-100)
+    w = torch.cat([torch.rand(batch.num_tokens, generator=g) + 0.5, torch.zeros(batch.padded_len - batch.num_tokens)])
+    grads = {}
+    for attn in (PACKED_SDPA, "sdpa"):
+        model = tiny_model(arch, attn).train()  # same seed: same weights; attention dropout 0 in these configs
+        _token_loss(packed_logits(model, batch), targets, w).backward()
+        grads[attn] = {n: p.grad for n, p in model.named_parameters()}
+    for name, ref in grads["sdpa"].items():
+        rel = (grads[PACKED_SDPA][name] - ref).norm() / ref.norm()
+        assert rel < 1e-4, f"{name}: relative gradient error {rel:.2e}"
+
+
+def test_packed_sdpa_single_segment_row_is_plain_causal():
+    model = tiny_model("llama", PACKED_SDPA, kv_heads=4).eval()
+    (seq,) = random_sequences(15, [33])
+    with use_backend("torch"):
+        batch = pack_batch([seq])
+    kw = packed_attention_kwargs(model, batch)
+    assert "packed_gather_index" not in kw  # one segment: no gather needed
+    with torch.no_grad():
+        torch.testing.assert_close(packed_logits(model, batch), model(input_ids=seq[None]).logits[0], rtol=0,
+                                   atol=1e-5)
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -164,7 +247,7 @@ def test_unknown_attn_implementation_is_a_clear_error():
 
 
 def test_default_attn_implementation_follows_the_device():
-    assert default_attn_implementation("cpu") == "sdpa"
+    assert default_attn_implementation("cpu") == PACKED_SDPA
     expected = "flash_attention_2" if attention.flash_attn_available() else "flex_attention"
     assert default_attn_implementation("cuda") == expected
 
