@@ -1,0 +1,61 @@
+"""Generation throughput: the embedded engine's batched KV-cache sampler vs plain `transformers` `generate`.
+
+Same model, same prompts, same number of new tokens (no early stop: both produce exactly B x new tokens), greedy
+and sampled. The figure is generated tokens/s (extra_info["tokens_per_s"]); the ratio of the two providers in one
+run is what to compare. The engine's HTTP layer is not timed here (tests/test_engine_server.py covers it).
+
+    .venv/bin/python -m pytest bench/bench_generate.py --benchmark-only      # full size
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engines.embedded.generation import Row, generate_rows
+from engines.embedded.presets import build_tiny_model
+from kernels import use_backend
+
+SMOKE = dict(hidden_size=64, num_layers=2, batch=8, prompt=8, new=8)
+FULL = dict(hidden_size=256, num_layers=4, batch=64, prompt=16, new=64)
+
+
+@pytest.fixture(scope="module")
+def setup(request):
+    size = SMOKE if request.config.getoption("benchmark_disable") else FULL
+    model = build_tiny_model(0, arch="qwen2", hidden_size=size["hidden_size"], num_layers=size["num_layers"],
+                             max_position_embeddings=512)
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(6, 100, (size["batch"], size["prompt"]), generator=g)
+    return model, prompts, size
+
+
+def _engine(model, prompts, new, temperature):
+    rows = [Row(prompt=tuple(p.tolist()), temperature=temperature, top_p=1.0, top_k=-1, max_new_tokens=new,
+                stop_ids=frozenset(), seed=i) for i, p in enumerate(prompts)]
+    with torch.no_grad():
+        out = generate_rows(model, rows, pad_id=0)
+    return sum(len(r.output_ids) for r in out)
+
+
+def _hf(model, prompts, new, temperature):
+    kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(
+        do_sample=False)
+    with torch.no_grad():
+        out = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new,
+                             min_new_tokens=new, pad_token_id=0, eos_token_id=None, **kw)
+    return (out.shape[1] - prompts.shape[1]) * out.shape[0]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("provider", ["engine", "transformers"])
+def test_generate_throughput(benchmark, setup, provider, temperature):
+    model, prompts, size = setup
+    fn = _engine if provider == "engine" else _hf
+    with use_backend("torch"):
+        n = benchmark.pedantic(fn, args=(model, prompts, size["new"], temperature), rounds=3, iterations=1,
+                               warmup_rounds=1)
+    assert n == size["batch"] * size["new"]  # both providers produce exactly the same amount of work
+    if benchmark.stats is not None:
+        benchmark.extra_info["tokens_per_s"] = n / benchmark.stats.stats.median
+    benchmark.extra_info.update(batch=size["batch"], new_tokens=size["new"], hidden=size["hidden_size"])
