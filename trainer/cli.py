@@ -89,6 +89,12 @@ def load_run_config(path: str | Path, overrides: Sequence[str] = ()) -> dict[str
     cfg.setdefault("name", path.stem)
     cfg.setdefault("output_dir", f"runs/{cfg['name']}")
     cfg.setdefault("seed", 0)
+    # Build every section now, so a bad key or value fails before any work starts.
+    if "sft" in cfg:
+        sft_config(cfg)
+    if "rl" in cfg:
+        rl_config(cfg)
+    trainer_overrides(cfg)
     return cfg
 
 

@@ -1,0 +1,84 @@
+"""The command line: config loading and errors, and one real `sft+rl` run through `python -m trainer`."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer.cli import load_run_config, main, parse_overrides, rl_config, sft_config, sft_examples
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_overrides_parse_as_toml_values():
+    over = parse_overrides(["rl.lr=3e-4", "rl.rollout.dynamic_filters=[\"check_min_reward\"]", "name=abc",
+                            "sft.num_steps=7"])
+    assert over == {"rl": {"lr": 3e-4, "rollout": {"dynamic_filters": ["check_min_reward"]}}, "name": "abc",
+                    "sft": {"num_steps": 7}}
+    with pytest.raises(ValueError, match="key=value"):
+        parse_overrides(["rl.lr"])
+
+
+def test_demo_config_builds_valid_configs():
+    cfg = load_run_config(ROOT / "configs" / "demo.toml", ["rl.num_steps=3", "output_dir=\"runs/x\""])
+    rl, sft = rl_config(cfg), sft_config(cfg)
+    assert rl.num_steps == 3 and rl.output_dir == "runs/x/rl" and sft.output_dir == "runs/x/sft"
+    assert rl.rollout.apply_chat_template is True  # [data].format = "chat" reaches the rollouts
+    plain = load_run_config(ROOT / "configs" / "demo.toml", ["data.format=\"plain\""])
+    assert rl_config(plain).rollout.apply_chat_template is False
+
+
+def test_plain_sft_examples_train_on_answer_and_eos_only():
+    from trainer.data import Prompt
+    from trainer.tokenizer import build_tokenizer
+
+    tok = build_tokenizer()
+    (s,) = sft_examples([Prompt(prompt="12+7=", answer="19", metadata={}, index=0)], tok, "plain")
+    assert tok.decode(s.tokens[:s.prompt_length]) == "12+7="
+    assert list(s.tokens[s.prompt_length:]) == tok("19", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    (c,) = sft_examples([Prompt(prompt="12+7=", answer="19", metadata={}, index=0)], tok, "chat")
+    assert c == [{"role": "user", "content": "12+7="}, {"role": "assistant", "content": "19"}]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rl.lrr=1", "'lrr'"),
+    ("rl.rollout.nope=1", "'nope'"),
+    ("engines.port=1", "port"),
+    ("bogus=1", "bogus"),
+    ("data.format=\"xml\"", "format"),
+])
+def test_unknown_or_bad_keys_are_named(override, message):
+    with pytest.raises(ValueError, match=message):
+        cfg = load_run_config(ROOT / "configs" / "demo.toml", [override])
+        rl_config(cfg)
+
+
+def test_main_reports_bad_config_without_a_traceback(capsys, tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[rl]\nlr = 1e-3\nnum_stepz = 3\n")
+    assert main(["rl", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "num_stepz" in err and "Traceback" not in err
+    assert main(["rl", "--config", str(tmp_path / "missing.toml")]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_sft_plus_rl_end_to_end_through_the_cli(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "trainer", "sft+rl", "--config", "configs/demo.toml",
+           "--set", f"output_dir=\"{out}\"", "--set", "sft.num_steps=30", "--set", "rl.num_steps=2",
+           "--set", "rl.rollout.rollout_batch_size=4", "--set", "rl.rollout.dynamic_filters=[]",
+           "--set", "eval.limit=16"]
+    env = {"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["sft_steps"] == 30 and summary["rl_steps"] == 2
+    for key in ("accuracy_before_sft", "accuracy_after_sft", "accuracy_after_rl"):
+        assert 0.0 <= summary[key] <= 1.0
+    assert summary["accuracy_before_sft"] == 0.0  # a random model does not add numbers
+    assert (out / "rl.png").stat().st_size > 10_000 and (out / "sft.png").is_file()
+    assert len((out / "rl" / "metrics.jsonl").read_text().splitlines()) == 2
+    assert "| after RL |" in proc.stdout
