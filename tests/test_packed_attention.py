@@ -58,9 +58,7 @@ def test_packed_logits_equal_per_sequence_logits(arch, attn, pad_to):
         batch = pack_batch(seqs, pad_to=pad_to)
     if attn == PACKED_SDPA:  # the gathered path runs (not the plain-sdpa fallback) and no N x N mask is built
         kw = packed_attention_kwargs(model, batch)
-        segments = len(LENGTHS) + (pad_to is not None)
-        lmax = max(*LENGTHS, batch.padded_len - batch.num_tokens)  # the padding tail is a segment too
-        assert kw["packed_gather_index"].shape == (segments, lmax)
+        assert kw["packed_gather_index"].shape == (len(LENGTHS), max(LENGTHS))
         assert kw["attention_mask"].shape == (1, batch.padded_len)
     with torch.no_grad():
         packed = packed_logits(model, batch)  # [N, V]
@@ -122,16 +120,17 @@ def test_packed_segment_indices_match_a_loop():
     for _ in range(5):
         lengths = tuple(int(n) for n in torch.randint(0, 9, (int(torch.randint(1, 6, (1,), generator=g)),),
                                                       generator=g))
-        n = sum(lengths) + int(torch.randint(0, 4, (1,), generator=g)) + (sum(lengths) == 0)
+        lengths = lengths + (1,)  # at least one non-empty sequence
+        n = sum(lengths) + int(torch.randint(0, 4, (1,), generator=g))
         gather, scatter = packed_segment_indices(lengths, n)
-        segs = [x for x in lengths if x > 0] + ([n - sum(lengths)] if n > sum(lengths) else [])
+        segs = [x for x in lengths if x > 0]
         lmax, start, flat = max(segs), 0, []
         assert gather.shape == (len(segs), lmax)
         for s, ln in enumerate(segs):
             assert gather[s].tolist() == [start + min(j, ln - 1) for j in range(lmax)]
             flat += [s * lmax + j for j in range(ln)]
             start += ln
-        assert scatter.tolist() == flat
+        assert scatter.tolist() == flat + [len(segs) * lmax] * (n - start)  # the tail reads the zero row
 
 
 class _Attn(torch.nn.Module):
@@ -153,8 +152,11 @@ def test_packed_sdpa_attention_equals_dense_block_causal_sdpa(kv_heads):
     rep = 4 // kv_heads
     ref = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
                                          attn_mask=block_causal_mask(batch.seq_index), scale=0.3).transpose(1, 2)
-    torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
+    T = batch.num_tokens
+    torch.testing.assert_close(out[:, :T], ref[:, :T], rtol=0, atol=1e-6)
+    assert (out[:, T:] == 0).all()  # the padding tail is not attended: zeros
     w = torch.randn(out.shape, generator=g)
+    w[:, T:] = 0  # the tail's outputs are never used
     grads = torch.autograd.grad((out * w).sum(), (q, k, v))
     ref_grads = torch.autograd.grad((ref * w).sum(), (q, k, v))
     for a, b in zip(grads, ref_grads):

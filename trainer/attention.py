@@ -23,7 +23,7 @@ plain sdpa (same mask function), so per-sequence calls, generation and reference
 
 Mask semantics (all paths): query i attends key j iff j <= i and seq_index[i] == seq_index[j]. The padding tail
 (seq_index -1) is one more causal block, so no softmax row is empty (an all-masked SDPA row is NaN, and NaN
-times a zero loss mask is still NaN in the backward).
+times a zero loss mask is still NaN in the backward); packed_sdpa skips it instead (its attention output is 0).
 """
 
 from __future__ import annotations
@@ -81,29 +81,27 @@ def flex_block_mask(seq_index: torch.Tensor):
 
 def packed_segment_indices(lengths: tuple[int, ...], padded_len: int,
                            device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """Host lengths of a packed row -> (gather [S', Lmax], scatter [N]) int64 indices over its S' segments.
+    """Host lengths of a packed row -> (gather [S, Lmax], scatter [N]) int64 indices over its S non-empty sequences.
 
-    Segments are the non-empty sequences plus the padding tail (N - T tokens) as one more. gather[s, j] is the row
-    position of token j of segment s, clamped to the segment's last token for j >= its length (those slots are
-    causal-masked for every real query, and their own query rows are dropped); scatter[n] = s * Lmax + j is where
-    row token n sits in the flattened [S' * Lmax] padded batch. Built once per row, shared by every layer.
+    gather[s, j] is the row position of token j of sequence s, clamped to its last token for j >= its length
+    (those slots are causal-masked for every real query, and their own query rows are dropped); scatter[n] =
+    s * Lmax + j is where row token n sits in the flattened [S * Lmax] padded batch, and S * Lmax (one zero row
+    past the end) for the N - T padding-tail tokens: their attention output is 0, never computed (it is never
+    used: loss mask 0, and no real token attends them). Built once per row, shared by every layer.
     """
     segs = [n for n in lengths if n > 0]
-    tail = padded_len - sum(segs)
-    if tail < 0:
-        raise ValueError(f"lengths sum to {sum(segs)} > padded_len={padded_len}; pass the row's own lengths")
-    if tail:
-        segs.append(tail)
-    if not segs:
-        raise ValueError("packed_segment_indices: an empty row (padded_len 0) has no segments")
-    seg = torch.tensor(segs, dtype=torch.int64, device=device)  # [S']
-    starts = torch.cumsum(seg, 0) - seg  # [S']
-    lmax = max(segs)
+    if not segs or sum(segs) > padded_len:
+        raise ValueError(f"lengths={tuple(lengths)}: need at least one non-empty sequence and sum(lengths) <= "
+                         f"padded_len={padded_len}; pass the row's own lengths")
+    seg = torch.tensor(segs, dtype=torch.int64, device=device)  # [S]
+    starts = torch.cumsum(seg, 0) - seg  # [S]
+    lmax, total = max(segs), sum(segs)
     j = torch.arange(lmax, device=device)
-    gather = starts[:, None] + torch.minimum(j[None, :], seg[:, None] - 1)  # [S', Lmax]
-    owner = torch.repeat_interleave(torch.arange(len(segs), device=device), seg)  # [N] segment of each token
-    scatter = owner * lmax + torch.arange(padded_len, device=device) - starts[owner]  # [N]
-    return gather, scatter
+    gather = starts[:, None] + torch.minimum(j[None, :], seg[:, None] - 1)  # [S, Lmax]
+    owner = torch.repeat_interleave(torch.arange(len(segs), device=device), seg)  # [T] sequence of each token
+    real = owner * lmax + torch.arange(total, device=device) - starts[owner]  # [T]
+    tail = torch.full((padded_len - total,), len(segs) * lmax, dtype=torch.int64, device=device)
+    return gather, torch.cat([real, tail])
 
 
 def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -114,9 +112,9 @@ def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
 
     query [1, H, N, D], key/value [1, Hkv, N, D] -> ([1, N, H, D], None). With packed_gather_index [S, Lmax] and
     packed_scatter_index [N] (packed_attention_kwargs builds them), the row is gathered into a padded batch
-    [S, H, Lmax, D], attended with is_causal (a segment's pad slots sit after its real tokens, so the causal mask
-    already hides them from real queries) and scattered back: O(S * Lmax^2) work, and both index ops are
-    differentiable. Without them this is transformers' sdpa (mask from the sdpa mask function).
+    [S, H, Lmax, D], attended with is_causal (a sequence's pad slots sit after its real tokens, so the causal mask
+    already hides them from real queries) and scattered back, the padding tail as zeros: O(S * Lmax^2) work, and
+    both index ops are differentiable. Without them this is transformers' sdpa (mask from the sdpa mask function).
     """
     if packed_gather_index is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -135,12 +133,13 @@ def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
         return x[0][:, packed_gather_index].transpose(0, 1)
 
     q, k, v = gather(query), gather(key), gather(value)
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1:  # GQA: query head h reads kv head h // rep (transformers' repeat_kv order)
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling)  # [S,H,Lmax,D]
-    out = out.transpose(1, 2).reshape(s * lmax, q.shape[1], q.shape[3])[packed_scatter_index]  # [N, H, D]
-    return out[None], None
+    # GQA natively (query head h reads kv head h // (H / Hkv), transformers' repeat_kv order); no repeated copies.
+    gqa = q.shape[1] != k.shape[1]
+    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling,
+                                         enable_gqa=gqa)  # [S, H, Lmax, D]
+    flat = out.transpose(1, 2).reshape(s * lmax, q.shape[1], q.shape[3])  # [S * Lmax, H, D]
+    flat = torch.cat([flat, flat.new_zeros(1, q.shape[1], q.shape[3])])  # + the padding tail's zero row
+    return flat[packed_scatter_index][None], None  # [1, N, H, D]
 
 
 AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
@@ -174,7 +173,7 @@ def packed_attention_kwargs(model, batch: PackedBatch) -> dict:
         # is_causal skip), so no N x N tensor exists; the segments travel as the two index tensors.
         kw["attention_mask"] = torch.ones_like(ids, dtype=torch.bool)
         segments = sum(1 for n in batch.lengths if n > 0) + (batch.padded_len > batch.num_tokens)
-        if segments > 1:
+        if segments > 1:  # else one plain causal sequence (or an all-padding row): sdpa with is_causal
             gather, scatter = packed_segment_indices(batch.lengths, batch.padded_len, ids.device)
             kw.update(packed_gather_index=gather, packed_scatter_index=scatter)
     elif impl == "sdpa":
