@@ -193,6 +193,18 @@ def test_packed_sdpa_single_segment_row_is_plain_causal():
                                    atol=1e-5)
 
 
+def test_packed_sdpa_without_packing_kwargs_is_sdpa_with_padding_mask():
+    # Models loaded for CPU training are also used for plain padded batches (references, engines): there
+    # packed_sdpa must be transformers' sdpa, 2D padding mask included.
+    model, ref = tiny_model("qwen2", PACKED_SDPA).eval(), tiny_model("qwen2", "sdpa").eval()
+    ids = torch.randint(0, V, (2, 11), generator=torch.Generator().manual_seed(16))
+    am = torch.ones(2, 11, dtype=torch.long)
+    am[1, 7:] = 0
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids, attention_mask=am).logits,
+                                   ref(input_ids=ids, attention_mask=am).logits, rtol=0, atol=1e-6)
+
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_flex_block_mask_equals_dense_block_causal_mask():
     # FlexAttention's document mask (the CUDA path without flash-attn) against SDPA with the dense mask, run
