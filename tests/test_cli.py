@@ -82,3 +82,25 @@ def test_sft_plus_rl_end_to_end_through_the_cli(tmp_path):
     assert (out / "rl.png").stat().st_size > 10_000 and (out / "sft.png").is_file()
     assert len((out / "rl" / "metrics.jsonl").read_text().splitlines()) == 2
     assert "| after RL |" in proc.stdout
+
+
+@pytest.mark.distributed
+def test_torchrun_two_ranks_share_rollouts_and_sync_from_rank0(tmp_path):
+    """2 gloo ranks: rank 0 starts the engine and drives rollouts; both ranks train their FSDP2 shards."""
+    out = tmp_path / "run"
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    from engines.embedded.launch import free_port
+
+    cmd = [torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "trainer", "sft+rl", "--config",
+           "configs/demo.toml", "--set", f"output_dir=\"{out}\"", "--set", "sft.num_steps=10", "--set",
+           "rl.num_steps=2", "--set", "rl.rollout.rollout_batch_size=4", "--set", "rl.rollout.dynamic_filters=[]",
+           "--set", "eval.limit=8", "--set", "rl.verify_sync=true"]
+    env = {"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["sft_steps"] == 10 and summary["rl_steps"] == 2
+    rows = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]  # rank 0 logs once per step
+    assert all(r["verify_sync_max_abs_diff"] <= 1e-5 for r in rows)  # engine == 2-rank FSDP2 trainer
+    assert proc.stdout.count("| after RL |") == 1

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 import time
 import tomllib
@@ -170,17 +171,6 @@ def engines_for(cfg: dict[str, Any], model_folder: Path, *, is_main: bool):
             p.kill()
 
 
-def _share(obj: Any) -> Any:
-    """Rank 0's value on every rank (engine URLs under torchrun)."""
-    import torch.distributed as dist
-
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-    return obj
-
-
 # ----------------------------------------------------------------------------------------------- evaluation
 def evaluate(urls: Sequence[str], prompts: Sequence[Any], *, tokenizer: Any, reward_fn: Any, max_new_tokens: int,
              api_key: str | None = None, chat: bool = True) -> float:
@@ -247,7 +237,7 @@ def run(mode: str, cfg: dict[str, Any], *, resume: bool = False) -> dict[str, An
     """Run `mode` end to end; returns the summary (also written to <output_dir>/summary.json on rank 0)."""
     from engines.sglang import SGLangEngine
     from engines.weight_sync import WeightSyncSender
-    from trainer.core import build_components, init_distributed, trainer_config_from
+    from trainer.core import broadcast_from_rank0, build_components, init_distributed, trainer_config_from
     from trainer.data import DataBuffer, load_jsonl
     from trainer.plot import plot_metrics
     from trainer.rl import run_rl_training
@@ -263,7 +253,7 @@ def run(mode: str, cfg: dict[str, Any], *, resume: bool = False) -> dict[str, An
         raise ValueError("[data].train: give a JSONL prompt file (prompt, answer, any metadata)")
     tokenizer = build_tokenizer()
     model_folder = prepare_model_folder(cfg, tokenizer) if is_main else None
-    model_folder = Path(_share(str(model_folder)))
+    model_folder = Path(broadcast_from_rank0(str(model_folder)))
     if (model_folder / "tokenizer.json").is_file():
         from transformers import AutoTokenizer
 
@@ -277,8 +267,9 @@ def run(mode: str, cfg: dict[str, Any], *, resume: bool = False) -> dict[str, An
     api_key = cfg.get("engines", {}).get("api_key") or None
     rl_cfg = rl_config(cfg) if mode != "sft" else None
     summary: dict[str, Any] = {"mode": mode, "config": cfg.get("name")}
-    with engines_for(cfg, model_folder, is_main=is_main or mode == "sft") as urls:
-        urls = _share(urls) if mode != "sft" else urls
+    engines_cm = engines_for(cfg, model_folder, is_main=is_main) if mode != "sft" else contextlib.nullcontext([])
+    with engines_cm as urls:
+        urls = broadcast_from_rank0(urls)  # rank 0 started (or was given) the engines
 
         def accuracy(label: str) -> None:
             if is_main and eval_prompts and urls:
@@ -358,7 +349,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print_table(summary)
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 reports
+        print_table(summary)
     return 0
 
 

@@ -144,6 +144,15 @@ def init_distributed(device_type: str | None = None) -> DeviceMesh:
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
+def broadcast_from_rank0(obj: Any) -> Any:
+    """Rank 0's picklable `obj` on every rank of the default group (a no-op in a single process)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return obj
+
+
 def warmup_cosine(step: int, *, warmup_steps: int, num_steps: int, min_lr_ratio: float) -> float:
     """LR multiplier: linear warmup to 1 over warmup_steps, then cosine decay to min_lr_ratio at num_steps."""
     if step < warmup_steps:

@@ -28,6 +28,7 @@ from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoi
 from trainer.core import (
     TrainerConfig,
     TrainingComponents,
+    broadcast_from_rank0,
     build_components,
     compute_logprobs,
     forward_backward,
@@ -173,9 +174,10 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
         sender = WeightSyncSender(comp.model, engines, weight_version=state.weight_version)
     logger = logger or JSONLLogger(out / "metrics.jsonl", enabled=comp.rank == 0)
     is_main = comp.rank == 0
+    # Rank 0 drives the rollouts and hands every batch to the other ranks (they must pack the same samples).
     batches = generate_rollout_batches(data_buffer, config.rollout, manager=manager,
-                                       weight_version=lambda: sender.weight_version)
-    prefetch = _Prefetcher(batches) if config.async_rollout else None
+                                       weight_version=lambda: sender.weight_version) if is_main else None
+    prefetch = _Prefetcher(batches) if config.async_rollout and is_main else None
     history: list[dict] = []
     bar = tqdm(total=config.num_steps, initial=state.step, disable=not is_main, desc="rl")
 
@@ -190,7 +192,8 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
             prefetch.start()
         while state.step < config.num_steps:
             t0 = time.perf_counter()
-            batch = prefetch.take() if prefetch is not None else next(batches)
+            batch = (prefetch.take() if prefetch is not None else next(batches)) if is_main else None
+            batch = broadcast_from_rank0(batch)
             gen_s = time.perf_counter() - t0
             if prefetch is not None and state.step + 1 < config.num_steps:
                 prefetch.start()  # step n+1 generates with the current engine weights while step n trains
@@ -233,7 +236,8 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
         bar.close()
         if prefetch is not None:
             prefetch.close()
-        batches.close()
+        if batches is not None:
+            batches.close()
         if own_sender:
             sender.close()
         logger.close()
