@@ -192,7 +192,14 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
             prefetch.start()
         while state.step < config.num_steps:
             t0 = time.perf_counter()
-            batch = (prefetch.take() if prefetch is not None else next(batches)) if is_main else None
+            try:
+                batch = (prefetch.take() if prefetch is not None else next(batches)) if is_main else None
+            except Exception:
+                # Rollouts failed (engine gone, filters starving the batch, ...): the trainer state is consistent,
+                # keep it. Single process only: with several ranks the others wait in the broadcast below.
+                if comp.world_size == 1:
+                    save_checkpoint(comp, state, extra())
+                raise
             batch = broadcast_from_rank0(batch)
             gen_s = time.perf_counter() - t0
             if prefetch is not None and state.step + 1 < config.num_steps:
