@@ -41,7 +41,7 @@ def plot_metrics(metrics_path: str | Path, png_path: str | Path, *, title: str =
     series = []
     for key, label in PANELS:
         pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
-        if pts:
+        if pts and any(v != 0 for _, v in pts):  # an all-zero curve (e.g. clip fraction on-policy) says nothing
             series.append((label, pts))
     if not series:
         return None

@@ -282,6 +282,3 @@ def _reference_components(components: TrainingComponents, tcfg: TrainerConfig) -
     ref.module.requires_grad_(False)
     return ref
 
-
-def replace_rollout(config: RLTrainingConfig, **changes: Any) -> RLTrainingConfig:
-    return dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, **changes))
