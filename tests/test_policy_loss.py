@@ -7,13 +7,11 @@ the log-ratio and of k3) is taken by some tokens.
 """
 
 import dataclasses
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from triton_compile import compile_in_subprocess
 
 from kernels import PolicyLossConfig, linear_policy_loss, policy_loss, use_backend
 from kernels.reference import policy_loss_ref
@@ -438,14 +436,4 @@ _COMPILE_SCRIPT = textwrap.dedent("""
 
 
 def test_triton_kernels_compile_for_sm90():
-    try:
-        from triton.backends import backends
-    except ImportError:
-        pytest.skip("this triton has no backend registry")
-    if "nvidia" not in backends:
-        pytest.skip("this triton build has no NVIDIA backend to compile with")
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]
+    compile_in_subprocess(_COMPILE_SCRIPT, TRITON_DEFAULT_FP_FUSION="1")
