@@ -104,3 +104,38 @@ def test_torchrun_two_ranks_share_rollouts_and_sync_from_rank0(tmp_path):
     assert [r["step"] for r in rows] == [1, 2]  # rank 0 logs once per step
     assert all(r["verify_sync_max_abs_diff"] <= 1e-5 for r in rows)  # engine == 2-rank FSDP2 trainer
     assert proc.stdout.count("| after RL |") == 1
+
+
+def test_sigint_writes_a_checkpoint_and_resume_finishes_the_run(tmp_path):
+    """A real Ctrl-C (SIGINT) mid-GRPO: exit code 130 with a checkpoint; `--resume` then completes the run."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    args = ["rl", "--config", "configs/demo.toml", "--set", f"output_dir=\"{out}\"", "--set", "rl.num_steps=40",
+            "--set", "rl.rollout.rollout_batch_size=2", "--set", "rl.rollout.n_samples_per_prompt=2",
+            "--set", "eval.limit=4"]
+    env = {"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    metrics = out / "rl" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be interrupted"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert "--resume" in err
+    saved = sorted((out / "rl" / "checkpoints").glob("step_*"))
+    assert saved and (saved[-1] / "state.json").is_file()
+    done_before = int(saved[-1].name.split("_")[1])
+    assert 2 <= done_before < 40
+    again = subprocess.run([sys.executable, "-m", "trainer", *args, "--resume"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps[-1] == 40 and steps.count(done_before + 1) >= 1
+    assert json.loads((out / "summary.json").read_text())["rl_steps"] == 40
