@@ -82,6 +82,11 @@ def test_sft_plus_rl_end_to_end_through_the_cli(tmp_path):
     assert (out / "rl.png").stat().st_size > 10_000 and (out / "sft.png").is_file()
     assert len((out / "rl" / "metrics.jsonl").read_text().splitlines()) == 2
     assert "| after RL |" in proc.stdout
+    # Run again without --resume: it starts over instead of appending to the previous run's metrics.
+    again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "starting over" in again.stdout
+    assert len((out / "rl" / "metrics.jsonl").read_text().splitlines()) == 2
 
 
 @pytest.mark.distributed

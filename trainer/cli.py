@@ -147,6 +147,20 @@ def prepare_model_folder(cfg: dict[str, Any], tokenizer: Any) -> Path:
     return folder
 
 
+def fresh_start(out: Path, mode: str) -> None:
+    """A run without --resume starts over: the previous outputs of the phases this mode runs would otherwise mix
+    into this run's (metrics.jsonl is appended to; resume logic would see old checkpoints)."""
+    import shutil
+
+    phases = {"sft": ("sft",), "rl": ("rl",)}.get(mode, ("sft", "rl"))
+    old = [out / part for part in phases if (out / part).exists()]
+    for path in old:
+        shutil.rmtree(path)
+    if old:
+        print(f"starting over in {out}: removed the previous run's {', '.join(p.name for p in old)} outputs "
+              f"(pass --resume to continue a run instead)", flush=True)
+
+
 @contextlib.contextmanager
 def engines_for(cfg: dict[str, Any], model_folder: Path, *, is_main: bool):
     """Yield the engine URLs: [engines].urls as given, or that many embedded engines started here (rank 0)."""
@@ -252,6 +266,8 @@ def run(mode: str, cfg: dict[str, Any], *, resume: bool = False) -> dict[str, An
     if "train" not in data:
         raise ValueError("[data].train: give a JSONL prompt file (prompt, answer, any metadata)")
     tokenizer = build_tokenizer()
+    if is_main and not resume:
+        fresh_start(out, mode)
     model_folder = prepare_model_folder(cfg, tokenizer) if is_main else None
     model_folder = Path(broadcast_from_rank0(str(model_folder)))
     if (model_folder / "tokenizer.json").is_file():

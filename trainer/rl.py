@@ -236,9 +236,13 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
             if tcfg.save_every and state.step % tcfg.save_every == 0:
                 save_checkpoint(comp, state, extra())
         save_checkpoint(comp, state, extra())
-    except KeyboardInterrupt:
+    except BaseException as e:
+        if not _is_interrupt(e):
+            raise
         save_checkpoint(comp, state, extra())
-        raise
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        raise KeyboardInterrupt from e  # Ctrl-C inside trio arrives wrapped in an exception group
     finally:
         bar.close()
         if prefetch is not None:
@@ -267,6 +271,13 @@ class _ThroughRoot(torch.nn.Module):
 
     def forward(self, **kw: Any) -> Any:
         return self.root(lambda lm: lm(**kw))
+
+
+def _is_interrupt(e: BaseException) -> bool:
+    """Ctrl-C, bare or inside the exception group of a trio nursery that was generating when it arrived."""
+    if isinstance(e, KeyboardInterrupt):
+        return True
+    return isinstance(e, BaseExceptionGroup) and e.subgroup(KeyboardInterrupt) is not None
 
 
 def _default_probes(batch: RolloutBatch) -> list[list[int]]:
