@@ -32,6 +32,7 @@ import time
 
 import pytest
 import torch
+from _bench_utils import _backend_ctx, _device, _shape, _sync
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -52,15 +53,6 @@ HIDDEN_SIZES = {
 }
 SMALL_LOGITS = (64, 1271, torch.float32)
 SMALL_HIDDEN = (64, 32, 1271, torch.float32)
-
-
-def _device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 @functools.cache
@@ -121,16 +113,6 @@ def _run_mode(fn, mode, grads):
     return run
 
 
-def _shape(sizes, size, small_shape, device, small):
-    if small:
-        if size != next(iter(sizes)):
-            pytest.skip("the smoke run (--benchmark-disable) measures one small shape")
-        return small_shape
-    if sizes[size][0] != device:
-        pytest.skip(f"size {size} is for {sizes[size][0]}; this machine is {device}")
-    return sizes[size][1]
-
-
 def _skip_reason(provider, mode, device, small, op):
     if provider.startswith("liger"):
         try:
@@ -149,11 +131,6 @@ def _skip_reason(provider, mode, device, small, op):
     if provider == "torch-compile" and device == "cpu" and small:
         return "torch.compile on CPU spends tens of seconds compiling C++ here; measured only at full size"
     return None
-
-
-def _backend_ctx(device, small):
-    # On CPU time the torch path: conftest.py sets TRITON_INTERPRET=1, which would time the interpreter.
-    return use_backend("torch") if device == "cpu" and not small else contextlib.nullcontext()
 
 
 def _record_memory(benchmark, run):

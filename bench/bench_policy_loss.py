@@ -19,7 +19,6 @@ gradients), TFLOP/s for the hidden op (2·T·H·V per GEMM: 1 forward, 2 backwar
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import math
@@ -30,6 +29,7 @@ import time
 
 import pytest
 import torch
+from _bench_utils import _backend_ctx, _device, _shape, _sync
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -47,15 +47,6 @@ HIDDEN_SIZES = {"cpu-H256": ("cpu", (8, 512, 256, 32000, torch.float32)),
                 "cuda-H4096": ("cuda", (8, 2048, 4096, 151936, torch.bfloat16))}
 SMALL_LOGITS = (2, 16, 1271, torch.float32)
 SMALL_HIDDEN = (2, 16, 32, 1271, torch.float32)
-
-
-def _device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def make_inputs(B, L, V, device, seed=0):
@@ -120,18 +111,6 @@ def hidden_call(provider, t, hidden, weight):
                        **_ours_kwargs(t))[0]
 
 
-def _shape(sizes, size, small_shape, device, small):
-    """The shape of this parametrisation, or a skip: the CI smoke run (--benchmark-disable) runs one small shape."""
-    names = list(sizes)
-    if small:
-        if size != names[0]:
-            pytest.skip("the smoke run (--benchmark-disable) measures one small shape")
-        return small_shape
-    if sizes[size][0] != device:
-        pytest.skip(f"size {size} is for {sizes[size][0]}; this machine is {device}")
-    return sizes[size][1]
-
-
 def _skip_reason(provider, device, small):
     if provider == "liger":
         try:
@@ -141,11 +120,6 @@ def _skip_reason(provider, device, small):
     if provider == "torch-compile" and device == "cpu" and small:
         return "torch.compile on CPU spends ~40 s compiling C++ here; measured only at full size (make bench)"
     return None
-
-
-def _backend_ctx(device, small):
-    # On CPU the timing is of the torch path: conftest.py sets TRITON_INTERPRET=1, which would time the interpreter.
-    return use_backend("torch") if device == "cpu" and not small else contextlib.nullcontext()
 
 
 def _pedantic(benchmark, fn, mode, rounds):
