@@ -192,16 +192,10 @@ def evaluate(urls: Sequence[str], prompts: Sequence[Any], *, tokenizer: Any, rew
     from engines.protocol import SamplingParams
     from engines.sglang import SGLangEngine
     from trainer.rewards import compute_rewards, load_reward_fn
+    from trainer.rollout import prompt_token_ids
     from trainer.types import Sample, Status
 
-    def encode(text: str) -> list[int]:
-        if chat:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                tokenize=True)
-            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    ids = [encode(p.prompt) for p in prompts]
+    ids = [prompt_token_ids(tokenizer, p.prompt, chat=chat) for p in prompts]
     stop = (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"))
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=stop)
     engine = SGLangEngine(urls[0], api_key=api_key)
@@ -229,13 +223,14 @@ def sft_examples(prompts: Sequence[Any], tokenizer: Any, fmt: str) -> list[Any]:
     trainer.sft with the assistant-only mask. plain: Samples `prompt + answer + eos`, the loss on answer + eos,
     exactly the token layout the rollouts of a plain-format run produce.
     """
+    from trainer.rollout import prompt_token_ids
     from trainer.types import Sample
 
     if fmt == "plain":
         out = []
         for p in prompts:
-            prompt_ids = tokenizer(p.prompt, add_special_tokens=False)["input_ids"]
-            answer_ids = tokenizer(str(p.answer), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            prompt_ids = prompt_token_ids(tokenizer, p.prompt, chat=False)
+            answer_ids = prompt_token_ids(tokenizer, str(p.answer), chat=False) + [tokenizer.eos_token_id]
             out.append(Sample(prompt=p.prompt, tokens=tuple(prompt_ids + answer_ids), response_length=len(answer_ids)))
         return out
     out = []

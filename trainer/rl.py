@@ -36,7 +36,7 @@ from trainer.core import (
     trainer_config_from,
 )
 from trainer.metrics import JSONLLogger, MetricsLogger
-from trainer.rollout import generate_rollout_batches
+from trainer.rollout import build_batch_metadata, generate_rollout_batches
 from trainer.types import RLTrainingConfig, RolloutBatch, Sample, TrainingState
 
 
@@ -60,13 +60,12 @@ def compute_advantages(samples: Sequence[Sample], estimator: str) -> list[float]
 
 
 def _batch_metrics(batch: RolloutBatch) -> dict[str, float]:
-    rewards = [s.reward for s in batch.samples if s.reward is not None]
-    lengths = [s.response_length for s in batch.samples]
-    meta = {k: float(v) for k, v in batch.metadata.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    return {**{f"rollout/{k}": v for k, v in meta.items()},
-            "reward_mean": sum(rewards) / max(len(rewards), 1),
-            "response_length_mean": sum(lengths) / max(len(lengths), 1),
-            "num_samples": float(len(batch.samples))}
+    """The rollout's own batch statistics (trainer.rollout.build_batch_metadata) under rollout/, plus the headline
+    figures unprefixed (the progress bar, the plot and the tests read those)."""
+    meta = batch.metadata if "reward_mean" in batch.metadata else build_batch_metadata(batch.samples)
+    numeric = {k: float(v) for k, v in meta.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {**{f"rollout/{k}": v for k, v in numeric.items()},
+            **{k: numeric[k] for k in ("reward_mean", "response_length_mean", "num_samples")}}
 
 
 def train_on_batch(components: TrainingComponents, state: TrainingState, batch: RolloutBatch,

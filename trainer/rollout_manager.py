@@ -32,7 +32,14 @@ import httpx
 import trio
 
 from trainer.rewards import RewardFn, acompute_reward, load_reward_fn
-from trainer.rollout import convert_to_batch, first_failed_filter, resolve_filters, sample_from_dict, sample_to_dict
+from trainer.rollout import (
+    convert_to_batch,
+    first_failed_filter,
+    prompt_token_ids,
+    resolve_filters,
+    sample_from_dict,
+    sample_to_dict,
+)
 from trainer.types import RolloutBatch, RolloutConfig, Sample, Status
 
 
@@ -314,13 +321,7 @@ class AsyncRolloutManager:
 
     # ----------------------------------------------------------------------------------------- one group
     def _new_group(self, prompt: Any) -> list[Sample]:
-        if self.config.apply_chat_template:
-            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt.prompt}],
-                                                     add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-        else:
-            ids = self.tokenizer(prompt.prompt, add_special_tokens=False)["input_ids"]
+        ids = prompt_token_ids(self.tokenizer, prompt.prompt, chat=self.config.apply_chat_template)
         uid = self._group_uid
         self._group_uid += 1
         meta = {**prompt.metadata, "answer": prompt.answer, "prompt_index": prompt.index, "group_uid": uid}
