@@ -37,7 +37,7 @@ FULL_GPU = (96, 1024, 16384, 512)
 
 
 def _model_config(device: torch.device):
-    from trainer.models import tiny_model_config
+    from engines.tiny import tiny_model_config
 
     if device.type != "cuda":
         return tiny_model_config("llama", max_position_embeddings=2048)

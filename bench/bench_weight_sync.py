@@ -61,7 +61,7 @@ def _serve(shapes, port):
     import uvicorn
 
     from engines.embedded.server import EngineServer, build_app
-    from trainer.tokenizer import build_tokenizer
+    from engines.tiny import build_tokenizer
 
     torch.set_num_threads(1)
     server = EngineServer(ShapeModel(shapes), build_tokenizer(), model_path="qwen2.5-0.5b-shapes")

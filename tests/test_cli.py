@@ -31,8 +31,8 @@ def test_demo_config_builds_valid_configs():
 
 
 def test_plain_sft_examples_train_on_answer_and_eos_only():
+    from engines.tiny import build_tokenizer
     from trainer.data import Prompt
-    from trainer.tokenizer import build_tokenizer
 
     tok = build_tokenizer()
     (s,) = sft_examples([Prompt(prompt="12+7=", answer="19", metadata={}, index=0)], tok, "plain")

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from engines.tiny import build_tokenizer
 from trainer.data import load_jsonl
 from trainer.rewards import (
     arithmetic_reward,
@@ -16,7 +17,6 @@ from trainer.rewards import (
     make_countdown_problems,
     write_demo_data,
 )
-from trainer.tokenizer import build_tokenizer
 from trainer.types import Sample, Status
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -11,12 +11,11 @@ import pytest
 import torch
 
 from engines.embedded.launch import EngineProcess
+from engines.tiny import build_tokenizer, tiny_model_config
 from kernels import use_backend
 from trainer.core import TrainerConfig, build_components, trainer_config_from
 from trainer.data import DataBuffer, load_jsonl
-from trainer.models import tiny_model_config
 from trainer.rl import compute_advantages, run_rl_training
-from trainer.tokenizer import build_tokenizer
 from trainer.types import RLTrainingConfig, RolloutConfig, Sample
 
 TOK = build_tokenizer()

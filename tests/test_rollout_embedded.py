@@ -14,9 +14,9 @@ import trio
 
 from engines.embedded.launch import EngineProcess
 from engines.embedded.presets import build_tiny_model
+from engines.tiny import build_tokenizer
 from trainer.data import DataBuffer, load_jsonl
 from trainer.rollout_manager import AsyncRolloutManager
-from trainer.tokenizer import build_tokenizer
 from trainer.types import RolloutConfig, Status
 
 SEED = 3

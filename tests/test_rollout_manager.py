@@ -20,11 +20,10 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from engines.tiny import build_tokenizer
 from trainer.data import DataBuffer, Prompt
 from trainer.rewards import arithmetic_reward
-from trainer.rollout import generate_rollout_batches
-from trainer.rollout_manager import AsyncRolloutManager, EngineUnavailableError
-from trainer.tokenizer import build_tokenizer
+from trainer.rollout_manager import AsyncRolloutManager, EngineUnavailableError, generate_rollout_batches
 from trainer.types import RolloutConfig, Sample, Status
 
 TOK = build_tokenizer()

@@ -4,8 +4,7 @@ import random
 
 import pytest
 
-from trainer.models import tiny_model_config
-from trainer.tokenizer import CHARS, build_tokenizer
+from engines.tiny import CHARS, build_tokenizer, tiny_model_config
 
 
 def test_round_trip_on_random_text():

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from engines.tiny import tiny_model_config
 from kernels import use_backend
 from trainer.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from trainer.core import build_components
-from trainer.models import tiny_model_config
 from trainer.types import TrainingState
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,11 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engines.tiny import tiny_model_config
 from kernels import use_backend
 from trainer.batch import IGNORE_INDEX, attach_logprobs, build_micro_batches
 from trainer.core import TrainerConfig, build_components, compute_logprobs, forward_backward, optim_step, warmup_cosine
 from trainer.futures import TrainFuture
-from trainer.models import load_hf_model, tiny_model_config
+from trainer.models import load_hf_model
 from trainer.types import Sample, TrainingState
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,13 +7,12 @@ import random
 
 import pytest
 
+from engines.tiny import build_tokenizer, tiny_model_config
 from kernels import use_backend
 from trainer.checkpoint import latest_checkpoint
 from trainer.core import trainer_config_from
 from trainer.metrics import read_jsonl
-from trainer.models import tiny_model_config
 from trainer.sft import compute_loss_mask, run_sft_training, tokenize_conversation
-from trainer.tokenizer import build_tokenizer
 from trainer.types import SFTTrainingConfig
 
 

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from trainer.tokenizer import build_tokenizer
+from engines.tiny import build_tokenizer
 from trainer.trajectory import trajectory_to_sample
 from trainer.types import Status
 

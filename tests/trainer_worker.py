@@ -64,9 +64,9 @@ def full_params(comp) -> dict[str, torch.Tensor]:
 def _fsdp_rank(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
+    from engines.tiny import tiny_model_config
     from kernels import use_backend
     from trainer.core import build_components, init_distributed
-    from trainer.models import tiny_model_config
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -92,10 +92,10 @@ def main(argv: list[str]) -> None:
             port = s.getsockname()[1]
         mp.spawn(_fsdp_rank, args=(world, port, out), nprocs=world, join=True)
     elif mode == "train":
+        from engines.tiny import tiny_model_config
         from kernels import use_backend
         from trainer.checkpoint import load_checkpoint, save_checkpoint
         from trainer.core import build_components
-        from trainer.models import tiny_model_config
 
         output_dir, steps, save_at = argv[2], int(argv[3]), int(argv[4])
         resume = len(argv) > 5 and argv[5] == "resume"

@@ -245,13 +245,13 @@ def sft_examples(prompts: Sequence[Any], tokenizer: Any, fmt: str) -> list[Any]:
 def run(mode: str, cfg: dict[str, Any], *, resume: bool = False) -> dict[str, Any]:
     """Run `mode` end to end; returns the summary (also written to <output_dir>/summary.json on rank 0)."""
     from engines.sglang import SGLangEngine
+    from engines.tiny import build_tokenizer
     from engines.weight_sync import WeightSyncSender
     from trainer.core import broadcast_from_rank0, build_components, init_distributed, trainer_config_from
     from trainer.data import DataBuffer, load_jsonl
     from trainer.plot import plot_metrics
     from trainer.rl import run_rl_training
     from trainer.sft import run_sft_training
-    from trainer.tokenizer import build_tokenizer
 
     t_start = time.time()
     out = Path(cfg["output_dir"])

@@ -5,7 +5,7 @@ optim_step -> sync -> log -> checkpoint.
                                            reward_fn="trainer.rewards:arithmetic_reward")
 
 Rollouts come from inference engines over HTTP (the embedded engine by default; SGLang / vLLM by URL) through
-`trainer.rollout.generate_rollout_batches`; the engines get the new weights every `sync_every` steps by
+`trainer.rollout_manager.generate_rollout_batches`; the engines get the new weights every `sync_every` steps by
 broadcast (engines.weight_sync), never through disk. In async mode the batch of step n+1 is generated (in a
 worker thread, by the engine processes) while step n trains; the weights that generated it lag by at most
 `rollout.max_staleness` versions, and the policy loss corrects for it with old log-probs recomputed by the
@@ -36,7 +36,7 @@ from trainer.core import (
     trainer_config_from,
 )
 from trainer.metrics import JSONLLogger, MetricsLogger
-from trainer.rollout import build_batch_metadata, generate_rollout_batches
+from trainer.rollout import build_batch_metadata
 from trainer.types import RLTrainingConfig, RolloutBatch, Sample, TrainingState
 
 
@@ -149,9 +149,9 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
     from tqdm import tqdm
 
     from engines.sglang import SGLangEngine
+    from engines.tiny import build_tokenizer
     from engines.weight_sync import WeightSyncSender, verify_sync
-    from trainer.rollout_manager import AsyncRolloutManager
-    from trainer.tokenizer import build_tokenizer
+    from trainer.rollout_manager import AsyncRolloutManager, generate_rollout_batches
 
     if config.async_rollout and config.rollout.max_staleness < 1:
         raise ValueError("rollout.max_staleness: async_rollout trains on batches one version old; set it >= 1")

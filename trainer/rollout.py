@@ -1,8 +1,7 @@
 """Pure rollout functions: group filters, sample transforms, batch conversion and batch statistics.
 
-The stateful part (HTTP requests, over-sampling, aborts, the partial-sample cache) is
-`trainer.rollout_manager.AsyncRolloutManager`; `generate_rollout_batches` is the plain generator a training
-loop iterates over, one `RolloutBatch` per step.
+The stateful part (engine requests, over-sampling, aborts, the partial-sample cache) and the plain generator a
+training loop iterates over live in `trainer.rollout_manager`, which imports this module (never the reverse).
 
 Dynamic filters take one group (the n samples of one prompt, rewards filled in) and return True to keep it.
 `RolloutConfig.dynamic_filters` names them; a name is a key of `FILTERS` or "module:function".
@@ -14,10 +13,10 @@ import dataclasses
 import functools
 import importlib
 import statistics
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from trainer.types import RolloutBatch, RolloutConfig, Sample, Status
+from trainer.types import RolloutBatch, Sample, Status
 
 GroupFilter = Callable[[Sequence[Sample]], bool]
 SampleTransform = Callable[[list[Sample]], list[Sample]]
@@ -196,38 +195,3 @@ def sample_to_dict(s: Sample) -> dict[str, Any]:
 
 def sample_from_dict(d: Mapping[str, Any]) -> Sample:
     return Sample(**d)
-
-
-# ----------------------------------------------------------------------------------------------- generator
-def generate_rollout_batches(data_buffer: Any, config: RolloutConfig, *, engine_urls: Sequence[str] = (),
-                             num_batches: int | None = None, transforms: Sequence[SampleTransform] = (),
-                             weight_version: Callable[[], int] | None = None, manager: Any = None,
-                             **manager_kw: Any) -> Iterator[RolloutBatch]:
-    """Yield one `RolloutBatch` per step (forever, or `num_batches` times).
-
-    Builds an `AsyncRolloutManager(engine_urls, config, **manager_kw)` unless `manager` is given; its partial-
-    sample cache lives across batches. `weight_version()` is read before each batch (the trainer's current
-    version, for staleness). Each batch runs in its own `trio.run`, so the generator can be iterated from
-    plain synchronous code (or from a worker thread in async-rollout mode).
-    """
-    import trio
-
-    from trainer.rollout_manager import AsyncRolloutManager
-
-    if manager is None:
-        manager = AsyncRolloutManager(engine_urls, config, **manager_kw)
-
-    async def one_batch() -> RolloutBatch:
-        async with manager:
-            return await manager.generate_batch(data_buffer)
-
-    produced = 0
-    while num_batches is None or produced < num_batches:
-        if weight_version is not None:
-            manager.set_weight_version(weight_version())
-        batch = trio.run(one_batch)
-        if transforms:
-            kept = apply_sample_transforms(batch.samples, transforms)
-            batch = RolloutBatch(samples=tuple(kept), metadata=batch.metadata)
-        produced += 1
-        yield batch

@@ -25,7 +25,7 @@ import dataclasses
 import inspect
 import math
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import httpx
@@ -33,6 +33,8 @@ import trio
 
 from trainer.rewards import RewardFn, acompute_reward, load_reward_fn
 from trainer.rollout import (
+    SampleTransform,
+    apply_sample_transforms,
     convert_to_batch,
     first_failed_filter,
     prompt_token_ids,
@@ -472,3 +474,33 @@ class AsyncRolloutManager:
                         while running:  # cut requests return their partial output
                             await trio.sleep(0.005)
             nursery.cancel_scope.cancel()
+
+
+def generate_rollout_batches(data_buffer: Any, config: RolloutConfig, *, engine_urls: Sequence[str] = (),
+                             num_batches: int | None = None, transforms: Sequence[SampleTransform] = (),
+                             weight_version: Callable[[], int] | None = None, manager: Any = None,
+                             **manager_kw: Any) -> Iterator[RolloutBatch]:
+    """Yield one `RolloutBatch` per step (forever, or `num_batches` times).
+
+    Builds an `AsyncRolloutManager(engine_urls, config, **manager_kw)` unless `manager` is given; its partial-
+    sample cache lives across batches. `weight_version()` is read before each batch (the trainer's current
+    version, for staleness). Each batch runs in its own `trio.run`, so the generator can be iterated from
+    plain synchronous code (or from a worker thread in async-rollout mode).
+    """
+    if manager is None:
+        manager = AsyncRolloutManager(engine_urls, config, **manager_kw)
+
+    async def one_batch() -> RolloutBatch:
+        async with manager:
+            return await manager.generate_batch(data_buffer)
+
+    produced = 0
+    while num_batches is None or produced < num_batches:
+        if weight_version is not None:
+            manager.set_weight_version(weight_version())
+        batch = trio.run(one_batch)
+        if transforms:
+            kept = apply_sample_transforms(batch.samples, transforms)
+            batch = RolloutBatch(samples=tuple(kept), metadata=batch.metadata)
+        produced += 1
+        yield batch

@@ -104,7 +104,7 @@ def run_sft_training(model: Any, conversations: Sequence[Conversation], config: 
     """
     from tqdm import tqdm
 
-    from trainer.tokenizer import build_tokenizer
+    from engines.tiny import build_tokenizer
 
     tokenizer = tokenizer or build_tokenizer()
     tcfg = trainer_config or trainer_config_from(config)

@@ -11,8 +11,7 @@ import os
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trainer.models import tiny_model_config
-from trainer.tokenizer import build_tokenizer
+from engines.tiny import build_tokenizer, tiny_model_config
 
 TINY = "tiny"
 
