@@ -12,9 +12,12 @@ from trainer.rewards import (
     arithmetic_reward,
     compute_rewards,
     countdown_reward,
+    extract_gsm8k_answer,
+    gsm8k_reward,
     load_reward_fn,
     make_arithmetic_problems,
     make_countdown_problems,
+    math_reward,
     write_demo_data,
 )
 from trainer.types import Sample, Status
@@ -112,3 +115,66 @@ def test_shipped_data_is_what_the_script_writes(tmp_path):
     assert all(arithmetic_reward(_sample(p.answer, answer=p.answer)) == 1.0 for p in test)
     with open(paths["countdown_test"]) as f:
         assert all(json.loads(line)["task"] == "countdown" for line in f)
+
+
+# ----------------------------------------------------------------------------------------------- gsm8k / math
+GSM8K_REF = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nShe sold 48+24 = <<48+24=72>>72 clips.\n#### 1,234"
+
+
+@pytest.mark.parametrize("response, expect", [
+    ("She sold 1234 clips.\n#### 1234", 1.0),
+    ("#### 1,234", 1.0),
+    ("#### $1,234.00<|im_end|>", 1.0),
+    ("48+24=72 so the total is 1234", 1.0),  # no "####": the last number
+    ("#### 1234 (and 99 more words 7)", 1.0),  # the number right after the last ####
+    ("#### 1235", 0.0),
+    ("#### 123", 0.0),
+    ("#### 1234\nwait, #### 72", 0.0),  # the LAST "####" counts
+    ("I do not know", 0.0),
+    ("", 0.0),
+])
+def test_gsm8k_reward_final_answer(response, expect):
+    assert gsm8k_reward(_sample(response, answer=GSM8K_REF)) == expect
+
+
+def test_gsm8k_reward_random_numbers_and_plain_reference():
+    rng = random.Random(11)
+    for _ in range(100):
+        n = rng.randint(-10**7, 10**7)
+        wrong = n + rng.choice([-1, 1]) * rng.randint(1, 1000)
+        assert gsm8k_reward(_sample(f"so #### {n:,}", answer=str(n))) == 1.0
+        assert gsm8k_reward(_sample(f"#### {n}", answer=f"steps\n#### {n:,}")) == 1.0
+        assert gsm8k_reward(_sample(f"#### {wrong:,}", answer=str(n))) == 0.0
+    assert extract_gsm8k_answer("####") is None
+    with pytest.raises(ValueError, match="holds no number"):
+        gsm8k_reward(_sample("#### 3", answer="#### unknown"))
+
+
+@pytest.mark.parametrize("reference, response, expect", [
+    ("0.5", "so the answer is $\\boxed{\\frac{1}{2}}$", 1.0),  # numeric equivalence
+    ("\\frac{1}{2}", "\\boxed{0.5}", 1.0),
+    ("\\boxed{\\frac{1}{2}}", "\\boxed{1/2}", 1.0),
+    ("x^2+2x+1", "\\boxed{(x+1)^2}", 1.0),  # symbolic equivalence
+    ("\\sqrt{2}", "\\boxed{\\sqrt 2}", 1.0),
+    ("\\frac{\\pi}{4}", "\\boxed{\\pi/4}", 1.0),
+    ("42", "first \\boxed{41}, then \\boxed{42}", 1.0),  # the last boxed answer
+    ("0.5", "\\boxed{\\frac{1}{3}}", 0.0),
+    ("x^2+2x+1", "\\boxed{(x-1)^2}", 0.0),
+    ("\\sqrt{2}", "\\boxed{1.41}", 0.0),
+    ("42", "no answer here", 0.0),
+])
+def test_math_reward_math_verify(reference, response, expect):
+    assert math_reward(_sample(response, answer=reference)) == expect
+
+
+def test_new_rewards_load_by_name_and_failures_are_counted():
+    assert load_reward_fn("gsm8k") is gsm8k_reward and load_reward_fn("trainer.rewards:math_reward") is math_reward
+    samples = [_sample("#### 3", answer="3"), _sample("#### 3"), _sample("\\boxed{3}", answer="3"),
+               _sample("\\boxed{3}", answer="#### nothing")]
+    scored, failed = compute_rewards(samples[:2], gsm8k_reward)
+    assert failed == 1 and [s.reward for s in scored] == [1.0, 0.0]
+    assert scored[1].status == Status.FAILED and "answer_key" in scored[1].metadata["reward_error"]
+    scored, failed = compute_rewards(samples[2:], gsm8k_reward)
+    assert failed == 1 and scored[0].reward == 1.0 and "holds no number" in scored[1].metadata["reward_error"]
+    scored, failed = compute_rewards(samples[:2], math_reward)
+    assert failed == 1 and scored[0].reward == 1.0

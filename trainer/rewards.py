@@ -7,6 +7,15 @@ Built-in tasks, both small enough for the project's character-level tokenizer an
   - arithmetic: "23+17=" -> "40"; reward 1.0 when the last integer in the response equals the answer.
   - countdown: reach a target with +-*/ over given numbers, each used at most once; 1.0 correct,
     0.1 for a well-formed expression over the allowed numbers that misses the target, 0.0 otherwise.
+Rewards for users' data sets:
+  - gsm8k: GSM8K-style final answers. The reference is the text after the last "####" of the answer field (or the
+    whole field); the response's answer is the number after its last "####", else the last number it contains.
+    Commas, "$" and trailing zeros do not matter ("#### 1,234.00" == "1234").
+  - math: `math-verify` (the checker the open reproductions of R1/DeepSeekMath use): the response's last
+    \boxed{} (or last LaTeX / plain expression) against the reference, equal when they match exactly, numerically
+    (0.5 == \frac{1}{2}) or symbolically ((x+1)^2 == x^2+2x+1).
+A response with no answer in it scores 0.0; a reference answer that cannot be read raises, which marks the sample
+FAILED (a data error, counted, never fatal).
 
 `python -m trainer.rewards --out data` regenerates the shipped data sets deterministically.
 """
@@ -23,8 +32,10 @@ import math
 import os
 import random
 import re
+import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
+from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 from typing import Any
 
@@ -33,7 +44,9 @@ from trainer.types import Sample, Status
 RewardFn = Callable[[Sample], Any]  # returns float or Awaitable[float]
 
 _INT_RE = re.compile(r"-?\d+")
-_SPECIALS_RE = re.compile(r"<\|im_end\|>|<\|im_start\|>|<eos>|<pad>|<bos>")
+# Chat/special markers of the common templates (Qwen/ChatML, Llama 3, ours) that engines may leave in the text.
+_SPECIALS_RE = re.compile(r"<\|(?:im_end|im_start|endoftext|eot_id|end_of_text|begin_of_text|start_header_id)\|>"
+                          r"|<eos>|<pad>|<bos>|</s>")
 
 
 def _clean(response: str) -> str:
@@ -143,12 +156,104 @@ def countdown_reward(sample: Sample) -> float:
     return 1.0 if value == int(meta["target"]) else 0.1
 
 
+# ----------------------------------------------------------------------------------------------- gsm8k
+_NUMBER_RE = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+
+
+def _reference(sample: Sample, reward: str) -> str:
+    answer = sample.metadata.get("answer")
+    if answer is None or not str(answer).strip():
+        raise ValueError(f"{reward}: sample.metadata has no 'answer'; map the data set's answer column with "
+                         f"[data].answer_key")
+    return str(answer)
+
+
+def parse_number(text: str) -> Decimal | None:
+    """'1,234' / '$1,234.00' / '-7' / '.5' -> Decimal; None when `text` holds no number."""
+    found = _NUMBER_RE.findall(text)
+    if not found:
+        return None
+    try:
+        return Decimal(found[-1].replace(",", "").replace("$", ""))
+    except InvalidOperation:
+        return None
+
+
+def extract_gsm8k_answer(response: str) -> Decimal | None:
+    """The number after the last "####" of the response, else the last number in it; None when it has none."""
+    text = _clean(response)
+    if "####" in text:
+        tail = text.rsplit("####", 1)[1].strip()
+        found = _NUMBER_RE.match(tail)
+        return parse_number(found.group(0)) if found else None
+    return parse_number(text)
+
+
+def gsm8k_reward(sample: Sample) -> float:
+    """1.0 when the response's final number equals the reference's (after its "####"), else 0.0."""
+    ref_text = _reference(sample, "gsm8k_reward")
+    ref = parse_number(ref_text.rsplit("####", 1)[-1])
+    if ref is None:
+        raise ValueError(f"gsm8k_reward: reference answer {ref_text[-60:]!r} holds no number")
+    got = extract_gsm8k_answer(sample.response)
+    return 1.0 if got is not None and got == ref else 0.0
+
+
+# ----------------------------------------------------------------------------------------------- math
+def _math_timeout() -> int | None:
+    # math-verify bounds parsing and comparison with signal.alarm, which only the main thread may set; elsewhere
+    # it runs unbounded (the rollout manager scores in the main thread).
+    return 5 if threading.current_thread() is threading.main_thread() else None
+
+
+def last_boxed(text: str) -> str | None:
+    """The last "\\boxed{...}" of `text` with balanced braces (a model's final answer), or None."""
+    start = text.rfind("\\boxed")
+    if start < 0:
+        return None
+    depth, i = 0, text.find("{", start)
+    if i < 0:
+        return None
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[start:j + 1]
+    return None  # unbalanced: the generation was cut inside the box
+
+
+def parse_math_reference(answer: str) -> list:
+    """math-verify's parse of a reference answer: a bare "\frac{1}{2}" or "0.5" is read as LaTeX in $...$."""
+    from math_verify import parse
+
+    text = answer.strip()
+    if "\boxed" not in text and "$" not in text:
+        text = f"${text}$"
+    return parse(text, parsing_timeout=_math_timeout())
+
+
+def math_reward(sample: Sample) -> float:
+    """1.0 when math-verify finds the response's answer equal to the reference (exact, numeric or symbolic)."""
+    from math_verify import parse, verify
+
+    ref_text = _reference(sample, "math_reward")
+    ref = parse_math_reference(ref_text)
+    if not ref:
+        raise ValueError(f"math_reward: math-verify cannot read the reference answer {ref_text[:60]!r}")
+    response = _clean(sample.response)
+    # math-verify reads the first of several boxed answers; a model's answer is its last one.
+    got = parse(last_boxed(response) or response, parsing_timeout=_math_timeout())
+    if not got:
+        return 0.0
+    return 1.0 if verify(ref, got, timeout_seconds=_math_timeout()) else 0.0
+
+
 # ----------------------------------------------------------------------------------------------- loading
-BUILTIN_REWARDS: dict[str, RewardFn] = {"arithmetic": arithmetic_reward, "countdown": countdown_reward}
+BUILTIN_REWARDS: dict[str, RewardFn] = {"arithmetic": arithmetic_reward, "countdown": countdown_reward,
+                                        "gsm8k": gsm8k_reward, "math": math_reward}
 
 
 def load_reward_fn(spec: str | RewardFn) -> RewardFn:
-    """A built-in name ("arithmetic", "countdown"), "package.module:function" or "path/to/file.py:function"."""
+    """A built-in name (a key of BUILTIN_REWARDS), "package.module:function" or "path/to/file.py:function"."""
     if callable(spec):
         return spec
     if spec in BUILTIN_REWARDS:
