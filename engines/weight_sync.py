@@ -1,48 +1,57 @@
-"""Disk-free weight sync, trainer side: FSDP2 gather -> cast -> flat buckets -> broadcast to every engine.
+"""Weight sync wire format, shared by the trainer's sender (trainer/weight_sync.py) and the engine's receiver
+(engines/embedded/receiver.py). Nothing here knows about the trainer; nothing on the wire is pickled.
 
-Data path: every trainer rank walks the parameters in the same order and calls `DTensor.full_tensor()` (a
-collective on the trainer's own group); rank 0 casts each full tensor into a flat byte bucket (default 512 MiB)
-and, once a bucket is full, broadcasts it in a *dedicated* process group [trainer rank 0, engine 0, engine 1, ...]
-built from a TCPStore that rank 0 hosts (gloo on CPU, NCCL on GPU; never the trainer's default group). Two bucket
-buffers alternate: bucket k+1 is gathered and packed while bucket k's broadcast is in flight (async work; NCCL runs
-it on its own stream). A rank never broadcasts a bucket before its gathers finished, and only rank 0 broadcasts.
+Both transports move the same thing: the model as a sequence of flat uint8 buckets (`plan_buckets`: every tensor at
+a 64-byte aligned offset, in parameter order), announced by a JSON `WeightMeta` (names, dtypes, shapes, offsets,
+bucket sizes, weight_version) sent over HTTP, and staged through two alternating bucket buffers ("slots").
 
-Control path: the metadata (names, dtypes, shapes, per-tensor byte offsets and bucket sizes, weight_version) goes
-to every engine at once over HTTP (httpx under trio, in a helper thread) as SGLang's
-`/update_weights_from_distributed` request; the request returns when the engine has received and loaded
-everything. Nothing touches disk, nothing is pickled.
+broadcast (engines on other devices or hosts): a dedicated process group [trainer rank 0, engine 0, engine 1, ...]
+built from a TCPStore the trainer hosts (gloo on CPU, NCCL on GPU; never the trainer's default group); bucket k is
+one broadcast of slot k % 2.
 
-Failure handling: every wait polls the broadcast and the HTTP calls together, so a dead engine (connection reset)
-or one that rejects the metadata (4xx) fails the sync at once with an error naming the engine, and a wedged one
-fails after `timeout_s`. The group is then marked broken; restart the engine and call `init_group()` again.
-
-A colocated same-GPU engine takes the CUDA-IPC path instead (`sync_ipc`): the bucket is not copied at all, the
-engine maps it from an IPC handle sent as JSON (`ipc_handle_to_wire`).
+colocated (an engine on the trainer's own device: same GPU UUID, or on CPU the same host and /dev/shm): no copy on
+the wire. The trainer's two slots are shared once per group (`create_slots` / `open_slots`: a /dev/shm file on
+CPU, a CUDA IPC handle on GPU, both as JSON) and the engine keeps them mapped across syncs. A Unix socket per
+engine carries one 8-byte sequence number per bucket each way:
+    trainer: [wait done(k-2)] pack bucket k into slot k%2, [record written[k%2]]  -> send ready(seq_k)
+    engine:  recv ready(seq_k), [wait written[k%2]], copy slot -> parameters, [record read[k%2]] -> send done(seq_k)
+so a slot is never rewritten before every engine has copied it out. On CUDA the bracketed steps are IPC events:
+the host messages only order the *recording* of events, the copies themselves are ordered on the GPU (no host
+sync). A closed socket is a dead peer: the waiting side fails at once instead of at its deadline.
 """
 
 from __future__ import annotations
 
 import base64
 import datetime
-import threading
+import importlib
+import os
+import select
+import socket
+import struct
 import time
-from collections.abc import Callable, Iterator, Sequence
+import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 DEFAULT_GROUP_NAME = "weight_update_group"
 ALIGN = 64  # every tensor starts at a 64-byte offset in its bucket, so byte views can be re-viewed as any dtype
+# NCCL's own collective timeout sits this far above the Python deadline: a wedged peer raises WeightSyncError in
+# Python (and the group is aborted) before NCCL's watchdog would tear the whole trainer process down.
+NCCL_TIMEOUT_MARGIN_S = 120.0
+SHM_DIR = "/dev/shm"
 
 
 class WeightSyncError(RuntimeError):
     """A sync or group init failed; the message names the engine and what to do."""
 
 
-# ----------------------------------------------------------------------------------------------- wire helpers
+# ----------------------------------------------------------------------------------------------- dtypes, metadata
 def dtype_from_wire(name: str) -> torch.dtype:
     """'bfloat16' or 'torch.bfloat16' -> torch.bfloat16 (SGLang sends the bare name)."""
     bare = name.removeprefix("torch.")
@@ -61,7 +70,7 @@ class WeightMeta:
     """What one sync sends: tensor i is `names[i]`, stored at `offsets[i]` bytes into bucket `bucket_index[i]`.
 
     bucket_nbytes is None for the per-tensor protocol (one broadcast per tensor, what a real SGLang server
-    expects); otherwise load_format is "flattened_bucket" and each bucket is one uint8 broadcast."""
+    expects); otherwise load_format is "flattened_bucket" and each bucket is one uint8 buffer."""
 
     names: tuple[str, ...]
     dtypes: tuple[str, ...]
@@ -108,14 +117,14 @@ class WeightMeta:
         meta = WeightMeta(tuple(body["names"]), dtypes, tuple(shapes), tuple(offsets), tuple(index), tuple(nbytes))
         for i in range(n):  # every tensor must lie inside its bucket
             b = meta.bucket_index[i]
-            end = meta.offsets[i] + _nbytes(meta.shapes[i], dtype_from_wire(meta.dtypes[i]))
+            end = meta.offsets[i] + nbytes_of(meta.shapes[i], dtype_from_wire(meta.dtypes[i]))
             if not (0 <= b < len(nbytes)) or meta.offsets[i] < 0 or end > nbytes[b]:
                 raise ValueError(f"tensor {meta.names[i]!r} at bucket {b} offset {meta.offsets[i]} "
                                  f"does not fit the announced bucket sizes")
         return meta
 
 
-def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+def nbytes_of(shape: Sequence[int], dtype: torch.dtype) -> int:
     n = 1
     for d in shape:
         n *= d
@@ -131,7 +140,7 @@ def plan_buckets(names: Sequence[str], shapes: Sequence[Sequence[int]], dtype: t
     offsets, index, sizes = [], [], []
     cur = None  # bytes used in the current bucket
     for shape in shapes:
-        n = _nbytes(shape, dtype)
+        n = nbytes_of(shape, dtype)
         start = 0 if cur is None else -(-cur // ALIGN) * ALIGN
         if cur is None or start + n > bucket_bytes:
             sizes.append(0)
@@ -144,6 +153,24 @@ def plan_buckets(names: Sequence[str], shapes: Sequence[Sequence[int]], dtype: t
                       tuple(offsets), tuple(index), tuple(sizes))
 
 
+def bucket_members(meta: WeightMeta) -> list[list[int]]:
+    """Tensor indices of each bucket, in order."""
+    out: list[list[int]] = [[] for _ in meta.bucket_nbytes]
+    for i, b in enumerate(meta.bucket_index):
+        out[b].append(i)
+    return out
+
+
+def unpack_bucket(meta: WeightMeta, indices, bucket: torch.Tensor) -> list[torch.Tensor]:
+    """Views of tensors `indices` of `meta` inside one uint8 bucket buffer (no copy)."""
+    out = []
+    for i in indices:
+        dtype = dtype_from_wire(meta.dtypes[i])
+        off = meta.offsets[i]
+        out.append(bucket[off:off + nbytes_of(meta.shapes[i], dtype)].view(dtype).view(meta.shapes[i]))
+    return out
+
+
 # ----------------------------------------------------------------------------------------------- process group
 def create_store(master_address: str, master_port: int, *, is_master: bool, timeout_s: float) -> dist.TCPStore:
     """The rendezvous store: trainer rank 0 hosts it (port 0 = pick a free one; read `store.port`)."""
@@ -152,18 +179,38 @@ def create_store(master_address: str, master_port: int, *, is_master: bool, time
 
 
 def build_group(store: dist.Store, *, rank: int, world_size: int, group_name: str, backend: str,
-                timeout_s: float) -> dist.ProcessGroup:
+                timeout_s: float, device: torch.device | None = None) -> dist.ProcessGroup:
     """A standalone process group (no init_process_group, no default group touched), keyed `{group_name}/`
-    in the store like torch's own named groups. Blocks until all `world_size` ranks joined."""
-    timeout = datetime.timedelta(seconds=timeout_s)
+    in the store like torch's own named groups. Blocks until all `world_size` ranks joined.
+
+    NCCL: the communicator is created here, eagerly and non-blocking (a lazy one would be created inside the first
+    broadcast, where a dead peer hangs ncclCommInitRank with no deadline); run this in a thread with a deadline.
+    NCCL's timeout is NCCL_TIMEOUT_MARGIN_S above `timeout_s` so Python's deadline (wait_work) always fires first."""
     prefix = dist.PrefixStore(f"{group_name}/", store)
     if backend == "gloo":
-        return dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
+        return dist.ProcessGroupGloo(prefix, rank, world_size, datetime.timedelta(seconds=timeout_s))
     if backend == "nccl":
+        if device is None or device.type != "cuda":
+            raise ValueError(f"backend='nccl' needs the CUDA device of this rank, got device={device}")
         opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
+        opts._timeout = datetime.timedelta(seconds=timeout_s + NCCL_TIMEOUT_MARGIN_S)
+        if hasattr(opts, "config") and hasattr(opts.config, "blocking"):
+            opts.config.blocking = 0  # init polls (and gives up at the timeout) instead of blocking in NCCL
+        pg = dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
+        pg.eager_connect_single_device(device)
+        return pg
     raise ValueError(f"backend={backend!r}: use 'gloo' (CPU tensors) or 'nccl' (CUDA tensors)")
+
+
+def shutdown_group(pg, *, broken: bool) -> None:
+    """Release a group; a broken NCCL group (a collective may be stuck) is aborted, not shut down cleanly."""
+    try:
+        if broken and hasattr(pg, "abort"):
+            pg.abort()
+        else:
+            pg.shutdown()
+    except Exception:  # noqa: BLE001 - best effort on a possibly broken group
+        pass
 
 
 def broadcast_async(group: dist.ProcessGroup, tensor: torch.Tensor, src: int = 0):
@@ -188,13 +235,129 @@ def wait_work(work, *, timeout_s: float, what: str, check: Callable[[], None] | 
         raise WeightSyncError(f"{what} failed: {e}") from e
 
 
+# ----------------------------------------------------------------------------------------------- colocation
+def device_identity(device: torch.device) -> dict:
+    """What decides colocation, as JSON: the host (hostname, boot id, the /dev/shm mount) and the device (the
+    GPU's UUID, which CUDA_VISIBLE_DEVICES cannot renumber; "cpu" for CPU)."""
+    boot = ""
+    if os.path.exists("/proc/sys/kernel/random/boot_id"):
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    shm = os.stat(SHM_DIR).st_dev if os.path.isdir(SHM_DIR) else -1
+    host = f"{socket.gethostname()}/{boot}/{shm}"
+    if device.type == "cuda":
+        return {"host": host, "device": f"GPU-{torch.cuda.get_device_properties(device).uuid}"}
+    return {"host": host, "device": device.type}
+
+
+def is_colocated(a: dict, b: dict) -> bool:
+    return a.get("host") == b.get("host") and a.get("device") == b.get("device")
+
+
+# ----------------------------------------------------------------------------------------------- shared slots
+def create_slots(nbytes: int, device: torch.device, n: int = 2) -> tuple[list[torch.Tensor], list[str], dict]:
+    """The trainer's `n` bucket slots of `nbytes`, shareable with a colocated engine, and their JSON handles.
+
+    CPU: one /dev/shm file per slot, mapped MAP_SHARED; returns the paths too, to unlink once every engine has
+    mapped them (the mapping outlives the name, so nothing leaks if a process dies later). CUDA: plain device
+    tensors; the handle is their CUDA IPC handle, plus two IPC events per slot (written, read)."""
+    if device.type == "cuda":
+        slots = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(n)]
+        events = [[torch.cuda.Event(interprocess=True) for _ in range(2)] for _ in range(n)]
+        wire = {"kind": "cuda_ipc", "nbytes": nbytes, "slots": [ipc_handle_to_wire(s) for s in slots],
+                "events": [[base64.b64encode(e.ipc_handle()).decode() for e in pair] for pair in events]}
+        return slots, [], {"wire": wire, "events": events}
+    if not os.path.isdir(SHM_DIR):
+        raise WeightSyncError(f"colocated CPU sync needs {SHM_DIR}; use transport='broadcast'")
+    paths = [os.path.join(SHM_DIR, f"rlkernels-weights-{os.getpid()}-{uuid.uuid4().hex[:12]}-{i}") for i in range(n)]
+    slots = []
+    for p in paths:
+        fd = os.open(p, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+        finally:
+            os.close(fd)
+        slots.append(torch.from_file(p, shared=True, size=nbytes, dtype=torch.uint8))
+    return slots, paths, {"wire": {"kind": "shm", "nbytes": nbytes, "paths": paths}, "events": None}
+
+
+def open_slots(wire: dict, device: torch.device) -> tuple[list[torch.Tensor], list | None]:
+    """Engine side: map the trainer's slots once (kept across syncs); returns (slots, [(written, read)] or None)."""
+    kind = wire.get("kind")
+    if kind == "shm":
+        if device.type != "cpu":
+            raise ValueError(f"shared-memory slots are CPU memory; this engine runs on {device}")
+        for p in wire["paths"]:
+            if os.path.dirname(p) != SHM_DIR or not os.path.basename(p).startswith("rlkernels-weights-"):
+                raise ValueError(f"slot path {p!r} is not a {SHM_DIR}/rlkernels-weights-* file")
+        return [torch.from_file(p, shared=True, size=int(wire["nbytes"]), dtype=torch.uint8)
+                for p in wire["paths"]], None
+    if kind == "cuda_ipc":
+        if device.type != "cuda":
+            raise ValueError("CUDA IPC slots need a CUDA engine; this engine runs on CPU")
+        slots = [ipc_handle_from_wire(h) for h in wire["slots"]]
+        events = [tuple(torch.cuda.Event.from_ipc_handle(device, base64.b64decode(e)) for e in pair)
+                  for pair in wire["events"]]
+        return slots, events
+    raise ValueError(f"slots kind={kind!r}: expected 'shm' (CPU) or 'cuda_ipc' (GPU)")
+
+
+# ----------------------------------------------------------------------------------------------- bucket signals
+_SEQ = struct.Struct("<Q")
+
+
+def listen_channel() -> tuple[socket.socket, str]:
+    """Trainer side: a listening Unix socket in Linux's abstract namespace (no file to clean up); its address
+    goes to the engine as JSON."""
+    address = f"rlkernels-weights-{os.getpid()}-{uuid.uuid4().hex}"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind("\0" + address)
+    sock.listen(16)
+    return sock, address
+
+
+def connect_channel(address: str, hello: int, timeout_s: float) -> socket.socket:
+    """Engine side: connect and introduce itself with `hello` (its engine index)."""
+    if not address.startswith("rlkernels-weights-"):
+        raise ValueError(f"channel address {address!r} is not one of ours")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout_s)
+    sock.connect("\0" + address)
+    sock.sendall(_SEQ.pack(hello))
+    return sock
+
+
+def send_seq(sock: socket.socket, seq: int) -> None:
+    sock.sendall(_SEQ.pack(seq))
+
+
+def recv_seq(sock: socket.socket, *, timeout_s: float, what: str, check: Callable[[], None] | None = None) -> int:
+    """Read one sequence number; fails on a closed socket (dead peer) at once and after `timeout_s` otherwise,
+    polling `check()` (which raises on a peer's reported failure) meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    buf = b""
+    while len(buf) < _SEQ.size:
+        if check is not None:
+            check()
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise WeightSyncError(f"{what}: no signal within {timeout_s:.0f}s (the peer is wedged); "
+                                  f"restart it and call init_group() again")
+        ready, _, _ = select.select([sock], [], [], min(left, 0.05))
+        if not ready:
+            continue
+        chunk = sock.recv(_SEQ.size - len(buf))
+        if not chunk:
+            raise WeightSyncError(f"{what}: the peer closed the channel (process died or gave up)")
+        buf += chunk
+    return _SEQ.unpack(buf)[0]
+
+
 # ----------------------------------------------------------------------------------------------- CUDA IPC
 def ipc_handle_to_wire(tensor: torch.Tensor) -> dict:
     """JSON-safe CUDA IPC handle of a CUDA tensor (the args of torch's rebuild_cuda_tensor; bytes as base64)."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
     if not tensor.is_cuda:
-        raise ValueError("CUDA IPC needs a CUDA tensor; CPU engines use the broadcast path (sync)")
+        raise ValueError("CUDA IPC needs a CUDA tensor; CPU slots are shared through /dev/shm (create_slots)")
     _, args = reduce_tensor(tensor)
     enc = []
     for a in args:
@@ -213,10 +376,6 @@ def ipc_handle_to_wire(tensor: torch.Tensor) -> dict:
 
 def ipc_handle_from_wire(wire: dict) -> torch.Tensor:
     """Inverse of ipc_handle_to_wire, in the engine process (same GPU). Only torch classes are resolved."""
-    import importlib
-
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
     args = []
     for a in wire["args"]:
         if isinstance(a, dict) and "b64" in a:
@@ -234,292 +393,3 @@ def ipc_handle_from_wire(wire: dict) -> torch.Tensor:
             args.append(a)
     args[1] = torch.Size(args[1])
     return rebuild_cuda_tensor(*args)
-
-
-# ----------------------------------------------------------------------------------------------- trainer side
-def named_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """(name, parameter) in a fixed order; FSDP2 keeps the HF names; torch.compile's `_orig_mod.` is stripped.
-    Tied weights appear once (named_parameters de-duplicates), as HF's load_state_dict expects."""
-    return [(n.replace("_orig_mod.", ""), p) for n, p in model.named_parameters()]
-
-
-def full_tensor(p: torch.Tensor) -> torch.Tensor:
-    """The unsharded value: a collective for FSDP2 DTensors (every rank must call it, in the same order)."""
-    from torch.distributed.tensor import DTensor
-
-    return p.full_tensor() if isinstance(p, DTensor) else p
-
-
-def _trainer_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-class _HttpCalls:
-    """Runs one async call per engine concurrently (trio + httpx) in a helper thread; records the first error."""
-
-    def __init__(self, engines: Sequence, make_call: Callable, what: str):
-        self.error: BaseException | None = None
-        self.results: list = [None] * len(engines)
-        self._thread = threading.Thread(target=self._run, args=(engines, make_call, what), daemon=True)
-        self._thread.start()
-
-    def _run(self, engines, make_call, what):
-        import trio
-
-        async def one(i, eng):
-            try:
-                self.results[i] = await make_call(eng)
-            except BaseException as e:  # noqa: BLE001 - reported to the waiting trainer thread
-                if self.error is None:
-                    self.error = WeightSyncError(f"engine {getattr(eng, 'url', eng)} failed {what}: "
-                                                 f"{type(e).__name__}: {e}")
-
-        async def main():
-            async with trio.open_nursery() as nursery:
-                for i, eng in enumerate(engines):
-                    nursery.start_soon(one, i, eng)
-
-        trio.run(main)
-
-    def check(self) -> None:
-        if self.error is not None:
-            raise self.error
-
-    def join(self, timeout_s: float, what: str) -> list:
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            raise WeightSyncError(f"{what}: no HTTP answer from every engine within {timeout_s:.0f}s")
-        self.check()
-        return self.results
-
-
-class WeightSyncSender:
-    """The trainer's side of weight sync (mutable: the group, the version, the bucket buffers).
-
-    Call from every trainer rank (FSDP2 gathers are collectives); only rank 0 talks to engines and broadcasts.
-    engines: SGLang-protocol clients (engines.sglang.SGLangEngine), each one process = one rank.
-    mode: "bucketed" (flattened_bucket, the embedded engine) or "per_tensor" (a stock SGLang server).
-    """
-
-    def __init__(self, model: nn.Module, engines: Sequence, *, dtype: torch.dtype | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, backend: str | None = None, timeout_s: float = 300.0,
-                 master_address: str = "127.0.0.1", master_port: int = 0, group_name: str = DEFAULT_GROUP_NAME,
-                 mode: str = "bucketed", weight_version: int = 0):
-        if mode not in ("bucketed", "per_tensor"):
-            raise ValueError(f"mode={mode!r}: use 'bucketed' or 'per_tensor'")
-        self.model, self.engines = model, list(engines)
-        params = named_weights(model)
-        if not params:
-            raise ValueError("model has no parameters to sync")
-        self.device = next(iter(params))[1].device
-        self.dtype = dtype or next(iter(params))[1].dtype
-        self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
-        self.bucket_bytes, self.timeout_s, self.mode = bucket_bytes, timeout_s, mode
-        self.master_address, self.master_port, self.group_name = master_address, master_port, group_name
-        self.weight_version = weight_version
-        self.rank = _trainer_rank()
-        self.group: dist.ProcessGroup | None = None
-        self._store = None
-        self._generation = 0
-        self.meta = plan_buckets([n for n, _ in params], [tuple(p.shape) for _, p in params], self.dtype,
-                                 bucket_bytes)
-        self._buffers: list[torch.Tensor] = []
-        self.last_sync_s = float("nan")
-
-    # ------------------------------------------------------------------ group
-    def init_group(self) -> None:
-        """(Re)build the dedicated group [trainer, engines...]; call again after an engine restarts."""
-        if self.rank != 0:
-            return
-        self.close()
-        self._generation += 1
-        # A fresh store (and port) per generation: a restarted engine can never meet a stale half-built group.
-        self._store = create_store(self.master_address, self.master_port if self._generation == 1 else 0,
-                                   is_master=True, timeout_s=self.timeout_s)
-        port = self._store.port
-        world = 1 + len(self.engines)
-        name = f"{self.group_name}_{self._generation}"
-
-        def call(i_eng):
-            i, eng = i_eng
-            return eng.init_weights_update_group(master_address=self.master_address, master_port=port,
-                                                 rank_offset=1 + i, world_size=world, group_name=name,
-                                                 backend=self.backend, timeout_s=self.timeout_s)
-
-        calls = _HttpCalls(list(enumerate(self.engines)), call, "init_weights_update_group")
-        result: dict = {}
-
-        def build():
-            try:
-                result["pg"] = build_group(self._store, rank=0, world_size=world, group_name=name,
-                                           backend=self.backend, timeout_s=self.timeout_s)
-            except BaseException as e:  # noqa: BLE001
-                result["err"] = e
-
-        t = threading.Thread(target=build, daemon=True)
-        t.start()
-        deadline = time.monotonic() + self.timeout_s
-        while t.is_alive() and time.monotonic() < deadline:
-            calls.check()
-            t.join(0.005)
-        if t.is_alive() or "err" in result:
-            raise WeightSyncError(f"weight-update group {name!r} did not form with {len(self.engines)} engine(s) "
-                                  f"within {self.timeout_s:.0f}s: {result.get('err', 'timeout')}")
-        calls.join(self.timeout_s, "init_weights_update_group")
-        self.group, self._group_name = result["pg"], name
-
-    def close(self) -> None:
-        if self.group is not None:
-            try:
-                self.group.shutdown()
-            except Exception:  # noqa: BLE001 - best effort on a possibly broken group
-                pass
-        self.group = None
-        self._buffers = []
-
-    # ------------------------------------------------------------------ sync
-    def _gathered(self) -> Iterator[tuple[int, torch.Tensor]]:
-        """(index, full tensor cast to the engine dtype) for every parameter, all ranks in lockstep."""
-        with torch.no_grad():
-            for i, (_, p) in enumerate(named_weights(self.model)):
-                yield i, full_tensor(p.detach()).to(self.dtype)
-
-    def sync(self, weight_version: int | None = None,
-             on_bucket: Callable[[int, int], None] | None = None) -> int:
-        """Send the current weights to every engine; returns the new weight_version (all ranks).
-
-        on_bucket(k, n_buckets) is called on rank 0 after bucket k's broadcast was issued (progress bars)."""
-        version = self.weight_version + 1 if weight_version is None else weight_version
-        if self.rank != 0:
-            for _ in self._gathered():  # take part in the gathers only
-                pass
-            self.weight_version = version
-            return version
-        if self.group is None:
-            raise WeightSyncError("no weight-update group: call init_group() first (again after an engine restart)")
-        t0 = time.perf_counter()
-        body = self.meta.to_wire(weight_version=version, group_name=self._group_name)
-        if self.mode == "per_tensor":
-            body.update(load_format=None)
-            for key in ("offsets", "bucket_index", "bucket_nbytes"):
-                body.pop(key, None)
-        calls = _HttpCalls(self.engines, lambda eng: eng.update_weights_from_distributed(body),
-                           "update_weights_from_distributed")
-        try:
-            if self.mode == "per_tensor":
-                self._send_per_tensor(calls)
-            else:
-                self._send_buckets(calls, on_bucket)
-            calls.join(self.timeout_s, "update_weights_from_distributed")
-        except WeightSyncError as e:
-            self.close()  # the group may hold a half-done collective: force a re-init
-            raise self._explain(e, calls) from e
-        except BaseException:
-            self.close()
-            raise
-        self.weight_version = version
-        self.last_sync_s = time.perf_counter() - t0
-        return version
-
-    def _explain(self, err: WeightSyncError, calls: _HttpCalls) -> WeightSyncError:
-        """A transport error does not say which engine died; its HTTP call usually does, a moment later."""
-        calls._thread.join(min(2.0, self.timeout_s))
-        if calls.error is not None and calls.error is not err:
-            return WeightSyncError(f"{calls.error} (transport: {err}); restart the engine and call init_group()")
-        urls = ", ".join(getattr(e, "url", str(e)) for e in self.engines)
-        return WeightSyncError(f"{err} (engines: {urls}); restart the failed engine and call init_group()")
-
-    def _send_per_tensor(self, calls: _HttpCalls) -> None:
-        for i, t in self._gathered():
-            work = broadcast_async(self.group, t.contiguous())
-            wait_work(work, timeout_s=self.timeout_s, what=f"broadcast of {self.meta.names[i]}", check=calls.check)
-
-    def _send_buckets(self, calls: _HttpCalls, on_bucket) -> None:
-        sizes = self.meta.bucket_nbytes
-        cap = max(sizes)
-        if len(self._buffers) != 2 or self._buffers[0].numel() < cap:
-            self._buffers = [torch.empty(cap, dtype=torch.uint8, device=self.device) for _ in range(2)]
-        inflight: list = [None, None]
-        current = -1
-        for i, t in self._gathered():
-            b = self.meta.bucket_index[i]
-            if b != current:
-                if current >= 0:
-                    inflight[current % 2] = self._issue(current, on_bucket, len(sizes))
-                current = b
-                if inflight[b % 2] is not None:  # double buffering: reuse a buffer only once its send finished
-                    wait_work(inflight[b % 2], timeout_s=self.timeout_s, what=f"broadcast of bucket {b - 2}",
-                              check=calls.check)
-                    inflight[b % 2] = None
-            off = self.meta.offsets[i]
-            dst = self._buffers[b % 2][off:off + t.numel() * t.element_size()]
-            dst.view(t.dtype).view(t.shape).copy_(t)
-        inflight[current % 2] = self._issue(current, on_bucket, len(sizes))
-        for k, work in enumerate(inflight):
-            if work is not None:
-                wait_work(work, timeout_s=self.timeout_s, what="broadcast of the last buckets", check=calls.check)
-                inflight[k] = None
-
-    def _issue(self, b: int, on_bucket, n: int):
-        work = broadcast_async(self.group, self._buffers[b % 2][: self.meta.bucket_nbytes[b]])
-        if on_bucket is not None:
-            on_bucket(b, n)
-        return work
-
-
-# ----------------------------------------------------------------------------------------------- verification
-@dataclass(frozen=True)
-class VerifyResult:
-    """max |engine log-prob - trainer log-prob| per engine over the probe tokens, and the versions engines report."""
-
-    max_abs_diff: tuple[float, ...]
-    versions: tuple[int, ...]
-    expected_version: int
-    tol: float
-
-    @property
-    def ok(self) -> bool:
-        return all(d <= self.tol for d in self.max_abs_diff) and all(v == self.expected_version
-                                                                        for v in self.versions)
-
-
-# fp32 both sides: the only difference is batched/cached vs one-shot attention arithmetic. bf16: one bf16 rounding
-# of logits-scale values (~2^-8 relative at |logit| ~ 10) dominates.
-VERIFY_TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}
-
-
-def verify_sync(model: nn.Module, engines: Sequence, probe_prompts: Sequence[Sequence[int]], *,
-                expected_version: int, max_new_tokens: int = 8, tol: float | None = None) -> VerifyResult:
-    """Generate greedily from `probe_prompts` on every engine, recompute the log-prob of each generated token with
-    the trainer's model, compare. Call on every trainer rank (an FSDP2 forward is collective); rank 0 asks the
-    engines and shares their answers over the trainer's default group."""
-    from engines.protocol import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True)
-    answers = None
-    if _trainer_rank() == 0:
-        calls = _HttpCalls(engines, lambda eng: eng.generate([list(p) for p in probe_prompts], params), "generate")
-        answers = calls.join(300.0, "verify_sync generate")
-        answers = [[[(c.output_ids, c.logprobs, c.weight_version) for c in group] for group in per_engine]
-                   for per_engine in answers]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        box = [answers]
-        dist.broadcast_object_list(box, src=0)
-        answers = box[0]
-    dtype = next(model.parameters()).dtype
-    tol = VERIFY_TOL.get(dtype, 1e-2) if tol is None else tol
-    diffs, versions = [], []
-    device = next(model.parameters()).device
-    with torch.no_grad():
-        for per_engine in answers:
-            worst = 0.0
-            for prompt, group in zip(probe_prompts, per_engine):
-                ids, lps, version = group[0]
-                versions.append(version)
-                seq = torch.tensor([list(prompt) + ids], device=device)
-                logits = model(input_ids=seq).logits.float()[0, len(prompt) - 1:-1]
-                ours = logits.log_softmax(-1).gather(-1, torch.tensor(ids, device=device)[:, None])[:, 0]
-                worst = max(worst, (ours.cpu() - torch.tensor(lps)).abs().max().item())
-            diffs.append(worst)
-    per_engine_versions = tuple(versions[i * len(probe_prompts)] for i in range(len(answers)))
-    return VerifyResult(tuple(diffs), per_engine_versions, expected_version, tol)

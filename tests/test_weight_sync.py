@@ -7,7 +7,8 @@ import trio
 
 from engines.embedded.presets import build_tiny_model
 from engines.embedded.receiver import WeightReceiver
-from engines.weight_sync import ALIGN, WeightMeta, WeightSyncError, WeightSyncSender, dtype_from_wire, plan_buckets
+from engines.weight_sync import ALIGN, WeightMeta, WeightSyncError, dtype_from_wire, plan_buckets
+from trainer.weight_sync import WeightSyncSender
 
 
 def test_plan_buckets_layout_is_aligned_disjoint_and_in_bounds():

@@ -14,7 +14,8 @@ import trio
 from engines.embedded.launch import EngineProcess, free_port
 from engines.embedded.presets import build_tiny_model
 from engines.sglang import SGLangEngine
-from engines.weight_sync import WeightSyncError, WeightSyncSender, verify_sync
+from engines.weight_sync import WeightSyncError
+from trainer.weight_sync import WeightSyncSender, verify_sync
 
 SEED = 3
 PROBES = [[1, 20, 21, 22], [1, 40], [1, 7, 8, 9, 10, 11]]

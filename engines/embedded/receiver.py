@@ -1,34 +1,63 @@
-"""The engine's side of weight sync: join the dedicated group, receive broadcasts, load into the live model.
+"""The engine's side of weight sync: join the dedicated group or map the trainer's colocated slots, receive, load
+into the live model. The wire format and both protocols are described in engines/weight_sync.py.
 
-Runs in worker threads (the server's event loop stays free). Weights are loaded bucket by bucket as they arrive
-(like SGLang), so a failed sync leaves a partial update: the server marks itself inconsistent and answers
-/generate with 503 until the next sync succeeds; weight_version only moves on success.
+Runs in worker threads (the server's event loop stays free); loads run on the server's model thread, so a load
+never overlaps a forward. Weights are loaded bucket by bucket as they arrive (like SGLang), so a failed sync
+leaves a partial update: the server marks itself inconsistent and answers /generate with 503 until the next sync
+succeeds; weight_version only moves on success.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import socket
+from dataclasses import dataclass
+
+import anyio
 import torch
 from torch import nn
 
 from engines.weight_sync import (
     WeightMeta,
     broadcast_async,
+    bucket_members,
     build_group,
+    connect_channel,
     create_store,
+    device_identity,
     dtype_from_wire,
+    dtype_to_wire,
     ipc_handle_from_wire,
+    open_slots,
+    recv_seq,
+    send_seq,
+    shutdown_group,
+    unpack_bucket,
     wait_work,
 )
 
 
+@dataclass
+class _Colocated:
+    """The trainer's slots as mapped here (kept across syncs), the signal socket, and on CUDA the IPC events."""
+
+    slots: list[torch.Tensor]
+    events: list | None  # [(written, read)] per slot on CUDA
+    sock: socket.socket
+    timeout_s: float
+
+
 class WeightReceiver:
-    """Holds the weight-update groups of one engine process (mutable state: the groups)."""
+    """Holds the weight-update groups and the colocated slots of one engine process (mutable state)."""
 
     def __init__(self, model: nn.Module, device: torch.device):
         self.model, self.device = model, device
         self.groups: dict[str, tuple] = {}  # name -> (process group, store, timeout_s)
         self._buffers: list[torch.Tensor] = []  # two uint8 bucket buffers, reused across syncs
+        self.colocated: _Colocated | None = None
 
+    # ------------------------------------------------------------------ broadcast
     def init_group(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
                    group_name: str, backend: str, timeout_s: float) -> None:
         """Join as rank `rank_offset` (this engine is one process). Blocks until the group has formed."""
@@ -39,16 +68,13 @@ class WeightReceiver:
         self.destroy_group(group_name)
         store = create_store(master_address, master_port, is_master=False, timeout_s=timeout_s)
         pg = build_group(store, rank=rank_offset, world_size=world_size, group_name=group_name, backend=backend,
-                         timeout_s=timeout_s)
+                         timeout_s=timeout_s, device=self.device)
         self.groups[group_name] = (pg, store, timeout_s)
 
     def destroy_group(self, group_name: str) -> bool:
         entry = self.groups.pop(group_name, None)
         if entry is not None:
-            try:
-                entry[0].shutdown()
-            except Exception:  # noqa: BLE001 - a broken group may refuse a clean shutdown
-                pass
+            shutdown_group(entry[0], broken=False)
         return entry is not None
 
     def _targets(self, meta: WeightMeta) -> list[torch.Tensor]:
@@ -87,27 +113,23 @@ class WeightReceiver:
         cap = max(meta.bucket_nbytes)
         if len(self._buffers) != 2 or self._buffers[0].numel() < cap:
             self._buffers = [torch.empty(cap, dtype=torch.uint8, device=self.device) for _ in range(2)]
-        n = len(meta.bucket_nbytes)
-        by_bucket: list[list[int]] = [[] for _ in range(n)]
-        for i, b in enumerate(meta.bucket_index):
-            by_bucket[b].append(i)
+        members = bucket_members(meta)
 
         def post(k):
             return broadcast_async(pg, self._buffers[k % 2][: meta.bucket_nbytes[k]])
 
         work = post(0)
-        for k in range(n):
+        for k in range(len(members)):
             wait_work(work, timeout_s=timeout_s, what=f"receiving bucket {k}")
-            if k + 1 < n:
+            if k + 1 < len(members):
                 work = post(k + 1)  # lands in the other buffer while this one is loaded
-            views = unpack_bucket(meta, by_bucket[k], self._buffers[k % 2])
-            load_into([targets[i] for i in by_bucket[k]], views)
+            load_into([targets[i] for i in members[k]], unpack_bucket(meta, members[k], self._buffers[k % 2]))
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
     def receive_ipc(self, buckets: list[dict]) -> None:
-        """CUDA-IPC path: each bucket is {'handle': ipc wire dict, names, dtypes, shapes, offsets}; the bytes are
-        read straight from the trainer's buffer on the same GPU."""
+        """One-shot CUDA-IPC path (/update_weights_from_tensor): each bucket is {'handle': ipc wire dict, names,
+        dtypes, shapes, offsets}; the bytes are read straight from the trainer's buffer on the same GPU."""
         for entry in buckets:
             flat = ipc_handle_from_wire(entry["handle"])
             meta = WeightMeta(tuple(entry["names"]), tuple(entry["dtypes"]), tuple(tuple(s) for s in entry["shapes"]),
@@ -116,18 +138,84 @@ class WeightReceiver:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the trainer may reuse its buffer as soon as we answer
 
+    # ------------------------------------------------------------------ colocated
+    def attach(self, *, slots: dict, channel: str, index: int, timeout_s: float) -> None:
+        """Map the trainer's slots (once per trainer group; they stay mapped across syncs) and connect the signal
+        channel. A new attach replaces the previous one (the trainer re-initialised after a failure)."""
+        self.detach()
+        mapped, events = open_slots(slots, self.device)
+        sock = connect_channel(channel, index, timeout_s)
+        self.colocated = _Colocated(mapped, events, sock, timeout_s)
 
-def unpack_bucket(meta: WeightMeta, indices, bucket: torch.Tensor) -> list[torch.Tensor]:
-    """Views of tensors `indices` of `meta` inside one received uint8 bucket (no copy)."""
-    out = []
-    for i in indices:
-        dtype = dtype_from_wire(meta.dtypes[i])
-        n = 1
-        for d in meta.shapes[i]:
-            n *= d
-        off = meta.offsets[i]
-        out.append(bucket[off:off + n * dtype.itemsize].view(dtype).view(meta.shapes[i]))
-    return out
+    def detach(self) -> bool:
+        c, self.colocated = self.colocated, None
+        if c is not None:
+            with contextlib.suppress(OSError):
+                c.sock.close()
+        return c is not None
+
+    def receive_colocated(self, meta: WeightMeta, seq: int, targets: list[torch.Tensor]) -> None:
+        """Copy bucket k (signal seq+k+1) out of slot k % 2 into the parameters, then hand the slot back."""
+        c = self.colocated
+        if c is None:
+            raise ValueError("no colocated slots attached: the trainer must call init_group() first")
+        cap = c.slots[0].numel()
+        if max(meta.bucket_nbytes) > cap:
+            raise ValueError(f"bucket of {max(meta.bucket_nbytes)} bytes exceeds the attached slots ({cap} bytes)")
+        stream = torch.cuda.current_stream(self.device) if c.events is not None else None
+        for k, members in enumerate(bucket_members(meta)):
+            got = recv_seq(c.sock, timeout_s=c.timeout_s, what=f"waiting for bucket {k}")
+            if got != seq + k + 1:
+                raise ValueError(f"bucket signal {got} out of order (expected {seq + k + 1}); re-run init_group()")
+            s = k % 2
+            if stream is not None:
+                stream.wait_event(c.events[s][0])  # the trainer's pack of this slot is done (on the GPU)
+            load_into([targets[i] for i in members], unpack_bucket(meta, members, c.slots[s]))
+            if stream is not None:
+                c.events[s][1].record(stream)  # the trainer's next pack of this slot waits for our copy
+            send_seq(c.sock, got)
+
+
+async def colocated_request(server, body: dict) -> dict:
+    """POST /colocated_weights, one JSON body per operation (`op`):
+      probe  -> this engine's device identity and dtype (the trainer decides colocation from it);
+      attach {slots, channel, index, timeout_s} -> map the trainer's slots and connect the signal channel;
+      load   {WeightMeta wire fields, seq, weight_version} -> receive one sync through the slots;
+      detach -> drop the slots."""
+    op = body.get("op")
+    rec: WeightReceiver = server.receiver
+    if op == "probe":
+        return {"success": True, **device_identity(server.device),
+                "dtype": dtype_to_wire(next(server.model.parameters()).dtype)}
+    if op == "attach":
+        for key, typ in (("slots", dict), ("channel", str), ("index", int)):
+            if not isinstance(body.get(key), typ):
+                raise ValueError(f"attach: field {key!r} is required ({typ.__name__})")
+        await anyio.to_thread.run_sync(lambda: rec.attach(slots=body["slots"], channel=body["channel"],
+                                                          index=body["index"],
+                                                          timeout_s=float(body.get("timeout_s", 600))))
+        return {"success": True, "message": "attached the trainer's slots"}
+    if op == "detach":
+        return {"success": rec.detach(), "message": "detached"}
+    if op != "load":
+        raise ValueError(f"op={op!r}: use 'probe', 'attach', 'load' or 'detach'")
+    meta = WeightMeta.from_wire(body)
+    if meta.bucket_nbytes is None or not isinstance(body.get("seq"), int):
+        raise ValueError("load needs load_format='flattened_bucket' and an int 'seq'")
+    if body.get("weight_version") is not None and not str(body["weight_version"]).isdigit():
+        raise ValueError("weight_version must be a non-negative integer (as a string or int)")
+    targets = rec._targets(meta)  # 400 before touching any slot
+    try:
+        await asyncio.get_running_loop().run_in_executor(server.model_thread, rec.receive_colocated, meta,
+                                                         body["seq"], targets)
+    except BaseException:
+        server.weights_consistent = False
+        raise
+    server.weights_consistent = True
+    v = body.get("weight_version")
+    server.weight_version = int(v) if v is not None else server.weight_version + 1
+    return {"success": True, "message": f"updated {len(meta.names)} tensors",
+            "weight_version": str(server.weight_version)}
 
 
 @torch.no_grad()

@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from engines.embedded.generation import Row, RowResult, generate_rows
-from engines.embedded.receiver import WeightReceiver
+from engines.embedded.receiver import WeightReceiver, colocated_request
 from engines.weight_sync import WeightMeta
 
 SAMPLING_KEYS = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "n", "seed", "sampling_seed",
@@ -347,6 +347,9 @@ def build_app(server: EngineServer, api_key: str | None = None) -> Starlette:
         server.running.set()
         return JSONResponse({"success": True, "message": "continued"})
 
+    async def _colocated(request):  # same-device weight sync (engines/embedded/receiver.py)
+        return JSONResponse(await colocated_request(server, await body_of(request)))
+
     routes = [
         Route("/health", endpoint(health), methods=["GET", "POST"]),
         Route("/health_generate", endpoint(health), methods=["GET", "POST"]),
@@ -360,6 +363,7 @@ def build_app(server: EngineServer, api_key: str | None = None) -> Starlette:
         Route("/update_weights_from_tensor", endpoint(update_tensor), methods=["POST"]),
         Route("/pause_generation", endpoint(pause), methods=["POST"]),
         Route("/continue_generation", endpoint(resume), methods=["POST"]),
+        Route("/colocated_weights", endpoint(_colocated), methods=["POST"]),
     ]
     @contextlib.asynccontextmanager
     async def lifespan(app):

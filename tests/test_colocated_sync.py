@@ -1,0 +1,136 @@
+"""Colocated weight sync on CPU, end to end through a real embedded-engine process: the trainer's two shared
+/dev/shm slots are mapped once by the engine and reused across syncs; forcing broadcast still works; a dead
+engine fails the sync at once, naming it."""
+
+import glob
+import os
+import time
+
+import pytest
+import torch
+import trio
+
+from engines.embedded.launch import EngineProcess
+from engines.embedded.presets import build_tiny_model
+from engines.sglang import SGLangEngine
+from engines.weight_sync import WeightSyncError, create_slots, device_identity, is_colocated, open_slots
+from trainer.weight_sync import WeightSyncSender, verify_sync
+
+SEED = 5
+PROBES = [[1, 20, 21, 22], [1, 40], [1, 7, 8, 9, 10, 11]]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with EngineProcess("tiny", seed=SEED) as eng:
+        yield eng
+
+
+def train_step(model, seed):
+    """One real optimiser step on next-token loss over random tokens."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(6, 100, (4, 16), generator=g)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_slots_map_the_same_bytes_and_identity_decides_colocation():
+    slots, paths, extra = create_slots(4096, torch.device("cpu"))
+    try:
+        theirs, events = open_slots(extra["wire"], torch.device("cpu"))
+        assert events is None and len(theirs) == 2
+        data = torch.randint(0, 256, (4096,), dtype=torch.uint8)
+        slots[1].copy_(data)
+        assert torch.equal(theirs[1], data) and not torch.equal(theirs[0], data)
+    finally:
+        for p in paths:
+            os.unlink(p)
+    me = device_identity(torch.device("cpu"))
+    assert is_colocated(me, dict(me)) and not is_colocated(me, {**me, "host": "elsewhere"})
+    with pytest.raises(ValueError, match="rlkernels-weights"):
+        open_slots({"kind": "shm", "nbytes": 8, "paths": ["/etc/passwd"]}, torch.device("cpu"))
+
+
+def test_colocated_sync_matches_trainer_logprobs_over_two_syncs(engine):
+    trainer = build_tiny_model(SEED)
+    eng = SGLangEngine(engine.url, timeout_s=60)
+    sender = WeightSyncSender(trainer, [eng], timeout_s=60, bucket_bytes=32 << 10)
+    sender.init_group()
+    assert sender.colocated == [0] and sender.broadcast_to == [] and sender.group is None
+    n_buckets = len(sender.meta.bucket_nbytes)
+    assert n_buckets > 4  # both slots are reused within one sync
+    assert not glob.glob("/dev/shm/rlkernels-weights-*")  # names unlinked once mapped: nothing can leak
+    slots = [s.data_ptr() for s in sender._slots]
+    for step in range(2):  # the second sync reuses the slots the engine mapped at init_group
+        train_step(trainer, seed=step)
+        stale = verify_sync(trainer, [eng], PROBES, expected_version=step)
+        assert stale.max_abs_diff[0] > 1e-3  # the check can fail: the engine still has the old weights
+        seen = []
+        assert sender.sync(on_bucket=lambda k, n, seen=seen: seen.append(k)) == step + 1
+        assert seen == list(range(n_buckets))
+        res = verify_sync(trainer, [eng], PROBES, expected_version=step + 1)
+        assert res.ok and res.tol == 1e-5 and res.max_abs_diff[0] <= 1e-5, res
+    assert [s.data_ptr() for s in sender._slots] == slots
+    assert sender._seq == 2 * n_buckets
+    sender.close()
+
+
+def test_forced_broadcast_still_works_and_colocated_resumes(engine):
+    trainer = build_tiny_model(SEED)
+    train_step(trainer, seed=7)
+    eng = SGLangEngine(engine.url, timeout_s=60)
+    sender = WeightSyncSender(trainer, [eng], timeout_s=60, transport="broadcast", weight_version=20)
+    sender.init_group()
+    assert sender.broadcast_to == [0] and sender.colocated == [] and sender.group is not None
+    assert sender.sync() == 21
+    assert verify_sync(trainer, [eng], PROBES, expected_version=21).ok
+    sender.close()
+    # the same engine, colocated again (a new attach replaces the old slots)
+    train_step(trainer, seed=8)
+    sender = WeightSyncSender(trainer, [eng], timeout_s=60, transport="colocated", weight_version=21)
+    sender.init_group()
+    assert sender.sync() == 22
+    assert verify_sync(trainer, [eng], PROBES, expected_version=22).ok
+    sender.close()
+
+
+def test_forced_colocated_refuses_an_engine_elsewhere():
+    class Remote:  # an engine that reports another host
+        url = "http://remote"
+
+        async def colocated_weights(self, body):
+            return {"success": True, "host": "other-host", "device": "cpu", "dtype": "float32"}
+
+    sender = WeightSyncSender(build_tiny_model(SEED), [Remote()], timeout_s=5, transport="colocated")
+    with pytest.raises(WeightSyncError, match="do not share this trainer's device"):
+        sender.init_group()
+
+
+def test_colocated_engine_killed_mid_sync_fails_fast_then_recovers():
+    trainer = build_tiny_model(SEED)
+    train_step(trainer, seed=3)
+    with EngineProcess("tiny", seed=SEED) as proc:
+        eng = SGLangEngine(proc.url, timeout_s=60)
+        timeout_s = 30.0
+        sender = WeightSyncSender(trainer, [eng], timeout_s=timeout_s, bucket_bytes=16 << 10, weight_version=4)
+        sender.init_group()
+        assert sender.colocated == [0]
+
+        def kill_at(k, n):
+            if k == 2:
+                proc.kill()
+
+        t0 = time.monotonic()
+        with pytest.raises(WeightSyncError, match=proc.url.split("//")[1]):
+            sender.sync(on_bucket=kill_at)
+        assert time.monotonic() - t0 < timeout_s / 2
+        with pytest.raises(WeightSyncError, match="init_group"):
+            sender.sync()
+        proc.start()  # same port
+        sender.init_group()
+        assert sender.sync() == 5
+        assert verify_sync(trainer, [eng], PROBES, expected_version=5).ok
+        assert trio.run(eng.get_weight_version) == 5
+        sender.close()

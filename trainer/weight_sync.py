@@ -1,0 +1,498 @@
+"""Disk-free weight sync, trainer side: FSDP2 gather -> flat buckets -> every engine, by broadcast or, for an engine
+on the trainer's own device, through shared slots. The wire format and both protocols: engines/weight_sync.py.
+
+Data path: every trainer rank walks the parameters in the same order, casts its shard to the engines' dtype and
+calls `DTensor.full_tensor()` (a collective on the trainer's own group: a bf16 engine costs half the gather bytes
+of fp32 master weights); rank 0 packs each full tensor into one of two bucket slots. While bucket k is out (a
+broadcast in flight, or a colocated engine copying it), bucket k+1 is gathered and packed into the other slot; a
+slot is reused only once every engine is done with it. Only rank 0 talks to engines.
+
+Transport per engine (`transport="auto"`): an embedded engine that reports the trainer's own device identity (GPU
+UUID; on CPU the host and /dev/shm) is colocated, any other engine (other GPU, other host, a stock SGLang or
+vLLM) is broadcast to. `transport="broadcast"` forces the process group for all; "colocated" requires it for all.
+
+Control path: the metadata goes to every engine at once over HTTP (httpx under trio, in a helper thread); the
+request returns when the engine has loaded everything. Nothing touches disk, nothing is pickled on the wire.
+
+Failure handling: every wait polls the transport and the HTTP calls together, so a dead engine (connection reset,
+closed signal socket) or one that rejects the metadata (4xx) fails the sync at once with an error naming the
+engine, and a wedged one fails after `timeout_s`. The group is then dropped; restart the engine and call
+`init_group()` again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engines.weight_sync import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_GROUP_NAME,
+    WeightSyncError,
+    broadcast_async,
+    build_group,
+    create_slots,
+    create_store,
+    device_identity,
+    dtype_from_wire,
+    is_colocated,
+    listen_channel,
+    plan_buckets,
+    recv_seq,
+    send_seq,
+    shutdown_group,
+    wait_work,
+)
+
+TRANSPORTS = ("auto", "broadcast", "colocated")
+
+
+def named_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, parameter) in a fixed order; FSDP2 keeps the HF names; torch.compile's `_orig_mod.` is stripped.
+    Tied weights appear once (named_parameters de-duplicates), as HF's load_state_dict expects."""
+    return [(n.replace("_orig_mod.", ""), p) for n, p in model.named_parameters()]
+
+
+def full_tensor(p: torch.Tensor) -> torch.Tensor:
+    """The unsharded value: a collective for FSDP2 DTensors (every rank must call it, in the same order)."""
+    from torch.distributed.tensor import DTensor
+
+    return p.full_tensor() if isinstance(p, DTensor) else p
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _trainer_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _from_rank0(value):
+    """Rank 0's `value` on every trainer rank (the trainer's own group; no-op on one process)."""
+    if not _distributed():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class _HttpCalls:
+    """Runs `make_call(i, engine)` for every engine concurrently (trio + httpx) in a helper thread; records the
+    first error, naming the engine."""
+
+    def __init__(self, engines: Sequence, make_call: Callable, what: str):
+        self.error: BaseException | None = None
+        self.results: list = [None] * len(engines)
+        self._thread = threading.Thread(target=self._run, args=(list(engines), make_call, what), daemon=True)
+        self._thread.start()
+
+    def _run(self, engines, make_call, what):
+        import trio
+
+        async def one(i, eng):
+            try:
+                self.results[i] = await make_call(i, eng)
+            except BaseException as e:  # noqa: BLE001 - reported to the waiting trainer thread
+                if self.error is None:
+                    self.error = WeightSyncError(f"engine {getattr(eng, 'url', eng)} failed {what}: "
+                                                 f"{type(e).__name__}: {e}")
+
+        async def main():
+            async with trio.open_nursery() as nursery:
+                for i, eng in enumerate(engines):
+                    nursery.start_soon(one, i, eng)
+
+        trio.run(main)
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def join(self, timeout_s: float, what: str) -> list:
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise WeightSyncError(f"{what}: no HTTP answer from every engine within {timeout_s:.0f}s")
+        self.check()
+        return self.results
+
+
+async def _probe(eng) -> dict:
+    """An engine's device identity and dtype; {} for an engine without the colocated route (stock SGLang, vLLM)."""
+    if not hasattr(eng, "colocated_weights"):
+        return {}
+    try:
+        return await eng.colocated_weights({"op": "probe"})
+    except Exception as e:  # noqa: BLE001 - only a missing route means "not colocated"
+        if "HTTP 404" in str(e) or "HTTP 405" in str(e):
+            return {}
+        raise
+
+
+class WeightSyncSender:
+    """The trainer's side of weight sync (mutable: the group, the slots, the version).
+
+    Call from every trainer rank (FSDP2 gathers are collectives); only rank 0 talks to engines.
+    engines: SGLang-protocol clients (engines.sglang.SGLangEngine) or vLLM's, each one process = one rank.
+    dtype: the dtype sent (and gathered in); None = the engines' own dtype (asked at init_group), else the model's.
+    mode: "bucketed" (flattened_bucket, the embedded engine) or "per_tensor" (a stock SGLang or vLLM server;
+    broadcast only).
+    transport: "auto" (colocated where the engine shares the trainer's device, else broadcast), "broadcast" or
+    "colocated" (an error for an engine that is not).
+    """
+
+    def __init__(self, model: nn.Module, engines: Sequence, *, dtype: torch.dtype | None = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, backend: str | None = None, timeout_s: float = 300.0,
+                 master_address: str = "127.0.0.1", master_port: int = 0, group_name: str = DEFAULT_GROUP_NAME,
+                 mode: str = "bucketed", transport: str = "auto", weight_version: int = 0):
+        if mode not in ("bucketed", "per_tensor"):
+            raise ValueError(f"mode={mode!r}: use 'bucketed' or 'per_tensor'")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport={transport!r}: use one of {TRANSPORTS}")
+        if mode == "per_tensor" and transport == "colocated":
+            raise ValueError("mode='per_tensor' is the stock-server broadcast protocol; use mode='bucketed' with "
+                             "transport='colocated'")
+        self.model, self.engines = model, list(engines)
+        params = named_weights(model)
+        if not params:
+            raise ValueError("model has no parameters to sync")
+        self.device = params[0][1].device
+        self._dtype_arg = dtype
+        self.dtype = dtype or params[0][1].dtype
+        self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        self.bucket_bytes, self.timeout_s, self.mode, self.transport = bucket_bytes, timeout_s, mode, transport
+        self.master_address, self.master_port, self.group_name = master_address, master_port, group_name
+        self.weight_version = weight_version
+        self.rank = _trainer_rank()
+        self.meta = self._plan()
+        self.group: dist.ProcessGroup | None = None
+        self._group_name = ""
+        self._store = None
+        self._generation = 0
+        self.broadcast_to: list[int] = []  # engine indices in the process group (rank 1 + position)
+        self.colocated: list[int] = []  # engine indices reading the shared slots
+        self._slots: list[torch.Tensor] = []
+        self._events = None  # CUDA: [(written, read)] per slot
+        self._channel = None  # listening socket
+        self._socks: dict[int, object] = {}  # engine index -> connected signal socket
+        self._seq = 0  # bucket signals sent so far on this channel
+        self._ready = False
+        self.last_sync_s = float("nan")
+
+    def _plan(self):
+        params = named_weights(self.model)
+        return plan_buckets([n for n, _ in params], [tuple(p.shape) for _, p in params], self.dtype,
+                            self.bucket_bytes)
+
+    # ------------------------------------------------------------------ group
+    def init_group(self) -> None:
+        """(Re)connect every engine: decide each one's transport, build the process group for the broadcast
+        ones, share the slots with the colocated ones. Call on every trainer rank; again after an engine restart."""
+        decided = None
+        if self.rank == 0:
+            self.close()
+            try:
+                decided = self._decide()
+            finally:
+                shared = _from_rank0(decided)
+        else:
+            shared = _from_rank0(None)
+        if shared is None:
+            raise WeightSyncError("trainer rank 0 could not reach the engines (see its error)")
+        dtype_name, self.broadcast_to, self.colocated = shared
+        self.dtype = dtype_from_wire(dtype_name)
+        self.meta = self._plan()
+        if self.rank != 0:
+            self._ready = True
+            return
+        self._generation += 1
+        if self.broadcast_to:
+            self._init_broadcast()
+        if self.colocated:
+            self._init_colocated()
+        self._ready = True
+
+    def _decide(self) -> tuple[str, list[int], list[int]]:
+        """(dtype to send, broadcast engine indices, colocated engine indices) from the engines' probes."""
+        probes = _HttpCalls(self.engines, lambda i, eng: _probe(eng), "the colocation probe").join(
+            self.timeout_s, "colocation probe")
+        ours = device_identity(self.device)
+        dtypes = {p["dtype"] for p in probes if p.get("dtype")}
+        if self._dtype_arg is not None or not dtypes:
+            dtype = self.dtype if self._dtype_arg is None else self._dtype_arg
+        elif len(dtypes) == 1:
+            dtype = dtype_from_wire(dtypes.pop())
+        else:
+            raise WeightSyncError(f"engines serve different dtypes {sorted(dtypes)}: pass dtype= explicitly")
+        same = [self.mode == "bucketed" and is_colocated(ours, p) for p in probes]
+        if self.transport == "colocated" and not all(same):
+            bad = [getattr(e, "url", e) for e, s in zip(self.engines, same) if not s]
+            raise WeightSyncError(f"transport='colocated' but engines {bad} do not share this trainer's device "
+                                  f"{ours}; use transport='auto' or 'broadcast'")
+        if self.transport == "broadcast":
+            same = [False] * len(self.engines)
+        return (str(dtype).removeprefix("torch."), [i for i, s in enumerate(same) if not s],
+                [i for i, s in enumerate(same) if s])
+
+    def _init_broadcast(self) -> None:
+        # A fresh store (and port) per generation: a restarted engine can never meet a stale half-built group.
+        store = create_store(self.master_address, self.master_port if self._generation == 1 else 0,
+                             is_master=True, timeout_s=self.timeout_s)
+        world = 1 + len(self.broadcast_to)
+        name = f"{self.group_name}_{self._generation}"
+        engines = [self.engines[i] for i in self.broadcast_to]
+
+        def call(k, eng):
+            return eng.init_weights_update_group(master_address=self.master_address, master_port=store.port,
+                                                 rank_offset=1 + k, world_size=world, group_name=name,
+                                                 backend=self.backend, timeout_s=self.timeout_s)
+
+        calls = _HttpCalls(engines, call, "init_weights_update_group")
+        result: dict = {}
+
+        def build():  # in a thread: a peer that never joins must not hang the trainer (NCCL init included)
+            try:
+                result["pg"] = build_group(store, rank=0, world_size=world, group_name=name, backend=self.backend,
+                                           timeout_s=self.timeout_s, device=self.device)
+            except BaseException as e:  # noqa: BLE001
+                result["err"] = e
+
+        t = threading.Thread(target=build, daemon=True)
+        t.start()
+        deadline = time.monotonic() + self.timeout_s
+        while t.is_alive() and time.monotonic() < deadline:
+            calls.check()
+            t.join(0.005)
+        if t.is_alive() or "err" in result:
+            raise WeightSyncError(f"weight-update group {name!r} did not form with {len(engines)} engine(s) "
+                                  f"within {self.timeout_s:.0f}s: {result.get('err', 'timeout')}")
+        calls.join(self.timeout_s, "init_weights_update_group")
+        self.group, self._group_name, self._store = result["pg"], name, store
+
+    def _init_colocated(self) -> None:
+        """Create the two slots and the signal channel; every colocated engine maps them once."""
+        self._slots, paths, extra = create_slots(max(self.meta.bucket_nbytes), self.device)
+        self._events = extra["events"]
+        self._channel, address = listen_channel()
+        self._seq = 0
+        try:
+            body = {"op": "attach", "slots": extra["wire"], "channel": address, "timeout_s": self.timeout_s}
+            engines = [self.engines[i] for i in self.colocated]
+            calls = _HttpCalls(engines, lambda k, eng: eng.colocated_weights({**body, "index": k}), "attach")
+            calls.join(self.timeout_s, "colocated attach")
+            self._channel.settimeout(self.timeout_s)
+            for _ in engines:
+                sock, _ = self._channel.accept()
+                k = recv_seq(sock, timeout_s=self.timeout_s, what="colocated hello")
+                self._socks[self.colocated[k]] = sock
+        finally:
+            for p in paths:  # every engine mapped them (or failed): the mappings outlive the names
+                _unlink(p)
+
+    def close(self) -> None:
+        """Drop the group, the slots and the channel (the engines drop theirs at the next attach)."""
+        if self.group is not None:
+            shutdown_group(self.group, broken=True)
+        for sock in [*self._socks.values(), self._channel]:
+            if sock is not None:
+                sock.close()
+        if self._events is not None:
+            torch.cuda.current_stream(self.device).synchronize()  # no engine copy may still read a freed slot
+        self.group, self._channel, self._socks, self._slots, self._events = None, None, {}, [], None
+        self._ready = False
+
+    # ------------------------------------------------------------------ sync
+    def _gathered(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """(index, full tensor in the sent dtype) for every parameter, all ranks in lockstep. The cast runs on
+        the local shard, before the all-gather."""
+        with torch.no_grad():
+            for i, (_, p) in enumerate(named_weights(self.model)):
+                yield i, full_tensor(p.detach().to(self.dtype))
+
+    def sync(self, weight_version: int | None = None,
+             on_bucket: Callable[[int, int], None] | None = None) -> int:
+        """Send the current weights to every engine; returns the new weight_version (all ranks).
+
+        on_bucket(k, n_buckets) is called on rank 0 once bucket k is handed out (progress bars)."""
+        version = self.weight_version + 1 if weight_version is None else weight_version
+        if self.rank != 0:
+            for _ in self._gathered():  # take part in the gathers only
+                pass
+            self.weight_version = version
+            return version
+        if not self._ready:
+            raise WeightSyncError("no weight-update group: call init_group() first (again after an engine restart)")
+        t0 = time.perf_counter()
+        body = self.meta.to_wire(weight_version=version, group_name=self._group_name)
+        if self.mode == "per_tensor":
+            body.update(load_format=None)
+            for key in ("offsets", "bucket_index", "bucket_nbytes"):
+                body.pop(key, None)
+        colocated_body = {**body, "op": "load", "seq": self._seq}
+
+        def call(i, eng):
+            if i in self._socks:
+                return eng.colocated_weights(colocated_body)
+            return eng.update_weights_from_distributed(body)
+
+        calls = _HttpCalls(self.engines, call, "the weight update")
+        try:
+            if self.mode == "per_tensor":
+                self._send_per_tensor(calls)
+            else:
+                self._send_buckets(calls, on_bucket)
+            calls.join(self.timeout_s, "the weight update")
+        except WeightSyncError as e:
+            self.close()  # the group may hold a half-done collective, a slot a half-read bucket: force a re-init
+            raise self._explain(e, calls) from e
+        except BaseException:
+            self.close()
+            raise
+        self.weight_version = version
+        self.last_sync_s = time.perf_counter() - t0
+        return version
+
+    def _explain(self, err: WeightSyncError, calls: _HttpCalls) -> WeightSyncError:
+        """A transport error does not say which engine died; its HTTP call usually does, a moment later."""
+        calls._thread.join(min(2.0, self.timeout_s))
+        if calls.error is not None and calls.error is not err:
+            return WeightSyncError(f"{calls.error} (transport: {err}); restart the engine and call init_group()")
+        urls = ", ".join(getattr(e, "url", str(e)) for e in self.engines)
+        return WeightSyncError(f"{err} (engines: {urls}); restart the failed engine and call init_group()")
+
+    def _send_per_tensor(self, calls: _HttpCalls) -> None:
+        for i, t in self._gathered():
+            work = broadcast_async(self.group, t.contiguous())
+            wait_work(work, timeout_s=self.timeout_s, what=f"broadcast of {self.meta.names[i]}", check=calls.check)
+
+    def _send_buckets(self, calls: _HttpCalls, on_bucket) -> None:
+        sizes = self.meta.bucket_nbytes
+        if not self._slots or self._slots[0].numel() < max(sizes):  # broadcast-only: plain buffers, kept
+            self._slots = [torch.empty(max(sizes), dtype=torch.uint8, device=self.device) for _ in range(2)]
+        inflight: list = [None, None]  # per slot: the broadcast work of the bucket it holds
+        current = -1
+        for i, t in self._gathered():
+            b = self.meta.bucket_index[i]
+            if b != current:
+                if current >= 0:
+                    inflight[current % 2] = self._hand_out(current, calls, on_bucket)
+                current = b
+                self._free_slot(b, inflight, calls)
+            off = self.meta.offsets[i]
+            self._slots[b % 2][off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
+        inflight[current % 2] = self._hand_out(current, calls, on_bucket)
+        for b in (current - 1, current):
+            if b >= 0:
+                self._free_slot(b + 2, inflight, calls)
+        self._seq += len(sizes)
+
+    def _free_slot(self, b: int, inflight: list, calls: _HttpCalls) -> None:
+        """Before packing bucket b into slot b % 2: bucket b-2's broadcast finished and every colocated engine
+        signalled that it copied bucket b-2 out (on CUDA, the pack then waits for their copy on the GPU)."""
+        s = b % 2
+        if inflight[s] is not None:
+            wait_work(inflight[s], timeout_s=self.timeout_s, what=f"broadcast of bucket {b - 2}", check=calls.check)
+            inflight[s] = None
+        if b < 2:
+            return
+        for i, sock in self._socks.items():
+            what = f"engine {getattr(self.engines[i], 'url', i)} copying bucket {b - 2}"
+            got = recv_seq(sock, timeout_s=self.timeout_s, what=what, check=calls.check)
+            if got != self._seq + b - 1:
+                raise WeightSyncError(f"{what}: signal {got} out of order (expected {self._seq + b - 1})")
+        if self._events is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._events[s][1])
+
+    def _hand_out(self, b: int, calls: _HttpCalls, on_bucket):
+        """Bucket b is packed in slot b % 2: broadcast it (async) and signal the colocated engines."""
+        work = None
+        if self.group is not None:
+            work = broadcast_async(self.group, self._slots[b % 2][: self.meta.bucket_nbytes[b]])
+        if self._socks:
+            if self._events is not None:
+                self._events[b % 2][0].record(torch.cuda.current_stream(self.device))
+            for sock in self._socks.values():
+                send_seq(sock, self._seq + b + 1)
+        if on_bucket is not None:
+            on_bucket(b, len(self.meta.bucket_nbytes))
+        return work
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+# ----------------------------------------------------------------------------------------------- verification
+@dataclass(frozen=True)
+class VerifyResult:
+    """max |engine log-prob - trainer log-prob| per engine over the probe tokens, and the versions engines report."""
+
+    max_abs_diff: tuple[float, ...]
+    versions: tuple[int, ...]
+    expected_version: int
+    tol: float
+
+    @property
+    def ok(self) -> bool:
+        return all(d <= self.tol for d in self.max_abs_diff) and all(v == self.expected_version
+                                                                        for v in self.versions)
+
+
+# fp32 both sides: the only difference is batched/cached vs one-shot attention arithmetic. bf16: one bf16 rounding
+# of logits-scale values (~2^-8 relative at |logit| ~ 10) dominates.
+VERIFY_TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+
+
+def verify_tolerance(*dtypes: torch.dtype) -> float:
+    """The loosest tolerance among the dtypes that computed the two sides' logits."""
+    return max(VERIFY_TOL.get(d, 5e-2) for d in dtypes)
+
+
+def verify_sync(model: nn.Module, engines: Sequence, probe_prompts: Sequence[Sequence[int]], *,
+                expected_version: int, max_new_tokens: int = 8, tol: float | None = None,
+                engine_dtype: torch.dtype | None = None) -> VerifyResult:
+    """Generate greedily from `probe_prompts` on every engine, recompute the log-prob of each generated token with
+    the trainer's model, compare. Call on every trainer rank (an FSDP2 forward is collective); rank 0 asks the
+    engines and shares their answers over the trainer's default group.
+
+    tol None: from the compute dtypes, the dtype the trainer's forward produced its logits in (bf16 under FSDP2
+    mixed precision even with fp32 parameters) and `engine_dtype` when given."""
+    from engines.protocol import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True)
+    answers = None
+    if _trainer_rank() == 0:
+        calls = _HttpCalls(engines, lambda i, eng: eng.generate([list(p) for p in probe_prompts], params),
+                           "generate")
+        answers = calls.join(300.0, "verify_sync generate")
+        answers = [[[(c.output_ids, c.logprobs, c.weight_version) for c in group] for group in per_engine]
+                   for per_engine in answers]
+    answers = _from_rank0(answers)
+    diffs, versions, compute = [], [], set()
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        for per_engine in answers:
+            worst = 0.0
+            for prompt, group in zip(probe_prompts, per_engine):
+                ids, lps, version = group[0]
+                versions.append(version)
+                seq = torch.tensor([list(prompt) + ids], device=device)
+                logits = model(input_ids=seq).logits
+                compute.add(logits.dtype)
+                logits = logits.float()[0, len(prompt) - 1:-1]
+                ours = logits.log_softmax(-1).gather(-1, torch.tensor(ids, device=device)[:, None])[:, 0]
+                worst = max(worst, (ours.cpu() - torch.tensor(lps)).abs().max().item())  # host sync: a check
+            diffs.append(worst)
+    if tol is None:
+        tol = verify_tolerance(*compute, *([engine_dtype] if engine_dtype is not None else []))
+    per_engine_versions = tuple(versions[i * len(probe_prompts)] for i in range(len(answers)))
+    return VerifyResult(tuple(diffs), per_engine_versions, expected_version, tol)
