@@ -4,6 +4,10 @@ Three implementations: `engines.sglang.SGLangEngine` (SGLang's native HTTP proto
 server in `engines/embedded/`), and `engines.vllm.VLLMEngine` (vLLM's OpenAI completions + weight-transfer routes).
 All methods are async (httpx under trio or asyncio); `weight_version` is an int on our side and a decimal string on
 the wire, as SGLang sends it.
+
+The log-prob contract: `Completion.logprobs[t]` is the log-prob of `output_ids[t]` under the distribution it was
+sampled from at the request's temperature T, before top-k/top-p: `log_softmax(logits / T)[token]` (T = 0, greedy:
+`log_softmax(logits)`). The trainer computes its own log-probs at the same temperature, so on-policy they match.
 """
 
 from __future__ import annotations
@@ -13,12 +17,24 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 
+class EngineError(RuntimeError):
+    """An engine answered with an error (a rejected request, a malformed answer)."""
+
+
+class EngineUnavailableError(EngineError):
+    """An engine did not answer (connection refused, timed out) or answered 5xx: worth retrying."""
+
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings (SGLang's names; vLLM's are mapped by its adapter).
 
     temperature 0 means greedy; top_k <= 0 and top_p >= 1 disable those filters; seed None draws from the engine's
-    own seeded generator (reproducible per server start, not per request).
+    own seeded generator (reproducible per server start, not per request). With a seed, the j-th of a prompt's n
+    samples is drawn with seed + j, so a group of n is reproducible from its request's seed alone.
     """
 
     temperature: float = 1.0
@@ -43,8 +59,9 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class Completion:
-    """One generated continuation: token ids, the log-prob of each under the raw (temperature-1, unfiltered)
-    policy distribution, why it stopped ("stop" | "length" | "abort"), and the weights that produced it."""
+    """One generated continuation: token ids, the log-prob of each under the distribution it was sampled from
+    (the request's temperature, before top-k/top-p; see the module docstring), why it stopped
+    ("stop" | "length" | "abort"), and the weights that produced it."""
 
     output_ids: list[int]
     logprobs: list[float]
@@ -61,8 +78,13 @@ class InferenceEngine(Protocol):
 
     async def health(self) -> bool: ...
 
-    async def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
-        """One list of `params.n` completions per prompt."""
+    async def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                       rids: Sequence[str] | None = None) -> list[list[Completion]]:
+        """One list of `params.n` completions per prompt. `rids` (one per prompt) name the requests for `abort`."""
+        ...
+
+    async def abort(self, rids: Sequence[str] | None = None) -> None:
+        """Cut the named requests (None: every request) short: each returns what it has with finish "abort"."""
         ...
 
     async def get_weight_version(self) -> int: ...

@@ -1,40 +1,107 @@
-"""Client for SGLang's native HTTP protocol; drives the embedded engine and a real SGLang server alike.
+"""The one client for SGLang's native HTTP protocol; drives the embedded engine and a real SGLang server alike.
 
-Request fields follow SGLang's io_struct: /generate {input_ids, sampling_params{temperature, top_p, top_k,
-max_new_tokens, stop_token_ids, n, sampling_seed}, return_logprob}; /init_weights_update_group {master_address,
-master_port, rank_offset, world_size, group_name, backend}; /update_weights_from_distributed {names, dtypes, shapes,
-group_name, flush_cache, weight_version, load_format}. Responses: generate -> {output_ids, meta_info{finish_reason,
-output_token_logprobs [[logprob, id, text]], weight_version}}; weight routes -> {success, message}.
+Rollouts, evaluation and weight sync all use `SGLangEngine`. Request fields follow SGLang's io_struct:
+/generate {input_ids, sampling_params{temperature, top_p, top_k, max_new_tokens, stop_token_ids, n, sampling_seed,
+ignore_eos}, return_logprob, rid}; /abort_request {rid} or {abort_all: true}; /init_weights_update_group
+{master_address, master_port, rank_offset, world_size, group_name, backend}; /update_weights_from_distributed
+{names, dtypes, shapes, group_name, flush_cache, weight_version, load_format}. Responses: generate ->
+{output_ids, meta_info{finish_reason, output_token_logprobs [[logprob, id, text]], weight_version}}; weight routes
+-> {success, message}.
 
-Extensions only the embedded engine reads (a stock SGLang ignores or rejects them): `timeout_s` in the group init,
-the flattened_bucket `offsets/bucket_index/bucket_nbytes` fields, and the `seed` alias of `sampling_seed`.
-Every call has a timeout (httpx); errors raise EngineError with the URL, route, status and the server's message.
+Log-probs: we send `return_logprob: true` and rely on SGLang's default `SGLANG_RETURN_ORIGINAL_LOGPROB=false`
+(a server environment variable, not a request field): SGLang then returns the log-prob of each sampled token
+under the temperature-scaled distribution, before top-k/top-p, which is this project's contract
+(engines/protocol.py). A server started with `SGLANG_RETURN_ORIGINAL_LOGPROB=1` returns temperature-1 log-probs
+instead, which the trainer's mismatch metrics show at once for temperature != 1.
+
+Seeds: SGLang applies one request's `sampling_seed` to each of its `n` samples, which would make them identical;
+so a seeded request with n > 1 is sent as a batch of n copies of the prompt, the j-th with seed + j (still one
+HTTP request). Finish reasons: "stop" (with or without `matched`: a token id, a stop string or None), "length"
+and "abort" (with optional message/status); anything else is an error, never taken as "completed". SGLang's
+default weight version, the string "default", means "never updated": we report the last version we set.
+
+Connections: one pooled keep-alive `httpx.AsyncClient` per event loop (trio or asyncio), reused by every call
+made from that loop; `aclose()` closes the current loop's client. Extensions only the embedded engine reads
+(a stock SGLang ignores or rejects them): `timeout_s` in the group init, the flattened_bucket
+`offsets/bucket_index/bucket_nbytes` fields. Every call has a timeout; errors raise `EngineError` (the request
+was rejected) or `EngineUnavailableError` (no answer, or 5xx: worth retrying) with the URL, route, status and
+the server's message.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+from typing import Any
 
 import httpx
+import sniffio
 
-from engines.protocol import Completion, SamplingParams
+from engines.protocol import (
+    FINISH_REASONS,
+    Completion,
+    EngineError,
+    EngineUnavailableError,
+    SamplingParams,
+)
+
+_MAX_LOOP_CLIENTS = 8  # clients of loops that ended are dropped (not closable from another loop) past this
 
 
-class EngineError(RuntimeError):
-    """An engine answered an error or not at all."""
-
-
-def generate_payload(prompts: Sequence[Sequence[int]], params: SamplingParams) -> dict:
+def _sampling_dict(params: SamplingParams, *, n: int, seed: int | None) -> dict:
     sp = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
-          "max_new_tokens": params.max_new_tokens, "stop_token_ids": list(params.stop_token_ids), "n": params.n,
+          "max_new_tokens": params.max_new_tokens, "stop_token_ids": list(params.stop_token_ids), "n": n,
           "ignore_eos": params.ignore_eos}
-    if params.seed is not None:
-        sp["sampling_seed"] = params.seed
-    return {"input_ids": [list(p) for p in prompts], "sampling_params": sp, "return_logprob": True}
+    if seed is not None:
+        sp["sampling_seed"] = seed
+    return sp
 
 
-def parse_generate(resp, prompts: Sequence[Sequence[int]], n: int) -> list[list[Completion]]:
-    """Group a batch response (prompt-major, n per prompt) into one list per prompt."""
+def generate_payload(prompts: Sequence[Sequence[int]], params: SamplingParams,
+                     rids: Sequence[str] | None = None) -> dict:
+    """The /generate body for `prompts` x `params.n` (prompt-major order of the answers)."""
+    if rids is not None and len(rids) != len(prompts):
+        raise ValueError(f"rids: {len(rids)} ids for {len(prompts)} prompts; give one per prompt")
+    if params.seed is not None and params.n > 1:  # one row per sample, each with its own seed
+        ids = [list(p) for p in prompts for _ in range(params.n)]
+        sps = [_sampling_dict(params, n=1, seed=params.seed + j) for _ in prompts for j in range(params.n)]
+        body = {"input_ids": ids, "sampling_params": sps, "return_logprob": True}
+        if rids is not None:
+            body["rid"] = [f"{r}-{j}" for r in rids for j in range(params.n)]
+        return body
+    body = {"input_ids": [list(p) for p in prompts], "sampling_params": _sampling_dict(params, n=params.n,
+                                                                                       seed=params.seed),
+            "return_logprob": True}
+    if rids is not None:
+        body["rid"] = list(rids)
+    return body
+
+
+def parse_finish_reason(reason: Any) -> str:
+    """"stop" | "length" | "abort" from SGLang's finish_reason ({"type": ..., "matched"/"length"/"message"...}
+    or a bare string); anything else raises EngineError."""
+    kind = reason.get("type") if isinstance(reason, dict) else reason
+    if isinstance(kind, str) and kind in FINISH_REASONS:
+        return kind
+    raise EngineError(f"unknown finish_reason {reason!r}: expected type 'stop', 'length' or 'abort' (SGLang's); "
+                      f"the engine speaks a protocol this client does not know")
+
+
+def parse_weight_version(value: Any, fallback: int) -> int:
+    """SGLang's weight_version: a decimal string or int; "default" (or absent) means never updated -> fallback."""
+    if value is None or value == "default":
+        return fallback
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    raise EngineError(f"weight_version {value!r} is not an integer version; this client sets decimal versions "
+                      f"('0', '1', ...) and reads SGLang's 'default' as unset")
+
+
+def parse_generate(resp: Any, prompts: Sequence[Sequence[int]], n: int,
+                   fallback_version: int = 0) -> list[list[Completion]]:
+    """Group a batch response (prompt-major, n per prompt) into one list of Completions per prompt."""
     outs = resp if isinstance(resp, list) else [resp]
     if len(outs) != len(prompts) * n:
         raise EngineError(f"/generate returned {len(outs)} outputs for {len(prompts)} prompts x n={n}")
@@ -42,43 +109,86 @@ def parse_generate(resp, prompts: Sequence[Sequence[int]], n: int) -> list[list[
     for i, prompt in enumerate(prompts):
         group = []
         for o in outs[i * n:(i + 1) * n]:
-            meta = o.get("meta_info", {})
+            meta = o.get("meta_info") or {}
             lps = meta.get("output_token_logprobs") or []
-            reason = meta.get("finish_reason") or {}
-            group.append(Completion(output_ids=list(o["output_ids"]), logprobs=[float(x[0]) for x in lps],
-                                    finish_reason=reason.get("type", "length") if isinstance(reason, dict) else
-                                    str(reason), weight_version=int(meta.get("weight_version") or 0),
+            ids = o.get("output_ids")
+            ids = [int(e[1]) for e in lps] if ids is None else [int(t) for t in ids]
+            if len(lps) != len(ids):
+                raise EngineError(f"/generate returned {len(ids)} output ids but {len(lps)} log-probs; the engine "
+                                  f"must honour return_logprob=true")
+            group.append(Completion(output_ids=ids, logprobs=[float(x[0]) for x in lps],
+                                    finish_reason=parse_finish_reason(meta.get("finish_reason")),
+                                    weight_version=parse_weight_version(meta.get("weight_version"),
+                                                                        fallback_version),
                                     prompt_ids=list(prompt)))
         groups.append(group)
     return groups
 
 
-class SGLangEngine:
-    """One SGLang-protocol server. Async methods (trio or asyncio); a fresh httpx client per call keeps the
-    object usable from any event loop or thread (the weight sync runs its calls on its own trio thread)."""
+def _loop_key() -> object:
+    """An object identifying the running event loop (trio's token or the asyncio loop)."""
+    if sniffio.current_async_library() == "trio":
+        import trio
 
-    def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 300.0):
+        return trio.lowlevel.current_trio_token()
+    import asyncio
+
+    return asyncio.get_running_loop()
+
+
+class SGLangEngine:
+    """One SGLang-protocol server (see the module docstring). Usable from any event loop or thread: each loop
+    gets its own pooled client (the weight sync runs its calls on its own trio thread, rollouts on theirs)."""
+
+    def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 300.0,
+                 connect_timeout_s: float = 10.0, max_connections: int = 64):
         self.url = url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.timeout_s = timeout_s
+        self.timeout_s, self.connect_timeout_s, self.max_connections = timeout_s, connect_timeout_s, max_connections
+        self.weight_version = 0  # the last version we set: what SGLang's "default" stands for
+        self._clients: dict[object, httpx.AsyncClient] = {}
+        self._expanded: dict[str, int] = {}  # rid -> n of seeded requests in flight sent as one row per sample
+        self._lock = threading.Lock()
 
     def __repr__(self):
         return f"SGLangEngine({self.url!r})"
 
+    def _client(self) -> httpx.AsyncClient:
+        key = _loop_key()
+        with self._lock:
+            client = self._clients.get(key)
+            if client is None:
+                if len(self._clients) >= _MAX_LOOP_CLIENTS:
+                    self._clients.pop(next(iter(self._clients)))
+                limits = httpx.Limits(max_connections=self.max_connections,
+                                      max_keepalive_connections=self.max_connections)
+                client = httpx.AsyncClient(headers=self.headers, limits=limits,
+                                           timeout=httpx.Timeout(self.timeout_s, connect=self.connect_timeout_s))
+                self._clients[key] = client
+            return client
+
+    async def aclose(self) -> None:
+        """Close the pooled connections of the current event loop (a later call opens new ones)."""
+        with self._lock:
+            client = self._clients.pop(_loop_key(), None)
+        if client is not None:
+            await client.aclose()
+
     async def _call(self, method: str, route: str, body: dict | None = None, timeout_s: float | None = None):
-        timeout = httpx.Timeout(timeout_s or self.timeout_s, connect=min(10.0, timeout_s or self.timeout_s))
+        timeout = httpx.Timeout(timeout_s or self.timeout_s, connect=min(self.connect_timeout_s,
+                                                                         timeout_s or self.timeout_s))
         try:
-            async with httpx.AsyncClient(timeout=timeout, headers=self.headers) as client:
-                r = await client.request(method, self.url + route, json=body)
+            r = await self._client().request(method, self.url + route, json=body, timeout=timeout)
         except httpx.HTTPError as e:
-            raise EngineError(f"{self.url}{route}: no answer ({type(e).__name__}: {e})") from e
+            raise EngineUnavailableError(f"{self.url}{route}: no answer ({type(e).__name__}: {e})") from e
         try:
             data = r.json()
         except ValueError:
             data = {"message": r.text}
         if r.status_code >= 400 or (isinstance(data, dict) and data.get("success") is False):
-            msg = data.get("message") or data.get("error") if isinstance(data, dict) else data
-            raise EngineError(f"{self.url}{route}: HTTP {r.status_code}: {msg}")
+            msg = (data.get("message") or data.get("error")) if isinstance(data, dict) else data
+            err = EngineUnavailableError if r.status_code >= 500 else EngineError
+            raise err(f"{self.url}{route}: HTTP {r.status_code}: {msg}")
         return data
 
     async def health(self) -> bool:
@@ -88,16 +198,51 @@ class SGLangEngine:
         except EngineError:
             return False
 
-    async def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
-        data = await self._call("POST", "/generate", generate_payload(prompts, params))
-        return parse_generate(data, prompts, params.n)
+    async def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                       rids: Sequence[str] | None = None) -> list[list[Completion]]:
+        if not prompts:
+            return []
+        body = generate_payload(prompts, params, rids)
+        expanded = len(body["input_ids"]) != len(prompts)  # seeded n > 1: one row per sample
+        if expanded and rids is not None:
+            self._expanded.update({r: params.n for r in rids})
+        try:
+            data = await self._call("POST", "/generate", body)
+        finally:
+            for r in rids if expanded and rids is not None else ():
+                self._expanded.pop(r, None)
+        if not expanded:
+            return parse_generate(data, prompts, params.n, self.weight_version)
+        rows = parse_generate(data, [p for p in prompts for _ in range(params.n)], 1, self.weight_version)
+        return [[g[0] for g in rows[i * params.n:(i + 1) * params.n]] for i in range(len(prompts))]
+
+    async def abort(self, rids: Sequence[str] | None = None) -> None:
+        """SGLang's /abort_request, by rid or all. A seeded n > 1 request in flight went out as rows
+        `rid-0..rid-(n-1)`: naming `rid` aborts each of them. Servers without the route get
+        /pause_generation {"mode": "abort"} + /continue_generation (which cuts every request)."""
+        if rids is None:
+            bodies = [{"abort_all": True, "rid": ""}]
+        else:
+            bodies = [{"rid": f"{r}-{j}" if j >= 0 else r} for r in rids for j in range(-1, self._expanded.get(r, 0))]
+        for body in bodies:
+            try:
+                await self._call("POST", "/abort_request", body, timeout_s=min(self.timeout_s, 10.0))
+            except EngineError as e:
+                if "HTTP 404" not in str(e) and "HTTP 405" not in str(e):
+                    raise
+                await self._call("POST", "/pause_generation", {"mode": "abort"})
+                await self._call("POST", "/continue_generation", {})
+                return
 
     async def get_model_info(self) -> dict:
         return await self._call("GET", "/get_model_info")
 
+    async def get_server_info(self) -> dict:
+        return await self._call("GET", "/get_server_info")
+
     async def get_weight_version(self) -> int:
         info = await self._call("GET", "/get_model_info")
-        return int(info.get("weight_version") or 0)
+        return parse_weight_version(info.get("weight_version"), self.weight_version)
 
     async def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, group_name: str, backend: str,
@@ -108,11 +253,24 @@ class SGLangEngine:
             body["timeout_s"] = timeout_s
         await self._call("POST", "/init_weights_update_group", body, timeout_s=(timeout_s or self.timeout_s) + 5)
 
+    def _note_version(self, body: dict) -> None:
+        if body.get("weight_version") is not None:
+            self.weight_version = parse_weight_version(body["weight_version"], self.weight_version)
+
     async def update_weights_from_distributed(self, meta: dict) -> None:
         await self._call("POST", "/update_weights_from_distributed", meta)
+        self._note_version(meta)
 
     async def update_weights_from_tensor(self, body: dict) -> None:
         await self._call("POST", "/update_weights_from_tensor", body)
+        self._note_version(body)
+
+    async def colocated_weights(self, body: dict) -> dict:
+        """The embedded engine's same-device weight path (`op`: probe, attach, load, detach; see
+        engines/weight_sync.py). A stock SGLang answers 404: the sender then broadcasts."""
+        data = await self._call("POST", "/colocated_weights", body)
+        self._note_version(body)
+        return data
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
         await self._call("POST", "/destroy_weights_update_group", {"group_name": group_name})

@@ -14,6 +14,7 @@ import trio
 
 from engines.embedded.launch import EngineProcess
 from engines.embedded.presets import build_tiny_model
+from engines.sglang import SGLangEngine
 from engines.tiny import build_tokenizer
 from trainer.data import DataBuffer, load_jsonl
 from trainer.rollout_manager import AsyncRolloutManager
@@ -53,7 +54,8 @@ def test_manager_with_embedded_engine_oversamples_filters_and_carries_groups_ove
     cfg = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2, over_sampling_factor=2.0, max_new_tokens=12,
                         max_concurrency=3, temperature=1.0, dynamic_filters=("check_reward_nonzero_std",), seed=7,
                         apply_chat_template=True, abort_grace_s=2.0)
-    m = AsyncRolloutManager([engine.url], cfg, tokenizer=TOK, reward_fn=first_token_parity, api_key="k")
+    m = AsyncRolloutManager([SGLangEngine(engine.url, api_key="k")], cfg, tokenizer=TOK,
+                            reward_fn=first_token_parity)
     buf = DataBuffer(load_jsonl("data/arithmetic_train.jsonl"), seed=0)
     batch = _run(m, buf)
     md = batch.metadata
@@ -73,7 +75,8 @@ def test_manager_with_embedded_engine_oversamples_filters_and_carries_groups_ove
     m.set_weight_version(1)
     cfg2 = RolloutConfig(**{**cfg.__dict__, "rollout_batch_size": max(1, len(cached)), "over_sampling_factor": 1.0,
                             "dynamic_filters": ()})
-    m2 = AsyncRolloutManager([engine.url], cfg2, tokenizer=TOK, reward_fn=first_token_parity, api_key="k")
+    m2 = AsyncRolloutManager([SGLangEngine(engine.url, api_key="k")], cfg2, tokenizer=TOK,
+                             reward_fn=first_token_parity)
     m2.load_state_dict(m.state_dict())
     batch2 = _run(m2, buf)
     assert batch2.metadata["groups_resumed"] == len(cached)

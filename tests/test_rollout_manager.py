@@ -20,10 +20,12 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from engines.protocol import Completion, EngineUnavailableError
+from engines.sglang import SGLangEngine
 from engines.tiny import build_tokenizer
 from trainer.data import DataBuffer, Prompt
 from trainer.rewards import arithmetic_reward
-from trainer.rollout_manager import AsyncRolloutManager, EngineUnavailableError, generate_rollout_batches
+from trainer.rollout_manager import AsyncRolloutManager, generate_rollout_batches
 from trainer.types import RolloutConfig, Sample, Status
 
 TOK = build_tokenizer()
@@ -88,16 +90,26 @@ class FakeEngine:
         if self.fail_generate > 0:
             self.fail_generate -= 1
             return JSONResponse({"error": "overloaded"}, status_code=503)
-        ids, sp = body["input_ids"], body["sampling_params"]
+        ids, sps = body["input_ids"], body["sampling_params"]
+        batch = isinstance(ids[0], list)
+        prompts = ids if batch else [ids]
+        sps = sps if isinstance(sps, list) else [sps] * len(prompts)
         # Like SGLang (SamplingParams(**sp), GenerateReqInput fields), unknown keys are an error.
-        unknown = (set(sp) - SGLANG_SAMPLING_KEYS) | (set(body) - SGLANG_REQUEST_KEYS)
+        unknown = set(body) - SGLANG_REQUEST_KEYS
+        for sp in sps:
+            unknown |= set(sp) - SGLANG_SAMPLING_KEYS
         if unknown:
             return JSONResponse({"error": f"unknown keys {sorted(unknown)}"}, status_code=400)
-        assert body["return_logprob"] is True and EOS in sp["stop_token_ids"]
+        assert body["return_logprob"] is True and all(EOS in sp["stop_token_ids"] for sp in sps)
+        rows = [(p, sp, sp["sampling_seed"] + j) for p, sp in zip(prompts, sps) for j in range(sp.get("n", 1))]
+        outs = await asyncio.gather(*(self._row(p, sp, seed, body.get("rid")) for p, sp, seed in rows))
+        return JSONResponse(outs if batch or len(outs) > 1 else outs[0])
+
+    async def _row(self, ids, sp, seed, rid):
         m = re.match(r"(\d+)([+\-*])(\d+)=(.*)", TOK.decode(ids))
         a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
         import random
-        rng = random.Random(sp["sampling_seed"])  # SGLang's name for the per-request seed
+        rng = random.Random(seed)  # SGLang's sampling_seed; the j-th of n samples uses seed + j
         answer = a + b if op == "+" else a - b
         guess = answer if a % 2 == 0 or rng.random() < 0.5 else answer + 1
         slow = self.slow_mod and b % self.slow_mod == 0
@@ -105,24 +117,24 @@ class FakeEngine:
         text = f"the answer is {guess}" if slow or partial else str(guess)
         todo = TOK(text[len(partial):], add_special_tokens=False)["input_ids"] + [EOS]
         scale = 1 + self.jitter * rng.random()
-        out, finish, gen = [], "stop", self._abort_gen
+        out, finish, gen = [], {"type": "stop", "matched": EOS}, self._abort_gen
         self.active += 1
         try:
             for k, t in enumerate(todo):
                 if len(out) == sp["max_new_tokens"]:
-                    finish = "length"
+                    finish = {"type": "length", "length": len(out)}
                     break
                 await asyncio.sleep(scale * (self.slow_latency if slow and k >= 2 else self.latency))
                 if self._abort_gen != gen:
-                    finish = "abort"
+                    finish = {"type": "abort", "message": "Abort before prefill"}
                     break
                 out.append(t)
         finally:
             self.active -= 1
         lps = [[engine_logprob(t, len(ids) + i), t, None] for i, t in enumerate(out)]
-        return JSONResponse({"text": TOK.decode(out), "output_ids": out, "meta_info": {
-            "id": body.get("rid"), "finish_reason": {"type": finish}, "prompt_tokens": len(ids),
-            "completion_tokens": len(out), "output_token_logprobs": lps, "weight_version": str(self.version)}})
+        return {"text": TOK.decode(out), "output_ids": out, "meta_info": {
+            "id": rid, "finish_reason": finish, "prompt_tokens": len(ids),
+            "completion_tokens": len(out), "output_token_logprobs": lps, "weight_version": str(self.version)}}
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +150,10 @@ def engine(engines):
     for e in engines:
         e.version, e.slow_mod, e.fail_generate, e.latency, e.jitter = 0, 0, 0, 0.002, 0.0
     return engines[0]
+
+
+def _clients(fakes):
+    return [SGLangEngine(e.url) for e in fakes]
 
 
 def _buffer(prompts, seed=0):
@@ -171,7 +187,7 @@ def test_batch_from_two_engines_keeps_logprobs_versions_and_groups(engines, engi
         e.version = 3
     before = [e.requests for e in engines]
     cfg = RolloutConfig(rollout_batch_size=4, n_samples_per_prompt=3, max_new_tokens=8, seed=11)
-    m = AsyncRolloutManager([e.url for e in engines], cfg, tokenizer=TOK, reward_fn="arithmetic")
+    m = AsyncRolloutManager(_clients(engines), cfg, tokenizer=TOK, reward_fn="arithmetic")
     batch = _run(m, _arith_buffer())
     assert len(batch) == 12 and all(e.requests > b for e, b in zip(engines, before))  # both engines used
     for g in range(4):
@@ -190,7 +206,7 @@ def test_batch_from_two_engines_keeps_logprobs_versions_and_groups(engines, engi
 def test_oversampling_fills_batch_and_filter_drops_zero_variance_groups(engine):
     cfg = RolloutConfig(rollout_batch_size=4, n_samples_per_prompt=4, over_sampling_factor=2.0, max_new_tokens=8,
                         dynamic_filters=("check_reward_nonzero_std",), seed=1)
-    m = AsyncRolloutManager([engine.url], cfg, tokenizer=TOK, reward_fn="arithmetic")
+    m = AsyncRolloutManager(_clients([engine]), cfg, tokenizer=TOK, reward_fn="arithmetic")
     # The 8 groups first in flight (2 x 4) all have an even first operand, so the engine is always right and
     # they have zero reward variance: every accepted group must come from the odd prompts launched after.
     import random
@@ -214,7 +230,7 @@ def test_abort_leaves_no_stray_requests_and_partials_resume_with_their_version(e
     prompts = ["1+2=", "3+5=", "5+1=", "7+10=", "9+15=", "11+20=", "13+3=", "15+4=", "17+6=", "19+7="]
     cfg = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2, over_sampling_factor=3.0,
                         max_new_tokens=24, max_staleness=1, abort_grace_s=3.0, seed=3)
-    m = AsyncRolloutManager([engine.url], cfg, tokenizer=TOK, reward_fn="arithmetic")
+    m = AsyncRolloutManager(_clients([engine]), cfg, tokenizer=TOK, reward_fn="arithmetic")
     m.set_weight_version(7)
     buf = _buffer(prompts)
     t0 = time.monotonic()
@@ -242,7 +258,7 @@ def test_abort_leaves_no_stray_requests_and_partials_resume_with_their_version(e
     state = m.state_dict()  # survives a checkpoint round trip
     # Exactly the 4 cached groups are needed and launched first (no over-sampling), so all of them finish.
     cfg2 = dataclasses.replace(cfg, rollout_batch_size=4, over_sampling_factor=1.0)
-    m2 = AsyncRolloutManager([engine.url], cfg2, tokenizer=TOK, reward_fn="arithmetic")
+    m2 = AsyncRolloutManager(_clients([engine]), cfg2, tokenizer=TOK, reward_fn="arithmetic")
     m2.load_state_dict(state)
     batch2 = _run(m2, buf)
     assert batch2.metadata["groups_resumed"] == 4 and batch2.metadata["groups_submitted"] == 4
@@ -262,7 +278,7 @@ def test_stale_partials_restart_from_the_prompt(engine):
     engine.slow_mod, engine.latency = 5, 0.005
     cfg = RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=2, over_sampling_factor=2.0,
                         max_new_tokens=24, max_staleness=0, abort_grace_s=3.0)
-    m = AsyncRolloutManager([engine.url], cfg, tokenizer=TOK, reward_fn="arithmetic")
+    m = AsyncRolloutManager(_clients([engine]), cfg, tokenizer=TOK, reward_fn="arithmetic")
     buf = _buffer(["1+2=", "3+5=", "2+2=", "4+4="])
     _run(m, buf)
     partial = [s for g in m.partial_groups for s in g if s.response_length > 0]
@@ -289,18 +305,18 @@ def test_engine_that_does_not_answer_fails_clearly_within_bounded_time(engine):
     try:
         for url in (dead_url, silent_url):
             t0 = time.monotonic()
-            with pytest.raises(EngineUnavailableError, match=re.escape(url) + ".*GET /health after 3 attempts"):
-                _run(AsyncRolloutManager([url], cfg, tokenizer=TOK), _arith_buffer())
+            with pytest.raises(EngineUnavailableError, match=re.escape(url) + ".*health check after 3 attempts"):
+                _run(AsyncRolloutManager([SGLangEngine(url)], cfg, tokenizer=TOK), _arith_buffer())
             assert time.monotonic() - t0 < 5
     finally:
         silent.close()
     # A flaky engine: 503s are retried, then succeed; an engine that keeps failing ends in a clear error.
     engine.fail_generate = 2
-    m = AsyncRolloutManager([engine.url], cfg, tokenizer=TOK, reward_fn="arithmetic")
+    m = AsyncRolloutManager(_clients([engine]), cfg, tokenizer=TOK, reward_fn="arithmetic")
     assert len(_run(m, _arith_buffer())) == 2 and m.stats["retries"] == 2
     engine.fail_generate = 1000
-    with pytest.raises(EngineUnavailableError, match="POST /generate after 3 attempts.*503"):
-        _run(AsyncRolloutManager([engine.url], cfg, tokenizer=TOK), _arith_buffer())
+    with pytest.raises(EngineUnavailableError, match="generate request after 3 attempts.*503"):
+        _run(AsyncRolloutManager(_clients([engine]), cfg, tokenizer=TOK), _arith_buffer())
 
 
 def test_raising_reward_marks_samples_failed_without_crashing(engine):
@@ -310,36 +326,55 @@ def test_raising_reward_marks_samples_failed_without_crashing(engine):
         return arithmetic_reward(sample)
 
     cfg = RolloutConfig(rollout_batch_size=4, n_samples_per_prompt=2, max_new_tokens=8)
-    batch = _run(AsyncRolloutManager([engine.url], cfg, tokenizer=TOK, reward_fn=reward), _arith_buffer())
+    batch = _run(AsyncRolloutManager(_clients([engine]), cfg, tokenizer=TOK, reward_fn=reward), _arith_buffer())
     failed = [s for s in batch.samples if s.status == Status.FAILED]
     assert len(failed) == 4 and batch.metadata["reward_failed"] == 4
     assert all(s.metadata["prompt_index"] % 2 == 1 and s.reward == 0.0 for s in failed)
     assert batch.metadata["failed_fraction"] == 0.5
 
 
-@pytest.mark.parametrize("kind", ["sync", "async"])
-def test_custom_sync_and_async_generate_fns(kind):
-    seen_threads = set()
+class InProcessEngine:
+    """Any object with the engine protocol drives rollouts: this one answers arithmetic in process, sample j of
+    a prompt off by j, and records every call."""
 
-    def extend(call, sample):
-        seen_threads.add(threading.current_thread() is threading.main_thread())
-        resp = TOK(str(eval(sample.prompt[:-1]) + sample.index), add_special_tokens=False)["input_ids"]
-        return Sample(prompt=sample.prompt, tokens=sample.tokens + tuple(resp), response=TOK.decode(resp),
-                      response_length=len(resp), rollout_logprobs=(-0.5,) * len(resp), metadata=sample.metadata,
-                      index=sample.index, status=Status.COMPLETED, weight_version=call.weight_version)
+    url = "inproc://calc"
 
-    async def extend_async(call, sample):
+    def __init__(self):
+        self.calls = []
+
+    async def health(self):
+        return True
+
+    async def generate(self, prompts, params, *, rids=None):
+        self.calls.append((len(prompts), params.n, tuple(rids)))
         await trio.sleep(0.001)
-        return extend(call, sample)
+        out = []
+        for p in prompts:
+            text = TOK.decode(p)
+            group = []
+            for j in range(params.n):
+                resp = TOK(str(eval(text[:-1]) + j), add_special_tokens=False)["input_ids"] + [EOS]
+                group.append(Completion(resp, [-0.5] * len(resp), "stop", 4, list(p)))
+            out.append(group)
+        return out
 
+    async def abort(self, rids=None):
+        pass
+
+    async def get_weight_version(self):
+        return 4
+
+
+def test_any_engine_object_drives_rollouts_one_request_per_group():
     cfg = RolloutConfig(rollout_batch_size=3, n_samples_per_prompt=3, dynamic_filters=("check_reward_nonzero_std",))
-    m = AsyncRolloutManager([], cfg, tokenizer=TOK, reward_fn="arithmetic",
-                            generate_fn=extend if kind == "sync" else extend_async)
-    m.set_weight_version(4)
+    eng = InProcessEngine()
+    m = AsyncRolloutManager([eng], cfg, tokenizer=TOK, reward_fn="arithmetic")
     batch = _run(m, _arith_buffer())
-    assert seen_threads == ({False} if kind == "sync" else {True})  # sync fns run in worker threads
+    assert len(eng.calls) == 3 and all(c[:2] == (1, 3) for c in eng.calls)  # one request of n=3 per group
+    assert len({c[2] for c in eng.calls}) == 3  # distinct request ids
     for s in batch.samples:  # sample 0 of each group is right, the others are off by their index
         assert s.reward == float(s.metadata["sample_index"] == 0) and s.weight_version == 4
+        assert s.rollout_logprobs == (-0.5,) * s.response_length
 
 
 def test_generate_rollout_batches_is_deterministic(engine):
@@ -349,7 +384,7 @@ def test_generate_rollout_batches_is_deterministic(engine):
         return [dataclasses.replace(s, reward=2 * s.reward) for s in samples]
 
     def stream():
-        gen = generate_rollout_batches(_arith_buffer(), cfg, engine_urls=[engine.url], tokenizer=TOK,
+        gen = generate_rollout_batches(_arith_buffer(), cfg, engines=_clients([engine]), tokenizer=TOK,
                                        reward_fn="arithmetic", num_batches=3, weight_version=lambda: 2,
                                        transforms=[double])
         return [[(s.tokens, s.reward, s.weight_version) for s in b.samples] for b in gen]
@@ -360,9 +395,11 @@ def test_generate_rollout_batches_is_deterministic(engine):
     assert all(v == 0 for batch in a for _, _, v in batch)  # the engine's version, not the trainer's
     assert len({tuple(x[0] for x in batch) for batch in a}) == 3  # different prompts each step
     with pytest.raises(ValueError, match="unknown filter"):
-        AsyncRolloutManager([engine.url], RolloutConfig(dynamic_filters=("nope",)), tokenizer=TOK)
-    with pytest.raises(ValueError, match="engine_urls"):
+        AsyncRolloutManager(_clients([engine]), RolloutConfig(dynamic_filters=("nope",)), tokenizer=TOK)
+    with pytest.raises(ValueError, match="engines: give at least one"):
         AsyncRolloutManager([], cfg, tokenizer=TOK)
+    with pytest.raises(TypeError, match="not URLs"):
+        AsyncRolloutManager([engine.url], cfg, tokenizer=TOK)
 
 
 @pytest.mark.parametrize("seed", [6, 12, 17, 19])  # all over-sample; 6 and 17 filter zero variance
@@ -382,7 +419,7 @@ def test_no_prompt_is_lost_across_batches_under_random_timing(engines, engine, s
         await trio.sleep(0)
         return arithmetic_reward(sample)
 
-    m = AsyncRolloutManager([e.url for e in engines], cfg, tokenizer=TOK, reward_fn=reward)
+    m = AsyncRolloutManager(_clients(engines), cfg, tokenizer=TOK, reward_fn=reward)
     buf = _arith_buffer(30, seed=seed)
     accepted_uids, filtered = [], 0
     for _ in range(3):
@@ -409,7 +446,7 @@ def test_no_prompt_is_lost_across_batches_under_random_timing(engines, engine, s
 def test_cached_groups_not_launched_stay_queued_and_engine_failure_loses_no_prompt(engine):
     cfg = RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=2, max_new_tokens=8, max_retries=1,
                         retry_backoff_s=0.01)
-    m = AsyncRolloutManager([engine.url], cfg, tokenizer=TOK, reward_fn="arithmetic")
+    m = AsyncRolloutManager(_clients([engine]), cfg, tokenizer=TOK, reward_fn="arithmetic")
     m.partial_groups = [m._new_group(Prompt(prompt=f"{i}+1=", answer=str(i + 1), index=i)) for i in range(4)]
     batch = _run(m, _arith_buffer())
     assert {s.prompt for s in batch.samples} == {"0+1="} and batch.metadata["groups_resumed"] == 1

@@ -2,12 +2,15 @@
 
 A run config is one TOML file (see configs/demo.toml): [model] (a preset or a folder), [data] (JSONL prompt
 files and the reward function), [engines] (URLs of SGLang-protocol servers, or how many embedded engines to
-start), [sft] (trainer.types.SFTTrainingConfig), [rl] and [rl.rollout] (RLTrainingConfig, RolloutConfig) and
-[eval], and [trainer] (trainer.core.TrainerConfig overrides: compile, logprob_chunk_tokens, ...).
+start), [sft] and [sft.optim] (trainer.types.SFTTrainingConfig, OptimConfig), [rl], [rl.optim], [rl.loss]
+(kernels.PolicyLossConfig) and [rl.rollout] (RLTrainingConfig, RolloutConfig), [eval], and [trainer] (backend
+settings of trainer.core.TrainerConfig: compile, logprob_chunk_tokens, ...). The run has one temperature,
+[rl.rollout] temperature: the engines sample with it and the trainer's log-probs use it.
 [data].format is "chat" (prompts are user turns of the chat template) or "plain" (the prompt text itself, the
-answer follows it directly): it applies to SFT, rollouts and evaluation alike. `--set rl.lr=3e-4` overrides
-any key (the value is parsed as TOML, so strings need quotes only when they would parse as something else).
-Unknown keys are errors that name the key.
+answer follows it directly): it applies to SFT, rollouts and evaluation alike. `--set rl.optim.lr=3e-4`
+overrides any key (the value is parsed as TOML, so strings need quotes only when they would parse as something
+else). The whole config is validated before any work starts; unknown keys are errors that name the key, and a
+key that moved names its new table. Configuration errors print `error: ...` and exit 2.
 
 Multi-GPU: launch with `torchrun --nproc-per-node N -m trainer rl --config ...`; rank 0 starts the embedded
 engines (or talks to the given URLs) and every rank trains its FSDP2 shard.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -28,6 +32,7 @@ from typing import Any
 
 import trio
 
+from trainer.core import TrainerConfig
 from trainer.types import RLTrainingConfig, SFTTrainingConfig, config_from_dict
 
 MODES = ("sft", "rl", "sft+rl", "demo")
@@ -38,6 +43,7 @@ DATA_KEYS = {"train", "eval", "sft", "reward", "format"}
 FORMATS = ("chat", "plain")
 ENGINE_KEYS = {"urls", "embedded", "api_key", "threads", "start_timeout_s"}
 EVAL_KEYS = {"max_new_tokens", "limit"}
+DEFAULT_REWARD = "trainer.rewards:arithmetic_reward"
 
 
 # ----------------------------------------------------------------------------------------------- config
@@ -67,62 +73,129 @@ def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_run_config(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
-    """The TOML run config with --set overrides applied and every section's keys checked."""
+class ConfigError(ValueError):
+    """The run config is invalid: the CLI prints the message and exits 2 (no traceback)."""
+
+
+# [trainer] holds the backend settings of the step functions only; these TrainerConfig fields come from elsewhere.
+TRAINER_KEYS = {"logprob_chunk_tokens", "compile", "compile_backend", "activation_checkpointing", "param_dtype"}
+_TRAINER_MOVED = {"temperature": "[rl.rollout] temperature (the trainer's log-probs use the rollout's)",
+                  "policy_loss": "[rl.loss]", "lr": "[sft.optim] / [rl.optim] lr",
+                  "eps": "[sft.optim] / [rl.optim] eps"}
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseConfigs:
+    """The configs derived from a run config, built once when it is loaded (an absent [sft] / [rl]: defaults)."""
+
+    sft: SFTTrainingConfig
+    sft_trainer: TrainerConfig
+    rl: RLTrainingConfig
+    rl_trainer: TrainerConfig
+
+
+def load_run_config(path: str | Path, overrides: Sequence[str] = (), mode: str | None = None) -> dict[str, Any]:
+    """The TOML run config with --set overrides applied and validated as a whole: every section's keys, the SFT,
+    RL, loss, rollout and trainer configs, the engines, and (given `mode`) the files and the reward function
+    that mode uses. Every problem is a ConfigError, raised before any work starts."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"--config {path}: no such file (see configs/ for examples)")
+        raise ConfigError(f"--config {path}: no such file (see configs/ for examples)")
     try:
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"{path}: not valid TOML: {e}") from e
-    cfg = merge(raw, parse_overrides(overrides))
+        raise ConfigError(f"{path}: not valid TOML: {e}") from e
+    try:
+        cfg = merge(raw, parse_overrides(overrides))
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     for section, known in (("", TOP_KEYS), ("model", MODEL_KEYS), ("data", DATA_KEYS), ("engines", ENGINE_KEYS),
                            ("eval", EVAL_KEYS)):
         table = cfg if not section else cfg.get(section, {})
         unknown = sorted(set(table) - known)
         if unknown:
             where = f"[{section}]" if section else "top level"
-            raise ValueError(f"{path}: unknown config key(s) {unknown} at {where}; known: {sorted(known)}")
+            raise ConfigError(f"{path}: unknown config key(s) {unknown} at {where}; known: {sorted(known)}")
     fmt = cfg.get("data", {}).get("format", "chat")
     if fmt not in FORMATS:
-        raise ValueError(f"{path}: [data].format = {fmt!r}; choose one of {FORMATS}")
+        raise ConfigError(f"{path}: [data].format = {fmt!r}; choose one of {FORMATS}")
     cfg.setdefault("name", path.stem)
     cfg.setdefault("output_dir", f"runs/{cfg['name']}")
     cfg.setdefault("seed", 0)
-    # Build every section now, so a bad key or value fails before any work starts.
-    if "sft" in cfg:
-        sft_config(cfg)
-    if "rl" in cfg:
-        rl_config(cfg)
-    trainer_overrides(cfg)
+    try:
+        phase_configs(cfg)  # every derived config, so a bad key or value fails before any work starts
+        _check_engines(cfg.get("engines", {}))
+        if mode is not None:
+            _check_inputs(cfg, mode)
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(f"{path}: {e}") from e
     return cfg
 
 
 def sft_config(cfg: dict[str, Any]) -> SFTTrainingConfig:
     values = {"seed": cfg["seed"], **cfg.get("sft", {}), "output_dir": str(Path(cfg["output_dir"]) / "sft")}
-    return config_from_dict(SFTTrainingConfig, values)
+    return config_from_dict(SFTTrainingConfig, values, "sft")
 
 
 def rl_config(cfg: dict[str, Any]) -> RLTrainingConfig:
     values = {"seed": cfg["seed"], **cfg.get("rl", {}), "output_dir": str(Path(cfg["output_dir"]) / "rl")}
     chat = cfg.get("data", {}).get("format", "chat") == "chat"
     values["rollout"] = {**values.get("rollout", {}), "apply_chat_template": chat}
-    return config_from_dict(RLTrainingConfig, values)
+    return config_from_dict(RLTrainingConfig, values, "rl")
 
 
 def trainer_overrides(cfg: dict[str, Any]) -> dict[str, Any]:
-    """[trainer] keys, checked against TrainerConfig's fields."""
-    import dataclasses
-
-    from trainer.core import TrainerConfig
-
+    """[trainer] keys: backend settings of the step functions (TRAINER_KEYS)."""
     over = dict(cfg.get("trainer", {}))
-    known = {f.name for f in dataclasses.fields(TrainerConfig)}
-    unknown = sorted(set(over) - known)
+    for key in over:
+        if key in _TRAINER_MOVED:
+            raise ValueError(f"trainer.{key} moved to {_TRAINER_MOVED[key]}")
+    unknown = sorted(set(over) - TRAINER_KEYS)
     if unknown:
-        raise ValueError(f"unknown config key(s) {unknown} in [trainer]; known: {sorted(known)}")
+        raise ValueError(f"unknown config key(s) {unknown} in [trainer]; known: {sorted(TRAINER_KEYS)}")
     return over
+
+
+def phase_configs(cfg: dict[str, Any]) -> PhaseConfigs:
+    """The one place where a run config's derived configs are built: SFT and RL configs (the RL config resolves
+    its loss), and the TrainerConfig of each phase."""
+    from trainer.core import trainer_config_from
+
+    over = trainer_overrides(cfg)
+    sft, rl = sft_config(cfg), rl_config(cfg)
+    return PhaseConfigs(sft=sft, sft_trainer=trainer_config_from(sft, **over), rl=rl,
+                        rl_trainer=trainer_config_from(rl, **over))
+
+
+def _check_engines(e: dict[str, Any]) -> None:
+    urls = e.get("urls", [])
+    if not isinstance(urls, list) or not all(isinstance(u, str) and u.startswith(("http://", "https://"))
+                                             for u in urls):
+        raise ValueError(f"[engines].urls = {urls!r}: give a list of http(s):// URLs (or [] to start embedded ones)")
+    for key, minimum in (("embedded", 1), ("threads", 1), ("start_timeout_s", 1e-9)):
+        v = e.get(key, minimum)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < minimum:
+            raise ValueError(f"[engines].{key} = {v!r}: must be a number >= {minimum:g}")
+
+
+def _check_inputs(cfg: dict[str, Any], mode: str) -> None:
+    """The files, the model folder and the reward function that `mode` will use exist and load."""
+    from trainer.rewards import load_reward_fn
+
+    data = cfg.get("data", {})
+    if "train" not in data:
+        raise ValueError("[data].train: give a JSONL prompt file (prompt, answer, any metadata)")
+    needs = {"train"} | ({"sft"} if mode != "rl" else set()) | {"eval"}
+    for key in sorted(needs & set(data) - {"reward", "format"}):
+        if not Path(data[key]).is_file():
+            raise FileNotFoundError(f"[data].{key} = {data[key]!r}: no such file")
+    model = cfg.get("model", {})
+    if "path" in model and not (Path(model["path"]) / "config.json").is_file():
+        raise FileNotFoundError(f"[model].path = {model['path']}: not a Hugging Face model folder (no config.json)")
+    if model.get("preset", "tiny") != "tiny":
+        raise ValueError(f"[model].preset = {model['preset']!r}: the only preset is 'tiny'; or set [model].path")
+    if mode != "sft" or data.get("eval"):
+        load_reward_fn(data.get("reward", DEFAULT_REWARD))
 
 
 # ----------------------------------------------------------------------------------------------- model
@@ -192,11 +265,11 @@ def evaluate(urls: Sequence[str], prompts: Sequence[Any], *, tokenizer: Any, rew
     from engines.protocol import SamplingParams
     from engines.sglang import SGLangEngine
     from trainer.rewards import compute_rewards, load_reward_fn
-    from trainer.rollout import prompt_token_ids
+    from trainer.rollout import prompt_token_ids, stop_token_ids
     from trainer.types import Sample, Status
 
     ids = [prompt_token_ids(tokenizer, p.prompt, chat=chat) for p in prompts]
-    stop = (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    stop = tuple(stop_token_ids(tokenizer, chat=chat))
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=stop)
     engine = SGLangEngine(urls[0], api_key=api_key)
 
@@ -246,20 +319,19 @@ def run(mode: str, cfg: dict[str, Any], *, resume: bool = False) -> dict[str, An
     """Run `mode` end to end; returns the summary (also written to <output_dir>/summary.json on rank 0)."""
     from engines.sglang import SGLangEngine
     from engines.tiny import build_tokenizer
-    from engines.weight_sync import WeightSyncSender
-    from trainer.core import broadcast_from_rank0, build_components, init_distributed, trainer_config_from
+    from trainer.core import broadcast_from_rank0, build_components, init_distributed
     from trainer.data import DataBuffer, load_jsonl
     from trainer.plot import plot_metrics
     from trainer.rl import run_rl_training
     from trainer.sft import run_sft_training
+    from trainer.weight_sync import WeightSyncSender
 
     t_start = time.time()
     out = Path(cfg["output_dir"])
     mesh = init_distributed()
     is_main = mesh.get_rank() == 0
     data = cfg.get("data", {})
-    if "train" not in data:
-        raise ValueError("[data].train: give a JSONL prompt file (prompt, answer, any metadata)")
+    phases = phase_configs(cfg)
     tokenizer = build_tokenizer()
     if is_main and not resume:
         fresh_start(out, mode)
@@ -269,14 +341,14 @@ def run(mode: str, cfg: dict[str, Any], *, resume: bool = False) -> dict[str, An
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_folder)
-    reward_fn = data.get("reward", "trainer.rewards:arithmetic_reward")
+    reward_fn = data.get("reward", DEFAULT_REWARD)
     fmt = data.get("format", "chat")
     eval_prompts = load_jsonl(data["eval"]) if "eval" in data else []
     ev = cfg.get("eval", {})
     if ev.get("limit"):
         eval_prompts = eval_prompts[: int(ev["limit"])]
     api_key = cfg.get("engines", {}).get("api_key") or None
-    rl_cfg = rl_config(cfg) if mode != "sft" else None
+    rl_cfg = phases.rl if mode != "sft" else None
     summary: dict[str, Any] = {"mode": mode, "config": cfg.get("name")}
     engines_cm = engines_for(cfg, model_folder, is_main=is_main) if mode != "sft" else contextlib.nullcontext([])
     with engines_cm as urls:
@@ -295,17 +367,17 @@ def run(mode: str, cfg: dict[str, Any], *, resume: bool = False) -> dict[str, An
         if mode in ("sft+rl", "demo", "rl") and urls:
             accuracy("before_sft" if mode != "rl" else "before_rl")
         if mode in ("sft", "sft+rl", "demo"):
-            scfg = sft_config(cfg)
+            scfg = phases.sft
             sft_prompts = load_jsonl(data.get("sft", data["train"]))
             components, sft_state, sft_hist = run_sft_training(
                 str(model_folder), sft_examples(sft_prompts, tokenizer, fmt), scfg, tokenizer=tokenizer, resume=resume,
-                trainer_config=trainer_config_from(scfg, **trainer_overrides(cfg)))
+                trainer_config=phases.sft_trainer)
             summary["sft_steps"] = sft_state.step
             summary["sft_final_loss"] = sft_hist[-1]["loss"] if sft_hist else None
             if is_main:
                 plot_metrics(Path(scfg.output_dir) / "metrics.jsonl", out / "sft.png", title=f"{cfg['name']} SFT")
         if mode in ("rl", "sft+rl", "demo"):
-            tcfg = trainer_config_from(rl_cfg, **trainer_overrides(cfg))
+            tcfg = phases.rl_trainer
             comp = build_components(components.module if components is not None else str(model_folder), tcfg)
             engines = [SGLangEngine(u, api_key=api_key) for u in urls]
             sender = WeightSyncSender(comp.model, engines)
@@ -352,14 +424,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if config is None:
         ap.error(f"{args.mode}: --config is required (e.g. configs/demo.toml)")
     try:
-        cfg = load_run_config(config, args.overrides)
+        cfg = load_run_config(config, args.overrides, mode=args.mode)
+    except ConfigError as e:  # configuration errors only: any other failure keeps its traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
         summary = run(args.mode, cfg, resume=args.resume)
     except KeyboardInterrupt:
         print("interrupted: a checkpoint was written; continue with --resume", file=sys.stderr)
         return 130
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 reports
         print_table(summary)
     return 0

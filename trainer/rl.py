@@ -8,15 +8,19 @@ Rollouts come from inference engines over HTTP (the embedded engine by default; 
 `trainer.rollout_manager.generate_rollout_batches`; the engines get the new weights every `sync_every` steps by
 broadcast (engines.weight_sync), never through disk. In async mode the batch of step n+1 is generated (in a
 worker thread, by the engine processes) while step n trains; the weights that generated it lag by at most
-`rollout.max_staleness` versions, and the policy loss corrects for it with old log-probs recomputed by the
-trainer (`compute_logprobs`) plus truncated importance sampling against the engine's own log-probs.
+`rollout.max_staleness` versions. Whenever the engines may lag (async, or sync_every > 1) the trainer recomputes
+old log-probs (`compute_logprobs`) and the loss's off-policy correction ([rl.loss] rollout_correction, "tis" by
+default there) weights each token by the engine-vs-trainer ratio. The engine-vs-trainer mismatch metrics
+(mismatch/*) are logged on every step where the engine returned its log-probs.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,26 +41,74 @@ from trainer.core import (
 )
 from trainer.metrics import JSONLLogger, MetricsLogger
 from trainer.rollout import build_batch_metadata
-from trainer.types import RLTrainingConfig, RolloutBatch, Sample, TrainingState
+from trainer.types import RLTrainingConfig, RolloutBatch, Sample, Status, TrainingState
+
+GROUP_ESTIMATORS = ("grpo", "rloo")  # estimators whose baseline is the sample's group
+
+
+def _group_ids(samples: Sequence[Sample]) -> list[Any]:
+    return [s.metadata.get("group_uid", s.group_index) for s in samples]
 
 
 def compute_advantages(samples: Sequence[Sample], estimator: str) -> list[float]:
-    """One advantage per sample from its reward and its group (samples of one prompt share metadata group_uid)."""
+    """One advantage per sample from its reward and its group (samples of one prompt share metadata group_uid).
+
+    A FAILED sample has no reward: it gets advantage 0 and stays out of its group's mean and std.
+    """
     from kernels.advantages import grpo_advantages, reinforce_advantages, rloo_advantages
 
-    rewards = torch.tensor([0.0 if s.reward is None else s.reward for s in samples], dtype=torch.float64)
-    uids = [s.metadata.get("group_uid", s.group_index) for s in samples]
-    remap = {u: i for i, u in enumerate(dict.fromkeys(uids))}
+    if estimator not in (*GROUP_ESTIMATORS, "reinforce"):
+        raise ValueError(f"advantage_estimator={estimator!r}: choose grpo, rloo or reinforce")
+    scored = [i for i, s in enumerate(samples) if s.status != Status.FAILED]
+    out = [0.0] * len(samples)
+    if not scored:
+        return out
+    rewards = torch.tensor([0.0 if samples[i].reward is None else samples[i].reward for i in scored],
+                           dtype=torch.float64)
+    uids = [_group_ids(samples)[i] for i in scored]
+    remap = {u: k for k, u in enumerate(dict.fromkeys(uids))}
     groups = torch.tensor([remap[u] for u in uids], dtype=torch.int64)
     if estimator == "grpo":
         adv = grpo_advantages(rewards, groups)
     elif estimator == "rloo":
         adv = rloo_advantages(rewards, groups)
-    elif estimator == "reinforce":
-        adv = reinforce_advantages(rewards, rewards.mean())
     else:
-        raise ValueError(f"advantage_estimator={estimator!r}: choose grpo, rloo or reinforce")
-    return [float(a) for a in adv]
+        adv = reinforce_advantages(rewards, rewards.mean())
+    for i, a in zip(scored, adv.tolist()):
+        out[i] = a
+    return out
+
+
+def trained_samples(samples: Sequence[Sample], estimator: str) -> tuple[list[int], dict[str, float]]:
+    """Indices of the samples the loss trains on, and counts of the ones it leaves out.
+
+    Left out: FAILED samples (the reward function raised, or generation failed: there is no reward to learn
+    from), and for group estimators every sample of a group left with fewer than two scored samples (no
+    baseline). Left-out samples are not packed at all, so they count in neither the token nor the sequence
+    normaliser of the loss. A warning names the first reward error.
+    """
+    failed = [s for s in samples if s.status == Status.FAILED]
+    if failed:
+        first = next((s.metadata["reward_error"] for s in failed if "reward_error" in s.metadata), "generation failed")
+        warnings.warn(f"{len(failed)} of {len(samples)} samples FAILED and are left out of the loss; first error: "
+                      f"{first}", stacklevel=2)
+    uids = _group_ids(samples)
+    scored_per_group = collections.Counter(u for u, s in zip(uids, samples) if s.status != Status.FAILED)
+    keep = [i for i, (u, s) in enumerate(zip(uids, samples)) if s.status != Status.FAILED
+            and (estimator not in GROUP_ESTIMATORS or scored_per_group[u] >= 2)]
+    n = len(samples)
+    return keep, {"rollout/failed_fraction": len(failed) / n, "train/excluded_fraction": (n - len(keep)) / n}
+
+
+def needs_old_logprobs(config: RLTrainingConfig) -> bool:
+    """Whether the trainer recomputes old log-probs before the update.
+
+    With ppo_epochs > 1 the policy moves between the epochs, and when the engines lag (async rollouts,
+    sync_every > 1) the samples come from older weights: the loss's ratio and the engine-vs-trainer metrics then
+    take pi_old from the weights at the start of this step. Otherwise old = the current log-probs, detached,
+    inside the loss (one forward fewer, the same numbers).
+    """
+    return config.ppo_epochs > 1 or config.off_policy
 
 
 def _batch_metrics(batch: RolloutBatch) -> dict[str, float]:
@@ -73,15 +125,26 @@ def train_on_batch(components: TrainingComponents, state: TrainingState, batch: 
                    ref_components: TrainingComponents | None = None) -> tuple[dict, TrainingState]:
     """advantages -> pack -> (old/ref log-probs) -> ppo_epochs x (forward_backward -> optim_step); returns metrics.
 
-    Old log-probs are recomputed by the trainer when they can differ from the current policy (ppo_epochs > 1,
-    async rollouts, or TIS); otherwise the loss runs on-policy (old = logp.detach(), one pass fewer).
+    The engine's log-probs ride along whenever the engine returned them: the loss then reports the
+    engine-vs-trainer mismatch metrics, and applies the off-policy correction when one is configured.
     """
     samples = list(batch.samples)
+    keep, metrics = trained_samples(samples, config.advantage_estimator)
+    if not keep:
+        errors = [s.metadata["reward_error"] for s in samples if "reward_error" in s.metadata]
+        raise RuntimeError(f"no sample of this batch can be trained on ({len(samples)} samples, every group has "
+                           f"fewer than two scored samples); first reward error: {errors[0] if errors else None}")
     advantages = compute_advantages(samples, config.advantage_estimator)
+    samples, advantages = [samples[i] for i in keep], [advantages[i] for i in keep]
+    correction = config.loss.rollout_correction
+    if correction != "none" and any(s.rollout_logprobs is None for s in samples):
+        raise ValueError(f"loss.rollout_correction={correction!r} needs the engine's log-probs on every sample, "
+                         f"but the engine returned none for some; use an engine that returns them or set "
+                         f"[rl.loss] rollout_correction = \"none\"")
     mbs = build_micro_batches(samples, token_budget=tcfg.token_budget, bucket_size=tcfg.bucket_size,
                               advantages=advantages, pad_id=0, num_ranks=components.world_size,
                               rank=components.rank)
-    if config.ppo_epochs > 1 or config.async_rollout or config.tis_cap is not None:
+    if needs_old_logprobs(config):
         mbs = attach_logprobs(mbs, compute_logprobs(components, mbs), "old_logprobs")
     if ref_components is not None:
         mbs = attach_logprobs(mbs, compute_logprobs(ref_components, mbs), "ref_logprobs")
@@ -90,9 +153,11 @@ def train_on_batch(components: TrainingComponents, state: TrainingState, batch: 
         fut = forward_backward(components, mbs, tcfg)
         opt_fut, state = optim_step(components, state, tcfg)
         futures.append((fut, opt_fut))
-    # Reading the last futures is the step's only host sync (design rule 8).
-    fut, opt_fut = futures[-1]
-    metrics = {**fut.result(), **opt_fut.result()}
+    # Reading the futures is the step's only host sync; every epoch's are read so that a deferred input error
+    # of any epoch is raised. The metrics are the last epoch's.
+    for fut, opt_fut in futures:
+        metrics.update(fut.result())
+        metrics.update(opt_fut.result())
     return {k: float(v) for k, v in metrics.items()}, state
 
 
@@ -141,7 +206,7 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
     data_buffer: trainer.data.DataBuffer of prompts (with answers in metadata for verifiable rewards).
     engine_urls: SGLang-protocol engines (the embedded engine or SGLang). Their weights are synced from the
     trainer at the start (so they serve the policy being trained) and every `sync_every` steps.
-    sender: an engines.weight_sync.WeightSyncSender whose group is already up (the caller owns it); by default
+    sender: a trainer.weight_sync.WeightSyncSender whose group is already up (the caller owns it); by default
     one is built here, and closed at the end.
     Writes metrics.jsonl and checkpoints under config.output_dir; resume=True continues from the newest complete
     checkpoint there (data position and partial-rollout cache included). Ctrl-C writes a checkpoint first.
@@ -150,24 +215,25 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
 
     from engines.sglang import SGLangEngine
     from engines.tiny import build_tokenizer
-    from engines.weight_sync import WeightSyncSender, verify_sync
     from trainer.rollout_manager import AsyncRolloutManager, generate_rollout_batches
+    from trainer.weight_sync import WeightSyncSender, verify_sync
 
     if config.async_rollout and config.rollout.max_staleness < 1:
         raise ValueError("rollout.max_staleness: async_rollout trains on batches one version old; set it >= 1")
     tokenizer = tokenizer or build_tokenizer()
     tcfg = trainer_config or trainer_config_from(config)
     comp = components or build_components(model, tcfg)
-    ref = _reference_components(comp, tcfg) if config.kl_coef > 0 else None  # frozen starting weights
+    ref = _reference_components(comp, tcfg) if config.loss.kl_coef > 0 else None  # frozen starting weights
     out = Path(tcfg.output_dir)
     state = TrainingState()
-    manager = AsyncRolloutManager(engine_urls, config.rollout, tokenizer=tokenizer, reward_fn=reward_fn,
-                                  api_key=api_key)
+    rc = config.rollout
+    engines = [SGLangEngine(u, api_key=api_key, connect_timeout_s=rc.connect_timeout_s,
+                            max_connections=rc.max_concurrency) for u in engine_urls]
+    manager = AsyncRolloutManager(engines, rc, tokenizer=tokenizer, reward_fn=reward_fn)
     if resume and latest_checkpoint(out) is not None:
         state, extra = load_checkpoint(comp, out)
         data_buffer.load_state_dict(extra["data_buffer"])
         manager.load_state_dict(extra["rollout_manager"])
-    engines = [SGLangEngine(u, api_key=api_key) for u in engine_urls]
     own_sender = sender is None
     if own_sender:
         sender = WeightSyncSender(comp.model, engines, weight_version=state.weight_version)

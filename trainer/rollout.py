@@ -136,6 +136,36 @@ def prompt_token_ids(tokenizer: Any, text: str, *, chat: bool) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def stop_token_ids(tokenizer: Any, *, chat: bool, extra: Sequence[int] = (),
+                   generation_config: Any = None) -> list[int]:
+    """The token ids that end a response: `extra`, the tokenizer's eos, the model's generation-config eos ids
+    (an int or a list), and with `chat` the chat template's end-of-turn token (the first special token the
+    template writes after an assistant message: `<|im_end|>` for Qwen, `<|eot_id|>` for Llama 3)."""
+    stops = {int(t) for t in extra}
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        stops.add(int(tokenizer.eos_token_id))
+    gen_eos = getattr(generation_config, "eos_token_id", None)
+    if gen_eos is not None:
+        stops.update(int(t) for t in (gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]))
+    if chat:
+        stops.update(end_of_turn_ids(tokenizer))
+    return sorted(stops)
+
+
+def end_of_turn_ids(tokenizer: Any) -> list[int]:
+    """The special token the chat template closes an assistant turn with ([] when it writes none)."""
+    marker = "x7q"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "1"}, {"role": "assistant", "content": marker}],
+                                         tokenize=False)
+    tail = text[text.rindex(marker) + len(marker):]
+    special = set(getattr(tokenizer, "all_special_ids", ()))
+    special |= {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)}
+    for t in tokenizer(tail, add_special_tokens=False)["input_ids"]:
+        if t in special:
+            return [int(t)]
+    return []
+
+
 def _mean(xs: Sequence[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 

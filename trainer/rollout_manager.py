@@ -1,20 +1,21 @@
-"""AsyncRolloutManager: fills one rollout batch from N inference engines over HTTP (trio + httpx).
+"""AsyncRolloutManager: fills one rollout batch from N inference engines (any `engines.protocol.InferenceEngine`).
 
-Protocol: SGLang's native API. POST /generate {"input_ids", "sampling_params", "return_logprob", "rid"} answers
-{"text", "output_ids", "meta_info": {"finish_reason": {"type": "stop"|"length"|"abort"},
-"output_token_logprobs": [[logprob, token_id, text], ...], "weight_version"}}; POST /abort_request
-{"abort_all": true} makes running requests return early with finish_reason "abort" and their partial output.
+The manager speaks only the engine protocol: `engine.generate(prompts, SamplingParams, rids=...)` and
+`engine.abort()`; HTTP, pooled connections and the wire format are the engine client's business
+(`engines.sglang.SGLangEngine` for the embedded engine and SGLang, `engines.vllm.VLLMEngine` for vLLM).
 
 One batch, step by step:
   1. Groups cached from the previous batch go first (samples that were cut keep their partial response,
      log-probs and weight versions; samples older than `max_staleness` versions restart from the prompt).
   2. New prompts come from the DataBuffer. ceil(over_sampling_factor x groups still needed) groups are kept in
-     flight; a group = n samples of one prompt, one request each, all sent to the same engine (prefix cache).
-     A CapacityLimiter bounds the HTTP requests in flight over all engines.
+     flight; a group = n samples of one prompt sent as ONE request (n samples of one prompt, or the group's
+     partial samples as one batch), so the engine batches them and shares the prompt. A CapacityLimiter bounds
+     the requests in flight over all engines. Engines that do not answer are retried (`max_retries`).
   3. A finished group is scored (reward errors mark samples FAILED) and passed through the dynamic filters;
      a dropped group is replaced by a new one.
-  4. Once rollout_batch_size groups passed: /abort_request on every engine, up to abort_grace_s for the cut
-     requests to return their partial output, then the nursery is cancelled. Unfinished groups go to the cache.
+  4. Once rollout_batch_size groups passed: `abort()` on every engine with requests in flight, up to
+     abort_grace_s for the cut requests to return their partial output, then the nursery is cancelled.
+     Unfinished groups go to the cache.
 Structured concurrency means nothing outlives `generate_batch`: no stray tasks, no stray requests.
 """
 
@@ -22,15 +23,14 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
-import inspect
 import math
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import httpx
 import trio
 
+from engines.protocol import Completion, EngineError, EngineUnavailableError, InferenceEngine, SamplingParams
 from trainer.rewards import RewardFn, acompute_reward, load_reward_fn
 from trainer.rollout import (
     SampleTransform,
@@ -41,68 +41,9 @@ from trainer.rollout import (
     resolve_filters,
     sample_from_dict,
     sample_to_dict,
+    stop_token_ids,
 )
 from trainer.types import RolloutBatch, RolloutConfig, Sample, Status
-
-
-class EngineUnavailableError(RuntimeError):
-    """An engine URL did not answer (connection refused / timed out / 5xx) after all retries."""
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerateCall:
-    """What a generate_fn gets for one sample: where to send it, how to sample, and helpers.
-
-    Async generate_fns may `await call.post("/generate", payload)` (retries included); sync ones run in a
-    worker thread and should use their own blocking client on `call.url`.
-    """
-
-    url: str
-    sampling_params: dict[str, Any]
-    config: RolloutConfig
-    tokenizer: Any
-    rid: str
-    weight_version: int  # the trainer's current version (used when the engine reports none)
-    post: Callable[[str, dict[str, Any]], Awaitable[Any]]
-
-
-GenerateFn = Callable[[GenerateCall, Sample], Any]  # -> Sample or Awaitable[Sample]
-
-
-def _parse_version(value: Any, default: int) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return default  # SGLang's default weight_version is the string "default"
-
-
-async def sglang_generate(call: GenerateCall, sample: Sample) -> Sample:
-    """Default generate_fn: one SGLang /generate request that continues `sample` (prompt + partial response)."""
-    remaining = call.config.max_new_tokens - sample.response_length
-    if remaining <= 0:
-        return dataclasses.replace(sample, status=Status.TRUNCATED)
-    params = {**call.sampling_params, "max_new_tokens": remaining}
-    payload = {"input_ids": list(sample.tokens), "sampling_params": params, "return_logprob": True,
-               "rid": call.rid}
-    data = await call.post("/generate", payload)
-    if isinstance(data, list):  # a batched/n>1 answer; we always send one
-        data = data[0]
-    meta = data.get("meta_info", {})
-    lp_entries = meta.get("output_token_logprobs") or []
-    out_ids = data.get("output_ids")
-    if out_ids is None:
-        out_ids = [int(e[1]) for e in lp_entries]
-    out_ids = [int(t) for t in out_ids]
-    logprobs = [float(e[0]) for e in lp_entries]
-    if len(logprobs) != len(out_ids):
-        raise ValueError(f"{call.url}/generate returned {len(out_ids)} output ids but {len(logprobs)} log-probs; "
-                         "the engine must honour return_logprob=true")
-    finish = (meta.get("finish_reason") or {}).get("type", "stop")
-    status = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}.get(finish,
-                                                                                                 Status.COMPLETED)
-    version = _parse_version(meta.get("weight_version"), call.weight_version)
-    return extend_sample(sample, out_ids, logprobs, status=status, weight_version=version,
-                         tokenizer=call.tokenizer, max_new_tokens=call.config.max_new_tokens)
 
 
 def extend_sample(sample: Sample, new_ids: Sequence[int], new_logprobs: Sequence[float], *, status: Status,
@@ -141,7 +82,9 @@ def _oldest_first(groups: list[list[Sample]]) -> list[list[Sample]]:
     return sorted(groups, key=lambda g: g[0].metadata["group_uid"])
 
 
-_EXC_GROUP = getattr(builtins, "ExceptionGroup", ())  # Python >= 3.11; trio raises these from nurseries
+_EXC_GROUP = builtins.ExceptionGroup  # trio raises these from nurseries
+_FINISHED = (Status.COMPLETED, Status.TRUNCATED, Status.FAILED)
+_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 
 
 def _first_leaf(eg: BaseException) -> BaseException:
@@ -153,60 +96,63 @@ def _first_leaf(eg: BaseException) -> BaseException:
 class AsyncRolloutManager:
     """Stateful rollout driver; use as `async with manager: batch = await manager.generate_batch(buffer)`.
 
-    State kept between batches: the partial-group cache, the trainer's weight version, counters.
+    engines: `InferenceEngine` objects (groups go round-robin over them). State kept between batches: the
+    partial-group cache, the trainer's weight version, counters.
     """
 
-    def __init__(self, engine_urls: Sequence[str], config: RolloutConfig, *, tokenizer: Any,
-                 reward_fn: str | RewardFn | None = None, generate_fn: GenerateFn | None = None,
-                 filters: Sequence[Any] | None = None, check_health: bool = True, api_key: str | None = None) -> None:
-        self.engine_urls = [u.rstrip("/") for u in engine_urls]
-        if not self.engine_urls and generate_fn is None:
-            raise ValueError("engine_urls: give at least one engine URL (e.g. http://127.0.0.1:30000) "
-                             "or a custom generate_fn")
+    def __init__(self, engines: Sequence[InferenceEngine], config: RolloutConfig, *, tokenizer: Any,
+                 reward_fn: str | RewardFn | None = None, filters: Sequence[Any] | None = None,
+                 check_health: bool = True, generation_config: Any = None) -> None:
+        self.engines = list(engines)
+        if not self.engines:
+            raise ValueError("engines: give at least one inference engine (e.g. "
+                             "engines.sglang.SGLangEngine('http://127.0.0.1:30000'))")
+        bad = [e for e in self.engines if not all(callable(getattr(e, m, None)) for m in ("generate", "abort"))]
+        if bad:
+            raise TypeError(f"engines: {bad[0]!r} has no generate/abort of engines.protocol.InferenceEngine "
+                            f"(pass engine objects, e.g. SGLangEngine(url), not URLs)")
         self.config = config
         self.tokenizer = tokenizer
         self.reward_fn = load_reward_fn(reward_fn) if reward_fn is not None else None
-        self.generate_fn = generate_fn or sglang_generate
-        self._gen_is_async = generate_fn is None or inspect.iscoroutinefunction(generate_fn)
         self.filters = resolve_filters(config.dynamic_filters if filters is None else filters)
         self.check_health = check_health
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.stop_ids = tuple(stop_token_ids(tokenizer, chat=config.apply_chat_template, extra=config.stop_token_ids,
+                                             generation_config=generation_config))
         self.weight_version = 0
         self.partial_groups: list[list[Sample]] = []  # groups cut by the last batch, resumed first by the next
         self._group_uid = 0  # monotonically increasing id of each group drawn from the buffer (seeds, order)
-        self._in_flight: dict[str, str] = {}  # rid -> engine url, for requests currently on the wire
-        self._orphaned: set[str] = set()  # engines with requests we cancelled without an abort reaching them
-        self._client: httpx.AsyncClient | None = None
+        self._in_flight: dict[str, InferenceEngine] = {}  # rid -> engine, for requests currently running
+        self._orphaned: dict[int, InferenceEngine] = {}  # engines with requests we stopped waiting for
         self._limiter: trio.CapacityLimiter | None = None
+        self._open = False
         self._stopping = False
         self._next_engine = 0
         self.stats: dict[str, int] = {"requests": 0, "retries": 0, "aborts_sent": 0}
 
     # ----------------------------------------------------------------------------------------- lifecycle
     async def __aenter__(self) -> AsyncRolloutManager:
-        c = self.config
-        timeout = httpx.Timeout(c.request_timeout_s, connect=min(c.connect_timeout_s, c.request_timeout_s))
-        limits = httpx.Limits(max_connections=c.max_concurrency + 2 * len(self.engine_urls))
-        self._client = httpx.AsyncClient(timeout=timeout, limits=limits, headers=self._headers)
-        self._limiter = trio.CapacityLimiter(c.max_concurrency)
+        self._limiter = trio.CapacityLimiter(self.config.max_concurrency)
+        self._open = True
         try:
             if self.check_health:
-                for url in self.engine_urls:
-                    await self._request("GET", url, "/health", None)
+                for engine in self.engines:
+                    await self._with_retries(engine, "health check", self._health, engine)
         except BaseException:
-            await self._client.aclose()
-            self._client = None
+            await self.__aexit__()
             raise
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
         if self._orphaned:  # requests cancelled client-side (error path, or past abort_grace_s): stop them
             with trio.move_on_after(2):
-                await self._abort_all(self._orphaned)
+                await self._abort(self._orphaned.values())
             self._orphaned.clear()
-        if self._client is not None:
-            await self._client.aclose()
-        self._client = None
+        for engine in self.engines:  # pooled connections belong to this event loop
+            close = getattr(engine, "aclose", None)
+            if close is not None:
+                with trio.move_on_after(2):
+                    await close()
+        self._open = False
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint needs to resume rollouts exactly: cached partial groups, group counter, version."""
@@ -226,10 +172,15 @@ class AsyncRolloutManager:
     def num_in_flight(self) -> int:
         return len(self._in_flight)
 
-    # ----------------------------------------------------------------------------------------- HTTP
-    async def _request(self, method: str, url: str, path: str, payload: dict | None) -> Any:
-        """One HTTP call with retries (connection errors, timeouts, 5xx); then EngineUnavailableError."""
-        assert self._client is not None, "use the manager inside `async with`"
+    # ----------------------------------------------------------------------------------------- engine calls
+    @staticmethod
+    async def _health(engine: InferenceEngine) -> None:
+        if not await engine.health():
+            raise EngineUnavailableError(f"{engine.url}/health: not healthy")
+
+    async def _with_retries(self, engine: InferenceEngine, what: str, fn: Callable, *args: Any) -> Any:
+        """`await fn(*args)` under request_timeout_s, retried on EngineUnavailableError (no answer, 5xx, timeout)
+        with exponential backoff; after max_retries a clear EngineUnavailableError naming the engine."""
         c = self.config
         t0 = time.monotonic()
         last: BaseException | None = None
@@ -238,88 +189,58 @@ class AsyncRolloutManager:
                 self.stats["retries"] += 1
                 await trio.sleep(c.retry_backoff_s * 2 ** (attempt - 1))
             try:
-                resp = await self._client.request(method, url + path, json=payload)
-            except (httpx.TransportError, httpx.TimeoutException) as e:
+                with trio.fail_after(c.request_timeout_s):
+                    return await fn(*args)
+            except trio.TooSlowError as e:
+                self._orphaned[id(engine)] = engine
                 last = e
-                continue
-            if resp.status_code >= 500:
-                last = httpx.HTTPStatusError(f"HTTP {resp.status_code}: {resp.text[:200]}", request=resp.request,
-                                             response=resp)
-                continue
-            if resp.status_code >= 400:
-                raise ValueError(f"{method} {url}{path} was rejected with HTTP {resp.status_code}: {resp.text[:300]}")
-            return resp.json() if resp.content else None
+            except EngineUnavailableError as e:
+                last = e
         raise EngineUnavailableError(
-            f"engine {url} did not answer {method} {path} after {c.max_retries + 1} attempts in "
+            f"engine {engine.url} did not answer the {what} after {c.max_retries + 1} attempts in "
             f"{time.monotonic() - t0:.1f}s (last error: {type(last).__name__}: {last}); check that the server is "
             f"running at that URL, or raise max_retries / request_timeout_s")
 
-    async def _abort_all(self, urls: Sequence[str] | set[str] = ()) -> bool:
-        """Ask engines to cut their running requests short (best effort: errors are ignored).
-
-        Returns True when every engine accepted /abort_request, i.e. cut requests will come back early with
-        their partial output and are worth waiting for. Engines without it get SGLang's
-        /pause_generation {"mode": "abort"} + /continue_generation instead, and are not waited for.
-        """
-        ok: list[bool] = []
-
-        async def one(url: str) -> None:
+    async def _abort(self, engines: Any) -> None:
+        """Ask engines to cut their running requests short (best effort: errors are ignored)."""
+        async def one(engine: InferenceEngine) -> None:
             try:
-                r = await self._client.post(url + "/abort_request", json={"abort_all": True, "rid": ""}, timeout=2)
-                ok.append(r.status_code < 400)
-                if r.status_code in (404, 405):
-                    await self._client.post(url + "/pause_generation", json={"mode": "abort"}, timeout=2)
-                    await self._client.post(url + "/continue_generation", json={}, timeout=2)
+                await engine.abort()
                 self.stats["aborts_sent"] += 1
-            except httpx.HTTPError:
-                ok.append(False)
+            except EngineError:
+                pass
 
         async with trio.open_nursery() as n:
-            for url in set(urls) or set(self._in_flight.values()) or self.engine_urls:
-                n.start_soon(one, url)
-        return all(ok)
+            for engine in {id(e): e for e in engines}.values():
+                n.start_soon(one, engine)
 
-    # ----------------------------------------------------------------------------------------- one sample
-    def _sampling_params(self, seed: int) -> dict[str, Any]:
-        c = self.config
-        stop = set(c.stop_token_ids)
-        if self.tokenizer is not None:
-            if self.tokenizer.eos_token_id is not None:
-                stop.add(int(self.tokenizer.eos_token_id))
-            if c.apply_chat_template:
-                stop.add(int(self.tokenizer.convert_tokens_to_ids("<|im_end|>")))
-        return {"temperature": c.temperature, "top_p": c.top_p, "top_k": c.top_k, "max_new_tokens": c.max_new_tokens,
-                "stop_token_ids": sorted(stop), "sampling_seed": seed}
-
-    async def _generate_one(self, url: str, sample: Sample, seed: int, rid: str) -> Sample:
+    async def _generate(self, engine: InferenceEngine, prompts: list[tuple[int, ...]], params: SamplingParams,
+                        rid: str) -> list[Completion] | None:
+        """One request (prompt-major rows, n per prompt); None when the batch filled before it was sent or the
+        engine dropped it while being aborted."""
         async with self._limiter:
             if self._stopping:  # the batch filled while this request waited for a slot: never send it
-                return sample
-
-            async def post(path: str, payload: dict[str, Any]) -> Any:
-                return await self._request("POST", url, path, payload)
-
-            call = GenerateCall(url=url, sampling_params=self._sampling_params(seed), config=self.config,
-                                tokenizer=self.tokenizer, rid=rid, weight_version=self.weight_version, post=post)
-            self._in_flight[rid] = url
+                return None
+            self._in_flight[rid] = engine
             self.stats["requests"] += 1
             try:
-                if self._gen_is_async:
-                    out = await self.generate_fn(call, sample)
-                else:
-                    out = await trio.to_thread.run_sync(self.generate_fn, call, sample, abandon_on_cancel=True)
-            except (EngineUnavailableError, ValueError, httpx.HTTPError):
-                if self._stopping:  # the engine dropped the request we aborted: keep the sample as it was
-                    return sample
+                groups = await self._with_retries(engine, "generate request", self._call_generate, engine, prompts,
+                                                  params, rid)
+            except EngineError:
+                if self._stopping:  # the engine dropped the request we aborted: keep the samples as they were
+                    return None
                 raise
             except trio.Cancelled:  # we stop waiting, but the engine may still be generating: abort it later
-                self._orphaned.add(url)
+                self._orphaned[id(engine)] = engine
                 raise
             finally:
                 self._in_flight.pop(rid, None)
-            if not isinstance(out, Sample):
-                raise TypeError(f"generate_fn returned {type(out).__name__}; it must return a Sample")
-            return out
+            return [c for g in groups for c in g]
+
+    @staticmethod
+    async def _call_generate(engine: InferenceEngine, prompts: list[tuple[int, ...]], params: SamplingParams,
+                             rid: str) -> list[list[Completion]]:
+        return await engine.generate(prompts, params, rids=[f"{rid}-p{i}" for i in range(len(prompts))])
 
     # ----------------------------------------------------------------------------------------- one group
     def _new_group(self, prompt: Any) -> list[Sample]:
@@ -342,23 +263,45 @@ class AsyncRolloutManager:
                 out.append(s)
         return out, restarted
 
-    async def _run_group(self, slot: int, groups: dict[int, list[Sample]], url: str,
+    async def _run_part(self, slot: int, groups: dict[int, list[Sample]], engine: InferenceEngine,
+                        js: list[int], budget: int) -> None:
+        """Continue samples `js` of group `slot` (all with `budget` new tokens left) in one request: n samples
+        of one prompt when they share their tokens (a fresh group), else one row per sample. The k-th row is
+        drawn with seed + k, a seed fixed by (run seed, group, first sample, segment): reproducible whatever
+        the arrival order."""
+        samples = [groups[slot][j] for j in js]
+        if budget <= 0:
+            for j, s in zip(js, samples):
+                groups[slot][j] = dataclasses.replace(s, status=Status.TRUNCATED)
+            return
+        c = self.config
+        uid = samples[0].metadata["group_uid"]
+        seg = len(samples[0].metadata.get("weight_versions", ()))
+        seed = (c.seed * 1_000_003 + uid * 65_537 + js[0] * 257 + seg) % (2 ** 31)
+        shared = all(s.tokens == samples[0].tokens for s in samples)
+        prompts = [samples[0].tokens] if shared else [s.tokens for s in samples]
+        params = SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, max_new_tokens=budget,
+                                stop_token_ids=self.stop_ids, n=len(js) if shared else 1, seed=seed)
+        outs = await self._generate(engine, prompts, params, rid=f"g{uid}-s{js[0]}-{seg}-{slot}")
+        if outs is None:
+            return
+        for j, s, out in zip(js, samples, outs):
+            groups[slot][j] = extend_sample(s, out.output_ids, out.logprobs, status=_STATUS[out.finish_reason],
+                                            weight_version=out.weight_version, tokenizer=self.tokenizer,
+                                            max_new_tokens=c.max_new_tokens)
+
+    async def _run_group(self, slot: int, groups: dict[int, list[Sample]], engine: InferenceEngine,
                          done: trio.MemorySendChannel) -> None:
         """Generate the unfinished samples of group `slot` (state kept in `groups[slot]` as it progresses),
-        then score it and report it on `done`."""
-
-        async def one(j: int) -> None:
-            s = groups[slot][j]
-            if s.status in (Status.COMPLETED, Status.TRUNCATED, Status.FAILED):
-                return
-            uid = s.metadata["group_uid"]
-            seg = len(s.metadata.get("weight_versions", ()))
-            seed = (self.config.seed * 1_000_003 + uid * 1009 + j * 31 + seg) % (2 ** 31)
-            groups[slot][j] = await self._generate_one(url, s, seed, rid=f"g{uid}-s{j}-{seg}-{slot}")
-
+        then score it and report it on `done`. One request per distinct remaining budget (one for a fresh
+        group)."""
+        parts: dict[int, list[int]] = {}
+        for j, s in enumerate(groups[slot]):
+            if s.status not in _FINISHED:
+                parts.setdefault(self.config.max_new_tokens - s.response_length, []).append(j)
         async with trio.open_nursery() as n:
-            for j in range(len(groups[slot])):
-                n.start_soon(one, j)
+            for budget, js in parts.items():
+                n.start_soon(self._run_part, slot, groups, engine, js, budget)
         if self._stopping or any(s.status in (Status.PENDING, Status.ABORTED) for s in groups[slot]):
             return  # cut by the abort: stays in `groups`, cached for the next batch
         scored = []
@@ -372,7 +315,7 @@ class AsyncRolloutManager:
     # ----------------------------------------------------------------------------------------- one batch
     async def generate_batch(self, data_buffer: Any) -> RolloutBatch:
         """Fill one batch of rollout_batch_size groups that pass the filters (see the module docstring)."""
-        if self._client is None:
+        if not self._open:
             raise RuntimeError("generate_batch needs an open manager: `async with manager: ...`")
         try:
             return await self._generate_batch(data_buffer)
@@ -425,9 +368,9 @@ class AsyncRolloutManager:
         send, recv = trio.open_memory_channel(math.inf)
 
         async with trio.open_nursery() as nursery:
-            async def run(slot: int, url: str) -> None:
+            async def run(slot: int, engine: InferenceEngine) -> None:
                 try:
-                    await self._run_group(slot, groups, url, send)
+                    await self._run_group(slot, groups, engine, send)
                 finally:
                     running.discard(slot)
 
@@ -435,10 +378,10 @@ class AsyncRolloutManager:
                 slot = len(groups)
                 groups[slot] = group
                 running.add(slot)
-                url = self.engine_urls[self._next_engine % len(self.engine_urls)] if self.engine_urls else ""
+                engine = self.engines[self._next_engine % len(self.engines)]
                 self._next_engine += 1
                 counters["groups_submitted"] += 1
-                nursery.start_soon(run, slot, url)
+                nursery.start_soon(run, slot, engine)
 
             while len(accepted) < need:
                 want = math.ceil(c.over_sampling_factor * (need - len(accepted)))
@@ -470,25 +413,26 @@ class AsyncRolloutManager:
             self._stopping = True
             if running:
                 with trio.move_on_after(c.abort_grace_s):
-                    if self._in_flight and await self._abort_all():
-                        while running:  # cut requests return their partial output
-                            await trio.sleep(0.005)
+                    if self._in_flight:
+                        await self._abort(list(self._in_flight.values()))
+                    while running:  # cut requests return their partial output
+                        await trio.sleep(0.005)
             nursery.cancel_scope.cancel()
 
 
-def generate_rollout_batches(data_buffer: Any, config: RolloutConfig, *, engine_urls: Sequence[str] = (),
+def generate_rollout_batches(data_buffer: Any, config: RolloutConfig, *, engines: Sequence[InferenceEngine] = (),
                              num_batches: int | None = None, transforms: Sequence[SampleTransform] = (),
                              weight_version: Callable[[], int] | None = None, manager: Any = None,
                              **manager_kw: Any) -> Iterator[RolloutBatch]:
     """Yield one `RolloutBatch` per step (forever, or `num_batches` times).
 
-    Builds an `AsyncRolloutManager(engine_urls, config, **manager_kw)` unless `manager` is given; its partial-
+    Builds an `AsyncRolloutManager(engines, config, **manager_kw)` unless `manager` is given; its partial-
     sample cache lives across batches. `weight_version()` is read before each batch (the trainer's current
     version, for staleness). Each batch runs in its own `trio.run`, so the generator can be iterated from
     plain synchronous code (or from a worker thread in async-rollout mode).
     """
     if manager is None:
-        manager = AsyncRolloutManager(engine_urls, config, **manager_kw)
+        manager = AsyncRolloutManager(engines, config, **manager_kw)
 
     async def one_batch() -> RolloutBatch:
         async with manager:
