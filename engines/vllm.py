@@ -1,97 +1,123 @@
-"""Adapter for a vLLM server: OpenAI `/v1/completions` for generation, the RLHF weight-transfer routes for sync.
+"""Adapter for a vLLM 0.32 server: OpenAI `/v1/completions` for generation, its RL routes for control and sync.
 
-Pinned to vLLM v0.25.0 (docs.vllm.ai/en/v0.25.0/training/weight_transfer/ and
-vllm/entrypoints/serve/dev/rlhf/api_router.py), served with
-`VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config '{"backend": "nccl"}'`:
+Built against vLLM 0.32's own code (vllm/entrypoints/rl/online/api_router.py, entrypoints/openai/completion/
+protocol.py, distributed/weight_transfer/) and tested against a real CPU vLLM server (tests/test_engine_vllm_real.py).
+Serve with `vllm_server_command(...)`, i.e. `python -m vllm.entrypoints.openai.api_server --model DIR
+--logprobs-mode processed_logprobs --weight-transfer-config '{"backend": "rlkernels"}'` and `VLLM_SERVER_DEV_MODE=1`
+(which adds the RL routes below):
 
-    POST /init_weight_transfer_engine  {"init_info": {master_address, master_port, rank_offset, world_size}}
-    POST /start_weight_update          {}
-    POST /update_weights               {"update_info": {names, dtype_names, shapes, packed,
-                                                        packed_buffer_size_bytes, packed_num_buffers}}
-    POST /finish_weight_update         {"weight_version": "N"}
-    POST /pause, POST /resume, GET /health, POST /reset_prefix_cache
-    POST /v1/completions {model, prompt: [[ids]], max_tokens, temperature, top_p, top_k, n, seed,
-                          stop_token_ids, ignore_eos, logprobs: 0, return_token_ids: true}
+    POST /v1/completions        {model, prompt: [[ids]], max_tokens, temperature, n, seed, stop_token_ids,
+                                 ignore_eos, logprobs: 0, return_token_ids: true, request_id}
+    POST /abort_requests        {request_ids: [external ids]} ({} = every request)
+    POST /pause?mode=keep, POST /resume, POST /reset_prefix_cache
+    GET  /weight_info -> {weight_version}; POST /update_weight_version {new_version}
+    GET  /get_world_size?include_dp=true -> {world_size}   (this engine's ranks in the weight-update group)
+    POST /init_weight_transfer_engine {init_info}; /start_weight_update; /update_weights {update_info};
+         /finish_weight_update {weight_version}
 
-NOT run against a real vLLM (no GPU/vLLM here): tests check every request against this schema on a loopback
-recording server. Known gap: vLLM's workers join the group through vLLM's own StatelessProcessGroup + PyNccl, a
-different rendezvous from our TCPStore/ProcessGroupNCCL, so the byte transport needs the trainer to build the
-group with vLLM's `NCCLWeightTransferEngine.trainer_init` (this adapter does the HTTP control plane only). Use
-`WeightSyncSender(mode="per_tensor")` (vLLM's unpacked path: one broadcast per tensor, in order); our
-flattened buckets are not vLLM's packed layout, so bucketed metadata is refused with an error.
+Log-probs (the project contract: the sampled-from distribution at the request temperature, before top-k/top-p):
+vLLM's default `raw_logprobs` are taken before temperature; `--logprobs-mode processed_logprobs` returns
+`log_softmax(logits / T)` (greedy rows: `log_softmax(logits)`), which is the contract exactly when no top-k/top-p
+filter is set, and the filtered, renormalised distribution otherwise. So this adapter refuses top_k > 0 or
+top_p < 1 with a ValueError instead of returning log-probs of another distribution.
 
-vLLM v0.25 reports no weight version per completion; the adapter stamps completions with the version it last
-set through /finish_weight_update (exact when generation is paused around updates, which the sender does not do
-for you: call pause_generation()/continue_generation() around a sync).
+Weight sync: the `rlkernels` back end (engines/vllm_ext, a vLLM plugin) joins the trainer's own process group
+(gloo on CPU, NCCL on GPU) and receives the project's wire format, so the same sender that feeds the embedded
+engine feeds vLLM: `update_weights_from_distributed(meta)` wraps the metadata body in vLLM's start/update/finish
+sequence and sets vLLM's weight version. vLLM's built-in `nccl` back end is not used: it rendezvouses through
+vLLM's own StatelessProcessGroup + PyNccl, which our sender does not speak.
+
+Completions report no weight version, so each is stamped with the version this adapter last set or read
+(exact when generation is paused around a sync, as the sender does).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import uuid
 from collections.abc import Sequence
 
 import httpx
 
 from engines.protocol import Completion, SamplingParams
 from engines.sglang import EngineError
+from engines.vllm_ext import BACKEND_NAME
 
-VLLM_VERSION = "0.25.0"
-PACKED_NUM_BUFFERS = 2
+VLLM_VERSION = "0.32.0"
+LOGPROBS_MODE = "processed_logprobs"
 
 
-def completions_payload(model: str, prompts: Sequence[Sequence[int]], params: SamplingParams) -> dict:
+def vllm_server_command(python: str, model_dir: str, *, port: int, host: str = "127.0.0.1", dtype: str = "float32",
+                        max_model_len: int = 256, extra: Sequence[str] = ()) -> list[str]:
+    """The command line this adapter expects (run it with VLLM_SERVER_DEV_MODE=1 in the environment)."""
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", host,
+            "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len),
+            "--logprobs-mode", LOGPROBS_MODE, "--weight-transfer-config", json.dumps({"backend": BACKEND_NAME}),
+            *extra]
+
+
+def check_params(params: SamplingParams) -> None:
+    if params.top_k > 0 or params.top_p < 1.0:
+        raise ValueError(f"top_k={params.top_k}, top_p={params.top_p}: vLLM's processed log-probs are taken after "
+                         f"the top-k/top-p filter, not before as the log-prob contract needs; use top_k=-1 and "
+                         f"top_p=1.0 with a vLLM engine")
+
+
+def completions_payload(model: str, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                        request_id: str) -> dict:
+    """One /v1/completions body for all prompts; vLLM names prompt i's request `cmpl-{request_id}-{i}`."""
+    check_params(params)
     body = {"model": model, "prompt": [list(p) for p in prompts], "max_tokens": params.max_new_tokens,
-            "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k, "n": params.n,
-            "stop_token_ids": list(params.stop_token_ids), "ignore_eos": params.ignore_eos, "logprobs": 0,
-            "return_token_ids": True, "return_tokens_as_token_ids": True}
+            "temperature": params.temperature, "n": params.n, "stop_token_ids": list(params.stop_token_ids),
+            "ignore_eos": params.ignore_eos, "logprobs": 0, "return_token_ids": True, "request_id": request_id}
     if params.seed is not None:
-        body["seed"] = params.seed
+        body["seed"] = params.seed  # vLLM gives sample j of a prompt seed + j, as our protocol says
     return body
 
 
-def _token_ids(choice: dict) -> list[int]:
-    if choice.get("token_ids") is not None:
-        return [int(t) for t in choice["token_ids"]]
-    # return_tokens_as_token_ids renders every token as "token_id:<id>"
-    return [int(t.split(":", 1)[1]) for t in choice["logprobs"]["tokens"]]
+def parse_finish_reason(reason: str | None) -> str:
+    """vLLM's finish_reason: "stop" | "length" | "abort" (others, e.g. "error", are errors, not completions)."""
+    if reason in ("stop", "length", "abort"):
+        return reason
+    raise EngineError(f"vLLM returned finish_reason={reason!r}; expected 'stop', 'length' or 'abort'")
 
 
 def parse_completions(data: dict, prompts: Sequence[Sequence[int]], n: int, version: int) -> list[list[Completion]]:
-    choices = sorted(data.get("choices") or [], key=lambda c: c["index"])  # index = prompt * n + sample
+    """Choices -> one list of n Completions per prompt (vLLM's choice index = prompt * n + sample)."""
+    choices = sorted(data.get("choices") or [], key=lambda c: c["index"])
     if len(choices) != len(prompts) * n:
         raise EngineError(f"/v1/completions returned {len(choices)} choices for {len(prompts)} prompts x n={n}")
     out = []
     for i, prompt in enumerate(prompts):
         group = []
         for c in choices[i * n:(i + 1) * n]:
-            lps = [float(x) for x in c["logprobs"]["token_logprobs"]]
-            reason = {"stop": "stop", "length": "length"}.get(c.get("finish_reason"), "abort")
-            group.append(Completion(_token_ids(c), lps, reason, version, list(prompt)))
+            ids = [int(t) for t in c.get("token_ids") or []]
+            lps = (c.get("logprobs") or {}).get("token_logprobs") or []
+            if len(lps) != len(ids) or any(x is None for x in lps):
+                raise EngineError(f"choice {c['index']}: {len(ids)} tokens but log-probs {lps[:4]}...; the server "
+                                  f"must return one log-prob per token (request logprobs=0)")
+            group.append(Completion(ids, [float(x) for x in lps], parse_finish_reason(c.get("finish_reason")),
+                                    version, list(prompt)))
         out.append(group)
     return out
 
 
-def update_info_from_meta(meta: dict) -> dict:
-    """Our /update_weights_from_distributed metadata (per-tensor mode) -> vLLM's NCCL update_info."""
-    if meta.get("load_format") not in (None, ""):
-        raise ValueError("vLLM's packed layout differs from flattened buckets: sync vLLM engines with "
-                         "WeightSyncSender(mode='per_tensor')")
-    return {"names": list(meta["names"]), "dtype_names": list(meta["dtypes"]),
-            "shapes": [list(s) for s in meta["shapes"]], "packed": False}
-
-
 class VLLMEngine:
-    """One vLLM OpenAI-compatible server (InferenceEngine protocol)."""
+    """One vLLM OpenAI-compatible server (InferenceEngine protocol). Mutable state: the weight version it last saw,
+    and the vLLM request ids of its in-flight generate calls (for abort by our rid)."""
 
     def __init__(self, url: str, model: str, *, api_key: str | None = None, timeout_s: float = 300.0):
         self.url, self.model = url.rstrip("/"), model
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout_s = timeout_s
         self.weight_version = 0
+        self._inflight: dict[str, str] = {}  # our rid -> vLLM's external request id
 
-    async def _call(self, method: str, route: str, body: dict | None = None):
+    async def _call(self, method: str, route: str, body: dict | None = None, params: dict | None = None):
         try:
             async with httpx.AsyncClient(timeout=self.timeout_s, headers=self.headers) as client:
-                r = await client.request(method, self.url + route, json=body)
+                r = await client.request(method, self.url + route, json=body, params=params)
         except httpx.HTTPError as e:
             raise EngineError(f"{self.url}{route}: no answer ({type(e).__name__}: {e})") from e
         if r.status_code >= 400:
@@ -108,35 +134,71 @@ class VLLMEngine:
         except EngineError:
             return False
 
-    async def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
-        version = self.weight_version
-        data = await self._call("POST", "/v1/completions", completions_payload(self.model, prompts, params))
-        return parse_completions(data, prompts, params.n, version)
+    async def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                       rids: Sequence[str] | None = None) -> list[list[Completion]]:
+        if rids is not None and len(rids) != len(prompts):
+            raise ValueError(f"rids: {len(rids)} ids for {len(prompts)} prompts; give one per prompt")
+        request_id = uuid.uuid4().hex
+        # vLLM refuses n > 1 when greedy; greedy samples are identical, so ask for one and repeat it
+        repeat = params.n if params.temperature == 0 and params.n > 1 else 1
+        asked = dataclasses.replace(params, n=1) if repeat > 1 else params
+        body = completions_payload(self.model, prompts, asked, request_id)
+        names = {r: f"cmpl-{request_id}-{i}" for i, r in enumerate(rids or ())}
+        self._inflight.update(names)
+        try:
+            version = self.weight_version
+            data = await self._call("POST", "/v1/completions", body)
+        finally:
+            for r in names:
+                self._inflight.pop(r, None)
+        out = parse_completions(data, prompts, asked.n, version)
+        return [group * repeat for group in out]
+
+    async def abort(self, rids: Sequence[str] | None = None) -> None:
+        """Abort our requests `rids` (None: every request on the server); they return with finish "abort"."""
+        if rids is None:
+            await self._call("POST", "/abort_requests", {})
+            return
+        ids = [self._inflight[r] for r in rids if r in self._inflight]
+        if ids:
+            await self._call("POST", "/abort_requests", {"request_ids": ids})
 
     async def get_weight_version(self) -> int:
+        data = await self._call("GET", "/weight_info")
+        v = data.get("weight_version")
+        self.weight_version = 0 if v in (None, "") else int(v)
         return self.weight_version
 
+    async def set_weight_version(self, version: int) -> None:
+        await self._call("POST", "/update_weight_version", {"new_version": str(version)})
+        self.weight_version = version
+
+    async def world_size(self) -> int:
+        """How many ranks this engine takes in the weight-update group (tp * pp * dp workers)."""
+        return int((await self._call("GET", "/get_world_size", params={"include_dp": "true"}))["world_size"])
+
     async def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
-                                        world_size: int, group_name: str = "", backend: str = "nccl",
+                                        world_size: int, group_name: str = "", backend: str = "gloo",
                                         timeout_s: float | None = None) -> None:
-        if backend != "nccl":
-            raise ValueError(f"vLLM's weight transfer is NCCL only, got backend={backend!r}")
-        await self._call("POST", "/init_weight_transfer_engine", {"init_info": {
-            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-            "world_size": world_size}})
+        info = {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+                "world_size": world_size, "backend": backend, "timeout_s": float(timeout_s or self.timeout_s)}
+        if group_name:
+            info["group_name"] = group_name
+        await self._call("POST", "/init_weight_transfer_engine", {"init_info": info})
 
     async def update_weights_from_distributed(self, meta: dict) -> None:
-        info = update_info_from_meta(meta)
+        """Receive the weights announced by `meta` (`WeightMeta.to_wire`: bucketed or per tensor) by broadcast."""
         version = meta.get("weight_version")
         await self._call("POST", "/start_weight_update", {})
-        await self._call("POST", "/update_weights", {"update_info": info})
+        await self._call("POST", "/update_weights", {"update_info": meta})
         await self._call("POST", "/finish_weight_update",
                          {"weight_version": None if version is None else str(version)})
         if version is not None:
             self.weight_version = int(version)
 
     async def pause_generation(self) -> None:
-        await self._call("POST", "/pause")
+        """Freeze in-flight requests where they are (vLLM's mode "keep"); they go on after continue_generation."""
+        await self._call("POST", "/pause", params={"mode": "keep"})
 
     async def continue_generation(self) -> None:
         await self._call("POST", "/resume")

@@ -1,0 +1,21 @@
+"""A vLLM plugin shipped by this project: the `rlkernels` weight-transfer back end.
+
+vLLM loads `vllm.general_plugins` entry points in every one of its processes (API server, engine core, workers)
+before it builds a worker; `register()` adds our back end to vLLM's `WeightTransferEngineFactory` by module path, so
+vLLM itself is imported here only inside a vLLM process. Serve with
+`--weight-transfer-config '{"backend": "rlkernels"}'` (see `engines.vllm.vllm_server_command`).
+
+The entry point lives in the small metadata-only distribution beside this file (`pyproject.toml`), installed into
+vLLM's venv next to an editable install of this project (`make .venv-vllm`).
+"""
+
+BACKEND_NAME = "rlkernels"
+
+
+def register() -> None:
+    """vLLM general-plugin hook; safe to call more than once per process (vLLM may load plugins repeatedly)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if BACKEND_NAME not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND_NAME, "engines.vllm_ext.receiver",
+                                                    "ProcessGroupWeightTransferEngine")

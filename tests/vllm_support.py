@@ -1,0 +1,218 @@
+"""Fixtures' helpers for the real-vLLM tests: a tiny Qwen2 folder written by transformers, and a vLLM server started
+from `.venv-vllm` (built by `make .venv-vllm`, a dependency of `make test`).
+
+The model is the smallest that vLLM 0.32's CPU attention serves: head_dim 64 (it rejects 16), so hidden 256 with
+4 heads; two layers and the project's character tokenizer (~100 ids) keep start-up and forwards cheap.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from engines.vllm import vllm_server_command
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_VENV = ROOT / ".venv-vllm"
+VLLM_PYTHON = VLLM_VENV / "bin" / "python"
+START_TIMEOUT_S = 600.0
+
+
+def build_tokenizer():
+    """The project tokenizer, wherever it lives now (engines/tiny.py is its new home)."""
+    try:
+        from engines.tiny import build_tokenizer as build
+    except ImportError:
+        from trainer.tokenizer import build_tokenizer as build
+    return build()
+
+
+def require_vllm_venv() -> Path:
+    """The venv's python; a FAIL (not a skip) when it is missing: `make test` builds it first."""
+    if not VLLM_PYTHON.exists():
+        pytest.fail(f"{VLLM_PYTHON} is missing: run `make .venv-vllm` (the `test` target does) to install vLLM "
+                    f"and this project's vLLM plugin into their own venv")
+    probe = subprocess.run([str(VLLM_PYTHON), "-c", "import vllm, engines.vllm_ext.receiver"], cwd="/",
+                           capture_output=True, text=True, timeout=300)
+    if probe.returncode != 0:
+        pytest.fail(f"{VLLM_VENV} cannot import vllm and this project's plugin; rebuild it with "
+                    f"`rm -rf .venv-vllm && make .venv-vllm`:\n{probe.stderr[-2000:]}")
+    return VLLM_PYTHON
+
+
+def tiny_qwen2(seed: int, *, num_layers: int = 2):
+    """A float32 Qwen2ForCausalLM with random weights (hidden 256, 4 heads of 64, 2 KV heads), vocab = tokenizer."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tok = build_tokenizer()
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=num_layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=False, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                      eos_token_id=tok.eos_token_id, rms_norm_eps=1e-6, torch_dtype="float32")
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(cfg).float().eval()
+    with torch.no_grad():  # HF's init (std 0.02) gives near-uniform outputs; wider weights give peaked, varied ones
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+    return model, tok
+
+
+def write_model_folder(path: Path, seed: int) -> tuple[torch.nn.Module, object]:
+    model, tok = tiny_qwen2(seed)
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return model, tok
+
+
+def start_server(model_dir: Path, port: int, log_path: Path) -> subprocess.Popen:
+    """Start vLLM (dev mode routes, our weight-transfer back end, processed log-probs) and wait for /health."""
+    python = require_vllm_venv()
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="INFO",
+               VLLM_CPU_OMP_THREADS_BIND="nobind", TOKENIZERS_PARALLELISM="false")
+    env.pop("TRITON_INTERPRET", None)  # the test session's Triton interpreter flag must not reach vLLM
+    cmd = vllm_server_command(str(python), str(model_dir), port=port)
+    log = open(log_path, "w")  # noqa: SIM115 - closed with the process by stop_server
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT))
+    proc.log_file = log  # type: ignore[attr-defined]
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"vLLM exited with code {proc.returncode} during start-up:\n{tail(log_path)}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2.0).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    stop_server(proc)
+    pytest.fail(f"vLLM did not answer /health within {START_TIMEOUT_S:.0f}s:\n{tail(log_path)}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
+    proc.log_file.close()
+
+
+def tail(path: Path, n: int = 6000) -> str:
+    try:
+        return Path(path).read_text(errors="replace")[-n:]
+    except OSError as e:
+        return f"(no log: {e})"
+
+
+def validate_with_vllm(model_cls: str, bodies: list[dict]) -> list[str]:
+    """Validate request bodies with vLLM's own pydantic model `module:Class`, inside `.venv-vllm`; returns one error
+    string per body ('' when valid)."""
+    import json
+
+    python = require_vllm_venv()
+    code = ("import importlib, json, sys\n"
+            "mod, cls = sys.argv[1].split(':')\n"
+            "M = getattr(importlib.import_module(mod), cls)\n"
+            "out = []\n"
+            "for b in json.loads(sys.stdin.read()):\n"
+            "    try:\n"
+            "        M.model_validate(b); out.append('')\n"
+            "    except Exception as e:\n"
+            "        out.append(str(e))\n"
+            "print(json.dumps(out))\n")
+    r = subprocess.run([str(python), "-c", code, model_cls], input=json.dumps(bodies), capture_output=True,
+                       text=True, timeout=300, cwd="/")
+    if r.returncode != 0:
+        raise RuntimeError(f"validation subprocess failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+__all__ = ["ROOT", "VLLM_PYTHON", "build_tokenizer", "require_vllm_venv", "start_server", "stop_server", "tail",
+           "tiny_qwen2", "validate_with_vllm", "write_model_folder"]
+
+
+# ----------------------------------------------------------------------------------------------- trainer side
+class ProbeSender:
+    """The trainer's half of a sync, from the wire-format module's public functions only: host the store, join the
+    group as rank 0, announce `WeightMeta` over HTTP and broadcast the flat buckets while the engine receives."""
+
+    def __init__(self, engine, *, backend: str = "gloo", timeout_s: float = 120.0, bucket_bytes: int = 1 << 20):
+        self.engine, self.backend, self.timeout_s, self.bucket_bytes = engine, backend, timeout_s, bucket_bytes
+        self.group = None
+
+    def init_group(self, world_size: int = 2, group_name: str = "vllm_probe") -> None:
+        import threading
+
+        import trio
+
+        from engines.weight_sync import build_group, create_store
+
+        self.store = create_store("127.0.0.1", 0, is_master=True, timeout_s=self.timeout_s)
+        self.group_name = group_name
+        err = []
+
+        def call():
+            try:
+                trio.run(lambda: self.engine.init_weights_update_group(
+                    master_address="127.0.0.1", master_port=self.store.port, rank_offset=1, world_size=world_size,
+                    group_name=group_name, backend=self.backend, timeout_s=self.timeout_s))
+            except BaseException as e:  # noqa: BLE001 - reported below
+                err.append(e)
+
+        t = threading.Thread(target=call, daemon=True)
+        t.start()
+        self.group = build_group(self.store, rank=0, world_size=world_size, group_name=group_name,
+                                 backend=self.backend, timeout_s=self.timeout_s)
+        t.join(self.timeout_s)
+        if err:
+            raise err[0]
+
+    def sync(self, model: torch.nn.Module, version: int, *, bucketed: bool = True) -> None:
+        import threading
+
+        import trio
+
+        from engines.weight_sync import broadcast_async, plan_buckets, wait_work
+
+        params = [(n, p.detach().float().contiguous()) for n, p in model.named_parameters()]
+        meta = plan_buckets([n for n, _ in params], [tuple(p.shape) for _, p in params], torch.float32,
+                            self.bucket_bytes)
+        body = meta.to_wire(weight_version=version, group_name=self.group_name)
+        if not bucketed:
+            body = {k: v for k, v in body.items() if k not in ("offsets", "bucket_index", "bucket_nbytes")}
+            body["load_format"] = None
+        err = []
+
+        def call():
+            try:
+                trio.run(self.engine.update_weights_from_distributed, body)
+            except BaseException as e:  # noqa: BLE001 - reported below
+                err.append(e)
+
+        t = threading.Thread(target=call, daemon=True)
+        t.start()
+        if bucketed:
+            buckets = [torch.zeros(n, dtype=torch.uint8) for n in meta.bucket_nbytes]
+            for i, (_, p) in enumerate(params):
+                off, b = meta.offsets[i], meta.bucket_index[i]
+                buckets[b][off:off + p.numel() * 4].view(torch.float32).copy_(p.reshape(-1))
+            sends = buckets
+        else:
+            sends = [p for _, p in params]
+        for k, tensor in enumerate(sends):
+            wait_work(broadcast_async(self.group, tensor), timeout_s=self.timeout_s, what=f"send {k}",
+                      check=lambda: (_ for _ in ()).throw(err[0]) if err else None)
+        t.join(self.timeout_s)
+        if t.is_alive():
+            raise TimeoutError("update_weights_from_distributed did not return")
+        if err:
+            raise err[0]
