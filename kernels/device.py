@@ -56,6 +56,12 @@ def backend_for(t: torch.Tensor) -> Backend:
     return "torch"
 
 
+def host_sync_is_free(t: torch.Tensor) -> bool:
+    """True for CPU tensors: reading a value on the host costs nothing there, so ops may validate data and skip
+    masked rows eagerly. Elsewhere a read would stall the device: data checks become device-side flags."""
+    return t.device.type == "cpu"
+
+
 @contextlib.contextmanager
 def use_backend(backend: Backend) -> Iterator[None]:
     """Force one implementation inside the block (tests compare both paths this way)."""

@@ -15,13 +15,19 @@ Two implementations of the chunk loop (device policy, kernels/device.py):
   * "triton" (CUDA, or the interpreter): token chunks with the full vocabulary; the matmuls go through
     cuBLAS (torch.mm in the input dtype), the softmax epilogue and dlogits through the Triton kernels of
     kernels/logprobs.py, the gradient written over the chunk's logits buffer.
-Rows that are masked or ignored are dropped before any matmul (they get 0 and no gradient).
+Rows that are masked or ignored get 0 and no gradient. On CPU they are dropped before any matmul (finding them
+is a host read, free there); on an accelerator every row goes through the GEMMs and the kernels skip the masked
+ones, so the call needs only sizes the host knows (no host sync).
+
+GPU bytes per chunk of n rows (b = bytes per logit): forward, the GEMM writes n·V·b and the statistics kernel
+reads them; backward, the recomputing GEMM writes n·V·b and the gradient kernel reads and rewrites them in place.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels import device as _device
 from kernels._softmax_tiles import (
     chunk_logits,
     chunk_logprob_grad_,
@@ -124,29 +130,28 @@ def _gpu_chunk_tokens(N: int, V: int, dtype: torch.dtype, chunk_tokens: int | No
     return max(1, min(N, _GPU_CHUNK_BYTES // (V * elsize)))
 
 
-def _fwd_triton_linear(h, w, labels, inv_t, with_ent, chunk_tokens):
+def _fwd_triton_linear(h, w, labels, keep, inv_t, with_ent, chunk_tokens):
+    """keep [N] bool: rows the kernels compute (the others get 0)."""
     N, V = h.shape[0], w.shape[0]
     n_tok = _gpu_chunk_tokens(N, V, h.dtype, chunk_tokens)
     logp = torch.empty(N, dtype=torch.float32, device=h.device)
     lse = torch.empty_like(logp)
     ent = torch.empty_like(logp) if with_ent else None
     buf = torch.empty((n_tok, V), dtype=h.dtype, device=h.device)
-    keep = torch.ones(n_tok, dtype=torch.bool, device=h.device)  # rows were compacted on the host
     for t0 in range(0, N, n_tok):
         t1 = min(N, t0 + n_tok)
         x = torch.mm(h[t0:t1], w.t(), out=buf[: t1 - t0])
-        c_logp, c_ent, c_lse = _fwd_triton(x, labels[t0:t1], keep[: t1 - t0], inv_t, with_ent)
+        c_logp, c_ent, c_lse = _fwd_triton(x, labels[t0:t1], keep[t0:t1], inv_t, with_ent)
         logp[t0:t1], lse[t0:t1] = c_logp, c_lse
         if with_ent:
             ent[t0:t1] = c_ent
     return logp, ent, lse
 
 
-def _bwd_triton_linear(h, w, labels, lse, ent, g_logp, g_ent, inv_t, chunk_tokens, need_dh, need_dw):
+def _bwd_triton_linear(h, w, labels, keep, lse, ent, g_logp, g_ent, inv_t, chunk_tokens, need_dh, need_dw):
     N, V = h.shape[0], w.shape[0]
     n_tok = _gpu_chunk_tokens(N, V, h.dtype, chunk_tokens)
     buf = torch.empty((n_tok, V), dtype=h.dtype, device=h.device)
-    keep = torch.ones(n_tok, dtype=torch.bool, device=h.device)
     dh = torch.empty(h.shape, dtype=h.dtype, device=h.device) if need_dh else None
     # fp32 accumulator for the weight gradient across token chunks (one rounding per chunk in bf16).
     dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_dw else None
@@ -156,7 +161,7 @@ def _bwd_triton_linear(h, w, labels, lse, ent, g_logp, g_ent, inv_t, chunk_token
         dz = _bwd_triton(
             x,
             labels[t0:t1],
-            keep[: t1 - t0],
+            keep[t0:t1],
             lse[t0:t1],
             None if ent is None else ent[t0:t1],
             g_logp[t0:t1],
@@ -181,16 +186,26 @@ def _bwd_triton_linear(h, w, labels, lse, ent, g_logp, g_ent, inv_t, chunk_token
 
 class _LinearTokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, keep_idx, inv_t, with_ent, chunk_tokens, backend):
-        # hidden [T, H], weight [V, H], labels [T], keep_idx [K] (None when every row is kept).
+    def forward(ctx, hidden, weight, labels, keep, keep_idx, inv_t, with_ent, chunk_tokens, backend):
+        # hidden [T, H], weight [V, H], labels [T] (valid wherever kept), keep [T] bool. keep_idx [K]: the kept
+        # rows when they were compacted on the host (CPU), else None and every row is computed, masked ones as 0.
         T = hidden.shape[0]
-        h = hidden if keep_idx is None else hidden.index_select(0, keep_idx)
-        lab = labels if keep_idx is None else labels.index_select(0, keep_idx)
-        fwd = _fwd_triton_linear if backend == "triton" else _fwd_torch
-        logp_k, ent_k, lse_k = fwd(h, weight, lab, inv_t, with_ent, chunk_tokens)
+        if keep_idx is not None:
+            h, lab, row_keep = hidden.index_select(0, keep_idx), labels.index_select(0, keep_idx), None
+        else:
+            h, lab, row_keep = hidden, labels, keep
+        if backend == "triton":
+            k = row_keep if row_keep is not None else torch.ones_like(lab, dtype=torch.bool)
+            logp_k, ent_k, lse_k = _fwd_triton_linear(h, weight, lab, k, inv_t, with_ent, chunk_tokens)
+        else:
+            logp_k, ent_k, lse_k = _fwd_torch(h, weight, lab, inv_t, with_ent, chunk_tokens)
+            if row_keep is not None:  # the torch path computes masked rows too: zero them
+                logp_k = torch.where(row_keep, logp_k, 0.0)
+                ent_k = torch.where(row_keep, ent_k, 0.0) if with_ent else None
         ctx.save_for_backward(h, weight, lab, lse_k, ent_k if with_ent else lse_k)
-        ctx.keep_idx, ctx.T = keep_idx, T
+        ctx.keep_idx, ctx.row_keep, ctx.T = keep_idx, row_keep, T
         ctx.inv_t, ctx.with_ent, ctx.chunk_tokens, ctx.backend = inv_t, with_ent, chunk_tokens, backend
+        ctx.set_materialize_grads(False)
 
         def scatter(v):
             if keep_idx is None:
@@ -202,17 +217,23 @@ class _LinearTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         h, weight, lab, lse, ent = ctx.saved_tensors
-        keep_idx = ctx.keep_idx
+        keep_idx, row_keep = ctx.keep_idx, ctx.row_keep
 
         def gather(g):
             g = g.float()
-            return (g if keep_idx is None else g.index_select(0, keep_idx)).contiguous()
+            g = g if keep_idx is None else g.index_select(0, keep_idx)
+            return (g if row_keep is None else torch.where(row_keep, g, 0.0)).contiguous()
 
         g_logp = torch.zeros_like(lse) if g_logp is None else gather(g_logp)
         g_ent = gather(g_ent) if (ctx.with_ent and g_ent is not None) else None
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        bwd = _bwd_triton_linear if ctx.backend == "triton" else _bwd_torch
-        dh_k, dw = bwd(h, weight, lab, lse, ent, g_logp, g_ent, ctx.inv_t, ctx.chunk_tokens, need_dh, need_dw)
+        if ctx.backend == "triton":
+            k = row_keep if row_keep is not None else torch.ones_like(lab, dtype=torch.bool)
+            dh_k, dw = _bwd_triton_linear(h, weight, lab, k, lse, ent, g_logp, g_ent, ctx.inv_t, ctx.chunk_tokens,
+                                          need_dh, need_dw)
+        else:
+            dh_k, dw = _bwd_torch(h, weight, lab, lse, ent, g_logp, g_ent, ctx.inv_t, ctx.chunk_tokens, need_dh,
+                                  need_dw)
         dh = None
         if need_dh:
             if keep_idx is None:
@@ -221,7 +242,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
                 dh = torch.zeros((ctx.T, h.shape[1]), dtype=h.dtype, device=h.device)
                 dh.index_copy_(0, keep_idx, dh_k.to(h.dtype))
         dw = dw.to(weight.dtype) if need_dw else None
-        return dh, dw, None, None, None, None, None, None
+        return dh, dw, None, None, None, None, None, None, None
 
 
 def linear_token_logprobs(
@@ -241,6 +262,8 @@ def linear_token_logprobs(
     mask [T] (nonzero keeps a token). Returns fp32 logp [T] (and entropy [T] with `return_entropy`), 0 where
     masked or ignored; differentiable w.r.t. hidden and weight. `chunk_tokens` overrides the token chunk size
     (default: ~256 MiB of logits per chunk on CUDA; 256 tokens single-threaded, 1024 multi-threaded on CPU).
+    An out-of-range label at a kept position raises ValueError on CPU; on an accelerator (no host sync) its
+    log-prob is NaN.
     """
     if not isinstance(hidden, torch.Tensor) or hidden.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"hidden must be a float32/bfloat16/float16 tensor, got {getattr(hidden, 'dtype', hidden)}")
@@ -269,30 +292,37 @@ def linear_token_logprobs(
         if tuple(mask.shape) != tuple(labels.shape) or mask.device != labels.device:
             raise ValueError(f"mask must have labels' shape {tuple(labels.shape)} and device")
         keep = keep & (mask != 0)
-    # Host syncs (.item()/nonzero): the label range check, and the compaction of kept rows, which saves the
-    # matmuls of masked tokens (prompts, padding).
     bad = keep & ((labels < 0) | (labels >= V))
-    if bool(bad.any().item()):
-        first = int(bad.nonzero()[0].item())
-        raise ValueError(
-            f"labels[{first}] = {int(labels[first].item())} is outside [0, {V}) and is not "
-            f"ignore_index={ignore_index}; fix the labels or mask that position"
-        )
-    n_keep = int(keep.sum().item())
-    keep_idx = None if n_keep == labels.shape[0] else keep.nonzero().squeeze(1)
-    if n_keep == 0:
-        # Nothing to compute; still return differentiable zeros so .backward() works.
-        zero = (hidden[:, :1] * 0.0).sum(1).float() + (weight[:1, :1] * 0.0).sum().float()
-        return (zero, zero.clone()) if return_entropy else zero
+    keep_idx = None
+    if _device.host_sync_is_free(labels):
+        # Host reads are free on CPU: check the labels now, and compact the kept rows, which saves the matmuls of
+        # masked tokens (prompts, padding).
+        if bool(bad.any().item()):
+            first = int(bad.nonzero()[0].item())
+            raise ValueError(
+                f"labels[{first}] = {int(labels[first].item())} is outside [0, {V}) and is not "
+                f"ignore_index={ignore_index}; fix the labels or mask that position"
+            )
+        n_keep = int(keep.sum().item())
+        if n_keep == 0:
+            # Nothing to compute; still return differentiable zeros so .backward() works.
+            zero = (hidden[:, :1] * 0.0).sum(1).float() + (weight[:1, :1] * 0.0).sum().float()
+            return (zero, zero.clone()) if return_entropy else zero
+        keep_idx = None if n_keep == labels.shape[0] else keep.nonzero().squeeze(1)
+        bad = None
     backend = backend_for(hidden)
     logp, ent = _LinearTokenLogprobs.apply(
         hidden,
         weight,
-        labels.contiguous(),
+        # Without a host check an out-of-range label reads column 0 instead (never out of bounds); NaN below.
+        labels.contiguous() if bad is None else torch.where(keep & ~bad, labels, 0),
+        keep,
         keep_idx,
         1.0 / float(temperature),
         bool(return_entropy),
         chunk_tokens,
         backend,
     )
+    if bad is not None:
+        logp = torch.where(bad, float("nan"), logp)
     return (logp, ent) if return_entropy else logp

@@ -1,12 +1,23 @@
 """`token_logprobs(logits, labels, ...)`: per-token log p(label) (and entropy) without a full log-softmax.
 
-The hottest op of RL training (policy, old policy and reference model all need it). A plain
-`log_softmax(logits.float()).gather(...)` materialises an fp32 copy of [T, V] (2.5 GB at T=4096, V=151936),
-twice with its gradient; here each row is read once in the forward and once in the backward.
+The row-softmax primitives of the project. A plain `log_softmax(logits.float()).gather(...)` materialises an
+fp32 copy of [T, V] (2.5 GB at T=4096, V=151936), twice with its gradient; here each row is read once in the
+forward and once in the backward. The policy loss (kernels/policy_loss.py) is these kernels under the torch
+objective of kernels/objective.py, so both ops share one implementation.
 
-Layers (design rule 2): `_token_logprobs_fwd_kernel` / `_token_logprobs_bwd_kernel` (Triton), host launchers
-`_fwd_triton` / `_bwd_triton` and the chunked torch path `_fwd_torch` / `_bwd_torch`, the autograd Function
-`_TokenLogprobs`, and the public `token_logprobs`. Shared math lives in kernels/_softmax_tiles.py.
+    forward  per kept row: (lse, H, logp) from one read of the row                (_token_logprobs_fwd_kernel)
+    backward per row: dlogits = [g_logp (onehot − p) − g_ent p (z − lse + H)] / T from per-row coefficients,
+             one read and one write of the row                                       (_token_logprobs_bwd_kernel)
+
+GPU bytes moved (b = bytes per logit, N rows of which N_k are kept, V the vocabulary): forward reads N_k·V·b
+(masked rows are skipped); backward reads N_k·V·b and writes N·V·b (exact zeros on masked rows), over the
+logits buffer itself with `inplace_backward`. Per-row vectors (labels, keep, lse, H, coefficients) are O(N).
+
+Layers: the Triton kernels, host launchers `_fwd_triton` / `_bwd_triton` and the chunked torch path
+`_fwd_torch` / `_bwd_torch`, the autograd Function `_TokenLogprobs` (entry point for ops that checked their own
+inputs: `logprob_rows`), and the public `token_logprobs`. Shared math lives in kernels/_softmax_tiles.py.
+Label range: checked at once on CPU (a free host read); on an accelerator the check would stall the device, so
+an out-of-range label at a kept position gives a NaN log-prob there instead (never an out-of-bounds read).
 """
 
 from __future__ import annotations
@@ -15,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import device as _device
 from kernels._softmax_tiles import (
     M_INIT_TL,
     chunk_logprob_grad_,
@@ -131,9 +143,10 @@ def _token_logprobs_bwd_kernel(
             tl.store(drow_ptr + cols, zeros, mask=cols < V)
 
 
-def _block_v(V: int, dtype: torch.dtype) -> tuple[int, int]:
-    """(BLOCK_V, num_warps): 16-32 KiB of logits per tile keeps the loads wide without spilling."""
-    cap = 8192 if dtype != torch.float32 else 4096
+def _block_v(V: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int]:
+    """(BLOCK_V, num_warps): 16-32 KiB of logits per tile keeps the loads wide without spilling on a GPU; the
+    interpreter (CPU tensors) is fastest with few wide tiles."""
+    cap = (8192 if dtype != torch.float32 else 4096) if device.type == "cuda" else 16384
     block = min(triton.next_power_of_2(V), cap)
     return block, (16 if block >= 8192 else 8 if block >= 2048 else 4)
 
@@ -148,7 +161,7 @@ def _fwd_triton(x: torch.Tensor, labels: torch.Tensor, keep: torch.Tensor, inv_t
     logp = torch.empty(N, dtype=torch.float32, device=x.device)
     lse = torch.empty(N, dtype=torch.float32, device=x.device)
     ent = torch.empty(N, dtype=torch.float32, device=x.device) if with_ent else lse  # dummy pointer if unused
-    block, warps = _block_v(V, x.dtype)
+    block, warps = _block_v(V, x.dtype, x.device)
     _token_logprobs_fwd_kernel[(N,)](
         x, labels, keep, logp, ent, lse, V, x.stride(0), inv_t, HAS_ENT=with_ent, BLOCK_V=block, num_warps=warps
     )
@@ -159,7 +172,7 @@ def _bwd_triton(x, labels, keep, lse, ent, g_logp, g_ent, inv_t: float, inplace:
     N, V = x.shape
     dx = x if inplace else torch.empty((N, V), dtype=x.dtype, device=x.device)
     with_ent = g_ent is not None
-    block, warps = _block_v(V, x.dtype)
+    block, warps = _block_v(V, x.dtype, x.device)
     _token_logprobs_bwd_kernel[(N,)](
         x,
         dx,
@@ -178,6 +191,13 @@ def _bwd_triton(x, labels, keep, lse, ent, g_logp, g_ent, inv_t: float, inplace:
         num_warps=warps,
     )
     return dx
+
+
+def _scaled_rows(z: torch.Tensor, x: torch.Tensor, inv_t: float) -> torch.Tensor:
+    """z [n, V] fp32 <- x · inv_t: one pass for fp32 x; bf16/fp16 are upcast first (a bf16 multiply would round z)."""
+    if x.dtype == torch.float32:
+        return torch.mul(x, inv_t, out=z)
+    return z.copy_(x).mul_(inv_t)
 
 
 def _row_chunks(N: int, V: int):
@@ -199,8 +219,7 @@ def _fwd_torch(x: torch.Tensor, labels: torch.Tensor, keep: torch.Tensor, inv_t:
         if buf is None:
             buf = torch.empty((n, V), dtype=torch.float32, device=x.device)
             scratch = torch.empty_like(buf) if with_ent else None
-        z = buf[:n]
-        z.copy_(x[r0:r1]).mul_(inv_t)  # upcast first: a bf16 multiply would round z
+        z = _scaled_rows(buf[:n], x[r0:r1], inv_t)
         stats = chunk_softmax_stats(z, safe[r0:r1], with_entropy=with_ent, scratch=scratch)
         c_lse, c_logp, c_ent = finalize_softmax_stats(stats)
         k = keep[r0:r1]
@@ -215,16 +234,14 @@ def _bwd_torch(x, labels, keep, lse, ent, g_logp, g_ent, inv_t: float, inplace: 
     N, V = x.shape
     dx = x if inplace else torch.empty((N, V), dtype=x.dtype, device=x.device)
     safe = torch.where(keep, labels, 0)
-    kf = keep.float()
-    g_logp = g_logp * kf
-    g_ent = g_ent * kf if g_ent is not None else None
+    g_logp = torch.where(keep, g_logp, 0.0)
+    g_ent = torch.where(keep, g_ent, 0.0) if g_ent is not None else None
     buf = None
     for r0, r1 in _row_chunks(N, V):
         n = r1 - r0
         if buf is None:
             buf = torch.empty((n, V), dtype=torch.float32, device=x.device)
-        z = buf[:n]
-        z.copy_(x[r0:r1]).mul_(inv_t)  # upcast first: a bf16 multiply would round z
+        z = _scaled_rows(buf[:n], x[r0:r1], inv_t)
         chunk_logprob_grad_(
             z,
             safe[r0:r1],
@@ -234,6 +251,10 @@ def _bwd_torch(x, labels, keep, lse, ent, g_logp, g_ent, inv_t: float, inplace: 
             g_ent[r0:r1] if g_ent is not None else None,
             inv_t,
         )
+        # Masked rows have zero coefficients; zero them exactly (non-finite padding logits give 0 · inf = NaN).
+        masked = (~keep[r0:r1]).nonzero().squeeze(1)  # host sync (torch path); only the masked rows are touched
+        if masked.numel():
+            z.index_fill_(0, masked, 0.0)
         dx[r0:r1].copy_(z)
     return dx
 
@@ -250,6 +271,9 @@ class _TokenLogprobs(torch.autograd.Function):
         logp, ent, lse = fwd(x, labels, keep, inv_t, with_ent)
         ctx.save_for_backward(x, labels, keep, lse, ent if with_ent else lse)
         ctx.inv_t, ctx.with_ent, ctx.inplace, ctx.backend = inv_t, with_ent, inplace_backward, backend
+        # An output that gets no gradient (the entropy when only logged) stays None in backward, not zeros:
+        # the backward then skips the entropy term.
+        ctx.set_materialize_grads(False)
         if with_ent:
             return logp, ent
         return logp, None
@@ -269,8 +293,15 @@ class _TokenLogprobs(torch.autograd.Function):
         return dx, None, None, None, None, None, None
 
 
+def logprob_rows(x, labels, keep, inv_t: float, with_ent: bool, inplace_backward: bool, backend: str):
+    """The differentiable (logp [N], entropy [N] | None) of logits rows x [N, V] (unit column stride), for ops
+    that checked their inputs: labels [N] int64 in [0, V) wherever keep [N] (bool) is True; 0 at the other rows."""
+    return _TokenLogprobs.apply(x, labels, keep, inv_t, with_ent, inplace_backward, backend)
+
+
 def _check_inputs(logits, labels, mask, temperature, ignore_index):
-    """Shared preconditions of token_logprobs; returns (logits as [N, V], labels [N], keep [N] bool)."""
+    """Shared preconditions of token_logprobs; returns (logits as [N, V], labels [N], keep [N] bool, and the
+    [N] bool rows with an out-of-range label, None when they were checked on the host)."""
     if not isinstance(logits, torch.Tensor) or logits.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"logits must be a float32/bfloat16/float16 tensor, got {getattr(logits, 'dtype', logits)}")
     if logits.ndim < 1 or logits.numel() == 0:
@@ -304,15 +335,18 @@ def _check_inputs(logits, labels, mask, temperature, ignore_index):
         keep = keep & (mask != 0)
     keep = keep.reshape(-1).contiguous()
     labels = labels.reshape(-1).contiguous()
-    # One host sync (.item()): an out-of-range label would read outside the row; fail before launching.
     bad = keep & ((labels < 0) | (labels >= V))
-    if bool(bad.any().item()):
-        first = int(bad.nonzero()[0].item())
-        raise ValueError(
-            f"labels[{first}] (flattened) = {int(labels[first].item())} is outside [0, {V}) and is not "
-            f"ignore_index={ignore_index}; fix the labels or mask that position"
-        )
-    return x, labels, keep
+    if _device.host_sync_is_free(labels):
+        # A free host read on CPU: an out-of-range label is an error now.
+        if bool(bad.any().item()):
+            first = int(bad.nonzero()[0].item())
+            raise ValueError(
+                f"labels[{first}] (flattened) = {int(labels[first].item())} is outside [0, {V}) and is not "
+                f"ignore_index={ignore_index}; fix the labels or mask that position"
+            )
+        return x, labels, keep, None
+    # No host read on an accelerator: the kernels read label 0 instead and the caller marks those rows NaN.
+    return x, torch.where(bad, 0, labels), keep, bad
 
 
 def token_logprobs(
@@ -330,13 +364,16 @@ def token_logprobs(
     logits [..., V] fp32/bf16/fp16 (e.g. [T, V] packed or [B, L, V]); labels [...] int64; mask [...] (nonzero
     keeps a position). Returns logp [...] fp32, or (logp, entropy) with `return_entropy`. Differentiable w.r.t.
     logits through both outputs. `inplace_backward=True` writes the gradient over the logits buffer (saves a
-    [..., V] allocation; only when nothing else reads the logits after the backward).
+    [..., V] allocation; only when nothing else reads the logits after the backward). An out-of-range label
+    at a kept position raises ValueError on CPU; on an accelerator (no host sync) its log-prob is NaN.
     """
-    x, labels_flat, keep = _check_inputs(logits, labels, mask, temperature, ignore_index)
+    x, labels_flat, keep, bad = _check_inputs(logits, labels, mask, temperature, ignore_index)
     backend = backend_for(x)
-    logp, ent = _TokenLogprobs.apply(
+    logp, ent = logprob_rows(
         x, labels_flat, keep, 1.0 / float(temperature), bool(return_entropy), bool(inplace_backward), backend
     )
+    if bad is not None:
+        logp = torch.where(bad, float("nan"), logp)
     out_shape = labels.shape
     if return_entropy:
         return logp.view(out_shape), ent.view(out_shape)

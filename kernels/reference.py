@@ -58,6 +58,15 @@ def linear_token_logprobs_ref(
 # ---------------------------------------------------------------------------------------------------------
 
 
+def sequence_slices_ref(shape_or_mask: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> list[tuple]:
+    """Index tuples selecting each sequence: rows of a [B, L] tensor, or cu_seqlens segments of a [T] one (one
+    sequence when cu_seqlens is None)."""
+    if shape_or_mask.dim() == 2:
+        return [(b, slice(None)) for b in range(shape_or_mask.shape[0])]
+    cu = [int(c) for c in cu_seqlens] if cu_seqlens is not None else [0, shape_or_mask.shape[0]]
+    return [(slice(cu[s], cu[s + 1]),) for s in range(len(cu) - 1)]
+
+
 def policy_token_weights_ref(
     mask: torch.Tensor,
     *,
@@ -74,11 +83,7 @@ def policy_token_weights_ref(
     sequences. num_tokens / num_seqs default to the local counts (masked tokens; rows or segments).
     """
     m = mask.to(dtype)
-    if mask.dim() == 2:
-        bounds = [(b, slice(None)) for b in range(mask.shape[0])]
-    else:
-        cu = [int(c) for c in cu_seqlens] if cu_seqlens is not None else [0, mask.shape[0]]
-        bounds = [(slice(cu[s], cu[s + 1]),) for s in range(len(cu) - 1)]
+    bounds = sequence_slices_ref(mask, cu_seqlens)
     n_tok = float(m.sum()) if num_tokens is None else float(num_tokens)
     n_seq = float(len(bounds)) if num_seqs is None else float(num_seqs)
     weights = torch.zeros_like(m)
@@ -104,6 +109,7 @@ def policy_loss_ref(
     mask: torch.Tensor,
     *,
     config,
+    temperature: float = 1.0,
     old_logprobs: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
     rollout_logprobs: torch.Tensor | None = None,
@@ -112,37 +118,84 @@ def policy_loss_ref(
     num_seqs=None,
     dtype: torch.dtype = torch.float64,
 ):
-    """The clipped GRPO/PPO policy loss and its metrics, by autograd through plain torch (math in `dtype`).
+    """The policy loss (ppo, gspo or cispo) and its metrics, by autograd through plain torch (math in `dtype`).
 
-    Same arguments as `kernels.policy_loss`; labels equal to -100 count as masked. Returns (loss, metrics dict).
+    Same arguments as `kernels.policy_loss`; labels equal to -100 count as masked. Returns (loss, metrics dict)
+    without `input_errors`.
     """
     c = config
     keep = (mask != 0) & (labels != -100)
-    z = logits.to(dtype) / c.temperature
+    z = logits.to(dtype) / temperature
     logp_all = torch.log_softmax(z, dim=-1)
     logp = logp_all.gather(-1, torch.where(keep, labels, 0).unsqueeze(-1)).squeeze(-1)
     logp = torch.where(keep, logp, 0.0)  # masked tokens: a finite placeholder (label 0 may be a −inf logit)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     adv = advantages.to(dtype)
 
-    old = logp.detach() if old_logprobs is None else old_logprobs.to(dtype)
+    def kept(x):  # padding values never reach the math (they may be garbage)
+        return torch.where(keep, x.to(dtype), 0.0)
+
+    old = logp.detach() if old_logprobs is None else kept(old_logprobs)
     log_ratio = torch.clamp(logp - old, -20.0, 20.0)
-    ratio = torch.exp(log_ratio)
-    pg_unclipped = -adv * ratio
-    pg_clipped = -adv * torch.clamp(ratio, 1.0 - c.clip_low, 1.0 + c.clip_high)
-    pg_ppo = torch.maximum(pg_unclipped, pg_clipped)
-    pg = pg_ppo
-    if c.clip_ratio_c is not None:  # dual clip: bound the loss of negative-advantage tokens
-        pg = torch.where(adv < 0, torch.minimum(pg_ppo, -adv * c.clip_ratio_c), pg_ppo)
-    if rollout_logprobs is not None:  # truncated importance sampling, old policy vs the engine
-        tis = torch.exp(torch.clamp(old - rollout_logprobs.to(dtype), -20.0, 20.0)).detach()
-        if c.tis_cap is not None:
-            tis = torch.clamp(tis, max=c.tis_cap)
-        pg = pg * tis
+    token_ratio = torch.exp(log_ratio)
+    lo, hi = 1.0 - c.clip_low, 1.0 + c.clip_high
+
+    if c.objective == "cispo":
+        # −sg(clip(r)) A logp: the IS weight is clipped and detached; every token keeps its gradient.
+        ratio = token_ratio.detach()
+        pg = -torch.clamp(ratio, lo, hi) * adv * logp
+        clipped_low, clipped_high = ratio < lo, ratio > hi
+    else:
+        if c.objective == "gspo":
+            # One ratio and one advantage per sequence: s = exp(mean of (logp − old) over its kept tokens),
+            # A = mean of its advantages; every token of the sequence carries them.
+            ratio = torch.ones_like(logp)
+            seq_adv = torch.zeros_like(adv)
+            for idx in sequence_slices_ref(labels, cu_seqlens):
+                k = keep[idx].to(dtype)
+                n = max(float(k.sum()), 1.0)
+                ratio[idx] = torch.exp(torch.clamp(((logp[idx] - old[idx]) * k).sum() / n, -20.0, 20.0))
+                seq_adv[idx] = (adv[idx] * k).sum() / n
+            adv = seq_adv
+        else:
+            ratio = token_ratio
+        pg_unclipped = -adv * ratio
+        pg_clipped = -adv * torch.clamp(ratio, lo, hi)
+        pg_ppo = torch.maximum(pg_unclipped, pg_clipped)
+        pg = pg_ppo
+        if c.clip_ratio_c is not None:  # dual clip: bound the loss of negative-advantage tokens
+            pg = torch.where(adv < 0, torch.minimum(pg_ppo, -adv * c.clip_ratio_c), pg_ppo)
+        clipped_low = (ratio < lo) & (adv < 0)
+        clipped_high = (ratio > hi) & (adv > 0)
+
+    metrics = {}
+    n_tok = max(float(keep.sum()) if num_tokens is None else float(num_tokens), 1.0)
+
+    def token_mean(x):  # metrics: token means over the kept tokens, normalised by num_tokens
+        return torch.where(keep, x.detach().to(dtype), 0.0).sum() / n_tok
+
+    if rollout_logprobs is not None:
+        trainer = old.detach()  # the trainer's side of the mismatch: old log-probs, else the current ones
+        engine = kept(rollout_logprobs)
+        diff = trainer - engine
+        rho = torch.exp(torch.clamp(diff, -20.0, 20.0))  # importance weight trainer / engine
+        metrics["mismatch/logprob_abs_diff_mean"] = token_mean(diff.abs())
+        metrics["mismatch/logprob_abs_diff_max"] = torch.where(keep, diff.abs(), 0.0).max()
+        metrics["mismatch/kl_k3"] = token_mean(rho - 1.0 - torch.log(rho))
+        if c.rollout_correction == "tis":  # truncated importance sampling
+            weight = torch.clamp(rho, max=c.tis_cap)
+            cut = rho > c.tis_cap
+        elif c.rollout_correction == "mis":  # masked importance sampling: drop tokens outside [1/cap, cap]
+            cut = (rho < 1.0 / c.tis_cap) | (rho > c.tis_cap)
+            weight = torch.where(cut, 0.0, rho)
+        if c.rollout_correction != "none":
+            pg = pg * weight
+            metrics["mismatch/tis_weight_mean"] = token_mean(weight)
+            metrics["mismatch/tis_clip_frac"] = token_mean(cut.to(dtype))
     per_token = pg
     kl = None
     if ref_logprobs is not None:
-        diff = logp - ref_logprobs.to(dtype)
+        diff = logp - kept(ref_logprobs)
         if c.kl_type == "k1":
             kl = diff
         elif c.kl_type == "k2":
@@ -159,18 +212,12 @@ def policy_loss_ref(
     )
     loss = (weights * torch.where(keep, per_token, 0.0)).sum()
 
-    # Metrics: token means over the kept tokens, normalised by num_tokens like the token-mean loss.
-    n_tok = max(float(keep.sum()) if num_tokens is None else float(num_tokens), 1.0)
-
-    def token_mean(x):
-        return torch.where(keep, x.detach().to(dtype), 0.0).sum() / n_tok
-
-    metrics = {
-        "clip_frac_low": token_mean(((ratio < 1.0 - c.clip_low) & (adv < 0)).to(dtype)),
-        "clip_frac_high": token_mean(((ratio > 1.0 + c.clip_high) & (adv > 0)).to(dtype)),
-        "approx_kl": token_mean(ratio - 1.0 - log_ratio),
+    metrics.update({
+        "clip_frac_low": token_mean(clipped_low.to(dtype)),
+        "clip_frac_high": token_mean(clipped_high.to(dtype)),
+        "approx_kl": token_mean(token_ratio - 1.0 - log_ratio),
         "ratio_mean": token_mean(ratio),
-    }
+    })
     if c.clip_ratio_c is not None:
         metrics["dual_clip_frac"] = token_mean(((adv < 0) & (-adv * c.clip_ratio_c < pg_ppo)).to(dtype))
     if c.entropy_coef != 0.0 or c.log_entropy:

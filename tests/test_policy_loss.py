@@ -7,17 +7,17 @@ the log-ratio and of k3) is taken by some tokens.
 """
 
 import dataclasses
-import textwrap
+import math
 
 import pytest
 import torch
-from triton_compile import compile_in_subprocess
 
 from kernels import PolicyLossConfig, linear_policy_loss, policy_loss, use_backend
 from kernels.reference import policy_loss_ref
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-FULL = dict(kl_coef=0.1, entropy_coef=0.01, clip_ratio_c=1.6, tis_cap=1.5, temperature=0.7, max_seq_len=9)
+FULL = dict(kl_coef=0.1, entropy_coef=0.01, clip_ratio_c=1.6, rollout_correction="tis", tis_cap=1.5, max_seq_len=9)
+TEMPERATURE = 0.7  # the rollout temperature of the FULL cases (a keyword of the losses, not a config field)
 
 
 def make_case(layout, vocab, seed, *, n_seqs=3, max_len=7, dtype=torch.float32, temperature=1.0):
@@ -56,6 +56,9 @@ def assert_matches(ours, ref, *, loss_rtol=1e-5, grad_rtol=1e-4, metric_atol=1e-
     loss, metrics, grad = ours
     rloss, rmetrics, rgrad = ref
     torch.testing.assert_close(loss.double(), rloss, rtol=loss_rtol, atol=loss_rtol * 1e-1)
+    metrics = dict(metrics)
+    errors = metrics.pop("input_errors")  # the device-side validation flags: 0 for valid inputs
+    assert errors.dtype == torch.int32 and errors.dim() == 0 and int(errors) == 0
     assert set(metrics) == set(rmetrics)
     for name, value in metrics.items():
         assert value.dim() == 0 and value.device == loss.device
@@ -72,14 +75,14 @@ def positional(inputs):
     return (kw.pop("labels"), kw.pop("advantages"), kw.pop("mask")), kw
 
 
-def check(logits, inputs, config, seed, **extra):
+def check(logits, inputs, config, seed, temperature=1.0, **extra):
     upstream = torch.randn((), generator=torch.Generator().manual_seed(seed + 1000)).double()
     args, kw = positional(inputs)
     x = logits.clone().requires_grad_(True)
-    loss, metrics = policy_loss(x, *args, config=config, **kw, **extra)
+    loss, metrics = policy_loss(x, *args, config=config, temperature=temperature, **kw, **extra)
     (loss * upstream.float()).backward()
     xr = logits.detach().double().requires_grad_(True)
-    rloss, rmetrics = policy_loss_ref(xr, *args, config=config, **kw, **extra)
+    rloss, rmetrics = policy_loss_ref(xr, *args, config=config, temperature=temperature, **kw, **extra)
     (rloss * upstream).backward()
     return (loss.detach(), metrics, x.grad), (rloss.detach(), rmetrics, xr.grad)
 
@@ -89,8 +92,8 @@ def check(logits, inputs, config, seed, **extra):
 def test_every_loss_agg_with_all_options(backend, layout, loss_agg):
     seed = LOSS_AGGS.index(loss_agg) * 2 + (layout == "packed")
     config = PolicyLossConfig(loss_agg=loss_agg, **FULL)
-    logits, inputs = make_case(layout, 1271, seed, temperature=config.temperature)
-    assert_matches(*check(logits, inputs, config, seed))
+    logits, inputs = make_case(layout, 1271, seed, temperature=TEMPERATURE)
+    assert_matches(*check(logits, inputs, config, seed, TEMPERATURE))
 
 
 OPTION_CASES = {
@@ -98,12 +101,14 @@ OPTION_CASES = {
     "off-policy": (dict(), dict(ref_logprobs=None, rollout_logprobs=None)),
     "asymmetric-clip": (dict(clip_low=0.1, clip_high=0.28), dict(ref_logprobs=None, rollout_logprobs=None)),
     "dual-clip": (dict(clip_ratio_c=1.5), dict(ref_logprobs=None, rollout_logprobs=None)),
-    "tis-capped": (dict(tis_cap=1.2), dict(ref_logprobs=None)),
-    "tis-uncapped": (dict(), dict(ref_logprobs=None)),
-    "tis-on-policy": (dict(tis_cap=2.0), dict(old_logprobs=None, ref_logprobs=None)),
+    "tis-capped": (dict(rollout_correction="tis", tis_cap=1.2), dict(ref_logprobs=None)),
+    "tis-uncapped": (dict(rollout_correction="tis", tis_cap=math.inf), dict(ref_logprobs=None)),
+    "tis-on-policy": (dict(rollout_correction="tis", tis_cap=2.0), dict(old_logprobs=None, ref_logprobs=None)),
+    "mis": (dict(rollout_correction="mis", tis_cap=1.3), dict(ref_logprobs=None)),
+    "mismatch-metrics-only": (dict(), dict(ref_logprobs=None)),
     "entropy": (dict(entropy_coef=0.05), dict(ref_logprobs=None, rollout_logprobs=None)),
     "log-entropy-only": (dict(log_entropy=True), dict(ref_logprobs=None, rollout_logprobs=None)),
-    "temperature": (dict(temperature=1.7, entropy_coef=0.02), dict()),
+    "temperature": (dict(entropy_coef=0.02), dict()),
     "k1": (dict(kl_coef=0.2, kl_type="k1"), dict()),
     "k2": (dict(kl_coef=0.2, kl_type="k2"), dict()),
     "k3": (dict(kl_coef=0.2, kl_type="k3"), dict()),
@@ -116,10 +121,13 @@ def test_each_option(backend, case):
     cfg_kw, overrides = OPTION_CASES[case]
     seed = sorted(OPTION_CASES).index(case) + 17
     config = PolicyLossConfig(loss_agg="seq-mean-token-mean", **cfg_kw)
-    logits, inputs = make_case("padded", 1271, seed, temperature=config.temperature)
+    temperature = 1.7 if case == "temperature" else 1.0
+    logits, inputs = make_case("padded", 1271, seed, temperature=temperature)
     inputs.update(overrides)
-    ours, ref = check(logits, inputs, config, seed)
+    ours, ref = check(logits, inputs, config, seed, temperature)
     assert_matches(ours, ref)
+    if case in ("tis-capped", "mis"):  # the cap binds on some tokens and not on others
+        assert 0 < float(ref[1]["mismatch/tis_clip_frac"]) < 1
     if case == "dual-clip":  # the seed puts tokens in every branch: clipped low, clipped high, dual-clipped
         assert min(float(ref[1][k]) for k in ("clip_frac_low", "clip_frac_high", "dual_clip_frac")) > 0
 
@@ -151,8 +159,8 @@ def test_large_vocabulary_multi_tile(backend):
 def test_bf16_logits(backend):
     # bf16 inputs, fp32 math: compared with the reference on the same bf16 values upcast (design.md).
     config = PolicyLossConfig(loss_agg="seq-mean-token-mean", **{k: v for k, v in FULL.items() if k != "max_seq_len"})
-    logits, inputs = make_case("padded", 1271, 11, dtype=torch.bfloat16, temperature=config.temperature)
-    (loss, metrics, grad), ref = check(logits, inputs, config, 11)
+    logits, inputs = make_case("padded", 1271, 11, dtype=torch.bfloat16, temperature=TEMPERATURE)
+    (loss, metrics, grad), ref = check(logits, inputs, config, 11, TEMPERATURE)
     assert grad.dtype == torch.bfloat16
     assert_matches((loss, metrics, grad), ref, loss_rtol=1e-4, grad_rtol=1e-2)
 
@@ -193,9 +201,10 @@ def test_micro_batches_and_ranks_sum_to_full_batch(backend, loss_agg):
     # num_tokens / num_seqs, the summed losses, metrics and gradients equal the full batch's.
     config = PolicyLossConfig(loss_agg=loss_agg, **FULL)
     logits, inputs = make_case("padded", 7, 21 + LOSS_AGGS.index(loss_agg), n_seqs=8, max_len=6,
-                               temperature=config.temperature)
+                               temperature=TEMPERATURE)
     inputs["cu_seqlens"] = None
     args, kw = positional(inputs)
+    kw["temperature"] = TEMPERATURE
     x = logits.clone().requires_grad_(True)
     full_loss, full_metrics = policy_loss(x, *args, config=config, **kw)
     full_loss.backward()
@@ -211,15 +220,22 @@ def test_micro_batches_and_ranks_sum_to_full_batch(backend, loss_agg):
             part = _split_rows(inputs, rows)
             pargs, pkw = positional(part)
             xp = logits[rows].clone().requires_grad_(True)
-            loss, metrics = policy_loss(xp, *pargs, config=config, num_tokens=n_tokens, num_seqs=n_seqs, **pkw)
+            loss, metrics = policy_loss(xp, *pargs, config=config, num_tokens=n_tokens, num_seqs=n_seqs,
+                                        temperature=TEMPERATURE, **pkw)
             loss.backward()
             total_loss += loss.detach()
-            for k in metrics:
-                total_metrics[k] += metrics[k]
+            for k in metrics:  # the reduction rule of the metrics: `_max` by max, the flags by or, others by sum
+                if k.endswith("_max"):
+                    total_metrics[k] = torch.maximum(total_metrics[k], metrics[k])
+                elif k == "input_errors":
+                    total_metrics[k] = total_metrics[k].int() | metrics[k]
+                else:
+                    total_metrics[k] += metrics[k]
             grads[rows] = xp.grad
+    assert "mismatch/logprob_abs_diff_max" in full_metrics
     torch.testing.assert_close(total_loss, full_loss.detach(), rtol=1e-5, atol=1e-7)
     for k in full_metrics:
-        torch.testing.assert_close(total_metrics[k], full_metrics[k], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(total_metrics[k], full_metrics[k], rtol=1e-5, atol=1e-6, check_dtype=False)
     torch.testing.assert_close(grads, x.grad, rtol=1e-5, atol=1e-8)
 
 
@@ -255,6 +271,7 @@ def test_linear_equals_policy_loss_on_logits(backend, layout, entropy_coef):
     hidden = torch.randn(*shape, 24, generator=g)
     weight = torch.randn(1271, 24, generator=g) * 0.4
     args, kw = positional(inputs)
+    kw["temperature"] = TEMPERATURE
     upstream = float(torch.randn((), generator=g))
 
     h1, w1 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
@@ -266,6 +283,7 @@ def test_linear_equals_policy_loss_on_logits(backend, layout, entropy_coef):
     (rloss * upstream).backward()
 
     torch.testing.assert_close(loss.double(), rloss, rtol=1e-5, atol=1e-6)
+    assert set(metrics) == set(rmetrics) | {"input_errors"} and int(metrics["input_errors"]) == 0
     for name in rmetrics:
         torch.testing.assert_close(metrics[name].double(), rmetrics[name], rtol=1e-5, atol=1e-5)
     for ours, ref in ((h1.grad, h2.grad), (w1.grad, w2.grad)):
@@ -289,6 +307,7 @@ def test_linear_bf16(backend):
     hidden = torch.randn(inputs["labels"].shape[0], 32, generator=g).bfloat16()
     weight = (torch.randn(1271, 32, generator=g) * 0.3).bfloat16()
     args, kw = positional(inputs)
+    kw["temperature"] = TEMPERATURE
     h1, w1 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     loss, _ = linear_policy_loss(h1, w1, *args, config=config, chunk_tokens=4, **kw)
     loss.backward()
@@ -338,6 +357,16 @@ def test_config_errors():
         PolicyLossConfig(clip_ratio_c=0.5)
     with pytest.raises(ValueError, match="tis_cap"):
         PolicyLossConfig(tis_cap=0.0)
+    with pytest.raises(ValueError, match="tis_cap"):
+        PolicyLossConfig(tis_cap=None)
+    with pytest.raises(ValueError, match="objective"):
+        PolicyLossConfig(objective="grpo")
+    with pytest.raises(ValueError, match="rollout_correction"):
+        PolicyLossConfig(rollout_correction="is")
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        PolicyLossConfig(objective="cispo", clip_ratio_c=3.0)
+    with pytest.raises(TypeError, match="temperature"):
+        PolicyLossConfig(temperature=0.7)  # a keyword of the losses now, never a config field
     assert dataclasses.replace(PolicyLossConfig(), loss_agg="token-mean").loss_agg == "token-mean"
 
 
@@ -389,6 +418,10 @@ def test_bad_inputs_name_the_argument(fn):
         call(_bad(inputs, old_logprobs=inputs["old_logprobs"][:-1]))
     with pytest.raises(ValueError, match="num_seqs"):
         call(inputs | {"num_seqs": -1})
+    with pytest.raises(ValueError, match="temperature"):
+        call(inputs | {"temperature": 0.0})
+    with pytest.raises(ValueError, match="rollout_logprobs"):
+        call(_bad(inputs, rollout_logprobs=None), dataclasses.replace(config, rollout_correction="tis"))
 
 
 def test_bad_logits_and_hidden():
@@ -403,37 +436,3 @@ def test_bad_logits_and_hidden():
         policy_loss(logits.double(), *args, config=config, **kw)
     with pytest.raises(ValueError, match="weight"):
         linear_policy_loss(torch.randn(3, 7, 4), torch.randn(7, 5), *args, config=config, **kw)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The kernels compile for a real GPU target (the interpreter accepts code that the compiler rejects)
-# ---------------------------------------------------------------------------------------------------------
-
-_COMPILE_SCRIPT = textwrap.dedent("""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from kernels.policy_loss import _policy_loss_bwd_kernel, _policy_loss_fwd_kernel
-
-    target = GPUTarget("cuda", 90, 32)  # H100; PTX via the ptxas bundled with triton, no GPU needed
-    f = "*fp32"
-    for x in ("*fp32", "*bf16"):
-        sig = dict(x_ptr=x, labels_ptr="*i64", keep_ptr="*u8", w_ptr=f, adv_ptr=f, old_ptr=f, ref_ptr=f, roll_ptr=f,
-                   wloss_ptr=f, glogp_ptr=f, lse_ptr=f, ent_ptr=f, vals_ptr=f, N="i32", V="i32", inv_t="fp32",
-                   clip_lo="fp32", clip_hi="fp32", clip_c="fp32", tis_cap="fp32", kl_coef="fp32", ent_coef="fp32")
-        for flags in ((True, True, True, True, True, 3), (False, False, False, False, False, 1)):
-            consts = dict(zip(("HAS_OLD", "HAS_REF", "HAS_ROLLOUT", "HAS_DUAL", "HAS_CAP", "KL_TYPE"), flags))
-            consts["BLOCK_V"] = 4096
-            sig.update({k: "constexpr" for k in consts})
-            assert "ptx" in triton.compile(ASTSource(_policy_loss_fwd_kernel, sig, consts), target=target).asm
-        sig = dict(x_ptr=x, dx_ptr=x, labels_ptr="*i64", keep_ptr="*u8", w_ptr=f, glogp_ptr=f, lse_ptr=f, ent_ptr=f,
-                   grad_out_ptr=f, V="i32", inv_t="fp32", ent_coef="fp32", HAS_ENT="constexpr", BLOCK_V="constexpr")
-        for has_ent in (True, False):
-            consts = dict(HAS_ENT=has_ent, BLOCK_V=4096)
-            assert "ptx" in triton.compile(ASTSource(_policy_loss_bwd_kernel, sig, consts), target=target).asm
-    print("compiled")
-""")
-
-
-def test_triton_kernels_compile_for_sm90():
-    compile_in_subprocess(_COMPILE_SCRIPT, TRITON_DEFAULT_FP_FUSION="1")
