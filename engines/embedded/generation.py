@@ -1,15 +1,25 @@
-"""Batched sampling with a KV cache: many prompts, one forward per step.
+"""Continuous-batching sampling with a KV cache: rows join and leave the batch between decode steps.
 
-Prompts are left-padded into one [B, L] batch (position ids count only real tokens, so padding changes nothing
-but the attention mask), prefilled once, then decoded one token per step with the HF cache. Each row carries its
-own sampling settings and its own `torch.Generator`, so a row's tokens depend on its seed, not on which other
-requests share the batch. Returned log-probs are log_softmax of the raw logits (temperature 1, no top-k/top-p),
-i.e. the policy's own log-prob of each sampled token, which is what the trainer recomputes.
+`DecodeBatch` holds the rows being generated: one left-padded KV cache [B, heads, L, head_dim] per layer, the
+attention mask [B, L] (1 = a real token), each row's next position id (counting real tokens only, so padding
+changes nothing but the mask) and the token it sampled last. One `step(new_rows)`:
+  1. decode: feed every running row its last token (one forward of [B, 1]);
+  2. prefill: the admitted rows, left-padded into one [b, L'] forward;
+  3. merge: both caches and masks, left-padded to a common length, concatenated along the batch;
+  4. sample one token per row, each with its own `torch.Generator` (seeded from the row's seed), so a row's
+     tokens depend on its seed, not on which other rows share the batch;
+  5. retire finished rows (stop token, length, or abort) and drop mask columns no row still attends to.
+
+Log-probs: for each sampled token, `log_softmax(logits / T)[token]` at the row's temperature T (temperature 0,
+greedy: `log_softmax(logits)`), before top-k/top-p: the distribution the token was sampled from before the
+filters, which is what the trainer recomputes at the same temperature.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -17,7 +27,8 @@ from transformers import DynamicCache
 
 @dataclass(frozen=True)
 class Row:
-    """One sequence to generate. stop_ids ends the row (the stop token is kept in the output)."""
+    """One sequence to generate. stop_ids ends the row (the stop token is kept in the output); rid names it for
+    aborts."""
 
     prompt: tuple[int, ...]
     temperature: float
@@ -26,13 +37,23 @@ class Row:
     max_new_tokens: int
     stop_ids: frozenset[int]
     seed: int
+    rid: str = ""
 
 
 @dataclass(frozen=True)
 class RowResult:
     output_ids: list[int]
     logprobs: list[float]
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" | "abort"
+
+
+@dataclass
+class _Active:
+    row: Row
+    handle: Any  # the caller's tag, returned with the result
+    gen: torch.Generator
+    out_ids: list[int] = field(default_factory=list)
+    out_lp: list[float] = field(default_factory=list)
 
 
 def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -55,82 +76,176 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return torch.empty_like(scaled).scatter_(-1, sorted_idx, masked_sorted)
 
 
-def sample_next(logits: torch.Tensor, rows: list[Row], generators: list[torch.Generator],
-                knobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Next token per row [B] (int64) from fp32 logits [B, V]."""
-    temperature, top_k, top_p = knobs
-    greedy = logits.argmax(-1)
-    if bool((temperature == 0).all()):
-        return greedy
-    probs = filter_logits(logits, temperature, top_k, top_p).softmax(-1)
-    out = greedy.clone()
-    for i, row in enumerate(rows):  # per-row generator: a row's draw depends only on its own seed
-        if row.temperature > 0:
-            out[i] = torch.multinomial(probs[i], 1, generator=generators[i])[0]
-    return out
+def sample_with_logprobs(logits: torch.Tensor, rows: list[Row],
+                         gens: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(next token [B] int64, its log-prob [B] fp32 at the row's temperature) from fp32 logits [B, V]."""
+    device = logits.device
+    temperature = torch.tensor([r.temperature for r in rows], device=device, dtype=torch.float32)
+    # temperature 0 (greedy) reports temperature-1 log-probs
+    logprobs = (logits / torch.where(temperature > 0, temperature, 1.0)[:, None]).log_softmax(-1)
+    tok = logits.argmax(-1)
+    sampled = [i for i, r in enumerate(rows) if r.temperature > 0]
+    if sampled:
+        top_k = torch.tensor([r.top_k for r in rows], device=device)
+        top_p = torch.tensor([r.top_p for r in rows], device=device, dtype=torch.float32)
+        probs = filter_logits(logits, temperature, top_k, top_p).softmax(-1)
+        for i in sampled:  # per-row generator: a row's draw depends only on its own seed
+            tok[i] = torch.multinomial(probs[i], 1, generator=gens[i])[0]
+    return tok, logprobs.gather(-1, tok[:, None])[:, 0]
 
 
-def _row_generator(seed: int, device: torch.device) -> torch.Generator:
+def _left_pad(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    """Left-pad x with zeros along dim up to `length`."""
+    missing = length - x.shape[dim]
+    if missing == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = missing
+    return torch.cat([x.new_zeros(shape), x], dim=dim)
+
+
+def _cache_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+class DecodeBatch:
+    """The engine's running rows and their KV cache (the only mutable state of generation; see the module
+    docstring). Not thread-safe: one thread (the engine's model thread) calls `step`."""
+
+    def __init__(self, model, *, pad_id: int, decode_fn: Callable | None = None):
+        self.model, self.pad_id = model, pad_id
+        self.decode_fn = decode_fn or model.forward
+        self.device = next(model.parameters()).device
+        self.rows: list[_Active] = []
+        self.cache: DynamicCache | None = None  # per layer: keys, values [B, H, L, D]
+        self.mask = torch.zeros((0, 0), dtype=torch.long, device=self.device)  # [B, L]
+        self.pos = torch.zeros((0,), dtype=torch.long, device=self.device)  # [B] next position id
+        self.last = torch.zeros((0,), dtype=torch.long, device=self.device)  # [B] token not yet fed
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def _decode(self) -> torch.Tensor:
+        """Feed each running row its last token; logits [B, V] fp32."""
+        self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.rows), 1))], dim=1)
+        logits = self.decode_fn(input_ids=self.last[:, None], attention_mask=self.mask,
+                                position_ids=self.pos[:, None], past_key_values=self.cache,
+                                use_cache=True).logits[:, -1].float()
+        self.pos = self.pos + 1
+        return logits
+
+    def _prefill(self, rows: list[Row]) -> tuple[torch.Tensor, DynamicCache, torch.Tensor, torch.Tensor]:
+        """Left-padded prefill of new rows: (logits [b, V], cache, mask [b, L'], next positions [b]). Rows with
+        the same prompt (the n samples of a group) share one prefill: its cache rows are repeated."""
+        unique = list(dict.fromkeys(r.prompt for r in rows))
+        b, L = len(unique), max(len(p) for p in unique)
+        ids = torch.full((b, L), self.pad_id, dtype=torch.long, device=self.device)
+        mask = torch.zeros((b, L), dtype=torch.long, device=self.device)
+        for i, p in enumerate(unique):
+            ids[i, L - len(p):] = torch.tensor(p, device=self.device)
+            mask[i, L - len(p):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)
+        cache = DynamicCache()
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                            use_cache=True, logits_to_keep=1).logits[:, -1].float()
+        if b < len(rows):
+            where = {p: i for i, p in enumerate(unique)}
+            idx = torch.tensor([where[r.prompt] for r in rows], device=self.device)
+            cache = DynamicCache(ddp_cache_data=[(k.index_select(0, idx), v.index_select(0, idx))
+                                                 for k, v in _cache_tensors(cache)])
+            logits, mask = logits.index_select(0, idx), mask.index_select(0, idx)
+            positions = positions.index_select(0, idx)
+        return logits, cache, mask, positions[:, -1] + 1
+
+    def _merge(self, cache: DynamicCache, mask: torch.Tensor, pos: torch.Tensor) -> None:
+        """Append prefilled rows: both caches left-padded to a common length, concatenated along the batch."""
+        if not self.rows:
+            self.cache, self.mask, self.pos = cache, mask, pos
+            return
+        L = max(self.mask.shape[1], mask.shape[1])
+        self.cache = DynamicCache(ddp_cache_data=[
+            (torch.cat([_left_pad(k0, L, 2), _left_pad(k1, L, 2)]),
+             torch.cat([_left_pad(v0, L, 2), _left_pad(v1, L, 2)]))
+            for (k0, v0), (k1, v1) in zip(_cache_tensors(self.cache), _cache_tensors(cache))])
+        self.mask = torch.cat([_left_pad(self.mask, L, 1), _left_pad(mask, L, 1)])
+        self.pos = torch.cat([self.pos, pos])
+
+    def _keep(self, keep: list[int]) -> None:
+        """Keep only rows `keep` (indices), and drop leading mask columns no kept row attends to."""
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self.cache, self.mask = None, self.mask[:0, :0]
+            self.pos, self.last = self.pos[:0], self.last[:0]
+            return
+        idx = torch.tensor(keep, device=self.device)
+        mask = self.mask.index_select(0, idx)
+        first = int(mask.any(0).nonzero()[0, 0])  # host sync: only when rows leave
+        self.mask = mask[:, first:]
+        self.cache = DynamicCache(ddp_cache_data=[
+            (k.index_select(0, idx)[:, :, first:], v.index_select(0, idx)[:, :, first:])
+            for k, v in _cache_tensors(self.cache)])
+        self.pos, self.last = self.pos.index_select(0, idx), self.last.index_select(0, idx)
+
+    def abort(self, rids: Collection[str] | None) -> list[tuple[Any, RowResult]]:
+        """Retire rows named in `rids` (None: all) with what they have, finish reason "abort"."""
+        cut = [i for i, a in enumerate(self.rows) if rids is None or a.row.rid in rids]
+        if not cut:
+            return []
+        out = [(self.rows[i].handle, RowResult(self.rows[i].out_ids, self.rows[i].out_lp, "abort")) for i in cut]
+        cut_set = set(cut)
+        self._keep([i for i in range(len(self.rows)) if i not in cut_set])
+        return out
+
+    @torch.inference_mode()
+    def step(self, new: list[tuple[Row, Any]] = ()) -> list[tuple[Any, RowResult]]:
+        """One decode step for the running rows plus the prefill of `new` (row, handle) pairs; returns the
+        (handle, result) of every row that finished in this step."""
+        done = [(h, RowResult([], [], "length")) for r, h in new if r.max_new_tokens == 0]
+        new = [(r, h) for r, h in new if r.max_new_tokens > 0]
+        for r, _ in new:
+            if not r.prompt:
+                raise ValueError("a prompt is empty: give at least one input token (e.g. the bos id)")
+        logits = [self._decode()] if self.rows else []
+        if new:
+            rows = [r for r, _ in new]
+            new_logits, cache, mask, pos = self._prefill(rows)
+            self._merge(cache, mask, pos)
+            self.rows += [_Active(r, h, _generator(r.seed, self.device)) for r, h in new]
+            logits.append(new_logits)
+        if not self.rows:
+            return done
+        tok, lp = sample_with_logprobs(torch.cat(logits), [a.row for a in self.rows], [a.gen for a in self.rows])
+        self.last = tok
+        # One host sync per step: the finished-row bookkeeping needs the tokens on the host.
+        keep = []
+        for i, (a, t, p) in enumerate(zip(self.rows, tok.tolist(), lp.tolist())):
+            a.out_ids.append(t)
+            a.out_lp.append(p)
+            if t in a.row.stop_ids:
+                done.append((a.handle, RowResult(a.out_ids, a.out_lp, "stop")))
+            elif len(a.out_ids) >= a.row.max_new_tokens:
+                done.append((a.handle, RowResult(a.out_ids, a.out_lp, "length")))
+            else:
+                keep.append(i)
+        self._keep(keep)
+        return done
+
+
+def _generator(seed: int, device: torch.device) -> torch.Generator:
     g = torch.Generator(device=device)
     g.manual_seed(seed)
     return g
 
 
-@torch.inference_mode()
-def generate_rows(model, rows: list[Row], *, pad_id: int, decode_fn=None) -> list[RowResult]:
-    """Generate every row in one batch. decode_fn (default model.forward) runs the one-token decode step;
-    the engine passes a torch.compile'd forward on CUDA."""
-    if not rows:
-        return []
-    for r in rows:
-        if len(r.prompt) == 0:
-            raise ValueError("a prompt is empty: give at least one input token (e.g. the bos id)")
-    device = next(model.parameters()).device
-    decode_fn = decode_fn or model.forward
-    B, L = len(rows), max(len(r.prompt) for r in rows)
-    input_ids = torch.full((B, L), pad_id, dtype=torch.long, device=device)
-    mask = torch.zeros((B, L), dtype=torch.long, device=device)
-    for i, r in enumerate(rows):
-        input_ids[i, L - len(r.prompt):] = torch.tensor(r.prompt, device=device)
-        mask[i, L - len(r.prompt):] = 1
-    positions = (mask.cumsum(-1) - 1).clamp_min(0)
-    knobs = (torch.tensor([r.temperature for r in rows], device=device, dtype=torch.float32),
-             torch.tensor([r.top_k for r in rows], device=device),
-             torch.tensor([r.top_p for r in rows], device=device, dtype=torch.float32))
-    gens = [_row_generator(r.seed, device) for r in rows]
-    max_new = torch.tensor([r.max_new_tokens for r in rows], device=device)
-    steps = int(max_new.max())
-    out_ids = [[] for _ in rows]
-    out_lp = [[] for _ in rows]
-    reason = ["length"] * B
-    done = max_new == 0
-    if steps == 0:
-        return [RowResult([], [], "length") for _ in rows]
-
-    cache = DynamicCache()
-    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                   use_cache=True, logits_to_keep=1).logits[:, -1].float()  # [B, V]
-    next_pos = positions[:, -1:] + 1
-    for step in range(steps):
-        logprobs = logits.log_softmax(-1)
-        tok = sample_next(logits, rows, gens, knobs)
-        tok_lp = logprobs.gather(-1, tok[:, None])[:, 0]
-        # One host sync per step: the finished-row bookkeeping needs the tokens on the host.
-        tok_host, lp_host, done_host = tok.tolist(), tok_lp.tolist(), done.tolist()
-        for i, r in enumerate(rows):
-            if done_host[i]:
-                continue
-            out_ids[i].append(tok_host[i])
-            out_lp[i].append(lp_host[i])
-            if tok_host[i] in r.stop_ids:
-                reason[i] = "stop"
-                done[i] = True
-            elif len(out_ids[i]) >= r.max_new_tokens:
-                done[i] = True
-        if bool(done.all()) or step == steps - 1:
-            break
-        mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=device)], dim=1)
-        logits = decode_fn(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
-                           past_key_values=cache, use_cache=True).logits[:, -1].float()
-        next_pos = next_pos + 1
-    return [RowResult(out_ids[i], out_lp[i], reason[i]) for i in range(B)]
+def generate_rows(model, rows: list[Row], *, pad_id: int, decode_fn: Callable | None = None) -> list[RowResult]:
+    """Generate every row to the end in one batch (benchmarks, tests); the server steps a DecodeBatch itself."""
+    batch = DecodeBatch(model, pad_id=pad_id, decode_fn=decode_fn)
+    results: dict[int, RowResult] = {}
+    pending = [(r, i) for i, r in enumerate(rows)]
+    while pending or len(batch):
+        for i, res in batch.step(pending):
+            results[i] = res
+        pending = []
+    return [results[i] for i in range(len(rows))]

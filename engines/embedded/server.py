@@ -1,28 +1,32 @@
 """The embedded engine's HTTP server: SGLang's native protocol over starlette/uvicorn.
 
-Endpoints (SGLang's names and fields): GET /health, /get_model_info, /get_weight_version, /flush_cache;
-POST /generate, /init_weights_update_group, /update_weights_from_distributed, /update_weights_from_tensor,
-/destroy_weights_update_group, /pause_generation, /continue_generation.
+Endpoints (SGLang's names and fields): GET /health, /get_model_info, /get_server_info, /get_weight_version,
+/flush_cache; POST /generate, /abort_request ({rid} or {abort_all: true}), /init_weights_update_group,
+/update_weights_from_distributed, /update_weights_from_tensor, /destroy_weights_update_group, /pause_generation
+({mode: abort | in_place | retract}), /continue_generation. /health and /get_server_info report the load:
+num_running_rows, num_waiting_rows, decode_steps.
 
 Our extensions, all optional: `timeout_s` in /init_weights_update_group (the group's collective timeout);
 `load_format: "flattened_bucket"` in /update_weights_from_distributed with `offsets`, `bucket_index` and
 `bucket_nbytes` (see engines/weight_sync.py); `ipc_buckets` in /update_weights_from_tensor (JSON CUDA-IPC handles
 instead of SGLang's pickled tensors: nothing is unpickled from the network).
 
-Concurrency: one "model thread" runs everything that touches the model (generation batches, weight loads), so a
-weight update never overlaps a forward; group joins run on other threads; the event loop only parses and batches.
-Concurrent /generate requests are merged into one batch (up to `max_batch_rows` rows) per model call.
+Concurrency: one "model thread" runs everything that touches the model (decode steps, weight loads), so a weight
+update never overlaps a forward; group joins run on other threads; the event loop parses and schedules.
+Continuous batching: rows of every /generate request join the running batch between decode steps (up to
+`max_batch_rows` rows) and leave it when they finish; an aborted row leaves at the next step with what it has.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import random
 import secrets
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 import torch
@@ -31,7 +35,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from engines.embedded.generation import Row, RowResult, generate_rows
+from engines.embedded.generation import DecodeBatch, Row, RowResult
 from engines.embedded.receiver import WeightReceiver, colocated_request
 from engines.weight_sync import WeightMeta
 
@@ -47,21 +51,48 @@ class BadRequest(Exception):
         self.status = status
 
 
+def _eos_ids(tokenizer, model) -> set[int]:
+    """Tokens that end a row unless ignore_eos: the tokenizer's eos and the model's generation-config eos ids."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    gen = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(gen if isinstance(gen, (list, tuple)) else [gen] if gen is not None else [])
+    return {int(i) for i in ids}
+
+
 @dataclass
-class _Pending:
+class _Request:
+    """One /generate call: its rows, their results as they finish, and the future its handler awaits."""
+
     rows: list[Row]
     future: asyncio.Future
+    results: list[RowResult | None] = field(default_factory=list)
+    remaining: int = 0
+
+    def __post_init__(self):
+        self.results, self.remaining = [None] * len(self.rows), len(self.rows)
+
+    def deliver(self, k: int, result: RowResult, version: int) -> None:
+        self.results[k] = result
+        self.remaining -= 1
+        if self.remaining == 0 and not self.future.done():
+            self.future.set_result((self.results, version))
 
 
 class EngineServer:
-    """The engine's mutable state: the model, its weight version, the batch queue, the weight groups."""
+    """The engine's mutable state: the model, its weight version, the running batch, the queue, the weight groups.
+
+    Continuous batching: the scheduler (`_loop`, on the event loop) runs one `DecodeBatch.step` at a time on the
+    model thread, admitting queued rows between steps (up to `max_batch_rows` running). Aborts are applied before
+    the next step. A weight update holds admission, waits until no row is running, loads, then lets rows in, so
+    every completion comes from one weight version.
+    """
 
     def __init__(self, model, tokenizer, *, model_path: str, seed: int = 0, max_batch_rows: int = 256,
                  compile_decode: bool | None = None):
         self.model, self.tokenizer, self.model_path = model, tokenizer, model_path
         self.device = next(model.parameters()).device
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.eos_id = tokenizer.eos_token_id
+        self.pad_id = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
+        self.eos_ids = _eos_ids(tokenizer, model)
         self.weight_version = 0
         self.weights_consistent = True  # False after a failed sync left a partial update
         self.max_batch_rows = max_batch_rows
@@ -72,55 +103,107 @@ class EngineServer:
             compile_decode = self.device.type == "cuda"
         # Decode is the hot loop (one token per row per call): compiled on CUDA only, CPU stays eager.
         self.decode_fn = torch.compile(model.forward, dynamic=True) if compile_decode else None
-        self.running = asyncio.Event()
-        self.running.set()
-        self.pending: list[_Pending] = []
-        self.wakeup = asyncio.Event()
-        self._batcher: asyncio.Task | None = None
+        self.batch = DecodeBatch(model, pad_id=self.pad_id, decode_fn=self.decode_fn)
+        self.waiting: collections.deque[tuple[Row, tuple[_Request, int]]] = collections.deque()
+        self.abort_all, self.abort_rids = False, set()
+        self.holds = 0  # weight updates waiting for the batch to drain
+        self.steps = 0
+        self.stepping = False  # a step is on the model thread
+        self.running, self.wakeup = asyncio.Event(), asyncio.Event()
+        self._scheduler: asyncio.Task | None = None
 
-    # ------------------------------------------------------------------ batching
+    @property
+    def num_running_rows(self) -> int:
+        return len(self.batch)
+
+    def load(self) -> dict:
+        return {"num_running_rows": self.num_running_rows, "num_waiting_rows": len(self.waiting),
+                "decode_steps": self.steps, "max_batch_rows": self.max_batch_rows}
+
+    # ------------------------------------------------------------------ scheduling
     async def start(self):
-        self.running, self.wakeup = asyncio.Event(), asyncio.Event()  # bind to the server's loop
+        self.running, self.wakeup = asyncio.Event(), asyncio.Event()  # bound to the server's loop
         self.running.set()
-        self._batcher = asyncio.create_task(self._batch_loop())
+        self._scheduler = asyncio.create_task(self._loop())
 
-    async def _batch_loop(self):
+    async def _loop(self):
         loop = asyncio.get_running_loop()
         while True:
-            await self.wakeup.wait()
-            await self.running.wait()
+            if not (self.abort_all or self.abort_rids):
+                await self.running.wait()  # paused: rows stay in place
             self.wakeup.clear()
-            batch, rows = [], []
-            while self.pending and (not rows or len(rows) + len(self.pending[0].rows) <= self.max_batch_rows):
-                p = self.pending.pop(0)
-                batch.append(p)
-                rows.extend(p.rows)
-            if self.pending:
-                self.wakeup.set()
-            if not batch:
+            cut = None if self.abort_all else set(self.abort_rids)
+            has_cut = self.abort_all or bool(self.abort_rids)
+            self.abort_all, self.abort_rids = False, set()
+            admit = []
+            if not self.holds and self.running.is_set():
+                while self.waiting and len(self.batch) + len(admit) < self.max_batch_rows:
+                    admit.append(self.waiting.popleft())
+            if not admit and not has_cut and (not len(self.batch) or not self.running.is_set()):
+                await self.wakeup.wait()
                 continue
-            version = self.weight_version
+            self.stepping = True
             try:
-                results = await loop.run_in_executor(self.model_thread, self._run_rows, rows)
-            except Exception as e:  # noqa: BLE001 - delivered to each waiting request
-                for p in batch:
-                    if not p.future.done():
-                        p.future.set_exception(e)
+                done = await loop.run_in_executor(self.model_thread, self._step, cut if has_cut else False, admit)
+            except Exception as e:  # noqa: BLE001 - delivered to every request that had a row in the batch
+                self._fail([h for _, h in admit] + [a.handle for a in self.batch.rows], e)
+                self.batch = DecodeBatch(self.model, pad_id=self.pad_id, decode_fn=self.decode_fn)
                 continue
-            i = 0
-            for p in batch:
-                if not p.future.done():
-                    p.future.set_result((results[i:i + len(p.rows)], version))
-                i += len(p.rows)
+            finally:
+                self.stepping = False
+            self.steps += 1
+            for (req, k), result in done:
+                req.deliver(k, result, self.weight_version)
 
-    def _run_rows(self, rows: list[Row]) -> list[RowResult]:
-        return generate_rows(self.model, rows, pad_id=self.pad_id, decode_fn=self.decode_fn)
+    def _step(self, cut, admit: list) -> list:
+        """On the model thread: cut aborted rows (False: none, None: all, else a set of rids), then one step."""
+        out = self.batch.abort(cut) if cut is not False else []
+        return out + self.batch.step(admit)
+
+    @staticmethod
+    def _fail(handles: list, error: Exception) -> None:
+        for req, _ in handles:
+            if not req.future.done():
+                req.future.set_exception(error)
 
     async def submit(self, rows: list[Row]) -> tuple[list[RowResult], int]:
-        fut = asyncio.get_running_loop().create_future()
-        self.pending.append(_Pending(rows, fut))
+        req = _Request(rows, asyncio.get_running_loop().create_future())
+        self.waiting.extend((r, (req, k)) for k, r in enumerate(rows))
         self.wakeup.set()
-        return await fut
+        return await req.future
+
+    def abort(self, rid: str | None) -> int:
+        """Abort rows named `rid` (None: all): queued ones return at once, running ones at the next step. Returns
+        the number of rows cut."""
+        kept, n = collections.deque(), 0
+        for row, (req, k) in self.waiting:
+            if rid is None or row.rid == rid:
+                req.deliver(k, RowResult([], [], "abort"), self.weight_version)
+                n += 1
+            else:
+                kept.append((row, (req, k)))
+        self.waiting = kept
+        running = [a for a in self.batch.rows if rid is None or a.row.rid == rid]
+        if running:
+            if rid is None:
+                self.abort_all = True
+            else:
+                self.abort_rids.add(rid)
+            self.wakeup.set()
+        return n + len(running)
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self):
+        """Hold admission and wait until no row runs (queued rows stay queued; rows paused in place keep their
+        cache and continue with the new weights, as in SGLang): weight loads happen here."""
+        self.holds += 1
+        try:
+            while self.stepping or (len(self.batch) and self.running.is_set()):
+                await asyncio.sleep(0.001)
+            yield
+        finally:
+            self.holds -= 1
+            self.wakeup.set()
 
 
 # ---------------------------------------------------------------------------------------------- request parsing
@@ -178,25 +261,38 @@ def parse_sampling(sp, vocab_size: int) -> dict:
     return out
 
 
-def build_rows(server: EngineServer, prompts: list[list[int]], sps: list[dict]) -> list[Row]:
-    """Rows in prompt-major order (prompt 0's n samples, then prompt 1's...). With a seed, the k-th row of the
-    request uses seed + k; without, each row draws its seed from the server's seeded RNG."""
+def build_rows(server: EngineServer, prompts: list[list[int]], sps: list[dict], rids: list[str]) -> list[Row]:
+    """Rows in prompt-major order (prompt 0's n samples, then prompt 1's...). With a seed, the j-th of a prompt's
+    n rows uses seed + j (SGLang gives one request's seed to each of its prompts); without, each row draws its
+    seed from the server's seeded RNG. Rows of prompt i carry rids[i] (what /abort_request names)."""
     vocab = server.model.config.vocab_size
-    rows, k = [], 0
-    for prompt, sp in zip(prompts, sps):
+    rows = []
+    for prompt, sp, rid in zip(prompts, sps, rids):
         if not prompt:
             raise BadRequest("a prompt is empty: give at least one token")
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise BadRequest(f"input_ids out of range [0, {vocab})")
         stops = set(sp["stop_token_ids"])
-        if not sp["ignore_eos"] and server.eos_id is not None:
-            stops.add(server.eos_id)
-        for _ in range(sp["n"]):
-            seed = sp["seed"] + k if sp["seed"] is not None else server.rng.getrandbits(63)
+        if not sp["ignore_eos"]:
+            stops |= server.eos_ids
+        for j in range(sp["n"]):
+            seed = sp["seed"] + j if sp["seed"] is not None else server.rng.getrandbits(63)
             rows.append(Row(tuple(prompt), sp["temperature"], sp["top_p"], sp["top_k"], sp["max_new_tokens"],
-                            frozenset(stops), seed))
-            k += 1
+                            frozenset(stops), seed, rid))
     return rows
+
+
+def parse_rids(body: dict, n_prompts: int) -> list[str]:
+    """One request id per prompt: SGLang's `rid` (a string, or a list with one per prompt), else random."""
+    rid = body.get("rid")
+    if rid is None:
+        base = secrets.token_hex(8)
+        return [base if n_prompts == 1 else f"{base}-{i}" for i in range(n_prompts)]
+    if isinstance(rid, str):
+        return [rid] * n_prompts
+    if isinstance(rid, list) and len(rid) == n_prompts and all(isinstance(r, str) for r in rid):
+        return list(rid)
+    raise BadRequest(f"'rid' must be a string or a list of {n_prompts} strings (one per prompt)")
 
 
 def _output(server: EngineServer, r: RowResult, prompt_len: int, version: int, rid: str) -> dict:
@@ -245,7 +341,7 @@ def build_app(server: EngineServer, api_key: str | None = None) -> Starlette:
         return wrapped
 
     async def health(request):
-        return JSONResponse({"status": "ok", "weight_version": str(server.weight_version)})
+        return JSONResponse({"status": "ok", "weight_version": str(server.weight_version), **server.load()})
 
     async def model_info(request):
         return JSONResponse({"model_path": server.model_path, "tokenizer_path": server.model_path,
@@ -269,18 +365,32 @@ def build_app(server: EngineServer, api_key: str | None = None) -> Starlette:
         sps = [parse_sampling(s, 0) for s in sp] if isinstance(sp, list) else [parse_sampling(sp, 0)] * len(prompts)
         if len(sps) != len(prompts):
             raise BadRequest(f"{len(sps)} sampling_params for {len(prompts)} prompts")
-        rows = build_rows(server, prompts, sps)
+        rids = parse_rids(body, len(prompts))
+        rows = build_rows(server, prompts, sps, rids)
         if not server.weights_consistent:
             raise BadRequest("the last weight sync failed part-way; generation resumes after a successful sync",
                              status=503)
         results, version = await server.submit(rows)
-        rid = str(body.get("rid") or secrets.token_hex(8))
         outs, k = [], 0
-        for prompt, s in zip(prompts, sps):
-            for _ in range(s["n"]):
-                outs.append(_output(server, results[k], len(prompt), version, f"{rid}-{k}"))
+        for prompt, s, rid in zip(prompts, sps, rids):
+            for j in range(s["n"]):
+                outs.append(_output(server, results[k], len(prompt), version, rid if s["n"] == 1 else f"{rid}-{j}"))
                 k += 1
         return JSONResponse(outs if (is_batch or len(outs) > 1) else outs[0])
+
+    async def abort_request(request):
+        body = await body_of(request)
+        if body.get("abort_all"):
+            n = server.abort(None)
+        elif isinstance(body.get("rid"), str) and body["rid"]:
+            n = server.abort(body["rid"])
+        else:
+            raise BadRequest("give 'rid' (a request id) or 'abort_all': true")
+        return JSONResponse({"success": True, "message": f"aborted {n} rows", "aborted_rows": n})
+
+    async def server_info(request):
+        return JSONResponse({**server.load(), "model_path": server.model_path, "device": str(server.device),
+                             "weight_version": str(server.weight_version)})
 
     async def init_group(request):
         body = await body_of(request)
@@ -314,11 +424,12 @@ def build_app(server: EngineServer, api_key: str | None = None) -> Starlette:
             raise BadRequest("weight_version must be a non-negative integer (as a string or int)")
         targets = server.receiver.check(meta, group)  # 400 before joining any broadcast
         loop = asyncio.get_running_loop()
-        try:
-            await loop.run_in_executor(server.model_thread, server.receiver.receive, meta, group, targets)
-        except BaseException:
-            server.weights_consistent = False
-            raise
+        async with server.exclusive():
+            try:
+                await loop.run_in_executor(server.model_thread, server.receiver.receive, meta, group, targets)
+            except BaseException:
+                server.weights_consistent = False
+                raise
         server.weights_consistent = True
         v = _bump(body)
         return JSONResponse({"success": True, "message": f"updated {len(meta.names)} tensors",
@@ -335,16 +446,24 @@ def build_app(server: EngineServer, api_key: str | None = None) -> Starlette:
         if server.device.type != "cuda":
             raise BadRequest("update_weights_from_tensor (CUDA IPC) needs a CUDA engine; use the broadcast path")
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(server.model_thread, server.receiver.receive_ipc, buckets)
+        async with server.exclusive():
+            await loop.run_in_executor(server.model_thread, server.receiver.receive_ipc, buckets)
         v = _bump(body)
         return JSONResponse({"success": True, "message": "updated", "weight_version": str(v)})
 
     async def pause(request):
+        body = await body_of(request)
+        mode = body.get("mode") or "in_place"
+        if mode not in ("abort", "in_place", "retract"):
+            raise BadRequest(f"pause_generation mode {mode!r}: expected 'abort', 'in_place' or 'retract'")
+        if mode == "abort":
+            server.abort(None)
         server.running.clear()
-        return JSONResponse({"success": True, "message": "paused"})
+        return JSONResponse({"success": True, "message": f"paused ({mode})"})
 
     async def resume(request):
         server.running.set()
+        server.wakeup.set()
         return JSONResponse({"success": True, "message": "continued"})
 
     async def _colocated(request):  # same-device weight sync (engines/embedded/receiver.py)
@@ -362,6 +481,8 @@ def build_app(server: EngineServer, api_key: str | None = None) -> Starlette:
         Route("/update_weights_from_distributed", endpoint(update_distributed), methods=["POST"]),
         Route("/update_weights_from_tensor", endpoint(update_tensor), methods=["POST"]),
         Route("/pause_generation", endpoint(pause), methods=["POST"]),
+        Route("/abort_request", endpoint(abort_request), methods=["POST"]),
+        Route("/get_server_info", endpoint(server_info), methods=["GET"]),
         Route("/continue_generation", endpoint(resume), methods=["POST"]),
         Route("/colocated_weights", endpoint(_colocated), methods=["POST"]),
     ]
