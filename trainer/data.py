@@ -550,3 +550,25 @@ class DataBuffer:
         self._orders = [epoch_permutation(len(s), self.seed, e, self.shuffle)
                         for s, (e, _) in zip(self.sets, self.positions)]
         self._block = None
+
+
+# ----------------------------------------------------------------------------------------------- run config
+def config_prompts(value: Any, data: Mapping[str, Any], *, where: str, seed: int = 0,
+                   cache_dir: str | None = None) -> list[Prompt]:
+    """The prompts of a [data] entry as a list (evaluation and SFT sets, which are read whole).
+
+    One set: its rows in order. A mixture: one weighted pass, sum of the set sizes long, drawn as the buffer draws
+    (a set of weight 2 appears twice as often as its size alone would give).
+    """
+    specs = data_specs(value, data, where=where)
+    sets = load_mixture(specs, cache_dir=cache_dir)
+    if len(sets) == 1:
+        return list(sets[0])
+    buf = DataBuffer.mixture(sets, [s.weight for s in specs], seed=seed)
+    return buf.get_prompts(len(buf))
+
+
+def config_buffer(value: Any, data: Mapping[str, Any], *, where: str, seed: int = 0,
+                  cache_dir: str | None = None) -> DataBuffer:
+    """The DataBuffer of a [data] entry (RL prompts): one set or a weighted mixture, rows read on demand."""
+    return DataBuffer.from_specs(data_specs(value, data, where=where), seed=seed, cache_dir=cache_dir)

@@ -1,0 +1,207 @@
+"""A real-shape run from the command line: a Qwen2.5-0.5B-shaped model through SFT -> export -> RL on this machine.
+
+    make bench                                          (pytest-benchmark; figures in extra_info and results/)
+    .venv/bin/python bench/bench_real_shape.py          (the same run, figures printed)
+    .venv/bin/python bench/bench_real_shape.py --init   (only write the model folder the config points at)
+
+The model has Qwen2.5-0.5B's published shape (vocab 151,936, hidden 896, 24 layers, 14 query / 2 key-value heads,
+MLP 4,864, tied embeddings), random-initialised by transformers and saved as a Hugging Face folder with a byte-level
+BPE tokenizer trained here on the shipped data (Qwen's ChatML special tokens and chat template; nothing is
+downloaded). configs/qwen05b_shape.toml trains it on data/gsm8k_style_*.parquet (fields `question` / `solution`)
+with the gsm8k reward. Three CLI processes, each its own peak: `sft`, `export` (a Hugging Face folder from the SFT
+checkpoint), `rl` starting from that folder (embedded engine, weight sync every step). Figures: wall time and peak
+resident memory of each process tree (trainer + engine), SFT step time, RL generate / train / sync times, and
+the engine-vs-trainer log-prob mismatch after each sync (tied embeddings must arrive tied).
+
+The pipeline is the same for the tiny model of the same architecture (tests/test_real_shape.py runs it there).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+CONFIG = ROOT / "configs" / "qwen05b_shape.toml"
+RESULTS = ROOT / "bench" / "results" / "real_shape_cpu.json"
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+# Qwen2.5's ChatML template, without its default system prompt. Prefixes of a conversation render as token prefixes,
+# which the SFT loss mask needs.
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+QWEN05B_SHAPE = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                     num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                     tie_word_embeddings=True, rms_norm_eps=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------- model folder
+def training_texts() -> list[str]:
+    """What the tokenizer is trained on: the shipped GSM8K-style sets and the chat template's role words."""
+    import pyarrow.parquet as pq
+
+    texts = ["system", "user", "assistant", "Solve the problem. End with #### and the answer."]
+    for split in ("train", "test"):
+        t = pq.read_table(ROOT / "data" / f"gsm8k_style_{split}.parquet", columns=["question", "solution"])
+        texts += t.column("question").to_pylist() + t.column("solution").to_pylist()
+    return texts
+
+
+def build_chatml_tokenizer(texts: Iterable[str], vocab_size: int = 1024):
+    """A byte-level BPE tokenizer (any text encodes, no unk) with Qwen's special tokens and ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[ENDOFTEXT, IM_START, IM_END],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(list(texts), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=ENDOFTEXT,
+                                   additional_special_tokens=[IM_START, IM_END], clean_up_tokenization_spaces=False)
+    fast.chat_template = CHATML
+    return fast
+
+
+def write_model_folder(folder: str | os.PathLike, *, seed: int = 0, **shape) -> Path:
+    """A random-initialised Qwen2 causal LM (Qwen2.5-0.5B's shape unless `shape` overrides keys) saved by
+    transformers with the tokenizer and a generation config whose eos ids are the chat's end-of-turn and
+    end-of-text (as Qwen2.5-Instruct's)."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    folder = Path(folder)
+    tok = build_chatml_tokenizer(training_texts())
+    eos = [tok.convert_tokens_to_ids(IM_END), tok.convert_tokens_to_ids(ENDOFTEXT)]
+    config = Qwen2Config(**{**QWEN05B_SHAPE, **shape}, bos_token_id=None, eos_token_id=eos[0],
+                         pad_token_id=tok.pad_token_id)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    GenerationConfig(eos_token_id=eos, pad_token_id=tok.pad_token_id, bos_token_id=None).save_pretrained(folder)
+    return folder
+
+
+# ----------------------------------------------------------------------------------------------- measuring
+def _tree_rss(pid: int) -> int:
+    """Resident bytes of `pid` and all its descendants (the trainer and its engine processes)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        todo += children.get(p, [])
+        try:
+            for line in open(f"/proc/{p}/status"):
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return total
+
+
+def run_phase(args: Sequence[str], *, env: dict, timeout_s: float, log: Path) -> dict:
+    """Run `python -m trainer <args>`; returns wall seconds and the peak RSS of its process tree (0.2 s samples)."""
+    t0 = time.perf_counter()
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=ROOT, env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
+        peak = [0]
+
+        def sample() -> None:
+            while proc.poll() is None:
+                peak[0] = max(peak[0], _tree_rss(proc.pid))
+                time.sleep(0.2)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+        sampler.join()
+    if rc != 0:
+        raise RuntimeError(f"python -m trainer {' '.join(args)} exited {rc}; log {log}:\n{log.read_text()[-4000:]}")
+    return {"wall_s": round(time.perf_counter() - t0, 1), "peak_rss_gib": round(peak[0] / 2**30, 2)}
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run_pipeline(out: str | os.PathLike, *, config: Path = CONFIG, overrides: Sequence[str] = (),
+                 shape: dict | None = None, timeout_s: float = 3600) -> dict:
+    """SFT -> export -> RL through three CLI processes; returns the figures (see the module docstring)."""
+    out = Path(out)
+    init = out / "init_model"
+    t0 = time.perf_counter()
+    if not (init / "config.json").is_file():
+        write_model_folder(init, **(shape or {}))
+    init_s = round(time.perf_counter() - t0, 1)
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONUNBUFFERED": "1"}
+    common = ["--config", str(config), "--set", f'output_dir="{out}"', "--set", f'model.path="{init}"', *overrides]
+    figures: dict = {"init_model_s": init_s}
+    figures["sft"] = run_phase(["sft", *common], env=env, timeout_s=timeout_s, log=out / "sft.log")
+    export = out / "export"
+    figures["export"] = run_phase(["export", *common, "--checkpoint", str(out / "sft"), "--out", str(export)],
+                                  env=env, timeout_s=timeout_s, log=out / "export.log")
+    rl_common = [c if not c.startswith("model.path=") else f'model.path="{export}"' for c in common]
+    figures["rl"] = run_phase(["rl", *rl_common], env=env, timeout_s=timeout_s, log=out / "rl.log")
+    sft_rows, rl_rows = _rows(out / "sft" / "metrics.jsonl"), _rows(out / "rl" / "metrics.jsonl")
+    times = [b["time"] - a["time"] for a, b in zip(sft_rows, sft_rows[1:])]
+    figures["sft"].update(steps=len(sft_rows), step_s=round(sum(times) / len(times), 2) if times else None,
+                          loss=[round(r["loss"], 4) for r in sft_rows])
+    keys = ("time_generate_s", "time_train_s", "time_sync_s", "mismatch/logprob_abs_diff_max",
+            "mismatch/logprob_abs_diff_mean", "reward_mean")
+    figures["rl"].update(steps=len(rl_rows), per_step=[{k: r.get(k) for k in keys} for r in rl_rows])
+    return figures
+
+
+# ----------------------------------------------------------------------------------------------- benchmark
+def test_real_shape_sft_export_rl(benchmark, request, tmp_path):
+    """make bench only: ~10 GiB and minutes on a CPU (skipped when benchmarks are disabled, as in `make test`)."""
+    if request.config.getoption("benchmark_disable"):
+        pytest.skip("the real-shape run is heavy: it runs under `make bench` (or python bench/bench_real_shape.py)")
+    figures = benchmark.pedantic(lambda: run_pipeline(tmp_path / "run"), rounds=1, iterations=1)
+    benchmark.extra_info.update(figures)
+    RESULTS.write_text(json.dumps(figures, indent=1) + "\n")
+    for row in figures["rl"]["per_step"]:
+        assert row["mismatch/logprob_abs_diff_max"] is None or row["mismatch/logprob_abs_diff_max"] < 1e-3
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=str(ROOT / "runs" / "qwen05b_shape"))
+    ap.add_argument("--init", action="store_true", help="only write the model folder <out>/init_model")
+    a = ap.parse_args()
+    if a.init:
+        print(write_model_folder(Path(a.out) / "init_model"))
+    else:
+        result = run_pipeline(a.out)
+        print(json.dumps(result, indent=1))
+        RESULTS.write_text(json.dumps(result, indent=1) + "\n")

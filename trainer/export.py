@@ -1,0 +1,132 @@
+"""SFT -> RL through files: a training checkpoint becomes a Hugging Face folder any loader (and our engines) reads.
+
+    python -m trainer export --config configs/x.toml [--checkpoint runs/x/sft] [--out runs/x/export]
+
+A checkpoint (trainer.checkpoint: DCP shards of model + optimizer) holds weights but no architecture, tokenizer or
+chat template; those come from the run's model folder (`[model].path`, or the preset folder the run wrote). The
+export loads only the model entries of the checkpoint into a plain CPU model of that architecture (no optimizer
+state, no process group) and writes it with `trainer.checkpoint.export_hf`: config.json, model.safetensors (a tied
+lm_head is stored once, as HF does), the tokenizer files with their chat template and special tokens, and the
+generation config (its eos ids are the stop tokens of the next phase).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from trainer.checkpoint import is_complete, latest_checkpoint
+from trainer.parallel import ROOT_PREFIX, TrainModule
+
+_MODEL = "model."  # the checkpoint's top-level key of the model entries ({"model": ..., "optim": ...})
+
+
+@dataclasses.dataclass(frozen=True)
+class _Exportable:
+    """What export_hf reads of a TrainingComponents: the module whose state dict it gathers and the HF model."""
+
+    module: nn.Module
+    model: nn.Module
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A complete step folder, given itself or as an output_dir / checkpoints folder (its newest)."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"checkpoint {p}: does not exist (give a step_NNNNNNNN folder or a phase's "
+                                f"output_dir such as runs/<name>/sft)")
+    if is_complete(p):
+        return p
+    newest = latest_checkpoint(p.parent if p.name == "checkpoints" else p)
+    if newest is None:
+        raise ValueError(f"checkpoint {p}: no complete checkpoint (step_NNNNNNNN with state.json) in it or under "
+                         f"{p / 'checkpoints'}")
+    return newest
+
+
+def _plain_model(model_folder: Path) -> nn.Module:
+    """The folder's architecture on the CPU in float32, weights uninitialised (the checkpoint fills them)."""
+    config = AutoConfig.from_pretrained(model_folder)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    model = model.to_empty(device="cpu").float()
+    model.tie_weights()  # to_empty gives tied parameters separate storage; one Parameter again
+    return model
+
+
+def load_checkpoint_weights(model: nn.Module, checkpoint: Path) -> None:
+    """Fill `model` (a plain HF model) from the model entries of a DCP checkpoint; names every missing tensor."""
+    saved = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    names = {k.removeprefix(_MODEL + ROOT_PREFIX) for k in saved if k.startswith(_MODEL + ROOT_PREFIX)}
+    params = dict(model.named_parameters())  # a tied lm_head appears once, under its embedding's name
+    missing = sorted(set(params) - names)
+    if missing:
+        raise ValueError(f"checkpoint {checkpoint}: no weights for {missing[:5]}{'...' if len(missing) > 5 else ''}"
+                         f" of the {model.config.model_type} model; export with the run config the checkpoint was "
+                         f"trained with ([model] must be the same architecture)")
+    target = {_MODEL[:-1]: {ROOT_PREFIX + n: p.data for n, p in params.items()}}
+    with warnings.catch_warnings():  # no_dist: this read is one process's, whatever the process group says
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(target, checkpoint_id=str(checkpoint), no_dist=True)
+    for buf_owner in model.modules():  # RoPE tables are buffers, not in the checkpoint: rebuild them
+        if "Rotary" in type(buf_owner).__name__ and hasattr(buf_owner, "config"):
+            fresh = type(buf_owner)(buf_owner.config)
+            for name, buf in fresh.named_buffers(recurse=False):
+                buf_owner._buffers[name] = buf
+
+
+def export_checkpoint(checkpoint: str | os.PathLike, model_folder: str | os.PathLike, out: str | os.PathLike, *,
+                      dtype: torch.dtype | None = None) -> Path:
+    """Write the HF folder `out` from `checkpoint` with the architecture, tokenizer and generation config of
+    `model_folder`. dtype None keeps the training (float32) weights."""
+    from trainer.checkpoint import export_hf
+
+    ckpt = resolve_checkpoint(checkpoint)
+    folder = Path(model_folder)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder}: not a Hugging Face model folder (no config.json); it gives the "
+                                f"checkpoint's architecture and tokenizer")
+    model = _plain_model(folder)
+    load_checkpoint_weights(model, ckpt)
+    tokenizer = AutoTokenizer.from_pretrained(folder) if (folder / "tokenizer_config.json").is_file() else None
+    root = TrainModule(model)
+    path = export_hf(_Exportable(module=root, model=model), out, tokenizer=tokenizer, dtype=dtype)
+    if (folder / "generation_config.json").is_file():
+        shutil.copy(folder / "generation_config.json", Path(out) / "generation_config.json")
+    return path
+
+
+# ----------------------------------------------------------------------------------------------- run config
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def export_run(cfg: dict, model_folder: str | os.PathLike, *, checkpoint: str | None = None, out: str | None = None,
+               dtype: str | None = None) -> Path:
+    """`python -m trainer export`: the run's newest checkpoint (RL if it has one, else SFT) or `checkpoint`, written
+    to `out` (default <output_dir>/export) with the architecture and tokenizer of the run's model folder."""
+    run_dir = Path(cfg["output_dir"])
+    if checkpoint is None:
+        found = [latest_checkpoint(run_dir / phase) for phase in ("rl", "sft")]
+        if not any(found):
+            raise FileNotFoundError(f"{run_dir}: no checkpoint under rl/ or sft/ (run a phase first, or pass "
+                                    f"--checkpoint)")
+        checkpoint = str(next(c for c in found if c is not None))
+    return export_checkpoint(checkpoint, model_folder, Path(out or run_dir / "export"),
+                             dtype=_DTYPES[dtype] if dtype else None)
+
+
+def start_folder(cfg: dict, model_folder: Path) -> Path:
+    """The HF folder a run starts from: `model_folder`, or with [model].checkpoint set, that checkpoint exported
+    once into <output_dir>/start_model (so the trainer and the engines load the same weights from one folder)."""
+    ckpt = cfg.get("model", {}).get("checkpoint")
+    if not ckpt:
+        return model_folder
+    return export_checkpoint(ckpt, model_folder, Path(cfg["output_dir"]) / "start_model")
