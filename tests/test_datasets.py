@@ -251,3 +251,55 @@ def test_a_million_prompts_cost_no_python_object_per_row(tmp_path, cache):
           f"{peak / 2**20:.1f} MiB")
     assert grown < 20_000, grown
     assert peak < 64 * 2**20, peak
+
+
+# ----------------------------------------------------------------------------------------------- run config
+@pytest.mark.parametrize("data_toml, msg", [
+    ('train = [{path = "data/gsm8k_style_train.parquet", weight = -1}]', r"\[data\].train\[0\].weight: must be"),
+    ('train = ["data/gsm8k_style_train.parquet", "data/nope.parquet"]',
+     r"\[data\].train: 'data/nope.parquet': no such file or folder"),
+    ('train = "data/gsm8k_style_train.parquet"\neval = [{path = "data/gsm8k_style_test.parquet", key = 1}]',
+     r"\[data\].eval\[0\]: unknown key\(s\) \['key'\]"),
+    ('train = "data/gsm8k_style_train.parquet"\nprompt_kee = "question"', r"unknown config key\(s\) \['prompt_kee'\]"),
+])
+def test_bad_data_config_is_a_config_error_before_any_work(tmp_path, data_toml, msg):
+    from trainer.cli import ConfigError, load_run_config
+
+    path = tmp_path / "run.toml"
+    path.write_text(f"[data]\n{data_toml}\nreward = \"gsm8k\"\n")
+    with pytest.raises(ConfigError, match=msg):
+        load_run_config(path, mode="rl")
+
+
+def test_config_prompts_and_buffer_follow_the_data_table(tmp_path, cache):
+    from trainer.data import config_buffer, config_prompts
+
+    a, b = _parquet_set(tmp_path, "a", 10, "a"), _parquet_set(tmp_path, "b", 30, "b")
+    data = {"prompt_key": "text", "answer_key": "gold", "system_prompt": "S"}
+    one = config_prompts(a.path, data, where="[data].eval", cache_dir=cache)
+    assert [p.prompt for p in one] == [f"a{i}" for i in range(10)] and one[0].system == "S"
+    mix = config_prompts([{"path": a.path, "weight": 3}, b.path], data, where="[data].sft", cache_dir=cache)
+    assert len(mix) == 40 and sum(p.prompt.startswith("a") for p in mix) > 20  # weight 3 beats the size 10:30
+    buf = config_buffer([a.path, b.path], data, where="[data].train", seed=1, cache_dir=cache)
+    assert len(buf) == 40 and {p.system for p in buf.get_prompts(50)} == {"S"}
+
+
+def test_shipped_gsm8k_style_sets_are_what_the_script_writes(tmp_path):
+    import importlib.util
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("make_gsm8k_style", os.path.join(root, "data", "make_gsm8k_style.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for path in mod.write_sets(str(tmp_path)).values():
+        shipped = pq.read_table(os.path.join(root, "data", os.path.basename(path)))
+        assert shipped.equals(pq.read_table(path)), f"data/{os.path.basename(path)} is stale: rerun the script"
+    train = set(pq.read_table(os.path.join(root, "data", "gsm8k_style_train.parquet")).column("question").to_pylist())
+    test = pq.read_table(os.path.join(root, "data", "gsm8k_style_test.parquet")).to_pylist()
+    assert not train & {r["question"] for r in test}
+    from trainer.rewards import gsm8k_reward
+    from trainer.types import Sample
+
+    for r in test:  # the reference solution earns the reward; its answer is the arithmetic of the question
+        assert gsm8k_reward(Sample(prompt="", tokens=(1,), response=r["solution"], metadata={"answer": r["solution"]}))

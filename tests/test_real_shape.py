@@ -24,6 +24,7 @@ from trainer.batch import build_micro_batches
 from trainer.core import TrainerConfig, build_components, compute_logprobs
 from trainer.data import DataSpec, load_prompts
 from trainer.export import export_checkpoint, resolve_checkpoint, start_folder
+from trainer.rollout import prompt_token_ids
 from trainer.sft import run_sft_training
 from trainer.types import OptimConfig, Sample, SFTTrainingConfig
 
@@ -67,6 +68,10 @@ def test_tiny_config_matches_the_real_shape_architecture():
     assert tok.decode(tok(text)["input_ids"]) == text
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    # A data set's system prompt opens every rollout (and evaluation) prompt.
+    ids = prompt_token_ids(tok, "hi", chat=True, system="Be exact.")
+    assert tok.decode(ids) == "<|im_start|>system\nBe exact.<|im_end|>\n" + chat
+    assert prompt_token_ids(tok, "hi", chat=True) == tok(chat)["input_ids"]
 
 
 def test_export_reloads_with_transformers_and_gives_the_trainers_logprobs(tmp_path):
