@@ -191,3 +191,114 @@ def test_filter_logits_matches_a_direct_top_k_top_p():
         finite = torch.isfinite(got[i]).nonzero()[:, 0].tolist()
         assert sorted(finite) == sorted(kept)
         assert torch.allclose(got[i, kept], scaled[kept])
+
+
+def _load(engine) -> dict:
+    return httpx.get(engine.url + "/get_server_info", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
+
+
+def test_logprobs_at_the_request_temperature_equal_the_trainer_kernel(engine):
+    """Contract: log_softmax(logits / T) of each sampled token, before top-k/top-p, as the trainer computes it."""
+    from kernels import linear_token_logprobs
+
+    g = torch.Generator().manual_seed(21)
+    prompts = [torch.randint(6, 100, (int(n),), generator=g).tolist() for n in (4, 7)]
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=10, n=3, seed=77, ignore_eos=True)
+    groups = trio.run(SGLangEngine(engine.url, api_key=KEY).generate, prompts, params)
+    model = build_tiny_model(SEED)
+    for prompt, grp in zip(prompts, groups):
+        for c in grp:
+            seq = torch.tensor([prompt + c.output_ids])
+            with torch.no_grad():
+                hidden = model.model(input_ids=seq).last_hidden_state[0, len(prompt) - 1:-1].contiguous()
+                ref = linear_token_logprobs(hidden, model.lm_head.weight.contiguous(), torch.tensor(c.output_ids),
+                                            temperature=0.7)
+            got = torch.tensor(c.logprobs)
+            assert torch.allclose(got, ref, atol=1e-5, rtol=0), (got - ref).abs().max()
+            # and not the temperature-1 log-probs (what an engine breaking the contract returns)
+            assert (got - _hf_logprobs(model, prompt, c.output_ids)).abs().max() > 1e-2
+
+
+def _run_and_cut(engine, params, rids, cut):
+    """Start one long request, wait until its rows run, call cut(); returns (completions, load after)."""
+    client = SGLangEngine(engine.url, api_key=KEY)
+    got, info = [], {}
+
+    async def main():
+        async def gen():
+            got.append(await client.generate([[1, 2, 3]], params, rids=rids))
+
+        async with trio.open_nursery() as n:
+            n.start_soon(gen)
+            while _load(engine)["num_running_rows"] < params.n:
+                await trio.sleep(0.01)
+            await trio.sleep(0.05)  # a few steps in
+            info.update(await cut(client) or {})
+
+    trio.run(main)
+    return got[0][0], _load(engine), info
+
+
+def test_abort_all_stops_running_rows_within_one_decode_step(engine):
+    async def cut(client):
+        r = _post(engine, "/abort_request", {"rid": "nobody"})
+        assert r.status_code == 200 and r.json()["aborted_rows"] == 0
+        r = _post(engine, "/abort_request", {"abort_all": True})
+        return r.json()
+
+    comps, after, info = _run_and_cut(engine, SamplingParams(max_new_tokens=400, n=4, seed=3, ignore_eos=True),
+                                      None, cut)
+    assert info["aborted_rows"] == 4
+    assert after["num_running_rows"] == 0 and after["num_waiting_rows"] == 0
+    assert after["decode_steps"] <= info["decode_steps"] + 1  # the cut rows left at the next step
+    assert len(comps) == 4 and all(c.finish_reason == "abort" for c in comps)
+    assert all(0 < len(c.output_ids) < 400 and len(c.logprobs) == len(c.output_ids) for c in comps)
+    r = _post(engine, "/abort_request", {})
+    assert r.status_code == 400 and "abort_all" in r.json()["message"]
+
+
+def test_abort_by_request_id_cuts_only_that_request(engine):
+    client = SGLangEngine(engine.url, api_key=KEY)
+    other = []
+
+    async def cut(c):
+        async def bystander():
+            other.append(await client.generate([[9, 9]], SamplingParams(max_new_tokens=30, seed=1, ignore_eos=True)))
+
+        async with trio.open_nursery() as n:
+            n.start_soon(bystander)
+            await trio.sleep(0.02)
+            await c.abort(["long-one"])  # a seeded n=2 request went out as rows long-one-0, long-one-1
+
+    comps, after, _ = _run_and_cut(engine, SamplingParams(max_new_tokens=400, n=2, seed=3, ignore_eos=True),
+                                   ["long-one"], cut)
+    assert [c.finish_reason for c in comps] == ["abort", "abort"] and after["num_running_rows"] == 0
+    assert other[0][0][0].finish_reason == "length" and len(other[0][0][0].output_ids) == 30
+
+
+def test_new_rows_join_a_running_batch_and_keep_their_seeded_results(engine):
+    """Continuous batching: a short request sent while a long one runs finishes first, and both give what they
+    give alone (per-row seeded generators)."""
+    client = SGLangEngine(engine.url, api_key=KEY)
+    long = SamplingParams(temperature=0.8, max_new_tokens=150, seed=8, ignore_eos=True)
+    short = SamplingParams(temperature=1.2, top_k=30, max_new_tokens=3, n=2, seed=9, ignore_eos=True)
+    solo_long = trio.run(client.generate, [[7, 8, 9, 10]], long)[0][0]
+    solo_short = trio.run(client.generate, [[40, 41]], short)[0]
+    seen = {}
+
+    async def main():
+        async def gen_long():
+            seen["long"] = (await client.generate([[7, 8, 9, 10]], long))[0][0]
+
+        async with trio.open_nursery() as n:
+            n.start_soon(gen_long)
+            while _load(engine)["num_running_rows"] < 1:
+                await trio.sleep(0.005)
+            seen["short"] = (await client.generate([[40, 41]], short))[0]
+            seen["running_when_short_done"] = _load(engine)["num_running_rows"]
+
+    trio.run(main)
+    assert seen["running_when_short_done"] == 1  # the long row was still running
+    for a, b in [(solo_long, seen["long"])] + list(zip(solo_short, seen["short"])):
+        assert a.output_ids == b.output_ids
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)

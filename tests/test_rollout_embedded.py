@@ -1,13 +1,14 @@
 """AsyncRolloutManager against the real embedded engine (`python -m engines.embedded --model tiny`).
 
 The tiny model is random, so arithmetic rewards would all be 0; the reward here is the parity of the first
-response token, which gives groups with and without reward variance. The engine has no /abort_request (it
-answers 404), so the manager falls back to /pause_generation + /continue_generation and cancels the cut
-requests itself: they come back as pending samples of cached groups, and the next batch resumes them.
+response token, which gives groups with and without reward variance. Once the batch is full the manager aborts
+the over-sampled requests still running: the engine cuts them at its next decode step, they come back with
+their partial output (cached groups), and the next batch resumes them.
 """
 
 import statistics
 
+import httpx
 import pytest
 import torch
 import trio
@@ -60,6 +61,10 @@ def test_manager_with_embedded_engine_oversamples_filters_and_carries_groups_ove
     batch = _run(m, buf)
     md = batch.metadata
     assert len(batch) == 4 and md["groups_submitted"] >= 4
+    # The cut requests stopped: nothing runs or waits on the engine once the batch is delivered, so the next
+    # batch starts at once instead of queueing behind them.
+    load = httpx.get(engine.url + "/get_server_info", headers={"Authorization": "Bearer k"}, timeout=30).json()
+    assert load["num_running_rows"] == 0 and load["num_waiting_rows"] == 0 and m.stats["aborts_sent"] >= 1
     for g in range(2):
         group = [s for s in batch.samples if s.group_index == g]
         assert statistics.pstdev([s.reward for s in group]) > 0  # zero-variance groups were dropped
@@ -80,8 +85,11 @@ def test_manager_with_embedded_engine_oversamples_filters_and_carries_groups_ove
     m2.load_state_dict(m.state_dict())
     batch2 = _run(m2, buf)
     assert batch2.metadata["groups_resumed"] == len(cached)
+    resumed = [s for s in batch2.samples if len(s.metadata["weight_versions"]) == 2]
+    assert len(resumed) == md["samples_aborted"]  # cut samples continued from their partial output
     for s in list(batch.samples) + list(batch2.samples):
-        assert s.status in (Status.COMPLETED, Status.TRUNCATED) and s.metadata["weight_versions"] == [0]
+        # a sample cut mid-way carries its partial segment over: one version per segment
+        assert s.status in (Status.COMPLETED, Status.TRUNCATED) and set(s.metadata["weight_versions"]) == {0}
         assert s.weight_version == 0 and len(s.rollout_logprobs) == s.response_length >= 1
         assert s.tokens[-1] == TOK.eos_token_id or s.status == Status.TRUNCATED or \
             s.tokens[-1] == TOK.convert_tokens_to_ids("<|im_end|>")

@@ -107,7 +107,7 @@ class EngineServer:
         self.waiting: collections.deque[tuple[Row, tuple[_Request, int]]] = collections.deque()
         self.abort_all, self.abort_rids = False, set()
         self.holds = 0  # weight updates waiting for the batch to drain
-        self.steps = 0
+        self.steps = 0  # decode steps started
         self.stepping = False  # a step is on the model thread
         self.running, self.wakeup = asyncio.Event(), asyncio.Event()
         self._scheduler: asyncio.Task | None = None
@@ -143,6 +143,7 @@ class EngineServer:
                 await self.wakeup.wait()
                 continue
             self.stepping = True
+            self.steps += 1  # counted when it starts: the step in flight when an abort arrives is counted
             try:
                 done = await loop.run_in_executor(self.model_thread, self._step, cut if has_cut else False, admit)
             except Exception as e:  # noqa: BLE001 - delivered to every request that had a row in the batch
@@ -151,7 +152,6 @@ class EngineServer:
                 continue
             finally:
                 self.stepping = False
-            self.steps += 1
             for (req, k), result in done:
                 req.deliver(k, result, self.weight_version)
 
@@ -386,7 +386,7 @@ def build_app(server: EngineServer, api_key: str | None = None) -> Starlette:
             n = server.abort(body["rid"])
         else:
             raise BadRequest("give 'rid' (a request id) or 'abort_all': true")
-        return JSONResponse({"success": True, "message": f"aborted {n} rows", "aborted_rows": n})
+        return JSONResponse({"success": True, "message": f"aborted {n} rows", "aborted_rows": n, **server.load()})
 
     async def server_info(request):
         return JSONResponse({**server.load(), "model_path": server.model_path, "device": str(server.device),
