@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # (or the CUDA build already on a GPU machine) is used instead of a bare range pulling CUDA packages.
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean .venv-vllm
+.PHONY: demo test lint bench bench-save bench-check clean .venv-vllm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -44,6 +44,14 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m pytest bench -q --benchmark-only --benchmark-columns=min,median,max
+
+# Kernel regression gate (bench/gate.py): bench-save stores this device's baseline under bench/results/baselines/;
+# bench-check fails when median(ours) / median(torch reference) of a case is > 15 % above the baseline's.
+bench-save: $(STAMP)
+	$(BIN)/python bench/gate.py save
+
+bench-check: $(STAMP)
+	$(BIN)/python bench/gate.py check
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache .benchmarks

@@ -1,0 +1,287 @@
+"""Kernel regression set: every case times our op and an eager torch yardstick of the same math, side by side.
+
+    make bench-save / make bench-check      (bench/gate.py: median(ours) / median(torch), against a saved
+                                             per-device baseline; see README "Kernel regression gate")
+
+Cases (fwd = forward only, full = forward + backward with a random upstream gradient):
+    logprobs-logits-{fwd,full}    kernels.token_logprobs            vs log_softmax + gather
+    logprobs-hidden-{fwd,full}    kernels.linear_token_logprobs     vs hidden @ weight.T, log_softmax + gather
+    policy-loss-logits-full       kernels.policy_loss               vs the same clipped PPO loss + k3 KL, eager
+    policy-loss-hidden-full       kernels.linear_policy_loss        vs hidden @ weight.T, then the same eager loss
+    pack-full, unpack-fwd         kernels.pack / kernels.unpack     vs boolean-mask indexing of the padded batch
+The yardsticks live here, not in kernels/reference.py: a baseline's ratios stay comparable only while the
+denominator does not change, and the float64 references are free to change for clarity.
+
+Sizes: CPU sizes that keep the whole set under two minutes on 2 busy cores; CUDA sizes of a 0.5B-parameter
+policy (H=896, V=151936, 8192 tokens, bf16). Under --benchmark-disable (`make test`) each case runs once at a tiny
+size so that the set cannot rot. On CPU both sides run the torch path single-threaded (the root conftest turns the
+Triton interpreter on, a correctness tool, not something to time) and bench/gate.py times them by process CPU
+time; on CUDA by wall clock, with a device synchronisation ending each round.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kernels import (
+    PolicyLossConfig,
+    linear_policy_loss,
+    linear_token_logprobs,
+    pack,
+    policy_loss,
+    token_logprobs,
+    unpack,
+    use_backend,
+)
+from kernels.device import triton_interpret
+
+
+@dataclass(frozen=True)
+class Sizes:
+    T: int  # tokens (policy loss: B rows of T // B)
+    V: int
+    H: int
+    dtype: torch.dtype
+    pack: tuple[int, int, int]  # padded batch [B, L, D] for the packing cases
+    rounds: int  # per block (see BLOCKS)
+    warmup: int  # rounds before the first block
+    threads: int | None  # torch CPU threads while timing (None: leave as is)
+
+
+SIZES = {
+    "cpu": Sizes(T=512, V=32000, H=256, dtype=torch.float32, pack=(32, 1024, 256), rounds=4, warmup=1, threads=1),
+    "cuda": Sizes(T=8192, V=151936, H=896, dtype=torch.bfloat16, pack=(64, 4096, 896), rounds=10, warmup=3,
+                  threads=None),
+    "smoke": Sizes(T=64, V=1271, H=32, dtype=torch.float32, pack=(4, 32, 8), rounds=1, warmup=0, threads=None),
+}
+B = 4  # rows of the policy-loss cases
+CONFIG = PolicyLossConfig(loss_agg="token-mean", clip_low=0.2, clip_high=0.2, kl_coef=0.04, kl_type="k3")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Eager torch yardsticks (fp32 math, the plainest formulation)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def eager_logprobs(logits, labels, mask):
+    """logits [..., V] -> log p(labels) [...] in fp32, 0 where masked."""
+    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    return logp * mask
+
+
+def eager_policy_loss(logits, labels, adv, mask, old, ref):
+    """Token-mean clipped PPO surrogate + 0.04 · k3 KL to ref over [B, L] (CONFIG's objective)."""
+    logp = eager_logprobs(logits, labels, mask)
+    ratio = torch.exp(torch.clamp(logp - old, -20.0, 20.0))
+    a = adv[:, None]
+    pg = torch.maximum(-a * ratio, -a * torch.clamp(ratio, 1 - CONFIG.clip_low, 1 + CONFIG.clip_high))
+    diff = logp - ref
+    kl = torch.clamp(torch.exp(-diff) + diff - 1.0, -10.0, 10.0)
+    return ((pg + CONFIG.kl_coef * kl) * mask).sum() / mask.sum().clamp(min=1)
+
+
+def eager_pack(padded, keep):
+    """[B, L, D] -> [sum(lengths), D]: the kept slots (keep [B, L] bool) in row order."""
+    return padded[keep]
+
+
+def eager_unpack(flat, keep):
+    out = flat.new_zeros(*keep.shape, flat.shape[-1])
+    out[keep] = flat
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Cases: each builds its inputs and returns {"ours": fn, "torch": fn}; fn() -> the tensor to backpropagate
+# (with its upstream gradient) or None for forward-only cases
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def _token_inputs(shape, V, device, g):
+    labels = torch.randint(0, V, shape, generator=g)
+    mask = (torch.rand(shape, generator=g) < 0.9).float()
+    return labels.to(device), mask.to(device)
+
+
+def _logits(T, V, s: Sizes, device, g, grad):
+    return (2 * torch.randn(T, V, generator=g)).to(device, s.dtype).requires_grad_(grad)
+
+
+def _hidden(T, s: Sizes, device, g, grad):
+    hidden = torch.randn(T, s.H, generator=g).to(device, s.dtype).requires_grad_(grad)
+    weight = (torch.randn(s.V, s.H, generator=g) * s.H**-0.5).to(device, s.dtype).requires_grad_(grad)
+    return hidden, weight
+
+
+def _with_grad(out, g):
+    """Scalar to backpropagate: a random upstream gradient, never ones."""
+    return out if out.ndim == 0 else (out * g).sum()
+
+
+def logprobs_logits(s: Sizes, device: str, full: bool):
+    g = _gen()
+    labels, mask = _token_inputs((s.T,), s.V, device, g)
+    up = torch.randn(s.T, generator=g).to(device)
+    x = _logits(s.T, s.V, s, device, g, full)
+    return {
+        "ours": lambda: _with_grad(token_logprobs(x, labels, mask=mask), up),
+        "torch": lambda: _with_grad(eager_logprobs(x, labels, mask), up),
+    }, [x]
+
+
+def logprobs_hidden(s: Sizes, device: str, full: bool):
+    g = _gen()
+    labels, mask = _token_inputs((s.T,), s.V, device, g)
+    up = torch.randn(s.T, generator=g).to(device)
+    hidden, weight = _hidden(s.T, s, device, g, full)
+    return {
+        "ours": lambda: _with_grad(linear_token_logprobs(hidden, weight, labels, mask=mask), up),
+        "torch": lambda: _with_grad(eager_logprobs(hidden @ weight.t(), labels, mask), up),
+    }, [hidden, weight]
+
+
+def _loss_inputs(s: Sizes, device, g):
+    L = s.T // B
+    labels, mask = _token_inputs((B, L), s.V, device, g)
+    adv = torch.randn(B, generator=g)
+    # Old log-probs near the current ones (logits ~ N(0, 1) below) so ratios fall on both sides of the clip range.
+    old = -math.log(s.V) - 0.5 + 0.3 * torch.randn(B, L, generator=g)
+    ref = old + 0.1 * torch.randn(B, L, generator=g)
+    return labels, mask, adv.to(device), old.to(device), ref.to(device)
+
+
+def policy_loss_logits(s: Sizes, device: str, full: bool):
+    g = _gen()
+    labels, mask, adv, old, ref = _loss_inputs(s, device, g)
+    x = (torch.randn(*labels.shape, s.V, generator=g)).to(device, s.dtype).requires_grad_(full)
+    tok_adv = adv[:, None].expand_as(old).contiguous()
+    return {
+        "ours": lambda: policy_loss(x, labels, tok_adv, mask, config=CONFIG, old_logprobs=old, ref_logprobs=ref)[0],
+        "torch": lambda: eager_policy_loss(x, labels, adv, mask, old, ref),
+    }, [x]
+
+
+def policy_loss_hidden(s: Sizes, device: str, full: bool):
+    g = _gen()
+    labels, mask, adv, old, ref = _loss_inputs(s, device, g)
+    hidden, weight = _hidden(s.T, s, device, g, full)
+    h3 = hidden.view(*labels.shape, s.H)
+    tok_adv = adv[:, None].expand_as(old).contiguous()
+
+    def ours():
+        kw = dict(config=CONFIG, old_logprobs=old, ref_logprobs=ref)
+        return linear_policy_loss(h3, weight, labels, tok_adv, mask, **kw)[0]
+
+    return {
+        "ours": ours,
+        "torch": lambda: eager_policy_loss(h3 @ weight.t(), labels, adv, mask, old, ref),
+    }, [hidden, weight]
+
+
+def _padded(s: Sizes, device, g, grad):
+    Bp, L, D = s.pack
+    # RL-like response lengths: log-normal around L/4, clipped to [1, L].
+    lengths = torch.clamp(torch.exp(math.log(L / 4) + torch.randn(Bp, generator=g)), 1, L).long()
+    keep = torch.arange(L)[None, :] < lengths[:, None]  # [B, L]
+    padded = torch.randn(Bp, L, D, generator=g).to(device).requires_grad_(grad)
+    return padded, lengths.tolist(), keep.to(device)
+
+
+def pack_case(s: Sizes, device: str, full: bool):
+    g = _gen()
+    padded, lengths, keep = _padded(s, device, g, full)
+    up = torch.randn(sum(lengths), s.pack[2], generator=g).to(device)
+    return {
+        "ours": lambda: _with_grad(pack(padded, lengths), up),
+        "torch": lambda: _with_grad(eager_pack(padded, keep), up),
+    }, [padded]
+
+
+def unpack_case(s: Sizes, device: str, full: bool):
+    g = _gen()
+    padded, lengths, keep = _padded(s, device, g, full)
+    flat = eager_pack(padded, keep).contiguous()
+    L = s.pack[1]
+    return {
+        "ours": lambda: unpack(flat, lengths, max_len=L),
+        "torch": lambda: eager_unpack(flat, keep),
+    }, []
+
+
+# name -> (builder, forward + backward?, rounds multiplier: short cases take more rounds for a stable median)
+CASES: dict[str, tuple[Callable, bool, int]] = {
+    "logprobs-logits-fwd": (logprobs_logits, False, 3),
+    "logprobs-logits-full": (logprobs_logits, True, 1),
+    "logprobs-hidden-fwd": (logprobs_hidden, False, 1),
+    "logprobs-hidden-full": (logprobs_hidden, True, 1),
+    "policy-loss-logits-full": (policy_loss_logits, True, 1),
+    "policy-loss-hidden-full": (policy_loss_hidden, True, 1),
+    "pack-full": (pack_case, True, 4),
+    "unpack-fwd": (unpack_case, False, 4),
+}
+
+
+def _sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+@functools.lru_cache(maxsize=1)  # the inputs of one case at a time, shared by its blocks and both sides
+def _built(case: str, device: str, smoke: bool):
+    s = SIZES["smoke" if smoke else device]
+    build, full, scale = CASES[case]
+    return s, full, scale, *build(s, device, full)
+
+
+# Each case alternates torch and ours in BLOCKS short blocks (torch-b0, ours-b0, torch-b1, ...): the gate takes
+# the median over blocks of median(ours) / median(torch), each ratio from two windows a second or so apart, so a
+# shift of the machine's load between blocks cancels.
+BLOCKS = 3
+PARAMS = [(c, b, i) for c in CASES for b in range(BLOCKS) for i in ("torch", "ours")]
+
+
+@pytest.mark.parametrize(("case", "block", "impl"), PARAMS, ids=[f"{c}-b{b}-{i}" for c, b, i in PARAMS])
+def test_regress(benchmark, request, case, block, impl):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    smoke = request.config.getoption("benchmark_disable")
+    if device == "cuda" and triton_interpret() and not smoke:
+        pytest.skip("TRITON_INTERPRET=1 would time the Triton interpreter on CUDA; run `make bench-check`, "
+                    "which sets TRITON_INTERPRET=0")
+    s, full, scale, fns, leaves = _built(case, device, smoke)
+    fn = fns[impl]
+
+    def run():
+        out = fn()
+        if full:
+            out.backward()
+        _sync(device)
+
+    def clear_grads():
+        for t in leaves:
+            t.grad = None
+
+    benchmark.group = case
+    benchmark.extra_info.update(case=case, impl=impl, block=block, device=device, threads=s.threads,
+                                dtype=str(s.dtype).removeprefix("torch."),
+                                shape=f"T={s.T} V={s.V} H={s.H} pack={s.pack}")
+    # One thread on CPU: on a shared 2-core machine a competing process stalls every two-thread parallel region
+    # (medians swing 3x); single-threaded, the CPU time that bench/gate.py times by is the work the op does.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(s.threads or threads)
+    try:
+        with use_backend("torch") if device == "cpu" else contextlib.nullcontext():
+            benchmark.pedantic(run, setup=clear_grads, rounds=s.rounds * scale, iterations=1,
+                               warmup_rounds=s.warmup if block == 0 else 0)
+    finally:
+        torch.set_num_threads(threads)
