@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from trainer.cli import load_run_config, main, parse_overrides, rl_config, sft_config, sft_examples
+from trainer.cli import load_run_config, main, parse_overrides, phase_configs, rl_config, sft_config, sft_examples
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_overrides_parse_as_toml_values():
-    over = parse_overrides(["rl.lr=3e-4", "rl.rollout.dynamic_filters=[\"check_min_reward\"]", "name=abc",
+    over = parse_overrides(["rl.optim.lr=3e-4", "rl.rollout.dynamic_filters=[\"check_min_reward\"]", "name=abc",
                             "sft.num_steps=7"])
-    assert over == {"rl": {"lr": 3e-4, "rollout": {"dynamic_filters": ["check_min_reward"]}}, "name": "abc",
+    assert over == {"rl": {"optim": {"lr": 3e-4}, "rollout": {"dynamic_filters": ["check_min_reward"]}}, "name": "abc",
                     "sft": {"num_steps": 7}}
     with pytest.raises(ValueError, match="key=value"):
         parse_overrides(["rl.lr"])
@@ -25,6 +25,14 @@ def test_demo_config_builds_valid_configs():
     cfg = load_run_config(ROOT / "configs" / "demo.toml", ["rl.num_steps=3", "output_dir=\"runs/x\""])
     rl, sft = rl_config(cfg), sft_config(cfg)
     assert rl.num_steps == 3 and rl.output_dir == "runs/x/rl" and sft.output_dir == "runs/x/sft"
+    assert rl.loss.kl_coef == 0.001 and rl.loss.log_entropy and rl.loss.rollout_correction == "none"
+    assert sft.optim.lr == 3e-3 and rl.optim.lr == 1e-3 and rl.optim.betas == (0.9, 0.98)
+    phases = phase_configs(cfg)  # the derived configs, built in one place
+    assert phases.rl_trainer.policy_loss is phases.rl.loss and phases.rl_trainer.optim is phases.rl.optim
+    assert phases.rl_trainer.temperature == phases.rl.rollout.temperature and phases.sft_trainer.loss == "nll"
+    hot = load_run_config(ROOT / "configs" / "demo.toml", ["rl.rollout.temperature=0.7", "rl.async_rollout=true"])
+    assert phase_configs(hot).rl_trainer.temperature == 0.7  # one temperature: the rollout's
+    assert phase_configs(hot).rl.loss.rollout_correction == "tis"  # async: off-policy by construction
     assert rl.rollout.apply_chat_template is True  # [data].format = "chat" reaches the rollouts
     plain = load_run_config(ROOT / "configs" / "demo.toml", ["data.format=\"plain\""])
     assert rl_config(plain).rollout.apply_chat_template is False
@@ -44,6 +52,14 @@ def test_plain_sft_examples_train_on_answer_and_eos_only():
 
 @pytest.mark.parametrize("override, message", [
     ("rl.lrr=1", "'lrr'"),
+    ("rl.clip_low=0.1", r"rl\.clip_low moved to \[rl\.loss\] clip_low"),
+    ("rl.lr=0.1", r"rl\.lr moved to \[rl\.optim\] lr"),
+    ("sft.warmup_steps=3", r"sft\.warmup_steps moved to \[sft\.optim\] warmup_steps"),
+    ("trainer.temperature=0.7", r"moved to \[rl\.rollout\] temperature"),
+    ("rl.loss.clip_low=1.5", "clip_low"),
+    ("rl.loss.objective=\"dpo\"", "objective"),
+    ("engines.embedded=0", "embedded"),
+    ("engines.urls=[\"localhost:1\"]", "urls"),
     ("rl.rollout.nope=1", "'nope'"),
     ("engines.port=1", "port"),
     ("bogus=1", "bogus"),
@@ -57,12 +73,40 @@ def test_unknown_or_bad_keys_are_named(override, message):
 
 def test_main_reports_bad_config_without_a_traceback(capsys, tmp_path):
     bad = tmp_path / "bad.toml"
-    bad.write_text("[rl]\nlr = 1e-3\nnum_stepz = 3\n")
+    bad.write_text("[rl]\nnum_stepz = 3\n")
     assert main(["rl", "--config", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "num_stepz" in err and "Traceback" not in err
     assert main(["rl", "--config", str(tmp_path / "missing.toml")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_whole_config_is_validated_before_any_work(capsys, monkeypatch):
+    """A bad RL loss value fails at load time, before SFT trains; so do missing files and reward functions."""
+    import trainer.cli as cli
+
+    ran = []
+    monkeypatch.setattr(cli, "run", lambda *a, **k: ran.append(a))
+    demo = str(ROOT / "configs" / "demo.toml")
+    for override, message in [("rl.loss.clip_low=1.5", "clip_low"), ("data.eval=\"nope.jsonl\"", "nope.jsonl"),
+                              ("data.reward=\"trainer.rewards:nope\"", "nope"),
+                              ("trainer.compile_backend=\"tvm\"", "compile_backend")]:
+        assert main(["sft+rl", "--config", demo, "--set", override]) == 2, override
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and "Traceback" not in err, err
+    assert ran == []  # nothing started
+
+
+def test_only_configuration_errors_exit_2(monkeypatch):
+    """A failure during the run (here a ValueError deep in training) keeps its traceback and is not exit code 2."""
+    import trainer.cli as cli
+
+    def boom(*a, **k):
+        raise ValueError("a bug in training, not in the config")
+
+    monkeypatch.setattr(cli, "run", boom)
+    with pytest.raises(ValueError, match="a bug in training"):
+        main(["sft+rl", "--config", str(ROOT / "configs" / "demo.toml")])
 
 
 def test_sft_plus_rl_end_to_end_through_the_cli(tmp_path):

@@ -75,7 +75,8 @@ def test_incomplete_checkpoints_and_fingerprint(tmp_path):
         load_checkpoint(comp, tmp_path / "elsewhere")
     state2, extra = load_checkpoint(comp, out)
     assert state2 == state and extra == {"next_step": 3}
-    other = dataclasses.replace(comp, config=dataclasses.replace(cfg, lr=cfg.lr * 2))
+    faster = dataclasses.replace(cfg.optim, lr=cfg.optim.lr * 2)
+    other = dataclasses.replace(comp, config=dataclasses.replace(cfg, optim=faster))
     with pytest.raises(ValueError, match="fingerprint"):
         load_checkpoint(other, out)
     # output_dir / keep_last may change on resume

@@ -3,6 +3,7 @@ one process, bounded recompiles with bucketed packed shapes, futures, model load
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -20,7 +21,7 @@ from trainer.batch import IGNORE_INDEX, attach_logprobs, build_micro_batches
 from trainer.core import TrainerConfig, build_components, compute_logprobs, forward_backward, optim_step, warmup_cosine
 from trainer.futures import TrainFuture
 from trainer.models import load_hf_model
-from trainer.types import Sample, TrainingState
+from trainer.types import OptimConfig, Sample, TrainingState
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "trainer_worker.py"
@@ -60,7 +61,7 @@ def _reference_logprobs(model, s: Sample) -> tuple[torch.Tensor, torch.Tensor]:
 def components():
     with use_backend("torch"):
         cfg = TrainerConfig(loss="nll", compile=True, compile_backend="aot_eager", token_budget=96, bucket_size=32,
-                            lr=1e-3, seed=3)
+                            optim=OptimConfig(lr=1e-3), seed=3)
         yield build_components(tiny_model_config(), cfg)
 
 
@@ -179,7 +180,7 @@ def test_recompiles_bounded_by_buckets():
     budget, bucket = 128, 32
     with use_backend("torch"):
         cfg = TrainerConfig(loss="nll", compile=True, compile_backend="aot_eager", token_budget=budget,
-                            bucket_size=bucket, lr=1e-3)
+                            bucket_size=bucket, optim=OptimConfig(lr=1e-3))
         comp = build_components(tiny_model_config(), cfg)
         state, shapes = TrainingState(), set()
         for step in range(10):
@@ -229,7 +230,7 @@ def test_schedule_and_optim_state(components):
         before = {n: p.full_tensor().clone() for n, p in components.module.named_parameters()}
         fut = forward_backward(components, mbs)
         ofut, state = optim_step(components, TrainingState(step=4, tokens_seen=10), TrainerConfig(
-            loss="nll", max_grad_norm=1e-3, token_budget=96, bucket_size=32))
+            loss="nll", optim=OptimConfig(max_grad_norm=1e-3), token_budget=96, bucket_size=32))
     out = ofut.result()
     assert fut.done() and ofut.done()  # CPU: resolved at once
     assert state.step == 5 and state.weight_version == 1 and state.tokens_seen == 10 + mbs[0].num_tokens
@@ -278,7 +279,9 @@ def test_export_roundtrip_and_load_errors(components, tmp_path):
 
 def test_bad_inputs():
     with pytest.raises(ValueError, match="lr"):
-        TrainerConfig(lr=0)
+        OptimConfig(lr=0)
+    with pytest.raises(ValueError, match="optim"):
+        TrainerConfig(optim={"lr": 1e-3})
     with pytest.raises(ValueError, match="loss"):
         TrainerConfig(loss="mse")
     with pytest.raises(ValueError, match="compile_backend"):
@@ -290,3 +293,167 @@ def test_bad_inputs():
         build_micro_batches(_samples(0, n=2), token_budget=96, bucket_size=32, advantages=[1.0])
     with pytest.raises(ValueError, match="tiny presets"):
         tiny_model_config("gpt2")
+
+
+def _loop_pack_reference(samples, adv, old=None):
+    """The packed targets written as the per-token loop they are defined by (trainer/batch.py's docstring)."""
+    rows = {k: [] for k in ("ids", "pos", "labels", "mask", "adv", "old", "roll")}
+    for i, s in enumerate(samples):
+        L, P = len(s.tokens), s.prompt_length
+        for j in range(L):
+            k = j + 1 - P  # index of the predicted token within the response
+            trained = j + 1 < L and k >= 0
+            rows["ids"].append(s.tokens[j])
+            rows["pos"].append(j)
+            rows["labels"].append(s.tokens[j + 1] if trained else IGNORE_INDEX)
+            rows["mask"].append(float(s.effective_loss_mask[k]) if trained else 0.0)
+            rows["adv"].append(adv[i])
+            rows["old"].append(old[i][k] if trained and old is not None else 0.0)
+            rows["roll"].append(s.rollout_logprobs[k] if trained and s.rollout_logprobs else 0.0)
+    return rows
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_packed_micro_batch_equals_the_token_loop_definition(seed):
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(9):
+        p, r = int(torch.randint(0, 6, (), generator=g)), int(torch.randint(1, 30, (), generator=g))
+        toks = torch.randint(6, 90, (p + r,), generator=g).tolist()
+        mask = (torch.rand(r, generator=g) > 0.3).long().tolist() if i % 3 else None
+        roll = (-torch.rand(r, generator=g)).tolist() if i % 2 else None
+        samples.append(Sample(prompt="", tokens=toks, response_length=r, loss_mask=mask, rollout_logprobs=roll))
+    adv = torch.randn(9, generator=g).tolist()
+    old = [(-torch.rand(s.response_length, generator=g)).tolist() for s in samples]
+    (mb,) = build_micro_batches(samples, token_budget=512, bucket_size=32, advantages=adv, old_logprobs=old)
+    order = list(mb.sample_index)
+    ref = _loop_pack_reference([samples[i] for i in order], [adv[i] for i in order], [old[i] for i in order])
+    T = len(ref["ids"])
+    assert mb.row.padded_len % 32 == 0 and mb.row.num_tokens == T
+    assert mb.row.input_ids[:T].tolist() == ref["ids"] and mb.row.position_ids[:T].tolist() == ref["pos"]
+    assert mb.labels.tolist() == ref["labels"] + [IGNORE_INDEX] * (mb.row.padded_len - T)
+    for name, got in (("mask", mb.loss_mask), ("adv", mb.advantages), ("old", mb.old_logprobs),
+                      ("roll", mb.rollout_logprobs)):
+        assert torch.equal(got[:T], torch.tensor(ref[name], dtype=torch.float32)), name
+        assert not got[T:].any(), name  # the padding tail is zero
+    assert mb.local_tokens == int(mb.loss_mask.sum())
+    assert mb.segments.tolist()[-1] == mb.row.padded_len
+
+
+def test_pin_memory_pins_host_tensors_and_leaves_device_tensors(monkeypatch):
+    """Old / ref log-probs from compute_logprobs already live on the device: pinning them would raise."""
+    (mb,) = build_micro_batches(_samples(3, n=3), token_budget=128, bucket_size=32)
+    on_device = torch.zeros(mb.row.padded_len, device="meta")  # stands for a CUDA tensor: pinning it raises
+    mb = attach_logprobs([mb], [on_device], "old_logprobs")[0]
+    pinned = []
+
+    def fake_pin(t):  # this machine has no CUDA to pin with; pin like torch does, host tensors only
+        if t.device.type != "cpu":
+            raise RuntimeError(f"cannot pin a {t.device} tensor")
+        pinned.append(t)
+        return t.clone()
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
+    out = mb.pin_memory()
+    assert out.old_logprobs is mb.old_logprobs and out.old_logprobs.device.type == "meta"
+    assert torch.equal(out.labels, mb.labels) and out.labels is not mb.labels
+    assert len(pinned) == 9  # every host tensor of the batch and of its packed row
+
+
+class _RecordingStreams:
+    """Stands in for trainer.futures.DeviceStreams on CPU: logs every hand-off, in order."""
+
+    def __init__(self, name: str, log: list) -> None:
+        self.compute, self.copy, self.log, self._stack = f"{name}.compute", f"{name}.copy", log, ["default"]
+
+    def current(self):
+        return self._stack[-1]
+
+    def use(self, stream):
+        import contextlib
+
+        @contextlib.contextmanager
+        def cm():
+            self._stack.append(stream)
+            try:
+                yield
+            finally:
+                self._stack.pop()
+        return cm()
+
+    def record(self, stream):
+        event = f"event{len(self.log)}@{stream}"
+        self.log.append(("record", stream, event))
+        return event
+
+    def wait(self, stream, event):
+        self.log.append(("wait", stream, event))
+
+    def keep_alive(self, tensor, stream):
+        self.log.append(("keep_alive", stream, tensor.data_ptr()))
+
+
+def _waits_after(log, consumer, producer, start=0):
+    """Index of the first wait of `consumer` on an event recorded on `producer` at or after `start`."""
+    for i in range(start, len(log)):
+        op, stream, ev = log[i]
+        if op == "wait" and stream == consumer and ev.endswith(f"@{producer}"):
+            return i
+    raise AssertionError(f"{consumer} never waits on {producer} after {start}: {log[start:]}")
+
+
+def test_cross_stream_handoffs_are_ordered_with_events(monkeypatch):
+    from kernels import PolicyLossConfig
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)  # no CUDA here; the copy is a no-op on CPU
+    log: list = []
+    cfg = TrainerConfig(loss="policy", policy_loss=PolicyLossConfig(kl_coef=0.1), compile=False, token_budget=64,
+                        bucket_size=32)
+    policy = build_components(tiny_model_config(), cfg)
+    ref = build_components(tiny_model_config(), cfg)
+    policy = dataclasses.replace(policy, streams=_RecordingStreams("policy", log))
+    ref = dataclasses.replace(ref, streams=_RecordingStreams("ref", log))
+    mbs = build_micro_batches(_samples(2, n=5), token_budget=64, bucket_size=32, advantages=[0.5] * 5)
+    ref_lp = compute_logprobs(ref, mbs)
+    ref_done = _waits_after(log, "default", "ref.compute")  # the ref's exit hands its outputs to the default stream
+    mbs = attach_logprobs(mbs, ref_lp, "ref_logprobs")
+    start = len(log)
+    forward_backward(policy, mbs).result()
+    # Entry: the policy's compute stream waits on the default stream, after the reference model's hand-off.
+    enter = _waits_after(log, "policy.compute", "default", start)
+    assert enter > ref_done
+    # Each batch: the compute stream waits on its copy, and keeps every tensor it reads alive, ref log-probs too.
+    copies = [i for i, e in enumerate(log) if e[0] == "wait" and e[1] == "policy.compute" and "@policy.copy" in e[2]]
+    assert len(copies) == len(mbs)
+    kept = {e[2] for e in log[start:] if e[0] == "keep_alive" and e[1] == "policy.compute"}
+    assert {t.data_ptr() for t in ref_lp} <= kept
+    fb_exit = _waits_after(log, "default", "policy.compute", enter)
+    _, policy_state = optim_step(policy, TrainingState())
+    # Exit of the optimizer step: the default stream (where a checkpoint or a weight sync is queued next) waits on
+    # the compute stream, and this is the last hand-off.
+    assert _waits_after(log, "default", "policy.compute", fb_exit + 1) == len(log) - 1
+
+
+def test_mismatch_metrics_combine_over_micro_batches(components):
+    """Engine-vs-trainer mismatch over the whole step: the `_max` metric is the max over every micro-batch, the
+    mean is normalised by the step's global token count."""
+    from kernels import PolicyLossConfig
+
+    g = torch.Generator().manual_seed(4)
+    samples = [dataclasses.replace(s, rollout_logprobs=(-3 * torch.rand(s.response_length, generator=g)).tolist())
+               for s in _samples(9, n=7)]
+    cfg = TrainerConfig(loss="policy", policy_loss=PolicyLossConfig(rollout_correction="tis"), token_budget=64,
+                        bucket_size=32)
+    mbs = build_micro_batches(samples, token_budget=64, bucket_size=32, advantages=[0.3] * 7)
+    assert len(mbs) >= 3
+    logps = compute_logprobs(components, mbs)  # the current policy, the loss's trainer side (no old log-probs)
+    got = forward_backward(components, mbs, cfg).result()
+    components.optimizer.zero_grad(set_to_none=True)
+    components.pending["tokens"] = 0
+    diffs = [((mb.rollout_logprobs - lp).abs() * mb.loss_mask).double() for mb, lp in zip(mbs, logps)]
+    per_batch_max = [d.max().item() for d in diffs]
+    assert len(set(per_batch_max)) > 1  # the micro-batches disagree, so sum and max would differ
+    assert got["mismatch/logprob_abs_diff_max"] == pytest.approx(max(per_batch_max), rel=1e-5)
+    mean = sum(d.sum().item() for d in diffs) / mbs[0].num_tokens
+    assert got["mismatch/logprob_abs_diff_mean"] == pytest.approx(mean, rel=1e-5)
+    assert 0 < got["mismatch/tis_weight_mean"] and "input_errors" not in got

@@ -13,7 +13,7 @@ from trainer.checkpoint import latest_checkpoint
 from trainer.core import trainer_config_from
 from trainer.metrics import read_jsonl
 from trainer.sft import compute_loss_mask, run_sft_training, tokenize_conversation
-from trainer.types import SFTTrainingConfig
+from trainer.types import OptimConfig, SFTTrainingConfig
 
 
 @pytest.fixture(autouse=True)
@@ -70,8 +70,9 @@ def test_tokenize_conversation_and_truncation():
 
 def test_sft_lowers_loss(tmp_path):
     chats = _toy_chats(64, seed=3)
-    cfg = SFTTrainingConfig(lr=5e-3, warmup_steps=2, num_steps=20, batch_size=8, max_length=64, token_budget=256,
-                            micro_batch_buckets=64, output_dir=str(tmp_path / "sft"), save_every=10, seed=0)
+    cfg = SFTTrainingConfig(optim=OptimConfig(lr=5e-3, warmup_steps=2), num_steps=20, batch_size=8, max_length=64,
+                            token_budget=256, micro_batch_buckets=64, output_dir=str(tmp_path / "sft"), save_every=10,
+                            seed=0)
     with use_backend("torch"), pytest.warns(UserWarning, match="truncated"):
         # max_length 64 cuts the longest conversations: the warning counts them
         comp, state, hist = run_sft_training(tiny_model_config(), chats + [chats[0] * 6], cfg,

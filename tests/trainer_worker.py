@@ -21,10 +21,11 @@ BUDGET, BUCKET = 128, 32
 
 def config(output_dir: str = "runs/test", compile: bool = True):
     from trainer.core import TrainerConfig
+    from trainer.types import OptimConfig
 
-    return TrainerConfig(loss="nll", lr=3e-3, warmup_steps=1, num_steps=6, compile=compile,
-                         compile_backend="aot_eager", token_budget=BUDGET, bucket_size=BUCKET,
-                         output_dir=output_dir, max_grad_norm=1.0, seed=0)
+    return TrainerConfig(loss="nll", optim=OptimConfig(lr=3e-3, warmup_steps=1, max_grad_norm=1.0), num_steps=6,
+                         compile=compile, compile_backend="aot_eager", token_budget=BUDGET, bucket_size=BUCKET,
+                         output_dir=output_dir, seed=0)
 
 
 def step_samples(step: int, n: int = 6) -> list[Sample]:

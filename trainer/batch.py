@@ -18,11 +18,13 @@ each micro-batch is already divided by them, so summing over micro-batches and r
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterable, Sequence
 
 import torch
+import torch.nn.functional as F
 
-from kernels.packing import PackedBatch
+from kernels.packing import PackedBatch, broadcast_to_tokens, packed_layout, shift_left
 from trainer.types import Sample
 
 IGNORE_INDEX = -100
@@ -62,7 +64,9 @@ class MicroBatch:
         return _move(self, lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> MicroBatch:
-        return _move(self, lambda t: t.pin_memory())
+        """Host tensors in page-locked memory (for non_blocking copies); device tensors (old / ref log-probs from
+        `compute_logprobs`) are already where they go and are kept as they are."""
+        return _move(self, lambda t: t.pin_memory() if t.device.type == "cpu" else t)
 
 
 def bucketed_length(n: int, bucket_size: int) -> int:
@@ -84,65 +88,67 @@ def _response_values(values: Sequence[float] | None, n: int, name: str) -> list[
     return [float(v) for v in values]
 
 
+def _padding_row(n: int, *, pad_id: int, num_tokens: int, num_seqs: int, old: bool, ref: bool) -> MicroBatch:
+    """An all-padding row (a rank with fewer micro-batches than the others still runs the same forwards)."""
+    zeros = torch.zeros(n, dtype=torch.float32)
+    row = PackedBatch(input_ids=torch.full((n,), pad_id, dtype=torch.int64), position_ids=torch.arange(n),
+                      seq_index=torch.full((n,), -1, dtype=torch.int64), cu_seqlens=torch.zeros(1, dtype=torch.int32),
+                      loss_mask=zeros, lengths=())
+    return MicroBatch(row=row, labels=torch.full((n,), IGNORE_INDEX, dtype=torch.int64), loss_mask=zeros,
+                      advantages=zeros, num_tokens=num_tokens, num_seqs=num_seqs,
+                      segments=torch.tensor([0, n], dtype=torch.int32), old_logprobs=zeros if old else None,
+                      ref_logprobs=zeros if ref else None)
+
+
 def pack_micro_batch(samples: Sequence[Sample], indices: Sequence[int], *, advantages: Sequence[float],
                      bucket_size: int, pad_id: int, num_tokens: int, num_seqs: int,
                      old_logprobs: Sequence[Sequence[float]] | None = None,
                      ref_logprobs: Sequence[Sequence[float]] | None = None) -> MicroBatch:
-    """Pack samples[indices] into one bucketed row (host tensors). Empty `indices` gives an all-padding row."""
-    ids: list[int] = []
-    pos: list[int] = []
-    labels: list[int] = []
-    mask: list[float] = []
-    adv: list[float] = []
-    olp: list[float] = []
-    rlp: list[float] = []
-    roll: list[float] = []
-    cu = [0]
-    has_roll = any(samples[i].rollout_logprobs is not None for i in indices)
-    for i in indices:
-        s = samples[i]
-        L, P = len(s.tokens), s.prompt_length
-        resp_mask = s.effective_loss_mask
-        for j in range(L):
-            ids.append(s.tokens[j])
-            pos.append(j)
-            k = j + 1 - P  # index of the predicted token within the response
-            trained = j + 1 < L and k >= 0
-            labels.append(s.tokens[j + 1] if trained else IGNORE_INDEX)
-            mask.append(float(resp_mask[k]) if trained else 0.0)
-            adv.append(float(advantages[i]))
-            olp.append(float(old_logprobs[i][k]) if trained and old_logprobs is not None else 0.0)
-            rlp.append(float(ref_logprobs[i][k]) if trained and ref_logprobs is not None else 0.0)
-            rl = s.rollout_logprobs
-            roll.append(float(rl[k]) if trained and rl is not None else 0.0)
-        cu.append(len(ids))
-    n = bucketed_length(len(ids), bucket_size)
-    pad = n - len(ids)
-    ids += [pad_id] * pad
-    pos += list(range(pad))
-    labels += [IGNORE_INDEX] * pad
-    for lst in (mask, adv, olp, rlp, roll):
-        lst += [0.0] * pad
-    f32 = torch.float32
-    lengths = tuple(cu[k + 1] - cu[k] for k in range(len(cu) - 1))
-    seq = [k for k, n in enumerate(lengths) for _ in range(n)] + [-1] * pad
-    row = PackedBatch(input_ids=torch.tensor(ids, dtype=torch.int64), position_ids=torch.tensor(pos, dtype=torch.int64),
-                      seq_index=torch.tensor(seq, dtype=torch.int64), cu_seqlens=torch.tensor(cu, dtype=torch.int32),
-                      loss_mask=torch.tensor(mask, dtype=f32), lengths=lengths)
+    """Pack samples[indices] into one bucketed row (host tensors). Empty `indices` gives an all-padding row.
+
+    The host only concatenates each sample's token ids and per-response-token values; the layout (positions,
+    sequence index), the next-token shift and the advantage broadcast are the packing kernels' (kernels.packing).
+    """
+    chosen = [samples[i] for i in indices]
+    lengths = tuple(len(s.tokens) for s in chosen)
+    total = sum(lengths)
+    n = bucketed_length(total, bucket_size)
+    if not chosen:
+        return _padding_row(n, pad_id=pad_id, num_tokens=num_tokens, num_seqs=num_seqs,
+                            old=old_logprobs is not None, ref=ref_logprobs is not None)
+    ids = torch.tensor(list(itertools.chain.from_iterable(s.tokens for s in chosen)), dtype=torch.int64)
+    ids = F.pad(ids, (0, n - total), value=pad_id)  # [n]
+    cu = [0, *itertools.accumulate(lengths)]
+    pos, seq = packed_layout(torch.tensor(cu, dtype=torch.int32), total=n)  # [n] each; seq -1 on the tail
+    prompt_len = broadcast_to_tokens(torch.tensor([s.prompt_length for s in chosen], dtype=torch.int64), seq, fill=n)
+    is_response = pos >= prompt_len  # [n] bool: token t is a response token
+    response_at = is_response.nonzero().squeeze(1)  # host tensor: no device involved yet
+
+    def shifted(per_response: Iterable[Sequence[float]]) -> torch.Tensor:
+        """Per-response-token values -> [n] at the position predicting each token (0 elsewhere)."""
+        flat = torch.tensor(list(itertools.chain.from_iterable(per_response)), dtype=torch.float32)
+        return shift_left(torch.zeros(n, dtype=torch.float32).index_put_((response_at,), flat), seq)
+
+    predicts_response = shift_left(is_response, seq, fill=False)  # position j predicts a response token
+    labels = torch.where(predicts_response, shift_left(ids, seq), IGNORE_INDEX)
+    if all(s.loss_mask is None for s in chosen):
+        mask = predicts_response.float()
+    else:
+        mask = shifted(s.effective_loss_mask for s in chosen)
+    adv = broadcast_to_tokens(torch.tensor([float(advantages[i]) for i in indices], dtype=torch.float32), seq)
+    has_rollout = any(s.rollout_logprobs is not None for s in chosen)
+    row = PackedBatch(input_ids=ids, position_ids=pos, seq_index=seq, cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+                      loss_mask=mask, lengths=lengths)
     return MicroBatch(
-        row=row,
-        labels=torch.tensor(labels, dtype=torch.int64),
-        loss_mask=row.loss_mask,
-        advantages=torch.tensor(adv, dtype=f32),
-        num_tokens=num_tokens,
-        num_seqs=num_seqs,
-        segments=torch.tensor(cu + ([n] if pad else []), dtype=torch.int32),
-        local_tokens=int(sum(mask)),
+        row=row, labels=labels, loss_mask=mask, advantages=adv, num_tokens=num_tokens, num_seqs=num_seqs,
+        segments=torch.tensor(cu + ([n] if n > total else []), dtype=torch.int32),
+        # With an empty prompt the first response token has no position predicting it.
+        local_tokens=sum(sum(s.effective_loss_mask[1 if s.prompt_length == 0 else 0:]) for s in chosen),
         sample_index=tuple(indices),
-        old_logprobs=torch.tensor(olp, dtype=f32) if old_logprobs is not None else None,
-        ref_logprobs=torch.tensor(rlp, dtype=f32) if ref_logprobs is not None else None,
-        rollout_logprobs=torch.tensor(roll, dtype=f32) if has_roll else None,
-    )
+        old_logprobs=None if old_logprobs is None else shifted(old_logprobs[i] for i in indices),
+        ref_logprobs=None if ref_logprobs is None else shifted(ref_logprobs[i] for i in indices),
+        rollout_logprobs=shifted(s.rollout_logprobs or (0.0,) * s.response_length for s in chosen)
+        if has_rollout else None)
 
 
 def build_micro_batches(samples: Sequence[Sample], *, token_budget: int, bucket_size: int,

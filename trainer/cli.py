@@ -35,11 +35,14 @@ import trio
 from trainer.core import TrainerConfig
 from trainer.types import RLTrainingConfig, SFTTrainingConfig, config_from_dict
 
-MODES = ("sft", "rl", "sft+rl", "demo")
+MODES = ("sft", "rl", "sft+rl", "demo", "export")
 TOP_KEYS = {"name", "output_dir", "seed", "model", "data", "engines", "sft", "rl", "eval", "trainer"}
 MODEL_KEYS = {"preset", "path", "arch", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-              "intermediate_size", "max_position_embeddings", "tie_word_embeddings"}
-DATA_KEYS = {"train", "eval", "sft", "reward", "format"}
+              "intermediate_size", "max_position_embeddings", "tie_word_embeddings", "checkpoint"}
+# train / eval / sft: a data file (JSON, JSONL, parquet), a save_to_disk folder, or a list of {path, weight, ...}
+# tables (a weighted mixture); the mapping keys apply to every set that does not set its own (trainer.data.DataSpec).
+DATA_KEYS = {"train", "eval", "sft", "reward", "format", "prompt_key", "answer_key", "messages_key", "system_prompt",
+             "split"}
 FORMATS = ("chat", "plain")
 ENGINE_KEYS = {"urls", "embedded", "api_key", "threads", "start_timeout_s"}
 EVAL_KEYS = {"max_new_tokens", "limit"}
@@ -180,15 +183,17 @@ def _check_engines(e: dict[str, Any]) -> None:
 
 def _check_inputs(cfg: dict[str, Any], mode: str) -> None:
     """The files, the model folder and the reward function that `mode` will use exist and load."""
+    from trainer.data import data_specs
     from trainer.rewards import load_reward_fn
 
     data = cfg.get("data", {})
     if "train" not in data:
-        raise ValueError("[data].train: give a JSONL prompt file (prompt, answer, any metadata)")
+        raise ValueError("[data].train: give a prompt data set (JSON/JSONL/parquet file or save_to_disk folder)")
     needs = {"train"} | ({"sft"} if mode != "rl" else set()) | {"eval"}
-    for key in sorted(needs & set(data) - {"reward", "format"}):
-        if not Path(data[key]).is_file():
-            raise FileNotFoundError(f"[data].{key} = {data[key]!r}: no such file")
+    for key in sorted(needs & set(data)):
+        for spec in data_specs(data[key], data, where=f"[data].{key}"):
+            if not Path(spec.path).exists():
+                raise FileNotFoundError(f"[data].{key}: {spec.path!r}: no such file or folder")
     model = cfg.get("model", {})
     if "path" in model and not (Path(model["path"]) / "config.json").is_file():
         raise FileNotFoundError(f"[model].path = {model['path']}: not a Hugging Face model folder (no config.json)")
@@ -268,7 +273,7 @@ def evaluate(urls: Sequence[str], prompts: Sequence[Any], *, tokenizer: Any, rew
     from trainer.rollout import prompt_token_ids, stop_token_ids
     from trainer.types import Sample, Status
 
-    ids = [prompt_token_ids(tokenizer, p.prompt, chat=chat) for p in prompts]
+    ids = [prompt_token_ids(tokenizer, p.prompt, chat=chat, system=p.system) for p in prompts]
     stop = tuple(stop_token_ids(tokenizer, chat=chat))
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=stop)
     engine = SGLangEngine(urls[0], api_key=api_key)
@@ -320,7 +325,8 @@ def run(mode: str, cfg: dict[str, Any], *, resume: bool = False) -> dict[str, An
     from engines.sglang import SGLangEngine
     from engines.tiny import build_tokenizer
     from trainer.core import broadcast_from_rank0, build_components, init_distributed
-    from trainer.data import DataBuffer, load_jsonl
+    from trainer.data import config_buffer, config_prompts
+    from trainer.export import start_folder
     from trainer.plot import plot_metrics
     from trainer.rl import run_rl_training
     from trainer.sft import run_sft_training
@@ -335,7 +341,7 @@ def run(mode: str, cfg: dict[str, Any], *, resume: bool = False) -> dict[str, An
     tokenizer = build_tokenizer()
     if is_main and not resume:
         fresh_start(out, mode)
-    model_folder = prepare_model_folder(cfg, tokenizer) if is_main else None
+    model_folder = start_folder(cfg, prepare_model_folder(cfg, tokenizer)) if is_main else None
     model_folder = Path(broadcast_from_rank0(str(model_folder)))
     if (model_folder / "tokenizer.json").is_file():
         from transformers import AutoTokenizer
@@ -343,7 +349,7 @@ def run(mode: str, cfg: dict[str, Any], *, resume: bool = False) -> dict[str, An
         tokenizer = AutoTokenizer.from_pretrained(model_folder)
     reward_fn = data.get("reward", DEFAULT_REWARD)
     fmt = data.get("format", "chat")
-    eval_prompts = load_jsonl(data["eval"]) if "eval" in data else []
+    eval_prompts = config_prompts(data["eval"], data, where="[data].eval") if "eval" in data else []
     ev = cfg.get("eval", {})
     if ev.get("limit"):
         eval_prompts = eval_prompts[: int(ev["limit"])]
@@ -368,7 +374,7 @@ def run(mode: str, cfg: dict[str, Any], *, resume: bool = False) -> dict[str, An
             accuracy("before_sft" if mode != "rl" else "before_rl")
         if mode in ("sft", "sft+rl", "demo"):
             scfg = phases.sft
-            sft_prompts = load_jsonl(data.get("sft", data["train"]))
+            sft_prompts = config_prompts(data.get("sft", data["train"]), data, where="[data].sft", seed=cfg["seed"])
             components, sft_state, sft_hist = run_sft_training(
                 str(model_folder), sft_examples(sft_prompts, tokenizer, fmt), scfg, tokenizer=tokenizer, resume=resume,
                 trainer_config=phases.sft_trainer)
@@ -385,7 +391,7 @@ def run(mode: str, cfg: dict[str, Any], *, resume: bool = False) -> dict[str, An
             if components is not None:  # engines serve the SFT weights from here on
                 sender.sync(weight_version=0)
                 accuracy("after_sft")
-            buffer = DataBuffer.from_jsonl(data["train"], seed=cfg["seed"])
+            buffer = config_buffer(data["train"], data, where="[data].train", seed=cfg["seed"])
             comp, state, hist = run_rl_training(None, buffer, rl_cfg, engine_urls=urls, tokenizer=tokenizer,
                                                 reward_fn=reward_fn, trainer_config=tcfg, components=comp,
                                                 resume=resume, api_key=api_key, sender=sender)
@@ -419,6 +425,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key, e.g. --set rl.num_steps=20 (repeatable)")
     ap.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    ap.add_argument("--checkpoint", default=None, help="export: a step folder or a phase's output_dir (default: "
+                    "the newest checkpoint of <output_dir>/rl, else <output_dir>/sft)")
+    ap.add_argument("--out", default=None, help="export: the HF folder to write (default <output_dir>/export)")
+    ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                    help="export: store the weights in this dtype (default: as trained)")
     args = ap.parse_args(argv)
     config = args.config or ("configs/demo.toml" if args.mode == "demo" else None)
     if config is None:
@@ -428,6 +439,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:  # configuration errors only: any other failure keeps its traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.mode == "export":
+        from engines.tiny import build_tokenizer
+        from trainer.export import export_run
+
+        try:
+            folder = export_run(cfg, prepare_model_folder(cfg, build_tokenizer()), checkpoint=args.checkpoint,
+                                out=args.out, dtype=args.dtype)
+        except (ValueError, FileNotFoundError) as e:  # no such checkpoint, or one of another architecture
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(f"exported {folder}", flush=True)
+        return 0
     try:
         summary = run(args.mode, cfg, resume=args.resume)
     except KeyboardInterrupt:

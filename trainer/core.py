@@ -14,6 +14,7 @@ over ranks, so each rank scales its backward by the world size to turn that aver
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -28,11 +29,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+from kernels import PolicyLossConfig, linear_policy_loss, linear_token_logprobs, raise_on_input_errors
+from kernels.objective import merge_metrics
 from trainer.attention import packed_hidden_states
 from trainer.batch import MicroBatch
-from trainer.futures import TrainFuture
+from trainer.futures import DeviceStreams, TrainFuture
 from trainer.parallel import ParallelConfig, TrainModule
-from trainer.types import TrainingState
+from trainer.types import OptimConfig, TrainingState
 
 LOSSES = ("policy", "nll")
 # Fields that do not change the math of a run (a resume may change them freely).
@@ -41,19 +44,17 @@ _FINGERPRINT_EXCLUDE = ("output_dir", "keep_last", "save_every", "compile", "com
 
 @dataclasses.dataclass(frozen=True)
 class TrainerConfig:
-    """Everything the step functions need. `policy_loss` is a kernels.PolicyLossConfig (loss="policy")."""
+    """Everything the step functions need; built from an SFT/RL config by `trainer_config_from`.
 
-    lr: float = 1e-4
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 0
+    `policy_loss` is a kernels.PolicyLossConfig (loss="policy"); `temperature` is the rollout's sampling
+    temperature, which every trainer log-prob (loss, old and reference log-probs) is computed at.
+    """
+
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     num_steps: int = 10  # length of the cosine schedule
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    max_grad_norm: float = 1.0  # 0 = no clipping (the norm is still reported)
     loss: str = "policy"  # "policy": kernels.linear_policy_loss; "nll": token-level NLL (SFT)
     policy_loss: Any = None  # kernels.PolicyLossConfig; None = its defaults
-    temperature: float = 1.0  # for compute_logprobs (old / ref log-probs)
+    temperature: float = 1.0
     logprob_chunk_tokens: int | None = None
     compile: bool = True
     compile_backend: str = "inductor"
@@ -67,17 +68,15 @@ class TrainerConfig:
     save_every: int = 0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "betas", tuple(self.betas))
+        if not isinstance(self.optim, OptimConfig):
+            raise ValueError(f"TrainerConfig.optim: expected a trainer.types.OptimConfig, got "
+                             f"{type(self.optim).__name__}")
+        if self.policy_loss is None:
+            object.__setattr__(self, "policy_loss", PolicyLossConfig())
         checks = [
-            (self.lr > 0, "lr", "must be > 0"),
-            (0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]"),
-            (self.warmup_steps >= 0, "warmup_steps", "must be >= 0"),
             (self.num_steps > 0, "num_steps", "must be > 0"),
-            (self.weight_decay >= 0, "weight_decay", "must be >= 0"),
-            (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas", "must be two numbers in [0, 1)"),
-            (self.eps > 0, "eps", "must be > 0"),
-            (self.max_grad_norm >= 0, "max_grad_norm", "must be >= 0 (0 = no clipping)"),
             (self.loss in LOSSES, "loss", f"must be one of {LOSSES}"),
+            (isinstance(self.policy_loss, PolicyLossConfig), "policy_loss", "must be a kernels.PolicyLossConfig"),
             (self.temperature > 0, "temperature", "must be > 0"),
             (self.token_budget > 0 and self.bucket_size > 0, "token_budget/bucket_size", "must be > 0"),
             (self.token_budget >= self.bucket_size, "token_budget", "must be >= bucket_size"),
@@ -96,8 +95,6 @@ class TrainerConfig:
     def fingerprint(self) -> str:
         """sha256 over the fields that change the math of a run (checkpoints refuse to resume on a mismatch)."""
         d = {k: v for k, v in dataclasses.asdict(self).items() if k not in _FINGERPRINT_EXCLUDE}
-        pl = self.policy_loss
-        d["policy_loss"] = dataclasses.asdict(pl) if dataclasses.is_dataclass(pl) else repr(pl)
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=repr).encode()).hexdigest()[:16]
 
 
@@ -112,8 +109,7 @@ class TrainingComponents:
     mesh: DeviceMesh
     device: torch.device
     config: TrainerConfig
-    compute_stream: Any = None  # torch.cuda.Stream on CUDA
-    copy_stream: Any = None  # torch.cuda.Stream on CUDA (host-to-device copies of the next micro-batch)
+    streams: Any = None  # trainer.futures.DeviceStreams on CUDA, None on CPU (everything runs in order)
     pending: dict = dataclasses.field(default_factory=lambda: {"tokens": 0})  # tokens since the last optim_step
 
     @property
@@ -179,14 +175,14 @@ def build_components(model: str | os.PathLike | Any, config: TrainerConfig, *,
                              seed=config.seed)
     root.train()
     cuda = device.type == "cuda"
-    optimizer = torch.optim.AdamW(root.parameters(), lr=config.lr, betas=config.betas, eps=config.eps,
-                                  weight_decay=config.weight_decay, fused=cuda or None)
-    lam = lambda s: warmup_cosine(s, warmup_steps=config.warmup_steps, num_steps=config.num_steps,
-                                  min_lr_ratio=config.min_lr_ratio)
+    opt = config.optim
+    optimizer = torch.optim.AdamW(root.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps,
+                                  weight_decay=opt.weight_decay, fused=True)
+    lam = lambda s: warmup_cosine(s, warmup_steps=opt.warmup_steps, num_steps=config.num_steps,
+                                  min_lr_ratio=opt.min_lr_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lam)
-    streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if cuda else (None, None)
     return TrainingComponents(model=root.lm, module=root, optimizer=optimizer, scheduler=scheduler, mesh=mesh,
-                              device=device, config=config, compute_stream=streams[0], copy_stream=streams[1])
+                              device=device, config=config, streams=DeviceStreams(device) if cuda else None)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -197,38 +193,22 @@ def build_components(model: str | os.PathLike | Any, config: TrainerConfig, *,
 def _policy_loss(lm: nn.Module, mb: MicroBatch, config: TrainerConfig) -> tuple[torch.Tensor, dict]:
     hidden = packed_hidden_states(lm, mb.row)  # [N, H]
     weight = lm.get_output_embeddings().weight  # [V, H], unsharded inside the root's forward
-    if config.policy_loss is None:
-        from kernels.policy_loss import PolicyLossConfig
-
-        pcfg = PolicyLossConfig(temperature=config.temperature)
-    else:
-        pcfg = config.policy_loss
     # Sequences for the per-sequence aggregations: the real ones plus the padding tail (mask 0, contributes 0);
     # the global num_seqs keeps the normalisation exact.
-    return _kernel("linear_policy_loss", "linear_policy_loss")(
-        hidden, weight, mb.labels, mb.advantages, mb.loss_mask, config=pcfg, old_logprobs=mb.old_logprobs,
-        ref_logprobs=mb.ref_logprobs, rollout_logprobs=mb.rollout_logprobs, cu_seqlens=mb.segments,
-        num_tokens=mb.num_tokens, num_seqs=mb.num_seqs, chunk_tokens=config.logprob_chunk_tokens)
+    return linear_policy_loss(
+        hidden, weight, mb.labels, mb.advantages, mb.loss_mask, config=config.policy_loss,
+        temperature=config.temperature, old_logprobs=mb.old_logprobs, ref_logprobs=mb.ref_logprobs,
+        rollout_logprobs=mb.rollout_logprobs, cu_seqlens=mb.segments, num_tokens=mb.num_tokens,
+        num_seqs=mb.num_seqs, chunk_tokens=config.logprob_chunk_tokens)
 
 
 def _nll_loss(lm: nn.Module, mb: MicroBatch, config: TrainerConfig) -> tuple[torch.Tensor, dict]:
     hidden = packed_hidden_states(lm, mb.row)
     weight = lm.get_output_embeddings().weight
-    linear_token_logprobs = _kernel("linear_token_logprobs", "linear_logprobs")
     logp = linear_token_logprobs(hidden, weight, mb.labels, temperature=1.0, mask=mb.loss_mask,
                                  chunk_tokens=config.logprob_chunk_tokens)  # [N], 0 off the mask
     loss = -(logp * mb.loss_mask).sum() / max(mb.num_tokens, 1)
     return loss, {}
-
-
-def _kernel(name: str, module: str) -> Callable:
-    """kernels.<name> (the public export), or the same function from its module while __init__ lacks it."""
-    import importlib
-
-    import kernels
-
-    fn = getattr(kernels, name, None)
-    return fn if fn is not None else getattr(importlib.import_module(f"kernels.{module}"), name)
 
 
 _LOSS_FNS: dict[str, Callable[[nn.Module, MicroBatch, TrainerConfig], tuple[torch.Tensor, dict]]] = {
@@ -241,28 +221,30 @@ _LOSS_FNS: dict[str, Callable[[nn.Module, MicroBatch, TrainerConfig], tuple[torc
 
 
 def _device_batches(components: TrainingComponents, micro_batches: Sequence[MicroBatch]):
-    """Yield micro-batches on the device. On CUDA the copy of batch i+1 (pinned, copy stream) overlaps batch i."""
-    dev = components.device
-    if dev.type != "cuda":
+    """Yield micro-batches on the device, for the compute stream (the current stream while this runs).
+
+    With streams, the copy of batch i+1 (pinned host memory, copy stream) overlaps the compute of batch i; the
+    compute stream waits on the copy's event before it reads the batch.
+    """
+    st, dev = components.streams, components.device
+    if st is None:
         yield from (mb.to(dev) for mb in micro_batches)
         return
-    copy = components.copy_stream
 
-    def start(mb: MicroBatch) -> tuple[MicroBatch, torch.cuda.Event]:
-        with torch.cuda.stream(copy):
+    def start(mb: MicroBatch) -> tuple[MicroBatch, Any]:
+        with st.use(st.copy):
             out = mb.pin_memory().to(dev, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(copy)
-        return out, ev
+            return out, st.record(st.copy)
 
     nxt = start(micro_batches[0]) if micro_batches else None
     for i in range(len(micro_batches)):
         cur, ev = nxt
         nxt = start(micro_batches[i + 1]) if i + 1 < len(micro_batches) else None
-        torch.cuda.current_stream(dev).wait_event(ev)
-        # The copy stream allocated these tensors; tell the caching allocator the compute stream uses them.
+        st.wait(st.compute, ev)
+        # The copy stream allocated the copies, and old/ref log-probs may come from another model's compute
+        # stream: tell the caching allocator the compute stream reads them all.
         for t in _tensors(cur):
-            t.record_stream(torch.cuda.current_stream(dev))
+            st.keep_alive(t, st.compute)
         yield cur
 
 
@@ -272,25 +254,60 @@ def _tensors(mb: MicroBatch) -> list[torch.Tensor]:
     return [t for t in out if isinstance(t, torch.Tensor)]
 
 
+@contextlib.contextmanager
 def _on_compute_stream(components: TrainingComponents):
-    import contextlib
+    """Queue the enclosed work on the compute stream, ordered after and before the caller's stream.
 
-    s = components.compute_stream
-    if s is None:
-        return contextlib.nullcontext()
-    # Work queued earlier on the default stream (weights loaded, user ops) must be visible to the compute stream.
-    s.wait_stream(torch.cuda.current_stream(components.device))
-    return torch.cuda.stream(s)
+    Entry: the compute stream waits on the caller's stream (weights loaded, inputs written there, e.g. log-probs
+    of another model whose own exit handed them to the default stream). Exit: the caller's stream waits on the
+    compute stream, so a checkpoint or a weight sync queued there after this step reads finished parameters.
+    Both are device-side waits: the host does not block.
+    """
+    st = components.streams
+    if st is None:
+        yield
+        return
+    caller = st.current()
+    st.wait(st.compute, st.record(caller))
+    with st.use(st.compute):
+        yield
+    st.wait(caller, st.record(st.compute))
 
 
-def _all_reduce_sum(components: TrainingComponents, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Sum a dict of device scalars over the ranks with one collective (no host sync)."""
+ERRORS_KEY = "input_errors"  # the loss kernels' device bitmask of data-dependent input errors
+
+
+def _all_reduce(components: TrainingComponents, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Combine the step's metrics over the ranks with kernels.objective.merge_metrics' rules (`_max` by max,
+    `input_errors` by or, the rest by sum): two collectives, no host sync."""
     if components.world_size == 1 or not values:
         return values
-    keys = sorted(values)
-    flat = torch.stack([values[k].float().reshape(()) for k in keys])
-    dist.all_reduce(flat, group=components.mesh.get_group())
-    return dict(zip(keys, flat.unbind(0)))
+    group = components.mesh.get_group()
+    out = dict(values)
+    maxed = sorted(k for k in values if k.endswith("_max"))
+    summed = sorted(k for k in values if k not in maxed and k != ERRORS_KEY)
+    if summed:
+        flat = torch.stack([values[k] for k in summed])
+        dist.all_reduce(flat, group=group)
+        out.update(zip(summed, flat.unbind(0)))
+    # Maxima and the error bitmask (as 32 bits of 0/1, so max = or) in one MAX collective.
+    bits = torch.arange(32, device=components.device, dtype=torch.int32)
+    parts = [torch.stack([values[k] for k in maxed])] if maxed else []
+    if ERRORS_KEY in values:
+        parts.append(((values[ERRORS_KEY] >> bits) & 1).float())
+    if parts:
+        flat = torch.cat(parts)
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+        out.update(zip(maxed, flat[:len(maxed)].unbind(0)))
+        if ERRORS_KEY in values:
+            out[ERRORS_KEY] = (flat[len(maxed):].to(torch.int32) << bits).sum().to(torch.int32)
+    return out
+
+
+def _finalize_metrics(host: dict) -> dict:
+    """Runs when the future is read: raise the kernels' deferred input errors, drop the bitmask."""
+    raise_on_input_errors(host.pop(ERRORS_KEY, 0))
+    return host
 
 
 def forward_backward(components: TrainingComponents, micro_batches: Sequence[MicroBatch],
@@ -299,8 +316,9 @@ def forward_backward(components: TrainingComponents, micro_batches: Sequence[Mic
 
     micro_batches: from trainer.batch.build_micro_batches (same count on every rank; each already normalised by
     the global token / sequence counts). The future's dict has "loss" (the exact global loss, summed over
-    micro-batches and ranks), the loss kernel's metrics summed the same way, and "num_tokens". Gradients stay in
-    the parameters' .grad until `optim_step`.
+    micro-batches and ranks), the loss kernel's metrics combined the same way (a `_max` metric by max) and
+    "num_tokens". Data-dependent input errors found by the kernels (NaN, label out of range) are raised when the
+    future is read. Gradients stay in the parameters' .grad until `optim_step`.
     """
     config = config or components.config
     if not micro_batches:
@@ -309,29 +327,27 @@ def forward_backward(components: TrainingComponents, micro_batches: Sequence[Mic
     world = components.world_size
     dev = components.device
     with _on_compute_stream(components):
-        totals: dict[str, torch.Tensor] = {"loss": torch.zeros((), device=dev, dtype=torch.float32)}
+        total_loss = torch.zeros((), device=dev, dtype=torch.float32)
+        merged = None
         for mb in _device_batches(components, micro_batches):
             loss, metrics = components.module(lambda lm, mb=mb: loss_fn(lm, mb, config))
             (loss * world).backward()
-            totals["loss"] += loss.detach().float()
-            for k, v in metrics.items():
-                v = v.detach().float().reshape(())
-                totals[k] = totals[k] + v if k in totals else v
-        totals = _all_reduce_sum(components, totals)
+            total_loss += loss.detach().float()
+            merged = merge_metrics(merged, {k: v.detach().reshape(()) for k, v in metrics.items()})
+        totals = _all_reduce(components, {"loss": total_loss, **(merged or {})})
         totals["num_tokens"] = float(micro_batches[0].num_tokens)
         components.pending["tokens"] += micro_batches[0].num_tokens  # global count: identical on every rank
-        return TrainFuture.record(totals, dev)
+        return TrainFuture.record(totals, dev, _finalize_metrics)
 
 
 @torch.no_grad()
-def compute_logprobs(components: TrainingComponents, micro_batches: Sequence[MicroBatch], *,
-                     temperature: float | None = None) -> list[torch.Tensor]:
+def compute_logprobs(components: TrainingComponents, micro_batches: Sequence[MicroBatch]) -> list[torch.Tensor]:
     """No-grad log pi(label) [N] per micro-batch (0 off the loss mask), on the device: old / ref log-probs.
 
-    Attach them with trainer.batch.attach_logprobs(micro_batches, logps, "old_logprobs").
+    Computed at the run's one temperature (the rollout's). Attach them with
+    trainer.batch.attach_logprobs(micro_batches, logps, "old_logprobs").
     """
-    linear_token_logprobs = _kernel("linear_token_logprobs", "linear_logprobs")
-    temp = components.config.temperature if temperature is None else temperature
+    temp = components.config.temperature
     chunk = components.config.logprob_chunk_tokens
     out = []
 
@@ -386,7 +402,7 @@ def optim_step(components: TrainingComponents, state: TrainingState,
     params = [p for p in components.module.parameters() if p.requires_grad]
     with _on_compute_stream(components):
         lr = components.scheduler.get_last_lr()[0]  # host float: the schedule lives on the host
-        norm = clip_grad_norm(params, config.max_grad_norm, components.mesh)
+        norm = clip_grad_norm(params, config.optim.max_grad_norm, components.mesh)
         components.optimizer.step()
         components.scheduler.step()
         components.optimizer.zero_grad(set_to_none=True)
@@ -399,27 +415,22 @@ def optim_step(components: TrainingComponents, state: TrainingState,
 
 
 def trainer_config_from(cfg: Any, **overrides: Any) -> TrainerConfig:
-    """TrainerConfig from an SFTTrainingConfig (loss "nll") or an RLTrainingConfig (loss "policy")."""
+    """The TrainerConfig of a phase: SFTTrainingConfig -> loss "nll"; RLTrainingConfig -> loss "policy" with its
+    resolved PolicyLossConfig, log-probs at the rollout temperature. `overrides` are backend settings
+    (compile, logprob_chunk_tokens, ...)."""
     from trainer.types import RLTrainingConfig, SFTTrainingConfig
 
-    shared = dict(lr=cfg.lr, min_lr_ratio=cfg.min_lr_ratio, warmup_steps=cfg.warmup_steps, num_steps=cfg.num_steps,
-                  weight_decay=cfg.weight_decay, betas=cfg.betas, max_grad_norm=cfg.max_grad_norm,
-                  token_budget=cfg.token_budget, bucket_size=cfg.micro_batch_buckets, seed=cfg.seed,
-                  output_dir=cfg.output_dir, keep_last=cfg.keep_last, save_every=cfg.save_every)
+    shared = dict(optim=cfg.optim, num_steps=cfg.num_steps, token_budget=cfg.token_budget,
+                  bucket_size=cfg.micro_batch_buckets, seed=cfg.seed, output_dir=cfg.output_dir,
+                  keep_last=cfg.keep_last, save_every=cfg.save_every)
     if isinstance(cfg, SFTTrainingConfig):
         shared["loss"] = "nll"
     elif isinstance(cfg, RLTrainingConfig):
-        from kernels.policy_loss import PolicyLossConfig
-
-        shared["loss"] = "policy"
-        shared["temperature"] = cfg.rollout.temperature
-        shared["policy_loss"] = PolicyLossConfig(
-            loss_agg=cfg.loss_agg, clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_ratio_c=cfg.clip_ratio_c,
-            kl_coef=cfg.kl_coef, kl_type=cfg.kl_type, entropy_coef=cfg.entropy_coef, tis_cap=cfg.tis_cap,
-            log_entropy=cfg.log_entropy,
-            temperature=cfg.rollout.temperature,
-            max_seq_len=(cfg.rollout.max_new_tokens if cfg.loss_agg == "seq-mean-token-sum-norm" else None))
+        shared.update(loss="policy", policy_loss=cfg.loss, temperature=cfg.rollout.temperature)
     else:
         raise ValueError(f"cfg: expected SFTTrainingConfig or RLTrainingConfig, got {type(cfg).__name__}")
-    shared.update(overrides)
-    return TrainerConfig(**shared)
+    derived = sorted(set(overrides) & set(shared) | set(overrides) & {"temperature", "policy_loss", "loss"})
+    if derived:
+        raise ValueError(f"trainer overrides {derived}: these come from the SFT/RL config (optim, loss and "
+                         f"rollout tables), not from [trainer]")
+    return TrainerConfig(**shared, **overrides)

@@ -80,3 +80,38 @@ class TrainFuture(Generic[T]):
 def resolved(value: T) -> TrainFuture[T]:
     """An already finished future (CPU work, or a constant)."""
     return TrainFuture(value)
+
+
+class DeviceStreams:
+    """The CUDA streams of a run on one device and the event hand-offs between them.
+
+    compute: forward, backward and optimizer kernels; copy: host-to-device copies of the next micro-batch.
+    Work moves between streams only through `record` (an event on the producer) and `wait` (the consumer waits
+    on it on the device), so the host never blocks. Mutable state: the streams. A test can pass a stand-in
+    with the same methods to observe the hand-offs on a machine without CUDA.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.compute = torch.cuda.Stream(device)
+        self.copy = torch.cuda.Stream(device)
+
+    def current(self) -> Any:
+        """The stream the caller queues work on (the default stream unless it chose another)."""
+        return torch.cuda.current_stream(self.device)
+
+    def use(self, stream: Any) -> Any:
+        """Context manager: queue the enclosed work on `stream`."""
+        return torch.cuda.stream(stream)
+
+    def record(self, stream: Any) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def wait(self, stream: Any, event: torch.cuda.Event) -> None:
+        stream.wait_event(event)
+
+    def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None:
+        """Tell the caching allocator that `stream` reads `tensor` (allocated on another stream)."""
+        tensor.record_stream(stream)

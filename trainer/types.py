@@ -12,7 +12,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+from kernels import PolicyLossConfig
+
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce")
 
 
@@ -153,16 +154,40 @@ class RolloutConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class _OptimConfig:
-    """Fields shared by SFT and RL training configs."""
+class OptimConfig:
+    """AdamW with linear warmup then cosine decay: the one optimiser config of SFT and RL ([sft.optim], [rl.optim])."""
 
     lr: float = 1e-4
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio (1.0 = constant after warmup)
     warmup_steps: int = 0
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
-    max_grad_norm: float = 1.0
-    num_steps: int = 10
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0  # 0 = no clipping (the norm is still reported)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "betas", tuple(self.betas))
+        _positive(self, "lr", "eps")
+        _non_negative(self, "warmup_steps", "weight_decay", "max_grad_norm")
+        _check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas",
+               f"must be two numbers in [0, 1), got {self.betas}")
+
+
+def _optim(value: Any) -> OptimConfig:
+    if isinstance(value, OptimConfig):
+        return value
+    if isinstance(value, Mapping):
+        return config_from_dict(OptimConfig, value)
+    raise ValueError(f"optim: expected an OptimConfig or a table of its keys, got {type(value).__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _PhaseConfig:
+    """What SFT and RL both need besides the optimiser: length, packing, checkpoints, seed, outputs."""
+
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    num_steps: int = 10  # also the length of the LR schedule
     token_budget: int = 4096  # tokens per packed micro-batch
     micro_batch_buckets: int = 256  # packed rows are padded to a multiple of this (compile-stable shapes)
     save_every: int = 0  # 0 = only at the end
@@ -171,19 +196,16 @@ class _OptimConfig:
     output_dir: str = "runs/default"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "betas", tuple(self.betas))
-        _positive(self, "lr", "num_steps", "token_budget", "micro_batch_buckets", "keep_last")
-        _non_negative(self, "warmup_steps", "weight_decay", "save_every", "max_grad_norm")
-        _check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
-        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas",
-               f"must be two numbers in [0, 1), got {self.betas}")
+        object.__setattr__(self, "optim", _optim(self.optim))
+        _positive(self, "num_steps", "token_budget", "micro_batch_buckets", "keep_last")
+        _non_negative(self, "save_every")
         _check(self.token_budget % self.micro_batch_buckets == 0 or self.token_budget < self.micro_batch_buckets,
                "token_budget", f"must be a multiple of micro_batch_buckets={self.micro_batch_buckets}, "
                                f"got {self.token_budget}")
 
 
 @dataclasses.dataclass(frozen=True)
-class SFTTrainingConfig(_OptimConfig):
+class SFTTrainingConfig(_PhaseConfig):
     """Supervised fine-tuning on chat conversations (assistant-only loss)."""
 
     batch_size: int = 16  # conversations per step
@@ -194,40 +216,61 @@ class SFTTrainingConfig(_OptimConfig):
         _positive(self, "batch_size", "max_length")
 
 
-@dataclasses.dataclass(frozen=True)
-class RLTrainingConfig(_OptimConfig):
-    """GRPO/PPO training: the loss, the advantages, weight sync and the rollout schedule."""
+def resolve_loss(loss: Any, rollout: RolloutConfig, *, off_policy: bool) -> Any:
+    """The policy-loss config an RL run trains with: a kernels.PolicyLossConfig, or a table of its keys.
 
-    loss_agg: str = "seq-mean-token-mean"
+    From a table, two keys are derived when absent: `rollout_correction` is "tis" for off-policy runs (async
+    rollouts, or engines that lag because sync_every > 1) and "none" for synchronous on-policy runs; and
+    `max_seq_len` (the Dr.GRPO normaliser of loss_agg = "seq-mean-token-sum-norm") is the generation limit
+    rollout.max_new_tokens. A PolicyLossConfig object is taken as given (its fields are explicit choices).
+    """
+    if loss is None:
+        loss = {}
+    if isinstance(loss, PolicyLossConfig):
+        return loss
+    if not isinstance(loss, Mapping):
+        raise ValueError(f"loss: expected a kernels.PolicyLossConfig or a table of its keys, got "
+                         f"{type(loss).__name__}")
+    values = dict(loss)
+    values.setdefault("rollout_correction", "tis" if off_policy else "none")
+    if values.get("loss_agg") == "seq-mean-token-sum-norm":
+        values.setdefault("max_seq_len", rollout.max_new_tokens)
+    return config_from_dict(PolicyLossConfig, values, "loss")
+
+
+@dataclasses.dataclass(frozen=True)
+class RLTrainingConfig(_PhaseConfig):
+    """GRPO/PPO training: the loss ([rl.loss]), the advantages, weight sync and the rollout schedule.
+
+    `loss` accepts a table (dict) of kernels.PolicyLossConfig keys and is resolved here (see `resolve_loss`):
+    leaving `rollout_correction` unset means "tis" when the rollouts are off-policy (async_rollout or
+    sync_every > 1) and "none" otherwise. The rollout's temperature is the run's only temperature: the engines
+    sample with it and the trainer computes its log-probs with it.
+    """
+
     advantage_estimator: str = "grpo"
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    clip_ratio_c: float | None = None
-    kl_coef: float = 0.0
-    kl_type: str = "k3"
-    entropy_coef: float = 0.0
-    tis_cap: float | None = None
-    log_entropy: bool = False  # compute and log the policy entropy even when entropy_coef = 0
+    loss: Any = None  # kernels.PolicyLossConfig (a dict of its keys is resolved in __post_init__)
     ppo_epochs: int = 1  # optimizer steps per rollout batch (>1 makes old != current policy)
-    sync_every: int = 1  # weight sync to engines every N steps
+    sync_every: int = 1  # weight sync to engines every N steps (>1: the engines lag the trainer)
     async_rollout: bool = False  # generate step n+1 while step n trains
     verify_sync: bool = False
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check(self.loss_agg in LOSS_AGGS, "loss_agg", f"unknown {self.loss_agg!r}; choose one of {LOSS_AGGS}")
-        _check(self.advantage_estimator in ADVANTAGE_ESTIMATORS, "advantage_estimator",
-               f"unknown {self.advantage_estimator!r}; choose one of {ADVANTAGE_ESTIMATORS}")
-        _check(self.kl_type in ("k1", "k2", "k3"), "kl_type", f"unknown {self.kl_type!r}; choose k1, k2 or k3")
-        _non_negative(self, "clip_low", "clip_high", "kl_coef", "entropy_coef")
-        if self.clip_ratio_c is not None:
-            _check(self.clip_ratio_c > 1.0, "clip_ratio_c", f"dual clip needs a value > 1, got {self.clip_ratio_c}")
-        if self.tis_cap is not None:
-            _check(self.tis_cap > 0, "tis_cap", f"must be > 0, got {self.tis_cap}")
-        _positive(self, "ppo_epochs", "sync_every")
+        if isinstance(self.rollout, Mapping):
+            object.__setattr__(self, "rollout", config_from_dict(RolloutConfig, self.rollout))
         if not isinstance(self.rollout, RolloutConfig):
             raise ValueError(f"rollout: expected a RolloutConfig, got {type(self.rollout).__name__}")
+        _check(self.advantage_estimator in ADVANTAGE_ESTIMATORS, "advantage_estimator",
+               f"unknown {self.advantage_estimator!r}; choose one of {ADVANTAGE_ESTIMATORS}")
+        _positive(self, "ppo_epochs", "sync_every")
+        object.__setattr__(self, "loss", resolve_loss(self.loss, self.rollout, off_policy=self.off_policy))
+
+    @property
+    def off_policy(self) -> bool:
+        """The engines may sample with weights older than the ones being trained."""
+        return self.async_rollout or self.sync_every > 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,18 +285,41 @@ class TrainingState:
         _non_negative(self, "step", "weight_version", "tokens_seen")
 
 
-def config_from_dict(cls: type, values: Mapping[str, Any]) -> Any:
-    """Build a (possibly nested) config dataclass from a dict, naming any key that does not exist."""
+_OPTIM_KEYS = ("lr", "min_lr_ratio", "warmup_steps", "weight_decay", "betas", "eps", "max_grad_norm")
+_LOSS_KEYS = ("loss_agg", "clip_low", "clip_high", "clip_ratio_c", "kl_coef", "kl_type", "entropy_coef", "tis_cap",
+              "log_entropy", "rollout_correction", "objective", "max_seq_len")
+# Keys that used to sit at the top of a config and now live in one of its tables: key -> table.
+_MOVED: dict[str, dict[str, str]] = {
+    "SFTTrainingConfig": dict.fromkeys(_OPTIM_KEYS, "optim"),
+    "RLTrainingConfig": {**dict.fromkeys(_OPTIM_KEYS, "optim"), **dict.fromkeys(_LOSS_KEYS, "loss")},
+}
+
+
+def config_from_dict(cls: type, values: Mapping[str, Any], where: str | None = None) -> Any:
+    """Build a (possibly nested) config dataclass from a dict (a TOML table), naming any key that does not exist.
+
+    `where` is the table's name in messages (e.g. "rl"); a key that moved into a nested table says where it went.
+    Nested dataclass fields (optim, rollout) are built from their sub-tables; `loss` stays a dict that
+    RLTrainingConfig resolves (some of its keys are derived from the rest of the config).
+    """
+    where = where or cls.__name__
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    nested = {"optim": OptimConfig, "rollout": RolloutConfig}
     kwargs: dict[str, Any] = {}
     for key, value in values.items():
+        moved = _MOVED.get(cls.__name__, {}).get(key)
+        if moved is not None:
+            raise ValueError(f"{where}.{key} moved to [{where}.{moved}] {key}")
         if key not in fields:
-            raise ValueError(f"unknown config key {key!r} for {cls.__name__}; known keys: {sorted(fields)}")
-        ftype = fields[key].type
-        if key == "rollout" and isinstance(value, Mapping):
-            value = config_from_dict(RolloutConfig, value)
-        elif isinstance(value, list) and "tuple" in str(ftype):
+            raise ValueError(f"unknown config key {key!r} in [{where}]; known keys: {sorted(fields)}")
+        if key in nested and isinstance(value, Mapping):
+            value = config_from_dict(nested[key], value, f"{where}.{key}")
+        elif isinstance(value, list) and "tuple" in str(fields[key].type):
             value = tuple(value)
         kwargs[key] = value
-    return cls(**kwargs)
-
+    try:
+        return cls(**kwargs)
+    except ValueError as e:
+        if str(e).startswith("["):  # already names its table
+            raise
+        raise ValueError(f"[{where}] {e}") from e

@@ -1,0 +1,138 @@
+"""The trainer's RL step queues its device work without a host sync; the only sync is reading the future.
+
+On CUDA a host sync idles the GPU: `.item()`, `bool(t)`, `nonzero`, `torch.equal`, or any device-to-host copy.
+This machine has no GPU, so the test records every op that WOULD synchronise on CUDA while three full RL steps
+run (old and reference log-probs, forward_backward with the policy loss, optim_step) and asserts that none is
+issued by the trainer's own step code (trainer/core.py, batch.py, futures.py, rl.py, and what they call in
+torch: the optimizer, gradient clipping, metric reduction, stream hand-offs) outside `TrainFuture.result()`.
+
+Out of this test's reach, and said so: the CPU-only paths of other modules read values on the host on purpose,
+because there it is free (kernels.device.host_sync_is_free: the kernels validate labels and skip masked rows
+eagerly on CPU tensors; the packed SDPA attention goes through transformers' SDPA mask check). Their CUDA paths
+are different code, proven on a GPU under `torch.cuda.set_sync_debug_mode("error")`. Every sync the test sees
+must come from one of those places, so a new sync anywhere else fails it too.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from engines.tiny import tiny_model_config
+from kernels import PolicyLossConfig, use_backend
+from trainer.batch import attach_logprobs, build_micro_batches
+from trainer.core import TrainerConfig, build_components, compute_logprobs, forward_backward, optim_step
+from trainer.types import OptimConfig, Sample, TrainingState
+
+ROOT = Path(__file__).resolve().parents[1]
+# aten ops that wait for the device on CUDA: a scalar read, data-dependent output sizes, a truth value.
+SYNC_OPS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero", "aten::equal", "aten::item"}
+# Tensor methods that copy device data to the host (on CPU tensors they dispatch no aten op, so catch them here).
+HOST_READS = {"tolist", "item", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__"}
+TRAINER_STEP_CODE = {"trainer/core.py", "trainer/batch.py", "trainer/futures.py", "trainer/rl.py"}
+CPU_ONLY_PATHS = ("kernels/", "trainer/attention.py")  # host reads free on CPU by design (module docstring)
+
+
+def _where(stack: list[traceback.FrameSummary]) -> tuple[str, bool]:
+    """(innermost project file:function issuing the op, whether it runs inside TrainFuture.result)."""
+    in_result = any(f.name in ("result", "_finalize_metrics") and f.filename.endswith(("trainer/futures.py",
+                                                                                      "trainer/core.py"))
+                    for f in stack)
+    for f in reversed(stack):
+        path = os.path.relpath(f.filename, ROOT)
+        if not path.startswith(("..", ".venv")) and not path.startswith("tests/"):
+            return f"{path}:{f.name}", in_result
+    return "?", in_result
+
+
+class SyncRecorder(TorchDispatchMode):
+    """Records (op, project location, inside result()) for every op that would synchronise on CUDA."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[str, str, bool]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name in SYNC_OPS:
+            self.events.append((func._schema.name, *_where(traceback.extract_stack()[:-1])))
+        return func(*args, **(kwargs or {}))
+
+
+class HostReadRecorder(TorchFunctionMode):
+    """Records Python-level device-to-host reads (`.tolist()`, `float(t)`, `.cpu()`, ...)."""
+
+    def __init__(self, events: list) -> None:
+        super().__init__()
+        self.events = events
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in HOST_READS:
+            self.events.append((f"Tensor.{name}", *_where(traceback.extract_stack()[:-1])))
+        return func(*args, **(kwargs or {}))
+
+
+def _samples(seed: int, n: int = 6) -> tuple[list[Sample], list[float]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        p, r = int(torch.randint(2, 8, (), generator=g)), int(torch.randint(3, 24, (), generator=g))
+        toks = torch.randint(6, 90, (p + r,), generator=g).tolist()
+        roll = (-2 * torch.rand(r, generator=g)).tolist()  # the engine's log-probs: mismatch metrics + TIS
+        out.append(Sample(prompt="", tokens=toks, response_length=r, rollout_logprobs=roll))
+    return out, torch.randn(n, generator=g).tolist()
+
+
+@pytest.fixture
+def torch_path():
+    with use_backend("torch"):
+        yield
+
+
+def test_three_rl_steps_issue_no_host_sync_outside_the_future(torch_path):
+    loss = PolicyLossConfig(kl_coef=0.05, entropy_coef=0.01, rollout_correction="tis", clip_ratio_c=3.0)
+    cfg = TrainerConfig(loss="policy", policy_loss=loss, temperature=0.7, optim=OptimConfig(lr=1e-3),
+                        compile=False, token_budget=64, bucket_size=32)
+    policy = build_components(tiny_model_config(), cfg)
+    ref = build_components(tiny_model_config(), cfg)
+    ref.module.requires_grad_(False)
+    # Host preparation (CPU tensors on every machine: no device involved yet) happens before the recorded region.
+    batches = [build_micro_batches(s, token_budget=64, bucket_size=32, advantages=a)
+               for s, a in (_samples(k) for k in range(3))]
+    assert all(len(mbs) >= 2 for mbs in batches)  # several micro-batches: the metrics combine across them
+    state, results = TrainingState(), []
+    dispatch = SyncRecorder()
+    with dispatch, HostReadRecorder(dispatch.events):
+        for mbs in batches:
+            mbs = attach_logprobs(mbs, compute_logprobs(policy, mbs), "old_logprobs")
+            mbs = attach_logprobs(mbs, compute_logprobs(ref, mbs), "ref_logprobs")
+            fut = forward_backward(policy, mbs)
+            opt_fut, state = optim_step(policy, state)
+            results.append({**fut.result(), **opt_fut.result()})
+    assert state.step == 3 and all(r["grad_norm"] > 0 for r in results)
+    assert all("mismatch/logprob_abs_diff_max" in r and "kl" in r for r in results)  # the full objective ran
+    outside = [e for e in dispatch.events if not e[2]]
+    in_trainer = [e for e in outside if e[1].split(":")[0] in TRAINER_STEP_CODE]
+    assert not in_trainer, f"host syncs in the trainer's step code: {sorted(set(in_trainer))}"
+    elsewhere = [e for e in outside if not e[1].startswith(CPU_ONLY_PATHS)]
+    assert not elsewhere, f"host syncs outside the CPU-only paths: {sorted(set(elsewhere))}"
+    # The detector works: reading the futures is where the syncs are, and it saw them.
+    assert any(e[2] and e[0] == "aten::_local_scalar_dense" for e in dispatch.events)
+
+
+def test_the_detector_sees_what_it_looks_for():
+    events: list = []
+    x = torch.arange(4.0)
+    with SyncRecorder() as rec, HostReadRecorder(events):
+        x.sum().item()
+        bool(x.any())
+        x.nonzero()
+        x.tolist()
+    names = {e[0] for e in rec.events} | {e[0] for e in events}
+    assert {"aten::_local_scalar_dense", "aten::nonzero", "Tensor.__bool__", "Tensor.tolist"} <= names
