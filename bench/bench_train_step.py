@@ -95,9 +95,10 @@ class _PeakRSS:
 
 def ours_step_fn(samples, adv, budget, bucket, device, compile_backend):
     from trainer.core import TrainerConfig, build_components, forward_backward, optim_step
+    from trainer.types import OptimConfig
 
     cfg = TrainerConfig(loss="policy", compile=compile_backend is not None, compile_backend=compile_backend or
-                        "inductor", token_budget=budget, bucket_size=bucket, lr=1e-5)
+                        "inductor", token_budget=budget, bucket_size=bucket, optim=OptimConfig(lr=1e-5))
     comp = build_components(_model_config(device), cfg)
     state = [TrainingState()]
     mbs = build_micro_batches(samples, token_budget=budget, bucket_size=bucket, advantages=adv)
