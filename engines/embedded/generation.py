@@ -86,9 +86,13 @@ def sample_with_logprobs(logits: torch.Tensor, rows: list[Row],
     tok = logits.argmax(-1)
     sampled = [i for i, r in enumerate(rows) if r.temperature > 0]
     if sampled:
-        top_k = torch.tensor([r.top_k for r in rows], device=device)
-        top_p = torch.tensor([r.top_p for r in rows], device=device, dtype=torch.float32)
-        probs = filter_logits(logits, temperature, top_k, top_p).softmax(-1)
+        probs = logprobs.exp()  # rows without top-k/top-p sample the scaled distribution itself
+        filtered = [i for i in sampled if rows[i].top_k > 0 or rows[i].top_p < 1]
+        if filtered:  # per row, so a row's probabilities never depend on its batch neighbours
+            idx = torch.tensor(filtered, device=device)
+            top_k = torch.tensor([rows[i].top_k for i in filtered], device=device)
+            top_p = torch.tensor([rows[i].top_p for i in filtered], device=device, dtype=torch.float32)
+            probs[idx] = filter_logits(logits[idx], temperature[idx], top_k, top_p).softmax(-1)
         for i in sampled:  # per-row generator: a row's draw depends only on its own seed
             tok[i] = torch.multinomial(probs[i], 1, generator=gens[i])[0]
     return tok, logprobs.gather(-1, tok[:, None])[:, 0]

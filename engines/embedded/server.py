@@ -25,6 +25,7 @@ import contextlib
 import json
 import random
 import secrets
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -108,6 +109,7 @@ class EngineServer:
         self.abort_all, self.abort_rids = False, set()
         self.holds = 0  # weight updates waiting for the batch to drain
         self.steps = 0  # decode steps started
+        self.step_seconds = 0.0  # time spent in steps (the engine's busy time)
         self.stepping = False  # a step is on the model thread
         self.running, self.wakeup = asyncio.Event(), asyncio.Event()
         self._scheduler: asyncio.Task | None = None
@@ -118,7 +120,8 @@ class EngineServer:
 
     def load(self) -> dict:
         return {"num_running_rows": self.num_running_rows, "num_waiting_rows": len(self.waiting),
-                "decode_steps": self.steps, "max_batch_rows": self.max_batch_rows}
+                "decode_steps": self.steps, "step_seconds": round(self.step_seconds, 4),
+                "max_batch_rows": self.max_batch_rows}
 
     # ------------------------------------------------------------------ scheduling
     async def start(self):
@@ -144,6 +147,7 @@ class EngineServer:
                 continue
             self.stepping = True
             self.steps += 1  # counted when it starts: the step in flight when an abort arrives is counted
+            t0 = time.perf_counter()
             try:
                 done = await loop.run_in_executor(self.model_thread, self._step, cut if has_cut else False, admit)
             except Exception as e:  # noqa: BLE001 - delivered to every request that had a row in the batch
@@ -152,6 +156,7 @@ class EngineServer:
                 continue
             finally:
                 self.stepping = False
+                self.step_seconds += time.perf_counter() - t0
             for (req, k), result in done:
                 req.deliver(k, result, self.weight_version)
 
