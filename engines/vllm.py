@@ -41,7 +41,7 @@ from collections.abc import Sequence
 import httpx
 
 from engines.protocol import Completion, SamplingParams
-from engines.sglang import EngineError
+from engines.sglang import EngineError, parse_weight_version
 from engines.vllm_ext import BACKEND_NAME
 
 VLLM_VERSION = "0.32.0"
@@ -165,8 +165,8 @@ class VLLMEngine:
 
     async def get_weight_version(self) -> int:
         data = await self._call("GET", "/weight_info")
-        v = data.get("weight_version")
-        self.weight_version = 0 if v in (None, "") else int(v)
+        # vLLM starts at "default" (never updated), as SGLang does
+        self.weight_version = parse_weight_version(data.get("weight_version"), 0)
         return self.weight_version
 
     async def set_weight_version(self, version: int) -> None:

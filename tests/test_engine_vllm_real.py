@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 import trio
-from vllm_support import ProbeSender, start_server, stop_server, tiny_qwen2, write_model_folder
+from vllm_support import start_server, stop_server, tiny_qwen2, write_model_folder
 
 from engines.embedded.launch import free_port
 from engines.protocol import InferenceEngine, SamplingParams
@@ -39,8 +39,8 @@ def vllm(tmp_path_factory):
     engine = VLLMEngine(f"http://127.0.0.1:{port}", str(folder))
     state = {"engine": engine, "model": model, "tok": tok, "log": folder / "server.log", "sender": None}
     yield state
-    if state["sender"] is not None and state["sender"].group is not None:
-        state["sender"].group.shutdown()
+    if state["sender"] is not None:
+        state["sender"].close()
     stop_server(proc)
 
 
@@ -176,16 +176,24 @@ def test_weight_version_round_trip(vllm):
     assert trio.run(fresh.world_size) == 1  # one CPU worker: one rank in the weight-update group
 
 
-@pytest.mark.parametrize("bucketed", [True, False], ids=["bucketed", "per_tensor"])
-def test_weight_sync_through_the_gloo_plugin(vllm, bucketed):
-    """New random weights go through the plugin; the engine's log-probs then match the new model, not the old."""
+@pytest.mark.parametrize("mode", ["bucketed", "per_tensor"])
+def test_weight_sync_through_the_gloo_plugin(vllm, mode):
+    """The trainer's real sender (trainer.weight_sync) sends new random weights through our vLLM plugin; the
+    engine's log-probs then match the new model, not the old, and its weight version is the sender's. The group's
+    master address is another loopback address than the default, so the address really travels to the worker."""
+    from trainer.weight_sync import WeightSyncSender, verify_sync
+
     eng, tok = vllm["engine"], vllm["tok"]
-    if vllm["sender"] is None:
-        vllm["sender"] = ProbeSender(eng, backend="gloo", bucket_bytes=256 << 10)  # several buckets
-        vllm["sender"].init_group(world_size=2)
-    new_model, _ = tiny_qwen2(seed=100 + int(bucketed))
-    version = 50 + int(bucketed)
-    vllm["sender"].sync(new_model, version, bucketed=bucketed)
+    new_model, _ = tiny_qwen2(seed=100 + len(mode))
+    if vllm["sender"] is not None:
+        vllm["sender"].close()
+    sender = WeightSyncSender(new_model, [eng], mode=mode, bucket_bytes=256 << 10,  # several buckets
+                              master_address="127.0.0.2", timeout_s=120.0, weight_version=60 + len(mode))
+    vllm["sender"] = sender
+    sender.init_group()
+    if mode == "bucketed":
+        assert len(sender.meta.bucket_nbytes) > 1
+    version = sender.sync()
     old_model, vllm["model"] = vllm["model"], new_model
     assert trio.run(VLLMEngine(eng.url, eng.model).get_weight_version) == version
     prompts = encode(tok, ["12+34=", "sync"])
@@ -196,3 +204,5 @@ def test_weight_sync_through_the_gloo_plugin(vllm, bucketed):
     c = out[0][0]
     stale = reference_logprobs(old_model, prompts[0], c.output_ids, params.temperature)
     assert (stale - torch.tensor(c.logprobs, dtype=torch.float64)).abs().max().item() > 0.1
+    check = verify_sync(new_model, [eng], prompts, expected_version=version)
+    assert check.ok, check

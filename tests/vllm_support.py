@@ -71,13 +71,15 @@ def write_model_folder(path: Path, seed: int) -> tuple[torch.nn.Module, object]:
     return model, tok
 
 
-def start_server(model_dir: Path, port: int, log_path: Path) -> subprocess.Popen:
-    """Start vLLM (dev mode routes, our weight-transfer back end, processed log-probs) and wait for /health."""
+def start_server(model_dir: Path, port: int, log_path: Path, extra: tuple[str, ...] = ("--enforce-eager",)
+                 ) -> subprocess.Popen:
+    """Start vLLM (dev mode routes, our weight-transfer back end, processed log-probs) and wait for /health.
+    --enforce-eager by default: torch.compile of even this tiny model doubles start-up on two cores."""
     python = require_vllm_venv()
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="INFO",
                VLLM_CPU_OMP_THREADS_BIND="nobind", TOKENIZERS_PARALLELISM="false")
     env.pop("TRITON_INTERPRET", None)  # the test session's Triton interpreter flag must not reach vLLM
-    cmd = vllm_server_command(str(python), str(model_dir), port=port)
+    cmd = vllm_server_command(str(python), str(model_dir), port=port, extra=extra)
     log = open(log_path, "w")  # noqa: SIM115 - closed with the process by stop_server
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT))
     proc.log_file = log  # type: ignore[attr-defined]
@@ -139,80 +141,3 @@ def validate_with_vllm(model_cls: str, bodies: list[dict]) -> list[str]:
 __all__ = ["ROOT", "VLLM_PYTHON", "build_tokenizer", "require_vllm_venv", "start_server", "stop_server", "tail",
            "tiny_qwen2", "validate_with_vllm", "write_model_folder"]
 
-
-# ----------------------------------------------------------------------------------------------- trainer side
-class ProbeSender:
-    """The trainer's half of a sync, from the wire-format module's public functions only: host the store, join the
-    group as rank 0, announce `WeightMeta` over HTTP and broadcast the flat buckets while the engine receives."""
-
-    def __init__(self, engine, *, backend: str = "gloo", timeout_s: float = 120.0, bucket_bytes: int = 1 << 20):
-        self.engine, self.backend, self.timeout_s, self.bucket_bytes = engine, backend, timeout_s, bucket_bytes
-        self.group = None
-
-    def init_group(self, world_size: int = 2, group_name: str = "vllm_probe") -> None:
-        import threading
-
-        import trio
-
-        from engines.weight_sync import build_group, create_store
-
-        self.store = create_store("127.0.0.1", 0, is_master=True, timeout_s=self.timeout_s)
-        self.group_name = group_name
-        err = []
-
-        def call():
-            try:
-                trio.run(lambda: self.engine.init_weights_update_group(
-                    master_address="127.0.0.1", master_port=self.store.port, rank_offset=1, world_size=world_size,
-                    group_name=group_name, backend=self.backend, timeout_s=self.timeout_s))
-            except BaseException as e:  # noqa: BLE001 - reported below
-                err.append(e)
-
-        t = threading.Thread(target=call, daemon=True)
-        t.start()
-        self.group = build_group(self.store, rank=0, world_size=world_size, group_name=group_name,
-                                 backend=self.backend, timeout_s=self.timeout_s)
-        t.join(self.timeout_s)
-        if err:
-            raise err[0]
-
-    def sync(self, model: torch.nn.Module, version: int, *, bucketed: bool = True) -> None:
-        import threading
-
-        import trio
-
-        from engines.weight_sync import broadcast_async, plan_buckets, wait_work
-
-        params = [(n, p.detach().float().contiguous()) for n, p in model.named_parameters()]
-        meta = plan_buckets([n for n, _ in params], [tuple(p.shape) for _, p in params], torch.float32,
-                            self.bucket_bytes)
-        body = meta.to_wire(weight_version=version, group_name=self.group_name)
-        if not bucketed:
-            body = {k: v for k, v in body.items() if k not in ("offsets", "bucket_index", "bucket_nbytes")}
-            body["load_format"] = None
-        err = []
-
-        def call():
-            try:
-                trio.run(self.engine.update_weights_from_distributed, body)
-            except BaseException as e:  # noqa: BLE001 - reported below
-                err.append(e)
-
-        t = threading.Thread(target=call, daemon=True)
-        t.start()
-        if bucketed:
-            buckets = [torch.zeros(n, dtype=torch.uint8) for n in meta.bucket_nbytes]
-            for i, (_, p) in enumerate(params):
-                off, b = meta.offsets[i], meta.bucket_index[i]
-                buckets[b][off:off + p.numel() * 4].view(torch.float32).copy_(p.reshape(-1))
-            sends = buckets
-        else:
-            sends = [p for _, p in params]
-        for k, tensor in enumerate(sends):
-            wait_work(broadcast_async(self.group, tensor), timeout_s=self.timeout_s, what=f"send {k}",
-                      check=lambda: (_ for _ in ()).throw(err[0]) if err else None)
-        t.join(self.timeout_s)
-        if t.is_alive():
-            raise TimeoutError("update_weights_from_distributed did not return")
-        if err:
-            raise err[0]
