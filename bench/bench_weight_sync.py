@@ -1,23 +1,35 @@
-"""Weight-sync bandwidth: a full sync of Qwen2.5-0.5B-shaped random fp32 weights (494M params, 1.98 GB) from
-this process to a real embedded-engine server process over CPU gloo (HTTP metadata + bucketed broadcast +
-the engine's staged load), against a torch memcpy of the same number of bytes on the same machine.
+"""Weight-sync bandwidth: a full sync of Qwen2.5-0.5B-shaped random fp32 weights (494M params, 1.98 GB) from this
+process to a real embedded-engine server process (HTTP metadata + buckets + the engine's load into its
+parameters), by each transport, against a copy of the same number of bytes on the same device, side by side in
+one run:
 
-Target (issue 7): sync GB/s >= 30 % of memcpy GB/s on CPU. With --benchmark-disable (make test) a 2-layer,
-8k-vocab model of the same widths runs once instead.
+    colocated  the engine maps the trainer's two bucket slots once (/dev/shm on CPU, CUDA IPC on GPU)
+    broadcast  a gloo (CPU) / NCCL (GPU) process group; on one GPU it needs a second GPU for the engine
+
+`python bench/bench_weight_sync.py --json` prints one JSON object (memcpy_gbps, colocated_gbps, broadcast_gbps,
+ratios, bytes, buckets, machine load). Under pytest (`make bench`) the same measurement runs; with
+--benchmark-disable (`make test`) a 2-layer, 8k-vocab model of the same widths runs once instead.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import multiprocessing as mp
+import os
+import sys
 import time
 
 import torch
 import trio
 from torch import nn
 
-from engines.embedded.launch import free_port
-from engines.sglang import SGLangEngine
-from engines.weight_sync import WeightSyncSender
+if __package__ in (None, ""):  # `python bench/bench_weight_sync.py`: the repository root on the path
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from engines.embedded.launch import free_port  # noqa: E402
+from engines.sglang import SGLangEngine  # noqa: E402
+from trainer.weight_sync import WeightSyncSender  # noqa: E402
 
 
 def qwen25_05b_shapes(num_layers: int = 24, vocab: int = 151936) -> dict[str, tuple[int, ...]]:
@@ -42,7 +54,7 @@ def qwen25_05b_shapes(num_layers: int = 24, vocab: int = 151936) -> dict[str, tu
 class ShapeModel(nn.Module):
     """Parameters with HF names and given shapes, nothing else (uninitialised unless `fill`)."""
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], fill: bool = False):
+    def __init__(self, shapes: dict[str, tuple[int, ...]], fill: bool = False, device: str = "cpu"):
         super().__init__()
         g = torch.Generator().manual_seed(0)
         for name, shape in shapes.items():
@@ -53,69 +65,150 @@ class ShapeModel(nn.Module):
                     mod.add_module(part, nn.Module())
                 mod = getattr(mod, part)
             t = torch.randn(shape, generator=g) if fill else torch.empty(shape)
-            mod.register_parameter(leaf, nn.Parameter(t, requires_grad=False))
+            mod.register_parameter(leaf, nn.Parameter(t.to(device), requires_grad=False))
         self.config = type("Cfg", (), {"vocab_size": shapes["model.embed_tokens.weight"][0]})()
 
 
-def _serve(shapes, port):
+def _serve(shapes, port, device):
     import uvicorn
 
     from engines.embedded.server import EngineServer, build_app
     from engines.tiny import build_tokenizer
 
     torch.set_num_threads(1)
-    server = EngineServer(ShapeModel(shapes), build_tokenizer(), model_path="qwen2.5-0.5b-shapes")
+    server = EngineServer(ShapeModel(shapes, device=device), build_tokenizer(), model_path="qwen2.5-0.5b-shapes",
+                          compile_decode=False)
     uvicorn.run(build_app(server), host="127.0.0.1", port=port, log_level="error")
 
 
-def memcpy_gbps(nbytes: int, repeats: int = 3) -> float:
-    src = torch.empty(nbytes // 4)
+def memcpy_gbps(nbytes: int, device: str = "cpu", repeats: int = 3) -> float:
+    """Best-of-`repeats` copy of `nbytes` between two buffers on `device` (GB/s of bytes copied)."""
+    src = torch.empty(nbytes // 4, device=device)
     src.fill_(1.0)
     dst = torch.empty_like(src)
     dst.copy_(src)  # touch the pages once
     best = float("inf")
     for _ in range(repeats):
+        _sync(device)
         t0 = time.perf_counter()
         dst.copy_(src)
+        _sync(device)
         best = min(best, time.perf_counter() - t0)
     return nbytes / best / 1e9
 
 
-def test_weight_sync_bandwidth(benchmark, request):
-    small = request.config.getoption("benchmark_disable")
-    shapes = qwen25_05b_shapes(num_layers=2, vocab=8192) if small else qwen25_05b_shapes()
-    model = ShapeModel(shapes, fill=True)
-    nbytes = sum(p.numel() * 4 for p in model.parameters())
-    port = free_port()
-    proc = mp.get_context("spawn").Process(target=_serve, args=(shapes, port), daemon=True)
-    proc.start()
-    try:
-        eng = SGLangEngine(f"http://127.0.0.1:{port}", timeout_s=120)
-        deadline = time.monotonic() + 120
-        while not trio.run(eng.health):
-            assert time.monotonic() < deadline and proc.is_alive(), "bench engine did not start"
-            time.sleep(0.2)
-        sender = WeightSyncSender(model, [eng], timeout_s=300)
-        sender.init_group()
-        sender.sync()  # warm-up: buffers allocated, pages touched on both sides
-        times = []
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
 
-        def one():
+
+def _start_engine(shapes, device: str):
+    port = free_port()
+    proc = mp.get_context("spawn").Process(target=_serve, args=(shapes, port, device), daemon=True)
+    proc.start()
+    eng = SGLangEngine(f"http://127.0.0.1:{port}", timeout_s=300)
+    deadline = time.monotonic() + 300
+    while not trio.run(eng.health):
+        if time.monotonic() > deadline or not proc.is_alive():
+            proc.kill()
+            raise RuntimeError("bench engine did not start")
+        time.sleep(0.2)
+    return proc, eng
+
+
+def time_sync(model, eng, transport: str, *, repeats: int, bucket_bytes: int) -> dict:
+    """Best-of-`repeats` full sync by `transport` after one warm-up (buffers allocated, pages touched)."""
+    sender = WeightSyncSender(model, [eng], timeout_s=300, transport=transport, bucket_bytes=bucket_bytes)
+    sender.init_group()
+    try:
+        sender.sync()
+        times = []
+        for _ in range(repeats):
             t0 = time.perf_counter()
             sender.sync()
             times.append(time.perf_counter() - t0)
-
-        benchmark.pedantic(one, rounds=1 if small else 3, iterations=1)
-        if not times:  # benchmark disabled: pedantic did not run it
-            one()
-        sync = nbytes / min(times) / 1e9
-        copy = memcpy_gbps(nbytes)
-        benchmark.extra_info.update(bytes=nbytes, sync_gbps=sync, memcpy_gbps=copy, ratio=sync / copy,
-                                    buckets=len(sender.meta.bucket_nbytes))
-        print(f"\nweight sync {nbytes / 1e9:.2f} GB: gloo {sync:.2f} GB/s vs memcpy {copy:.2f} GB/s "
-              f"= {100 * sync / copy:.0f}% ({len(sender.meta.bucket_nbytes)} buckets)")
         assert trio.run(eng.get_weight_version) == sender.weight_version
+        return {"seconds": min(times), "buckets": len(sender.meta.bucket_nbytes)}
+    finally:
         sender.close()
+
+
+def measure(*, small: bool = False, device: str = "cpu", engine_device: str | None = None, repeats: int = 3,
+            bucket_bytes: int = 512 << 20, transports: tuple[str, ...] = ("colocated", "broadcast")) -> dict:
+    """Every transport against one engine process, and a copy of the same bytes, in one run."""
+    shapes = qwen25_05b_shapes(num_layers=2, vocab=8192) if small else qwen25_05b_shapes()
+    model = ShapeModel(shapes, fill=True, device=device)
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    out = {"model": "qwen2.5-0.5b-shapes" + (" (2 layers, 8k vocab)" if small else ""), "bytes": nbytes,
+           "dtype": "float32", "device": device, "engine_device": engine_device or device,
+           "bucket_bytes": bucket_bytes, "threads": torch.get_num_threads(), "load_1min": os.getloadavg()[0],
+           "cpus": os.cpu_count()}
+    proc, eng = _start_engine(shapes, engine_device or device)
+    try:
+        for transport in transports:
+            r = time_sync(model, eng, transport, repeats=repeats, bucket_bytes=bucket_bytes)
+            out[f"{transport}_gbps"] = nbytes / r["seconds"] / 1e9
+            out[f"{transport}_ms"] = 1e3 * r["seconds"]
+            out["buckets"] = r["buckets"]
     finally:
         proc.kill()
         proc.join(10)
+    out["memcpy_gbps"] = memcpy_gbps(nbytes, device)
+    for transport in transports:
+        out[f"{transport}_vs_memcpy"] = out[f"{transport}_gbps"] / out["memcpy_gbps"]
+    out["load_1min_after"] = os.getloadavg()[0]
+    return out
+
+
+def run_all(*, small: bool = False, device: str = "cpu", repeats: int = 3, bucket_bytes: int = 512 << 20) -> dict:
+    """Both transports where this machine can run them: on GPU the colocated engine shares the trainer's GPU and
+    the broadcast one needs a second GPU (NCCL refuses two ranks on one device)."""
+    if not device.startswith("cuda"):
+        return measure(small=small, device=device, repeats=repeats, bucket_bytes=bucket_bytes)
+    res = measure(small=small, device=device, repeats=repeats, bucket_bytes=bucket_bytes, transports=("colocated",))
+    if torch.cuda.device_count() > 1:
+        bc = measure(small=small, device=device, engine_device="cuda:1", repeats=repeats, bucket_bytes=bucket_bytes,
+                     transports=("broadcast",))
+        res.update({k: v for k, v in bc.items() if k.startswith("broadcast")})
+    else:
+        res["broadcast_skipped"] = "one GPU: NCCL cannot broadcast to an engine on the trainer's own device"
+    return res
+
+
+def test_weight_sync_bandwidth(benchmark, request):
+    small = request.config.getoption("benchmark_disable")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    result = {}
+
+    def run():
+        result.update(run_all(small=small, device=device, repeats=1 if small else 3))
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    if not result:  # benchmark disabled: pedantic did not run it
+        run()
+    benchmark.extra_info.update(result)
+    print("\n" + json.dumps(result, indent=1))
+    assert result["colocated_gbps"] > 0 and ("broadcast_gbps" in result or "broadcast_skipped" in result)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true", help="print one JSON object (default: a readable summary)")
+    ap.add_argument("--small", action="store_true", help="2 layers, 8k vocab (a smoke run)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--bucket-mb", type=int, default=512, help="bucket (slot) size in MiB")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the trainer process (the engine uses "
+                                                           "1); the memcpy baseline uses the same")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    res = run_all(small=args.small, device=args.device, repeats=args.repeats, bucket_bytes=args.bucket_mb << 20)
+    if args.json:
+        print(json.dumps(res))
+        return
+    for k, v in res.items():
+        print(f"{k:>22}: {v:.3f}" if isinstance(v, float) else f"{k:>22}: {v}")
+
+
+if __name__ == "__main__":
+    main()
