@@ -302,3 +302,27 @@ def test_new_rows_join_a_running_batch_and_keep_their_seeded_results(engine):
     for a, b in [(solo_long, seen["long"])] + list(zip(solo_short, seen["short"])):
         assert a.output_ids == b.output_ids
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
+def test_decode_batch_admitting_rows_between_steps_gives_the_solo_results():
+    """In process: rows admitted one per step (ragged caches merged, finished rows retired, a shared prefill for
+    identical prompts) give the tokens and log-probs each row gives alone."""
+    from engines.embedded.generation import DecodeBatch, Row, generate_rows
+
+    model = build_tiny_model(SEED)
+    g = torch.Generator().manual_seed(4)
+    prompts = [tuple(torch.randint(6, 100, (int(n),), generator=g).tolist()) for n in (3, 9, 1, 6)]
+    prompts += [prompts[1]] * 2  # a group: one prefill, cache rows repeated
+    rows = [Row(p, t, tp, tk, m, frozenset({7, 11}), 100 + i, f"r{i}") for i, (p, t, tp, tk, m) in enumerate(
+        zip(prompts, (0.7, 1.0, 0.0, 1.3, 0.9, 0.9), (1.0, 0.9, 1.0, 1.0, 1.0, 0.8), (-1, -1, -1, 20, -1, 5),
+            (12, 5, 9, 14, 8, 8)))]
+    solo = [generate_rows(model, [r], pad_id=0)[0] for r in rows]
+    batch, got = DecodeBatch(model, pad_id=0), {}
+    for i in range(len(rows) + 20):
+        admit = [(rows[i], i)] if i < 4 else [(rows[4], 4), (rows[5], 5)] if i == 4 else []
+        got.update(batch.step(admit))
+    assert len(batch) == 0 and sorted(got) == list(range(len(rows)))
+    for i, ref in enumerate(solo):
+        assert got[i].output_ids == ref.output_ids and got[i].finish_reason == ref.finish_reason
+        assert torch.allclose(torch.tensor(got[i].logprobs), torch.tensor(ref.logprobs), atol=1e-5, rtol=0)
+    assert solo[4].output_ids != solo[5].output_ids  # same prompt, own seeds
