@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # (or the CUDA build already on a GPU machine) is used instead of a bare range pulling CUDA packages.
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench bench-save bench-check clean .venv-vllm
+.PHONY: demo test lint bench bench-save bench-check clean .venv-vllm gpu-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -55,3 +55,10 @@ bench-check: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache .benchmarks
+
+# On a CUDA machine, one run: versions, a compiled-kernel preflight, every gpu test, the benchmarks at CUDA sizes
+# and the weight sync; writes bench/results/<gpu-name>.json and .md. Exits 2 without CUDA. Uses the project venv
+# when there is one, else the machine's python3 (GPU machines may have torch preinstalled and no internet).
+GPU_PY ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+gpu-check:
+	$(GPU_PY) bench/gpu_check.py
