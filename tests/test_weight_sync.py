@@ -104,3 +104,49 @@ def test_sync_without_group_is_a_clear_error():
     sender = WeightSyncSender(trainer, [InProcessEngine(build_tiny_model(seed=1))], timeout_s=5)
     with pytest.raises(WeightSyncError, match="init_group"):
         sender.sync()
+
+
+class ProbedEngine(InProcessEngine):
+    """An engine elsewhere (another host) that reports its dtype: the sender broadcasts in that dtype."""
+
+    async def colocated_weights(self, body):
+        assert body == {"op": "probe"}
+        return {"success": True, "host": "another-host", "device": "cpu",
+                "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch.")}
+
+
+def test_sender_sends_in_the_engines_dtype():
+    trainer = build_tiny_model(seed=1)
+    _perturb(trainer, 11)
+    engine = ProbedEngine(build_tiny_model(seed=1, dtype=torch.bfloat16))
+    sender = WeightSyncSender(trainer, [engine], bucket_bytes=16 << 10, timeout_s=30)
+    assert sender.dtype == torch.float32  # until the engines are asked
+    sender.init_group()
+    assert sender.dtype == torch.bfloat16 and set(sender.meta.dtypes) == {"bfloat16"}
+    assert sender.broadcast_to == [0] and sender.colocated == []
+    fp32_bytes = sum(p.numel() * 4 for p in trainer.parameters())
+    assert sum(sender.meta.bucket_nbytes) < 0.51 * fp32_bytes + 64 * len(sender.meta.names)  # half the bytes
+    assert sender.sync() == 1
+    for (n, p), (_, q) in zip(trainer.named_parameters(), engine.model.named_parameters()):
+        assert q.dtype == torch.bfloat16 and torch.equal(p.to(torch.bfloat16), q), n
+    sender.close()
+
+
+def test_sender_argument_errors_name_the_fix():
+    model = build_tiny_model(seed=1)
+    with pytest.raises(ValueError, match="transport='pipes'"):
+        WeightSyncSender(model, [], transport="pipes")
+    with pytest.raises(ValueError, match="mode='bucketed' with transport='colocated'"):
+        WeightSyncSender(model, [], transport="colocated", mode="per_tensor")
+    from engines.weight_sync import build_group, create_store
+
+    store = create_store("127.0.0.1", 0, is_master=True, timeout_s=5)
+    with pytest.raises(ValueError, match="needs the CUDA device"):
+        build_group(store, rank=0, world_size=1, group_name="g", backend="nccl", timeout_s=5)
+
+
+def test_verify_tolerance_follows_the_compute_dtypes():
+    from trainer.weight_sync import verify_tolerance
+
+    assert verify_tolerance(torch.float32) == 1e-5
+    assert verify_tolerance(torch.float32, torch.bfloat16) == verify_tolerance(torch.bfloat16) > 1e-3
