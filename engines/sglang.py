@@ -31,6 +31,7 @@ the server's message.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,8 +45,6 @@ from engines.protocol import (
     EngineUnavailableError,
     SamplingParams,
 )
-
-_MAX_LOOP_CLIENTS = 8  # clients of loops that ended are dropped (not closable from another loop) past this
 
 
 def _sampling_dict(params: SamplingParams, *, n: int, seed: int | None) -> dict:
@@ -146,7 +145,8 @@ class SGLangEngine:
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout_s, self.connect_timeout_s, self.max_connections = timeout_s, connect_timeout_s, max_connections
         self.weight_version = 0  # the last version we set: what SGLang's "default" stands for
-        self._clients: dict[object, httpx.AsyncClient] = {}
+        # Keyed weakly by the loop: a client whose loop ended (it cannot be closed from another loop) is dropped.
+        self._clients: weakref.WeakKeyDictionary[object, httpx.AsyncClient] = weakref.WeakKeyDictionary()
         self._expanded: dict[str, int] = {}  # rid -> n of seeded requests in flight sent as one row per sample
         self._lock = threading.Lock()
 
@@ -158,8 +158,6 @@ class SGLangEngine:
         with self._lock:
             client = self._clients.get(key)
             if client is None:
-                if len(self._clients) >= _MAX_LOOP_CLIENTS:
-                    self._clients.pop(next(iter(self._clients)))
                 limits = httpx.Limits(max_connections=self.max_connections,
                                       max_keepalive_connections=self.max_connections)
                 client = httpx.AsyncClient(headers=self.headers, limits=limits,

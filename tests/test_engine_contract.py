@@ -142,3 +142,49 @@ def test_parse_generate_groups_prompt_major_and_checks_logprobs():
     out[3]["meta_info"]["output_token_logprobs"] = []
     with pytest.raises(EngineError, match="log-probs"):
         parse_generate(out, [[1], [2]], 2)
+
+
+def test_one_pooled_keep_alive_connection_per_event_loop():
+    """Sequential calls from one event loop reuse one TCP connection; another loop gets its own client."""
+    import http.server
+    import threading
+
+    import trio
+
+    from engines.sglang import SGLangEngine
+
+    connections = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive
+
+        def setup(self):
+            super().setup()
+            connections.append(self.client_address)
+
+        def do_GET(self):
+            body = b'{"status": "ok"}'
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    engine = SGLangEngine(f"http://127.0.0.1:{server.server_address[1]}")
+
+    async def many():
+        assert all([await engine.health() for _ in range(20)])
+        await engine.aclose()
+
+    try:
+        trio.run(many)
+        assert len(connections) == 1
+        trio.run(many)
+        assert len(connections) == 2
+    finally:
+        server.shutdown()
