@@ -145,7 +145,18 @@ def _fsdp_rank(rank: int, port: int, url: str, out):
         sender.init_group()
         version = sender.sync()
         res = verify_sync(model, [SGLangEngine(url, timeout_s=60)], PROBES, expected_version=version)
-        out.put((rank, version, res.ok, res.max_abs_diff, res.versions))
+
+        def boom(k, n):  # called on rank 0 only
+            raise RuntimeError("boom on rank 0")
+
+        try:  # a failure on rank 0 mid-sync must reach rank 1 (which is gathering), not hang it
+            sender.sync(on_bucket=boom)
+            failure = "no error"
+        except WeightSyncError as e:
+            failure = f"WeightSyncError: {e}"
+        except RuntimeError as e:
+            failure = str(e)
+        out.put((rank, version, res.ok, res.max_abs_diff, res.versions, failure))
     except BaseException as e:  # noqa: BLE001
         out.put((rank, repr(e)))
         raise
@@ -169,8 +180,10 @@ def test_sync_from_two_fsdp2_ranks(engines):
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    assert all(len(r) == 5 for r in results), results
-    for rank, version, ok, diffs, versions in results:
+    assert all(len(r) == 6 for r in results), results
+    for rank, version, ok, diffs, versions, _ in results:
         assert ok, (rank, diffs, versions)
         assert version == 1 and versions == (1,)
+    assert results[0][5] == "boom on rank 0"
+    assert results[1][5].startswith("WeightSyncError: the weight sync failed on trainer rank 0"), results[1][5]
     assert trio.run(SGLangEngine(b.url).get_weight_version) == 1

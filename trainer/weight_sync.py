@@ -76,6 +76,15 @@ def _trainer_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def _any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every trainer rank when `flag` is True on any (one tiny all-reduce; no-op on one process)."""
+    if not _distributed():
+        return flag
+    t = torch.full((1,), int(flag), dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())  # host sync: every rank needs the sync's outcome before it goes on
+
+
 def _from_rank0(value):
     """Rank 0's `value` on every trainer rank (the trainer's own group; no-op on one process)."""
     if not _distributed():
@@ -321,13 +330,27 @@ class WeightSyncSender:
              on_bucket: Callable[[int, int], None] | None = None) -> int:
         """Send the current weights to every engine; returns the new weight_version (all ranks).
 
-        on_bucket(k, n_buckets) is called on rank 0 once bucket k is handed out (progress bars)."""
+        on_bucket(k, n_buckets) is called on rank 0 once bucket k is handed out (progress bars). A failure on rank
+        0 reaches every rank: rank 0 still finishes the gathers, then all ranks agree and raise."""
         version = self.weight_version + 1 if weight_version is None else weight_version
-        if self.rank != 0:
-            for _ in self._gathered():  # take part in the gathers only
-                pass
-            self.weight_version = version
-            return version
+        gathered = self._gathered()
+        error = None
+        if self.rank == 0:
+            try:
+                self._send(version, gathered, on_bucket)
+            except BaseException as e:  # noqa: BLE001 - re-raised below, after the other ranks heard of it
+                error = e
+        for _ in gathered:  # ranks > 0 take part in the gathers only; rank 0 finishes them after a failure
+            pass
+        if _any_rank(error is not None, self.device):
+            if error is not None:
+                raise error
+            raise WeightSyncError("the weight sync failed on trainer rank 0 (its error says why); fix it and call "
+                                  "init_group() on every rank again")
+        self.weight_version = version
+        return version
+
+    def _send(self, version: int, gathered: Iterator, on_bucket) -> None:
         if not self._ready:
             raise WeightSyncError("no weight-update group: call init_group() first (again after an engine restart)")
         t0 = time.perf_counter()
@@ -346,9 +369,9 @@ class WeightSyncSender:
         calls = _HttpCalls(self.engines, call, "the weight update")
         try:
             if self.mode == "per_tensor":
-                self._send_per_tensor(calls)
+                self._send_per_tensor(gathered, calls)
             else:
-                self._send_buckets(calls, on_bucket)
+                self._send_buckets(gathered, calls, on_bucket)
             calls.join(self.timeout_s, "the weight update")
         except WeightSyncError as e:
             self.close()  # the group may hold a half-done collective, a slot a half-read bucket: force a re-init
@@ -356,9 +379,7 @@ class WeightSyncSender:
         except BaseException:
             self.close()
             raise
-        self.weight_version = version
         self.last_sync_s = time.perf_counter() - t0
-        return version
 
     def _explain(self, err: WeightSyncError, calls: _HttpCalls) -> WeightSyncError:
         """A transport error does not say which engine died; its HTTP call usually does, a moment later."""
@@ -368,18 +389,18 @@ class WeightSyncSender:
         urls = ", ".join(getattr(e, "url", str(e)) for e in self.engines)
         return WeightSyncError(f"{err} (engines: {urls}); restart the failed engine and call init_group()")
 
-    def _send_per_tensor(self, calls: _HttpCalls) -> None:
-        for i, t in self._gathered():
+    def _send_per_tensor(self, gathered: Iterator, calls: _HttpCalls) -> None:
+        for i, t in gathered:
             work = broadcast_async(self.group, t.contiguous())
             wait_work(work, timeout_s=self.timeout_s, what=f"broadcast of {self.meta.names[i]}", check=calls.check)
 
-    def _send_buckets(self, calls: _HttpCalls, on_bucket) -> None:
+    def _send_buckets(self, gathered: Iterator, calls: _HttpCalls, on_bucket) -> None:
         sizes = self.meta.bucket_nbytes
         if not self._slots or self._slots[0].numel() < max(sizes):  # broadcast-only: plain buffers, kept
             self._slots = [torch.empty(max(sizes), dtype=torch.uint8, device=self.device) for _ in range(2)]
         inflight: list = [None, None]  # per slot: the broadcast work of the bucket it holds
         current = -1
-        for i, t in self._gathered():
+        for i, t in gathered:
             b = self.meta.bucket_index[i]
             if b != current:
                 if current >= 0:
