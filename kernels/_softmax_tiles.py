@@ -17,12 +17,12 @@ Gradients, for upstream coefficients g_logp (on logp) and g_ent (on H):
     ∂/∂x_j     = ∂/∂z_j / T
 so dlogits_j = [g_logp (onehot_j − p_j) − g_ent p_j (z_j − lse + H)] / T.
 
-Two families live here, and their signatures are stable (add, don't break):
-  * `@triton.jit` tile helpers: `softmax_tile_update`, `softmax_stats_finalize`, `tile_label_value`,
-    `logprob_entropy_grad_tile` (used by kernels/logprobs.py and kernels/policy_loss.py).
-  * torch chunk helpers for the CPU paths of the fused-linear ops: `chunk_logits`, `chunk_softmax_stats`,
-    `merge_softmax_stats`, `finalize_softmax_stats`, `chunk_logprob_grad_` (used by kernels/linear_logprobs.py
-    and kernels/linear_policy_loss.py).
+Two families live here:
+  * `@triton.jit` tile helpers: `softmax_tile_update`, `softmax_stats_finalize`, `logprob_entropy_grad_tile`
+    (used by the kernels of kernels/logprobs.py, which every op runs on a GPU).
+  * torch chunk helpers for the CPU paths: `chunk_logits`, `chunk_softmax_stats`, `merge_softmax_stats`,
+    `finalize_softmax_stats`, `chunk_logprob_grad_` (used by kernels/logprobs.py, kernels/linear_logprobs.py and
+    kernels/linear_policy_loss.py).
 """
 
 from __future__ import annotations
@@ -65,12 +65,6 @@ def softmax_stats_finalize(m, s, sd):
     """(lse, entropy) of a row from its running (m, s, sd): lse = m + log s, H = log s − sd / s."""
     log_s = tl.log(s)
     return m + log_s, log_s - sd / s
-
-
-@triton.jit
-def tile_label_value(z, cols, label):
-    """z[label] if the label falls in this tile (cols are the tile's absolute vocabulary indices), else 0."""
-    return tl.sum(tl.where(cols == label, z, 0.0), axis=0)
 
 
 @triton.jit
@@ -216,7 +210,6 @@ __all__ = [
     "M_INIT_TL",
     "softmax_tile_update",
     "softmax_stats_finalize",
-    "tile_label_value",
     "logprob_entropy_grad_tile",
     "chunk_logits",
     "chunk_softmax_stats",

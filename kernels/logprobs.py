@@ -39,8 +39,9 @@ from kernels._softmax_tiles import (
 from kernels.device import backend_for
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Rows per chunk of the torch path: bounds its fp32 temporaries to about 4 MiB (L2-sized) whatever T is.
-_TORCH_CHUNK_ELEMS = 1 << 20
+# Rows per chunk of the torch path: bounds its fp32 temporaries to about 16 MiB whatever T is. Every torch op
+# is a parallel region ending in a barrier, so fewer, larger chunks keep that overhead low on busy shared cores.
+_TORCH_CHUNK_ELEMS = 1 << 22
 
 
 # ---------------------------------------------------------------------------------------------------------
