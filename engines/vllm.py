@@ -35,9 +35,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 import uuid
 from collections.abc import Sequence
 
+import anyio
 import httpx
 
 from engines.protocol import Completion, SamplingParams
@@ -46,6 +48,7 @@ from engines.vllm_ext import BACKEND_NAME
 
 VLLM_VERSION = "0.32.0"
 LOGPROBS_MODE = "processed_logprobs"
+ABORT_WAIT_S = 10.0
 
 
 def vllm_server_command(python: str, model_dir: str, *, port: int, host: str = "127.0.0.1", dtype: str = "float32",
@@ -113,6 +116,7 @@ class VLLMEngine:
         self.timeout_s = timeout_s
         self.weight_version = 0
         self._inflight: dict[str, str] = {}  # our rid -> vLLM's external request id
+        self._running: set[str] = set()  # request ids of this adapter's generate calls in flight
 
     async def _call(self, method: str, route: str, body: dict | None = None, params: dict | None = None):
         try:
@@ -145,23 +149,37 @@ class VLLMEngine:
         body = completions_payload(self.model, prompts, asked, request_id)
         names = {r: f"cmpl-{request_id}-{i}" for i, r in enumerate(rids or ())}
         self._inflight.update(names)
+        self._running.add(request_id)
         try:
             version = self.weight_version
             data = await self._call("POST", "/v1/completions", body)
         finally:
+            self._running.discard(request_id)
             for r in names:
                 self._inflight.pop(r, None)
         out = parse_completions(data, prompts, asked.n, version)
         return [group * repeat for group in out]
 
     async def abort(self, rids: Sequence[str] | None = None) -> None:
-        """Abort our requests `rids` (None: every request on the server); they return with finish "abort"."""
+        """Abort our requests `rids` (None: every request on the server); they return with finish "abort".
+
+        vLLM forgets an abort for a request it has not admitted yet (one still being tokenised or queued in its
+        API server), so the abort is repeated until the adapter's own calls for those requests have returned
+        (at most ABORT_WAIT_S)."""
         if rids is None:
-            await self._call("POST", "/abort_requests", {})
-            return
-        ids = [self._inflight[r] for r in rids if r in self._inflight]
-        if ids:
-            await self._call("POST", "/abort_requests", {"request_ids": ids})
+            body, waiting = {}, set(self._running)
+        else:
+            ids = {self._inflight[r] for r in rids if r in self._inflight}
+            if not ids:
+                return
+            body, waiting = {"request_ids": sorted(ids)}, ids
+        deadline = time.monotonic() + ABORT_WAIT_S
+        while True:
+            await self._call("POST", "/abort_requests", body)
+            live = set(self._running) if rids is None else set(self._inflight.values())
+            if not waiting & live or time.monotonic() > deadline:
+                return
+            await anyio.sleep(0.2)
 
     async def get_weight_version(self) -> int:
         data = await self._call("GET", "/weight_info")

@@ -46,22 +46,26 @@ def require_vllm_venv() -> Path:
     return VLLM_PYTHON
 
 
-def tiny_qwen2(seed: int, *, num_layers: int = 2):
-    """A float32 Qwen2ForCausalLM with random weights (hidden 256, 4 heads of 64, 2 KV heads), vocab = tokenizer."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def tiny_qwen2_config():
+    """The project's tiny Qwen2 preset at the smallest size vLLM's CPU attention serves (head_dim 64)."""
+    try:
+        from engines.tiny import tiny_model_config
+    except ImportError:
+        from trainer.models import tiny_model_config
+    return tiny_model_config("qwen2", hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=512)
 
-    tok = build_tokenizer()
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=num_layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=False, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
-                      eos_token_id=tok.eos_token_id, rms_norm_eps=1e-6, torch_dtype="float32")
+
+def tiny_qwen2(seed: int):
+    """A float32 Qwen2ForCausalLM with random weights from `tiny_qwen2_config()`, and the project tokenizer."""
+    from transformers import Qwen2ForCausalLM
+
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(cfg).float().eval()
+    model = Qwen2ForCausalLM(tiny_qwen2_config()).float().eval()
     with torch.no_grad():  # HF's init (std 0.02) gives near-uniform outputs; wider weights give peaked, varied ones
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.08)
-    return model, tok
+    return model, build_tokenizer()
 
 
 def write_model_folder(path: Path, seed: int) -> tuple[torch.nn.Module, object]:
@@ -139,5 +143,5 @@ def validate_with_vllm(model_cls: str, bodies: list[dict]) -> list[str]:
 
 
 __all__ = ["ROOT", "VLLM_PYTHON", "build_tokenizer", "require_vllm_venv", "start_server", "stop_server", "tail",
-           "tiny_qwen2", "validate_with_vllm", "write_model_folder"]
+           "tiny_qwen2", "tiny_qwen2_config", "validate_with_vllm", "write_model_folder"]
 

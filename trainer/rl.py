@@ -193,12 +193,13 @@ class _Prefetcher:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, engine_urls: Sequence[str],
+def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, engine_urls: Sequence[str] = (),
                     tokenizer: Any = None, reward_fn: Any = "trainer.rewards:arithmetic_reward",
                     trainer_config: TrainerConfig | None = None, components: TrainingComponents | None = None,
                     logger: MetricsLogger | None = None, resume: bool = False, api_key: str | None = None,
                     probe_prompts: Sequence[Sequence[int]] | None = None,
                     on_step: Callable[[int, dict], None] | None = None, sender: Any = None,
+                    engines: Sequence[Any] | None = None,
                     ) -> tuple[TrainingComponents, TrainingState, list[dict]]:
     """Train with GRPO/PPO for config.num_steps steps; returns (components, final state, per-step metrics).
 
@@ -206,6 +207,7 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
     data_buffer: trainer.data.DataBuffer of prompts (with answers in metadata for verifiable rewards).
     engine_urls: SGLang-protocol engines (the embedded engine or SGLang). Their weights are synced from the
     trainer at the start (so they serve the policy being trained) and every `sync_every` steps.
+    engines: InferenceEngine objects (e.g. engines.vllm.VLLMEngine) to use instead of SGLang clients of engine_urls.
     sender: a trainer.weight_sync.WeightSyncSender whose group is already up (the caller owns it); by default
     one is built here, and closed at the end.
     Writes metrics.jsonl and checkpoints under config.output_dir; resume=True continues from the newest complete
@@ -227,8 +229,9 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
     out = Path(tcfg.output_dir)
     state = TrainingState()
     rc = config.rollout
-    engines = [SGLangEngine(u, api_key=api_key, connect_timeout_s=rc.connect_timeout_s,
-                            max_connections=rc.max_concurrency) for u in engine_urls]
+    engines = list(engines) if engines is not None else [
+        SGLangEngine(u, api_key=api_key, connect_timeout_s=rc.connect_timeout_s, max_connections=rc.max_concurrency)
+        for u in engine_urls]
     manager = AsyncRolloutManager(engines, rc, tokenizer=tokenizer, reward_fn=reward_fn)
     if resume and latest_checkpoint(out) is not None:
         state, extra = load_checkpoint(comp, out)
