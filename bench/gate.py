@@ -205,8 +205,12 @@ def _run_suite(suite: Path, json_out: Path, *extra: str) -> int:
         "--benchmark-group-by=group", "--benchmark-sort=name", f"--benchmark-timer={timer()}", *extra,
     ]
     # The root conftest turns the Triton interpreter on for tests; timings must never measure the interpreter
-    # (on CPU the set times the torch path, on CUDA the compiled kernels).
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    # (on CPU the set times the torch path, on CUDA the compiled kernels). glibc's malloc serves large buffers by
+    # fresh mmaps, with a threshold that moves with the process's allocation history: whether a [T, V] buffer
+    # costs page faults then depends on what ran before (a 3x swing on the packing case). A fixed threshold above
+    # every buffer of the set and no trimming keep host allocations out of the timings.
+    env = {**os.environ, "TRITON_INTERPRET": "0", "MALLOC_MMAP_THRESHOLD_": str(4 << 30),
+           "MALLOC_TRIM_THRESHOLD_": str(16 << 30)}
     print("+", " ".join(cmd), flush=True)
     return subprocess.run(cmd, cwd=ROOT, env=env).returncode
 

@@ -56,7 +56,7 @@ class Sizes:
 
 
 SIZES = {
-    "cpu": Sizes(T=512, V=32000, H=256, dtype=torch.float32, pack=(32, 1024, 256), rounds=4, warmup=1, threads=1),
+    "cpu": Sizes(T=512, V=32000, H=256, dtype=torch.float32, pack=(32, 1024, 256), rounds=3, warmup=1, threads=1),
     "cuda": Sizes(T=8192, V=151936, H=896, dtype=torch.bfloat16, pack=(64, 4096, 896), rounds=10, warmup=3,
                   threads=None),
     "smoke": Sizes(T=64, V=1271, H=32, dtype=torch.float32, pack=(4, 32, 8), rounds=1, warmup=0, threads=None),
@@ -221,14 +221,14 @@ def unpack_case(s: Sizes, device: str, full: bool):
 
 # name -> (builder, forward + backward?, rounds multiplier: short cases take more rounds for a stable median)
 CASES: dict[str, tuple[Callable, bool, int]] = {
-    "logprobs-logits-fwd": (logprobs_logits, False, 3),
+    "logprobs-logits-fwd": (logprobs_logits, False, 6),
     "logprobs-logits-full": (logprobs_logits, True, 1),
     "logprobs-hidden-fwd": (logprobs_hidden, False, 1),
     "logprobs-hidden-full": (logprobs_hidden, True, 1),
     "policy-loss-logits-full": (policy_loss_logits, True, 1),
     "policy-loss-hidden-full": (policy_loss_hidden, True, 1),
     "pack-full": (pack_case, True, 4),
-    "unpack-fwd": (unpack_case, False, 4),
+    "unpack-fwd": (unpack_case, False, 8),
 }
 
 
@@ -247,7 +247,7 @@ def _built(case: str, device: str, smoke: bool):
 # Each case alternates torch and ours in BLOCKS short blocks (torch-b0, ours-b0, torch-b1, ...): the gate takes
 # the median over blocks of median(ours) / median(torch), each ratio from two windows a second or so apart, so a
 # shift of the machine's load between blocks cancels.
-BLOCKS = 3
+BLOCKS = 5
 PARAMS = [(c, b, i) for c in CASES for b in range(BLOCKS) for i in ("torch", "ours")]
 
 
