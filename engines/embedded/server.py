@@ -149,7 +149,8 @@ class EngineServer:
             self.steps += 1  # counted when it starts: the step in flight when an abort arrives is counted
             t0 = time.perf_counter()
             try:
-                done = await loop.run_in_executor(self.model_thread, self._step, cut if has_cut else False, admit)
+                done = await loop.run_in_executor(self.model_thread, self._step, cut if has_cut else False, admit,
+                                                  self.running.is_set())
             except Exception as e:  # noqa: BLE001 - delivered to every request that had a row in the batch
                 self._fail([h for _, h in admit] + [a.handle for a in self.batch.rows], e)
                 self.batch = DecodeBatch(self.model, pad_id=self.pad_id, decode_fn=self.decode_fn)
@@ -160,10 +161,11 @@ class EngineServer:
             for (req, k), result in done:
                 req.deliver(k, result, self.weight_version)
 
-    def _step(self, cut, admit: list) -> list:
-        """On the model thread: cut aborted rows (False: none, None: all, else a set of rids), then one step."""
+    def _step(self, cut, admit: list, advance: bool) -> list:
+        """On the model thread: cut aborted rows (False: none, None: all, else a set of rids), then one step
+        (none while paused: rows stay in place)."""
         out = self.batch.abort(cut) if cut is not False else []
-        return out + self.batch.step(admit)
+        return out + (self.batch.step(admit) if advance else [])
 
     @staticmethod
     def _fail(handles: list, error: Exception) -> None:
@@ -358,7 +360,7 @@ def build_app(server: EngineServer, api_key: str | None = None) -> Starlette:
         return JSONResponse({"weight_version": str(server.weight_version)})
 
     async def flush_cache(request):
-        # The KV cache lives only for one batch, so there is nothing persistent to drop.
+        # The KV cache lives only as long as its rows run (no prefix cache), so there is nothing to drop.
         return JSONResponse({"success": True, "message": "Cache flushed."})
 
     async def generate(request):
