@@ -181,7 +181,8 @@ def _as_count(x, name: str, device: torch.device) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         if x.numel() != 1:
             raise ValueError(f"{name} must be a scalar (python number or 0-d tensor), got shape {tuple(x.shape)}")
-        return x.reshape(()).to(device=device, dtype=torch.float32)
+        # non_blocking: a host count reaches the device without waiting for the queued work.
+        return x.reshape(()).to(device=device, dtype=torch.float32, non_blocking=True)
     if not x >= 0:
         raise ValueError(f"{name}={x!r}: must be a non-negative count (the global count of the step)")
     return torch.full((), float(x), dtype=torch.float32, device=device)  # a fill kernel, not a host copy
@@ -203,7 +204,7 @@ def _sequence_index(labels: torch.Tensor, cu_seqlens: torch.Tensor | None, confi
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
         raise ValueError(f"cu_seqlens must be a 1-D integer tensor [S+1], got shape {tuple(cu_seqlens.shape)} "
                          f"and dtype {cu_seqlens.dtype}")
-    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    cu = cu_seqlens.to(device=device, dtype=torch.int64, non_blocking=True)
     bad = (cu[0] != 0) | (cu[-1] != n) | (cu[1:] < cu[:-1]).any()
     n_seqs = cu.numel() - 1
     seq_index = torch.searchsorted(cu[1:], torch.arange(n, device=device), right=True).clamp_(max=n_seqs - 1)
