@@ -186,6 +186,13 @@ def _check_inputs(cfg: dict[str, Any], mode: str) -> None:
     from trainer.data import data_specs
     from trainer.rewards import load_reward_fn
 
+    model = cfg.get("model", {})
+    if "path" in model and not (Path(model["path"]) / "config.json").is_file():
+        raise FileNotFoundError(f"[model].path = {model['path']}: not a Hugging Face model folder (no config.json)")
+    if model.get("preset", "tiny") != "tiny":
+        raise ValueError(f"[model].preset = {model['preset']!r}: the only preset is 'tiny'; or set [model].path")
+    if mode == "export":  # reads a checkpoint, no data
+        return
     data = cfg.get("data", {})
     if "train" not in data:
         raise ValueError("[data].train: give a prompt data set (JSON/JSONL/parquet file or save_to_disk folder)")
@@ -194,11 +201,6 @@ def _check_inputs(cfg: dict[str, Any], mode: str) -> None:
         for spec in data_specs(data[key], data, where=f"[data].{key}"):
             if not Path(spec.path).exists():
                 raise FileNotFoundError(f"[data].{key}: {spec.path!r}: no such file or folder")
-    model = cfg.get("model", {})
-    if "path" in model and not (Path(model["path"]) / "config.json").is_file():
-        raise FileNotFoundError(f"[model].path = {model['path']}: not a Hugging Face model folder (no config.json)")
-    if model.get("preset", "tiny") != "tiny":
-        raise ValueError(f"[model].preset = {model['preset']!r}: the only preset is 'tiny'; or set [model].path")
     if mode != "sft" or data.get("eval"):
         load_reward_fn(data.get("reward", DEFAULT_REWARD))
 
