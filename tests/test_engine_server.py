@@ -326,3 +326,18 @@ def test_decode_batch_admitting_rows_between_steps_gives_the_solo_results():
         assert got[i].output_ids == ref.output_ids and got[i].finish_reason == ref.finish_reason
         assert torch.allclose(torch.tensor(got[i].logprobs), torch.tensor(ref.logprobs), atol=1e-5, rtol=0)
     assert solo[4].output_ids != solo[5].output_ids  # same prompt, own seeds
+
+
+def test_pause_with_mode_abort_cuts_running_rows(engine):
+    async def cut(client):
+        r = _post(engine, "/pause_generation", {"mode": "abort"})
+        assert r.status_code == 200
+        await trio.sleep(0.1)
+        load = _load(engine)
+        await client.continue_generation()
+        return load
+
+    comps, after, paused = _run_and_cut(engine, SamplingParams(max_new_tokens=400, n=2, ignore_eos=True), None, cut)
+    assert paused["num_running_rows"] == 0 and after["num_running_rows"] == 0
+    assert [c.finish_reason for c in comps] == ["abort", "abort"] and all(len(c.output_ids) < 400 for c in comps)
+    assert _post(engine, "/pause_generation", {"mode": "later"}).status_code == 400
