@@ -136,3 +136,31 @@ def test_the_detector_sees_what_it_looks_for():
         x.tolist()
     names = {e[0] for e in rec.events} | {e[0] for e in events}
     assert {"aten::_local_scalar_dense", "aten::nonzero", "Tensor.__bool__", "Tensor.tolist"} <= names
+
+
+@pytest.mark.gpu
+def test_three_rl_steps_on_cuda_under_sync_debug_mode_error():
+    """On a GPU the whole chain (trainer, kernels, attention) runs under `set_sync_debug_mode("error")`: any
+    host sync while the steps are queued raises. The futures are read after the mode is switched back."""
+    loss = PolicyLossConfig(kl_coef=0.05, entropy_coef=0.01, rollout_correction="tis", clip_ratio_c=3.0)
+    cfg = TrainerConfig(loss="policy", policy_loss=loss, temperature=0.7, optim=OptimConfig(lr=1e-3),
+                        compile=False, token_budget=64, bucket_size=32)
+    policy = build_components(tiny_model_config(), cfg)
+    ref = build_components(tiny_model_config(), cfg)
+    ref.module.requires_grad_(False)
+    batches = [build_micro_batches(s, token_budget=64, bucket_size=32, advantages=a)
+               for s, a in (_samples(k) for k in range(3))]
+    state, futures = TrainingState(), []
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for mbs in batches:
+            mbs = attach_logprobs(mbs, compute_logprobs(policy, mbs), "old_logprobs")
+            mbs = attach_logprobs(mbs, compute_logprobs(ref, mbs), "ref_logprobs")
+            fut = forward_backward(policy, mbs)
+            opt_fut, state = optim_step(policy, state)
+            futures.append((fut, opt_fut))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    results = [{**f.result(), **o.result()} for f, o in futures]
+    assert state.step == 3 and all(r["grad_norm"] > 0 and "mismatch/kl_k3" in r for r in results)
