@@ -10,6 +10,11 @@ no cross-sequence attention) and the fused kernels take them with the lm_head we
 logits never exist. Every micro-batch's loss is already divided by the GLOBAL token / sequence counts
 (trainer.batch), so gradient accumulation is a plain sum over micro-batches; FSDP's reduce-scatter averages
 over ranks, so each rank scales its backward by the world size to turn that average into the global sum.
+
+Streams (CUDA): every step function queues its work on the compute stream between two event hand-offs with the
+caller's stream (`_on_compute_stream`), and micro-batches arrive through a copy stream; log-probs computed by
+another model (the reference) reach the policy's stream through those hand-offs. Metrics stay device tensors
+until the future is read, which is also where the kernels' deferred input errors are raised.
 """
 
 from __future__ import annotations
@@ -161,7 +166,8 @@ def build_components(model: str | os.PathLike | Any, config: TrainerConfig, *,
                      mesh: DeviceMesh | None = None) -> TrainingComponents:
     """Load + parallelise the model (a folder, an HF config, or a TrainModule already built) and its optimizer.
 
-    AdamW is fused on CUDA; the schedule is warmup + cosine (`warmup_cosine`).
+    AdamW is fused on every device (one kernel, and no host read of its step count); the schedule is
+    warmup + cosine (`warmup_cosine`).
     """
     from trainer.models import load_hf_model
 
