@@ -70,7 +70,9 @@ class WeightMeta:
     """What one sync sends: tensor i is `names[i]`, stored at `offsets[i]` bytes into bucket `bucket_index[i]`.
 
     bucket_nbytes is None for the per-tensor protocol (one broadcast per tensor, what a real SGLang server
-    expects); otherwise load_format is "flattened_bucket" and each bucket is one uint8 buffer."""
+    expects); otherwise load_format is "flattened_bucket" and each bucket is one uint8 buffer.
+    rows (wire: `row_offsets`, our extension): when not empty, entry i is rows [rows[i], rows[i] + shapes[i][0])
+    of parameter names[i]; a parameter larger than a bucket is then split over several buckets."""
 
     names: tuple[str, ...]
     dtypes: tuple[str, ...]
@@ -78,6 +80,7 @@ class WeightMeta:
     offsets: tuple[int, ...] = ()
     bucket_index: tuple[int, ...] = ()
     bucket_nbytes: tuple[int, ...] | None = None
+    rows: tuple[int, ...] = ()
 
     def to_wire(self, *, weight_version: int, group_name: str, flush_cache: bool = True) -> dict:
         body = {"names": list(self.names), "dtypes": list(self.dtypes), "shapes": [list(s) for s in self.shapes],
@@ -86,6 +89,8 @@ class WeightMeta:
         if self.bucket_nbytes is not None:
             body.update(load_format="flattened_bucket", offsets=list(self.offsets),
                         bucket_index=list(self.bucket_index), bucket_nbytes=list(self.bucket_nbytes))
+            if self.rows:
+                body["row_offsets"] = list(self.rows)
         return body
 
     @staticmethod
@@ -114,7 +119,11 @@ class WeightMeta:
             raise ValueError("load_format='flattened_bucket' needs lists offsets, bucket_index and bucket_nbytes")
         if len(offsets) != n or len(index) != n:
             raise ValueError("offsets and bucket_index need one entry per name")
-        meta = WeightMeta(tuple(body["names"]), dtypes, tuple(shapes), tuple(offsets), tuple(index), tuple(nbytes))
+        rows = body.get("row_offsets") or []
+        if rows and (len(rows) != n or not all(isinstance(r, int) and r >= 0 for r in rows)):
+            raise ValueError("row_offsets needs one non-negative int per name")
+        meta = WeightMeta(tuple(body["names"]), dtypes, tuple(shapes), tuple(offsets), tuple(index), tuple(nbytes),
+                          tuple(rows))
         for i in range(n):  # every tensor must lie inside its bucket
             b = meta.bucket_index[i]
             end = meta.offsets[i] + nbytes_of(meta.shapes[i], dtype_from_wire(meta.dtypes[i]))
@@ -132,14 +141,25 @@ def nbytes_of(shape: Sequence[int], dtype: torch.dtype) -> int:
 
 
 def plan_buckets(names: Sequence[str], shapes: Sequence[Sequence[int]], dtype: torch.dtype,
-                 bucket_bytes: int) -> WeightMeta:
-    """Greedy first-fit in order: a tensor starts a new bucket when it does not fit the current one; a tensor
-    larger than bucket_bytes gets a bucket of its own size."""
+                 bucket_bytes: int, *, split: bool = False) -> WeightMeta:
+    """Greedy first-fit in order: a tensor starts a new bucket when it does not fit the current one. A tensor
+    larger than bucket_bytes gets a bucket of its own size, or with `split` (receivers that read row_offsets) is
+    cut along dim 0 into chunks that fit, so no bucket (and no slot) exceeds bucket_bytes by more than one row
+    and the two slots keep alternating evenly."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be positive")
+    entries = []  # (name, chunk shape, first row)
+    for name, shape in zip(names, shapes):
+        shape = tuple(shape)
+        row = nbytes_of(shape[1:], dtype) if shape else 0
+        if split and shape and shape[0] > 1 and nbytes_of(shape, dtype) > bucket_bytes:
+            step = max(1, bucket_bytes // max(row, 1))
+            entries += [(name, (min(step, shape[0] - r0), *shape[1:]), r0) for r0 in range(0, shape[0], step)]
+        else:
+            entries.append((name, shape, 0))
     offsets, index, sizes = [], [], []
     cur = None  # bytes used in the current bucket
-    for shape in shapes:
+    for _, shape, _ in entries:
         n = nbytes_of(shape, dtype)
         start = 0 if cur is None else -(-cur // ALIGN) * ALIGN
         if cur is None or start + n > bucket_bytes:
@@ -149,8 +169,9 @@ def plan_buckets(names: Sequence[str], shapes: Sequence[Sequence[int]], dtype: t
         index.append(len(sizes) - 1)
         cur = start + n
         sizes[-1] = cur
-    return WeightMeta(tuple(names), (dtype_to_wire(dtype),) * len(names), tuple(tuple(s) for s in shapes),
-                      tuple(offsets), tuple(index), tuple(sizes))
+    rows = tuple(r for _, _, r in entries) if len(entries) > len(names) else ()
+    return WeightMeta(tuple(e[0] for e in entries), (dtype_to_wire(dtype),) * len(entries),
+                      tuple(e[1] for e in entries), tuple(offsets), tuple(index), tuple(sizes), rows)
 
 
 def bucket_members(meta: WeightMeta) -> list[list[int]]:

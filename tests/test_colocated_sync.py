@@ -56,9 +56,10 @@ def test_slots_map_the_same_bytes_and_identity_decides_colocation():
 def test_colocated_sync_matches_trainer_logprobs_over_two_syncs(engine):
     trainer = build_tiny_model(SEED)
     eng = SGLangEngine(engine.url, timeout_s=60)
-    sender = WeightSyncSender(trainer, [eng], timeout_s=60, bucket_bytes=32 << 10)
+    sender = WeightSyncSender(trainer, [eng], timeout_s=60, bucket_bytes=20 << 10)
     sender.init_group()
     assert sender.colocated == [0] and sender.broadcast_to == [] and sender.group is None
+    assert max(sender.meta.rows) > 0 and max(sender.meta.bucket_nbytes) <= 20 << 10  # large ones go in row chunks
     n_buckets = len(sender.meta.bucket_nbytes)
     assert n_buckets > 4  # both slots are reused within one sync
     assert not glob.glob("/dev/shm/rlkernels-weights-*")  # names unlinked once mapped: nothing can leak

@@ -150,3 +150,28 @@ def test_verify_tolerance_follows_the_compute_dtypes():
 
     assert verify_tolerance(torch.float32) == 1e-5
     assert verify_tolerance(torch.float32, torch.bfloat16) == verify_tolerance(torch.bfloat16) > 1e-3
+
+
+def test_plan_buckets_splits_a_large_parameter_by_rows_and_the_receiver_loads_each_chunk():
+    names, shapes = ["a", "big", "s", "c"], [(10, 7), (1000, 5), (), (3,)]
+    meta = plan_buckets(names, shapes, torch.float32, bucket_bytes=4096, split=True)
+    assert max(meta.bucket_nbytes) <= 4096 and len(meta.bucket_nbytes) >= 5
+    chunks = [(r, s[0]) for n, s, r in zip(meta.names, meta.shapes, meta.rows) if n == "big"]
+    assert chunks[0][0] == 0 and sum(k for _, k in chunks) == 1000
+    assert all(r0 + k == r1 for (r0, k), (r1, _) in zip(chunks, chunks[1:]))  # contiguous, in order
+    assert WeightMeta.from_wire(meta.to_wire(weight_version=1, group_name="g")) == meta
+    assert plan_buckets(names, shapes, torch.float32, bucket_bytes=4096).rows == ()  # no split: SGLang's format
+
+    model = build_tiny_model(seed=1)
+    rec = WeightReceiver(model, torch.device("cpu"))
+    pname, p = next((n, q) for n, q in model.named_parameters() if q.dim() == 2)
+    meta = plan_buckets([pname], [tuple(p.shape)], torch.float32, bucket_bytes=p[0].numel() * 4 * 3, split=True)
+    views = rec._targets(meta)
+    assert len(views) > 1 and all(v.data_ptr() == p[r].data_ptr() for v, r in zip(views, meta.rows))
+    bad = WeightMeta(meta.names[:1], meta.dtypes[:1], ((p.shape[0], p.shape[1]),), (0,), (0,), (10**6,),
+                     (1,))
+    with pytest.raises(ValueError, match="from row 1"):
+        rec._targets(bad)  # the whole parameter, announced from row 1
+    bad = WeightMeta(meta.names[:1], meta.dtypes[:1], ((2, p.shape[1]),), (0,), (0,), (10**6,), (p.shape[0] - 1,))
+    with pytest.raises(ValueError, match="rows"):
+        rec._targets(bad)  # past the last row

@@ -196,10 +196,15 @@ class WeightSyncSender:
         self._ready = False
         self.last_sync_s = float("nan")
 
-    def _plan(self):
+    def _plan(self, split: bool = False):
         params = named_weights(self.model)
-        return plan_buckets([n for n, _ in params], [tuple(p.shape) for _, p in params], self.dtype,
-                            self.bucket_bytes)
+        meta = plan_buckets([n for n, _ in params], [tuple(p.shape) for _, p in params], self.dtype,
+                            self.bucket_bytes, split=split and self.mode == "bucketed")
+        entries: dict[str, list[int]] = {}
+        for e, name in enumerate(meta.names):
+            entries.setdefault(name, []).append(e)
+        self._entries = [entries[n] for n, _ in params]  # parameter i -> its meta entries (chunks)
+        return meta
 
     # ------------------------------------------------------------------ group
     def init_group(self) -> None:
@@ -216,9 +221,9 @@ class WeightSyncSender:
             shared = _from_rank0(None)
         if shared is None:
             raise WeightSyncError("trainer rank 0 could not reach the engines (see its error)")
-        dtype_name, self.broadcast_to, self.colocated = shared
+        dtype_name, self.broadcast_to, self.colocated, split = shared
         self.dtype = dtype_from_wire(dtype_name)
-        self.meta = self._plan()
+        self.meta = self._plan(split)
         if self.rank != 0:
             self._ready = True
             return
@@ -229,8 +234,9 @@ class WeightSyncSender:
             self._init_colocated()
         self._ready = True
 
-    def _decide(self) -> tuple[str, list[int], list[int]]:
-        """(dtype to send, broadcast engine indices, colocated engine indices) from the engines' probes."""
+    def _decide(self) -> tuple[str, list[int], list[int], bool]:
+        """(dtype to send, broadcast engine indices, colocated engine indices, whether to split parameters larger
+        than a bucket: only when every engine is one of ours, which reads row_offsets) from the engines' probes."""
         probes = _HttpCalls(self.engines, lambda i, eng: _probe(eng), "the colocation probe").join(
             self.timeout_s, "colocation probe")
         ours = device_identity(self.device)
@@ -249,7 +255,7 @@ class WeightSyncSender:
         if self.transport == "broadcast":
             same = [False] * len(self.engines)
         return (str(dtype).removeprefix("torch."), [i for i, s in enumerate(same) if not s],
-                [i for i, s in enumerate(same) if s])
+                [i for i, s in enumerate(same) if s], all(probes))
 
     def _init_broadcast(self) -> None:
         # A fresh store (and port) per generation: a restarted engine can never meet a stale half-built group.
@@ -401,14 +407,17 @@ class WeightSyncSender:
         inflight: list = [None, None]  # per slot: the broadcast work of the bucket it holds
         current = -1
         for i, t in gathered:
-            b = self.meta.bucket_index[i]
-            if b != current:
-                if current >= 0:
-                    inflight[current % 2] = self._hand_out(current, calls, on_bucket)
-                current = b
-                self._free_slot(b, inflight, calls)
-            off = self.meta.offsets[i]
-            self._slots[b % 2][off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
+            for e in self._entries[i]:  # one entry, or the row chunks of a parameter larger than a bucket
+                b = self.meta.bucket_index[e]
+                if b != current:
+                    if current >= 0:
+                        inflight[current % 2] = self._hand_out(current, calls, on_bucket)
+                    current = b
+                    self._free_slot(b, inflight, calls)
+                shape = self.meta.shapes[e]
+                src = t if tuple(t.shape) == shape else t.narrow(0, self.meta.rows[e], shape[0])
+                off = self.meta.offsets[e]
+                self._slots[b % 2][off:off + src.numel() * src.element_size()].view(src.dtype).view(shape).copy_(src)
         inflight[current % 2] = self._hand_out(current, calls, on_bucket)
         for b in (current - 1, current):
             if b >= 0:

@@ -81,14 +81,22 @@ class WeightReceiver:
         """The live parameter for each name, checking names and shapes before any byte is received."""
         params = dict(self.model.named_parameters())
         out = []
-        for name, shape in zip(meta.names, meta.shapes):
+        for i, (name, shape) in enumerate(zip(meta.names, meta.shapes)):
             p = params.get(name)
             if p is None:
                 raise ValueError(f"unknown parameter name {name!r} (the engine's model has e.g. "
                                  f"{next(iter(params))!r}); send the HF names")
-            if tuple(p.shape) != tuple(shape):
-                raise ValueError(f"parameter {name!r} has shape {tuple(p.shape)}, the update sends {tuple(shape)}")
-            out.append(p)
+            r0 = meta.rows[i] if meta.rows else 0
+            if not meta.rows or tuple(p.shape) == tuple(shape):
+                if tuple(p.shape) != tuple(shape) or r0 != 0:
+                    raise ValueError(f"parameter {name!r} has shape {tuple(p.shape)}, the update sends "
+                                     f"{tuple(shape)} from row {r0}")
+                out.append(p)
+            elif tuple(p.shape[1:]) != tuple(shape[1:]) or r0 + shape[0] > p.shape[0]:
+                raise ValueError(f"parameter {name!r} has shape {tuple(p.shape)}, the update sends rows "
+                                 f"[{r0}, {r0 + shape[0]}) of shape {tuple(shape)}")
+            else:
+                out.append(p.narrow(0, r0, shape[0]))  # a view: loading it writes those rows of the parameter
         return out
 
     def check(self, meta: WeightMeta, group_name: str) -> list[torch.Tensor]:
