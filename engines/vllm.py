@@ -158,7 +158,8 @@ class VLLMEngine:
             for r in names:
                 self._inflight.pop(r, None)
         out = parse_completions(data, prompts, asked.n, version)
-        return [group * repeat for group in out]
+        return [[dataclasses.replace(c, output_ids=list(c.output_ids), logprobs=list(c.logprobs))
+                 for c in group for _ in range(repeat)] for group in out]
 
     async def abort(self, rids: Sequence[str] | None = None) -> None:
         """Abort our requests `rids` (None: every request on the server); they return with finish "abort".

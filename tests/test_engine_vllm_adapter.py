@@ -248,3 +248,71 @@ def test_refuses_filters_and_bad_answers():
     bad["choices"][0].update(finish_reason="error", logprobs={"token_logprobs": [-1.0, -2.0]})
     with pytest.raises(Exception, match="finish_reason='error'"):
         parse_completions(bad, [[1]], n=1, version=0)
+
+
+class FakeTPEngine:
+    """An engine of `tp` workers that report their count like vLLM's /get_world_size and join the weight-update
+    group one rank per worker, receiving the buckets as the plugin's workers do (engines.weight_sync only)."""
+
+    def __init__(self, tp: int):
+        self.tp, self.url = tp, f"fake-tp{tp}"
+        self.groups, self.received = [None] * tp, [dict() for _ in range(tp)]
+
+    async def world_size(self) -> int:
+        return self.tp
+
+    async def init_weights_update_group(self, *, master_address, master_port, rank_offset, world_size, group_name,
+                                        backend, timeout_s=None):
+        import anyio
+
+        from engines.weight_sync import build_group, create_store
+
+        self.rank_offset, self.world = rank_offset, world_size
+
+        def join(i):
+            store = create_store(master_address, master_port, is_master=False, timeout_s=60)
+            self.groups[i] = build_group(store, rank=rank_offset + i, world_size=world_size, group_name=group_name,
+                                         backend=backend, timeout_s=60)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(self.tp):
+                tg.start_soon(anyio.to_thread.run_sync, join, i)
+
+    async def update_weights_from_distributed(self, body):
+        import anyio
+
+        from engines.weight_sync import WeightMeta, broadcast_async, bucket_members, unpack_bucket, wait_work
+
+        meta = WeightMeta.from_wire(body)
+
+        def recv(i):
+            for k, members in enumerate(bucket_members(meta)):
+                bucket = torch.empty(meta.bucket_nbytes[k], dtype=torch.uint8)
+                wait_work(broadcast_async(self.groups[i], bucket), timeout_s=60, what=f"bucket {k}")
+                for j, t in zip(members, unpack_bucket(meta, members, bucket)):
+                    self.received[i][meta.names[j]] = t.clone()
+
+        async with anyio.create_task_group() as tg:
+            for i in range(self.tp):
+                tg.start_soon(anyio.to_thread.run_sync, recv, i)
+
+
+def test_sender_gives_a_tp_engine_one_rank_per_worker():
+    """Engines of 2 and 1 workers: ranks 1-2 and 3 of a world of 4, and every worker receives every weight."""
+    from trainer.weight_sync import WeightSyncSender
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 3))
+    engines = [FakeTPEngine(2), FakeTPEngine(1)]
+    sender = WeightSyncSender(model, engines, bucket_bytes=256, timeout_s=60)
+    try:
+        sender.init_group()
+        assert [(e.rank_offset, e.world) for e in engines] == [(1, 4), (3, 4)]
+        sender.sync()
+    finally:
+        sender.close()
+    for e in engines:
+        for got in e.received:
+            assert set(got) == {n for n, _ in model.named_parameters()}
+            for n, p in model.named_parameters():
+                assert torch.equal(got[n], p.detach())

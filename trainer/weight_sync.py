@@ -134,6 +134,11 @@ class _HttpCalls:
         return self.results
 
 
+async def _world_size(eng) -> int:
+    """How many ranks an engine takes in the weight-update group (a vLLM engine reports tp * pp * dp); else 1."""
+    return int(await eng.world_size()) if hasattr(eng, "world_size") else 1
+
+
 async def _probe(eng) -> dict:
     """An engine's device identity and dtype; {} for an engine without the colocated route (stock SGLang, vLLM)."""
     if not hasattr(eng, "colocated_weights"):
@@ -261,13 +266,16 @@ class WeightSyncSender:
         # A fresh store (and port) per generation: a restarted engine can never meet a stale half-built group.
         store = create_store(self.master_address, self.master_port if self._generation == 1 else 0,
                              is_master=True, timeout_s=self.timeout_s)
-        world = 1 + len(self.broadcast_to)
         name = f"{self.group_name}_{self._generation}"
         engines = [self.engines[i] for i in self.broadcast_to]
+        # An engine with tensor/pipeline parallelism takes one rank per worker: offsets from each one's world size
+        sizes = _HttpCalls(engines, lambda k, eng: _world_size(eng), "world_size").join(self.timeout_s, "world_size")
+        offsets = [1 + sum(sizes[:k]) for k in range(len(engines))]
+        world = 1 + sum(sizes)
 
         def call(k, eng):
             return eng.init_weights_update_group(master_address=self.master_address, master_port=store.port,
-                                                 rank_offset=1 + k, world_size=world, group_name=name,
+                                                 rank_offset=offsets[k], world_size=world, group_name=name,
                                                  backend=self.backend, timeout_s=self.timeout_s)
 
         calls = _HttpCalls(engines, call, "init_weights_update_group")
