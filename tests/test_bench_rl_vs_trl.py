@@ -1,0 +1,86 @@
+"""bench/bench_rl_vs_trl.py: the TRL side mirrors our GRPO settings, and one toy step of each side runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+import bench_rl_vs_trl as bench  # noqa: E402
+
+HAS_TRL = importlib.util.find_spec("trl") is not None
+needs_trl = pytest.mark.skipif(not HAS_TRL, reason="TRL is not installed: pip install -e '.[trl]' (or '.[dev]')")
+TOY = bench.BenchConfig(steps=1, prompts_per_step=4, group_size=4, max_new_tokens=4, eval_limit=8)
+
+
+@needs_trl
+def test_trl_args_mirror_our_loss_and_optimiser(tmp_path):
+    from trainer.cli import phase_configs
+
+    cfg = bench.run_config(bench.BenchConfig(lr=3e-4, beta=0.02, group_size=6, max_new_tokens=5), tmp_path)
+    rl = phase_configs(cfg).rl
+    args = bench.trl_args(bench.BenchConfig(), cfg, tmp_path / "trl")
+    assert (rl.optim.lr, rl.loss.kl_coef, rl.rollout.n_samples_per_prompt, rl.rollout.max_new_tokens) == \
+        (3e-4, 0.02, 6, 5)
+    assert (args.learning_rate, args.beta, args.epsilon, args.epsilon_high) == \
+        (rl.optim.lr, rl.loss.kl_coef, rl.loss.clip_low, rl.loss.clip_high)
+    assert (args.adam_beta1, args.adam_beta2, args.adam_epsilon, args.weight_decay, args.max_grad_norm) == \
+        (*rl.optim.betas, rl.optim.eps, rl.optim.weight_decay, rl.optim.max_grad_norm)
+    assert (args.loss_type, args.scale_rewards, args.importance_sampling_level, args.num_iterations) == \
+        ("grpo", "group", "token", 1)
+    assert getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type) == "constant"
+    assert not args.bf16 and args.top_k == 0
+    # A loss the TRL side cannot mirror is refused by name.
+    bad = bench.run_config(bench.BenchConfig(), tmp_path)
+    bad["rl"] = {**bad["rl"], "loss": {**bad["rl"]["loss"], "loss_agg": "token-mean"}}
+    with pytest.raises(ValueError, match="loss.loss_agg"):
+        bench.trl_args(bench.BenchConfig(), bad, tmp_path / "trl")
+
+
+def test_trl_reward_adapter_scores_like_our_reward():
+    fn = bench.trl_reward_fn("trainer.rewards:arithmetic_reward")
+    completions = [[{"role": "assistant", "content": "38"}], [{"role": "assistant", "content": "37"}],
+                   [{"role": "assistant", "content": "x"}], "12"]
+    assert fn(["24+14="] * 4, completions, answer=["38", "38", "38", "12"]) == [1.0, 0.0, 0.0, 1.0]
+
+
+def test_loop_figures():
+    got = bench.loop_figures([2.0, 1.0, 3.0], [10, 10, 10])
+    assert got == {"samples_per_s": 5.0, "s_per_step": 2.0, "loop_s": 6.0, "samples": 30}
+
+
+def test_bench_config_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="group_size"):
+        bench.BenchConfig(group_size=1)
+    with pytest.raises(ValueError, match="steps"):
+        bench.BenchConfig(steps=0)
+
+
+def test_ours_one_toy_step(tmp_path):
+    res = bench.run_ours(TOY, tmp_path, async_rollout=False)
+    assert res["steps"] == 1 and res["samples"] == 16
+    assert res["samples_per_s"] > 0 and res["s_per_step"] > 0
+    assert 0.0 <= res["accuracy"] <= 1.0 and 0.0 <= res["accuracy_initial"] <= 1.0
+    assert len(res["generate_s_per_step"]) == len(res["train_s_per_step"]) == 1
+
+
+@needs_trl
+def test_trl_one_toy_step_same_initial_model_as_ours(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from engines.embedded.presets import build_tiny_model
+
+    res = bench.run_trl(TOY, tmp_path)
+    assert res["steps"] == 1 and res["samples"] == 16 and res["samples_per_s"] > 0
+    assert 0.0 <= res["accuracy"] <= 1.0
+    # The TRL side started from the demo's seeded initial model, bit for bit.
+    m = bench.run_config(TOY, tmp_path)["model"]
+    ref = build_tiny_model(0, arch=m["arch"], hidden_size=m["hidden_size"], num_layers=m["num_layers"],
+                           num_heads=m["num_heads"], num_kv_heads=m["num_kv_heads"])
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "init_model")
+    for (name, a), b in zip(ref.state_dict().items(), loaded.state_dict().values()):
+        assert (a == b).all(), name
