@@ -81,20 +81,21 @@ def _serve(shapes, port, device):
     uvicorn.run(build_app(server), host="127.0.0.1", port=port, log_level="error")
 
 
-def memcpy_gbps(nbytes: int, device: str = "cpu", repeats: int = 3) -> float:
-    """Best-of-`repeats` copy of `nbytes` between two buffers on `device` (GB/s of bytes copied)."""
+def copy_timer(nbytes: int, device: str = "cpu"):
+    """A function timing one copy of `nbytes` between two buffers on `device` (allocated and touched here once)."""
     src = torch.empty(nbytes // 4, device=device)
     src.fill_(1.0)
     dst = torch.empty_like(src)
-    dst.copy_(src)  # touch the pages once
-    best = float("inf")
-    for _ in range(repeats):
+    dst.copy_(src)
+
+    def once() -> float:
         _sync(device)
         t0 = time.perf_counter()
         dst.copy_(src)
         _sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
+        return time.perf_counter() - t0
+
+    return once
 
 
 def _sync(device: str) -> None:
@@ -116,44 +117,44 @@ def _start_engine(shapes, device: str):
     return proc, eng
 
 
-def time_sync(model, eng, transport: str, *, repeats: int, bucket_bytes: int) -> dict:
-    """Best-of-`repeats` full sync by `transport` after one warm-up (buffers allocated, pages touched)."""
-    sender = WeightSyncSender(model, [eng], timeout_s=300, transport=transport, bucket_bytes=bucket_bytes)
-    sender.init_group()
-    try:
-        sender.sync()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            sender.sync()
-            times.append(time.perf_counter() - t0)
-        assert trio.run(eng.get_weight_version) == sender.weight_version
-        return {"seconds": min(times), "buckets": len(sender.meta.bucket_nbytes)}
-    finally:
-        sender.close()
-
-
 def measure(*, small: bool = False, device: str = "cpu", engine_device: str | None = None, repeats: int = 3,
             bucket_bytes: int = 512 << 20, transports: tuple[str, ...] = ("colocated", "broadcast")) -> dict:
-    """Every transport against one engine process, and a copy of the same bytes, in one run."""
+    """Every transport against one engine process, and a copy of the same bytes, in one run: after one warm-up
+    sync each (buffers allocated, pages touched), `repeats` interleaved rounds (copy, then each transport), so a
+    change in the machine's load hits every contender alike; the best time of each is reported."""
     shapes = qwen25_05b_shapes(num_layers=2, vocab=8192) if small else qwen25_05b_shapes()
     model = ShapeModel(shapes, fill=True, device=device)
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     out = {"model": "qwen2.5-0.5b-shapes" + (" (2 layers, 8k vocab)" if small else ""), "bytes": nbytes,
            "dtype": "float32", "device": device, "engine_device": engine_device or device,
            "bucket_bytes": bucket_bytes, "threads": torch.get_num_threads(), "load_1min": os.getloadavg()[0],
-           "cpus": os.cpu_count()}
+           "cpus": os.cpu_count(), "repeats": repeats}
     proc, eng = _start_engine(shapes, engine_device or device)
+    senders = {}
     try:
         for transport in transports:
-            r = time_sync(model, eng, transport, repeats=repeats, bucket_bytes=bucket_bytes)
-            out[f"{transport}_gbps"] = nbytes / r["seconds"] / 1e9
-            out[f"{transport}_ms"] = 1e3 * r["seconds"]
-            out["buckets"] = r["buckets"]
+            sender = WeightSyncSender(model, [eng], timeout_s=300, transport=transport, bucket_bytes=bucket_bytes)
+            senders[transport] = sender
+            sender.init_group()
+            sender.sync()
+            out["buckets"] = len(sender.meta.bucket_nbytes)
+        copy = copy_timer(nbytes, device)
+        times: dict[str, list[float]] = {name: [] for name in ("memcpy", *transports)}
+        for _ in range(repeats):
+            times["memcpy"].append(copy())
+            for transport, sender in senders.items():
+                t0 = time.perf_counter()
+                sender.sync()
+                times[transport].append(time.perf_counter() - t0)
+        assert trio.run(eng.get_weight_version) == sender.weight_version
     finally:
+        for sender in senders.values():
+            sender.close()
         proc.kill()
         proc.join(10)
-    out["memcpy_gbps"] = memcpy_gbps(nbytes, device)
+    for name, ts in times.items():
+        out[f"{name}_gbps"] = nbytes / min(ts) / 1e9
+        out[f"{name}_ms"] = 1e3 * min(ts)
     for transport in transports:
         out[f"{transport}_vs_memcpy"] = out[f"{transport}_gbps"] / out["memcpy_gbps"]
     out["load_1min_after"] = os.getloadavg()[0]
