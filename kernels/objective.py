@@ -29,11 +29,13 @@ ppo and cispo are token-local (ℓ_t depends on token t only): they can be evalu
 the results added, which the chunked lm_head driver uses to produce gradients while a chunk's logits are at hand.
 gspo needs all tokens of a sequence at once.
 
-Metrics are 0-d device tensors (no host sync). Token means over the global num_tokens: clip_frac_low/high,
-approx_kl (E[r − 1 − log r], token ratio), ratio_mean (the objective's ratio), dual_clip_frac, entropy, kl when
-they apply; with rollout log-probs: mismatch/logprob_abs_diff_mean, mismatch/logprob_abs_diff_max,
-mismatch/kl_k3 (engine vs trainer, trainer = old when given, else logp), and with a correction
-mismatch/tis_weight_mean, mismatch/tis_clip_frac (tokens truncated by tis, dropped by mis). Combining across
+Metrics are 0-d device tensors (no host sync). Token means over the global num_tokens: clip_frac_low/high
+(tokens whose gradient the clip changed: ratio below/above the range with A < 0 / A > 0 for ppo and gspo, any
+clipped weight for cispo), approx_kl (E[r − 1 − log r], token ratio), ratio_mean (the objective's ratio: s_i
+for gspo), dual_clip_frac, entropy, kl when they apply; with rollout log-probs:
+mismatch/logprob_abs_diff_mean, mismatch/logprob_abs_diff_max, mismatch/kl_k3 (engine vs trainer, trainer = old
+when given, else logp), and with a correction mismatch/tis_weight_mean, mismatch/tis_clip_frac (tokens truncated
+by tis, dropped by mis). Combining across
 chunks, micro-batches and ranks (`merge_metrics`): names ending in `_max` by max, `input_errors` by bitwise or,
 every other one by sum.
 
