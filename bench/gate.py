@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -207,8 +208,8 @@ def _run_suite(suite: Path, json_out: Path, *extra: str) -> int:
     # The root conftest turns the Triton interpreter on for tests; timings must never measure the interpreter
     # (on CPU the set times the torch path, on CUDA the compiled kernels). glibc's malloc serves large buffers by
     # fresh mmaps, with a threshold that moves with the process's allocation history: whether a [T, V] buffer
-    # costs page faults then depends on what ran before (a 3x swing on the packing case). A fixed threshold above
-    # every buffer of the set and no trimming keep host allocations out of the timings.
+    # costs page faults then depends on what ran before. A fixed threshold above every buffer of the set and no
+    # trimming keep host allocations out of the timings.
     env = {**os.environ, "TRITON_INTERPRET": "0", "MALLOC_MMAP_THRESHOLD_": str(4 << 30),
            "MALLOC_TRIM_THRESHOLD_": str(16 << 30)}
     print("+", " ".join(cmd), flush=True)
@@ -225,7 +226,7 @@ def cmd_save(suite: Path, baselines: Path) -> int:
             print(f"bench-save: the regression set failed (pytest exit {rc}); baseline {path} left unchanged")
             return 3
         run = load(out)
-        os.replace(out, path)
+        shutil.move(out, path)  # tmp may be another file system
     print(f"bench-save: baseline for {device_name()!r} written to {path}")
     for case, r in normalised(run).items():
         print(f"  {case}: ours {1e3 * r.ours:.2f} ms / torch {1e3 * r.torch:.2f} ms = {r.value:.3f}")

@@ -280,8 +280,8 @@ def test_regress(benchmark, request, case, block, impl):
     benchmark.extra_info.update(case=case, impl=impl, block=block, device=device, threads=s.threads,
                                 dtype=str(s.dtype).removeprefix("torch."),
                                 shape=f"T={s.T} V={s.V} H={s.H} pack={s.pack}")
-    # One thread on CPU: on a shared 2-core machine a competing process stalls every two-thread parallel region
-    # (medians swing 3x); single-threaded, the CPU time that bench/gate.py times by is the work the op does.
+    # One thread on CPU: on a shared machine a competing process stalls every multi-threaded parallel region;
+    # single-threaded, the CPU time that bench/gate.py times by is the work the op does.
     threads = torch.get_num_threads()
     torch.set_num_threads(s.threads or threads)
     try:
