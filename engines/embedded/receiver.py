@@ -213,12 +213,13 @@ async def colocated_request(server, body: dict) -> dict:
     if body.get("weight_version") is not None and not str(body["weight_version"]).isdigit():
         raise ValueError("weight_version must be a non-negative integer (as a string or int)")
     targets = rec._targets(meta)  # 400 before touching any slot
-    try:
-        await asyncio.get_running_loop().run_in_executor(server.model_thread, rec.receive_colocated, meta,
-                                                         body["seq"], targets)
-    except BaseException:
-        server.weights_consistent = False
-        raise
+    async with server.exclusive():  # no row decodes while the weights change
+        try:
+            await asyncio.get_running_loop().run_in_executor(server.model_thread, rec.receive_colocated, meta,
+                                                             body["seq"], targets)
+        except BaseException:
+            server.weights_consistent = False
+            raise
     server.weights_consistent = True
     v = body.get("weight_version")
     server.weight_version = int(v) if v is not None else server.weight_version + 1

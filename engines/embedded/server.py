@@ -9,7 +9,8 @@ num_running_rows, num_waiting_rows, decode_steps.
 Our extensions, all optional: `timeout_s` in /init_weights_update_group (the group's collective timeout);
 `load_format: "flattened_bucket"` in /update_weights_from_distributed with `offsets`, `bucket_index` and
 `bucket_nbytes` (see engines/weight_sync.py); `ipc_buckets` in /update_weights_from_tensor (JSON CUDA-IPC handles
-instead of SGLang's pickled tensors: nothing is unpickled from the network).
+instead of SGLang's pickled tensors: nothing is unpickled from the network); POST /colocated_weights (same-device
+weight sync through the trainer's shared slots: engines/embedded/receiver.py `colocated_request`).
 
 Concurrency: one "model thread" runs everything that touches the model (decode steps, weight loads), so a weight
 update never overlaps a forward; group joins run on other threads; the event loop parses and schedules.
