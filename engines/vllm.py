@@ -14,6 +14,7 @@ Serve with `vllm_server_command(...)`, i.e. `python -m vllm.entrypoints.openai.a
     GET  /get_world_size?include_dp=true -> {world_size}   (this engine's ranks in the weight-update group)
     POST /init_weight_transfer_engine {init_info}; /start_weight_update; /update_weights {update_info};
          /finish_weight_update {weight_version}
+    POST /collective_rpc {method: "reload_weights", kwargs: {weights_path}}   (disk fallback)
 
 Log-probs (the project contract: the sampled-from distribution at the request temperature, before top-k/top-p):
 vLLM's default `raw_logprobs` are taken before temperature; `--logprobs-mode processed_logprobs` returns
@@ -214,6 +215,14 @@ class VLLMEngine:
                          {"weight_version": None if version is None else str(version)})
         if version is not None:
             self.weight_version = int(version)
+
+    async def update_weights_from_disk(self, model_path: str, *, weight_version: int | None = None) -> None:
+        """Reload the weights from a safetensors folder this server can read (the disk fallback when no group can
+        form): vLLM's worker `reload_weights(weights_path=...)` through /collective_rpc, in place, then the version."""
+        await self._call("POST", "/collective_rpc", {"method": "reload_weights",
+                                                     "kwargs": {"weights_path": str(model_path)}})
+        if weight_version is not None:
+            await self.set_weight_version(weight_version)
 
     async def pause_generation(self) -> None:
         """Freeze in-flight requests where they are (vLLM's mode "keep"); they go on after continue_generation."""

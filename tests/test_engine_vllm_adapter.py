@@ -36,6 +36,7 @@ from fastapi.testclient import TestClient
 import vllm.v1.engine.async_llm
 from vllm.entrypoints.rl.online.api_router import router as rl_router
 from vllm.entrypoints.serve.dev.cache.api_router import router as cache_router
+from vllm.entrypoints.serve.dev.rpc.api_router import router as rpc_router
 from vllm.entrypoints.serve.instrumentator.health import router as health_router
 from vllm.entrypoints.openai.completion.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
                                                          CompletionResponseChoice)
@@ -67,7 +68,7 @@ class Recorder:
 # vLLM's real routers on an app whose engine client records what the routes ask of it
 vllm.v1.engine.async_llm.AsyncLLM = Recorder  # "abort all" checks that the engine client is an AsyncLLM
 app = FastAPI()
-for r in (rl_router, cache_router, health_router):
+for r in (rl_router, cache_router, rpc_router, health_router):
     app.include_router(r)
 app.state.engine_client = Recorder()
 client = TestClient(app)
@@ -138,7 +139,7 @@ def recorded():
 
     paths = ["/health", "/weight_info", "/get_world_size", "/pause", "/resume", "/abort_requests",
              "/reset_prefix_cache", "/update_weight_version", "/init_weight_transfer_engine", "/start_weight_update",
-             "/update_weights", "/finish_weight_update"]
+             "/update_weights", "/finish_weight_update", "/collective_rpc"]
     port = free_port()
     app = Starlette(routes=[Route(p, handle, methods=["GET", "POST"]) for p in paths])
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
@@ -163,6 +164,7 @@ def recorded():
         "init": lambda: eng.init_weights_update_group(master_address="10.1.2.3", master_port=29555, rank_offset=2,
                                                       world_size=5, group_name="g7", backend="gloo", timeout_s=30),
         "update": lambda: eng.update_weights_from_distributed(meta.to_wire(weight_version=12, group_name="g7")),
+        "disk": lambda: eng.update_weights_from_disk("/ckpt/step_3", weight_version=13),
     }
     results, spans = {}, {}
     for name, step in steps.items():
@@ -186,7 +188,7 @@ def test_control_requests_accepted_by_vllm_routes(recorded, in_vllm):
     log, spans, results, meta, eng = recorded
     replayed = in_vllm["replay"]
     assert results["get_weight_version"] == 7 and results["world_size"] == 3 and results["health"] is True
-    assert eng.weight_version == 12  # set by the sync's finish_weight_update
+    assert eng.weight_version == 13  # set by the sync's finish_weight_update, then by the disk reload
     for req, ans in zip(log, replayed):
         assert ans["status"] == 200, (req, ans)
 
@@ -211,6 +213,10 @@ def test_control_requests_accepted_by_vllm_routes(recorded, in_vllm):
     sent = update[1]["kwargs"]["request"]["update_info"]
     assert sent == meta.to_wire(weight_version=12, group_name="g7")
     assert update[2]["args"] == ["12"]
+    assert calls("disk") == [
+        {"method": "collective_rpc", "args": [], "kwargs": {"method": "reload_weights", "timeout": None, "args": [],
+                                                            "kwargs": {"weights_path": "/ckpt/step_3"}}},
+        {"method": "update_weight_version", "args": ["13"], "kwargs": {}}]
 
 
 def test_init_and_update_info_parse_in_the_plugin_back_end(in_vllm):

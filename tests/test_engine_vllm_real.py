@@ -208,6 +208,22 @@ def test_weight_sync_through_the_gloo_plugin(vllm, mode):
     assert check.ok, check
 
 
+def test_disk_fallback_reloads_a_saved_folder(vllm, tmp_path):
+    """update_weights_from_disk: a folder written by save_pretrained is loaded in place (reload_weights)."""
+    eng, tok = vllm["engine"], vllm["tok"]
+    new_model, _ = tiny_qwen2(seed=300)
+    new_model.save_pretrained(tmp_path / "step_7", safe_serialization=True)
+    trio.run(lambda: eng.update_weights_from_disk(str(tmp_path / "step_7"), weight_version=70))
+    old_model, vllm["model"] = vllm["model"], new_model
+    prompts = encode(tok, ["disk"])
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=1, ignore_eos=True)
+    out = trio.run(eng.generate, prompts, params)
+    assert all(c.weight_version == 70 for c in out[0])
+    check_against(new_model, prompts, out, params)
+    stale = reference_logprobs(old_model, prompts[0], out[0][0].output_ids, params.temperature)
+    assert (stale - torch.tensor(out[0][0].logprobs, dtype=torch.float64)).abs().max().item() > 0.1
+
+
 def test_grpo_run_with_a_vllm_engine_raises_reward(vllm, tmp_path):
     """run_rl_training with the vLLM engine: rollouts through the rollout manager, a sync per step through the
     plugin (verified: engine log-probs equal the trainer's), and a reward that rises. The random tiny model cannot
