@@ -29,7 +29,7 @@ def engine():
 def train_step(model, seed):
     """One real optimiser step on next-token loss over random tokens."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(6, 100, (4, 16), generator=g)
+    ids = torch.randint(6, 100, (4, 16), generator=g).to(next(model.parameters()).device)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
@@ -134,4 +134,35 @@ def test_colocated_engine_killed_mid_sync_fails_fast_then_recovers():
         assert sender.sync() == 5
         assert verify_sync(trainer, [eng], PROBES, expected_version=5).ok
         assert trio.run(eng.get_weight_version) == 5
+        sender.close()
+
+
+def test_two_colocated_engines_share_the_slots():
+    trainer = build_tiny_model(SEED)
+    with EngineProcess("tiny", seed=SEED) as a, EngineProcess("tiny", seed=SEED) as b:
+        engines = [SGLangEngine(a.url, timeout_s=60), SGLangEngine(b.url, timeout_s=60)]
+        sender = WeightSyncSender(trainer, engines, timeout_s=60, bucket_bytes=24 << 10)
+        sender.init_group()
+        assert sender.colocated == [0, 1] and sorted(sender._socks) == [0, 1]
+        for step in range(2):  # a slot is reused only when both engines copied it out
+            train_step(trainer, seed=10 + step)
+            assert sender.sync() == step + 1
+            res = verify_sync(trainer, engines, PROBES, expected_version=step + 1)
+            assert res.ok and len(res.max_abs_diff) == 2, res
+        sender.close()
+
+
+@pytest.mark.gpu
+def test_colocated_sync_on_one_gpu_uses_cuda_ipc_slots():
+    trainer = build_tiny_model(SEED).cuda()
+    with EngineProcess("tiny", seed=SEED, extra_args=("--device", "cuda", "--dtype", "float32")) as proc:
+        eng = SGLangEngine(proc.url, timeout_s=120)
+        sender = WeightSyncSender(trainer, [eng], timeout_s=120, bucket_bytes=20 << 10)
+        sender.init_group()
+        assert sender.colocated == [0] and sender._events is not None  # same GPU UUID: IPC handles and events
+        for step in range(2):
+            train_step(trainer, seed=step)
+            assert sender.sync() == step + 1
+            res = verify_sync(trainer, [eng], PROBES, expected_version=step + 1)
+            assert res.ok, res
         sender.close()
