@@ -2,8 +2,9 @@
 (engines/embedded/receiver.py). Nothing here knows about the trainer; nothing on the wire is pickled.
 
 Both transports move the same thing: the model as a sequence of flat uint8 buckets (`plan_buckets`: every tensor at
-a 64-byte aligned offset, in parameter order), announced by a JSON `WeightMeta` (names, dtypes, shapes, offsets,
-bucket sizes, weight_version) sent over HTTP, and staged through two alternating bucket buffers ("slots").
+a 64-byte aligned offset, in parameter order; for our own engines a parameter larger than a bucket is cut into row
+chunks), announced by a JSON `WeightMeta` (names, dtypes, shapes, offsets, bucket sizes, row offsets,
+weight_version) sent over HTTP, and staged through two alternating bucket buffers ("slots").
 
 broadcast (engines on other devices or hosts): a dedicated process group [trainer rank 0, engine 0, engine 1, ...]
 built from a TCPStore the trainer hosts (gloo on CPU, NCCL on GPU; never the trainer's default group); bucket k is
