@@ -322,3 +322,13 @@ def test_sender_gives_a_tp_engine_one_rank_per_worker():
             assert set(got) == {n for n, _ in model.named_parameters()}
             for n, p in model.named_parameters():
                 assert torch.equal(got[n], p.detach())
+
+
+def test_a_missing_vllm_venv_fails_naming_the_make_target(monkeypatch, tmp_path):
+    import vllm_support
+
+    monkeypatch.setattr(vllm_support, "VLLM_PYTHON", tmp_path / "none" / "bin" / "python")
+    with pytest.raises(pytest.fail.Exception, match=r"make \.venv-vllm"):
+        vllm_support.require_vllm_venv()
+    monkeypatch.undo()
+    assert vllm_support.require_vllm_venv() == vllm_support.VLLM_PYTHON  # the real one passes the check

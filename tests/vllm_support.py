@@ -38,10 +38,17 @@ def require_vllm_venv() -> Path:
     if not VLLM_PYTHON.exists():
         pytest.fail(f"{VLLM_PYTHON} is missing: run `make .venv-vllm` (the `test` target does) to install vLLM "
                     f"and this project's vLLM plugin into their own venv")
-    probe = subprocess.run([str(VLLM_PYTHON), "-c", "import vllm, engines.vllm_ext.receiver"], cwd="/",
-                           capture_output=True, text=True, timeout=300)
+    # Cheap (no vLLM import): vLLM, this checkout's packages and the plugin's entry point are installed there
+    check = ("import importlib.util as u, importlib.metadata as m, sys\n"
+             "assert u.find_spec('vllm'), 'vllm is not installed'\n"
+             "spec = u.find_spec('engines.vllm_ext')\n"
+             "assert spec and spec.origin.startswith(sys.argv[1]), f'engines.vllm_ext is {spec and spec.origin}'\n"
+             "eps = [e.value for e in m.entry_points(group='vllm.general_plugins')]\n"
+             "assert 'engines.vllm_ext:register' in eps, f'plugin entry point missing: {eps}'\n")
+    probe = subprocess.run([str(VLLM_PYTHON), "-c", check, str(ROOT)], cwd="/", capture_output=True, text=True,
+                           timeout=120)
     if probe.returncode != 0:
-        pytest.fail(f"{VLLM_VENV} cannot import vllm and this project's plugin; rebuild it with "
+        pytest.fail(f"{VLLM_VENV} lacks vLLM or this checkout's vLLM plugin; rebuild it with "
                     f"`rm -rf .venv-vllm && make .venv-vllm`:\n{probe.stderr[-2000:]}")
     return VLLM_PYTHON
 
@@ -119,29 +126,6 @@ def tail(path: Path, n: int = 6000) -> str:
         return f"(no log: {e})"
 
 
-def validate_with_vllm(model_cls: str, bodies: list[dict]) -> list[str]:
-    """Validate request bodies with vLLM's own pydantic model `module:Class`, inside `.venv-vllm`; returns one error
-    string per body ('' when valid)."""
-    import json
-
-    python = require_vllm_venv()
-    code = ("import importlib, json, sys\n"
-            "mod, cls = sys.argv[1].split(':')\n"
-            "M = getattr(importlib.import_module(mod), cls)\n"
-            "out = []\n"
-            "for b in json.loads(sys.stdin.read()):\n"
-            "    try:\n"
-            "        M.model_validate(b); out.append('')\n"
-            "    except Exception as e:\n"
-            "        out.append(str(e))\n"
-            "print(json.dumps(out))\n")
-    r = subprocess.run([str(python), "-c", code, model_cls], input=json.dumps(bodies), capture_output=True,
-                       text=True, timeout=300, cwd="/")
-    if r.returncode != 0:
-        raise RuntimeError(f"validation subprocess failed:\n{r.stderr[-3000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
 __all__ = ["ROOT", "VLLM_PYTHON", "build_tokenizer", "require_vllm_venv", "start_server", "stop_server", "tail",
-           "tiny_qwen2", "tiny_qwen2_config", "validate_with_vllm", "write_model_folder"]
+           "tiny_qwen2", "tiny_qwen2_config", "write_model_folder"]
 
