@@ -35,11 +35,12 @@ own sampler) and the sampled tokens.
 
 Reported per side: samples/s and seconds per step over the training loop (ours: generate + train + weight sync
 from metrics.jsonl, where async mode's generate is the wait for the prefetched batch; TRL: the time between
-consecutive optimizer steps, from a callback, generation included), the wall time of the whole process (model
-build, engine start, evaluations), peak RSS, and greedy held-out accuracy on [data].eval after the last step
-(ours: `trainer.cli.evaluate` through the engine; TRL: `hf_greedy_accuracy`, transformers' greedy `generate`
-with the same prompt ids, stop ids, max_new_tokens and reward). Both also evaluate the initial model: the two
-figures must be equal (same weights, same greedy decoding), a check that the two evaluations agree.
+consecutive optimizer steps, from a callback, generation included; its generation phase, which also scores
+and computes the reference log-probs, timed around `_generate_and_score_completions`), the wall time of the
+whole process (model build, engine start, evaluations), peak RSS, and greedy held-out accuracy on [data].eval
+after the last step (ours: `trainer.cli.evaluate` through the engine; TRL: `hf_greedy_accuracy`, transformers'
+greedy `generate` with the same prompt ids, stop ids, max_new_tokens and reward). Both also evaluate the initial
+model: the two figures must be equal (same weights, same greedy decoding), a check that the evaluations agree.
 """
 
 from __future__ import annotations
@@ -268,6 +269,17 @@ def run_trl(bc: BenchConfig, out: Path) -> dict[str, Any]:
     times = StepTimes()
     trainer = trl.GRPOTrainer(model=model, reward_funcs=trl_reward_fn(reward), args=trl_args(bc, cfg, out / "trl"),
                               train_dataset=ds, processing_class=tokenizer, callbacks=[times])
+    # TRL's generation phase per step: sampling, rewards, advantages and the reference model's log-probs.
+    gen_seconds: list[float] = []
+    generate_and_score = trainer._generate_and_score_completions
+
+    def timed_generate_and_score(*a, **k):
+        t = time.perf_counter()
+        out = generate_and_score(*a, **k)
+        gen_seconds.append(time.perf_counter() - t)
+        return out
+
+    trainer._generate_and_score_completions = timed_generate_and_score
     trainer.train()
     logs = [h for h in trainer.state.log_history if "reward" in h]
     acc = hf_greedy_accuracy(trainer.model, tokenizer, evals, max_new_tokens=bc.max_new_tokens, reward=reward)
@@ -275,6 +287,7 @@ def run_trl(bc: BenchConfig, out: Path) -> dict[str, Any]:
     res = loop_figures(times.seconds, [n] * len(times.seconds))
     res.update(wall_s=time.perf_counter() - t0, steps=len(times.seconds), accuracy=acc, accuracy_initial=acc_initial,
                reward_mean_last=logs[-1]["reward"] if logs else None, step_s=[round(x, 3) for x in times.seconds],
+               generate_score_s_per_step=[round(x, 3) for x in gen_seconds],
                optim=str(trainer.args.optim), trl_version=trl.__version__)
     return res
 
@@ -380,6 +393,9 @@ def table(result: dict[str, Any]) -> str:
         if f"ratio_{mode}" in result:
             rows.append(f"\nours {mode} / TRL samples/s: {result[f'ratio_{mode}']:.2f}x")
     for side, r in result["sides"].items():
+        if "generate_score_s_per_step" in r:
+            rows.append(f"{side}: generate + score + ref log-probs s/step {r['generate_score_s_per_step']}, "
+                        f"whole step s {r['step_s']}")
         if "generate_s_per_step" in r:
             rows.append(f"{side}: generate s/step {r['generate_s_per_step']}, train s/step {r['train_s_per_step']}, "
                         f"sync s/step {r['sync_s_per_step']}")
