@@ -130,7 +130,8 @@ def test_abort_by_rid_and_all(vllm):
         t0 = time.monotonic()
         trio.run(run)
         c = box["out"][0][0]
-        assert c.finish_reason == "abort" and 1 <= len(c.output_ids) < 200, (c.finish_reason, len(c.output_ids))
+        # cut short: what it had (none at all when the abort beat the prefill), never the full 200
+        assert c.finish_reason == "abort" and len(c.output_ids) < 200, (c.finish_reason, len(c.output_ids))
         assert len(c.logprobs) == len(c.output_ids)
         assert time.monotonic() - t0 < 30
 
