@@ -175,12 +175,13 @@ def run_pipeline(out: str | os.PathLike, *, config: Path = CONFIG, overrides: Se
     figures["sft"].update(steps=len(sft_rows), step_s=round(sum(times) / len(times), 2) if times else None,
                           loss=[round(r["loss"], 4) for r in sft_rows])
     keys = ("time_generate_s", "time_train_s", "time_sync_s", "mismatch/logprob_abs_diff_max",
-            "mismatch/logprob_abs_diff_mean", "reward_mean")
+            "mismatch/logprob_abs_diff_mean", "reward_mean", "grad_norm")
     figures["rl"].update(steps=len(rl_rows), per_step=[{k: r.get(k) for k in keys} for r in rl_rows])
     return figures
 
 
 # ----------------------------------------------------------------------------------------------- benchmark
+@pytest.mark.slow
 def test_real_shape_sft_export_rl(benchmark, request, tmp_path):
     """make bench only: ~10 GiB and minutes on a CPU (skipped when benchmarks are disabled, as in `make test`)."""
     if request.config.getoption("benchmark_disable"):

@@ -136,14 +136,22 @@ def test_rl_can_start_from_a_checkpoint_and_bad_exports_are_named(tmp_path):
 def test_cli_sft_export_rl_on_the_tiny_model(tmp_path):
     """The real-shape pipeline end to end (three CLI processes) on the tiny model; after every weight sync the
     engine's log-probs equal the trainer's, which fails if the tied lm_head arrives stale."""
+    # A random model earns no GSM8K reward, and zero advantages would leave the weights (and the sync) unchanged:
+    # a reward that varies within each group (the `module:function` hook, from a file) makes every step move them.
+    reward = tmp_path / "varying_reward.py"
+    reward.write_text("def reward(sample):\n    return float(len(sample.response) % 3)\n")
     figures = run_pipeline(tmp_path / "run", shape=TINY, timeout_s=900,
                            overrides=["--set", "engines.threads=1", "--set", "sft.num_steps=3",
-                                      "--set", "rl.num_steps=3", "--set", "rl.optim.lr=1e-3"])
+                                      "--set", "rl.num_steps=3", "--set", "rl.optim.lr=1e-3",
+                                      "--set", "rl.rollout.n_samples_per_prompt=4",
+                                      "--set", f'data.reward="{reward}:reward"'])
     assert figures["sft"]["steps"] == 3 and figures["rl"]["steps"] == 3
+    assert all(row["grad_norm"] > 0 for row in figures["rl"]["per_step"]), figures["rl"]  # the weights move
     export = tmp_path / "run" / "export"
     assert (export / "model.safetensors").is_file() and (export / "tokenizer.json").is_file()
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["rl_steps"] == 3 and 0.0 <= summary["accuracy_after_rl"] <= 1.0
+    assert summary["rl_steps"] == 3 and "accuracy_after_rl" in summary  # the mean of that reward, here
+    print("\nRL steps:", figures["rl"]["per_step"])
     for row in figures["rl"]["per_step"]:
         assert row["mismatch/logprob_abs_diff_max"] < 1e-4, figures["rl"]
     # A missing checkpoint is a clear CLI error, not a traceback.
