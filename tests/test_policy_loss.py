@@ -3,7 +3,8 @@
 Sizes stay tiny (a few dozen tokens, V = 1271 or 7, one case with a multi-tile vocabulary) so the Triton path
 runs through the interpreter in seconds. Old/ref/rollout log-probs are drawn around the true log-probs so that
 ratios fall on both sides of the clip range and every branch (clip low/high, dual clip, TIS cap, the clamps of
-the log-ratio and of k3) is taken by some tokens.
+the log-ratio and of k3) is taken by some tokens. The loss has no kernel of its own: the log-prob kernels it runs
+are compiled for sm_90 in tests/test_logprobs.py; GSPO, CISPO and the corrections are in tests/test_objectives.py.
 """
 
 import dataclasses
