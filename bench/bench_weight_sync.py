@@ -118,7 +118,7 @@ def _start_engine(shapes, device: str):
 
 
 def measure(*, small: bool = False, device: str = "cpu", engine_device: str | None = None, repeats: int = 3,
-            bucket_bytes: int = 512 << 20, transports: tuple[str, ...] = ("colocated", "broadcast")) -> dict:
+            bucket_bytes: int | None = None, transports: tuple[str, ...] = ("colocated", "broadcast")) -> dict:
     """Every transport against one engine process, and a copy of the same bytes, in one run: after one warm-up
     sync each (buffers allocated, pages touched), `repeats` interleaved rounds (copy, then each transport), so a
     change in the machine's load hits every contender alike; the best time of each is reported."""
@@ -127,7 +127,7 @@ def measure(*, small: bool = False, device: str = "cpu", engine_device: str | No
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     out = {"model": "qwen2.5-0.5b-shapes" + (" (2 layers, 8k vocab)" if small else ""), "bytes": nbytes,
            "dtype": "float32", "device": device, "engine_device": engine_device or device,
-           "bucket_bytes": bucket_bytes, "threads": torch.get_num_threads(), "load_1min": os.getloadavg()[0],
+           "threads": torch.get_num_threads(), "load_1min": os.getloadavg()[0],
            "cpus": os.cpu_count(), "repeats": repeats}
     proc, eng = _start_engine(shapes, engine_device or device)
     senders = {}
@@ -137,7 +137,8 @@ def measure(*, small: bool = False, device: str = "cpu", engine_device: str | No
             senders[transport] = sender
             sender.init_group()
             sender.sync()
-            out["buckets"] = len(sender.meta.bucket_nbytes)
+            out[f"{transport}_buckets"] = len(sender.meta.bucket_nbytes)
+            out[f"{transport}_bucket_bytes"] = sender.bucket_bytes
         copy = copy_timer(nbytes, device)
         times: dict[str, list[float]] = {name: [] for name in ("memcpy", *transports)}
         for _ in range(repeats):
@@ -161,7 +162,7 @@ def measure(*, small: bool = False, device: str = "cpu", engine_device: str | No
     return out
 
 
-def run_all(*, small: bool = False, device: str = "cpu", repeats: int = 3, bucket_bytes: int = 512 << 20) -> dict:
+def run_all(*, small: bool = False, device: str = "cpu", repeats: int = 3, bucket_bytes: int | None = None) -> dict:
     """Both transports where this machine can run them: on GPU the colocated engine shares the trainer's GPU and
     the broadcast one needs a second GPU (NCCL refuses two ranks on one device)."""
     if not device.startswith("cuda"):
@@ -198,12 +199,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--small", action="store_true", help="2 layers, 8k vocab (a smoke run)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--bucket-mb", type=int, default=512, help="bucket (slot) size in MiB")
+    ap.add_argument("--bucket-mb", type=int, default=None, help="bucket (slot) size in MiB (default: the sender's, "
+                                                                "per transport)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the trainer process (the engine uses "
                                                            "1); the memcpy baseline uses the same")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    res = run_all(small=args.small, device=args.device, repeats=args.repeats, bucket_bytes=args.bucket_mb << 20)
+    bucket_bytes = args.bucket_mb << 20 if args.bucket_mb else None
+    res = run_all(small=args.small, device=args.device, repeats=args.repeats, bucket_bytes=bucket_bytes)
     if args.json:
         print(json.dumps(res))
         return

@@ -53,7 +53,7 @@ def test_sync_one_then_two_engines_after_a_training_step(engines):
     stale = verify_sync(trainer, [ea], PROBES, expected_version=0)
     assert not stale.ok and stale.max_abs_diff[0] > 1e-3  # the check can fail
 
-    sender = WeightSyncSender(trainer, [ea], timeout_s=60, bucket_bytes=64 << 10)
+    sender = WeightSyncSender(trainer, [ea], timeout_s=60, bucket_bytes=64 << 10, transport="broadcast")
     sender.init_group()
     assert sender.sync() == 1
     res = verify_sync(trainer, [ea], PROBES, expected_version=1)
@@ -64,7 +64,7 @@ def test_sync_one_then_two_engines_after_a_training_step(engines):
     # two engines, one group of world size 3; B still has the initial weights, A gets them again
     train_step(trainer, seed=1)
     eb = SGLangEngine(b.url, timeout_s=60)
-    sender2 = WeightSyncSender(trainer, [ea, eb], timeout_s=60, weight_version=1)
+    sender2 = WeightSyncSender(trainer, [ea, eb], timeout_s=60, weight_version=1, transport="broadcast")
     sender2.init_group()
     assert sender2.sync() == 2
     res = verify_sync(trainer, [ea, eb], PROBES, expected_version=2)
@@ -72,13 +72,15 @@ def test_sync_one_then_two_engines_after_a_training_step(engines):
     sender2.close()
 
 
-def test_engine_killed_mid_sync_then_restarted(engines):
+@pytest.mark.parametrize("transport", ["broadcast", "colocated"])
+def test_engine_killed_mid_sync_then_restarted(engines, transport):
     a, _ = engines
     trainer = build_tiny_model(SEED)
     train_step(trainer, seed=2)
     ea = SGLangEngine(a.url, timeout_s=60)
     timeout_s = 30.0
-    sender = WeightSyncSender(trainer, [ea], timeout_s=timeout_s, bucket_bytes=16 << 10, weight_version=10)
+    sender = WeightSyncSender(trainer, [ea], timeout_s=timeout_s, bucket_bytes=16 << 10, weight_version=10,
+                              transport=transport)
     sender.init_group()
     assert len(sender.meta.bucket_nbytes) > 3
 
@@ -101,11 +103,12 @@ def test_engine_killed_mid_sync_then_restarted(engines):
     assert verify_sync(trainer, [ea], PROBES, expected_version=11).ok
 
 
-def test_wedged_engine_times_out(engines):
+@pytest.mark.parametrize("transport", ["broadcast", "colocated"])
+def test_wedged_engine_times_out(engines, transport):
     _, b = engines
     trainer = build_tiny_model(SEED)
     eb = SGLangEngine(b.url, timeout_s=60)
-    sender = WeightSyncSender(trainer, [eb], timeout_s=3.0)
+    sender = WeightSyncSender(trainer, [eb], timeout_s=3.0, transport=transport)
     sender.init_group()
     os.kill(b.proc.pid, signal.SIGSTOP)  # alive but answering nothing
     try:

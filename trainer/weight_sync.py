@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engines.weight_sync import (
+    COLOCATED_BUCKET_BYTES,
     DEFAULT_BUCKET_BYTES,
     DEFAULT_GROUP_NAME,
     WeightSyncError,
@@ -157,6 +158,7 @@ class WeightSyncSender:
     Call from every trainer rank (FSDP2 gathers are collectives); only rank 0 talks to engines.
     engines: SGLang-protocol clients (engines.sglang.SGLangEngine) or vLLM's, each one process = one rank.
     dtype: the dtype sent (and gathered in); None = the engines' own dtype (asked at init_group), else the model's.
+    bucket_bytes: None = 512 MiB for broadcast, COLOCATED_BUCKET_BYTES when an engine is colocated.
     mode: "bucketed" (flattened_bucket, the embedded engine) or "per_tensor" (a stock SGLang or vLLM server;
     broadcast only).
     transport: "auto" (colocated where the engine shares the trainer's device, else broadcast), "broadcast" or
@@ -164,7 +166,7 @@ class WeightSyncSender:
     """
 
     def __init__(self, model: nn.Module, engines: Sequence, *, dtype: torch.dtype | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, backend: str | None = None, timeout_s: float = 300.0,
+                 bucket_bytes: int | None = None, backend: str | None = None, timeout_s: float = 300.0,
                  master_address: str = "127.0.0.1", master_port: int = 0, group_name: str = DEFAULT_GROUP_NAME,
                  mode: str = "bucketed", transport: str = "auto", weight_version: int = 0):
         if mode not in ("bucketed", "per_tensor"):
@@ -182,7 +184,9 @@ class WeightSyncSender:
         self._dtype_arg = dtype
         self.dtype = dtype or params[0][1].dtype
         self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
-        self.bucket_bytes, self.timeout_s, self.mode, self.transport = bucket_bytes, timeout_s, mode, transport
+        self._bucket_arg = bucket_bytes
+        self.bucket_bytes = bucket_bytes or DEFAULT_BUCKET_BYTES
+        self.timeout_s, self.mode, self.transport = timeout_s, mode, transport
         self.master_address, self.master_port, self.group_name = master_address, master_port, group_name
         self.weight_version = weight_version
         self.rank = _trainer_rank()
@@ -228,6 +232,9 @@ class WeightSyncSender:
             raise WeightSyncError("trainer rank 0 could not reach the engines (see its error)")
         dtype_name, self.broadcast_to, self.colocated, split = shared
         self.dtype = dtype_from_wire(dtype_name)
+        if self._bucket_arg is None:
+            self.bucket_bytes = (COLOCATED_BUCKET_BYTES.get(self.device.type, DEFAULT_BUCKET_BYTES) if self.colocated
+                                 else DEFAULT_BUCKET_BYTES)
         self.meta = self._plan(split)
         if self.rank != 0:
             self._ready = True
