@@ -126,12 +126,13 @@ def extract_sample_fields(samples: Sequence[Sample], fields: Sequence[str] = (
     return out
 
 
-def prompt_token_ids(tokenizer: Any, text: str, *, chat: bool) -> list[int]:
-    """The token ids a rollout (or an evaluation) sends for a prompt: a user turn of the chat template followed by
-    the assistant header when `chat`, else the bare text without special tokens."""
+def prompt_token_ids(tokenizer: Any, text: str, *, chat: bool, system: str | None = None) -> list[int]:
+    """The token ids a rollout (or an evaluation) sends for a prompt: a user turn of the chat template (after a
+    system turn when `system` is given) followed by the assistant header when `chat`, else the bare text without
+    special tokens."""
     if chat:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True)
+        turns = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+        ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 

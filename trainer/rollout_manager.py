@@ -244,7 +244,8 @@ class AsyncRolloutManager:
 
     # ----------------------------------------------------------------------------------------- one group
     def _new_group(self, prompt: Any) -> list[Sample]:
-        ids = prompt_token_ids(self.tokenizer, prompt.prompt, chat=self.config.apply_chat_template)
+        ids = prompt_token_ids(self.tokenizer, prompt.prompt, chat=self.config.apply_chat_template,
+                               system=getattr(prompt, "system", None))
         uid = self._group_uid
         self._group_uid += 1
         meta = {**prompt.metadata, "answer": prompt.answer, "prompt_index": prompt.index, "group_uid": uid}
