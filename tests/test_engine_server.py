@@ -124,8 +124,9 @@ def test_unknown_parameter_name_rejected_before_any_broadcast(engine):
 
     from engines.weight_sync import build_group
 
-    t = threading.Thread(target=build_group, kwargs=dict(store=store, rank=0, world_size=2, group_name="g",
-                                                          backend="gloo", timeout_s=30))
+    groups = []  # keep the trainer side's group alive: a collected group closes its pairs mid-handshake
+    t = threading.Thread(target=lambda: groups.append(build_group(store=store, rank=0, world_size=2, group_name="g",
+                                                                  backend="gloo", timeout_s=30)))
     t.start()
     r = _post(engine, "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": store.port,
                                                      "rank_offset": 1, "world_size": 2, "group_name": "g"})
@@ -138,6 +139,7 @@ def test_unknown_parameter_name_rejected_before_any_broadcast(engine):
                                                            "shapes": [[3]], "group_name": "g"})
     assert r.status_code == 400 and "has shape" in r.json()["message"]
     assert _post(engine, "/destroy_weights_update_group", {"group_name": "g"}).json()["success"]
+    assert len(groups) == 1
 
 
 @pytest.mark.parametrize("key", [None, "wrong"])
