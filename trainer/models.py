@@ -96,6 +96,7 @@ def load_hf_model(path_or_config: str | os.PathLike | PretrainedConfig, *, dtype
         _safetensors_files(folder)  # a folder without weights fails before any work
     if mesh is None:
         model = model.to_empty(device=device).to(dtype)
+        model.tie_weights()  # to_empty gives tied parameters separate storage; one Parameter again
         sd = _full_state_dict(config, folder, model, seed, dtype)
         model.load_state_dict(sd, strict=True)
         _init_buffers(model, device)
