@@ -18,10 +18,7 @@ SEED = 5
 PROBES = [[1, 20, 21, 22], [1, 40], [1, 7, 8, 9, 10, 11]]
 
 
-@pytest.fixture(scope="module")
-def engine():
-    with EngineProcess("tiny", seed=SEED) as eng:
-        yield eng
+ENGINE_SEED = SEED  # the shared `engine` fixture (tests/conftest.py) serves the tiny model of this seed
 
 
 def train_step(model, seed):

@@ -7,7 +7,6 @@ import torch
 import trio
 
 from engines.embedded.generation import filter_logits
-from engines.embedded.launch import EngineProcess
 from engines.embedded.presets import build_tiny_model
 from engines.protocol import SamplingParams
 from engines.sglang import EngineError, SGLangEngine
@@ -16,10 +15,7 @@ KEY = "test-key"
 SEED = 5
 
 
-@pytest.fixture(scope="module")
-def engine():
-    with EngineProcess("tiny", api_key=KEY, seed=SEED) as proc:
-        yield proc
+ENGINE_SEED, ENGINE_API_KEY = SEED, KEY  # for the shared `engine` fixture (tests/conftest.py)
 
 
 def _post(engine, route, body=None, key=KEY, content=None):

@@ -12,7 +12,6 @@ import warnings
 import pytest
 import torch
 
-from engines.embedded.launch import EngineProcess
 from engines.tiny import build_tokenizer, tiny_model_config
 from kernels import use_backend
 from trainer.core import TrainerConfig, build_components, trainer_config_from
@@ -36,10 +35,7 @@ def torch_path():
         yield
 
 
-@pytest.fixture(scope="module")
-def engine():
-    with EngineProcess("tiny", seed=1) as proc:
-        yield proc
+ENGINE_SEED = 1  # for the shared `engine` fixture (tests/conftest.py)
 
 
 def _config(tmp_path, **kw) -> RLTrainingConfig:

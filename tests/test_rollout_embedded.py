@@ -9,11 +9,9 @@ their partial output (cached groups), and the next batch resumes them.
 import statistics
 
 import httpx
-import pytest
 import torch
 import trio
 
-from engines.embedded.launch import EngineProcess
 from engines.embedded.presets import build_tiny_model
 from engines.sglang import SGLangEngine
 from engines.tiny import build_tokenizer
@@ -25,10 +23,7 @@ SEED = 3
 TOK = build_tokenizer()
 
 
-@pytest.fixture(scope="module")
-def engine():
-    with EngineProcess("tiny", seed=SEED, api_key="k") as proc:
-        yield proc
+ENGINE_SEED, ENGINE_API_KEY = SEED, "k"  # for the shared `engine` fixture (tests/conftest.py)
 
 
 def first_token_parity(sample):

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -43,8 +44,18 @@ class EngineProcess:
             cmd += ["--api-key", self.api_key]
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        self.proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # stderr goes to a file, not a pipe: nobody reads a pipe while the engine runs, and a full one (64 KiB of
+        # warnings) would block the engine's next write, i.e. hang it.
+        self.stderr_file = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=self.stderr_file)
         return self
+
+    def stderr_tail(self, nbytes: int = 2000) -> str:
+        """The last `nbytes` of what the engine wrote to stderr (for error messages)."""
+        f = self.stderr_file
+        f.seek(0, os.SEEK_END)
+        f.seek(max(0, f.tell() - nbytes))
+        return f.read().decode(errors="replace")
 
     def wait_healthy(self) -> EngineProcess:
         """Poll /health until it answers 200 (or the process exits, or the deadline passes)."""
@@ -52,7 +63,7 @@ class EngineProcess:
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode(errors="replace")[-2000:]
+                err = self.stderr_tail()
                 raise RuntimeError(f"engine exited with code {self.proc.returncode} while starting:\n{err}")
             try:
                 if httpx.get(self.url + "/health", headers=headers, timeout=2.0).status_code == 200:
@@ -68,6 +79,8 @@ class EngineProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(timeout=30)
+        if self.proc is not None:
+            self.stderr_file.close()
 
     def __enter__(self) -> EngineProcess:
         return self.start()

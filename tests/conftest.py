@@ -1,0 +1,17 @@
+"""Fixtures shared by the test modules (the root conftest.py holds the device policy and the `backend` fixture)."""
+
+import pytest
+
+from engines.embedded.launch import EngineProcess
+
+
+@pytest.fixture(scope="module")
+def engine(request):
+    """One embedded engine subprocess (the tiny preset) per test module, killed when the module is done.
+
+    A module chooses the engine's seed and API key with module-level constants ENGINE_SEED (default 0) and
+    ENGINE_API_KEY (default None: no key)."""
+    seed = getattr(request.module, "ENGINE_SEED", 0)
+    api_key = getattr(request.module, "ENGINE_API_KEY", None)
+    with EngineProcess("tiny", seed=seed, api_key=api_key) as proc:
+        yield proc
