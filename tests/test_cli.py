@@ -1,11 +1,13 @@
 """The command line: config loading and errors, and one real `sft+rl` run through `python -m trainer`."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from trainer.cli import load_run_config, main, parse_overrides, phase_configs, rl_config, sft_config, sft_examples
 
@@ -188,3 +190,24 @@ def test_sigint_writes_a_checkpoint_and_resume_finishes_the_run(tmp_path):
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert steps[-1] == 40 and steps.count(done_before + 1) >= 1
     assert json.loads((out / "summary.json").read_text())["rl_steps"] == 40
+
+
+def test_trainer_threads_leave_the_embedded_engines_their_cores(monkeypatch):
+    from trainer.cli import cores_left_to_trainer
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)))
+    original = torch.get_num_threads()
+    torch.set_num_threads(5)  # a value none of the cases below computes
+    before = 5
+    with cores_left_to_trainer({"engines": {"embedded": 1, "threads": 1}}):
+        assert torch.get_num_threads() == 3  # 4 cores - 1 engine x 1 thread
+    assert torch.get_num_threads() == before
+    with cores_left_to_trainer({"engines": {"embedded": 3, "threads": 2}}):
+        assert torch.get_num_threads() == 1  # never below one
+    with cores_left_to_trainer({"engines": {"urls": ["http://elsewhere:1"]}}):
+        assert torch.get_num_threads() == before  # engines on other machines take no core here
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    with cores_left_to_trainer({"engines": {"embedded": 1, "threads": 1}}):
+        assert torch.get_num_threads() == before  # the user's explicit choice wins
+    torch.set_num_threads(original)
