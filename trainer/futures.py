@@ -77,11 +77,6 @@ class TrainFuture(Generic[T]):
         return self.aresult().__await__()
 
 
-def resolved(value: T) -> TrainFuture[T]:
-    """An already finished future (CPU work, or a constant)."""
-    return TrainFuture(value)
-
-
 class DeviceStreams:
     """The CUDA streams of a run on one device and the event hand-offs between them.
 
