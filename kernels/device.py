@@ -1,4 +1,4 @@
-"""Device policy, in one place (design rule 6).
+"""Device policy, in one place.
 
     CUDA tensor                      -> "triton"  (compiled Triton kernels)
     CPU tensor, TRITON_INTERPRET=1   -> "triton"  (Triton's interpreter: how tests prove kernels without a GPU)

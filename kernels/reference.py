@@ -1,4 +1,4 @@
-"""Plain-torch references, written for clarity, not speed (design rule 5).
+"""Plain-torch references, written for clarity, not speed.
 
 Tests evaluate these in float64 and compare both the Triton and the torch paths of every op against them.
 Each section belongs to one op; keep them readable: log_softmax + gather, explicit formulas, no fusion.
