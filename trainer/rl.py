@@ -46,6 +46,13 @@ from trainer.types import RLTrainingConfig, RolloutBatch, Sample, Status, Traini
 GROUP_ESTIMATORS = ("grpo", "rloo")  # estimators whose baseline is the sample's group
 
 
+@dataclasses.dataclass(frozen=True)
+class RolloutFailed:
+    """What rank 0 broadcasts instead of a batch when its rollout raised: the error, as text."""
+
+    error: str
+
+
 def _group_ids(samples: Sequence[Sample]) -> list[Any]:
     return [s.metadata.get("group_uid", s.group_index) for s in samples]
 
@@ -260,15 +267,21 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
             prefetch.start()
         while state.step < config.num_steps:
             t0 = time.perf_counter()
+            failure: Exception | None = None
             try:
                 batch = (prefetch.take() if prefetch is not None else next(batches)) if is_main else None
-            except Exception:
-                # Rollouts failed (engine gone, filters starving the batch, ...): the trainer state is consistent,
-                # keep it. Single process only: with several ranks the others wait in the broadcast below.
-                if comp.world_size == 1:
-                    save_checkpoint(comp, state, extra())
-                raise
+            except Exception as e:
+                # Rollouts failed (engine gone, filters starving the batch, ...): the other ranks wait in the
+                # broadcast below, so they get a marker instead of a batch.
+                failure, batch = e, RolloutFailed(f"{type(e).__name__}: {e}")
             batch = broadcast_from_rank0(batch)
+            if isinstance(batch, RolloutFailed):
+                # The trainer state is consistent: every rank writes its shard (save_checkpoint is collective),
+                # then every rank raises, rank 0 its own exception.
+                save_checkpoint(comp, state, extra())
+                if failure is not None:
+                    raise failure
+                raise RuntimeError(f"the rollout on rank 0 failed at step {state.step + 1}: {batch.error}")
             gen_s = time.perf_counter() - t0
             if prefetch is not None and state.step + 1 < config.num_steps:
                 prefetch.start()  # step n+1 generates with the current engine weights while step n trains
