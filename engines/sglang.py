@@ -4,7 +4,8 @@ Rollouts, evaluation and weight sync all use `SGLangEngine`. Request fields foll
 /generate {input_ids, sampling_params{temperature, top_p, top_k, max_new_tokens, stop_token_ids, n, sampling_seed,
 ignore_eos}, return_logprob, rid}; /abort_request {rid} or {abort_all: true}; /init_weights_update_group
 {master_address, master_port, rank_offset, world_size, group_name, backend}; /update_weights_from_distributed
-{names, dtypes, shapes, group_name, flush_cache, weight_version, load_format}. Responses: generate ->
+{names, dtypes, shapes, group_name, flush_cache, weight_version, load_format}; /update_weights_from_disk
+{model_path, weight_version}; /get_server_info -> tp_size, weight_update_formats (ours only). Responses: generate ->
 {output_ids, meta_info{finish_reason, output_token_logprobs [[logprob, id, text]], weight_version}}; weight routes
 -> {success, message}.
 
@@ -140,8 +141,15 @@ class SGLangEngine:
     gets its own pooled client (the weight sync runs its calls on its own trio thread, rollouts on theirs)."""
 
     def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 300.0,
-                 connect_timeout_s: float = 10.0, max_connections: int = 64):
+                 connect_timeout_s: float = 10.0, max_connections: int = 64, tp_size: int | None = None,
+                 extensions: bool = True):
+        """tp_size: the server's tensor-parallel workers (each takes one rank of the weight-update group); None =
+        ask /get_server_info. extensions=False: speak stock SGLang only (no colocated probe, no `timeout_s`, no
+        bucketed format even where the server lists it)."""
+        if tp_size is not None and (isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1):
+            raise ValueError(f"tp_size={tp_size!r}: give the server's tensor-parallel size (an int >= 1)")
         self.url = url.rstrip("/")
+        self.tp_size, self.extensions = tp_size, extensions
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout_s, self.connect_timeout_s, self.max_connections = timeout_s, connect_timeout_s, max_connections
         self.weight_version = 0  # the last version we set: what SGLang's "default" stands for
@@ -242,12 +250,40 @@ class SGLangEngine:
         info = await self._call("GET", "/get_model_info")
         return parse_weight_version(info.get("weight_version"), self.weight_version)
 
+    async def weight_formats(self) -> tuple[str, ...]:
+        """The /update_weights_from_distributed formats this server reads: its `weight_update_formats` in
+        /get_server_info (our engine lists "flattened_bucket" too); a stock SGLang lists none -> ("direct",)."""
+        if not self.extensions:
+            return ("direct",)
+        try:
+            info = await self.get_server_info()
+        except EngineError as e:
+            if "HTTP 404" in str(e) or "HTTP 405" in str(e):
+                return ("direct",)
+            raise
+        formats = info.get("weight_update_formats") if isinstance(info, dict) else None
+        return tuple(str(f) for f in formats) if isinstance(formats, list) and formats else ("direct",)
+
+    async def world_size(self) -> int:
+        """Ranks this server takes in the weight-update group: one per tensor-parallel worker (SGLang's workers
+        join at rank_offset + tp_rank). The configured tp_size, else the server's own `tp_size`, else 1."""
+        if self.tp_size is not None:
+            return self.tp_size
+        try:
+            info = await self.get_server_info()
+        except EngineError as e:
+            if "HTTP 404" in str(e) or "HTTP 405" in str(e):
+                return 1
+            raise
+        tp = info.get("tp_size", 1) if isinstance(info, dict) else 1
+        return int(tp) if isinstance(tp, int) and tp >= 1 else 1
+
     async def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, group_name: str, backend: str,
                                         timeout_s: float | None = None) -> None:
         body = {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
                 "world_size": world_size, "group_name": group_name, "backend": backend}
-        if timeout_s is not None:
+        if timeout_s is not None and self.extensions:
             body["timeout_s"] = timeout_s
         await self._call("POST", "/init_weights_update_group", body, timeout_s=(timeout_s or self.timeout_s) + 5)
 
@@ -259,6 +295,15 @@ class SGLangEngine:
         await self._call("POST", "/update_weights_from_distributed", meta)
         self._note_version(meta)
 
+    async def update_weights_from_disk(self, model_path: str, *, weight_version: int | None = None) -> None:
+        """SGLang's /update_weights_from_disk: the server reloads every weight from the safetensors folder
+        `model_path` (a path the server can read), then reports `weight_version`."""
+        body: dict = {"model_path": str(model_path), "flush_cache": True}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        await self._call("POST", "/update_weights_from_disk", body)
+        self._note_version(body)
+
     async def update_weights_from_tensor(self, body: dict) -> None:
         await self._call("POST", "/update_weights_from_tensor", body)
         self._note_version(body)
@@ -266,6 +311,8 @@ class SGLangEngine:
     async def colocated_weights(self, body: dict) -> dict:
         """The embedded engine's same-device weight path (`op`: probe, attach, load, detach; see
         engines/weight_sync.py). A stock SGLang answers 404: the sender then broadcasts."""
+        if not self.extensions:
+            raise EngineError(f"{self.url}/colocated_weights: HTTP 404: extensions=False (stock SGLang only)")
         data = await self._call("POST", "/colocated_weights", body)
         self._note_version(body)
         return data

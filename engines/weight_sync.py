@@ -45,6 +45,10 @@ DEFAULT_BUCKET_BYTES = 512 << 20  # broadcast: few, large collectives
 # keep the per-bucket host signals (a few tens of microseconds each) negligible.
 COLOCATED_BUCKET_BYTES = {"cpu": 4 << 20, "cuda": 64 << 20}
 DEFAULT_GROUP_NAME = "weight_update_group"
+# The `load_format`s of /update_weights_from_distributed an engine may list in /get_server_info's
+# `weight_update_formats`: "direct" is stock SGLang (one broadcast per tensor, load_format null), "flattened_bucket"
+# this project's bucketed extension. An SGLang-protocol server that lists nothing gets "direct".
+WEIGHT_UPDATE_FORMATS = ("direct", "flattened_bucket")
 ALIGN = 64  # every tensor starts at a 64-byte offset in its bucket, so byte views can be re-viewed as any dtype
 # NCCL's own collective timeout sits this far above the Python deadline: a wedged peer raises WeightSyncError in
 # Python (and the group is aborted) before NCCL's watchdog would tear the whole trainer process down.

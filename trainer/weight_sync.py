@@ -37,6 +37,7 @@ from engines.weight_sync import (
     COLOCATED_BUCKET_BYTES,
     DEFAULT_BUCKET_BYTES,
     DEFAULT_GROUP_NAME,
+    SHM_DIR,
     WeightSyncError,
     broadcast_async,
     build_group,
@@ -54,6 +55,7 @@ from engines.weight_sync import (
 )
 
 TRANSPORTS = ("auto", "broadcast", "colocated")
+MODES = ("auto", "bucketed", "per_tensor")
 
 
 def named_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -140,9 +142,18 @@ async def _world_size(eng) -> int:
     return int(await eng.world_size()) if hasattr(eng, "world_size") else 1
 
 
+async def _formats(eng) -> tuple[str, ...]:
+    """The /update_weights_from_distributed formats an engine reads: asked where the engine can say (an SGLang
+    client asks its server's /get_server_info: a stock SGLang lists none and gets "direct"); an in-process adapter
+    of this project that cannot be asked (the vLLM plugin's, test receivers) reads both."""
+    if hasattr(eng, "weight_formats"):
+        return tuple(await eng.weight_formats())
+    return ("direct", "flattened_bucket")
+
+
 async def _probe(eng) -> dict:
     """An engine's device identity and dtype; {} for an engine without the colocated route (stock SGLang, vLLM)."""
-    if not hasattr(eng, "colocated_weights"):
+    if not hasattr(eng, "colocated_weights") or not getattr(eng, "extensions", True):
         return {}
     try:
         return await eng.colocated_weights({"op": "probe"})
@@ -159,8 +170,10 @@ class WeightSyncSender:
     engines: SGLang-protocol clients (engines.sglang.SGLangEngine) or vLLM's, each one process = one rank.
     dtype: the dtype sent (and gathered in); None = the engines' own dtype (asked at init_group), else the model's.
     bucket_bytes: None = 512 MiB for broadcast, COLOCATED_BUCKET_BYTES when an engine is colocated.
-    mode: "bucketed" (flattened_bucket, the embedded engine) or "per_tensor" (a stock SGLang or vLLM server;
-    broadcast only).
+    mode: "auto" (negotiated at init_group: the bucketed `flattened_bucket` format when every broadcast engine
+    lists it in /get_server_info, else SGLang's stock one broadcast per tensor), "bucketed" or "per_tensor"
+    (forced; per_tensor is broadcast only). Colocated engines always read buckets through the shared slots.
+    An engine with tensor parallelism takes `await eng.world_size()` ranks (SGLangEngine: its tp_size).
     transport: "auto" (colocated where the engine shares the trainer's device, else broadcast), "broadcast" or
     "colocated" (an error for an engine that is not).
     """
@@ -168,9 +181,9 @@ class WeightSyncSender:
     def __init__(self, model: nn.Module, engines: Sequence, *, dtype: torch.dtype | None = None,
                  bucket_bytes: int | None = None, backend: str | None = None, timeout_s: float = 300.0,
                  master_address: str = "127.0.0.1", master_port: int = 0, group_name: str = DEFAULT_GROUP_NAME,
-                 mode: str = "bucketed", transport: str = "auto", weight_version: int = 0):
-        if mode not in ("bucketed", "per_tensor"):
-            raise ValueError(f"mode={mode!r}: use 'bucketed' or 'per_tensor'")
+                 mode: str = "auto", transport: str = "auto", weight_version: int = 0):
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r}: use one of {MODES}")
         if transport not in TRANSPORTS:
             raise ValueError(f"transport={transport!r}: use one of {TRANSPORTS}")
         if mode == "per_tensor" and transport == "colocated":
@@ -189,6 +202,7 @@ class WeightSyncSender:
         self.timeout_s, self.mode, self.transport = timeout_s, mode, transport
         self.master_address, self.master_port, self.group_name = master_address, master_port, group_name
         self.weight_version = weight_version
+        self.per_tensor = mode == "per_tensor"  # the broadcast format, decided at init_group under "auto"
         self.rank = _trainer_rank()
         self.meta = self._plan()
         self.group: dist.ProcessGroup | None = None
@@ -208,7 +222,7 @@ class WeightSyncSender:
     def _plan(self, split: bool = False):
         params = named_weights(self.model)
         meta = plan_buckets([n for n, _ in params], [tuple(p.shape) for _, p in params], self.dtype,
-                            self.bucket_bytes, split=split and self.mode == "bucketed")
+                            self.bucket_bytes, split=split and not self.per_tensor)
         entries: dict[str, list[int]] = {}
         for e, name in enumerate(meta.names):
             entries.setdefault(name, []).append(e)
@@ -230,7 +244,7 @@ class WeightSyncSender:
             shared = _from_rank0(None)
         if shared is None:
             raise WeightSyncError("trainer rank 0 could not reach the engines (see its error)")
-        dtype_name, self.broadcast_to, self.colocated, split = shared
+        dtype_name, self.broadcast_to, self.colocated, split, self.per_tensor = shared
         self.dtype = dtype_from_wire(dtype_name)
         if self._bucket_arg is None:
             self.bucket_bytes = (COLOCATED_BUCKET_BYTES.get(self.device.type, DEFAULT_BUCKET_BYTES) if self.colocated
@@ -246,11 +260,14 @@ class WeightSyncSender:
             self._init_colocated()
         self._ready = True
 
-    def _decide(self) -> tuple[str, list[int], list[int], bool]:
+    def _decide(self) -> tuple[str, list[int], list[int], bool, bool]:
         """(dtype to send, broadcast engine indices, colocated engine indices, whether to split parameters larger
-        than a bucket: only when every engine is one of ours, which reads row_offsets) from the engines' probes."""
+        than a bucket: only when every engine is one of ours, which reads row_offsets, whether the broadcast goes
+        one tensor at a time) from the engines' probes and the formats they list."""
         probes = _HttpCalls(self.engines, lambda i, eng: _probe(eng), "the colocation probe").join(
             self.timeout_s, "colocation probe")
+        formats = _HttpCalls(self.engines, lambda i, eng: _formats(eng), "the format probe").join(
+            self.timeout_s, "format probe")
         ours = device_identity(self.device)
         dtypes = {p["dtype"] for p in probes if p.get("dtype")}
         if self._dtype_arg is not None or not dtypes:
@@ -259,15 +276,22 @@ class WeightSyncSender:
             dtype = dtype_from_wire(dtypes.pop())
         else:
             raise WeightSyncError(f"engines serve different dtypes {sorted(dtypes)}: pass dtype= explicitly")
-        same = [self.mode == "bucketed" and is_colocated(ours, p) for p in probes]
+        same = [self.mode != "per_tensor" and is_colocated(ours, p) for p in probes]
         if self.transport == "colocated" and not all(same):
             bad = [getattr(e, "url", e) for e, s in zip(self.engines, same) if not s]
             raise WeightSyncError(f"transport='colocated' but engines {bad} do not share this trainer's device "
                                   f"{ours}; use transport='auto' or 'broadcast'")
         if self.transport == "broadcast":
             same = [False] * len(self.engines)
-        return (str(dtype).removeprefix("torch."), [i for i, s in enumerate(same) if not s],
-                [i for i, s in enumerate(same) if s], all(probes))
+        broadcast = [i for i, s in enumerate(same) if not s]
+        stock = [i for i in broadcast if "flattened_bucket" not in formats[i]]
+        if self.mode == "bucketed" and stock:
+            raise WeightSyncError(f"mode='bucketed' but engines {[getattr(self.engines[i], 'url', i) for i in stock]}"
+                                  f" do not list 'flattened_bucket' in /get_server_info (a stock SGLang); use "
+                                  f"mode='auto' or 'per_tensor'")
+        per_tensor = self.mode == "per_tensor" or bool(stock)
+        return (str(dtype).removeprefix("torch."), broadcast, [i for i, s in enumerate(same) if s],
+                all(probes) and not per_tensor, per_tensor)
 
     def _init_broadcast(self) -> None:
         # A fresh store (and port) per generation: a restarted engine can never meet a stale half-built group.
@@ -375,12 +399,13 @@ class WeightSyncSender:
         if not self._ready:
             raise WeightSyncError("no weight-update group: call init_group() first (again after an engine restart)")
         t0 = time.perf_counter()
-        body = self.meta.to_wire(weight_version=version, group_name=self._group_name)
-        if self.mode == "per_tensor":
-            body.update(load_format=None)
-            for key in ("offsets", "bucket_index", "bucket_nbytes"):
-                body.pop(key, None)
-        colocated_body = {**body, "op": "load", "seq": self._seq}
+        bucketed = self.meta.to_wire(weight_version=version, group_name=self._group_name)
+        colocated_body = {**bucketed, "op": "load", "seq": self._seq}
+        body = bucketed
+        if self.per_tensor:  # SGLang's stock fields only: names, dtypes, shapes, group_name, flush_cache, ...
+            body = {k: v for k, v in bucketed.items() if k not in ("offsets", "bucket_index", "bucket_nbytes",
+                                                                      "row_offsets")}
+            body["load_format"] = None
 
         def call(i, eng):
             if i in self._socks:
@@ -389,7 +414,7 @@ class WeightSyncSender:
 
         calls = _HttpCalls(self.engines, call, "the weight update")
         try:
-            if self.mode == "per_tensor":
+            if self.per_tensor and not self._socks:
                 self._send_per_tensor(gathered, calls)
             else:
                 self._send_buckets(gathered, calls, on_bucket)
@@ -433,6 +458,9 @@ class WeightSyncSender:
                 src = t if tuple(t.shape) == shape else t.narrow(0, self.meta.rows[e], shape[0])
                 off = self.meta.offsets[e]
                 self._slots[b % 2][off:off + src.numel() * src.element_size()].view(src.dtype).view(shape).copy_(src)
+            if self.per_tensor and self.group is not None:  # stock engines beside colocated ones: one per tensor
+                wait_work(broadcast_async(self.group, t.contiguous()), timeout_s=self.timeout_s,
+                          what=f"broadcast of {self.meta.names[self._entries[i][0]]}", check=calls.check)
         inflight[current % 2] = self._hand_out(current, calls, on_bucket)
         for b in (current - 1, current):
             if b >= 0:
@@ -459,7 +487,7 @@ class WeightSyncSender:
     def _hand_out(self, b: int, calls: _HttpCalls, on_bucket):
         """Bucket b is packed in slot b % 2: broadcast it (async) and signal the colocated engines."""
         work = None
-        if self.group is not None:
+        if self.group is not None and not self.per_tensor:
             work = broadcast_async(self.group, self._slots[b % 2][: self.meta.bucket_nbytes[b]])
         if self._socks:
             if self._events is not None:
@@ -474,6 +502,124 @@ class WeightSyncSender:
 def _unlink(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
+
+
+# ----------------------------------------------------------------------------------------------- fleets
+def default_master_address(urls: Sequence[str]) -> str:
+    """The weight-update group's address: 127.0.0.1 when every engine is on this host (loopback URLs), else the
+    address of this host on the route to the first remote engine (a UDP connect sends no packet)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    hosts = [urlsplit(u).hostname or "127.0.0.1" for u in urls]
+    remote = [h for h in hosts if h not in ("127.0.0.1", "localhost", "::1", "0.0.0.0")]
+    if not remote:
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect((remote[0], 9))
+            return sock.getsockname()[0]
+        except OSError as e:
+            raise WeightSyncError(f"no route from this host to engine host {remote[0]!r} ({e}); set [engines] "
+                                  f"master_address to this host's address the engines can reach") from e
+
+
+def _shm_or_tmp() -> str:
+    import tempfile
+
+    return SHM_DIR if os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK) else tempfile.gettempdir()
+
+
+class DiskWeightSync:
+    """The disk fallback, for when no weight-update group can form (a firewall, an engine of another kind): each
+    sync writes a consolidated safetensors folder (full tensors, HF names, the sent dtype) atomically (a temporary
+    folder renamed into place, so an engine never reads a half-written one) and asks every engine to reload it
+    (SGLang's /update_weights_from_disk, vLLM's reload_weights). Same interface as WeightSyncSender.
+
+    folder: where the versions go (default /dev/shm when writable, else the temp dir); the engines must read the
+    same path (same host, or a shared file system). Only the newest version is kept."""
+
+    def __init__(self, model: nn.Module, engines: Sequence, *, folder: str | None = None,
+                 dtype: torch.dtype | None = None, timeout_s: float = 300.0, weight_version: int = 0):
+        self.model, self.engines = model, list(engines)
+        missing = [getattr(e, "url", e) for e in self.engines if not hasattr(e, "update_weights_from_disk")]
+        if missing:
+            raise ValueError(f"sync='disk': engines {missing} have no update_weights_from_disk; use sync='group'")
+        params = named_weights(model)
+        self.dtype = dtype or params[0][1].dtype
+        self.folder = os.path.abspath(folder or os.path.join(_shm_or_tmp(), f"rlkernels-disk-sync-{os.getpid()}"))
+        self.timeout_s, self.weight_version = timeout_s, weight_version
+        self.rank = _trainer_rank()
+        self.device = params[0][1].device
+        self.last_sync_s = float("nan")
+        self._current: str | None = None
+
+    def init_group(self) -> None:
+        """Nothing to form; checks the folder is writable (rank 0)."""
+        if self.rank == 0:
+            os.makedirs(self.folder, exist_ok=True)
+
+    def write(self, version: int) -> str | None:
+        """Gather every parameter (all ranks) and, on rank 0, write folder/v{version} atomically; returns it."""
+        import json
+        import shutil
+        import uuid
+
+        from safetensors.torch import save_file
+
+        with torch.no_grad():
+            full = {n: full_tensor(p.detach().to(self.dtype)) for n, p in named_weights(self.model)}
+        if self.rank != 0:
+            return None
+        final = os.path.join(self.folder, f"v{version}")
+        tmp = os.path.join(self.folder, f".tmp-v{version}-{uuid.uuid4().hex[:8]}")
+        os.makedirs(tmp)
+        try:
+            save_file({n: t.cpu().contiguous() for n, t in full.items()}, os.path.join(tmp, "model.safetensors"),
+                      metadata={"format": "pt", "weight_version": str(version)})
+            config = getattr(self.model, "config", None)
+            if config is not None and hasattr(config, "to_json_string"):
+                with open(os.path.join(tmp, "config.json"), "w") as f:
+                    f.write(config.to_json_string())
+            else:
+                with open(os.path.join(tmp, "weight_version.json"), "w") as f:
+                    json.dump({"weight_version": version}, f)
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.rename(tmp, final)  # atomic on one file system: readers see no folder or a complete one
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return final
+
+    def sync(self, weight_version: int | None = None, on_bucket=None) -> int:
+        import shutil
+
+        version = self.weight_version + 1 if weight_version is None else weight_version
+        t0 = time.perf_counter()
+        path = self.write(version)
+        error = None
+        if self.rank == 0:
+            try:
+                _HttpCalls(self.engines, lambda i, eng: eng.update_weights_from_disk(path, weight_version=version),
+                           "update_weights_from_disk").join(self.timeout_s, "the disk weight update")
+                if self._current is not None and self._current != path:
+                    shutil.rmtree(self._current, ignore_errors=True)
+                self._current = path
+            except BaseException as e:  # noqa: BLE001 - re-raised below, after the other ranks heard of it
+                error = e
+        if _any_rank(error is not None, self.device):
+            raise error if error is not None else WeightSyncError("the disk sync failed on trainer rank 0")
+        self.weight_version = version
+        self.last_sync_s = time.perf_counter() - t0
+        return version
+
+    def close(self) -> None:
+        import shutil
+
+        if self.rank == 0 and self._current is not None:
+            shutil.rmtree(self._current, ignore_errors=True)
+            self._current = None
 
 
 # ----------------------------------------------------------------------------------------------- verification

@@ -227,6 +227,41 @@ async def colocated_request(server, body: dict) -> dict:
             "weight_version": str(server.weight_version)}
 
 
+def read_safetensors_folder(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the *.safetensors files in folder `path` (a consolidated HF checkpoint), on CPU."""
+    import os
+
+    from safetensors.torch import load_file
+
+    if not os.path.isdir(path):
+        raise ValueError(f"model_path {path!r} is not a folder this engine can read (a disk sync needs a folder "
+                         f"on a file system the engine shares with the trainer)")
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"model_path {path!r} holds no *.safetensors file")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(os.path.join(path, f)))
+    return out
+
+
+def disk_targets(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """name -> live parameter for a full reload: every parameter must be present with its shape (a tied lm_head
+    may be absent, as HF saves it), and no unknown name may appear."""
+    params = dict(model.named_parameters())
+    unknown = sorted(set(tensors) - set(params) - {n for n, _ in model.named_buffers()})
+    if unknown:
+        raise ValueError(f"the folder has tensors this model lacks: {unknown[:5]}; save the HF names")
+    missing = sorted(set(params) - set(tensors))
+    if missing:
+        raise ValueError(f"the folder lacks parameters {missing[:5]}; save a consolidated (unsharded) checkpoint")
+    for name, t in tensors.items():
+        if name in params and tuple(t.shape) != tuple(params[name].shape):
+            raise ValueError(f"parameter {name!r} has shape {tuple(params[name].shape)}, the folder has "
+                             f"{tuple(t.shape)}")
+    return {n: params[n] for n in tensors if n in params}
+
+
 @torch.no_grad()
 def load_into(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
     for p, v in zip(targets, values):

@@ -2,11 +2,14 @@
 
 Endpoints (SGLang's names and fields): GET /health, /get_model_info, /get_server_info, /get_weight_version,
 /flush_cache; POST /generate, /abort_request ({rid} or {abort_all: true}), /init_weights_update_group,
-/update_weights_from_distributed, /update_weights_from_tensor, /destroy_weights_update_group, /pause_generation
+/update_weights_from_distributed, /update_weights_from_tensor, /update_weights_from_disk ({model_path,
+weight_version}), /destroy_weights_update_group, /pause_generation
 ({mode: abort | in_place | retract}), /continue_generation. /health and /get_server_info report the load:
 num_running_rows, num_waiting_rows, decode_steps.
 
-Our extensions, all optional: `timeout_s` in /init_weights_update_group (the group's collective timeout);
+/get_server_info lists `weight_update_formats` (["direct", "flattened_bucket"]): a trainer sends the bucketed
+extension only to an engine that lists it. Our extensions, all optional: `timeout_s` in
+/init_weights_update_group (the group's collective timeout);
 `load_format: "flattened_bucket"` in /update_weights_from_distributed with `offsets`, `bucket_index` and
 `bucket_nbytes` (see engines/weight_sync.py); `ipc_buckets` in /update_weights_from_tensor (JSON CUDA-IPC handles
 instead of SGLang's pickled tensors: nothing is unpickled from the network); POST /colocated_weights (same-device
@@ -38,8 +41,14 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from engines.embedded.generation import DecodeBatch, Row, RowResult
-from engines.embedded.receiver import WeightReceiver, colocated_request
-from engines.weight_sync import WeightMeta
+from engines.embedded.receiver import (
+    WeightReceiver,
+    colocated_request,
+    disk_targets,
+    load_into,
+    read_safetensors_folder,
+)
+from engines.weight_sync import WEIGHT_UPDATE_FORMATS, WeightMeta
 
 SAMPLING_KEYS = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "n", "seed", "sampling_seed",
                  "ignore_eos"}
@@ -397,8 +406,11 @@ def build_app(server: EngineServer, api_key: str | None = None) -> Starlette:
         return JSONResponse({"success": True, "message": f"aborted {n} rows", "aborted_rows": n, **server.load()})
 
     async def server_info(request):
+        # weight_update_formats is how a trainer negotiates: a stock SGLang does not send it and gets SGLang's
+        # one-broadcast-per-tensor protocol ("direct"); this engine also reads the bucketed extension.
         return JSONResponse({**server.load(), "model_path": server.model_path, "device": str(server.device),
-                             "weight_version": str(server.weight_version)})
+                             "weight_version": str(server.weight_version), "tp_size": 1, "dp_size": 1,
+                             "weight_update_formats": list(WEIGHT_UPDATE_FORMATS)})
 
     async def init_group(request):
         body = await body_of(request)
@@ -442,6 +454,28 @@ def build_app(server: EngineServer, api_key: str | None = None) -> Starlette:
         v = _bump(body)
         return JSONResponse({"success": True, "message": f"updated {len(meta.names)} tensors",
                              "weight_version": str(v)})
+
+    async def update_disk(request):
+        """SGLang's /update_weights_from_disk {model_path, weight_version?, load_format?}: reload every weight
+        from the safetensors files of a folder this process can read (the trainer's disk fallback)."""
+        body = await body_of(request)
+        path = body.get("model_path")
+        if not isinstance(path, str) or not path:
+            raise BadRequest("field 'model_path' (a folder of *.safetensors files) is required")
+        if body.get("load_format") not in (None, "auto", "safetensors"):
+            raise BadRequest(f"load_format={body['load_format']!r}: this engine reads 'safetensors' folders only")
+        if body.get("weight_version") is not None and not str(body["weight_version"]).isdigit():
+            raise BadRequest("weight_version must be a non-negative integer (as a string or int)")
+        tensors = await anyio.to_thread.run_sync(read_safetensors_folder, path)
+        targets = disk_targets(server.model, tensors)  # 400 before any weight changes
+        loop = asyncio.get_running_loop()
+        async with server.exclusive():
+            await loop.run_in_executor(server.model_thread, load_into, list(targets.values()),
+                                       [tensors[n] for n in targets])
+        server.weights_consistent = True
+        v = _bump(body)
+        return JSONResponse({"success": True, "message": f"loaded {len(targets)} tensors from {path}",
+                             "num_paused_requests": 0, "weight_version": str(v)})
 
     async def update_tensor(request):
         body = await body_of(request)
@@ -488,6 +522,7 @@ def build_app(server: EngineServer, api_key: str | None = None) -> Starlette:
         Route("/destroy_weights_update_group", endpoint(destroy_group), methods=["POST"]),
         Route("/update_weights_from_distributed", endpoint(update_distributed), methods=["POST"]),
         Route("/update_weights_from_tensor", endpoint(update_tensor), methods=["POST"]),
+        Route("/update_weights_from_disk", endpoint(update_disk), methods=["POST"]),
         Route("/pause_generation", endpoint(pause), methods=["POST"]),
         Route("/abort_request", endpoint(abort_request), methods=["POST"]),
         Route("/get_server_info", endpoint(server_info), methods=["GET"]),
