@@ -51,6 +51,40 @@ _CPU_CHUNK_VOCAB_MT = 8192
 _GPU_CHUNK_BYTES = 1 << 28
 
 
+# (device type, input dtype) -> whether addmm accumulates low-precision products into an fp32 tensor in one GEMM.
+_FP32_ADDMM: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def fp32_addmm_supported(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether `torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)` runs with fp32 `acc` and `dtype` inputs
+    on `device`'s backend. CUDA with a recent torch: yes. CPU has no kernel for it, older torch has no out_dtype
+    (TypeError) or wants `acc` in the inputs' dtype (RuntimeError). Probed once per (device type, dtype) on 1x1
+    tensors: the checks run on the host before any launch, so the probe never synchronises."""
+    key = (torch.device(device).type, dtype)
+    if key not in _FP32_ADDMM:
+        acc = torch.zeros(1, 1, dtype=torch.float32, device=device)
+        one = torch.ones(1, 1, dtype=dtype, device=device)
+        try:
+            torch.addmm(acc, one, one, out_dtype=torch.float32, out=acc)
+            _FP32_ADDMM[key] = True
+        except (RuntimeError, TypeError):  # NotImplementedError (no kernel) is a RuntimeError
+            _FP32_ADDMM[key] = False
+    return _FP32_ADDMM[key]
+
+
+def addmm_acc_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """acc [M, N] += a [M, K] @ b [K, N], in place; acc in a's dtype or fp32 (a and b share a dtype).
+
+    Same dtype: one in-place GEMM. fp32 acc with bf16/fp16 inputs: one GEMM that accumulates into acc in fp32
+    where the backend supports addmm's out_dtype, else the product goes through an [M, N] temporary in the
+    inputs' dtype (one rounding of each partial to bf16/fp16, then an fp32 add)."""
+    if acc.dtype == a.dtype:
+        return acc.addmm_(a, b)
+    if acc.dtype == torch.float32 and fp32_addmm_supported(acc.device, a.dtype):
+        return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    return acc.add_(a @ b)
+
+
 def _cpu_chunks(chunk_tokens: int | None) -> tuple[int, int]:
     """(tokens, vocabulary) of a CPU chunk; `chunk_tokens` (the public argument) overrides the token count."""
     if torch.get_num_threads() > 1:
@@ -153,7 +187,8 @@ def _bwd_triton_linear(h, w, labels, keep, lse, ent, g_logp, g_ent, inv_t, chunk
     n_tok = _gpu_chunk_tokens(N, V, h.dtype, chunk_tokens)
     buf = torch.empty((n_tok, V), dtype=h.dtype, device=h.device)
     dh = torch.empty(h.shape, dtype=h.dtype, device=h.device) if need_dh else None
-    # fp32 accumulator for the weight gradient across token chunks (one rounding per chunk in bf16).
+    # fp32 accumulator for the weight gradient across token chunks (addmm_acc_: fp32 inside the GEMM where the
+    # backend can, else one rounding per chunk partial in the inputs' dtype); cast once to the weight's dtype.
     dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_dw else None
     for t0 in range(0, N, n_tok):
         t1 = min(N, t0 + n_tok)
@@ -172,10 +207,7 @@ def _bwd_triton_linear(h, w, labels, keep, lse, ent, g_logp, g_ent, inv_t, chunk
         if need_dh:
             torch.mm(dz, w, out=dh[t0:t1])
         if need_dw:
-            if dw.dtype == dz.dtype:
-                dw.addmm_(dz.t(), h[t0:t1])
-            else:
-                dw.add_(dz.t() @ h[t0:t1])
+            addmm_acc_(dw, dz.t(), h[t0:t1])
     return dh, dw
 
 

@@ -35,6 +35,7 @@ import torch
 
 from kernels._softmax_tiles import chunk_logits, chunk_logprob_grad_, chunk_softmax_stats, finalize_softmax_stats
 from kernels.device import backend_for
+from kernels.linear_logprobs import addmm_acc_, fp32_addmm_supported
 from kernels.logprobs import _bwd_triton, _fwd_triton
 from kernels.objective import (
     PolicyLossConfig,
@@ -113,10 +114,12 @@ class _ChunkLoop:
             self.w = w
             self.scratch = self.z_copy = None  # the Triton kernels need no chunk temporaries
             self.buf = torch.empty(rows * vocab, dtype=h.dtype, device=h.device)
-            # Gradients in the inputs' dtype, accumulated in place by the GEMMs (no [V, H] temporary per chunk);
-            # with bf16 the lm_head gradient adds a few chunk partials in bf16, as Liger's fused losses do.
+            # Gradients accumulated in place by the GEMMs (no [V, H] temporary per chunk). The lm_head gradient
+            # sums every chunk's partial: in fp32 where addmm can write bf16/fp16 products into fp32 (CUDA), else
+            # in the inputs' dtype; cast once to the weight's dtype in backward.
             self.grad_h = torch.empty(h.shape, dtype=h.dtype, device=h.device) if need_h else None
-            self.grad_w = torch.zeros(w.shape, dtype=w.dtype, device=h.device) if need_w else None
+            w_acc = torch.float32 if fp32_addmm_supported(h.device, h.dtype) else w.dtype
+            self.grad_w = torch.zeros(w.shape, dtype=w_acc, device=h.device) if need_w else None
 
     def chunks(self, tok: TokenInputs):
         return kept_row_chunks(tok, self.chunk) if self.torch_path else _all_row_chunks(tok, self.chunk)
@@ -158,7 +161,7 @@ class _ChunkLoop:
             else:
                 torch.mm(dz, self.w, out=self.grad_h[rows])
         if self.grad_w is not None:
-            self.grad_w.addmm_(dz.t(), h_c)
+            addmm_acc_(self.grad_w, dz.t(), h_c)
 
 
 def _fused_pass(loop: _ChunkLoop, tok: TokenInputs, need_grad: bool):
