@@ -220,6 +220,66 @@ def test_flex_block_mask_equals_dense_block_causal_mask():
     torch.testing.assert_close(flex, dense, rtol=0, atol=1e-5)
 
 
+def _document_causal(seq_index: torch.Tensor):
+    def document_causal(b, h, q_idx, kv_idx):
+        return (seq_index[q_idx] == seq_index[kv_idx]) & (kv_idx <= q_idx)
+
+    return document_causal
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 128])
+def test_flex_block_mask_tables_equal_create_block_mask(block_size):
+    # The tile tables built from the documents' extents equal create_block_mask's (which evaluates the mask_mod
+    # on all N^2 pairs), on random packed layouts: empty sequences, one-token ones, a padding tail or none, N a
+    # multiple of the tile or not, N below one tile.
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from kernels.packing import packed_layout
+
+    def n_tiles(n: int) -> int:
+        return -(-n // block_size)
+
+    g = torch.Generator().manual_seed(block_size)
+    kinds: set[str] = set()  # the layouts exercised full tiles and skipped (empty) causal tiles
+    for trial in range(25):
+        s = int(torch.randint(1, 12, (), generator=g))
+        lengths = torch.randint(0, 3 * block_size, (s,), generator=g)
+        lengths[torch.rand(s, generator=g) < 0.2] = torch.randint(0, 2, (), generator=g)  # empty / one-token
+        if lengths.sum() == 0:
+            lengths[0] = 1
+        total = int(lengths.sum())
+        tail = [0, 1, block_size - total % block_size, int(torch.randint(1, 2 * block_size, (), generator=g))]
+        cu = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
+        _, seq_index = packed_layout(cu, total + tail[trial % 4])
+        n = seq_index.shape[0]
+        new = flex_block_mask(seq_index, block_size)
+        old = create_block_mask(_document_causal(seq_index), B=None, H=None, Q_LEN=n, KV_LEN=n, device="cpu",
+                                BLOCK_SIZE=block_size)
+        kinds |= {"full"} if new.full_kv_num_blocks.sum() > 0 else set()
+        kinds |= {"skipped"} if (new.kv_num_blocks + new.full_kv_num_blocks < torch.arange(1, n_tiles(n) + 1)).any() \
+            else set()
+        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                     "q_indices", "full_q_num_blocks", "full_q_indices"):
+            assert torch.equal(getattr(new, name), getattr(old, name)), (name, lengths.tolist(), n)
+        assert new.seq_lengths == old.seq_lengths == (n, n)
+        assert torch.equal(new.to_dense(), old.to_dense())
+        # The element mask the kernel applies on partial tiles is the dense document-causal mask.
+        dense = block_causal_mask(seq_index)[0, 0]
+        q_idx, kv_idx = torch.meshgrid(torch.arange(n), torch.arange(n), indexing="ij")
+        assert torch.equal(new.mask_mod(0, 0, q_idx, kv_idx), dense)
+    assert kinds == {"full", "skipped"}
+
+
+def test_flex_block_tiles_mark_full_and_skipped_tiles():
+    # Two 8-token sequences then a 4-token padding tail at tile 4: hand-checked tables.
+    seq_index = torch.tensor([0] * 8 + [1] * 8 + [-1] * 4)
+    partial, full = attention.flex_block_tiles(seq_index, block_size=4)
+    expected_full = torch.zeros(5, 5, dtype=torch.bool)
+    expected_full[1, 0] = expected_full[3, 2] = True
+    expected_partial = torch.eye(5, dtype=torch.bool)  # diagonal tiles: causal inside the tile
+    assert torch.equal(full, expected_full) and torch.equal(partial, expected_partial)
+
+
 def _varlen_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     # A stand-in for flash-attn's varlen kernel: causal SDPA on each cu_seq_lens_q segment. It proves the varlen
     # kwargs reach every layer with segments that reproduce per-sequence attention.

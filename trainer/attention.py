@@ -68,15 +68,51 @@ def block_causal_mask(seq_index: torch.Tensor, dtype: torch.dtype = torch.bool) 
     return torch.where(allowed, zero, torch.finfo(dtype).min)[None, None]
 
 
-def flex_block_mask(seq_index: torch.Tensor):
-    """BlockMask for FlexAttention: document-causal over `seq_index` [N]; fully masked tiles are skipped."""
-    from torch.nn.attention.flex_attention import create_block_mask
+def flex_block_tiles(seq_index: torch.Tensor, block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N] sequence ids -> (partial, full) [nb, nb] bool tile tables of the document-causal mask, nb = ceil(N / bs).
+
+    Built from each tile's documents, [nb, nb] work: create_block_mask's eager path evaluates mask_mod on all N^2
+    pairs (a dense [N, N] mask) before reducing it to tiles. A row's sequences are contiguous, so the run ids r
+    (0, 1, ... in row order, one per run of equal seq_index, the padding tail included) are non-decreasing and a
+    tile's runs are the integer interval [r of its first row, r of its last]. Tile (q i, kv j) has an allowed pair
+    iff j <= i and the intervals meet (same run = same sequence); it is full iff j < i and both tiles are complete
+    and lie in one and the same run (a diagonal tile always masks its upper triangle). The same tables as
+    create_block_mask (tested); every op runs on seq_index's device with sizes the host knows (no sync).
+    """
+    n, dev = seq_index.shape[0], seq_index.device
+    nb = -(-n // block_size)
+    run = torch.zeros(n, dtype=torch.int64, device=dev)
+    run[1:] = torch.cumsum(seq_index[1:] != seq_index[:-1], 0)
+    run = torch.cat([run, run[-1:].expand(nb * block_size - n)]).view(nb, block_size)  # pad: repeat the last run
+    lo, hi = run[:, 0], run[:, -1]  # [nb] first and last run of each tile
+    t = torch.arange(nb, device=dev)
+    below = t[None, :] < t[:, None]  # [nb q, nb kv]: kv tile strictly before the q tile
+    meet = (lo[None, :] <= hi[:, None]) & (hi[None, :] >= lo[:, None])
+    single = (lo == hi) & (t < n // block_size)  # one run and no padding slots past N
+    full = below & single[:, None] & single[None, :] & (lo[:, None] == lo[None, :])
+    partial = (below | (t[None, :] == t[:, None])) & meet & ~full
+    return partial, full
+
+
+def flex_block_mask(seq_index: torch.Tensor, block_size: int = 128):
+    """BlockMask for FlexAttention: document-causal over `seq_index` [N]; fully masked tiles are skipped, full tiles
+    skip mask_mod, partial tiles evaluate it (it reads seq_index [N]). Tile tables from flex_block_tiles."""
+    from torch.nn.attention.flex_attention import BlockMask
 
     def document_causal(b, h, q_idx, kv_idx):
         return (seq_index[q_idx] == seq_index[kv_idx]) & (kv_idx <= q_idx)
 
+    def ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # [nb, nb] -> (counts [1, 1, nb], column indices [1, 1, nb, nb]) int32, listed tiles first in column order
+        # (create_block_mask's layout).
+        t = tiles.to(torch.int32)[None, None]
+        cols = torch.argsort(t, dim=-1, descending=True, stable=True)
+        return t.sum(-1, dtype=torch.int32), cols.to(torch.int32)
+
+    partial, full = flex_block_tiles(seq_index, block_size)
     n = seq_index.shape[0]
-    return create_block_mask(document_causal, B=None, H=None, Q_LEN=n, KV_LEN=n, device=seq_index.device)
+    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=block_size,
+                                    mask_mod=document_causal, seq_lengths=(n, n))
 
 
 def packed_segment_indices(lengths: tuple[int, ...], padded_len: int,
