@@ -1,8 +1,10 @@
 """Command line: `python -m trainer {sft,rl,sft+rl,demo} --config configs/X.toml [--set key=value ...] [--resume]`.
 
 A run config is one TOML file (see configs/demo.toml): [model] (a preset or a folder), [data] (JSONL prompt
-files and the reward function), [engines] (URLs of SGLang-protocol servers, or how many embedded engines to
-start), [sft] and [sft.optim] (trainer.types.SFTTrainingConfig, OptimConfig), [rl], [rl.optim], [rl.loss]
+files and the reward function), [engines] (the fleet: `fleet = [{url, kind, tp_size}, ...]` with kind "sglang",
+"vllm" or "embedded", an embedded entry without url started by the run; the older `urls` / `embedded = N` still
+work; `sync` "group" (default) or "disk"; `master_address` / `master_port` of the weight-update group), [sft] and
+[sft.optim] (trainer.types.SFTTrainingConfig, OptimConfig), [rl], [rl.optim], [rl.loss]
 (kernels.PolicyLossConfig) and [rl.rollout] (RLTrainingConfig, RolloutConfig), [eval], and [trainer] (backend
 settings of trainer.core.TrainerConfig: compile, logprob_chunk_tokens, ...). The run has one temperature,
 [rl.rollout] temperature: the engines sample with it and the trainer's log-probs use it.
@@ -45,7 +47,12 @@ MODEL_KEYS = {"preset", "path", "arch", "hidden_size", "num_layers", "num_heads"
 DATA_KEYS = {"train", "eval", "sft", "reward", "format", "prompt_key", "answer_key", "messages_key", "system_prompt",
              "split"}
 FORMATS = ("chat", "plain")
-ENGINE_KEYS = {"urls", "embedded", "api_key", "threads", "start_timeout_s"}
+ENGINE_KEYS = {"fleet", "urls", "embedded", "api_key", "threads", "start_timeout_s", "sync", "sync_folder",
+               "master_address", "master_port"}
+# [engines].fleet: a list of {url, kind, tp_size, model} tables; an "embedded" entry without url is started here.
+ENGINE_KINDS = ("sglang", "vllm", "embedded")
+FLEET_KEYS = {"url", "kind", "tp_size", "model"}
+SYNC_MODES = ("group", "disk")
 EVAL_KEYS = {"max_new_tokens", "limit"}
 DEFAULT_REWARD = "trainer.rewards:arithmetic_reward"
 
@@ -171,11 +178,51 @@ def phase_configs(cfg: dict[str, Any]) -> PhaseConfigs:
                         rl_trainer=trainer_config_from(rl, **over))
 
 
+def _check_fleet(fleet: Any) -> None:
+    if not isinstance(fleet, list) or not all(isinstance(t, dict) for t in fleet):
+        raise ValueError("[engines].fleet: give a list of tables, e.g. fleet = [{url = \"http://host:30000\", "
+                         "kind = \"sglang\", tp_size = 2}, {kind = \"embedded\"}]")
+    for i, t in enumerate(fleet):
+        where = f"[engines].fleet[{i}]"
+        unknown = sorted(set(t) - FLEET_KEYS)
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {unknown}; known: {sorted(FLEET_KEYS)}")
+        kind = t.get("kind", "sglang")
+        if kind not in ENGINE_KINDS:
+            raise ValueError(f"{where}.kind = {kind!r}: choose one of {ENGINE_KINDS}")
+        url = t.get("url")
+        if url is None and kind != "embedded":
+            raise ValueError(f"{where}: kind {kind!r} needs a url (only kind = \"embedded\" is started by the run)")
+        if url is not None and not (isinstance(url, str) and url.startswith(("http://", "https://"))):
+            raise ValueError(f"{where}.url = {url!r}: give an http(s):// URL")
+        tp = t.get("tp_size", 1)
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"{where}.tp_size = {tp!r}: the engine's tensor-parallel size, an int >= 1")
+        if kind == "embedded" and tp != 1:
+            raise ValueError(f"{where}: the embedded engine runs on one device; tp_size must be 1")
+
+
 def _check_engines(e: dict[str, Any]) -> None:
+    if "fleet" in e:
+        _check_fleet(e["fleet"])
+        for old in ("urls", "embedded"):
+            if e.get(old) not in (None, []):
+                raise ValueError(f"[engines].{old} and [engines].fleet both given: list every engine in fleet "
+                                 f"(a URL as {{url = \"...\", kind = \"sglang\"}}, a started one as "
+                                 f"{{kind = \"embedded\"}})")
+    sync = e.get("sync", "group")
+    if sync not in SYNC_MODES:
+        raise ValueError(f"[engines].sync = {sync!r}: choose 'group' (broadcast / shared memory) or 'disk'")
+    port = e.get("master_port", 0)
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
+        raise ValueError(f"[engines].master_port = {port!r}: a TCP port (0 = pick a free one)")
+    if not isinstance(e.get("master_address", ""), str):
+        raise ValueError("[engines].master_address: a host name or IP address (string) the engines can reach")
     urls = e.get("urls", [])
     if not isinstance(urls, list) or not all(isinstance(u, str) and u.startswith(("http://", "https://"))
                                              for u in urls):
-        raise ValueError(f"[engines].urls = {urls!r}: give a list of http(s):// URLs (or [] to start embedded ones)")
+        raise ValueError(f"[engines].urls = {urls!r}: give a list of http(s):// URLs (or [] to start embedded ones); "
+                         f"engines with a kind or tp_size go in [engines].fleet = [{{url, kind, tp_size}}, ...]")
     for key, minimum in (("embedded", 1), ("threads", 1), ("start_timeout_s", 1e-9)):
         v = e.get(key, minimum)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v < minimum:
@@ -242,28 +289,75 @@ def fresh_start(out: Path, mode: str) -> None:
               f"(pass --resume to continue a run instead)", flush=True)
 
 
+def fleet_of(e: dict[str, Any]) -> list[dict[str, Any]]:
+    """[engines] as a list of {url (None: started here), kind, tp_size, model} tables: `fleet` as given, else the
+    older forms (`urls`: SGLang-protocol servers; neither: `embedded` engines started here, 1 by default)."""
+    if "fleet" in e:
+        return [{"url": t.get("url"), "kind": t.get("kind", "sglang"), "tp_size": int(t.get("tp_size", 1)),
+                 "model": t.get("model")} for t in e["fleet"]]
+    if e.get("urls"):
+        return [{"url": u, "kind": "sglang", "tp_size": 1, "model": None} for u in e["urls"]]
+    return [{"url": None, "kind": "embedded", "tp_size": 1, "model": None} for _ in range(int(e.get("embedded", 1)))]
+
+
 @contextlib.contextmanager
 def engines_for(cfg: dict[str, Any], model_folder: Path, *, is_main: bool):
-    """Yield the engine URLs: [engines].urls as given, or that many embedded engines started here (rank 0)."""
+    """Yield the fleet (fleet_of) with every URL filled in: the embedded entries without a URL are started here
+    (rank 0; other ranks get the list from rank 0)."""
     e = cfg.get("engines", {})
-    urls = list(e.get("urls", []))
-    if urls or not is_main:
-        yield urls
+    fleet = fleet_of(e)
+    to_start = [i for i, t in enumerate(fleet) if t["url"] is None]
+    if not to_start or not is_main:
+        yield fleet
         return
     from engines.embedded.launch import EngineProcess
 
     procs = [EngineProcess(str(model_folder), api_key=e.get("api_key") or None, seed=cfg["seed"],
                            threads=e.get("threads", 1), start_timeout_s=e.get("start_timeout_s", 180.0))
-             for _ in range(int(e.get("embedded", 1)))]
+             for _ in to_start]
     try:
         for p in procs:
             p.launch()
         for p in procs:
             p.wait_healthy()
-        yield [p.url for p in procs]
+        for i, p in zip(to_start, procs):
+            fleet[i] = {**fleet[i], "url": p.url}
+        yield fleet
     finally:
         for p in procs:
             p.kill()
+
+
+def build_engines(fleet: Sequence[dict[str, Any]], model_folder: Path, *, api_key: str | None = None,
+                  connect_timeout_s: float = 10.0, max_connections: int = 64) -> list[Any]:
+    """Engine objects for a fleet: SGLang-protocol clients for "sglang" and "embedded" (with the configured
+    tp_size), VLLMEngine for "vllm" (its served model name: the entry's `model`, else the model folder)."""
+    from engines.sglang import SGLangEngine
+    from engines.vllm import VLLMEngine
+
+    out = []
+    for t in fleet:
+        if t["kind"] == "vllm":
+            out.append(VLLMEngine(t["url"], t.get("model") or str(model_folder), api_key=api_key))
+        else:
+            out.append(SGLangEngine(t["url"], api_key=api_key, tp_size=t["tp_size"],
+                                    connect_timeout_s=connect_timeout_s, max_connections=max_connections))
+    return out
+
+
+def build_sender(cfg: dict[str, Any], model: Any, engines: Sequence[Any]) -> Any:
+    """The weight-sync sender [engines] asks for: the process group (default; master_address from the config, else
+    this host's address the engines reach, 127.0.0.1 when all are local) or the disk fallback (logged)."""
+    from trainer.weight_sync import DiskWeightSync, WeightSyncSender, default_master_address
+
+    e = cfg.get("engines", {})
+    if e.get("sync", "group") == "disk":
+        sender = DiskWeightSync(model, engines, folder=e.get("sync_folder"))
+        print(f"weight sync: disk fallback ([engines] sync = \"disk\"): every sync writes a safetensors folder "
+              f"under {sender.folder} and each engine reloads it", flush=True)
+        return sender
+    address = e.get("master_address") or default_master_address([eng.url for eng in engines])
+    return WeightSyncSender(model, engines, master_address=address, master_port=int(e.get("master_port", 0)))
 
 
 @contextlib.contextmanager
@@ -276,7 +370,8 @@ def cores_left_to_trainer(cfg: dict[str, Any]):
     train step took 20-51 s with 2 trainer threads and 1.1-1.2 s with 1. Not applied on CUDA, with engines given
     by URL, or when OMP_NUM_THREADS is set (the user's choice wins)."""
     e = cfg.get("engines", {})
-    engine_cores = 0 if e.get("urls") else int(e.get("embedded", 1)) * int(e.get("threads", 1))
+    started = sum(t["url"] is None for t in fleet_of(e))
+    engine_cores = started * int(e.get("threads", 1))
     if torch.cuda.is_available() or engine_cores == 0 or "OMP_NUM_THREADS" in os.environ:
         yield
         return
@@ -289,9 +384,10 @@ def cores_left_to_trainer(cfg: dict[str, Any]):
 
 
 # ----------------------------------------------------------------------------------------------- evaluation
-def evaluate(urls: Sequence[str], prompts: Sequence[Any], *, tokenizer: Any, reward_fn: Any, max_new_tokens: int,
+def evaluate(urls: Sequence[Any], prompts: Sequence[Any], *, tokenizer: Any, reward_fn: Any, max_new_tokens: int,
              api_key: str | None = None, chat: bool = True) -> float:
-    """Greedy accuracy (mean reward of one temperature-0 sample per prompt) served by the first engine."""
+    """Greedy accuracy (mean reward of one temperature-0 sample per prompt) served by the first engine (a URL of
+    an SGLang-protocol server, or an engine object)."""
     from engines.protocol import SamplingParams
     from engines.sglang import SGLangEngine
     from trainer.rewards import compute_rewards, load_reward_fn
@@ -301,7 +397,7 @@ def evaluate(urls: Sequence[str], prompts: Sequence[Any], *, tokenizer: Any, rew
     ids = [prompt_token_ids(tokenizer, p.prompt, chat=chat, system=p.system) for p in prompts]
     stop = tuple(stop_token_ids(tokenizer, chat=chat))
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=stop)
-    engine = SGLangEngine(urls[0], api_key=api_key)
+    engine = SGLangEngine(urls[0], api_key=api_key) if isinstance(urls[0], str) else urls[0]
 
     async def run():
         return await engine.generate(ids, params)
@@ -347,7 +443,6 @@ def sft_examples(prompts: Sequence[Any], tokenizer: Any, fmt: str) -> list[Any]:
 # ----------------------------------------------------------------------------------------------- run
 def run(mode: str, cfg: dict[str, Any], *, resume: bool = False) -> dict[str, Any]:
     """Run `mode` end to end; returns the summary (also written to <output_dir>/summary.json on rank 0)."""
-    from engines.sglang import SGLangEngine
     from engines.tiny import build_tokenizer
     from trainer.core import broadcast_from_rank0, build_components, init_distributed
     from trainer.data import config_buffer, config_prompts
@@ -355,7 +450,6 @@ def run(mode: str, cfg: dict[str, Any], *, resume: bool = False) -> dict[str, An
     from trainer.plot import plot_metrics
     from trainer.rl import run_rl_training
     from trainer.sft import run_sft_training
-    from trainer.weight_sync import WeightSyncSender
 
     t_start = time.time()
     out = Path(cfg["output_dir"])
@@ -382,12 +476,15 @@ def run(mode: str, cfg: dict[str, Any], *, resume: bool = False) -> dict[str, An
     rl_cfg = phases.rl if mode != "sft" else None
     summary: dict[str, Any] = {"mode": mode, "config": cfg.get("name")}
     engines_cm = engines_for(cfg, model_folder, is_main=is_main) if mode != "sft" else contextlib.nullcontext([])
-    with engines_cm as urls:
-        urls = broadcast_from_rank0(urls)  # rank 0 started (or was given) the engines
+    with engines_cm as fleet:
+        fleet = broadcast_from_rank0(fleet)  # rank 0 started (or was given) the engines
+        limits = ({"connect_timeout_s": rl_cfg.rollout.connect_timeout_s,
+                   "max_connections": rl_cfg.rollout.max_concurrency} if rl_cfg is not None else {})
+        engines = build_engines(fleet, model_folder, api_key=api_key, **limits)
 
         def accuracy(label: str) -> None:
-            if is_main and eval_prompts and urls:
-                acc = evaluate(urls, eval_prompts, tokenizer=tokenizer, reward_fn=reward_fn, api_key=api_key,
+            if is_main and eval_prompts and engines:
+                acc = evaluate(engines, eval_prompts, tokenizer=tokenizer, reward_fn=reward_fn, api_key=api_key,
                                max_new_tokens=int(ev.get("max_new_tokens", rl_cfg.rollout.max_new_tokens if rl_cfg
                                                          else 16)),
                                chat=fmt == "chat")
@@ -395,7 +492,7 @@ def run(mode: str, cfg: dict[str, Any], *, resume: bool = False) -> dict[str, An
                 print(f"[{label}] held-out accuracy: {acc:.3f} on {len(eval_prompts)} problems", flush=True)
 
         components = None
-        if mode in ("sft+rl", "demo", "rl") and urls:
+        if mode in ("sft+rl", "demo", "rl") and engines:
             accuracy("before_sft" if mode != "rl" else "before_rl")
         if mode in ("sft", "sft+rl", "demo"):
             scfg = phases.sft
@@ -410,15 +507,14 @@ def run(mode: str, cfg: dict[str, Any], *, resume: bool = False) -> dict[str, An
         if mode in ("rl", "sft+rl", "demo"):
             tcfg = phases.rl_trainer
             comp = build_components(components.module if components is not None else str(model_folder), tcfg)
-            engines = [SGLangEngine(u, api_key=api_key) for u in urls]
-            sender = WeightSyncSender(comp.model, engines)
+            sender = build_sender(cfg, comp.model, engines)
             sender.init_group()
             if components is not None:  # engines serve the SFT weights from here on
                 sender.sync(weight_version=0)
                 accuracy("after_sft")
             buffer = config_buffer(data["train"], data, where="[data].train", seed=cfg["seed"])
             with cores_left_to_trainer(cfg):  # the engines generate while (async) or between (sync) train steps
-                comp, state, hist = run_rl_training(None, buffer, rl_cfg, engine_urls=urls, tokenizer=tokenizer,
+                comp, state, hist = run_rl_training(None, buffer, rl_cfg, engines=engines, tokenizer=tokenizer,
                                                     reward_fn=reward_fn, trainer_config=tcfg, components=comp,
                                                     resume=resume, api_key=api_key, sender=sender)
             sender.close()

@@ -1,0 +1,110 @@
+"""Fleets in the run config: [engines].fleet validation and the older forms, engine objects per kind, and one RL
+step through the CLI with two engines of different kinds (an embedded engine started by the run + one addressed
+by URL as kind "sglang"), by the weight-update group and by the disk fallback."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+
+from engines.embedded.launch import EngineProcess
+from engines.sglang import SGLangEngine
+from engines.vllm import VLLMEngine
+from trainer.cli import ConfigError, build_engines, fleet_of, load_run_config, prepare_model_folder
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "configs" / "demo.toml"
+
+
+def config_with_engines(tmp_path: Path, engines_toml: str, name: str = "fleet") -> Path:
+    """demo.toml with its [engines] table replaced, data paths made absolute, output under tmp_path."""
+    text = DEMO.read_text()
+    start = text.index("[engines]")
+    end = text.index("\n[", start + 1)
+    text = text[:start] + "[engines]\n" + engines_toml.strip() + "\n" + text[end:]
+    text = text.replace('"data/', f'"{ROOT}/data/').replace('output_dir = "runs/demo"',
+                                                            f'output_dir = "{tmp_path / name}"')
+    path = tmp_path / f"{name}.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("engines_toml,message", [
+    ('fleet = [{kind = "trt"}]', "kind = 'trt'"),
+    ('fleet = [{kind = "sglang"}]', "needs a url"),
+    ('fleet = [{url = "host:1", kind = "vllm"}]', "http"),
+    ('fleet = [{url = "http://h:1", kind = "sglang", tp_size = 0}]', "tp_size"),
+    ('fleet = [{url = "http://h:1", port = 3}]', "unknown key"),
+    ('fleet = [{kind = "embedded", tp_size = 2}]', "one device"),
+    ('fleet = "http://h:1"', "list of tables"),
+    ('urls = ["http://h:1"]\nfleet = [{kind = "embedded"}]', "list every engine in fleet"),
+    ('urls = [{url = "http://h:1", kind = "sglang"}]', "fleet"),
+    ('sync = "nfs"', "'group'"),
+    ('master_port = 70000', "master_port"),
+])
+def test_bad_fleets_are_named(tmp_path, engines_toml, message):
+    with pytest.raises(ConfigError, match=message):
+        load_run_config(config_with_engines(tmp_path, engines_toml))
+
+
+def test_fleet_forms_and_engine_objects(tmp_path):
+    old = load_run_config(config_with_engines(tmp_path, 'urls = ["http://a:1", "http://b:2"]'))["engines"]
+    assert fleet_of(old) == [{"url": "http://a:1", "kind": "sglang", "tp_size": 1, "model": None},
+                             {"url": "http://b:2", "kind": "sglang", "tp_size": 1, "model": None}]
+    assert [t["kind"] for t in fleet_of({"embedded": 2})] == ["embedded", "embedded"]
+    assert fleet_of({"embedded": 2})[0]["url"] is None
+    cfg = load_run_config(config_with_engines(tmp_path, '''
+fleet = [{url = "http://a:1", kind = "sglang", tp_size = 4}, {url = "http://b:2", kind = "vllm", model = "m"},
+         {kind = "embedded"}, {url = "http://c:3", kind = "embedded"}]
+sync = "disk"
+master_address = "10.0.0.5"
+'''))
+    fleet = fleet_of(cfg["engines"])
+    assert [t["url"] for t in fleet] == ["http://a:1", "http://b:2", None, "http://c:3"]
+    fleet[2]["url"] = "http://d:4"
+    engines = build_engines(fleet, Path("/models/x"))
+    assert [type(e) for e in engines] == [SGLangEngine, VLLMEngine, SGLangEngine, SGLangEngine]
+    assert trio.run(engines[0].world_size) == 4  # the configured tp_size: 4 ranks in the group, no server asked
+    assert engines[1].model == "m" and engines[1].url == "http://b:2"
+
+
+def _run_rl(tmp_path, sync: str):
+    """One RL step with an embedded engine started by the run and one more addressed by URL as kind "sglang"."""
+    name = f"fleet_{sync}"
+    probe_cfg = load_run_config(config_with_engines(tmp_path, "embedded = 1", name=name))
+    from engines.tiny import build_tokenizer
+
+    folder = prepare_model_folder(probe_cfg, build_tokenizer())  # the run reuses this folder (same output_dir)
+    with EngineProcess(str(folder), seed=0) as remote:
+        cfg = config_with_engines(tmp_path, f'''
+fleet = [{{kind = "embedded"}}, {{url = "{remote.url}", kind = "sglang", tp_size = 1}}]
+sync = "{sync}"
+threads = 1
+''', name=name)
+        cmd = [sys.executable, "-m", "trainer", "rl", "--config", str(cfg), "--set", "rl.num_steps=1",
+               "--set", "rl.rollout.rollout_batch_size=4", "--set", "rl.rollout.dynamic_filters=[]",
+               "--set", "eval.limit=4", "--set", "rl.verify_sync=true"]
+        env = {"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        info = trio.run(SGLangEngine(remote.url).get_server_info)
+    out = tmp_path / name
+    rows = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert json.loads((out / "summary.json").read_text())["rl_steps"] == 1 and len(rows) == 1
+    assert rows[0]["verify_sync_max_abs_diff"] <= 1e-5  # both engines serve the trainer's weights after the sync
+    assert info["weight_version"] == str(rows[0]["weight_version"]) == "1"  # the URL engine got the sync
+    assert info["decode_steps"] > 0  # and served rollouts or evaluation
+    return proc
+
+
+def test_rl_step_with_two_engine_kinds_by_group(tmp_path):
+    proc = _run_rl(tmp_path, "group")
+    assert "disk fallback" not in proc.stdout
+
+
+def test_rl_step_with_two_engine_kinds_by_disk(tmp_path):
+    proc = _run_rl(tmp_path, "disk")
+    assert "weight sync: disk fallback" in proc.stdout  # opt-in and logged
