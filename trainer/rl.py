@@ -6,12 +6,13 @@ optim_step -> sync -> log -> checkpoint.
 
 Rollouts come from inference engines over HTTP (the embedded engine by default; SGLang / vLLM by URL) through
 `trainer.rollout_manager.generate_rollout_batches`; the engines get the new weights every `sync_every` steps by
-broadcast (engines.weight_sync), never through disk. In async mode the batch of step n+1 is generated (in a
-worker thread, by the engine processes) while step n trains; the weights that generated it lag by at most
-`rollout.max_staleness` versions. Whenever the engines may lag (async, or sync_every > 1) the trainer recomputes
-old log-probs (`compute_logprobs`) and the loss's off-policy correction ([rl.loss] rollout_correction, "tis" by
-default there) weights each token by the engine-vs-trainer ratio. The engine-vs-trainer mismatch metrics
-(mismatch/*) are logged on every step where the engine returned its log-probs.
+broadcast or shared memory (engines.weight_sync); a disk sync happens only when the caller passes a
+trainer.weight_sync.DiskWeightSync as `sender` (the CLI's opt-in [engines] sync = "disk"). In async mode the batch
+of step n+1 is generated (in a worker thread, by the engine processes) while step n trains; the weights that
+generated it lag by at most `rollout.max_staleness` versions. Whenever the engines may lag (async, or sync_every >
+1) the trainer recomputes old log-probs (`compute_logprobs`) and the loss's off-policy correction ([rl.loss]
+rollout_correction, "tis" by default there) weights each token by the engine-vs-trainer ratio. The engine-vs-trainer
+mismatch metrics (mismatch/*) are logged on every step where the engine returned its log-probs.
 """
 
 from __future__ import annotations
@@ -239,7 +240,8 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
     engines = list(engines) if engines is not None else [
         SGLangEngine(u, api_key=api_key, connect_timeout_s=rc.connect_timeout_s, max_connections=rc.max_concurrency)
         for u in engine_urls]
-    manager = AsyncRolloutManager(engines, rc, tokenizer=tokenizer, reward_fn=reward_fn)
+    manager = AsyncRolloutManager(engines, rc, tokenizer=tokenizer, reward_fn=reward_fn,
+                                  deterministic=config.deterministic)
     if resume and latest_checkpoint(out) is not None:
         state, extra = load_checkpoint(comp, out)
         data_buffer.load_state_dict(extra["data_buffer"])
