@@ -13,6 +13,8 @@ One batch, step by step:
      the requests in flight over all engines. Engines that do not answer are retried (`max_retries`).
   3. A finished group is scored (reward errors mark samples FAILED) and passed through the dynamic filters;
      a dropped group is replaced by a new one.
+  With `deterministic=True` each engine runs one request at a time, so a request's rows form the engine's whole
+  batch: the logits (and so the tokens and log-probs) do not depend on which other requests arrived meanwhile.
   4. Once rollout_batch_size groups passed: `abort()` on every engine with requests in flight, up to
      abort_grace_s for the cut requests to return their partial output, then the nursery is cancelled.
      Unfinished groups go to the cache.
@@ -22,6 +24,7 @@ Structured concurrency means nothing outlives `generate_batch`: no stray tasks, 
 from __future__ import annotations
 
 import builtins
+import contextlib
 import dataclasses
 import math
 import time
@@ -102,7 +105,7 @@ class AsyncRolloutManager:
 
     def __init__(self, engines: Sequence[InferenceEngine], config: RolloutConfig, *, tokenizer: Any,
                  reward_fn: str | RewardFn | None = None, filters: Sequence[Any] | None = None,
-                 check_health: bool = True, generation_config: Any = None) -> None:
+                 check_health: bool = True, generation_config: Any = None, deterministic: bool = False) -> None:
         self.engines = list(engines)
         if not self.engines:
             raise ValueError("engines: give at least one inference engine (e.g. "
@@ -116,6 +119,8 @@ class AsyncRolloutManager:
         self.reward_fn = load_reward_fn(reward_fn) if reward_fn is not None else None
         self.filters = resolve_filters(config.dynamic_filters if filters is None else filters)
         self.check_health = check_health
+        self.deterministic = deterministic
+        self._engine_locks: dict[int, trio.Lock] = {}  # deterministic: id(engine) -> its one request at a time
         self.stop_ids = tuple(stop_token_ids(tokenizer, chat=config.apply_chat_template, extra=config.stop_token_ids,
                                              generation_config=generation_config))
         self.weight_version = 0
@@ -132,6 +137,7 @@ class AsyncRolloutManager:
     # ----------------------------------------------------------------------------------------- lifecycle
     async def __aenter__(self) -> AsyncRolloutManager:
         self._limiter = trio.CapacityLimiter(self.config.max_concurrency)
+        self._engine_locks = {id(e): trio.Lock() for e in self.engines} if self.deterministic else {}
         self._open = True
         try:
             if self.check_health:
@@ -218,7 +224,8 @@ class AsyncRolloutManager:
                         rid: str) -> list[Completion] | None:
         """One request (prompt-major rows, n per prompt); None when the batch filled before it was sent or the
         engine dropped it while being aborted."""
-        async with self._limiter:
+        alone = self._engine_locks.get(id(engine)) or contextlib.nullcontext()
+        async with self._limiter, alone:
             if self._stopping:  # the batch filled while this request waited for a slot: never send it
                 return None
             self._in_flight[rid] = engine

@@ -254,6 +254,9 @@ class RLTrainingConfig(_PhaseConfig):
     sync_every: int = 1  # weight sync to engines every N steps (>1: the engines lag the trainer)
     async_rollout: bool = False  # generate step n+1 while step n trains
     verify_sync: bool = False
+    # Reproducible from the seeds whatever the arrival order of requests: each engine runs one request (one
+    # group) at a time, so its batch composition is fixed; costs the batching across groups (see the README).
+    deterministic: bool = False
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
 
     def __post_init__(self) -> None:
@@ -262,6 +265,10 @@ class RLTrainingConfig(_PhaseConfig):
             object.__setattr__(self, "rollout", config_from_dict(RolloutConfig, self.rollout))
         if not isinstance(self.rollout, RolloutConfig):
             raise ValueError(f"rollout: expected a RolloutConfig, got {type(self.rollout).__name__}")
+        # Over-sampled groups still running when the batch fills are cut wherever they are at that moment.
+        _check(not self.deterministic or self.rollout.over_sampling_factor == 1.0, "deterministic",
+               f"needs rollout.over_sampling_factor = 1.0 (got {self.rollout.over_sampling_factor}): groups cut "
+               f"when the batch fills depend on timing; set it to 1.0 or deterministic = false")
         _check(self.advantage_estimator in ADVANTAGE_ESTIMATORS, "advantage_estimator",
                f"unknown {self.advantage_estimator!r}; choose one of {ADVANTAGE_ESTIMATORS}")
         _positive(self, "ppo_epochs", "sync_every")
