@@ -108,3 +108,40 @@ def test_rl_step_with_two_engine_kinds_by_group(tmp_path):
 def test_rl_step_with_two_engine_kinds_by_disk(tmp_path):
     proc = _run_rl(tmp_path, "disk")
     assert "weight sync: disk fallback" in proc.stdout  # opt-in and logged
+
+
+@pytest.mark.slow
+def test_rl_step_with_an_embedded_and_a_vllm_engine(tmp_path):
+    """A fleet of an embedded engine started by the run and a real vLLM (`.venv-vllm`) by URL: one RL step, the
+    embedded engine colocated and vLLM over the group through its plugin, both verified after the sync."""
+    from vllm_support import start_server, stop_server, write_model_folder
+
+    from engines.embedded.launch import free_port
+    from engines.vllm import VLLMEngine
+
+    folder = tmp_path / "model"
+    write_model_folder(folder, seed=0)
+    port = free_port()
+    proc = start_server(folder, port, tmp_path / "vllm.log")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        cfg = config_with_engines(tmp_path, f'''
+fleet = [{{kind = "embedded"}}, {{url = "{url}", kind = "vllm"}}]
+threads = 1
+''', name="fleet_vllm")
+        text = cfg.read_text()
+        start = text.index("[model]")
+        end = text.index("\n[", start + 1)
+        cfg.write_text(text[:start] + f'[model]\npath = "{folder}"\n' + text[end:])
+        cmd = [sys.executable, "-m", "trainer", "rl", "--config", str(cfg), "--set", "rl.num_steps=1",
+               "--set", "rl.rollout.rollout_batch_size=4", "--set", "rl.rollout.dynamic_filters=[]",
+               "--set", "eval.limit=4", "--set", "rl.verify_sync=true"]
+        env = {"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
+        run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        version = trio.run(VLLMEngine(url, str(folder)).get_weight_version)
+    finally:
+        stop_server(proc)
+    rows = [json.loads(line) for line in (tmp_path / "fleet_vllm" / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["verify_sync_max_abs_diff"] <= 1e-5
+    assert version == rows[0]["weight_version"] == 1  # vLLM got the sync
