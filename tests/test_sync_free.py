@@ -95,16 +95,22 @@ def torch_path():
         yield
 
 
-def test_three_rl_steps_issue_no_host_sync_outside_the_future(torch_path):
+def _three_step_setup():
+    """(trainer config, policy, frozen reference, three steps of micro-batches): a loss with KL, entropy, TIS and
+    dual clip. Host preparation (CPU tensors on every machine) happens here, before any recorded region."""
     loss = PolicyLossConfig(kl_coef=0.05, entropy_coef=0.01, rollout_correction="tis", clip_ratio_c=3.0)
     cfg = TrainerConfig(loss="policy", policy_loss=loss, temperature=0.7, optim=OptimConfig(lr=1e-3),
                         compile=False, token_budget=64, bucket_size=32)
     policy = build_components(tiny_model_config(), cfg)
     ref = build_components(tiny_model_config(), cfg)
     ref.module.requires_grad_(False)
-    # Host preparation (CPU tensors on every machine: no device involved yet) happens before the recorded region.
     batches = [build_micro_batches(s, token_budget=64, bucket_size=32, advantages=a)
                for s, a in (_samples(k) for k in range(3))]
+    return cfg, policy, ref, batches
+
+
+def test_three_rl_steps_issue_no_host_sync_outside_the_future(torch_path):
+    cfg, policy, ref, batches = _three_step_setup()
     assert all(len(mbs) >= 2 for mbs in batches)  # several micro-batches: the metrics combine across them
     state, results = TrainingState(), []
     dispatch = SyncRecorder()
@@ -142,14 +148,7 @@ def test_the_detector_sees_what_it_looks_for():
 def test_three_rl_steps_on_cuda_under_sync_debug_mode_error():
     """On a GPU the whole chain (trainer, kernels, attention) runs under `set_sync_debug_mode("error")`: any
     host sync while the steps are queued raises. The futures are read after the mode is switched back."""
-    loss = PolicyLossConfig(kl_coef=0.05, entropy_coef=0.01, rollout_correction="tis", clip_ratio_c=3.0)
-    cfg = TrainerConfig(loss="policy", policy_loss=loss, temperature=0.7, optim=OptimConfig(lr=1e-3),
-                        compile=False, token_budget=64, bucket_size=32)
-    policy = build_components(tiny_model_config(), cfg)
-    ref = build_components(tiny_model_config(), cfg)
-    ref.module.requires_grad_(False)
-    batches = [build_micro_batches(s, token_budget=64, bucket_size=32, advantages=a)
-               for s, a in (_samples(k) for k in range(3))]
+    cfg, policy, ref, batches = _three_step_setup()
     state, futures = TrainingState(), []
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
