@@ -139,7 +139,7 @@ def test_abort_by_rid_and_all(vllm):
 def test_pause_freezes_and_resume_continues(vllm):
     eng, model, tok = vllm["engine"], vllm["model"], vllm["tok"]
     prompt = encode(tok, ["pause me"])
-    params = SamplingParams(temperature=1.0, max_new_tokens=48, ignore_eos=True, seed=5)
+    params = SamplingParams(temperature=1.0, max_new_tokens=200, ignore_eos=True, seed=5)
     t0 = time.monotonic()
     full = trio.run(eng.generate, prompt, params)
     alone_s = time.monotonic() - t0
@@ -152,7 +152,9 @@ def test_pause_freezes_and_resume_continues(vllm):
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(gen)
-            await trio.sleep(0.2)
+            # pause a tenth of the way in: the request is surely in flight (a fixed delay raced a fast engine)
+            await trio.sleep(alone_s / 10)
+            assert "out" not in box, "the request finished before the pause: the test did not pause anything"
             await eng.pause_generation()
             assert (await eng._call("GET", "/is_paused"))["is_paused"] is True
             await trio.sleep(alone_s + 3.0)  # longer than the whole request takes unpaused
