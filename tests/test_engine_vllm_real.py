@@ -156,11 +156,13 @@ def test_pause_freezes_and_resume_continues(vllm):
             await trio.sleep(alone_s / 10)
             assert "out" not in box, "the request finished before the pause: the test did not pause anything"
             await eng.pause_generation()
-            assert (await eng._call("GET", "/is_paused"))["is_paused"] is True
-            await trio.sleep(alone_s + 3.0)  # longer than the whole request takes unpaused
-            assert "out" not in box, "a request finished while the engine was paused"
-            box["resumed"] = time.monotonic()
-            await eng.continue_generation()
+            try:
+                assert (await eng._call("GET", "/is_paused"))["is_paused"] is True
+                await trio.sleep(alone_s + 3.0)  # longer than the whole request takes unpaused
+                assert "out" not in box, "a request finished while the engine was paused"
+            finally:  # never leave the module's shared server paused for the tests after this one
+                box["resumed"] = time.monotonic()
+                await eng.continue_generation()
 
     trio.run(run)
     assert box["t"] >= box["resumed"]
