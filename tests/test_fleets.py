@@ -19,6 +19,17 @@ ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs" / "demo.toml"
 
 
+
+def run_one_rl_step(cfg) -> subprocess.CompletedProcess:
+    """`python -m trainer rl` for one verified-sync step of 4 prompts on the run config `cfg`; must exit 0."""
+    cmd = [sys.executable, "-m", "trainer", "rl", "--config", str(cfg), "--set", "rl.num_steps=1",
+           "--set", "rl.rollout.rollout_batch_size=4", "--set", "rl.rollout.dynamic_filters=[]",
+           "--set", "eval.limit=4", "--set", "rl.verify_sync=true"]
+    env = {"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
 def config_with_engines(tmp_path: Path, engines_toml: str, name: str = "fleet") -> Path:
     """demo.toml with its [engines] table replaced, data paths made absolute, output under tmp_path."""
     text = DEMO.read_text()
@@ -84,12 +95,7 @@ fleet = [{{kind = "embedded"}}, {{url = "{remote.url}", kind = "sglang", tp_size
 sync = "{sync}"
 threads = 1
 ''', name=name)
-        cmd = [sys.executable, "-m", "trainer", "rl", "--config", str(cfg), "--set", "rl.num_steps=1",
-               "--set", "rl.rollout.rollout_batch_size=4", "--set", "rl.rollout.dynamic_filters=[]",
-               "--set", "eval.limit=4", "--set", "rl.verify_sync=true"]
-        env = {"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        proc = run_one_rl_step(cfg)
         info = trio.run(SGLangEngine(remote.url).get_server_info)
     out = tmp_path / name
     rows = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
@@ -133,12 +139,7 @@ threads = 1
         start = text.index("[model]")
         end = text.index("\n[", start + 1)
         cfg.write_text(text[:start] + f'[model]\npath = "{folder}"\n' + text[end:])
-        cmd = [sys.executable, "-m", "trainer", "rl", "--config", str(cfg), "--set", "rl.num_steps=1",
-               "--set", "rl.rollout.rollout_batch_size=4", "--set", "rl.rollout.dynamic_filters=[]",
-               "--set", "eval.limit=4", "--set", "rl.verify_sync=true"]
-        env = {"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
-        run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-        assert run.returncode == 0, run.stderr[-3000:]
+        run_one_rl_step(cfg)
         version = trio.run(VLLMEngine(url, str(folder)).get_weight_version)
     finally:
         stop_server(proc)
