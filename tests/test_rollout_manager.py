@@ -413,7 +413,11 @@ def test_no_prompt_is_lost_across_batches_under_random_timing(engines, engine, s
     cfg = RolloutConfig(rollout_batch_size=rng.randint(1, 3), n_samples_per_prompt=rng.randint(2, 3),
                         over_sampling_factor=rng.choice([1.0, 1.5, 3.0]), max_new_tokens=8,
                         max_concurrency=rng.randint(2, 16), seed=seed,
-                        dynamic_filters=rng.choice([(), ("check_reward_nonzero_std",), ("check_min_reward",)]))
+                        dynamic_filters=rng.choice([(), ("check_reward_nonzero_std",), ("check_min_reward",)]),
+                        # The fake engine passes the zero-variance filter for ~1 group in 4, so the default give-up
+                        # cap (10 x batch dropped) is hit by chance in a few runs in a hundred; this sweep is about
+                        # bookkeeping, the cap has its own test below.
+                        max_filtered_groups=10_000)
 
     async def reward(sample):  # async reward functions are awaited
         await trio.sleep(0)
@@ -441,6 +445,17 @@ def test_no_prompt_is_lost_across_batches_under_random_timing(engines, engine, s
     while any(e.active for e in engines) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert all(e.active == 0 for e in engines)
+
+
+def test_filters_that_reject_everything_give_up_at_the_cap_with_a_clear_error(engine):
+    """Even first operands always get the right answer from the fake engine: every group has zero reward variance,
+    so the filter drops them all; the manager stops after max_filtered_groups drops and says what to change."""
+    cfg = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2, max_new_tokens=8, seed=0,
+                        dynamic_filters=("check_reward_nonzero_std",), max_filtered_groups=5)
+    m = AsyncRolloutManager(_clients([engine]), cfg, tokenizer=TOK, reward_fn="arithmetic")
+    buf = _buffer([f"{2 * i}+{i + 1}=" for i in range(20)])
+    with pytest.raises(RuntimeError, match=r"dropped 6 groups .*raise max_filtered_groups"):
+        _run(m, buf)
 
 
 def test_cached_groups_not_launched_stay_queued_and_engine_failure_loses_no_prompt(engine):
