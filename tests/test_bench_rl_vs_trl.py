@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from engines.embedded.presets import build_tiny_model
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 import bench_rl_vs_trl as bench  # noqa: E402
@@ -60,6 +62,18 @@ def test_bench_config_rejects_bad_sizes():
         bench.BenchConfig(steps=0)
 
 
+def test_model_option_points_both_sides_at_one_folder(tmp_path):
+    from trainer.cli import ConfigError, prepare_model_folder
+
+    folder = tmp_path / "sft_export"
+    ref = build_tiny_model(3, arch="qwen2", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+    ref.save_pretrained(folder)
+    cfg = bench.run_config(bench.BenchConfig(model=str(folder)), tmp_path / "run")
+    assert prepare_model_folder(cfg, None) == folder.resolve()
+    with pytest.raises(ConfigError, match=r"demo.toml: \[model\]\.path = .*no_such_folder"):
+        bench.run_config(bench.BenchConfig(model=str(tmp_path / "no_such_folder")), tmp_path / "run")
+
+
 def test_ours_one_toy_step(tmp_path):
     res = bench.run_ours(TOY, tmp_path, async_rollout=False)
     assert res["steps"] == 1 and res["samples"] == 16
@@ -71,8 +85,6 @@ def test_ours_one_toy_step(tmp_path):
 @needs_trl
 def test_trl_one_toy_step_same_initial_model_as_ours(tmp_path):
     from transformers import AutoModelForCausalLM
-
-    from engines.embedded.presets import build_tiny_model
 
     res = bench.run_trl(TOY, tmp_path)
     assert res["steps"] == 1 and res["samples"] == 16 and res["samples_per_s"] > 0
