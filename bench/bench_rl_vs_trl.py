@@ -237,6 +237,7 @@ def run_trl(bc: BenchConfig, out: Path) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, TrainerCallback
 
     from engines.tiny import build_tokenizer
+    from engines.tokenizer import load_tokenizer
     from trainer.cli import DEFAULT_REWARD, prepare_model_folder
     from trainer.data import config_prompts
 
@@ -246,8 +247,8 @@ def run_trl(bc: BenchConfig, out: Path) -> dict[str, Any]:
     if data.get("format", "chat") != "chat":
         raise ValueError(f"{bc.config}: [data].format = {data['format']!r}; the TRL side runs chat prompts only")
     reward = data.get("reward", DEFAULT_REWARD)
-    tokenizer = build_tokenizer()
-    folder = prepare_model_folder(cfg, tokenizer)
+    folder = prepare_model_folder(cfg, build_tokenizer())
+    tokenizer = load_tokenizer(folder)  # the tokenizer our CLI uses for this folder
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     model.generation_config.eos_token_id = _stop_ids(tokenizer)
     train = config_prompts(data["train"], data, where="[data].train", seed=cfg["seed"])

@@ -37,3 +37,25 @@ def test_tiny_config_matches_tokenizer():
         tiny_model_config("gpt2")
     with pytest.raises(ValueError, match="vocab_size"):
         tiny_model_config(vocab_size=10)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_a_model_folder_gives_back_the_tokenizer_that_wrote_it(tmp_path, arch):
+    """The project tokenizer saved beside a Qwen2 / Llama config reloads encoding as it did: newlines included
+    (transformers 5's AutoTokenizer picks Qwen2Tokenizer for a qwen2 folder, which dropped them)."""
+    from engines.tokenizer import load_tokenizer
+
+    tok = build_tokenizer()
+    tiny_model_config(arch).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    again = load_tokenizer(tmp_path)
+    msgs = [{"role": "system", "content": "Be brief.\nOnly digits."}, {"role": "user", "content": "12+7=\n"},
+            {"role": "assistant", "content": "19"}]
+    chat = tok.apply_chat_template(msgs, tokenize=True, return_dict=True)["input_ids"]
+    assert again.apply_chat_template(msgs, tokenize=True, return_dict=True)["input_ids"] == chat
+    assert chat.count(tok.convert_tokens_to_ids("\n")) == 8  # 2 per turn + 2 in the contents
+    rng = random.Random(3)
+    text = "".join(rng.choice(CHARS) for _ in range(500))
+    assert again(text, add_special_tokens=False)["input_ids"] == tok(text, add_special_tokens=False)["input_ids"]
+    assert (again.pad_token_id, again.eos_token_id, again.convert_tokens_to_ids("<|im_end|>")) == \
+        (tok.pad_token_id, tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>"))

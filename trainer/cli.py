@@ -463,9 +463,9 @@ def run(mode: str, cfg: dict[str, Any], *, resume: bool = False) -> dict[str, An
     model_folder = start_folder(cfg, prepare_model_folder(cfg, tokenizer)) if is_main else None
     model_folder = Path(broadcast_from_rank0(str(model_folder)))
     if (model_folder / "tokenizer.json").is_file():
-        from transformers import AutoTokenizer
+        from engines.tokenizer import load_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(model_folder)
+        tokenizer = load_tokenizer(model_folder)
     reward_fn = data.get("reward", DEFAULT_REWARD)
     fmt = data.get("format", "chat")
     eval_prompts = config_prompts(data["eval"], data, where="[data].eval") if "eval" in data else []

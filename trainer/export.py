@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM
 
+from engines.tokenizer import load_tokenizer
 from trainer.checkpoint import is_complete, latest_checkpoint
 from trainer.parallel import ROOT_PREFIX, TrainModule
 
@@ -96,7 +97,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, model_folder: str | os.Path
                                 f"checkpoint's architecture and tokenizer")
     model = _plain_model(folder)
     load_checkpoint_weights(model, ckpt)
-    tokenizer = AutoTokenizer.from_pretrained(folder) if (folder / "tokenizer_config.json").is_file() else None
+    tokenizer = load_tokenizer(folder) if (folder / "tokenizer_config.json").is_file() else None
     root = TrainModule(model)
     path = export_hf(_Exportable(module=root, model=model), out, tokenizer=tokenizer, dtype=dtype)
     if (folder / "generation_config.json").is_file():

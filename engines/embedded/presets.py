@@ -9,9 +9,10 @@ from __future__ import annotations
 import os
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from engines.tiny import build_tokenizer, tiny_model_config
+from engines.tokenizer import load_tokenizer
 
 TINY = "tiny"
 
@@ -36,7 +37,7 @@ def load_engine_model(spec: str, *, seed: int = 0, dtype: torch.dtype | None = N
         model, tok = build_tiny_model(seed, dtype=dtype), build_tokenizer()
     elif os.path.isdir(spec):
         model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype)
-        tok = AutoTokenizer.from_pretrained(spec)
+        tok = load_tokenizer(spec)
     else:
         raise ValueError(f"--model {spec!r}: expected 'tiny' or an existing folder with a Hugging Face model")
     return model.to(device).eval(), tok
