@@ -12,6 +12,8 @@ sampled from at the request's temperature T, before top-k/top-p: `log_softmax(lo
 
 from __future__ import annotations
 
+import functools
+import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -26,6 +28,18 @@ class EngineUnavailableError(EngineError):
 
 
 FINISH_REASONS = ("stop", "length", "abort")
+
+
+@functools.cache
+def tls_context() -> ssl.SSLContext:
+    """One TLS context for every HTTP client of the engine adapters (httpx's own trust store, certifi).
+
+    httpx builds a new context for each client by default, and loading the CA bundle costs ~40 ms of CPU here;
+    clients are per event loop, and every rollout batch, evaluation and weight-sync call from sync code runs its own
+    loop, so that cost came back several times per RL step, for loopback HTTP that never uses TLS."""
+    import certifi
+
+    return ssl.create_default_context(cafile=certifi.where())
 
 
 @dataclass(frozen=True)

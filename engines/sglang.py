@@ -45,6 +45,7 @@ from engines.protocol import (
     EngineError,
     EngineUnavailableError,
     SamplingParams,
+    tls_context,
 )
 
 
@@ -168,7 +169,7 @@ class SGLangEngine:
             if client is None:
                 limits = httpx.Limits(max_connections=self.max_connections,
                                       max_keepalive_connections=self.max_connections)
-                client = httpx.AsyncClient(headers=self.headers, limits=limits,
+                client = httpx.AsyncClient(headers=self.headers, limits=limits, verify=tls_context(),
                                            timeout=httpx.Timeout(self.timeout_s, connect=self.connect_timeout_s))
                 self._clients[key] = client
             return client

@@ -43,7 +43,7 @@ from collections.abc import Sequence
 import anyio
 import httpx
 
-from engines.protocol import Completion, SamplingParams
+from engines.protocol import Completion, SamplingParams, tls_context
 from engines.sglang import EngineError, parse_weight_version
 from engines.vllm_ext import BACKEND_NAME
 
@@ -121,7 +121,7 @@ class VLLMEngine:
 
     async def _call(self, method: str, route: str, body: dict | None = None, params: dict | None = None):
         try:
-            async with httpx.AsyncClient(timeout=self.timeout_s, headers=self.headers) as client:
+            async with httpx.AsyncClient(timeout=self.timeout_s, headers=self.headers, verify=tls_context()) as client:
                 r = await client.request(method, self.url + route, json=body, params=params)
         except httpx.HTTPError as e:
             raise EngineError(f"{self.url}{route}: no answer ({type(e).__name__}: {e})") from e

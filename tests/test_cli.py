@@ -200,14 +200,17 @@ def test_trainer_threads_leave_the_embedded_engines_their_cores(monkeypatch):
     original = torch.get_num_threads()
     torch.set_num_threads(5)  # a value none of the cases below computes
     before = 5
-    with cores_left_to_trainer({"engines": {"embedded": 1, "threads": 1}}):
+    overlapped = {"async_rollout": True}
+    with cores_left_to_trainer({"engines": {"embedded": 1, "threads": 1}, "rl": overlapped}):
         assert torch.get_num_threads() == 3  # 4 cores - 1 engine x 1 thread
     assert torch.get_num_threads() == before
-    with cores_left_to_trainer({"engines": {"embedded": 3, "threads": 2}}):
+    with cores_left_to_trainer({"engines": {"embedded": 3, "threads": 2}, "rl": overlapped}):
         assert torch.get_num_threads() == 1  # never below one
-    with cores_left_to_trainer({"engines": {"urls": ["http://elsewhere:1"]}}):
+    with cores_left_to_trainer({"engines": {"embedded": 1, "threads": 1}, "rl": {"async_rollout": False}}):
+        assert torch.get_num_threads() == before  # synchronous: the engines are idle while the trainer steps
+    with cores_left_to_trainer({"engines": {"urls": ["http://elsewhere:1"]}, "rl": overlapped}):
         assert torch.get_num_threads() == before  # engines on other machines take no core here
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    with cores_left_to_trainer({"engines": {"embedded": 1, "threads": 1}}):
+    with cores_left_to_trainer({"engines": {"embedded": 1, "threads": 1}, "rl": overlapped}):
         assert torch.get_num_threads() == before  # the user's explicit choice wins
     torch.set_num_threads(original)

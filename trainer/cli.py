@@ -362,17 +362,20 @@ def build_sender(cfg: dict[str, Any], model: Any, engines: Sequence[Any]) -> Any
 
 @contextlib.contextmanager
 def cores_left_to_trainer(cfg: dict[str, Any]):
-    """On CPU, while embedded engines run beside the trainer on this host, give the trainer's intra-op (OpenMP)
-    pool only the cores the engines leave free.
+    """On CPU, while embedded engines generate beside the trainer's steps on this host (async rollouts), give the
+    trainer's intra-op (OpenMP) pool only the cores the engines leave free.
 
     An OpenMP region waits for its slowest thread: when an engine process wants a core that a trainer thread
-    holds, every parallel region of the train step stalls. Measured on 2 cores with one engine thread, a GRPO
-    train step took 20-51 s with 2 trainer threads and 1.1-1.2 s with 1. Not applied on CUDA, with engines given
-    by URL, or when OMP_NUM_THREADS is set (the user's choice wins)."""
+    holds, every parallel region of the train step stalls. Measured on 2 busy cores with one engine thread, a GRPO
+    train step took 20-51 s with 2 trainer threads and 1.1-1.2 s with 1. In synchronous mode the engines are idle
+    while the trainer steps, so it keeps every core (on the quiet 2-core machine: 1.26-1.46 s train steps with 2
+    threads vs 1.50-1.93 s with 1). Not applied on CUDA, with engines given by URL, or when OMP_NUM_THREADS is set
+    (the user's choice wins)."""
     e = cfg.get("engines", {})
     started = sum(t["url"] is None for t in fleet_of(e))
     engine_cores = started * int(e.get("threads", 1))
-    if torch.cuda.is_available() or engine_cores == 0 or "OMP_NUM_THREADS" in os.environ:
+    overlapped = bool(cfg.get("rl", {}).get("async_rollout", False))
+    if torch.cuda.is_available() or engine_cores == 0 or not overlapped or "OMP_NUM_THREADS" in os.environ:
         yield
         return
     before = torch.get_num_threads()
@@ -513,7 +516,7 @@ def run(mode: str, cfg: dict[str, Any], *, resume: bool = False) -> dict[str, An
                 sender.sync(weight_version=0)
                 accuracy("after_sft")
             buffer = config_buffer(data["train"], data, where="[data].train", seed=cfg["seed"])
-            with cores_left_to_trainer(cfg):  # the engines generate while (async) or between (sync) train steps
+            with cores_left_to_trainer(cfg):  # async: the engines generate while the trainer steps
                 comp, state, hist = run_rl_training(None, buffer, rl_cfg, engines=engines, tokenizer=tokenizer,
                                                     reward_fn=reward_fn, trainer_config=tcfg, components=comp,
                                                     resume=resume, api_key=api_key, sender=sender)

@@ -73,7 +73,8 @@ def compute_advantages(samples: Sequence[Sample], estimator: str) -> list[float]
         return out
     rewards = torch.tensor([0.0 if samples[i].reward is None else samples[i].reward for i in scored],
                            dtype=torch.float64)
-    uids = [_group_ids(samples)[i] for i in scored]
+    all_uids = _group_ids(samples)
+    uids = [all_uids[i] for i in scored]
     remap = {u: k for k, u in enumerate(dict.fromkeys(uids))}
     groups = torch.tensor([remap[u] for u in uids], dtype=torch.int64)
     if estimator == "grpo":

@@ -12,6 +12,8 @@ import time
 
 import httpx
 
+from engines.protocol import tls_context
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -61,16 +63,17 @@ class EngineProcess:
         """Poll /health until it answers 200 (or the process exits, or the deadline passes)."""
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         deadline = time.monotonic() + self.start_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                err = self.stderr_tail()
-                raise RuntimeError(f"engine exited with code {self.proc.returncode} while starting:\n{err}")
-            try:
-                if httpx.get(self.url + "/health", headers=headers, timeout=2.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        with httpx.Client(headers=headers, timeout=2.0, verify=tls_context()) as client:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    err = self.stderr_tail()
+                    raise RuntimeError(f"engine exited with code {self.proc.returncode} while starting:\n{err}")
+                try:
+                    if client.get(self.url + "/health").status_code == 200:
+                        return self
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.2)
         self.kill()
         raise TimeoutError(f"engine on port {self.port} not healthy within {self.start_timeout_s:.0f}s")
 
