@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -32,6 +30,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from _proc import run_with_peak_rss  # noqa: E402  (bench/ is on the path: script or pytest)
 
 CONFIG = ROOT / "configs" / "qwen05b_shape.toml"
 RESULTS = ROOT / "bench" / "results" / "real_shape_cpu.json"
@@ -99,53 +99,14 @@ def write_model_folder(folder: str | os.PathLike, *, seed: int = 0, **shape) -> 
 
 
 # ----------------------------------------------------------------------------------------------- measuring
-def _tree_rss(pid: int) -> int:
-    """Resident bytes of `pid` and all its descendants (the trainer and its engine processes)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        todo += children.get(p, [])
-        try:
-            for line in open(f"/proc/{p}/status"):
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
-        except OSError:
-            pass
-    return total
-
-
 def run_phase(args: Sequence[str], *, env: dict, timeout_s: float, log: Path) -> dict:
     """Run `python -m trainer <args>`; returns wall seconds and the peak RSS of its process tree (0.2 s samples)."""
     t0 = time.perf_counter()
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=ROOT, env=env, stdout=out,
-                                stderr=subprocess.STDOUT)
-        peak = [0]
-
-        def sample() -> None:
-            while proc.poll() is None:
-                peak[0] = max(peak[0], _tree_rss(proc.pid))
-                time.sleep(0.2)
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
-        sampler.join()
+    rc, peak = run_with_peak_rss([sys.executable, "-m", "trainer", *args], log=log, timeout_s=timeout_s, cwd=ROOT,
+                                 env=env)
     if rc != 0:
         raise RuntimeError(f"python -m trainer {' '.join(args)} exited {rc}; log {log}:\n{log.read_text()[-4000:]}")
-    return {"wall_s": round(time.perf_counter() - t0, 1), "peak_rss_gib": round(peak[0] / 2**30, 2)}
+    return {"wall_s": round(time.perf_counter() - t0, 1), "peak_rss_gib": round(peak / 2**30, 2)}
 
 
 def _rows(path: Path) -> list[dict]:

@@ -55,13 +55,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):  # `python bench/bench_rl_vs_trl.py`: the repository root on the path
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _proc import run_with_peak_rss  # noqa: E402  (bench/ is on the path: script or pytest)
 
 ROOT = Path(__file__).resolve().parent.parent
 SIDES = ("trl", "ours-sync", "ours-async")
@@ -299,23 +300,6 @@ def run_trl(bc: BenchConfig, out: Path) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------------- driver
-def _tree_rss(pid: int) -> int:
-    import psutil
-
-    try:
-        proc = psutil.Process(pid)
-        procs = [proc, *proc.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0
-    total = 0
-    for p in procs:
-        try:
-            total += p.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return total
-
-
 def measure(side: str, bc: BenchConfig, workdir: Path, *, timeout_s: float = 3600.0) -> dict[str, Any]:
     """Run one side in a fresh subprocess; its result plus the peak RSS of its process tree (sampled at 5 Hz)."""
     if side not in SIDES:
@@ -326,29 +310,11 @@ def measure(side: str, bc: BenchConfig, workdir: Path, *, timeout_s: float = 360
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", side, "--worker-out", str(out),
            "--bench-config", json.dumps(dataclasses.asdict(bc))]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    with open(out / "worker.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        peak, done = [0], threading.Event()
-
-        def sample() -> None:
-            while not done.is_set():
-                peak[0] = max(peak[0], _tree_rss(proc.pid))
-                done.wait(0.2)
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        finally:
-            done.set()
-            sampler.join()
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    rc, peak = run_with_peak_rss(cmd, log=out / "worker.log", timeout_s=timeout_s, cwd=ROOT, env=env)
     if rc != 0 or not result.is_file():
         tail = (out / "worker.log").read_text(errors="replace")[-3000:]
         raise RuntimeError(f"bench side {side!r} exited with code {rc}; the end of {out / 'worker.log'}:\n{tail}")
-    return {**json.loads(result.read_text()), "peak_rss_mb": peak[0] / 2**20}
+    return {**json.loads(result.read_text()), "peak_rss_mb": peak / 2**20}
 
 
 def machine_info() -> dict[str, Any]:

@@ -96,3 +96,21 @@ def test_trl_one_toy_step_same_initial_model_as_ours(tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "init_model")
     for (name, a), b in zip(ref.state_dict().items(), loaded.state_dict().values()):
         assert (a == b).all(), name
+
+
+def test_peak_rss_counts_the_whole_process_tree_and_timeouts_kill(tmp_path):
+    import os
+    import subprocess
+
+    from _proc import run_with_peak_rss
+
+    # A child that holds 300 MB and starts a grandchild that holds 200 MB, both alive together for a second.
+    hold = "import time; b = bytearray({n} * 2**20); b[::4096] = b'x' * len(b[::4096]); time.sleep(1.5)"
+    code = (f"import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', {hold.format(n=200)!r}]); "
+            f"exec({hold.format(n=300)!r}); p.wait()")
+    rc, peak = run_with_peak_rss([sys.executable, "-c", code], log=tmp_path / "log", timeout_s=60, cwd=tmp_path,
+                                 env=dict(os.environ))
+    assert rc == 0 and 500 * 2**20 <= peak < 700 * 2**20
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_with_peak_rss([sys.executable, "-c", "import time; time.sleep(30)"], log=tmp_path / "log2",
+                          timeout_s=0.5, cwd=tmp_path, env=dict(os.environ))
