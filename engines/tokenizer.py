@@ -23,20 +23,24 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 PROBE = "Hello, World!\n  12+30=42\t#### 7\n\nx_y (a-b)/c 'quote' \"q\" 3.5e-2 Ünïcode"
 
 
-def _encodes_like_file(tok: PreTrainedTokenizerBase, folder: Path) -> bool:
-    from tokenizers import Tokenizer
-
-    raw = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    return tok(PROBE, add_special_tokens=False)["input_ids"] == raw.encode(PROBE, add_special_tokens=False).ids
+def _probe_ids(tok: PreTrainedTokenizerBase) -> list[int]:
+    return tok(PROBE, add_special_tokens=False)["input_ids"]
 
 
 def load_tokenizer(folder: str | os.PathLike) -> PreTrainedTokenizerBase:
     """The tokenizer of a Hugging Face folder, encoding exactly as its `tokenizer.json` (module docstring)."""
+    from tokenizers import Tokenizer
+
     folder = Path(folder)
     tok = AutoTokenizer.from_pretrained(folder)
-    if (folder / "tokenizer.json").is_file() and not _encodes_like_file(tok, folder):
-        tok = PreTrainedTokenizerFast.from_pretrained(folder)
-        if not _encodes_like_file(tok, folder):
-            raise ValueError(f"{folder}: neither {type(tok).__name__} nor the generic fast tokenizer encodes like "
-                             f"its tokenizer.json; re-save the tokenizer with save_pretrained")
-    return tok
+    file = folder / "tokenizer.json"
+    if not file.is_file():
+        return tok
+    want = Tokenizer.from_file(str(file)).encode(PROBE, add_special_tokens=False).ids
+    if _probe_ids(tok) == want:
+        return tok
+    generic = PreTrainedTokenizerFast.from_pretrained(folder)
+    if _probe_ids(generic) != want:
+        raise ValueError(f"{folder}: neither {type(tok).__name__} nor the generic fast tokenizer encodes like its "
+                         f"tokenizer.json; re-save the tokenizer with save_pretrained")
+    return generic
