@@ -37,6 +37,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from kernels.packing import PackedBatch
+from trainer.batch import PromptTrees
 
 _FLASH = ("flash_attention_2", "flash_attention_3")
 PACKED_SDPA = "packed_sdpa"
@@ -140,6 +141,56 @@ def packed_segment_indices(lengths: tuple[int, ...], padded_len: int,
     return gather, torch.cat([real, tail])
 
 
+def tree_causal_mask(seq_index: torch.Tensor, branch: torch.Tensor, dtype: torch.dtype = torch.bool) -> torch.Tensor:
+    """[N] tree ids and [N] branch ids (-1 on shared prompts) -> [1, 1, N, N] shared-prompt mask (bool / additive).
+
+    Query i attends key j iff j <= i in the same tree and j is a prompt token or in i's own branch: a branch sees
+    its prompt and itself, a prompt sees only the prompt (trainer.shared_prompt). The padding tail (tree -1,
+    branch -1) is one causal block, as in block_causal_mask.
+    """
+    n = seq_index.shape[0]
+    i = torch.arange(n, device=seq_index.device)
+    allowed = ((seq_index[:, None] == seq_index[None, :]) & (i[None, :] <= i[:, None])
+               & ((branch[None, :] < 0) | (branch[None, :] == branch[:, None])))
+    if dtype == torch.bool:
+        return allowed[None, None]
+    zero = torch.zeros((), dtype=dtype, device=seq_index.device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)[None, None]
+
+
+def tree_segment_indices(trees: tuple[tuple[int, tuple[int, ...]], ...], padded_len: int,
+                         device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Shared-prompt row -> (gather [S, Lmax], scatter [N]) for packed_sdpa, S = number of branches.
+
+    trees: (prompt length P, branch lengths) of each tree in row order (PromptTrees.trees). Segment s is branch
+    s's own sequence, prompt positions then its branch positions (P + R_s tokens), so the per-segment causal SDPA
+    is the sample's unshared attention; every branch reads the prompt's keys and values (their gradients sum over
+    the branches through the gather). Each row token's output is taken from one segment: a prompt token from its
+    tree's first branch, a branch token from its own; the padding tail from the zero row S * Lmax.
+    """
+    segs: list[list[int]] = []
+    out_of: list[int] = []  # per row token: its flat index in [S * Lmax], filled once Lmax is known
+    owner: list[tuple[int, int]] = []  # per row token: (segment, slot)
+    o = 0
+    for p, lens in trees:
+        assert lens, "a tree has at least one branch"
+        prompt = list(range(o, o + p))
+        owner += [(len(segs), k) for k in range(p)]
+        b = o + p
+        for r in lens:
+            owner += [(len(segs), p + k) for k in range(r)]
+            segs.append(prompt + list(range(b, b + r)))
+            b += r
+        o = b
+    if not segs or o > padded_len or any(not g for g in segs):
+        raise ValueError(f"trees={trees}: need at least one branch, non-empty sequences and at most "
+                         f"padded_len={padded_len} tokens; pass the row's own PromptTrees.trees")
+    lmax = max(len(g) for g in segs)
+    gather = torch.tensor([g + [g[-1]] * (lmax - len(g)) for g in segs], dtype=torch.int64, device=device)
+    out_of = [sg * lmax + k for sg, k in owner] + [len(segs) * lmax] * (padded_len - o)
+    return gather, torch.tensor(out_of, dtype=torch.int64, device=device)
+
+
 def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                           packed_gather_index: torch.Tensor | None = None,
@@ -195,15 +246,41 @@ def _model_dtype(model) -> torch.dtype:
     return next(model.parameters()).dtype
 
 
-def packed_attention_kwargs(model, batch: PackedBatch) -> dict:
+SHARED_PROMPT_IMPLS = (PACKED_SDPA, "sdpa", "eager")  # attention paths with a shared-prompt (tree) mask
+
+
+def supports_shared_prompts(model) -> bool:
+    """Whether the model's attn_implementation can run the shared-prompt layout (trainer.shared_prompt).
+
+    flash-attn's varlen kernel has no per-branch mask; flex_attention could (a mask_mod over branch ids) but has
+    no tile tables for it yet: both train with the plain layout.
+    """
+    return _attn_implementation(model) in SHARED_PROMPT_IMPLS
+
+
+def _tree_attention_kwargs(impl: str, model, batch: PackedBatch, trees: PromptTrees) -> dict:
+    if impl == PACKED_SDPA:
+        gather, scatter = tree_segment_indices(trees.trees, batch.padded_len, batch.input_ids.device)
+        return {"attention_mask": torch.ones_like(batch.input_ids[None], dtype=torch.bool),
+                "packed_gather_index": gather, "packed_scatter_index": scatter}
+    if impl in ("sdpa", "eager"):
+        dtype = torch.bool if impl == "sdpa" else _model_dtype(model)
+        return {"attention_mask": tree_causal_mask(batch.seq_index, trees.branch, dtype)}
+    raise ValueError(f"attn_implementation={impl!r} has no shared-prompt (tree) mask; load the model with one of "
+                     f"{SHARED_PROMPT_IMPLS} or set [trainer] share_prompts = false")
+
+
+def packed_attention_kwargs(model, batch: PackedBatch, trees: PromptTrees | None = None) -> dict:
     """Keyword arguments for `model(**kw)` or its backbone on one packed row (batch dimension 1).
 
     Returns input_ids [1, N], position_ids [1, N], use_cache False, and the attention inputs the model's
-    attn_implementation needs (see the module docstring).
+    attn_implementation needs (see the module docstring); with `trees`, the shared-prompt layout's attention.
     """
     impl = _attn_implementation(model)
     ids = batch.input_ids[None]
     kw: dict = {"input_ids": ids, "position_ids": batch.position_ids[None], "use_cache": False}
+    if trees is not None:
+        return {**kw, **_tree_attention_kwargs(impl, model, batch, trees)}
     if impl == PACKED_SDPA:
         # A full 2D mask: transformers then skips its position_ids packing detection and builds no mask (sdpa's
         # is_causal skip), so no N x N tensor exists; the segments travel as the two index tensors.
@@ -246,15 +323,16 @@ def backbone(model):
     return inner if isinstance(inner, torch.nn.Module) else model
 
 
-def packed_hidden_states(model, batch: PackedBatch) -> torch.Tensor:
+def packed_hidden_states(model, batch: PackedBatch, trees: PromptTrees | None = None) -> torch.Tensor:
     """[N, H] final hidden states (after the last norm) of one packed row; no logits are built.
 
     Feed them with the LM head weight to the fused log-prob / policy-loss kernels; hidden state i predicts token
-    i + 1 of the same sequence (kernels.packing.shift_left builds those targets).
+    i + 1 of the same sequence (kernels.packing.shift_left builds those targets). With `trees` (the shared-prompt
+    layout) hidden state i is the one of token i in its sample's own sequence.
     """
     if batch.input_ids.dim() != 1:
         raise ValueError(f"batch.input_ids must be [N] (one packed row), got {tuple(batch.input_ids.shape)}")
-    out = backbone(model)(**packed_attention_kwargs(model, batch))
+    out = backbone(model)(**packed_attention_kwargs(model, batch, trees))
     return out.last_hidden_state[0]
 
 

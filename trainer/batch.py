@@ -25,26 +25,49 @@ import torch
 import torch.nn.functional as F
 
 from kernels.packing import PackedBatch, broadcast_to_tokens, packed_layout, shift_left
+from trainer.planner import plan_micro_batches
 from trainer.types import Sample
 
 IGNORE_INDEX = -100
 
 
 def _move(obj, fn):
-    """dataclasses.replace(obj, every tensor field -> fn(tensor)); nested PackedBatch handled too."""
+    """dataclasses.replace(obj, every tensor field -> fn(tensor)); nested dataclasses (PackedBatch, PromptTrees)
+    handled too."""
     changes = {}
     for f in dataclasses.fields(obj):
         v = getattr(obj, f.name)
         if isinstance(v, torch.Tensor):
             changes[f.name] = fn(v)
-        elif isinstance(v, PackedBatch):
+        elif dataclasses.is_dataclass(v) and not isinstance(v, type):
             changes[f.name] = _move(v, fn)
     return dataclasses.replace(obj, **changes)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class PromptTrees:
+    """The shared-prompt layout of a packed row (trainer.shared_prompt builds it).
+
+    The samples of one prompt (a GRPO group) form a tree: the prompt's P tokens once, then each sample's response
+    as a branch. Row positions keep the unshared sequence's numbering (prompt 0..P-1, branch tokens P, P+1, ...), and
+    a branch token attends the prompt and its own branch causally, so every hidden state equals the one of the
+    sample's own sequence (trainer.attention builds the per-branch attention from `trees` or `branch`).
+    Loss rows: the hidden state of the prompt's last token predicts the first response token of every branch, so
+    the loss runs on M gathered rows, not on the N row tokens.
+    """
+
+    branch: torch.Tensor  # [N] int64: the branch (sample, in row order) of each token; -1 on prompts and the tail
+    hidden_index: torch.Tensor  # [M] int64: the row position whose hidden state feeds loss row m
+    trees: tuple[tuple[int, tuple[int, ...]], ...]  # host: (prompt length, branch lengths) of each tree, in row order
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class MicroBatch:
-    """One packed row plus its training targets. N = bucketed row length; host sizes are plain ints."""
+    """One packed row plus its training targets. N = bucketed row length; host sizes are plain ints.
+
+    With `trees` (the shared-prompt layout) the per-token targets below (labels ... rollout_logprobs, segments)
+    are over the M loss rows of `trees.hidden_index` instead of the N row tokens; the math is the same.
+    """
 
     row: PackedBatch  # input_ids [N], position_ids [N], seq_index [N], cu_seqlens [S+1], lengths (host)
     labels: torch.Tensor  # [N] int64 next-token targets, IGNORE_INDEX off the response
@@ -58,6 +81,7 @@ class MicroBatch:
     old_logprobs: torch.Tensor | None = None  # [N] float32, log pi_old(label)
     ref_logprobs: torch.Tensor | None = None  # [N] float32, log pi_ref(label)
     rollout_logprobs: torch.Tensor | None = None  # [N] float32, the engine's log-probs
+    trees: PromptTrees | None = None  # the shared-prompt layout (None: one sequence per sample)
 
     def to(self, device: torch.device, non_blocking: bool = False) -> MicroBatch:
         """Every tensor on `device` (non_blocking copies overlap compute only from pinned host memory)."""
@@ -72,12 +96,6 @@ class MicroBatch:
 def bucketed_length(n: int, bucket_size: int) -> int:
     """n rounded up to a multiple of bucket_size (at least one bucket)."""
     return max(1, -(-n // bucket_size)) * bucket_size
-
-
-def _plan(lengths: list[int], token_budget: int, num_ranks: int) -> list[list[list[int]]]:
-    from trainer.planner import plan_micro_batches
-
-    return plan_micro_batches(lengths, token_budget=token_budget, num_ranks=num_ranks)
 
 
 def _response_values(values: Sequence[float] | None, n: int, name: str) -> list[float]:
@@ -151,16 +169,11 @@ def pack_micro_batch(samples: Sequence[Sample], indices: Sequence[int], *, advan
         if has_rollout else None)
 
 
-def build_micro_batches(samples: Sequence[Sample], *, token_budget: int, bucket_size: int,
-                        advantages: Sequence[float] | None = None, pad_id: int = 0, num_ranks: int = 1,
-                        rank: int = 0, old_logprobs: Sequence[Sequence[float]] | None = None,
-                        ref_logprobs: Sequence[Sequence[float]] | None = None) -> list[MicroBatch]:
-    """This rank's packed micro-batches for `samples` (host tensors; forward_backward moves them).
-
-    advantages: one float per sample (default 0, e.g. for SFT). old/ref log-probs: optional per-sample lists with
-    one value per response token (usually attached later with `attach_logprobs`). Every rank must call this with
-    the same arguments (the plan is deterministic), so all ranks agree on the number of micro-batches.
-    """
+def check_batch_inputs(samples: Sequence[Sample], *, token_budget: int, bucket_size: int,
+                       advantages: Sequence[float] | None, num_ranks: int, rank: int,
+                       old_logprobs: Sequence[Sequence[float]] | None,
+                       ref_logprobs: Sequence[Sequence[float]] | None) -> tuple[list[float], int]:
+    """Validate the inputs of a micro-batch builder; returns (one advantage per sample, global loss tokens)."""
     if not samples:
         raise ValueError("samples: need at least one sample to build micro-batches")
     if not 0 <= rank < num_ranks:
@@ -184,7 +197,24 @@ def build_micro_batches(samples: Sequence[Sample], *, token_budget: int, bucket_
                 _response_values(per[i], s.response_length, f"{name}[{i}]")
     # With an empty prompt the first response token has no position predicting it: it is never trained.
     num_tokens = sum(sum(s.effective_loss_mask[1 if s.prompt_length == 0 else 0:]) for s in samples)
-    plan = _plan(lengths, token_budget, num_ranks)
+    return adv, num_tokens
+
+
+def build_micro_batches(samples: Sequence[Sample], *, token_budget: int, bucket_size: int,
+                        advantages: Sequence[float] | None = None, pad_id: int = 0, num_ranks: int = 1,
+                        rank: int = 0, old_logprobs: Sequence[Sequence[float]] | None = None,
+                        ref_logprobs: Sequence[Sequence[float]] | None = None) -> list[MicroBatch]:
+    """This rank's packed micro-batches for `samples` (host tensors; forward_backward moves them).
+
+    advantages: one float per sample (default 0, e.g. for SFT). old/ref log-probs: optional per-sample lists with
+    one value per response token (usually attached later with `attach_logprobs`). Every rank must call this with
+    the same arguments (the plan is deterministic), so all ranks agree on the number of micro-batches.
+    """
+    adv, num_tokens = check_batch_inputs(samples, token_budget=token_budget, bucket_size=bucket_size,
+                                         advantages=advantages, num_ranks=num_ranks, rank=rank,
+                                         old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
+    lengths = [len(s.tokens) for s in samples]
+    plan = plan_micro_batches(lengths, token_budget=token_budget, num_ranks=num_ranks)
     n_micro = max(len(per_rank) for per_rank in plan)
     mine = list(plan[rank]) + [[]] * (n_micro - len(plan[rank]))
     return [pack_micro_batch(samples, idx, advantages=adv, bucket_size=bucket_size, pad_id=pad_id,

@@ -89,7 +89,8 @@ class ConfigError(ValueError):
 
 
 # [trainer] holds the backend settings of the step functions only; these TrainerConfig fields come from elsewhere.
-TRAINER_KEYS = {"logprob_chunk_tokens", "compile", "compile_backend", "activation_checkpointing", "param_dtype"}
+TRAINER_KEYS = {"logprob_chunk_tokens", "compile", "compile_backend", "activation_checkpointing", "param_dtype",
+                "share_prompts"}
 _TRAINER_MOVED = {"temperature": "[rl.rollout] temperature (the trainer's log-probs use the rollout's)",
                   "policy_loss": "[rl.loss]", "lr": "[sft.optim] / [rl.optim] lr",
                   "eps": "[sft.optim] / [rl.optim] eps"}

@@ -44,7 +44,7 @@ from trainer.types import OptimConfig, TrainingState
 
 LOSSES = ("policy", "nll")
 # Fields that do not change the math of a run (a resume may change them freely).
-_FINGERPRINT_EXCLUDE = ("output_dir", "keep_last", "save_every", "compile", "compile_backend")
+_FINGERPRINT_EXCLUDE = ("output_dir", "keep_last", "save_every", "compile", "compile_backend", "share_prompts")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +67,9 @@ class TrainerConfig:
     param_dtype: str | None = None  # None: bf16 compute on CUDA, fp32 on CPU
     token_budget: int = 4096
     bucket_size: int = 256
+    # RL: each prompt's tokens run through the model once per micro-batch, not once per sample (the same loss;
+    # trainer.shared_prompt), where the model's attention supports it (trainer.attention.supports_shared_prompts).
+    share_prompts: bool = True
     seed: int = 0
     output_dir: str = "runs/default"
     keep_last: int = 2
@@ -200,8 +203,14 @@ def build_components(model: str | os.PathLike | Any, config: TrainerConfig, *,
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _loss_hidden_states(lm: nn.Module, mb: MicroBatch) -> torch.Tensor:
+    """Hidden states of the micro-batch's loss rows: [N, H] (plain layout) or [M, H] gathered (shared prompts)."""
+    hidden = packed_hidden_states(lm, mb.row, mb.trees)  # [N, H]
+    return hidden if mb.trees is None else hidden.index_select(0, mb.trees.hidden_index)
+
+
 def _policy_loss(lm: nn.Module, mb: MicroBatch, config: TrainerConfig) -> tuple[torch.Tensor, dict]:
-    hidden = packed_hidden_states(lm, mb.row)  # [N, H]
+    hidden = _loss_hidden_states(lm, mb)
     weight = lm.get_output_embeddings().weight  # [V, H], unsharded inside the root's forward
     # Sequences for the per-sequence aggregations: the real ones plus the padding tail (mask 0, contributes 0);
     # the global num_seqs keeps the normalisation exact.
@@ -213,7 +222,7 @@ def _policy_loss(lm: nn.Module, mb: MicroBatch, config: TrainerConfig) -> tuple[
 
 
 def _nll_loss(lm: nn.Module, mb: MicroBatch, config: TrainerConfig) -> tuple[torch.Tensor, dict]:
-    hidden = packed_hidden_states(lm, mb.row)
+    hidden = _loss_hidden_states(lm, mb)
     weight = lm.get_output_embeddings().weight
     logp = linear_token_logprobs(hidden, weight, mb.labels, temperature=1.0, mask=mb.loss_mask,
                                  chunk_tokens=config.logprob_chunk_tokens)  # [N], 0 off the mask
@@ -354,6 +363,8 @@ def forward_backward(components: TrainingComponents, micro_batches: Sequence[Mic
 def compute_logprobs(components: TrainingComponents, micro_batches: Sequence[MicroBatch]) -> list[torch.Tensor]:
     """No-grad log pi(label) [N] per micro-batch (0 off the loss mask), on the device: old / ref log-probs.
 
+    [M] (one per loss row) for micro-batches in the shared-prompt layout: the shape of their labels.
+
     Computed at the run's one temperature (the rollout's). Attach them with
     trainer.batch.attach_logprobs(micro_batches, logps, "old_logprobs").
     """
@@ -362,7 +373,7 @@ def compute_logprobs(components: TrainingComponents, micro_batches: Sequence[Mic
     out = []
 
     def fn(lm: nn.Module, mb: MicroBatch) -> torch.Tensor:
-        hidden = packed_hidden_states(lm, mb.row)
+        hidden = _loss_hidden_states(lm, mb)
         weight = lm.get_output_embeddings().weight
         return linear_token_logprobs(hidden, weight, mb.labels, temperature=temp, mask=mb.loss_mask,
                                              chunk_tokens=chunk)

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from trainer.attention import supports_shared_prompts
 from trainer.batch import attach_logprobs, build_micro_batches
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.core import (
@@ -42,6 +43,7 @@ from trainer.core import (
 )
 from trainer.metrics import JSONLLogger, MetricsLogger
 from trainer.rollout import build_batch_metadata
+from trainer.shared_prompt import build_shared_micro_batches
 from trainer.types import RLTrainingConfig, RolloutBatch, Sample, Status, TrainingState
 
 GROUP_ESTIMATORS = ("grpo", "rloo")  # estimators whose baseline is the sample's group
@@ -150,9 +152,11 @@ def train_on_batch(components: TrainingComponents, state: TrainingState, batch: 
         raise ValueError(f"loss.rollout_correction={correction!r} needs the engine's log-probs on every sample, "
                          f"but the engine returned none for some; use an engine that returns them or set "
                          f"[rl.loss] rollout_correction = \"none\"")
-    mbs = build_micro_batches(samples, token_budget=tcfg.token_budget, bucket_size=tcfg.bucket_size,
-                              advantages=advantages, pad_id=0, num_ranks=components.world_size,
-                              rank=components.rank)
+    # The shared-prompt layout runs a group's prompt once (the same loss); plain where the attention has no tree mask.
+    build = build_shared_micro_batches if tcfg.share_prompts and supports_shared_prompts(components.model) \
+        else build_micro_batches
+    mbs = build(samples, token_budget=tcfg.token_budget, bucket_size=tcfg.bucket_size, advantages=advantages,
+                pad_id=0, num_ranks=components.world_size, rank=components.rank)
     if needs_old_logprobs(config):
         mbs = attach_logprobs(mbs, compute_logprobs(components, mbs), "old_logprobs")
     if ref_components is not None:

@@ -1,0 +1,206 @@
+"""Shared-prompt layout (trainer.shared_prompt): a group's prompt runs once, and every log-prob, loss, metric and
+gradient equals the plain layout's (one sequence per sample) and the per-sequence float64 reference."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engines.tiny import tiny_model_config
+from kernels import PolicyLossConfig, use_backend
+from trainer.attention import (
+    PACKED_SDPA,
+    packed_attention_kwargs,
+    packed_hidden_states,
+    supports_shared_prompts,
+    tree_causal_mask,
+)
+from trainer.batch import build_micro_batches
+from trainer.core import TrainerConfig, build_components, compute_logprobs, forward_backward
+from trainer.models import load_hf_model
+from trainer.shared_prompt import build_shared_micro_batches, prompt_trees, tree_cost
+from trainer.types import OptimConfig, Sample
+
+
+@pytest.fixture(autouse=True)
+def _torch_path():
+    with use_backend("torch"):
+        yield
+
+
+def grouped_samples(seed: int, groups: int = 6, vocab: int = 90) -> list[Sample]:
+    """Groups of 1-5 samples sharing a random prompt (1-12 tokens), responses of 0-9 tokens with random loss masks
+    and engine log-probs, the groups interleaved (a fleet returns them out of order); plus a sample with an empty
+    prompt and a second group with the first group's prompt (same tokens, another group id: they share too)."""
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda lo, hi: int(torch.randint(lo, hi, (), generator=g))  # noqa: E731
+    prompts = [torch.randint(6, vocab, (rnd(1, 13),), generator=g).tolist() for _ in range(groups)]
+    prompts.append(prompts[0])
+    out = []
+    for gi, prompt in enumerate(prompts):
+        for _ in range(rnd(1, 6)):
+            r = rnd(0, 10)
+            resp = torch.randint(6, vocab, (r,), generator=g).tolist()
+            out.append(Sample(prompt="", tokens=prompt + resp, response_length=r, group_index=gi,
+                              loss_mask=(torch.rand(r, generator=g) > 0.25).long().tolist(),
+                              rollout_logprobs=(-torch.rand(r, generator=g) * 3).tolist()))
+    out.append(Sample(prompt="", tokens=torch.randint(6, vocab, (5,), generator=g).tolist(), response_length=5))
+    perm = torch.randperm(len(out), generator=g).tolist()
+    return [out[i] for i in perm]
+
+
+def per_sample(mbs, values, samples) -> dict[int, torch.Tensor]:
+    """Per-micro-batch [N] or [M] values -> {sample index: values at its trained response tokens, in order}."""
+    out = {}
+    for mb, v in zip(mbs, values):
+        if mb.trees is not None:  # loss rows: sample by sample, in sample_index order
+            cu = mb.segments.tolist()
+            for k, i in enumerate(mb.sample_index):
+                out[i] = v[cu[k]:cu[k + 1]]
+        else:  # row positions: from the position predicting the first trained response token
+            cu = mb.row.cu_seqlens.tolist()
+            for k, i in enumerate(mb.sample_index):
+                s = samples[i]
+                first = cu[k] + max(s.prompt_length - 1, 0)
+                out[i] = v[first:cu[k + 1] - 1]
+    return out
+
+
+def reference_logprobs(model, s: Sample) -> torch.Tensor:
+    """Log-probs of a sample's trained response tokens: its own forward in float64, full vocabulary."""
+    ids = torch.tensor(s.tokens)[None]
+    logp = F.log_softmax(model(input_ids=ids).logits[0].double(), -1)[:-1].gather(-1, ids[0, 1:, None])[:, 0]
+    return logp[max(s.prompt_length - 1, 0):]
+
+
+def test_prompt_trees_share_identical_prompts_only_and_fit_the_budget():
+    samples = grouped_samples(0)
+    trees = prompt_trees(samples, token_budget=20)
+    assert sorted(i for t in trees for i in t) == list(range(len(samples)))
+    for t in trees:
+        p = samples[t[0]].prompt_length
+        assert all(samples[i].tokens[:p] == samples[t[0]].tokens[:p] and samples[i].prompt_length == p for i in t)
+        assert tree_cost(samples, t) <= 20 or len(t) == 1
+    # Without a budget limit, one tree per distinct prompt: the two groups with equal prompt tokens share one.
+    distinct = {s.tokens[:s.prompt_length] for s in samples if s.prompt_length}
+    empty = sum(1 for s in samples if s.prompt_length == 0)
+    assert len(prompt_trees(samples, token_budget=10_000)) == len(distinct) + empty
+    # A tree costs its prompt once: far fewer row tokens than one sequence per sample.
+    unshared = sum(len(s.tokens) for s in samples)
+    shared = sum(tree_cost(samples, t) for t in prompt_trees(samples, 10_000))
+    assert shared < unshared
+
+
+def test_tree_mask_is_each_samples_own_causal_mask():
+    # Tree 0: prompt of 2, branches of 2 and 1; tree 1: prompt of 1, one branch of 2; then a 2-token padding tail.
+    seq = torch.tensor([0, 0, 0, 0, 0, 1, 1, 1, -1, -1])
+    branch = torch.tensor([-1, -1, 0, 0, 1, -1, 2, 2, -1, -1])
+    m = tree_causal_mask(seq, branch)[0, 0]
+    allowed = {i: set(torch.nonzero(m[i]).flatten().tolist()) for i in range(10)}
+    assert allowed[1] == {0, 1}  # prompt: itself causally
+    assert allowed[3] == {0, 1, 2, 3}  # branch 0: prompt + own branch
+    assert allowed[4] == {0, 1, 4}  # branch 1 does not see branch 0
+    assert allowed[7] == {5, 6, 7} and allowed[9] == {8, 9}  # next tree; the tail is its own causal block
+    f = tree_causal_mask(seq, branch, torch.float32)[0, 0]
+    assert torch.equal(f == 0, m)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("attn", [PACKED_SDPA, "sdpa", "eager"])
+def test_shared_prompt_hidden_states_equal_each_samples_own_forward(arch, attn):
+    model = load_hf_model(tiny_model_config(arch), dtype=torch.float32, seed=1)
+    model.set_attn_implementation(attn)
+    samples = grouped_samples(1)
+    mbs = build_shared_micro_batches(samples, token_budget=64, bucket_size=16)
+    assert len(mbs) >= 2 and all(mb.trees is not None for mb in mbs)
+    got = {}
+    with torch.no_grad():
+        for mb in mbs:
+            hidden = packed_hidden_states(model, mb.row, mb.trees)  # [N, H]
+            o = 0
+            for p, lens in mb.trees.trees:  # walk the row: each branch's sequence is prompt + branch tokens
+                b = o + p
+                for r in lens:
+                    got.setdefault("rows", []).append(torch.cat([hidden[o:o + p], hidden[b:b + r]]))
+                    b += r
+                o = b
+        order = [i for mb in mbs for i in mb.sample_index]
+        for i, h in zip(order, got["rows"]):
+            ref = model.model(input_ids=torch.tensor(samples[i].tokens)[None]).last_hidden_state[0]
+            torch.testing.assert_close(h, ref, atol=2e-5, rtol=1e-5)
+
+
+def test_flash_attention_has_no_tree_mask_and_says_how_to_fix_it():
+    model = load_hf_model(tiny_model_config(), dtype=torch.float32)
+    mbs = build_shared_micro_batches(grouped_samples(2), token_budget=64, bucket_size=16)
+    model.config._attn_implementation = "flash_attention_2"
+    assert not supports_shared_prompts(model)
+    with pytest.raises(ValueError, match="share_prompts = false"):
+        packed_attention_kwargs(model, mbs[0].row, mbs[0].trees)
+
+
+def _components(loss: str, seed: int = 3, temperature: float = 0.7):
+    cfg = TrainerConfig(loss=loss, compile=False, token_budget=64, bucket_size=16, optim=OptimConfig(lr=1e-3),
+                        seed=seed, temperature=temperature,
+                        policy_loss=PolicyLossConfig(loss_agg="seq-mean-token-mean", kl_coef=0.05,
+                                                     rollout_correction="tis", log_entropy=True))
+    return build_components(tiny_model_config("qwen2"), cfg)
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_shared_prompt_logprobs_match_the_float64_reference(seed):
+    samples = grouped_samples(seed)
+    comp = _components("policy", temperature=1.0)
+    ref_model = load_hf_model(tiny_model_config("qwen2"), dtype=torch.float64, seed=3)
+    mbs = build_shared_micro_batches(samples, token_budget=64, bucket_size=16)
+    got = per_sample(mbs, compute_logprobs(comp, mbs), samples)
+    assert sorted(got) == list(range(len(samples)))
+    with torch.no_grad():
+        for i, s in enumerate(samples):
+            want = reference_logprobs(ref_model, s) if s.response_length else torch.zeros(0, dtype=torch.float64)
+            mask = torch.tensor(s.effective_loss_mask[0 if s.prompt_length else 1:], dtype=torch.float64)
+            torch.testing.assert_close(got[i].double(), want * mask, atol=1e-5, rtol=0)  # 0 off the loss mask
+
+
+@pytest.mark.parametrize("seed", [6, 7])
+def test_shared_prompt_loss_metrics_and_gradients_equal_the_plain_layout(seed):
+    """The whole policy step (KL to a reference, TIS, entropy, per-sequence aggregation) in both layouts."""
+    samples = grouped_samples(seed)
+    g = torch.Generator().manual_seed(seed)
+    adv = (torch.randn(len(samples), generator=g)).tolist()
+    old = [(-torch.rand(s.response_length, generator=g) * 2).tolist() for s in samples]
+    ref = [(-torch.rand(s.response_length, generator=g) * 2).tolist() for s in samples]
+    results = {}
+    for name, build in (("plain", build_micro_batches), ("shared", build_shared_micro_batches)):
+        comp = _components("policy", seed=3)
+        mbs = build(samples, token_budget=64, bucket_size=16, advantages=adv, old_logprobs=old, ref_logprobs=ref)
+        tokens = sum(mb.row.num_tokens for mb in mbs)
+        metrics = forward_backward(comp, mbs).result()
+        grads = {n: p.grad.detach().full_tensor().clone() if hasattr(p.grad, "full_tensor") else p.grad.clone()
+                 for n, p in comp.module.named_parameters()}
+        lp = per_sample(mbs, compute_logprobs(comp, mbs), samples)  # after the backward: same weights, no step
+        results[name] = (metrics, grads, tokens, lp)
+    (m_plain, g_plain, t_plain, lp_plain), (m_shared, g_shared, t_shared, lp_shared) = \
+        results["plain"], results["shared"]
+    assert t_shared < 0.8 * t_plain  # the prompts ran once per tree
+    assert set(m_plain) == set(m_shared)
+    for k in m_plain:
+        assert m_shared[k] == pytest.approx(m_plain[k], rel=1e-5, abs=1e-6), k
+    for n in g_plain:
+        rel = (g_shared[n] - g_plain[n]).norm() / g_plain[n].norm().clamp_min(1e-12)
+        assert rel < 1e-4, (n, float(rel))
+    for i in lp_plain:
+        torch.testing.assert_close(lp_shared[i], lp_plain[i], atol=1e-5, rtol=0)
+
+
+def test_shared_nll_equals_plain_nll():
+    """The layout is loss-agnostic: the SFT loss through it equals the plain layout's."""
+    samples = grouped_samples(8)
+    out = []
+    for build in (build_micro_batches, build_shared_micro_batches):
+        comp = _components("nll")
+        out.append(forward_backward(comp, build(samples, token_budget=64, bucket_size=16)).result()["loss"])
+    assert out[1] == pytest.approx(out[0], rel=1e-5)
