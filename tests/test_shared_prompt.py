@@ -3,8 +3,6 @@ gradient equals the plain layout's (one sequence per sample) and the per-sequenc
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch.nn.functional as F
