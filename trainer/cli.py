@@ -47,8 +47,8 @@ MODEL_KEYS = {"preset", "path", "arch", "hidden_size", "num_layers", "num_heads"
 DATA_KEYS = {"train", "eval", "sft", "reward", "format", "prompt_key", "answer_key", "messages_key", "system_prompt",
              "split"}
 FORMATS = ("chat", "plain")
-ENGINE_KEYS = {"fleet", "urls", "embedded", "api_key", "threads", "start_timeout_s", "sync", "sync_folder",
-               "master_address", "master_port"}
+ENGINE_KEYS = {"fleet", "urls", "embedded", "in_process", "api_key", "threads", "start_timeout_s", "sync",
+               "sync_folder", "master_address", "master_port"}
 # [engines].fleet: a list of {url, kind, tp_size, model} tables; an "embedded" entry without url is started here.
 ENGINE_KINDS = ("sglang", "vllm", "embedded")
 FLEET_KEYS = {"url", "kind", "tp_size", "model"}
@@ -204,6 +204,17 @@ def _check_fleet(fleet: Any) -> None:
 
 
 def _check_engines(e: dict[str, Any]) -> None:
+    if not isinstance(e.get("in_process", False), bool):
+        raise ValueError(f"[engines].in_process = {e['in_process']!r}: true (one engine inside the trainer's process, "
+                         f"no HTTP) or false")
+    if e.get("in_process"):
+        given = [k for k in ("fleet", "urls") if e.get(k)] + (["embedded"] if e.get("embedded", 1) != 1 else [])
+        if given:
+            raise ValueError(f"[engines].in_process = true and [engines].{given[0]} both given: the in-process engine "
+                             f"is the run's only engine (it replaces the embedded engine process); drop one of them")
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ValueError("[engines].in_process = true needs a single-process trainer (it lives in rank 0's "
+                             "process); under torchrun start embedded engines (in_process = false) or give URLs")
     if "fleet" in e:
         _check_fleet(e["fleet"])
         for old in ("urls", "embedded"):
@@ -292,39 +303,51 @@ def fresh_start(out: Path, mode: str) -> None:
 
 def fleet_of(e: dict[str, Any]) -> list[dict[str, Any]]:
     """[engines] as a list of {url (None: started here), kind, tp_size, model} tables: `fleet` as given, else the
-    older forms (`urls`: SGLang-protocol servers; neither: `embedded` engines started here, 1 by default)."""
+    older forms (`urls`: SGLang-protocol servers; `in_process`: one engines.local.LocalEngine, kind "local"; none
+    of them: `embedded` engine processes started here, 1 by default)."""
     if "fleet" in e:
         return [{"url": t.get("url"), "kind": t.get("kind", "sglang"), "tp_size": int(t.get("tp_size", 1)),
                  "model": t.get("model")} for t in e["fleet"]]
     if e.get("urls"):
         return [{"url": u, "kind": "sglang", "tp_size": 1, "model": None} for u in e["urls"]]
+    if e.get("in_process"):
+        return [{"url": None, "kind": "local", "tp_size": 1, "model": None}]
     return [{"url": None, "kind": "embedded", "tp_size": 1, "model": None} for _ in range(int(e.get("embedded", 1)))]
 
 
 @contextlib.contextmanager
 def engines_for(cfg: dict[str, Any], model_folder: Path, *, is_main: bool):
     """Yield the fleet (fleet_of) with every URL filled in: the embedded entries without a URL are started here
-    (rank 0; other ranks get the list from rank 0)."""
+    as processes, a "local" entry as an in-process engine (its object under "engine"); rank 0 only, other ranks
+    get the list from rank 0."""
     e = cfg.get("engines", {})
     fleet = fleet_of(e)
-    to_start = [i for i, t in enumerate(fleet) if t["url"] is None]
-    if not to_start or not is_main:
+    to_start = [i for i, t in enumerate(fleet) if t["url"] is None and t["kind"] == "embedded"]
+    local = [i for i, t in enumerate(fleet) if t["kind"] == "local"]
+    if not (to_start or local) or not is_main:
         yield fleet
         return
     from engines.embedded.launch import EngineProcess
+    from engines.local import LocalEngine
 
     procs = [EngineProcess(str(model_folder), api_key=e.get("api_key") or None, seed=cfg["seed"],
                            threads=e.get("threads", 1), start_timeout_s=e.get("start_timeout_s", 180.0))
              for _ in to_start]
+    started: list[Any] = []
     try:
         for p in procs:
             p.launch()
+        for i in local:
+            started.append(LocalEngine(str(model_folder), seed=cfg["seed"]))
+            fleet[i] = {**fleet[i], "url": started[-1].url, "engine": started[-1]}
         for p in procs:
             p.wait_healthy()
         for i, p in zip(to_start, procs):
             fleet[i] = {**fleet[i], "url": p.url}
         yield fleet
     finally:
+        for eng in started:
+            eng.close()
         for p in procs:
             p.kill()
 
@@ -338,7 +361,9 @@ def build_engines(fleet: Sequence[dict[str, Any]], model_folder: Path, *, api_ke
 
     out = []
     for t in fleet:
-        if t["kind"] == "vllm":
+        if t["kind"] == "local":
+            out.append(t["engine"])
+        elif t["kind"] == "vllm":
             out.append(VLLMEngine(t["url"], t.get("model") or str(model_folder), api_key=api_key))
         else:
             out.append(SGLangEngine(t["url"], api_key=api_key, tp_size=t["tp_size"],
@@ -373,7 +398,7 @@ def cores_left_to_trainer(cfg: dict[str, Any]):
     threads vs 1.50-1.93 s with 1). Not applied on CUDA, with engines given by URL, or when OMP_NUM_THREADS is set
     (the user's choice wins)."""
     e = cfg.get("engines", {})
-    started = sum(t["url"] is None for t in fleet_of(e))
+    started = sum(t["url"] is None and t["kind"] == "embedded" for t in fleet_of(e))
     engine_cores = started * int(e.get("threads", 1))
     overlapped = bool(cfg.get("rl", {}).get("async_rollout", False))
     if torch.cuda.is_available() or engine_cores == 0 or not overlapped or "OMP_NUM_THREADS" in os.environ:

@@ -30,6 +30,7 @@ import json
 import random
 import secrets
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -333,48 +334,38 @@ def _output(server: EngineServer, r: RowResult, prompt_len: int, version: int, r
 
 
 # ---------------------------------------------------------------------------------------------- the app
-def build_app(server: EngineServer, api_key: str | None = None) -> Starlette:
-    async def body_of(request: Request) -> dict:
-        try:
-            body = json.loads(await request.body() or b"{}")
-        except json.JSONDecodeError as e:
-            raise BadRequest(f"request body is not valid JSON: {e}") from e
-        if not isinstance(body, dict):
-            raise BadRequest("request body must be a JSON object")
-        return body
+@dataclass(frozen=True)
+class Endpoint:
+    """One endpoint: its HTTP methods and its handler, a request body (dict) in, a JSON-able answer out."""
 
-    def endpoint(fn):
-        async def wrapped(request: Request):
-            try:
-                return await fn(request)
-            except BadRequest as e:
-                return JSONResponse({"success": False, "message": str(e), "error": str(e)}, status_code=e.status)
-            except ValueError as e:
-                return JSONResponse({"success": False, "message": str(e), "error": str(e)}, status_code=400)
-            except Exception as e:  # noqa: BLE001 - reported to the client, server stays up
-                msg = f"{type(e).__name__}: {e}"
-                return JSONResponse({"success": False, "message": msg, "error": msg}, status_code=500)
+    methods: tuple[str, ...]
+    handler: Callable[[dict], Awaitable[dict | list]]
 
-        return wrapped
 
-    async def health(request):
-        return JSONResponse({"status": "ok", "weight_version": str(server.weight_version), **server.load()})
+def route_handlers(server: EngineServer) -> dict[str, Endpoint]:
+    """Every endpoint of the engine as a plain async function of the request body, on the server's event loop.
 
-    async def model_info(request):
-        return JSONResponse({"model_path": server.model_path, "tokenizer_path": server.model_path,
-                             "is_generation": True, "weight_version": str(server.weight_version),
-                             "vocab_size": server.model.config.vocab_size, "device": str(server.device),
-                             "dtype": str(next(server.model.parameters()).dtype).removeprefix("torch.")})
+    The HTTP app wraps them (build_app); engines.local.LocalEngine calls them in process, without a socket. A
+    handler raises BadRequest (its status) or ValueError (400); any other exception is a 500.
+    """
 
-    async def weight_version(request):
-        return JSONResponse({"weight_version": str(server.weight_version)})
+    async def health(body: dict):
+        return {"status": "ok", "weight_version": str(server.weight_version), **server.load()}
 
-    async def flush_cache(request):
+    async def model_info(body: dict):
+        return {"model_path": server.model_path, "tokenizer_path": server.model_path,
+                "is_generation": True, "weight_version": str(server.weight_version),
+                "vocab_size": server.model.config.vocab_size, "device": str(server.device),
+                "dtype": str(next(server.model.parameters()).dtype).removeprefix("torch.")}
+
+    async def weight_version(body: dict):
+        return {"weight_version": str(server.weight_version)}
+
+    async def flush_cache(body: dict):
         # The KV cache lives only as long as its rows run (no prefix cache), so there is nothing to drop.
-        return JSONResponse({"success": True, "message": "Cache flushed."})
+        return {"success": True, "message": "Cache flushed."}
 
-    async def generate(request):
-        body = await body_of(request)
+    async def generate(body: dict):
         if body.get("stream"):
             raise BadRequest("stream=true is not supported by the embedded engine")
         prompts, is_batch = parse_prompts(body, server.tokenizer)
@@ -393,27 +384,25 @@ def build_app(server: EngineServer, api_key: str | None = None) -> Starlette:
             for j in range(s["n"]):
                 outs.append(_output(server, results[k], len(prompt), version, rid if s["n"] == 1 else f"{rid}-{j}"))
                 k += 1
-        return JSONResponse(outs if (is_batch or len(outs) > 1) else outs[0])
+        return outs if (is_batch or len(outs) > 1) else outs[0]
 
-    async def abort_request(request):
-        body = await body_of(request)
+    async def abort_request(body: dict):
         if body.get("abort_all"):
             n = server.abort(None)
         elif isinstance(body.get("rid"), str) and body["rid"]:
             n = server.abort(body["rid"])
         else:
             raise BadRequest("give 'rid' (a request id) or 'abort_all': true")
-        return JSONResponse({"success": True, "message": f"aborted {n} rows", "aborted_rows": n, **server.load()})
+        return {"success": True, "message": f"aborted {n} rows", "aborted_rows": n, **server.load()}
 
-    async def server_info(request):
+    async def server_info(body: dict):
         # weight_update_formats is how a trainer negotiates: a stock SGLang does not send it and gets SGLang's
         # one-broadcast-per-tensor protocol ("direct"); this engine also reads the bucketed extension.
-        return JSONResponse({**server.load(), "model_path": server.model_path, "device": str(server.device),
-                             "weight_version": str(server.weight_version), "tp_size": 1, "dp_size": 1,
-                             "weight_update_formats": list(WEIGHT_UPDATE_FORMATS)})
+        return {**server.load(), "model_path": server.model_path, "device": str(server.device),
+                "weight_version": str(server.weight_version), "tp_size": 1, "dp_size": 1,
+                "weight_update_formats": list(WEIGHT_UPDATE_FORMATS)}
 
-    async def init_group(request):
-        body = await body_of(request)
+    async def init_group(body: dict):
         need = {"master_address": str, "master_port": int, "rank_offset": int, "world_size": int}
         for key, typ in need.items():
             if not isinstance(body.get(key), typ):
@@ -423,21 +412,19 @@ def build_app(server: EngineServer, api_key: str | None = None) -> Starlette:
         kwargs["backend"] = str(body.get("backend") or ("nccl" if server.device.type == "cuda" else "gloo"))
         kwargs["timeout_s"] = float(body.get("timeout_s", 600))
         await anyio.to_thread.run_sync(lambda: server.receiver.init_group(**kwargs))
-        return JSONResponse({"success": True, "message": f"joined {kwargs['group_name']} as rank "
-                                                         f"{kwargs['rank_offset']}/{kwargs['world_size']}"})
+        return {"success": True, "message": f"joined {kwargs['group_name']} as rank "
+                                            f"{kwargs['rank_offset']}/{kwargs['world_size']}"}
 
-    async def destroy_group(request):
-        body = await body_of(request)
+    async def destroy_group(body: dict):
         name = str(body.get("group_name") or "weight_update_group")
-        return JSONResponse({"success": server.receiver.destroy_group(name), "message": name})
+        return {"success": server.receiver.destroy_group(name), "message": name}
 
     def _bump(body: dict) -> int:
         v = body.get("weight_version")
         server.weight_version = int(v) if v is not None else server.weight_version + 1
         return server.weight_version
 
-    async def update_distributed(request):
-        body = await body_of(request)
+    async def update_distributed(body: dict):
         meta = WeightMeta.from_wire(body)
         group = str(body.get("group_name") or "weight_update_group")
         if body.get("weight_version") is not None and not str(body["weight_version"]).isdigit():
@@ -452,13 +439,12 @@ def build_app(server: EngineServer, api_key: str | None = None) -> Starlette:
                 raise
         server.weights_consistent = True
         v = _bump(body)
-        return JSONResponse({"success": True, "message": f"updated {len(meta.names)} tensors",
-                             "weight_version": str(v)})
+        return {"success": True, "message": f"updated {len(meta.names)} tensors",
+                "weight_version": str(v)}
 
-    async def update_disk(request):
+    async def update_disk(body: dict):
         """SGLang's /update_weights_from_disk {model_path, weight_version?, load_format?}: reload every weight
         from the safetensors files of a folder this process can read (the trainer's disk fallback)."""
-        body = await body_of(request)
         path = body.get("model_path")
         if not isinstance(path, str) or not path:
             raise BadRequest("field 'model_path' (a folder of *.safetensors files) is required")
@@ -474,11 +460,10 @@ def build_app(server: EngineServer, api_key: str | None = None) -> Starlette:
                                        [tensors[n] for n in targets])
         server.weights_consistent = True
         v = _bump(body)
-        return JSONResponse({"success": True, "message": f"loaded {len(targets)} tensors from {path}",
-                             "num_paused_requests": 0, "weight_version": str(v)})
+        return {"success": True, "message": f"loaded {len(targets)} tensors from {path}",
+                "num_paused_requests": 0, "weight_version": str(v)}
 
-    async def update_tensor(request):
-        body = await body_of(request)
+    async def update_tensor(body: dict):
         if body.get("serialized_named_tensors") is not None:
             raise BadRequest("pickled 'serialized_named_tensors' are refused; send 'ipc_buckets' (JSON CUDA-IPC "
                              "handles, engines/weight_sync.py ipc_handle_to_wire)")
@@ -491,44 +476,71 @@ def build_app(server: EngineServer, api_key: str | None = None) -> Starlette:
         async with server.exclusive():
             await loop.run_in_executor(server.model_thread, server.receiver.receive_ipc, buckets)
         v = _bump(body)
-        return JSONResponse({"success": True, "message": "updated", "weight_version": str(v)})
+        return {"success": True, "message": "updated", "weight_version": str(v)}
 
-    async def pause(request):
-        body = await body_of(request)
+    async def pause(body: dict):
         mode = body.get("mode") or "in_place"
         if mode not in ("abort", "in_place", "retract"):
             raise BadRequest(f"pause_generation mode {mode!r}: expected 'abort', 'in_place' or 'retract'")
         if mode == "abort":
             server.abort(None)
         server.running.clear()
-        return JSONResponse({"success": True, "message": f"paused ({mode})"})
+        return {"success": True, "message": f"paused ({mode})"}
 
-    async def resume(request):
+    async def resume(body: dict):
         server.running.set()
         server.wakeup.set()
-        return JSONResponse({"success": True, "message": "continued"})
+        return {"success": True, "message": "continued"}
 
-    async def _colocated(request):  # same-device weight sync (engines/embedded/receiver.py)
-        return JSONResponse(await colocated_request(server, await body_of(request)))
+    async def _colocated(body: dict):  # same-device weight sync (engines/embedded/receiver.py)
+        return await colocated_request(server, body)
 
-    routes = [
-        Route("/health", endpoint(health), methods=["GET", "POST"]),
-        Route("/health_generate", endpoint(health), methods=["GET", "POST"]),
-        Route("/get_model_info", endpoint(model_info), methods=["GET"]),
-        Route("/get_weight_version", endpoint(weight_version), methods=["GET"]),
-        Route("/flush_cache", endpoint(flush_cache), methods=["GET", "POST"]),
-        Route("/generate", endpoint(generate), methods=["POST"]),
-        Route("/init_weights_update_group", endpoint(init_group), methods=["POST"]),
-        Route("/destroy_weights_update_group", endpoint(destroy_group), methods=["POST"]),
-        Route("/update_weights_from_distributed", endpoint(update_distributed), methods=["POST"]),
-        Route("/update_weights_from_tensor", endpoint(update_tensor), methods=["POST"]),
-        Route("/update_weights_from_disk", endpoint(update_disk), methods=["POST"]),
-        Route("/pause_generation", endpoint(pause), methods=["POST"]),
-        Route("/abort_request", endpoint(abort_request), methods=["POST"]),
-        Route("/get_server_info", endpoint(server_info), methods=["GET"]),
-        Route("/continue_generation", endpoint(resume), methods=["POST"]),
-        Route("/colocated_weights", endpoint(_colocated), methods=["POST"]),
-    ]
+    return {
+        "/health": Endpoint(("GET", "POST"), health),
+        "/health_generate": Endpoint(("GET", "POST"), health),
+        "/get_model_info": Endpoint(("GET",), model_info),
+        "/get_weight_version": Endpoint(("GET",), weight_version),
+        "/flush_cache": Endpoint(("GET", "POST"), flush_cache),
+        "/generate": Endpoint(("POST",), generate),
+        "/init_weights_update_group": Endpoint(("POST",), init_group),
+        "/destroy_weights_update_group": Endpoint(("POST",), destroy_group),
+        "/update_weights_from_distributed": Endpoint(("POST",), update_distributed),
+        "/update_weights_from_tensor": Endpoint(("POST",), update_tensor),
+        "/update_weights_from_disk": Endpoint(("POST",), update_disk),
+        "/pause_generation": Endpoint(("POST",), pause),
+        "/abort_request": Endpoint(("POST",), abort_request),
+        "/get_server_info": Endpoint(("GET",), server_info),
+        "/continue_generation": Endpoint(("POST",), resume),
+        "/colocated_weights": Endpoint(("POST",), _colocated),
+    }
+
+
+def build_app(server: EngineServer, api_key: str | None = None) -> Starlette:
+    """The HTTP app: each route of `route_handlers` behind starlette (JSON bodies; errors as SGLang's
+    {success: false, message} with the handler's status)."""
+
+    def endpoint(fn):
+        async def wrapped(request: Request):
+            try:
+                try:
+                    body = json.loads(await request.body() or b"{}")
+                except json.JSONDecodeError as e:
+                    raise BadRequest(f"request body is not valid JSON: {e}") from e
+                if not isinstance(body, dict):
+                    raise BadRequest("request body must be a JSON object")
+                return JSONResponse(await fn(body))
+            except BadRequest as e:
+                return JSONResponse({"success": False, "message": str(e), "error": str(e)}, status_code=e.status)
+            except ValueError as e:
+                return JSONResponse({"success": False, "message": str(e), "error": str(e)}, status_code=400)
+            except Exception as e:  # noqa: BLE001 - reported to the client, server stays up
+                msg = f"{type(e).__name__}: {e}"
+                return JSONResponse({"success": False, "message": msg, "error": msg}, status_code=500)
+
+        return wrapped
+
+    routes = [Route(path, endpoint(r.handler), methods=list(r.methods)) for path, r in route_handlers(server).items()]
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         await server.start()

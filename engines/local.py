@@ -1,0 +1,138 @@
+"""The embedded engine inside the trainer's own process: the same server, no socket, no JSON.
+
+`LocalEngine` is `SGLangEngine` with its transport swapped. Each call goes straight to the embedded server's
+route handler (engines/embedded/server.py `route_handlers`), run on the server's own asyncio loop in a background
+thread, instead of over HTTP. Everything above the transport is the HTTP path's: the request bodies
+(`generate_payload`: one request per group, seeds, rids), the parsing of the answers, aborts by rid, weight
+versions, and the weight sync (the sender finds an embedded engine on its own host and hands it shared-memory
+buckets, engines/weight_sync.py). Everything below it is the same continuous-batching `EngineServer`.
+
+Why: on small CPU work, the trainer's HTTP client and the engine's HTTP server cost as much CPU as the decode
+steps themselves, and on a 2-core machine they compete with them (a 64-group step: ~0.3 s through HTTP, where the
+decode steps alone take ~0.16 s). For one-machine runs this is verl's hybrid engine in spirit (rollouts in the
+trainer's process); HTTP engines (the embedded engine process, SGLang, vLLM) remain the way to scale out, and the
+CLI starts this one only when [engines] in_process = true.
+
+Threads: the server's model thread runs the decode steps with the process's torch intra-op pool. In synchronous
+RL the trainer is idle while it generates; in async mode the two share the cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import threading
+from typing import Any
+
+import sniffio
+
+from engines.embedded.presets import load_engine_model
+from engines.embedded.server import BadRequest, EngineServer, route_handlers
+from engines.protocol import EngineError, EngineUnavailableError
+from engines.sglang import SGLangEngine
+
+_ids = itertools.count()
+
+
+async def _wait(fut: concurrent.futures.Future) -> Any:
+    """Await a future completed by another thread, from trio or asyncio; cancelling the wait cancels it."""
+    if sniffio.current_async_library() == "asyncio":
+        return await asyncio.wrap_future(fut)
+    import trio
+
+    token, done = trio.lowlevel.current_trio_token(), trio.Event()
+
+    def wake(_: concurrent.futures.Future) -> None:
+        try:
+            token.run_sync_soon(done.set)
+        except trio.RunFinishedError:  # the waiting run is gone (cancelled): nobody to wake
+            pass
+
+    fut.add_done_callback(wake)
+    try:
+        await done.wait()
+    except trio.Cancelled:
+        fut.cancel()
+        raise
+    return fut.result()
+
+
+class LocalEngine(SGLangEngine):
+    """An embedded engine served from this process (see the module docstring). `close()` stops it."""
+
+    def __init__(self, model: str, *, seed: int = 0, device: str = "cpu", dtype: Any = None,
+                 max_batch_rows: int = 1024, timeout_s: float = 300.0):
+        """model: a Hugging Face folder or "tiny" (engines/embedded/presets.py). max_batch_rows: rows decoded
+        together (a step of 64 prompts x 8 samples fits in one batch at the default)."""
+        net, tokenizer = load_engine_model(model, seed=seed, dtype=dtype, device=device)
+        super().__init__(f"local://localhost/{next(_ids)}", timeout_s=timeout_s)
+        self.server = EngineServer(net, tokenizer, model_path=model, seed=seed, max_batch_rows=max_batch_rows)
+        self._routes = route_handlers(self.server)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="local-engine", daemon=True)
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self.server.start(), self._loop).result(timeout=30)
+
+    def __repr__(self) -> str:
+        return f"LocalEngine({self.server.model_path!r})"
+
+    async def _call(self, method: str, route: str, body: dict | None = None, timeout_s: float | None = None):
+        """The route's handler on the server's loop; its errors become the same EngineError /
+        EngineUnavailableError (with the status) that the HTTP client raises for the same answer."""
+        where = f"{self.url}{route}"
+        endpoint = self._routes.get(route)
+        if endpoint is None or method not in endpoint.methods:
+            raise EngineError(f"{where}: HTTP 404: no {method} route {route!r} in the embedded engine")
+        if self._loop.is_closed() or not self._thread.is_alive():
+            raise EngineUnavailableError(f"{where}: no answer (the in-process engine was closed)")
+        fut = asyncio.run_coroutine_threadsafe(endpoint.handler(dict(body or {})), self._loop)
+        try:
+            data = await _wait_with_timeout(fut, timeout_s or self.timeout_s)
+        except BadRequest as e:
+            err = EngineUnavailableError if e.status >= 500 else EngineError
+            raise err(f"{where}: HTTP {e.status}: {e}") from e
+        except ValueError as e:
+            raise EngineError(f"{where}: HTTP 400: {e}") from e
+        except TimeoutError as e:
+            raise EngineUnavailableError(f"{where}: no answer in {timeout_s or self.timeout_s} s") from e
+        except (EngineError, concurrent.futures.CancelledError):
+            raise
+        except Exception as e:  # noqa: BLE001 - what the HTTP server answers with a 500
+            raise EngineUnavailableError(f"{where}: HTTP 500: {type(e).__name__}: {e}") from e
+        if isinstance(data, dict) and data.get("success") is False:
+            raise EngineError(f"{where}: HTTP 200: {data.get('message')}")
+        return data
+
+    async def aclose(self) -> None:  # no connections to close
+        return None
+
+    def close(self) -> None:
+        """Stop the server's scheduler, its loop and its model thread (idempotent)."""
+        if self._loop.is_closed():
+            return
+
+        async def cancel_tasks() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(cancel_tasks(), self._loop).result(timeout=30)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+        self.server.model_thread.shutdown(wait=False, cancel_futures=True)
+        self._loop.close()
+
+
+async def _wait_with_timeout(fut: concurrent.futures.Future, timeout_s: float) -> Any:
+    if sniffio.current_async_library() == "asyncio":
+        return await asyncio.wait_for(_wait(fut), timeout_s)
+    import trio
+
+    with trio.move_on_after(timeout_s) as scope:
+        return await _wait(fut)
+    if scope.cancelled_caught:
+        raise TimeoutError
+    raise AssertionError("unreachable")
