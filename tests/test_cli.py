@@ -145,7 +145,7 @@ def test_torchrun_two_ranks_share_rollouts_and_sync_from_rank0(tmp_path):
     cmd = [torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "trainer", "sft+rl", "--config",
            "configs/demo.toml", "--set", f"output_dir=\"{out}\"", "--set", "sft.num_steps=10", "--set",
            "rl.num_steps=2", "--set", "rl.rollout.rollout_batch_size=4", "--set", "rl.rollout.dynamic_filters=[]",
-           "--set", "eval.limit=8", "--set", "rl.verify_sync=true"]
+           "--set", "eval.limit=8", "--set", "rl.verify_sync=true", "--set", "engines.in_process=false"]
     env = {"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -116,6 +117,10 @@ class AsyncRolloutManager:
                             f"(pass engine objects, e.g. SGLangEngine(url), not URLs)")
         self.config = config
         self.tokenizer = tokenizer
+        # A data set's prompts come back every epoch; rendering the chat template costs ~0.7 ms per prompt.
+        self._prompt_ids = functools.lru_cache(maxsize=1 << 16)(
+            lambda text, system: tuple(prompt_token_ids(tokenizer, text, chat=config.apply_chat_template,
+                                                        system=system)))
         self.reward_fn = load_reward_fn(reward_fn) if reward_fn is not None else None
         self.filters = resolve_filters(config.dynamic_filters if filters is None else filters)
         self.check_health = check_health
@@ -251,8 +256,7 @@ class AsyncRolloutManager:
 
     # ----------------------------------------------------------------------------------------- one group
     def _new_group(self, prompt: Any) -> list[Sample]:
-        ids = prompt_token_ids(self.tokenizer, prompt.prompt, chat=self.config.apply_chat_template,
-                               system=getattr(prompt, "system", None))
+        ids = self._prompt_ids(prompt.prompt, getattr(prompt, "system", None))
         uid = self._group_uid
         self._group_uid += 1
         meta = {**prompt.metadata, "answer": prompt.answer, "prompt_index": prompt.index, "group_uid": uid}
