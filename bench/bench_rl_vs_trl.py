@@ -65,7 +65,10 @@ if __package__ in (None, ""):  # `python bench/bench_rl_vs_trl.py`: the reposito
 from _proc import run_with_peak_rss  # noqa: E402  (bench/ is on the path: script or pytest)
 
 ROOT = Path(__file__).resolve().parent.parent
-SIDES = ("trl", "ours-sync", "ours-async")
+SIDES = ("trl", "ours-sync", "ours-sync-http", "ours-async")
+# Our sides: (async_rollout, engines.in_process). None keeps the config's choice (the demo: one in-process engine);
+# "ours-sync-http" runs the same work through the embedded engine as its own process behind HTTP.
+OURS = {"ours-sync": (False, None), "ours-sync-http": (False, False), "ours-async": (True, None)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +81,7 @@ class BenchConfig:
     group_size: int = 8
     max_new_tokens: int = 6
     temperature: float = 1.0
-    lr: float = 1e-3
+    lr: float | None = None  # None: the config's [rl.optim] lr (the demo's 3e-4)
     beta: float = 0.001
     seed: int = 0
     eval_limit: int = 0  # 0: the whole [data].eval set
@@ -94,7 +97,8 @@ class BenchConfig:
             raise ValueError(f"BenchConfig.eval_limit = {self.eval_limit}: must be >= 0 (0 = the whole eval set)")
 
 
-def run_config(bc: BenchConfig, output_dir: str | Path, *, async_rollout: bool = False) -> dict[str, Any]:
+def run_config(bc: BenchConfig, output_dir: str | Path, *, async_rollout: bool = False,
+               in_process: bool | None = None) -> dict[str, Any]:
     """The demo's run config with the bench's GRPO work set through --set overrides (validated like the CLI)."""
     from trainer.cli import load_run_config
 
@@ -102,10 +106,14 @@ def run_config(bc: BenchConfig, output_dir: str | Path, *, async_rollout: bool =
             f"rl.async_rollout={'true' if async_rollout else 'false'}",
             f"rl.rollout.rollout_batch_size={bc.prompts_per_step}",
             f"rl.rollout.n_samples_per_prompt={bc.group_size}", f"rl.rollout.max_new_tokens={bc.max_new_tokens}",
-            f"rl.rollout.temperature={bc.temperature}", f"rl.optim.lr={bc.lr}", f"rl.loss.kl_coef={bc.beta}",
+            f"rl.rollout.temperature={bc.temperature}", f"rl.loss.kl_coef={bc.beta}",
             f"eval.max_new_tokens={bc.max_new_tokens}"]
+    if bc.lr is not None:
+        over.append(f"rl.optim.lr={bc.lr}")
     if bc.eval_limit:
         over.append(f"eval.limit={bc.eval_limit}")
+    if in_process is not None:
+        over.append(f"engines.in_process={'true' if in_process else 'false'}")
     if bc.model:
         over.append(f"model.path={json.dumps(str(Path(bc.model).resolve()))}")
     return load_run_config(bc.config, over, mode="rl")
@@ -120,12 +128,12 @@ def loop_figures(step_seconds: list[float], samples_per_step: list[float]) -> di
 
 
 # ----------------------------------------------------------------------------------------------- ours
-def run_ours(bc: BenchConfig, out: Path, *, async_rollout: bool) -> dict[str, Any]:
+def run_ours(bc: BenchConfig, out: Path, *, async_rollout: bool, in_process: bool | None = None) -> dict[str, Any]:
     """`python -m trainer rl` on the bench config; figures from its summary and metrics.jsonl."""
     from trainer.cli import run
     from trainer.metrics import read_jsonl
 
-    cfg = run_config(bc, out, async_rollout=async_rollout)
+    cfg = run_config(bc, out, async_rollout=async_rollout, in_process=in_process)
     t0 = time.perf_counter()
     summary = run("rl", cfg)
     wall = time.perf_counter() - t0
@@ -135,6 +143,7 @@ def run_ours(bc: BenchConfig, out: Path, *, async_rollout: bool) -> dict[str, An
     steps = [sum(p) for p in zip(*parts.values())]
     res = loop_figures(steps, [float(r["num_samples"]) for r in rows])
     res.update(wall_s=wall, steps=len(rows), accuracy=summary.get("accuracy_after_rl"),
+               in_process=bool(cfg.get("engines", {}).get("in_process", False)),
                accuracy_initial=summary.get("accuracy_before_rl"),
                reward_mean_last=rows[-1].get("reward_mean") if rows else None,
                generate_s_per_step=[round(x, 3) for x in parts["time_generate_s"]],
@@ -330,26 +339,50 @@ def machine_info() -> dict[str, Any]:
             "commit": commit, "load_1_5_15": [round(x, 2) for x in os.getloadavg()]}
 
 
-def compare(bc: BenchConfig, sides: tuple[str, ...] = SIDES, workdir: Path | None = None) -> dict[str, Any]:
-    """Every side in turn (TRL first), one JSON-able object with the headline keys and each side's figures."""
+def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One side over several seeds: samples/s over all their loops, mean accuracy, each seed's figures kept."""
+    if len(runs) == 1:
+        return runs[0]
+    loop = sum(r["loop_s"] for r in runs)
+    samples = sum(r["samples"] for r in runs)
+    return {"samples_per_s": samples / loop if loop > 0 else 0.0,
+            "s_per_step": statistics.median(r["s_per_step"] for r in runs), "loop_s": loop, "samples": samples,
+            "wall_s": sum(r["wall_s"] for r in runs), "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
+            "accuracy": statistics.mean(r["accuracy"] for r in runs),
+            "accuracy_initial": statistics.mean(r["accuracy_initial"] for r in runs),
+            "accuracy_per_seed": [r["accuracy"] for r in runs],
+            "samples_per_s_per_seed": [r["samples_per_s"] for r in runs], "per_seed": runs}
+
+
+def compare(bc: BenchConfig, sides: tuple[str, ...] = SIDES, workdir: Path | None = None,
+            seeds: int = 1) -> dict[str, Any]:
+    """Every side in turn (TRL first), for seeds bc.seed ... bc.seed + seeds - 1 (the sides interleaved within each
+    seed, so a slow spell of the machine hits all of them); one JSON-able object with the headline keys and each
+    side's figures (aggregate)."""
     with tempfile.TemporaryDirectory(prefix="rl_vs_trl_") as tmp:
         work = Path(workdir or tmp)
         before = machine_info()
-        res = {side: measure(side, bc, work) for side in sides}
-    out: dict[str, Any] = {"bench": dataclasses.asdict(bc), "machine": before,
+        runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
+        for k in range(seeds):
+            seeded = dataclasses.replace(bc, seed=bc.seed + k)
+            for side in sides:
+                runs[side].append(measure(side, seeded, work / f"seed{seeded.seed}" if seeds > 1 else work))
+        res = {side: aggregate(r) for side, r in runs.items()}
+    out: dict[str, Any] = {"bench": {**dataclasses.asdict(bc), "seeds": seeds}, "machine": before,
                            "load_1_5_15_after": [round(x, 2) for x in os.getloadavg()]}
     if "trl" in res:
         out.update(trl_samples_per_s=res["trl"]["samples_per_s"], trl_accuracy=res["trl"]["accuracy"])
-    for mode in ("sync", "async"):
-        r = res.get(f"ours-{mode}")
+    for side in OURS:
+        r = res.get(side)
         if r is None:
             continue
+        mode = side.removeprefix("ours-").replace("-", "_")
         out[f"ours_{mode}_samples_per_s"], out[f"ours_{mode}_accuracy"] = r["samples_per_s"], r["accuracy"]
         if "trl" in res and res["trl"]["samples_per_s"] > 0:
             out[f"ratio_{mode}"] = r["samples_per_s"] / res["trl"]["samples_per_s"]
     default = "ours-sync" if "ours-sync" in res else next((s for s in res if s.startswith("ours")), None)
-    if default is not None:  # the demo config's default mode is synchronous
-        out.update(ours_mode=default.split("-")[1], ours_samples_per_s=res[default]["samples_per_s"],
+    if default is not None:  # the demo config's default mode: synchronous, its one in-process engine
+        out.update(ours_mode=default.removeprefix("ours-"), ours_samples_per_s=res[default]["samples_per_s"],
                    ours_accuracy=res[default]["accuracy"])
     out["sides"] = res
     return out
@@ -361,9 +394,10 @@ def table(result: dict[str, Any]) -> str:
     for side, r in result["sides"].items():
         rows.append(f"| {side} | {r['samples_per_s']:.1f} | {r['s_per_step']:.2f} | {r['loop_s']:.1f} | "
                     f"{r['wall_s']:.1f} | {r['peak_rss_mb']:.0f} | {r['accuracy']:.3f} ({r['accuracy_initial']:.3f}) |")
-    for mode in ("sync", "async"):
+    for side in OURS:
+        mode = side.removeprefix("ours-").replace("-", "_")
         if f"ratio_{mode}" in result:
-            rows.append(f"\nours {mode} / TRL samples/s: {result[f'ratio_{mode}']:.2f}x")
+            rows.append(f"\n{side} / TRL samples/s: {result[f'ratio_{mode}']:.2f}x")
     for side, r in result["sides"].items():
         if "generate_score_s_per_step" in r:
             rows.append(f"{side}: generate + score + ref log-probs s/step {r['generate_score_s_per_step']}, "
@@ -380,6 +414,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompts-per-step", type=int, default=BenchConfig.prompts_per_step)
     ap.add_argument("--group-size", type=int, default=BenchConfig.group_size)
     ap.add_argument("--eval-limit", type=int, default=0, help="held-out prompts to evaluate (0: all)")
+    ap.add_argument("--seeds", type=int, default=1, help="run every side with seeds 0 .. N-1 (accuracy: the mean)")
     ap.add_argument("--model", default="", help="a Hugging Face folder both sides start from, e.g. the demo's SFT "
                     "model from `python -m trainer export` (default: the config's random initial model)")
     ap.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated subset of {SIDES}")
@@ -393,13 +428,19 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         bc = BenchConfig(**json.loads(args.bench_config))
         out = Path(args.worker_out)
-        res = run_trl(bc, out) if args.worker == "trl" else run_ours(bc, out, async_rollout=args.worker == "ours-async")
+        if args.worker == "trl":
+            res = run_trl(bc, out)
+        else:
+            async_rollout, in_process = OURS[args.worker]
+            res = run_ours(bc, out, async_rollout=async_rollout, in_process=in_process)
         (out / "result.json").write_text(json.dumps(res))
         return
     bc = BenchConfig(steps=args.steps, prompts_per_step=args.prompts_per_step, group_size=args.group_size,
                      eval_limit=args.eval_limit, model=args.model)
     sides = tuple(s.strip() for s in args.sides.split(",") if s.strip())
-    result = compare(bc, sides, Path(args.workdir) if args.workdir else None)
+    if args.seeds < 1:
+        ap.error("--seeds must be >= 1")
+    result = compare(bc, sides, Path(args.workdir) if args.workdir else None, seeds=args.seeds)
     text = json.dumps(result, indent=2)
     if args.out:
         Path(args.out).write_text(text + "\n")

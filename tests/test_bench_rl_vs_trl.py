@@ -23,11 +23,15 @@ TOY = bench.BenchConfig(steps=1, prompts_per_step=4, group_size=4, max_new_token
 def test_trl_args_mirror_our_loss_and_optimiser(tmp_path):
     from trainer.cli import phase_configs
 
-    cfg = bench.run_config(bench.BenchConfig(lr=3e-4, beta=0.02, group_size=6, max_new_tokens=5), tmp_path)
+    cfg = bench.run_config(bench.BenchConfig(lr=5e-4, beta=0.02, group_size=6, max_new_tokens=5), tmp_path)
     rl = phase_configs(cfg).rl
     args = bench.trl_args(bench.BenchConfig(), cfg, tmp_path / "trl")
     assert (rl.optim.lr, rl.loss.kl_coef, rl.rollout.n_samples_per_prompt, rl.rollout.max_new_tokens) == \
-        (3e-4, 0.02, 6, 5)
+        (5e-4, 0.02, 6, 5)
+    # Without --lr both sides take the config's [rl.optim] lr (the demo's recipe).
+    demo_lr = phase_configs(bench.run_config(bench.BenchConfig(), tmp_path)).rl.optim.lr
+    assert bench.trl_args(bench.BenchConfig(), bench.run_config(bench.BenchConfig(), tmp_path),
+                          tmp_path / "trl").learning_rate == demo_lr == 3e-4
     assert (args.learning_rate, args.beta, args.epsilon, args.epsilon_high) == \
         (rl.optim.lr, rl.loss.kl_coef, rl.loss.clip_low, rl.loss.clip_high)
     assert (args.adam_beta1, args.adam_beta2, args.adam_epsilon, args.weight_decay, args.max_grad_norm) == \
@@ -114,3 +118,15 @@ def test_peak_rss_counts_the_whole_process_tree_and_timeouts_kill(tmp_path):
     with pytest.raises(subprocess.TimeoutExpired):
         run_with_peak_rss([sys.executable, "-c", "import time; time.sleep(30)"], log=tmp_path / "log2",
                           timeout_s=0.5, cwd=tmp_path, env=dict(os.environ))
+
+
+def test_seeds_aggregate_over_every_loop_and_average_accuracy():
+    runs = [{"samples_per_s": 100.0, "s_per_step": 1.0, "loop_s": 10.0, "samples": 1000, "wall_s": 20.0,
+             "peak_rss_mb": 500.0, "accuracy": 0.2, "accuracy_initial": 0.1},
+            {"samples_per_s": 25.0, "s_per_step": 3.0, "loop_s": 40.0, "samples": 1000, "wall_s": 50.0,
+             "peak_rss_mb": 700.0, "accuracy": 0.4, "accuracy_initial": 0.1}]
+    got = bench.aggregate(runs)
+    assert got["samples_per_s"] == 40.0 and got["loop_s"] == 50.0  # 2000 samples over 50 s, not mean(100, 25)
+    assert got["accuracy"] == pytest.approx(0.3) and got["accuracy_per_seed"] == [0.2, 0.4]
+    assert got["peak_rss_mb"] == 700.0 and got["s_per_step"] == 2.0 and got["per_seed"] == runs
+    assert bench.aggregate(runs[:1]) is runs[0]
