@@ -28,7 +28,7 @@ def test_demo_config_builds_valid_configs():
     rl, sft = rl_config(cfg), sft_config(cfg)
     assert rl.num_steps == 3 and rl.output_dir == "runs/x/rl" and sft.output_dir == "runs/x/sft"
     assert rl.loss.kl_coef == 0.001 and rl.loss.log_entropy and rl.loss.rollout_correction == "none"
-    assert sft.optim.lr == 3e-3 and rl.optim.lr == 1e-3 and rl.optim.betas == (0.9, 0.98)
+    assert sft.optim.lr == 3e-3 and rl.optim.lr == 3e-4 and rl.optim.betas == (0.9, 0.98)
     phases = phase_configs(cfg)  # the derived configs, built in one place
     assert phases.rl_trainer.policy_loss is phases.rl.loss and phases.rl_trainer.optim is phases.rl.optim
     assert phases.rl_trainer.temperature == phases.rl.rollout.temperature and phases.sft_trainer.loss == "nll"
