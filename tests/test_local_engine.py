@@ -138,3 +138,18 @@ def test_in_process_config_errors_name_the_conflict(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="single-process trainer"):
         load_run_config("configs/demo.toml", ["engines.in_process=true"], mode="rl")
+
+
+def test_a_request_past_its_timeout_is_unavailable(local):
+    from engines.sglang import generate_payload
+
+    body = generate_payload([[1, 30, 31]], SamplingParams(max_new_tokens=100_000, ignore_eos=True, seed=2),
+                            rids=["slow"])
+    with pytest.raises(EngineUnavailableError, match="no answer in 0.2 s"):
+        trio.run(local._call, "POST", "/generate", body, 0.2)
+    trio.run(local.abort)  # the rows keep running after the caller gave up (as over HTTP): cut them
+    for _ in range(500):
+        if local.server.num_running_rows == 0:
+            break
+        trio.run(trio.sleep, 0.01)
+    assert local.server.num_running_rows == 0

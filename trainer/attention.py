@@ -168,9 +168,8 @@ def tree_segment_indices(trees: tuple[tuple[int, tuple[int, ...]], ...], padded_
     the branches through the gather). Each row token's output is taken from one segment: a prompt token from its
     tree's first branch, a branch token from its own; the padding tail from the zero row S * Lmax.
     """
-    segs: list[list[int]] = []
-    out_of: list[int] = []  # per row token: its flat index in [S * Lmax], filled once Lmax is known
-    owner: list[tuple[int, int]] = []  # per row token: (segment, slot)
+    segs: list[list[int]] = []  # per branch: the row positions of its sequence
+    owner: list[tuple[int, int]] = []  # per row token: (segment, slot) its output is read from
     o = 0
     for p, lens in trees:
         assert lens, "a tree has at least one branch"
@@ -187,8 +186,8 @@ def tree_segment_indices(trees: tuple[tuple[int, tuple[int, ...]], ...], padded_
                          f"padded_len={padded_len} tokens; pass the row's own PromptTrees.trees")
     lmax = max(len(g) for g in segs)
     gather = torch.tensor([g + [g[-1]] * (lmax - len(g)) for g in segs], dtype=torch.int64, device=device)
-    out_of = [sg * lmax + k for sg, k in owner] + [len(segs) * lmax] * (padded_len - o)
-    return gather, torch.tensor(out_of, dtype=torch.int64, device=device)
+    scatter = [sg * lmax + k for sg, k in owner] + [len(segs) * lmax] * (padded_len - o)
+    return gather, torch.tensor(scatter, dtype=torch.int64, device=device)
 
 
 def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
