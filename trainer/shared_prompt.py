@@ -129,8 +129,9 @@ def pack_tree_micro_batch(samples: Sequence[Sample], trees: Sequence[Sequence[in
     branch += [-1] * tail
     pad_rows = m_len - m_real
 
-    def per_row(values: Sequence[Sequence[float]]) -> torch.Tensor:
-        """Per-sample, per-response-token values -> [M] on the loss rows (0 on the tail)."""
+    def per_row(values) -> torch.Tensor:
+        """values[i]: sample i's per-response-token values (a list over all samples, or a dict over this row's) ->
+        [M] on the loss rows (0 on the tail)."""
         flat = []
         for i in order:
             v = values[i]
@@ -157,8 +158,8 @@ def pack_tree_micro_batch(samples: Sequence[Sample], trees: Sequence[Sequence[in
         local_tokens=int(sum(mask)), sample_index=tuple(order),
         old_logprobs=None if old_logprobs is None else per_row(old_logprobs),
         ref_logprobs=None if ref_logprobs is None else per_row(ref_logprobs),
-        rollout_logprobs=per_row([s.rollout_logprobs or (0.0,) * s.response_length for s in samples])
-        if has_rollout else None,
+        rollout_logprobs=per_row({i: samples[i].rollout_logprobs or (0.0,) * samples[i].response_length
+                                  for i in order}) if has_rollout else None,
         trees=layout)
 
 
