@@ -55,6 +55,14 @@ def default_attn_implementation(device: torch.device | str) -> str:
     return PACKED_SDPA
 
 
+def _as_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[N, N] bool (True = attend) -> [1, 1, N, N] bool, or additive float (0 / dtype min) for eager attention."""
+    if dtype == torch.bool:
+        return allowed[None, None]
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)[None, None]
+
+
 def block_causal_mask(seq_index: torch.Tensor, dtype: torch.dtype = torch.bool) -> torch.Tensor:
     """[N] sequence ids -> [1, 1, N, N] document-causal mask: bool (True = attend) or additive float (0 / min).
 
@@ -63,10 +71,7 @@ def block_causal_mask(seq_index: torch.Tensor, dtype: torch.dtype = torch.bool) 
     n = seq_index.shape[0]
     i = torch.arange(n, device=seq_index.device)
     allowed = (seq_index[:, None] == seq_index[None, :]) & (i[None, :] <= i[:, None])
-    if dtype == torch.bool:
-        return allowed[None, None]
-    zero = torch.zeros((), dtype=dtype, device=seq_index.device)
-    return torch.where(allowed, zero, torch.finfo(dtype).min)[None, None]
+    return _as_mask(allowed, dtype)
 
 
 def flex_block_tiles(seq_index: torch.Tensor, block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,10 +157,7 @@ def tree_causal_mask(seq_index: torch.Tensor, branch: torch.Tensor, dtype: torch
     i = torch.arange(n, device=seq_index.device)
     allowed = ((seq_index[:, None] == seq_index[None, :]) & (i[None, :] <= i[:, None])
                & ((branch[None, :] < 0) | (branch[None, :] == branch[:, None])))
-    if dtype == torch.bool:
-        return allowed[None, None]
-    zero = torch.zeros((), dtype=dtype, device=seq_index.device)
-    return torch.where(allowed, zero, torch.finfo(dtype).min)[None, None]
+    return _as_mask(allowed, dtype)
 
 
 def tree_segment_indices(trees: tuple[tuple[int, tuple[int, ...]], ...], padded_len: int,

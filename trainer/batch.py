@@ -200,6 +200,12 @@ def check_batch_inputs(samples: Sequence[Sample], *, token_budget: int, bucket_s
     return adv, num_tokens
 
 
+def rank_micro_batches(plan: list[list[list[int]]], rank: int) -> list[list[int]]:
+    """This rank's micro-batches of a plan, padded with empty ones to the most any rank has (ranks step together)."""
+    n_micro = max(len(per_rank) for per_rank in plan)
+    return list(plan[rank]) + [[]] * (n_micro - len(plan[rank]))
+
+
 def build_micro_batches(samples: Sequence[Sample], *, token_budget: int, bucket_size: int,
                         advantages: Sequence[float] | None = None, pad_id: int = 0, num_ranks: int = 1,
                         rank: int = 0, old_logprobs: Sequence[Sequence[float]] | None = None,
@@ -214,9 +220,7 @@ def build_micro_batches(samples: Sequence[Sample], *, token_budget: int, bucket_
                                          advantages=advantages, num_ranks=num_ranks, rank=rank,
                                          old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
     lengths = [len(s.tokens) for s in samples]
-    plan = plan_micro_batches(lengths, token_budget=token_budget, num_ranks=num_ranks)
-    n_micro = max(len(per_rank) for per_rank in plan)
-    mine = list(plan[rank]) + [[]] * (n_micro - len(plan[rank]))
+    mine = rank_micro_batches(plan_micro_batches(lengths, token_budget=token_budget, num_ranks=num_ranks), rank)
     return [pack_micro_batch(samples, idx, advantages=adv, bucket_size=bucket_size, pad_id=pad_id,
                              num_tokens=num_tokens, num_seqs=len(samples), old_logprobs=old_logprobs,
                              ref_logprobs=ref_logprobs) for idx in mine]

@@ -34,6 +34,7 @@ from trainer.batch import (
     bucketed_length,
     check_batch_inputs,
     pack_micro_batch,
+    rank_micro_batches,
 )
 from trainer.planner import plan_micro_batches
 from trainer.types import Sample
@@ -177,8 +178,7 @@ def build_shared_micro_batches(samples: Sequence[Sample], *, token_budget: int, 
                                          old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
     trees = prompt_trees(samples, token_budget)
     plan = plan_micro_batches([tree_cost(samples, t) for t in trees], token_budget=token_budget, num_ranks=num_ranks)
-    n_micro = max(len(per_rank) for per_rank in plan)
-    mine = list(plan[rank]) + [[]] * (n_micro - len(plan[rank]))
+    mine = rank_micro_batches(plan, rank)
     common = dict(advantages=adv, bucket_size=bucket_size, pad_id=pad_id, num_tokens=num_tokens,
                   num_seqs=len(samples), old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
     return [pack_tree_micro_batch(samples, [trees[t] for t in idx], **common) if idx
