@@ -28,8 +28,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels import pack, pack_batch, shift_left, unpack, use_backend  # noqa: E402
-from trainer.attention import default_attn_implementation, packed_logits  # noqa: E402
-from trainer.planner import bucket_length, plan_micro_batches, plan_stats  # noqa: E402
+from trainer.backend.attention import default_attn_implementation, packed_logits  # noqa: E402
+from trainer.batching.planner import bucket_length, plan_micro_batches, plan_stats  # noqa: E402
 
 V = 97
 PAD_BATCH = 16

@@ -184,7 +184,7 @@ def trl_args(bc: BenchConfig, cfg: dict[str, Any], output_dir: str | Path) -> An
 
 
 def _stop_ids(tokenizer: Any) -> list[int]:
-    from trainer.rollout import stop_token_ids
+    from trainer.rollout.samples import stop_token_ids
 
     return sorted(stop_token_ids(tokenizer, chat=True))
 
@@ -194,8 +194,8 @@ def hf_greedy_accuracy(model: Any, tokenizer: Any, prompts: list[Any], *, max_ne
     """Greedy accuracy with transformers' generate: the prompt ids, stop ids and reward of `trainer.cli.evaluate`."""
     import torch
 
-    from trainer.rewards import compute_rewards, load_reward_fn
-    from trainer.rollout import prompt_token_ids
+    from trainer.rollout.rewards import compute_rewards, load_reward_fn
+    from trainer.rollout.samples import prompt_token_ids
     from trainer.types import Sample, Status
 
     stops, pad = _stop_ids(tokenizer), tokenizer.pad_token_id
@@ -223,7 +223,7 @@ def hf_greedy_accuracy(model: Any, tokenizer: Any, prompts: list[Any], *, max_ne
 
 def trl_reward_fn(reward: str):
     """Our reward function in TRL's calling convention: (prompts, completions, answer=[...]) -> [float]."""
-    from trainer.rewards import compute_rewards, load_reward_fn
+    from trainer.rollout.rewards import compute_rewards, load_reward_fn
     from trainer.types import Sample, Status
 
     fn = load_reward_fn(reward)
@@ -249,7 +249,7 @@ def run_trl(bc: BenchConfig, out: Path) -> dict[str, Any]:
     from engines.tiny import build_tokenizer
     from engines.tokenizer import load_tokenizer
     from trainer.cli import DEFAULT_REWARD, prepare_model_folder
-    from trainer.data import config_prompts
+    from trainer.rollout.data import config_prompts
 
     t0 = time.perf_counter()
     cfg = run_config(bc, out)

@@ -27,7 +27,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels import use_backend  # noqa: E402
-from trainer.batch import build_micro_batches  # noqa: E402
+from trainer.batching.micro_batches import build_micro_batches  # noqa: E402
 from trainer.types import Sample, TrainingState  # noqa: E402
 
 # (samples, max response, token budget, bucket)
@@ -94,7 +94,7 @@ class _PeakRSS:
 
 
 def ours_step_fn(samples, adv, budget, bucket, device, compile_backend):
-    from trainer.core import TrainerConfig, build_components, forward_backward, optim_step
+    from trainer.backend.steps import TrainerConfig, build_components, forward_backward, optim_step
     from trainer.types import OptimConfig
 
     cfg = TrainerConfig(loss="policy", compile=compile_backend is not None, compile_backend=compile_backend or
@@ -113,7 +113,7 @@ def ours_step_fn(samples, adv, budget, bucket, device, compile_backend):
 
 def reference_step_fn(samples, adv, device):
     """Padded [B, L] batch, full [B, L, V] logits, log_softmax + gather, clipped GRPO loss (seq-mean-token-mean)."""
-    from trainer.models import load_hf_model
+    from trainer.backend.models import load_hf_model
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = load_hf_model(_model_config(device), dtype=dtype, device=device).train()

@@ -5,7 +5,7 @@ route handler (engines/embedded/server.py `route_handlers`), run on the server's
 thread, instead of over HTTP. Everything above the transport is the HTTP path's: the request bodies
 (`generate_payload`: one request per group, seeds, rids), the parsing of the answers, aborts by rid, weight
 versions, and the weight sync (the sender finds an embedded engine on its own host and hands it shared-memory
-buckets, engines/weight_sync.py). Everything below it is the same continuous-batching `EngineServer`.
+buckets, engines/weight_sync/wire.py). Everything below it is the same continuous-batching `EngineServer`.
 
 Why: on small CPU work, the trainer's HTTP client and the engine's HTTP server cost as much CPU as the decode
 steps themselves, and on a 2-core machine they compete with them (a 64-group step: ~0.3 s through HTTP, where the

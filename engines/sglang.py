@@ -311,7 +311,7 @@ class SGLangEngine:
 
     async def colocated_weights(self, body: dict) -> dict:
         """The embedded engine's same-device weight path (`op`: probe, attach, load, detach; see
-        engines/weight_sync.py). A stock SGLang answers 404: the sender then broadcasts."""
+        engines/weight_sync/wire.py). A stock SGLang answers 404: the sender then broadcasts."""
         if not self.extensions:
             raise EngineError(f"{self.url}/colocated_weights: HTTP 404: extensions=False (stock SGLang only)")
         data = await self._call("POST", "/colocated_weights", body)

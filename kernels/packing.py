@@ -376,7 +376,7 @@ def shift_left(values: torch.Tensor, seq_index: torch.Tensor, *, fill: float = 0
 
 
 # ---------------------------------------------------------------------------------------------------------
-# PackedBatch: one packed row, ready for packed attention (trainer/attention.py)
+# PackedBatch: one packed row, ready for packed attention (trainer/backend/attention.py)
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -424,7 +424,7 @@ def pack_batch(input_ids: torch.Tensor | Sequence[torch.Tensor], lengths: Length
     """Build a PackedBatch from padded ids [B, L] + lengths, or from a list of 1-D id tensors.
 
     `loss_mask` has the same layout as `input_ids` (padded [B, L] or a list); `pad_to` (e.g. a planner bucket,
-    trainer.planner.bucket_length) sets the row length N >= sum(lengths) so compiled graphs see few shapes.
+    trainer.batching.planner.bucket_length) sets the row length N >= sum(lengths) so compiled graphs see few shapes.
     """
     if isinstance(input_ids, torch.Tensor):
         if lengths is None:

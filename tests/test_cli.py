@@ -42,7 +42,7 @@ def test_demo_config_builds_valid_configs():
 
 def test_plain_sft_examples_train_on_answer_and_eos_only():
     from engines.tiny import build_tokenizer
-    from trainer.data import Prompt
+    from trainer.rollout.data import Prompt
 
     tok = build_tokenizer()
     (s,) = sft_examples([Prompt(prompt="12+7=", answer="19", metadata={}, index=0)], tok, "plain")
@@ -91,7 +91,7 @@ def test_whole_config_is_validated_before_any_work(capsys, monkeypatch):
     monkeypatch.setattr(cli, "run", lambda *a, **k: ran.append(a))
     demo = str(ROOT / "configs" / "demo.toml")
     for override, message in [("rl.loss.clip_low=1.5", "clip_low"), ("data.eval=\"nope.jsonl\"", "nope.jsonl"),
-                              ("data.reward=\"trainer.rewards:nope\"", "nope"),
+                              ("data.reward=\"trainer.rollout.rewards:nope\"", "nope"),
                               ("trainer.compile_backend=\"tvm\"", "compile_backend")]:
         assert main(["sft+rl", "--config", demo, "--set", override]) == 2, override
         err = capsys.readouterr().err

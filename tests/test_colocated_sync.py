@@ -11,7 +11,7 @@ import torch
 from engines.embedded.launch import EngineProcess
 from engines.embedded.presets import build_tiny_model
 from engines.sglang import SGLangEngine
-from engines.weight_sync import WeightSyncError, create_slots, device_identity, is_colocated, open_slots
+from engines.weight_sync.wire import WeightSyncError, create_slots, device_identity, is_colocated, open_slots
 from trainer.weight_sync import WeightSyncSender, verify_sync
 
 SEED = 5

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from trainer.data import DataBuffer, Prompt, load_jsonl, write_jsonl
+from trainer.rollout.data import DataBuffer, Prompt, load_jsonl, write_jsonl
 
 
 def _prompts(n):

@@ -113,12 +113,12 @@ def test_malformed_requests_get_4xx_with_a_message(engine, route, body, content,
 
 def test_unknown_parameter_name_rejected_before_any_broadcast(engine):
     # a group must exist for the name check to be reached: use the in-process trainer side
-    from engines.weight_sync import create_store
+    from engines.weight_sync.wire import create_store
 
     store = create_store("127.0.0.1", 0, is_master=True, timeout_s=30)
     import threading
 
-    from engines.weight_sync import build_group
+    from engines.weight_sync.wire import build_group
 
     groups = []  # keep the trainer side's group alive: a collected group closes its pairs mid-handshake
     t = threading.Thread(target=lambda: groups.append(build_group(store=store, rank=0, world_size=2, group_name="g",

@@ -25,7 +25,7 @@ from vllm_support import require_vllm_venv
 from engines.embedded.launch import free_port
 from engines.protocol import InferenceEngine, SamplingParams
 from engines.vllm import VLLMEngine, completions_payload, parse_completions
-from engines.weight_sync import plan_buckets
+from engines.weight_sync.wire import plan_buckets
 
 # Runs in .venv-vllm, once per module (importing vLLM takes tens of seconds here): stdin {replay, completions,
 # plugin} -> stdout {replay, completions, response, plugin}.
@@ -258,7 +258,7 @@ def test_refuses_filters_and_bad_answers():
 
 class FakeTPEngine:
     """An engine of `tp` workers that report their count like vLLM's /get_world_size and join the weight-update
-    group one rank per worker, receiving the buckets as the plugin's workers do (engines.weight_sync only)."""
+    group one rank per worker, receiving the buckets as the plugin's workers do (engines.weight_sync.wire only)."""
 
     def __init__(self, tp: int):
         self.tp, self.url = tp, f"fake-tp{tp}"
@@ -271,7 +271,7 @@ class FakeTPEngine:
                                         backend, timeout_s=None):
         import anyio
 
-        from engines.weight_sync import build_group, create_store
+        from engines.weight_sync.wire import build_group, create_store
 
         self.rank_offset, self.world = rank_offset, world_size
 
@@ -287,7 +287,7 @@ class FakeTPEngine:
     async def update_weights_from_distributed(self, body):
         import anyio
 
-        from engines.weight_sync import WeightMeta, broadcast_async, bucket_members, unpack_bucket, wait_work
+        from engines.weight_sync.wire import WeightMeta, broadcast_async, bucket_members, unpack_bucket, wait_work
 
         meta = WeightMeta.from_wire(body)
 

@@ -238,9 +238,9 @@ def test_grpo_run_with_a_vllm_engine_raises_reward(vllm, tmp_path):
     do arithmetic yet, so the reward is dense and verifiable (the fraction of digits in the answer), as in the
     embedded engine's end-to-end test, on the arithmetic prompts."""
     from kernels import use_backend
-    from trainer.core import build_components, trainer_config_from
-    from trainer.data import DataBuffer, load_jsonl
+    from trainer.backend.steps import build_components, trainer_config_from
     from trainer.rl import run_rl_training
+    from trainer.rollout.data import DataBuffer, load_jsonl
     from trainer.types import OptimConfig, RLTrainingConfig, RolloutConfig
 
     eng, tok = vllm["engine"], vllm["tok"]

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from test_policy_loss import FULL, TEMPERATURE, make_case, positional
 
 import kernels.linear_logprobs as llp
-import trainer.core as core
+import trainer.backend.steps as core
 from kernels import PolicyLossConfig, linear_policy_loss, linear_token_logprobs, use_backend
 
 BF16, F64 = torch.bfloat16, torch.float64
@@ -140,7 +140,7 @@ def test_cuda_fp32_addmm_is_supported_and_exact():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# trainer.core: NCCL bound to the rank's device, foreach gradient clipping
+# trainer.backend.steps: NCCL bound to the rank's device, foreach gradient clipping
 # ---------------------------------------------------------------------------------------------------------
 
 

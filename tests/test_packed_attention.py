@@ -5,10 +5,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-import trainer.attention as attention
+import trainer.backend.attention as attention
 from kernels import pack_batch, shift_left, use_backend
 from kernels.reference import block_causal_mask_reference
-from trainer.attention import (
+from trainer.backend.attention import (
     PACKED_SDPA,
     block_causal_mask,
     default_attn_implementation,

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer.planner import (
+from trainer.batching.planner import (
     bucket_length,
     padded_batches_efficiency,
     padding_efficiency,
@@ -24,7 +24,7 @@ def _check_invariants(lengths, plan, budget, num_ranks):
     mb_tokens = [sum(lengths[i] for i in mb) for rank in plan for mb in rank]
     assert max(mb_tokens) <= budget
     if lengths:
-        # The bound stated in trainer/planner.py (LPT): spread of micro-batch totals and of rank totals
+        # The bound stated in trainer/batching/planner.py (LPT): spread of micro-batch totals and of rank totals
         # is at most the longest sequence.
         assert max(mb_tokens) - min(mb_tokens) <= max(lengths)
         rank_tokens = [sum(lengths[i] for mb in rank for i in mb) for rank in plan]

@@ -20,11 +20,11 @@ from bench.bench_real_shape import (
     training_texts,
     write_model_folder,
 )
-from trainer.batch import build_micro_batches
-from trainer.core import TrainerConfig, build_components, compute_logprobs
-from trainer.data import DataSpec, load_prompts
-from trainer.export import export_checkpoint, resolve_checkpoint, start_folder
-from trainer.rollout import prompt_token_ids
+from trainer.backend.export import export_checkpoint, resolve_checkpoint, start_folder
+from trainer.backend.steps import TrainerConfig, build_components, compute_logprobs
+from trainer.batching.micro_batches import build_micro_batches
+from trainer.rollout.data import DataSpec, load_prompts
+from trainer.rollout.samples import prompt_token_ids
 from trainer.sft import run_sft_training
 from trainer.types import OptimConfig, Sample, SFTTrainingConfig
 

@@ -7,18 +7,16 @@ import random
 import pytest
 
 from engines.tiny import build_tokenizer
-from trainer.data import load_jsonl
-from trainer.rewards import (
+from trainer.rollout.data import load_jsonl
+from trainer.rollout.datasets import make_arithmetic_problems, make_countdown_problems, write_demo_data
+from trainer.rollout.rewards import (
     arithmetic_reward,
     compute_rewards,
     countdown_reward,
     extract_gsm8k_answer,
     gsm8k_reward,
     load_reward_fn,
-    make_arithmetic_problems,
-    make_countdown_problems,
     math_reward,
-    write_demo_data,
 )
 from trainer.types import Sample, Status
 
@@ -91,12 +89,12 @@ def test_raising_reward_marks_failed_and_counts(tmp_path):
 
 def test_load_reward_fn_builtin_module_and_file(tmp_path):
     assert load_reward_fn("arithmetic") is arithmetic_reward
-    assert load_reward_fn("trainer.rewards:countdown_reward") is countdown_reward
+    assert load_reward_fn("trainer.rollout.rewards:countdown_reward") is countdown_reward
     f = tmp_path / "my_reward.py"
     f.write_text("def score(sample):\n    return float(len(sample.response))\n")
     assert load_reward_fn(f"{f}:score")(_sample("abcd")) == 4.0
     with pytest.raises(ValueError, match="no callable 'nope'"):
-        load_reward_fn("trainer.rewards:nope")
+        load_reward_fn("trainer.rollout.rewards:nope")
     with pytest.raises(ValueError, match="cannot import"):
         load_reward_fn("not_a_module_xyz:fn")
     with pytest.raises(ValueError, match="module:function"):
@@ -108,7 +106,8 @@ def test_shipped_data_is_what_the_script_writes(tmp_path):
     for path in paths.values():
         shipped = os.path.join(ROOT, "data", os.path.basename(path))
         with open(shipped) as a, open(path) as b:
-            assert a.read() == b.read(), f"data/{os.path.basename(path)} is stale: rerun python -m trainer.rewards"
+            assert a.read() == b.read(), (f"data/{os.path.basename(path)} is stale: rerun "
+                                          f"python -m trainer.rollout.datasets")
     train = {p.prompt for p in load_jsonl(paths["arithmetic_train"])}
     test = load_jsonl(paths["arithmetic_test"])
     assert not train & {p.prompt for p in test}  # held-out really is held out
@@ -168,7 +167,8 @@ def test_math_reward_math_verify(reference, response, expect):
 
 
 def test_new_rewards_load_by_name_and_failures_are_counted():
-    assert load_reward_fn("gsm8k") is gsm8k_reward and load_reward_fn("trainer.rewards:math_reward") is math_reward
+    assert load_reward_fn("gsm8k") is gsm8k_reward and (load_reward_fn("trainer.rollout.rewards:math_reward")
+                                                              is math_reward)
     samples = [_sample("#### 3", answer="3"), _sample("#### 3"), _sample("\\boxed{3}", answer="3"),
                _sample("\\boxed{3}", answer="#### nothing")]
     scored, failed = compute_rewards(samples[:2], gsm8k_reward)

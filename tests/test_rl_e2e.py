@@ -14,9 +14,9 @@ import torch
 
 from engines.tiny import build_tokenizer, tiny_model_config
 from kernels import use_backend
-from trainer.core import TrainerConfig, build_components, trainer_config_from
-from trainer.data import DataBuffer, load_jsonl
+from trainer.backend.steps import TrainerConfig, build_components, trainer_config_from
 from trainer.rl import compute_advantages, run_rl_training
+from trainer.rollout.data import DataBuffer, load_jsonl
 from trainer.types import OptimConfig, RLTrainingConfig, RolloutBatch, RolloutConfig, Sample, Status
 
 TOK = build_tokenizer()

@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from trainer.rollout import (
+from trainer.rollout.samples import (
     FILTERS,
     apply_sample_transforms,
     build_batch_metadata,
@@ -59,7 +59,7 @@ def test_filter_registry_by_name():
     assert set(FILTERS) == {"check_reward_nonzero_std", "check_min_reward", "check_response_diversity",
                             "check_reasonable_length", "check_quality_and_diversity"}
     assert get_filter("check_min_reward") is check_min_reward
-    assert get_filter("trainer.rollout:check_min_reward") is check_min_reward
+    assert get_filter("trainer.rollout.samples:check_min_reward") is check_min_reward
     assert [n for n, _ in resolve_filters(["check_min_reward", check_response_diversity])] == [
         "check_min_reward", "check_response_diversity"]
     with pytest.raises(ValueError, match="unknown filter 'check_typo'"):

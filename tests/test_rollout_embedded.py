@@ -15,8 +15,8 @@ import trio
 from engines.embedded.presets import build_tiny_model
 from engines.sglang import SGLangEngine
 from engines.tiny import build_tokenizer
-from trainer.data import DataBuffer, load_jsonl
-from trainer.rollout_manager import AsyncRolloutManager
+from trainer.rollout.data import DataBuffer, load_jsonl
+from trainer.rollout.manager import AsyncRolloutManager
 from trainer.types import RolloutConfig, Status
 
 SEED = 3

@@ -23,9 +23,9 @@ from starlette.routing import Route
 from engines.protocol import Completion, EngineUnavailableError
 from engines.sglang import SGLangEngine
 from engines.tiny import build_tokenizer
-from trainer.data import DataBuffer, Prompt
-from trainer.rewards import arithmetic_reward
-from trainer.rollout_manager import AsyncRolloutManager, generate_rollout_batches
+from trainer.rollout.data import DataBuffer, Prompt
+from trainer.rollout.manager import AsyncRolloutManager, generate_rollout_batches
+from trainer.rollout.rewards import arithmetic_reward
 from trainer.types import RolloutConfig, Sample, Status
 
 TOK = build_tokenizer()

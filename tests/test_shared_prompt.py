@@ -1,4 +1,5 @@
-"""Shared-prompt layout (trainer.shared_prompt): a group's prompt runs once, and every log-prob, loss, metric and
+"""Shared-prompt layout (trainer.batching.shared_prompt): a group's prompt runs once, and every log-prob, loss,
+metric and
 gradient equals the plain layout's (one sequence per sample) and the per-sequence float64 reference."""
 
 from __future__ import annotations
@@ -9,17 +10,17 @@ import torch.nn.functional as F
 
 from engines.tiny import tiny_model_config
 from kernels import PolicyLossConfig, use_backend
-from trainer.attention import (
+from trainer.backend.attention import (
     PACKED_SDPA,
     packed_attention_kwargs,
     packed_hidden_states,
     supports_shared_prompts,
     tree_causal_mask,
 )
-from trainer.batch import build_micro_batches
-from trainer.core import TrainerConfig, build_components, compute_logprobs, forward_backward
-from trainer.models import load_hf_model
-from trainer.shared_prompt import build_shared_micro_batches, prompt_trees, tree_cost
+from trainer.backend.models import load_hf_model
+from trainer.backend.steps import TrainerConfig, build_components, compute_logprobs, forward_backward
+from trainer.batching.micro_batches import build_micro_batches
+from trainer.batching.shared_prompt import build_shared_micro_batches, prompt_trees, tree_cost
 from trainer.types import OptimConfig, Sample
 
 

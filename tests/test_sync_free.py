@@ -3,7 +3,7 @@
 On CUDA a host sync idles the GPU: `.item()`, `bool(t)`, `nonzero`, `torch.equal`, or any device-to-host copy.
 This machine has no GPU, so the test records every op that WOULD synchronise on CUDA while three full RL steps
 run (old and reference log-probs, forward_backward with the policy loss, optim_step) and asserts that none is
-issued by the trainer's own step code (trainer/core.py, batch.py, futures.py, rl.py, and what they call in
+issued by the trainer's own step code (trainer/backend/steps.py, batch.py, futures.py, rl.py, and what they call in
 torch: the optimizer, gradient clipping, metric reduction, stream hand-offs) outside `TrainFuture.result()`.
 
 Out of this test's reach, and said so: the CPU-only paths of other modules read values on the host on purpose,
@@ -26,8 +26,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from engines.tiny import tiny_model_config
 from kernels import PolicyLossConfig, use_backend
-from trainer.batch import attach_logprobs, build_micro_batches
-from trainer.core import TrainerConfig, build_components, compute_logprobs, forward_backward, optim_step
+from trainer.backend.steps import TrainerConfig, build_components, compute_logprobs, forward_backward, optim_step
+from trainer.batching.micro_batches import attach_logprobs, build_micro_batches
 from trainer.types import OptimConfig, Sample, TrainingState
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,14 +35,15 @@ ROOT = Path(__file__).resolve().parents[1]
 SYNC_OPS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero", "aten::equal", "aten::item"}
 # Tensor methods that copy device data to the host (on CPU tensors they dispatch no aten op, so catch them here).
 HOST_READS = {"tolist", "item", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__"}
-TRAINER_STEP_CODE = {"trainer/core.py", "trainer/batch.py", "trainer/futures.py", "trainer/rl.py"}
-CPU_ONLY_PATHS = ("kernels/", "trainer/attention.py")  # host reads free on CPU by design (module docstring)
+TRAINER_STEP_CODE = {"trainer/backend/steps.py", "trainer/batching/micro_batches.py", "trainer/backend/futures.py",
+                     "trainer/rl.py"}
+CPU_ONLY_PATHS = ("kernels/", "trainer/backend/attention.py")  # host reads free on CPU by design (module docstring)
 
 
 def _where(stack: list[traceback.FrameSummary]) -> tuple[str, bool]:
     """(innermost project file:function issuing the op, whether it runs inside TrainFuture.result)."""
-    in_result = any(f.name in ("result", "_finalize_metrics") and f.filename.endswith(("trainer/futures.py",
-                                                                                      "trainer/core.py"))
+    in_result = any(f.name in ("result", "_finalize_metrics") and f.filename.endswith(("trainer/backend/futures.py",
+                                                                                      "trainer/backend/steps.py"))
                     for f in stack)
     for f in reversed(stack):
         path = os.path.relpath(f.filename, ROOT)

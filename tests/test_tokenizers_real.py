@@ -21,9 +21,9 @@ from engines.embedded.launch import EngineProcess
 from engines.sglang import SGLangEngine
 from engines.tiny import CHARS, tiny_model_config
 from trainer.cli import evaluate
-from trainer.data import DataBuffer, Prompt
-from trainer.rollout import end_of_turn_ids, prompt_token_ids, stop_token_ids
-from trainer.rollout_manager import AsyncRolloutManager
+from trainer.rollout.data import DataBuffer, Prompt
+from trainer.rollout.manager import AsyncRolloutManager
+from trainer.rollout.samples import end_of_turn_ids, prompt_token_ids, stop_token_ids
 from trainer.types import RolloutConfig, Status
 
 QWEN_TEMPLATE = (

@@ -15,8 +15,8 @@ import torch
 
 from engines.tiny import tiny_model_config
 from kernels import use_backend
-from trainer.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
-from trainer.core import build_components
+from trainer.backend.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from trainer.backend.steps import build_components
 from trainer.types import TrainingState
 
 ROOT = Path(__file__).resolve().parents[1]

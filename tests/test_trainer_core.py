@@ -17,10 +17,17 @@ import torch.nn.functional as F
 
 from engines.tiny import tiny_model_config
 from kernels import use_backend
-from trainer.batch import IGNORE_INDEX, attach_logprobs, build_micro_batches
-from trainer.core import TrainerConfig, build_components, compute_logprobs, forward_backward, optim_step, warmup_cosine
-from trainer.futures import TrainFuture
-from trainer.models import load_hf_model
+from trainer.backend.futures import TrainFuture
+from trainer.backend.models import load_hf_model
+from trainer.backend.steps import (
+    TrainerConfig,
+    build_components,
+    compute_logprobs,
+    forward_backward,
+    optim_step,
+    warmup_cosine,
+)
+from trainer.batching.micro_batches import IGNORE_INDEX, attach_logprobs, build_micro_batches
 from trainer.types import OptimConfig, Sample, TrainingState
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -254,7 +261,7 @@ def test_future_awaitable_from_trio():
 
 
 def test_export_roundtrip_and_load_errors(components, tmp_path):
-    from trainer.checkpoint import export_hf
+    from trainer.backend.checkpoint import export_hf
 
     path = export_hf(components, tmp_path / "hf")
     plain = load_hf_model(path, dtype=torch.float32)
@@ -296,7 +303,8 @@ def test_bad_inputs():
 
 
 def _loop_pack_reference(samples, adv, old=None):
-    """The packed targets written as the per-token loop they are defined by (trainer/batch.py's docstring)."""
+    """The packed targets written as the per-token loop they are defined by (trainer/batching/micro_batches.py's
+    docstring)."""
     rows = {k: [] for k in ("ids", "pos", "labels", "mask", "adv", "old", "roll")}
     for i, s in enumerate(samples):
         L, P = len(s.tokens), s.prompt_length
@@ -361,7 +369,7 @@ def test_pin_memory_pins_host_tensors_and_leaves_device_tensors(monkeypatch):
 
 
 class _RecordingStreams:
-    """Stands in for trainer.futures.DeviceStreams on CPU: logs every hand-off, in order."""
+    """Stands in for trainer.backend.futures.DeviceStreams on CPU: logs every hand-off, in order."""
 
     def __init__(self, name: str, log: list) -> None:
         self.compute, self.copy, self.log, self._stack = f"{name}.compute", f"{name}.copy", log, ["default"]

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from engines.tiny import build_tokenizer
-from trainer.trajectory import trajectory_to_sample
+from trainer.rollout.trajectory import trajectory_to_sample
 from trainer.types import Status
 
 

@@ -6,8 +6,8 @@ import torch
 import trio
 
 from engines.embedded.presets import build_tiny_model
-from engines.embedded.receiver import WeightReceiver
-from engines.weight_sync import ALIGN, WeightMeta, WeightSyncError, dtype_from_wire, plan_buckets
+from engines.weight_sync.receiver import WeightReceiver
+from engines.weight_sync.wire import ALIGN, WeightMeta, WeightSyncError, dtype_from_wire, plan_buckets
 from trainer.weight_sync import WeightSyncSender
 
 
@@ -138,7 +138,7 @@ def test_sender_argument_errors_name_the_fix():
         WeightSyncSender(model, [], transport="pipes")
     with pytest.raises(ValueError, match="mode='bucketed' with transport='colocated'"):
         WeightSyncSender(model, [], transport="colocated", mode="per_tensor")
-    from engines.weight_sync import build_group, create_store
+    from engines.weight_sync.wire import build_group, create_store
 
     store = create_store("127.0.0.1", 0, is_master=True, timeout_s=5)
     with pytest.raises(ValueError, match="needs the CUDA device"):

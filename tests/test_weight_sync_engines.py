@@ -14,7 +14,7 @@ import trio
 from engines.embedded.launch import EngineProcess, free_port
 from engines.embedded.presets import build_tiny_model
 from engines.sglang import SGLangEngine
-from engines.weight_sync import WeightSyncError
+from engines.weight_sync.wire import WeightSyncError
 from trainer.weight_sync import WeightSyncSender, verify_sync
 
 SEED = 3

@@ -20,7 +20,7 @@ BUDGET, BUCKET = 128, 32
 
 
 def config(output_dir: str = "runs/test", compile: bool = True):
-    from trainer.core import TrainerConfig
+    from trainer.backend.steps import TrainerConfig
     from trainer.types import OptimConfig
 
     return TrainerConfig(loss="nll", optim=OptimConfig(lr=3e-3, warmup_steps=1, max_grad_norm=1.0), num_steps=6,
@@ -42,8 +42,8 @@ def step_samples(step: int, n: int = 6) -> list[Sample]:
 
 
 def train_steps(comp, state: TrainingState, steps: range) -> tuple[TrainingState, list[float]]:
-    from trainer.batch import build_micro_batches
-    from trainer.core import forward_backward, optim_step
+    from trainer.backend.steps import forward_backward, optim_step
+    from trainer.batching.micro_batches import build_micro_batches
 
     losses = []
     for step in steps:
@@ -67,7 +67,7 @@ def _fsdp_rank(rank: int, world: int, port: int, out: str) -> None:
 
     from engines.tiny import tiny_model_config
     from kernels import use_backend
-    from trainer.core import build_components, init_distributed
+    from trainer.backend.steps import build_components, init_distributed
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -95,8 +95,8 @@ def main(argv: list[str]) -> None:
     elif mode == "train":
         from engines.tiny import tiny_model_config
         from kernels import use_backend
-        from trainer.checkpoint import load_checkpoint, save_checkpoint
-        from trainer.core import build_components
+        from trainer.backend.checkpoint import load_checkpoint, save_checkpoint
+        from trainer.backend.steps import build_components
 
         output_dir, steps, save_at = argv[2], int(argv[3]), int(argv[4])
         resume = len(argv) > 5 and argv[5] == "resume"

@@ -58,7 +58,7 @@ def tiny_qwen2_config():
     try:
         from engines.tiny import tiny_model_config
     except ImportError:
-        from trainer.models import tiny_model_config
+        from trainer.backend.models import tiny_model_config
     return tiny_model_config("qwen2", hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=512)
 
 

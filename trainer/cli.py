@@ -6,7 +6,7 @@ files and the reward function), [engines] (the fleet: `fleet = [{url, kind, tp_s
 work; `sync` "group" (default) or "disk"; `master_address` / `master_port` of the weight-update group), [sft] and
 [sft.optim] (trainer.types.SFTTrainingConfig, OptimConfig), [rl], [rl.optim], [rl.loss]
 (kernels.PolicyLossConfig) and [rl.rollout] (RLTrainingConfig, RolloutConfig), [eval], and [trainer] (backend
-settings of trainer.core.TrainerConfig: compile, logprob_chunk_tokens, ...). The run has one temperature,
+settings of trainer.backend.steps.TrainerConfig: compile, logprob_chunk_tokens, ...). The run has one temperature,
 [rl.rollout] temperature: the engines sample with it and the trainer's log-probs use it.
 [data].format is "chat" (prompts are user turns of the chat template) or "plain" (the prompt text itself, the
 answer follows it directly): it applies to SFT, rollouts and evaluation alike. `--set rl.optim.lr=3e-4`
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import trio
 
-from trainer.core import TrainerConfig
+from trainer.backend.steps import TrainerConfig
 from trainer.types import RLTrainingConfig, SFTTrainingConfig, config_from_dict
 
 MODES = ("sft", "rl", "sft+rl", "demo", "export")
@@ -43,7 +43,8 @@ TOP_KEYS = {"name", "output_dir", "seed", "model", "data", "engines", "sft", "rl
 MODEL_KEYS = {"preset", "path", "arch", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
               "intermediate_size", "max_position_embeddings", "tie_word_embeddings", "checkpoint"}
 # train / eval / sft: a data file (JSON, JSONL, parquet), a save_to_disk folder, or a list of {path, weight, ...}
-# tables (a weighted mixture); the mapping keys apply to every set that does not set its own (trainer.data.DataSpec).
+# tables (a weighted mixture); the mapping keys apply to every set that does not set its own
+# (trainer.rollout.data.DataSpec).
 DATA_KEYS = {"train", "eval", "sft", "reward", "format", "prompt_key", "answer_key", "messages_key", "system_prompt",
              "split"}
 FORMATS = ("chat", "plain")
@@ -54,7 +55,7 @@ ENGINE_KINDS = ("sglang", "vllm", "embedded")
 FLEET_KEYS = {"url", "kind", "tp_size", "model"}
 SYNC_MODES = ("group", "disk")
 EVAL_KEYS = {"max_new_tokens", "limit"}
-DEFAULT_REWARD = "trainer.rewards:arithmetic_reward"
+DEFAULT_REWARD = "trainer.rollout.rewards:arithmetic_reward"
 
 
 # ----------------------------------------------------------------------------------------------- config
@@ -171,7 +172,7 @@ def trainer_overrides(cfg: dict[str, Any]) -> dict[str, Any]:
 def phase_configs(cfg: dict[str, Any]) -> PhaseConfigs:
     """The one place where a run config's derived configs are built: SFT and RL configs (the RL config resolves
     its loss), and the TrainerConfig of each phase."""
-    from trainer.core import trainer_config_from
+    from trainer.backend.steps import trainer_config_from
 
     over = trainer_overrides(cfg)
     sft, rl = sft_config(cfg), rl_config(cfg)
@@ -243,8 +244,8 @@ def _check_engines(e: dict[str, Any]) -> None:
 
 def _check_inputs(cfg: dict[str, Any], mode: str) -> None:
     """The files, the model folder and the reward function that `mode` will use exist and load."""
-    from trainer.data import data_specs
-    from trainer.rewards import load_reward_fn
+    from trainer.rollout.data import data_specs
+    from trainer.rollout.rewards import load_reward_fn
 
     model = cfg.get("model", {})
     if "path" in model and not (Path(model["path"]) / "config.json").is_file():
@@ -419,8 +420,8 @@ def evaluate(urls: Sequence[Any], prompts: Sequence[Any], *, tokenizer: Any, rew
     an SGLang-protocol server, or an engine object)."""
     from engines.protocol import SamplingParams
     from engines.sglang import SGLangEngine
-    from trainer.rewards import compute_rewards, load_reward_fn
-    from trainer.rollout import prompt_token_ids, stop_token_ids
+    from trainer.rollout.rewards import compute_rewards, load_reward_fn
+    from trainer.rollout.samples import prompt_token_ids, stop_token_ids
     from trainer.types import Sample, Status
 
     ids = [prompt_token_ids(tokenizer, p.prompt, chat=chat, system=p.system) for p in prompts]
@@ -451,7 +452,7 @@ def sft_examples(prompts: Sequence[Any], tokenizer: Any, fmt: str) -> list[Any]:
     trainer.sft with the assistant-only mask. plain: Samples `prompt + answer + eos`, the loss on answer + eos,
     exactly the token layout the rollouts of a plain-format run produce.
     """
-    from trainer.rollout import prompt_token_ids
+    from trainer.rollout.samples import prompt_token_ids
     from trainer.types import Sample
 
     if fmt == "plain":
@@ -473,11 +474,11 @@ def sft_examples(prompts: Sequence[Any], tokenizer: Any, fmt: str) -> list[Any]:
 def run(mode: str, cfg: dict[str, Any], *, resume: bool = False) -> dict[str, Any]:
     """Run `mode` end to end; returns the summary (also written to <output_dir>/summary.json on rank 0)."""
     from engines.tiny import build_tokenizer
-    from trainer.core import broadcast_from_rank0, build_components, init_distributed
-    from trainer.data import config_buffer, config_prompts
-    from trainer.export import start_folder
+    from trainer.backend.export import start_folder
+    from trainer.backend.steps import broadcast_from_rank0, build_components, init_distributed
     from trainer.plot import plot_metrics
     from trainer.rl import run_rl_training
+    from trainer.rollout.data import config_buffer, config_prompts
     from trainer.sft import run_sft_training
 
     t_start = time.time()
@@ -592,7 +593,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.mode == "export":
         from engines.tiny import build_tokenizer
-        from trainer.export import export_run
+        from trainer.backend.export import export_run
 
         try:
             folder = export_run(cfg, prepare_model_folder(cfg, build_tokenizer()), checkpoint=args.checkpoint,

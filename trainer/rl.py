@@ -2,11 +2,11 @@
 optim_step -> sync -> log -> checkpoint.
 
     comp, state, history = run_rl_training(model, buffer, RLTrainingConfig(...), engine_urls=[...],
-                                           reward_fn="trainer.rewards:arithmetic_reward")
+                                           reward_fn="trainer.rollout.rewards:arithmetic_reward")
 
 Rollouts come from inference engines over HTTP (the embedded engine by default; SGLang / vLLM by URL) through
-`trainer.rollout_manager.generate_rollout_batches`; the engines get the new weights every `sync_every` steps by
-broadcast or shared memory (engines.weight_sync); a disk sync happens only when the caller passes a
+`trainer.rollout.manager.generate_rollout_batches`; the engines get the new weights every `sync_every` steps by
+broadcast or shared memory (engines.weight_sync.wire); a disk sync happens only when the caller passes a
 trainer.weight_sync.DiskWeightSync as `sender` (the CLI's opt-in [engines] sync = "disk"). In async mode the batch
 of step n+1 is generated (in a worker thread, by the engine processes) while step n trains; the weights that
 generated it lag by at most `rollout.max_staleness` versions. Whenever the engines may lag (async, or sync_every >
@@ -28,10 +28,9 @@ from typing import Any
 
 import torch
 
-from trainer.attention import supports_shared_prompts
-from trainer.batch import attach_logprobs, build_micro_batches
-from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from trainer.core import (
+from trainer.backend.attention import supports_shared_prompts
+from trainer.backend.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.backend.steps import (
     TrainerConfig,
     TrainingComponents,
     broadcast_from_rank0,
@@ -41,9 +40,10 @@ from trainer.core import (
     optim_step,
     trainer_config_from,
 )
+from trainer.batching.micro_batches import attach_logprobs, build_micro_batches
+from trainer.batching.shared_prompt import build_shared_micro_batches
 from trainer.metrics import JSONLLogger, MetricsLogger
-from trainer.rollout import build_batch_metadata
-from trainer.shared_prompt import build_shared_micro_batches
+from trainer.rollout.samples import build_batch_metadata
 from trainer.types import RLTrainingConfig, RolloutBatch, Sample, Status, TrainingState
 
 GROUP_ESTIMATORS = ("grpo", "rloo")  # estimators whose baseline is the sample's group
@@ -123,7 +123,8 @@ def needs_old_logprobs(config: RLTrainingConfig) -> bool:
 
 
 def _batch_metrics(batch: RolloutBatch) -> dict[str, float]:
-    """The rollout's own batch statistics (trainer.rollout.build_batch_metadata) under rollout/, plus the headline
+    """The rollout's own batch statistics (trainer.rollout.samples.build_batch_metadata) under rollout/, plus the
+    headline
     figures unprefixed (the progress bar, the plot and the tests read those)."""
     meta = batch.metadata if "reward_mean" in batch.metadata else build_batch_metadata(batch.samples)
     numeric = {k: float(v) for k, v in meta.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -207,7 +208,7 @@ class _Prefetcher:
 
 
 def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, engine_urls: Sequence[str] = (),
-                    tokenizer: Any = None, reward_fn: Any = "trainer.rewards:arithmetic_reward",
+                    tokenizer: Any = None, reward_fn: Any = "trainer.rollout.rewards:arithmetic_reward",
                     trainer_config: TrainerConfig | None = None, components: TrainingComponents | None = None,
                     logger: MetricsLogger | None = None, resume: bool = False, api_key: str | None = None,
                     probe_prompts: Sequence[Sequence[int]] | None = None,
@@ -217,7 +218,7 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
     """Train with GRPO/PPO for config.num_steps steps; returns (components, final state, per-step metrics).
 
     model: a folder, an HF config or a built TrainModule (ignored when `components` is given, e.g. after SFT).
-    data_buffer: trainer.data.DataBuffer of prompts (with answers in metadata for verifiable rewards).
+    data_buffer: trainer.rollout.data.DataBuffer of prompts (with answers in metadata for verifiable rewards).
     engine_urls: SGLang-protocol engines (the embedded engine or SGLang). Their weights are synced from the
     trainer at the start (so they serve the policy being trained) and every `sync_every` steps.
     engines: InferenceEngine objects (e.g. engines.vllm.VLLMEngine) to use instead of SGLang clients of engine_urls.
@@ -230,7 +231,7 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
 
     from engines.sglang import SGLangEngine
     from engines.tiny import build_tokenizer
-    from trainer.rollout_manager import AsyncRolloutManager, generate_rollout_batches
+    from trainer.rollout.manager import AsyncRolloutManager, generate_rollout_batches
     from trainer.weight_sync import WeightSyncSender, verify_sync
 
     if config.async_rollout and config.rollout.max_staleness < 1:

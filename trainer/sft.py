@@ -18,9 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from trainer.batch import build_micro_batches
-from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from trainer.core import (
+from trainer.backend.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.backend.steps import (
     TrainerConfig,
     TrainingComponents,
     build_components,
@@ -28,6 +27,7 @@ from trainer.core import (
     optim_step,
     trainer_config_from,
 )
+from trainer.batching.micro_batches import build_micro_batches
 from trainer.metrics import JSONLLogger, MetricsLogger
 from trainer.types import Sample, SFTTrainingConfig, TrainingState
 

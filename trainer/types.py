@@ -131,7 +131,7 @@ class RolloutConfig:
     max_concurrency: int = 64  # in-flight HTTP requests over all engines
     request_timeout_s: float = 120.0
     max_retries: int = 3
-    dynamic_filters: tuple[str, ...] = ()  # names of trainer.rollout filters, e.g. "check_reward_nonzero_std"
+    dynamic_filters: tuple[str, ...] = ()  # names of trainer.rollout.samples filters, e.g. "check_reward_nonzero_std"
     max_staleness: int = 1  # async mode: a sample may lag the trainer by this many weight versions
     seed: int = 0
     apply_chat_template: bool = False  # wrap each prompt as a user turn with the tokenizer's chat template

@@ -1,5 +1,5 @@
 """Disk-free weight sync, trainer side: FSDP2 gather -> flat buckets -> every engine, by broadcast or, for an engine
-on the trainer's own device, through shared slots. The wire format and both protocols: engines/weight_sync.py.
+on the trainer's own device, through shared slots. The wire format and both protocols: engines/weight_sync/wire.py.
 
 Data path: every trainer rank walks the parameters in the same order, casts its shard to the engines' dtype and
 calls `DTensor.full_tensor()` (a collective on the trainer's own group: a bf16 engine costs half the gather bytes
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engines.weight_sync import (
+from engines.weight_sync.wire import (
     COLOCATED_BUCKET_BYTES,
     DEFAULT_BUCKET_BYTES,
     DEFAULT_GROUP_NAME,

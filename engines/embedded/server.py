@@ -11,9 +11,9 @@ num_running_rows, num_waiting_rows, decode_steps.
 extension only to an engine that lists it. Our extensions, all optional: `timeout_s` in
 /init_weights_update_group (the group's collective timeout);
 `load_format: "flattened_bucket"` in /update_weights_from_distributed with `offsets`, `bucket_index` and
-`bucket_nbytes` (see engines/weight_sync.py); `ipc_buckets` in /update_weights_from_tensor (JSON CUDA-IPC handles
+`bucket_nbytes` (see engines/weight_sync/wire.py); `ipc_buckets` in /update_weights_from_tensor (JSON CUDA-IPC handles
 instead of SGLang's pickled tensors: nothing is unpickled from the network); POST /colocated_weights (same-device
-weight sync through the trainer's shared slots: engines/embedded/receiver.py `colocated_request`).
+weight sync through the trainer's shared slots: engines/weight_sync/receiver.py `colocated_request`).
 
 Concurrency: one "model thread" runs everything that touches the model (decode steps, weight loads), so a weight
 update never overlaps a forward; group joins run on other threads; the event loop parses and schedules.
@@ -42,14 +42,14 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from engines.embedded.generation import DecodeBatch, Row, RowResult
-from engines.embedded.receiver import (
+from engines.weight_sync.receiver import (
     WeightReceiver,
     colocated_request,
     disk_targets,
     load_into,
     read_safetensors_folder,
 )
-from engines.weight_sync import WEIGHT_UPDATE_FORMATS, WeightMeta
+from engines.weight_sync.wire import WEIGHT_UPDATE_FORMATS, WeightMeta
 
 SAMPLING_KEYS = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "n", "seed", "sampling_seed",
                  "ignore_eos"}
@@ -466,7 +466,7 @@ def route_handlers(server: EngineServer) -> dict[str, Endpoint]:
     async def update_tensor(body: dict):
         if body.get("serialized_named_tensors") is not None:
             raise BadRequest("pickled 'serialized_named_tensors' are refused; send 'ipc_buckets' (JSON CUDA-IPC "
-                             "handles, engines/weight_sync.py ipc_handle_to_wire)")
+                             "handles, engines/weight_sync/wire.py ipc_handle_to_wire)")
         buckets = body.get("ipc_buckets")
         if not isinstance(buckets, list):
             raise BadRequest("field 'ipc_buckets' (list) is required")
@@ -492,7 +492,7 @@ def route_handlers(server: EngineServer) -> dict[str, Endpoint]:
         server.wakeup.set()
         return {"success": True, "message": "continued"}
 
-    async def _colocated(body: dict):  # same-device weight sync (engines/embedded/receiver.py)
+    async def _colocated(body: dict):  # same-device weight sync (engines/weight_sync/receiver.py)
         return await colocated_request(server, body)
 
     return {

@@ -1,10 +1,10 @@
 """vLLM worker side of this project's weight sync: a `WeightTransferEngine` that joins the trainer's own process
-group and receives the project's wire format (engines/weight_sync.py), so one sender serves every engine kind.
+group and receives the project's wire format (engines/weight_sync/wire.py), so one sender serves every engine kind.
 
 Imported only inside a vLLM worker process (vLLM's factory loads it by module path, see `engines.vllm_ext`).
 
 Group: the trainer hosts a TCPStore; each vLLM worker joins the group [trainer, engine ranks...] as rank
-`rank_offset + dp_index * (tp * pp) + worker rank`, through `engines.weight_sync.create_store/build_group`:
+`rank_offset + dp_index * (tp * pp) + worker rank`, through `engines.weight_sync.wire.create_store/build_group`:
 gloo for CPU workers, NCCL (torch's ProcessGroupNCCL) for GPU ones. vLLM's built-in `nccl` back end rendezvouses
 through its own StatelessProcessGroup + PyNccl instead, which our sender does not speak.
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo
 
-from engines.weight_sync import (
+from engines.weight_sync.wire import (
     DEFAULT_GROUP_NAME,
     WeightMeta,
     broadcast_async,

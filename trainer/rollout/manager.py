@@ -35,8 +35,8 @@ from typing import Any
 import trio
 
 from engines.protocol import Completion, EngineError, EngineUnavailableError, InferenceEngine, SamplingParams
-from trainer.rewards import RewardFn, acompute_reward, load_reward_fn
-from trainer.rollout import (
+from trainer.rollout.rewards import RewardFn, acompute_reward, load_reward_fn
+from trainer.rollout.samples import (
     SampleTransform,
     apply_sample_transforms,
     convert_to_batch,

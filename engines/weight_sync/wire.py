@@ -1,5 +1,5 @@
 """Weight sync wire format, shared by the trainer's sender (trainer/weight_sync.py) and the engine's receiver
-(engines/embedded/receiver.py). Nothing here knows about the trainer; nothing on the wire is pickled.
+(engines/weight_sync/receiver.py). Nothing here knows about the trainer; nothing on the wire is pickled.
 
 Both transports move the same thing: the model as a sequence of flat uint8 buckets (`plan_buckets`: every tensor at
 a 64-byte aligned offset, in parameter order; for our own engines a parameter larger than a bucket is cut into row

@@ -1,6 +1,7 @@
 """Shared-prompt micro-batches: a GRPO group's prompt is run through the model once, not once per sample.
 
-With n samples per prompt, the plain layout (trainer.batch) packs `prompt + response` n times, and on short-answer
+With n samples per prompt, the plain layout (trainer.batching.micro_batches) packs `prompt + response` n times, and
+on short-answer
 work the prompt is most of the tokens (the demo: ~25 prompt tokens, ~3 response tokens, n = 8, so ~85 % of every
 forward and backward recomputes the same prompt). Here the samples of one prompt form a tree in the packed row:
 
@@ -8,7 +9,7 @@ forward and backward recomputes the same prompt). Here the samples of one prompt
     positions:    0  1  ... P-1  | P  P+1 P+2 | P  P+1 | P  ...       the unshared sequence's positions
     branch:      -1 -1  ...  -1  | 0  0  0  | 1  1  | 2  ...         (row order; -1 on prompts and the padding tail)
 
-A branch token attends the prompt and its own branch causally (trainer.attention), so every hidden state is the
+A branch token attends the prompt and its own branch causally (trainer.backend.attention), so every hidden state is the
 one of the sample's own sequence and the loss is the plain layout's loss: the same per-token values, the same
 per-sequence aggregation over the same samples. Only the loss rows change: the hidden state of the prompt's last
 token predicts the first response token of every branch, so the loss gathers M rows (`PromptTrees.hidden_index`,
@@ -27,7 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from kernels.packing import PackedBatch
-from trainer.batch import (
+from trainer.batching.micro_batches import (
     IGNORE_INDEX,
     MicroBatch,
     PromptTrees,
@@ -36,7 +37,7 @@ from trainer.batch import (
     pack_micro_batch,
     rank_micro_batches,
 )
-from trainer.planner import plan_micro_batches
+from trainer.batching.planner import plan_micro_batches
 from trainer.types import Sample
 
 
@@ -168,7 +169,7 @@ def build_shared_micro_batches(samples: Sequence[Sample], *, token_budget: int, 
                                advantages: Sequence[float] | None = None, pad_id: int = 0, num_ranks: int = 1,
                                rank: int = 0, old_logprobs: Sequence[Sequence[float]] | None = None,
                                ref_logprobs: Sequence[Sequence[float]] | None = None) -> list[MicroBatch]:
-    """trainer.batch.build_micro_batches with the shared-prompt layout: same arguments, same loss.
+    """trainer.batching.micro_batches.build_micro_batches with the shared-prompt layout: same arguments, same loss.
 
     The planner balances trees (their row tokens) instead of samples; a rank with fewer micro-batches gets
     all-padding rows (the plain layout's), so every rank runs the same number of forwards.

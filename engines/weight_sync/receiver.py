@@ -1,5 +1,5 @@
 """The engine's side of weight sync: join the dedicated group or map the trainer's colocated slots, receive, load
-into the live model. The wire format and both protocols are described in engines/weight_sync.py.
+into the live model. The wire format and both protocols are described in engines/weight_sync/wire.py.
 
 Runs in worker threads (the server's event loop stays free); loads run on the server's model thread, so a load
 never overlaps a forward. Weights are loaded bucket by bucket as they arrive (like SGLang), so a failed sync
@@ -18,7 +18,7 @@ import anyio
 import torch
 from torch import nn
 
-from engines.weight_sync import (
+from engines.weight_sync.wire import (
     WeightMeta,
     broadcast_async,
     bucket_members,

@@ -37,7 +37,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from kernels.packing import PackedBatch
-from trainer.batch import PromptTrees
+from trainer.batching.micro_batches import PromptTrees
 
 _FLASH = ("flash_attention_2", "flash_attention_3")
 PACKED_SDPA = "packed_sdpa"
@@ -150,7 +150,7 @@ def tree_causal_mask(seq_index: torch.Tensor, branch: torch.Tensor, dtype: torch
     """[N] tree ids and [N] branch ids (-1 on shared prompts) -> [1, 1, N, N] shared-prompt mask (bool / additive).
 
     Query i attends key j iff j <= i in the same tree and j is a prompt token or in i's own branch: a branch sees
-    its prompt and itself, a prompt sees only the prompt (trainer.shared_prompt). The padding tail (tree -1,
+    its prompt and itself, a prompt sees only the prompt (trainer.batching.shared_prompt). The padding tail (tree -1,
     branch -1) is one causal block, as in block_causal_mask.
     """
     n = seq_index.shape[0]
@@ -211,7 +211,7 @@ def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
         raise ValueError(
             f"packed_sdpa with packing indices expects one row (batch 1, got {query.shape[0]}), no attention mask "
             f"(got {None if attention_mask is None else tuple(attention_mask.shape)}) and packed_scatter_index; "
-            "build the call with trainer.attention.packed_attention_kwargs"
+            "build the call with trainer.backend.attention.packed_attention_kwargs"
         )
     if not getattr(module, "is_causal", True):
         raise ValueError("packed_sdpa: the packed path is causal only; this attention module is not causal")
@@ -251,7 +251,7 @@ SHARED_PROMPT_IMPLS = (PACKED_SDPA, "sdpa", "eager")  # attention paths with a s
 
 
 def supports_shared_prompts(model) -> bool:
-    """Whether the model's attn_implementation can run the shared-prompt layout (trainer.shared_prompt).
+    """Whether the model's attn_implementation can run the shared-prompt layout (trainer.batching.shared_prompt).
 
     flash-attn's varlen kernel has no per-branch mask; flex_attention could (a mask_mod over branch ids) but has
     no tile tables for it yet: both train with the plain layout.
@@ -312,7 +312,7 @@ def packed_attention_kwargs(model, batch: PackedBatch, trees: PromptTrees | None
         raise ValueError(
             f"attn_implementation={impl!r} has no packed path; load the model with one of "
             f"{PACKED_SDPA!r}, 'sdpa', 'eager', 'flex_attention', {', '.join(repr(x) for x in _FLASH)} "
-            "(trainer.attention.default_attn_implementation picks one per device)"
+            "(trainer.backend.attention.default_attn_implementation picks one per device)"
         )
     return kw
 

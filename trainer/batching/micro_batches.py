@@ -8,7 +8,7 @@ of the packed row predicts token j+1 of the same sequence, so within one sample
     advantages[j]= the sample's advantage         (broadcast; only read where loss_mask = 1)
     *_logprobs[j]= per-response-token value [j+1-P] (old / ref / rollout log-probs), else 0
 
-The planner (trainer/planner.py) assigns samples to ranks and micro-batches under a token budget; every row is
+The planner (trainer/batching/planner.py) assigns samples to ranks and micro-batches under a token budget; every row is
 padded to a multiple of `bucket_size` (a small set of shapes, so torch.compile recompiles at most once per
 bucket). Ranks with fewer micro-batches get empty ones (all padding, mask 0) so that every rank runs the same
 number of FSDP forwards. `num_tokens` / `num_seqs` are GLOBAL (all micro-batches of all ranks): the loss of
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.packing import PackedBatch, broadcast_to_tokens, packed_layout, shift_left
-from trainer.planner import plan_micro_batches
+from trainer.batching.planner import plan_micro_batches
 from trainer.types import Sample
 
 IGNORE_INDEX = -100
@@ -46,12 +46,12 @@ def _move(obj, fn):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class PromptTrees:
-    """The shared-prompt layout of a packed row (trainer.shared_prompt builds it).
+    """The shared-prompt layout of a packed row (trainer.batching.shared_prompt builds it).
 
     The samples of one prompt (a GRPO group) form a tree: the prompt's P tokens once, then each sample's response
     as a branch. Row positions keep the unshared sequence's numbering (prompt 0..P-1, branch tokens P, P+1, ...), and
     a branch token attends the prompt and its own branch causally, so every hidden state equals the one of the
-    sample's own sequence (trainer.attention builds the per-branch attention from `trees` or `branch`).
+    sample's own sequence (trainer.backend.attention builds the per-branch attention from `trees` or `branch`).
     Loss rows: the hidden state of the prompt's last token predicts the first response token of every branch, so
     the loss runs on M gathered rows, not on the N row tokens.
     """

@@ -34,8 +34,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from trainer.core import TrainingComponents
-from trainer.parallel import ROOT_PREFIX
+from trainer.backend.parallel import ROOT_PREFIX
+from trainer.backend.steps import TrainingComponents
 from trainer.types import TrainingState
 
 FORMAT_VERSION = 1

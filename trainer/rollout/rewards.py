@@ -17,12 +17,11 @@ Rewards for users' data sets:
 A response with no answer in it scores 0.0; a reference answer that cannot be read raises, which marks the sample
 FAILED (a data error, counted, never fatal).
 
-`python -m trainer.rewards --out data` regenerates the shipped data sets deterministically.
+The problem generators of the built-in tasks live in trainer.rollout.datasets.
 """
 
 from __future__ import annotations
 
-import argparse
 import ast
 import dataclasses
 import importlib
@@ -30,7 +29,6 @@ import importlib.util
 import inspect
 import math
 import os
-import random
 import re
 import threading
 from collections import Counter
@@ -55,32 +53,6 @@ def _clean(response: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- arithmetic
-def make_arithmetic_problems(n: int, *, seed: int = 0, max_operand: int = 50, ops: str = "+-",
-                             exclude: set[str] | None = None) -> list[dict[str, Any]]:
-    """`n` distinct problems "a<op>b=" with operands in [0, max_operand); a pure function of the arguments.
-
-    `exclude` holds prompts to skip (to make a held-out set disjoint from the training set).
-    """
-    if n > len(ops) * max_operand * max_operand - len(exclude or ()):
-        raise ValueError(f"n={n}: only {len(ops) * max_operand ** 2} distinct problems exist with "
-                         f"max_operand={max_operand}, ops={ops!r}; raise max_operand or lower n")
-    bad = set(ops) - set("+-*")
-    if bad:
-        raise ValueError(f"ops={ops!r}: unsupported operators {sorted(bad)}; use a subset of '+-*'")
-    rng = random.Random(seed)
-    seen = set(exclude or ())
-    out = []
-    while len(out) < n:
-        a, b, op = rng.randrange(max_operand), rng.randrange(max_operand), rng.choice(ops)
-        prompt = f"{a}{op}{b}="
-        if prompt in seen:
-            continue
-        seen.add(prompt)
-        value = a + b if op == "+" else a - b if op == "-" else a * b
-        out.append({"prompt": prompt, "answer": str(value), "task": "arithmetic"})
-    return out
-
-
 def extract_final_integer(response: str) -> int | None:
     found = _INT_RE.findall(_clean(response))
     return int(found[-1]) if found else None
@@ -96,28 +68,6 @@ def arithmetic_reward(sample: Sample) -> float:
 
 
 # ----------------------------------------------------------------------------------------------- countdown
-def make_countdown_problems(n: int, *, seed: int = 0, num_numbers: int = 3, max_number: int = 10) -> list[dict]:
-    """Problems "nums 3 5 7 target 22 :" whose target is reachable (built from a random expression)."""
-    rng = random.Random(seed)
-    out, seen = [], set()
-    while len(out) < n:
-        nums = [rng.randint(1, max_number) for _ in range(num_numbers)]
-        # Target from a random left-to-right expression over a random subset (>= 2 numbers), kept positive int.
-        used = rng.sample(nums, rng.randint(2, num_numbers))
-        value = Fraction(used[0])
-        for x in used[1:]:
-            value = {"+": value + x, "-": value - x, "*": value * x}[rng.choice("+-*")]
-        if value.denominator != 1 or value <= 0:
-            continue
-        prompt = f"nums {' '.join(map(str, nums))} target {int(value)} :"
-        if prompt in seen:
-            continue
-        seen.add(prompt)
-        out.append({"prompt": prompt, "answer": str(int(value)), "numbers": nums, "target": int(value),
-                    "task": "countdown"})
-    return out
-
-
 def _eval_countdown(node: ast.AST, used: list[int]) -> Fraction:
     """Evaluate +-*/ over integer literals exactly; anything else (names, calls, powers) is rejected."""
     if isinstance(node, ast.Expression):
@@ -321,46 +271,3 @@ def compute_rewards(samples: Sequence[Sample], reward_fn: RewardFn) -> tuple[lis
     """Score every sample; returns (scored samples, number whose reward function failed)."""
     scored = [compute_reward(s, reward_fn) for s in samples]
     return scored, sum(1 for s in scored if "reward_error" in s.metadata)
-
-
-# ----------------------------------------------------------------------------------------------- data sets
-def write_demo_data(out_dir: str, *, n_train: int = 700, n_test: int = 200, seed: int = 0,
-                    max_operand: int = 30, ops: str = "+") -> dict[str, str]:
-    """Write the arithmetic (and a small countdown) train / held-out sets; held-out never overlaps train."""
-    from trainer.data import write_jsonl
-
-    train = make_arithmetic_problems(n_train, seed=seed, max_operand=max_operand, ops=ops)
-    test = make_arithmetic_problems(n_test, seed=seed + 1, max_operand=max_operand, ops=ops,
-                                    exclude={r["prompt"] for r in train})
-    cd = make_countdown_problems(n_train // 2 + n_test // 2, seed=seed)
-    paths = {
-        "arithmetic_train": os.path.join(out_dir, "arithmetic_train.jsonl"),
-        "arithmetic_test": os.path.join(out_dir, "arithmetic_test.jsonl"),
-        "countdown_train": os.path.join(out_dir, "countdown_train.jsonl"),
-        "countdown_test": os.path.join(out_dir, "countdown_test.jsonl"),
-    }
-    write_jsonl(paths["arithmetic_train"], train)
-    write_jsonl(paths["arithmetic_test"], test)
-    write_jsonl(paths["countdown_train"], cd[: n_train // 2])
-    write_jsonl(paths["countdown_test"], cd[n_train // 2:])
-    return paths
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="Regenerate the shipped demo data sets (deterministic).")
-    p.add_argument("--out", default="data")
-    p.add_argument("--n-train", type=int, default=700)
-    p.add_argument("--n-test", type=int, default=200)
-    p.add_argument("--seed", type=int, default=0)
-    # The demo's difficulty: a+b with operands below 30 (900 problems: 700 train, 200 held out). A tiny model
-    # reaches ~40 % greedy accuracy after a short SFT, which leaves RL room to show its effect.
-    p.add_argument("--max-operand", type=int, default=30)
-    p.add_argument("--ops", default="+")
-    a = p.parse_args(argv)
-    for name, path in write_demo_data(a.out, n_train=a.n_train, n_test=a.n_test, seed=a.seed,
-                                      max_operand=a.max_operand, ops=a.ops).items():
-        print(f"{name}: {path}")
-
-
-if __name__ == "__main__":
-    main()

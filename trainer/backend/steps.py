@@ -5,11 +5,11 @@
     opt_fut, state = optim_step(components, state, config)         # no host sync between the two
     metrics = fut.result() | opt_fut.result()                      # the step's only sync, when read
 
-Loss path: the backbone gives hidden states [N, H] of a packed row (trainer.attention.packed_hidden_states,
+Loss path: the backbone gives hidden states [N, H] of a packed row (trainer.backend.attention.packed_hidden_states,
 no cross-sequence attention) and the fused kernels take them with the lm_head weight [V, H], so the [N, V]
 logits never exist. Every micro-batch's loss is already divided by the GLOBAL token / sequence counts
-(trainer.batch), so gradient accumulation is a plain sum over micro-batches; FSDP's reduce-scatter averages
-over ranks, so each rank scales its backward by the world size to turn that average into the global sum.
+(trainer.batching.micro_batches), so gradient accumulation is a plain sum over micro-batches; FSDP's reduce-scatter
+averages over ranks, so each rank scales its backward by the world size to turn that average into the global sum.
 
 Streams (CUDA): every step function queues its work on the compute stream between two event hand-offs with the
 caller's stream (`_on_compute_stream`), and micro-batches arrive through a copy stream; log-probs computed by
@@ -36,10 +36,10 @@ from torch.distributed.tensor import DTensor, Shard
 
 from kernels import PolicyLossConfig, linear_policy_loss, linear_token_logprobs, raise_on_input_errors
 from kernels.objective import merge_metrics
-from trainer.attention import packed_hidden_states
-from trainer.batch import MicroBatch
-from trainer.futures import DeviceStreams, TrainFuture
-from trainer.parallel import ParallelConfig, TrainModule
+from trainer.backend.attention import packed_hidden_states
+from trainer.backend.futures import DeviceStreams, TrainFuture
+from trainer.backend.parallel import ParallelConfig, TrainModule
+from trainer.batching.micro_batches import MicroBatch
 from trainer.types import OptimConfig, TrainingState
 
 LOSSES = ("policy", "nll")
@@ -68,7 +68,8 @@ class TrainerConfig:
     token_budget: int = 4096
     bucket_size: int = 256
     # RL: each prompt's tokens run through the model once per micro-batch, not once per sample (the same loss;
-    # trainer.shared_prompt), where the model's attention supports it (trainer.attention.supports_shared_prompts).
+    # trainer.batching.shared_prompt), where the model's attention supports it
+    # (trainer.backend.attention.supports_shared_prompts).
     share_prompts: bool = True
     seed: int = 0
     output_dir: str = "runs/default"
@@ -117,7 +118,7 @@ class TrainingComponents:
     mesh: DeviceMesh
     device: torch.device
     config: TrainerConfig
-    streams: Any = None  # trainer.futures.DeviceStreams on CUDA, None on CPU (everything runs in order)
+    streams: Any = None  # trainer.backend.futures.DeviceStreams on CUDA, None on CPU (everything runs in order)
     pending: dict = dataclasses.field(default_factory=lambda: {"tokens": 0})  # tokens since the last optim_step
 
     @property
@@ -176,7 +177,7 @@ def build_components(model: str | os.PathLike | Any, config: TrainerConfig, *,
     AdamW is fused on every device (one kernel, and no host read of its step count); the schedule is
     warmup + cosine (`warmup_cosine`).
     """
-    from trainer.models import load_hf_model
+    from trainer.backend.models import load_hf_model
 
     mesh = mesh if mesh is not None else init_distributed()
     device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
@@ -333,7 +334,8 @@ def forward_backward(components: TrainingComponents, micro_batches: Sequence[Mic
                      config: TrainerConfig | None = None) -> TrainFuture[dict]:
     """Accumulate gradients of the loss over this rank's packed micro-batches; returns a future of the metrics.
 
-    micro_batches: from trainer.batch.build_micro_batches (same count on every rank; each already normalised by
+    micro_batches: from trainer.batching.micro_batches.build_micro_batches (same count on every rank; each already
+    normalised by
     the global token / sequence counts). The future's dict has "loss" (the exact global loss, summed over
     micro-batches and ranks), the loss kernel's metrics combined the same way (a `_max` metric by max) and
     "num_tokens". Data-dependent input errors found by the kernels (NaN, label out of range) are raised when the
@@ -341,7 +343,7 @@ def forward_backward(components: TrainingComponents, micro_batches: Sequence[Mic
     """
     config = config or components.config
     if not micro_batches:
-        raise ValueError("micro_batches: empty; build them with trainer.batch.build_micro_batches")
+        raise ValueError("micro_batches: empty; build them with trainer.batching.micro_batches.build_micro_batches")
     loss_fn = _LOSS_FNS[config.loss]
     world = components.world_size
     dev = components.device
@@ -366,7 +368,7 @@ def compute_logprobs(components: TrainingComponents, micro_batches: Sequence[Mic
     [M] (one per loss row) for micro-batches in the shared-prompt layout: the shape of their labels.
 
     Computed at the run's one temperature (the rollout's). Attach them with
-    trainer.batch.attach_logprobs(micro_batches, logps, "old_logprobs").
+    trainer.batching.micro_batches.attach_logprobs(micro_batches, logps, "old_logprobs").
     """
     temp = components.config.temperature
     chunk = components.config.logprob_chunk_tokens

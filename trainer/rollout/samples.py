@@ -1,7 +1,7 @@
 """Pure rollout functions: group filters, sample transforms, batch conversion and batch statistics.
 
 The stateful part (engine requests, over-sampling, aborts, the partial-sample cache) and the plain generator a
-training loop iterates over live in `trainer.rollout_manager`, which imports this module (never the reverse).
+training loop iterates over live in `trainer.rollout.manager`, which imports this module (never the reverse).
 
 Dynamic filters take one group (the n samples of one prompt, rewards filled in) and return True to keep it.
 `RolloutConfig.dynamic_filters` names them; a name is a key of `FILTERS` or "module:function".

@@ -2,10 +2,12 @@
 
     python -m trainer export --config configs/x.toml [--checkpoint runs/x/sft] [--out runs/x/export]
 
-A checkpoint (trainer.checkpoint: DCP shards of model + optimizer) holds weights but no architecture, tokenizer or
+A checkpoint (trainer.backend.checkpoint: DCP shards of model + optimizer) holds weights but no architecture,
+tokenizer or
 chat template; those come from the run's model folder (`[model].path`, or the preset folder the run wrote). The
 export loads only the model entries of the checkpoint into a plain CPU model of that architecture (no optimizer
-state, no process group) and writes it with `trainer.checkpoint.export_hf`: config.json, model.safetensors (a tied
+state, no process group) and writes it with `trainer.backend.checkpoint.export_hf`: config.json, model.safetensors (a
+tied
 lm_head is stored once, as HF does), the tokenizer files with their chat template and special tokens, and the
 generation config (its eos ids are the stop tokens of the next phase).
 """
@@ -24,8 +26,8 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from engines.tokenizer import load_tokenizer
-from trainer.checkpoint import is_complete, latest_checkpoint
-from trainer.parallel import ROOT_PREFIX, TrainModule
+from trainer.backend.checkpoint import is_complete, latest_checkpoint
+from trainer.backend.parallel import ROOT_PREFIX, TrainModule
 
 _MODEL = "model."  # the checkpoint's top-level key of the model entries ({"model": ..., "optim": ...})
 
@@ -88,7 +90,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, model_folder: str | os.Path
                       dtype: torch.dtype | None = None) -> Path:
     """Write the HF folder `out` from `checkpoint` with the architecture, tokenizer and generation config of
     `model_folder`. dtype None keeps the training (float32) weights."""
-    from trainer.checkpoint import export_hf
+    from trainer.backend.checkpoint import export_hf
 
     ckpt = resolve_checkpoint(checkpoint)
     folder = Path(model_folder)

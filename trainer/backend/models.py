@@ -13,8 +13,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from trainer.attention import default_attn_implementation
-from trainer.parallel import ROOT_PREFIX, ParallelConfig, decoder_layers, parallelize
+from trainer.backend.attention import default_attn_implementation
+from trainer.backend.parallel import ROOT_PREFIX, ParallelConfig, decoder_layers, parallelize
 
 # ---------------------------------------------------------------------------------------------------------
 # Loading: meta-device build -> parallelise -> materialise -> load safetensors into the (sharded) model
@@ -39,7 +39,8 @@ def _safetensors_files(folder: Path) -> list[Path]:
     if not files:
         found = sorted(p.name for p in folder.iterdir())
         raise FileNotFoundError(f"{folder}: no weights (*.safetensors) in the model folder; found {found}. Export "
-                                f"one with trainer.checkpoint.export_hf or save_pretrained(safe_serialization=True)")
+                                f"one with trainer.backend.checkpoint.export_hf or "
+                                 f"save_pretrained(safe_serialization=True)")
     return files
 
 
@@ -82,7 +83,7 @@ def load_hf_model(path_or_config: str | os.PathLike | PretrainedConfig, *, dtype
     """Any HF causal LM from a local folder (safetensors) or from a config (seeded random weights).
 
     Without `mesh`: the plain HF model on `device` in `dtype` (for engines, exports and references).
-    With `mesh`: built on the meta device, parallelised (`trainer.parallel.parallelize`: Liger on CUDA, AC,
+    With `mesh`: built on the meta device, parallelised (`trainer.backend.parallel.parallelize`: Liger on CUDA, AC,
     per-block compile, FSDP2), materialised on `device`, and the full weights loaded into the shards; returns the
     FSDP root (`TrainModule`, the HF model is `.lm`). `dtype` is the storage (master) dtype of the parameters;
     compute may be bf16 through the mixed-precision policy.
