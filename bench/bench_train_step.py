@@ -95,7 +95,7 @@ class _PeakRSS:
 
 def ours_step_fn(samples, adv, budget, bucket, device, compile_backend):
     from trainer.backend.steps import TrainerConfig, build_components, forward_backward, optim_step
-    from trainer.types import OptimConfig
+    from trainer.config import OptimConfig
 
     cfg = TrainerConfig(loss="policy", compile=compile_backend is not None, compile_backend=compile_backend or
                         "inductor", token_budget=budget, bucket_size=bucket, optim=OptimConfig(lr=1e-5))

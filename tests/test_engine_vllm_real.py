@@ -239,9 +239,9 @@ def test_grpo_run_with_a_vllm_engine_raises_reward(vllm, tmp_path):
     embedded engine's end-to-end test, on the arithmetic prompts."""
     from kernels import use_backend
     from trainer.backend.steps import build_components, trainer_config_from
+    from trainer.config import OptimConfig, RLTrainingConfig, RolloutConfig
     from trainer.rl import run_rl_training
     from trainer.rollout.data import DataBuffer, load_jsonl
-    from trainer.types import OptimConfig, RLTrainingConfig, RolloutConfig
 
     eng, tok = vllm["engine"], vllm["tok"]
     if vllm["sender"] is not None:

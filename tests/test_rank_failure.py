@@ -73,9 +73,9 @@ def _worker(output_dir: str, failing_step: int) -> None:
     from engines.tiny import build_tokenizer, tiny_model_config
     from kernels import use_backend
     from trainer.backend.steps import build_components, init_distributed, trainer_config_from
+    from trainer.config import OptimConfig, RLTrainingConfig, RolloutConfig
     from trainer.rl import run_rl_training
     from trainer.rollout.data import DataBuffer, load_jsonl
-    from trainer.types import OptimConfig, RLTrainingConfig, RolloutConfig
 
     torch.set_num_threads(1)
     tok = build_tokenizer()

@@ -23,10 +23,11 @@ from bench.bench_real_shape import (
 from trainer.backend.export import export_checkpoint, resolve_checkpoint, start_folder
 from trainer.backend.steps import TrainerConfig, build_components, compute_logprobs
 from trainer.batching.micro_batches import build_micro_batches
+from trainer.config import OptimConfig, SFTTrainingConfig
 from trainer.rollout.data import DataSpec, load_prompts
 from trainer.rollout.samples import prompt_token_ids
 from trainer.sft import run_sft_training
-from trainer.types import OptimConfig, Sample, SFTTrainingConfig
+from trainer.types import Sample
 
 # Same architecture as Qwen2.5-0.5B (Qwen2, GQA 2:1, tied embeddings, a vocab padded past the tokenizer's).
 TINY = dict(vocab_size=1536, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,

@@ -15,9 +15,10 @@ import torch
 from engines.tiny import build_tokenizer, tiny_model_config
 from kernels import use_backend
 from trainer.backend.steps import TrainerConfig, build_components, trainer_config_from
+from trainer.config import OptimConfig, RLTrainingConfig, RolloutConfig
 from trainer.rl import compute_advantages, run_rl_training
 from trainer.rollout.data import DataBuffer, load_jsonl
-from trainer.types import OptimConfig, RLTrainingConfig, RolloutBatch, RolloutConfig, Sample, Status
+from trainer.types import RolloutBatch, Sample, Status
 
 TOK = build_tokenizer()
 DIGITS = {TOK.convert_tokens_to_ids(c) for c in "0123456789"}

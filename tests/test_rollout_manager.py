@@ -23,10 +23,11 @@ from starlette.routing import Route
 from engines.protocol import Completion, EngineUnavailableError
 from engines.sglang import SGLangEngine
 from engines.tiny import build_tokenizer
+from trainer.config import RolloutConfig
 from trainer.rollout.data import DataBuffer, Prompt
 from trainer.rollout.manager import AsyncRolloutManager, generate_rollout_batches
 from trainer.rollout.rewards import arithmetic_reward
-from trainer.types import RolloutConfig, Sample, Status
+from trainer.types import Sample, Status
 
 TOK = build_tokenizer()
 EOS = TOK.eos_token_id

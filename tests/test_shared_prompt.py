@@ -21,7 +21,8 @@ from trainer.backend.models import load_hf_model
 from trainer.backend.steps import TrainerConfig, build_components, compute_logprobs, forward_backward
 from trainer.batching.micro_batches import build_micro_batches
 from trainer.batching.shared_prompt import build_shared_micro_batches, prompt_trees, tree_cost
-from trainer.types import OptimConfig, Sample
+from trainer.config import OptimConfig
+from trainer.types import Sample
 
 
 @pytest.fixture(autouse=True)

@@ -28,7 +28,8 @@ from engines.tiny import tiny_model_config
 from kernels import PolicyLossConfig, use_backend
 from trainer.backend.steps import TrainerConfig, build_components, compute_logprobs, forward_backward, optim_step
 from trainer.batching.micro_batches import attach_logprobs, build_micro_batches
-from trainer.types import OptimConfig, Sample, TrainingState
+from trainer.config import OptimConfig
+from trainer.types import Sample, TrainingState
 
 ROOT = Path(__file__).resolve().parents[1]
 # aten ops that wait for the device on CUDA: a scalar read, data-dependent output sizes, a truth value.

@@ -21,10 +21,11 @@ from engines.embedded.launch import EngineProcess
 from engines.sglang import SGLangEngine
 from engines.tiny import CHARS, tiny_model_config
 from trainer.cli import evaluate
+from trainer.config import RolloutConfig
 from trainer.rollout.data import DataBuffer, Prompt
 from trainer.rollout.manager import AsyncRolloutManager
 from trainer.rollout.samples import end_of_turn_ids, prompt_token_ids, stop_token_ids
-from trainer.types import RolloutConfig, Status
+from trainer.types import Status
 
 QWEN_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"

@@ -28,7 +28,8 @@ from trainer.backend.steps import (
     warmup_cosine,
 )
 from trainer.batching.micro_batches import IGNORE_INDEX, attach_logprobs, build_micro_batches
-from trainer.types import OptimConfig, Sample, TrainingState
+from trainer.config import OptimConfig
+from trainer.types import Sample, TrainingState
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "trainer_worker.py"

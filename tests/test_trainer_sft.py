@@ -11,9 +11,9 @@ from engines.tiny import build_tokenizer, tiny_model_config
 from kernels import use_backend
 from trainer.backend.checkpoint import latest_checkpoint
 from trainer.backend.steps import trainer_config_from
+from trainer.config import OptimConfig, SFTTrainingConfig
 from trainer.metrics import read_jsonl
 from trainer.sft import compute_loss_mask, run_sft_training, tokenize_conversation
-from trainer.types import OptimConfig, SFTTrainingConfig
 
 
 @pytest.fixture(autouse=True)

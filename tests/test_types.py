@@ -5,17 +5,8 @@ import dataclasses
 import pytest
 
 from kernels import PolicyLossConfig
-from trainer.types import (
-    OptimConfig,
-    RLTrainingConfig,
-    RolloutBatch,
-    RolloutConfig,
-    Sample,
-    SFTTrainingConfig,
-    Status,
-    TrainingState,
-    config_from_dict,
-)
+from trainer.config import OptimConfig, RLTrainingConfig, RolloutConfig, SFTTrainingConfig, config_from_dict
+from trainer.types import RolloutBatch, Sample, Status, TrainingState
 
 
 def test_sample_is_frozen_and_normalised():

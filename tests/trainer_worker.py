@@ -21,7 +21,7 @@ BUDGET, BUCKET = 128, 32
 
 def config(output_dir: str = "runs/test", compile: bool = True):
     from trainer.backend.steps import TrainerConfig
-    from trainer.types import OptimConfig
+    from trainer.config import OptimConfig
 
     return TrainerConfig(loss="nll", optim=OptimConfig(lr=3e-3, warmup_steps=1, max_grad_norm=1.0), num_steps=6,
                          compile=compile, compile_backend="aot_eager", token_budget=BUDGET, bucket_size=BUCKET,

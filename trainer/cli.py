@@ -4,7 +4,7 @@ A run config is one TOML file (see configs/demo.toml): [model] (a preset or a fo
 files and the reward function), [engines] (the fleet: `fleet = [{url, kind, tp_size}, ...]` with kind "sglang",
 "vllm" or "embedded", an embedded entry without url started by the run; the older `urls` / `embedded = N` still
 work; `sync` "group" (default) or "disk"; `master_address` / `master_port` of the weight-update group), [sft] and
-[sft.optim] (trainer.types.SFTTrainingConfig, OptimConfig), [rl], [rl.optim], [rl.loss]
+[sft.optim] (trainer.config.SFTTrainingConfig, OptimConfig), [rl], [rl.optim], [rl.loss]
 (kernels.PolicyLossConfig) and [rl.rollout] (RLTrainingConfig, RolloutConfig), [eval], and [trainer] (backend
 settings of trainer.backend.steps.TrainerConfig: compile, logprob_chunk_tokens, ...). The run has one temperature,
 [rl.rollout] temperature: the engines sample with it and the trainer's log-probs use it.
@@ -36,7 +36,7 @@ import torch
 import trio
 
 from trainer.backend.steps import TrainerConfig
-from trainer.types import RLTrainingConfig, SFTTrainingConfig, config_from_dict
+from trainer.config import RLTrainingConfig, SFTTrainingConfig, config_from_dict
 
 MODES = ("sft", "rl", "sft+rl", "demo", "export")
 TOP_KEYS = {"name", "output_dir", "seed", "model", "data", "engines", "sft", "rl", "eval", "trainer"}

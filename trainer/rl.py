@@ -42,9 +42,10 @@ from trainer.backend.steps import (
 )
 from trainer.batching.micro_batches import attach_logprobs, build_micro_batches
 from trainer.batching.shared_prompt import build_shared_micro_batches
+from trainer.config import RLTrainingConfig
 from trainer.metrics import JSONLLogger, MetricsLogger
 from trainer.rollout.samples import build_batch_metadata
-from trainer.types import RLTrainingConfig, RolloutBatch, Sample, Status, TrainingState
+from trainer.types import RolloutBatch, Sample, Status, TrainingState
 
 GROUP_ESTIMATORS = ("grpo", "rloo")  # estimators whose baseline is the sample's group
 

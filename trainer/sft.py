@@ -28,8 +28,9 @@ from trainer.backend.steps import (
     trainer_config_from,
 )
 from trainer.batching.micro_batches import build_micro_batches
+from trainer.config import SFTTrainingConfig
 from trainer.metrics import JSONLLogger, MetricsLogger
-from trainer.types import Sample, SFTTrainingConfig, TrainingState
+from trainer.types import Sample, TrainingState
 
 ROLES = ("system", "user", "assistant", "tool")
 Conversation = Sequence[Mapping[str, str]]

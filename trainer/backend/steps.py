@@ -40,7 +40,8 @@ from trainer.backend.attention import packed_hidden_states
 from trainer.backend.futures import DeviceStreams, TrainFuture
 from trainer.backend.parallel import ParallelConfig, TrainModule
 from trainer.batching.micro_batches import MicroBatch
-from trainer.types import OptimConfig, TrainingState
+from trainer.config import OptimConfig
+from trainer.types import TrainingState
 
 LOSSES = ("policy", "nll")
 # Fields that do not change the math of a run (a resume may change them freely).
@@ -78,7 +79,7 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.optim, OptimConfig):
-            raise ValueError(f"TrainerConfig.optim: expected a trainer.types.OptimConfig, got "
+            raise ValueError(f"TrainerConfig.optim: expected a trainer.config.OptimConfig, got "
                              f"{type(self.optim).__name__}")
         if self.policy_loss is None:
             object.__setattr__(self, "policy_loss", PolicyLossConfig())
@@ -457,7 +458,7 @@ def trainer_config_from(cfg: Any, **overrides: Any) -> TrainerConfig:
     """The TrainerConfig of a phase: SFTTrainingConfig -> loss "nll"; RLTrainingConfig -> loss "policy" with its
     resolved PolicyLossConfig, log-probs at the rollout temperature. `overrides` are backend settings
     (compile, logprob_chunk_tokens, ...)."""
-    from trainer.types import RLTrainingConfig, SFTTrainingConfig
+    from trainer.config import RLTrainingConfig, SFTTrainingConfig
 
     shared = dict(optim=cfg.optim, num_steps=cfg.num_steps, token_budget=cfg.token_budget,
                   bucket_size=cfg.micro_batch_buckets, seed=cfg.seed, output_dir=cfg.output_dir,

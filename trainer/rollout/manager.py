@@ -35,6 +35,7 @@ from typing import Any
 import trio
 
 from engines.protocol import Completion, EngineError, EngineUnavailableError, InferenceEngine, SamplingParams
+from trainer.config import RolloutConfig
 from trainer.rollout.rewards import RewardFn, acompute_reward, load_reward_fn
 from trainer.rollout.samples import (
     SampleTransform,
@@ -47,7 +48,7 @@ from trainer.rollout.samples import (
     sample_to_dict,
     stop_token_ids,
 )
-from trainer.types import RolloutBatch, RolloutConfig, Sample, Status
+from trainer.types import RolloutBatch, Sample, Status
 
 
 def extend_sample(sample: Sample, new_ids: Sequence[int], new_logprobs: Sequence[float], *, status: Status,
