@@ -34,7 +34,7 @@ from _bench_utils import _backend_ctx, _device, _shape, _sync
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels import PolicyLossConfig, linear_policy_loss, policy_loss, use_backend  # noqa: E402
+from kernels import LossInputs, PolicyLossConfig, linear_policy_loss, policy_loss, use_backend  # noqa: E402
 from kernels.reference import policy_loss_ref  # noqa: E402
 
 CONFIG = PolicyLossConfig(loss_agg="token-mean", clip_low=0.2, clip_high=0.2, kl_coef=0.04, kl_type="k3")
@@ -61,8 +61,9 @@ def make_inputs(B, L, V, device, seed=0):
     return {k: v.to(device) for k, v in dict(labels=labels, mask=mask, adv=adv, old=old, ref=ref).items()}
 
 
-def _ours_kwargs(t):
-    return dict(config=CONFIG, old_logprobs=t["old"], ref_logprobs=t["ref"])
+def _loss_inputs(t):
+    """The per-token inputs of our losses (and the reference) from make_inputs' tensors (advantages per token)."""
+    return LossInputs(t["labels"], _token_adv(t), t["mask"], old_logprobs=t["old"], ref_logprobs=t["ref"])
 
 
 def _token_adv(t):
@@ -85,10 +86,11 @@ def logits_call(provider, t, logits):
                                     inplace=False, loss_type="dapo", reduce=True)[0]
         return run
     x = logits[:, :-1].contiguous().detach().requires_grad_(logits.requires_grad)  # [B, L, V] for the others
+    inputs = _loss_inputs(t)
     if provider == "ours":
-        return lambda: policy_loss(x, t["labels"], _token_adv(t), t["mask"], **_ours_kwargs(t))[0]
+        return lambda: policy_loss(x, inputs, config=CONFIG)[0]
     ref = _compiled_ref() if provider == "torch-compile" else policy_loss_ref
-    return lambda: ref(x, t["labels"], _token_adv(t), t["mask"], dtype=torch.float32, **_ours_kwargs(t))[0]
+    return lambda: ref(x, inputs, config=CONFIG, dtype=torch.float32)[0]
 
 
 def hidden_call(provider, t, hidden, weight):
@@ -103,12 +105,13 @@ def hidden_call(provider, t, hidden, weight):
                            old_per_token_logps=t["old"])[0]
     if provider == "ours":
         # Packed [T] layout (token-mean needs no cu_seqlens): the same tokens as the [B, L] rows.
-        flat = {k: v.reshape(-1) for k, v in {**t, "adv": _token_adv(t)}.items()}
-        return lambda: linear_policy_loss(hidden.view(B * L, H), weight, flat["labels"], flat["adv"], flat["mask"],
-                                          **_ours_kwargs(flat))[0]
+        tok = _loss_inputs(t)
+        flat = LossInputs(tok.labels.reshape(-1), tok.advantages.reshape(-1), tok.mask.reshape(-1),
+                          old_logprobs=tok.old_logprobs.reshape(-1), ref_logprobs=tok.ref_logprobs.reshape(-1))
+        return lambda: linear_policy_loss(hidden.view(B * L, H), weight, flat, config=CONFIG)[0]
     ref = _compiled_ref() if provider == "torch-compile" else policy_loss_ref
-    return lambda: ref(hidden @ weight.t(), t["labels"], _token_adv(t), t["mask"], dtype=torch.float32,
-                       **_ours_kwargs(t))[0]
+    inputs = _loss_inputs(t)
+    return lambda: ref(hidden @ weight.t(), inputs, config=CONFIG, dtype=torch.float32)[0]
 
 
 def _skip_reason(provider, device, small):

@@ -98,8 +98,9 @@ class BenchConfig:
 
 
 def run_config(bc: BenchConfig, output_dir: str | Path, *, async_rollout: bool = False,
-               in_process: bool | None = None) -> dict[str, Any]:
-    """The demo's run config with the bench's GRPO work set through --set overrides (validated like the CLI)."""
+               in_process: bool | None = None) -> Any:
+    """The demo's run config (a trainer.config.RunConfig) with the bench's GRPO work set through --set overrides
+    (validated like the CLI)."""
     from trainer.cli import load_run_config
 
     over = [f"output_dir={json.dumps(str(output_dir))}", f"seed={bc.seed}", f"rl.num_steps={bc.steps}",
@@ -143,7 +144,7 @@ def run_ours(bc: BenchConfig, out: Path, *, async_rollout: bool, in_process: boo
     steps = [sum(p) for p in zip(*parts.values())]
     res = loop_figures(steps, [float(r["num_samples"]) for r in rows])
     res.update(wall_s=wall, steps=len(rows), accuracy=summary.get("accuracy_after_rl"),
-               in_process=bool(cfg.get("engines", {}).get("in_process", False)),
+               in_process=any(spec.kind == "local" for spec in cfg.engines.fleet),
                accuracy_initial=summary.get("accuracy_before_rl"),
                reward_mean_last=rows[-1].get("reward_mean") if rows else None,
                generate_s_per_step=[round(x, 3) for x in parts["time_generate_s"]],
@@ -154,7 +155,7 @@ def run_ours(bc: BenchConfig, out: Path, *, async_rollout: bool, in_process: boo
 
 
 # ----------------------------------------------------------------------------------------------- TRL
-def trl_args(bc: BenchConfig, cfg: dict[str, Any], output_dir: str | Path) -> Any:
+def trl_args(bc: BenchConfig, cfg: Any, output_dir: str | Path) -> Any:
     """TRL's GRPOConfig for the same work, with every default that differs from ours set to ours (module doc)."""
     from trl import GRPOConfig
 
@@ -246,23 +247,22 @@ def run_trl(bc: BenchConfig, out: Path) -> dict[str, Any]:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
 
-    from engines.tiny import build_tokenizer
     from engines.tokenizer import load_tokenizer
-    from trainer.cli import DEFAULT_REWARD, prepare_model_folder
+    from trainer.cli import prepare_model_folder
     from trainer.rollout.data import config_prompts
 
     t0 = time.perf_counter()
     cfg = run_config(bc, out)
-    data = cfg["data"]
-    if data.get("format", "chat") != "chat":
-        raise ValueError(f"{bc.config}: [data].format = {data['format']!r}; the TRL side runs chat prompts only")
-    reward = data.get("reward", DEFAULT_REWARD)
-    folder = prepare_model_folder(cfg, build_tokenizer())
+    data = cfg.data
+    if data.format != "chat":
+        raise ValueError(f"{bc.config}: [data].format = {data.format!r}; the TRL side runs chat prompts only")
+    reward = data.reward
+    folder = prepare_model_folder(cfg)
     tokenizer = load_tokenizer(folder)  # the tokenizer our CLI uses for this folder
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     model.generation_config.eos_token_id = _stop_ids(tokenizer)
-    train = config_prompts(data["train"], data, where="[data].train", seed=cfg["seed"])
-    evals = config_prompts(data["eval"], data, where="[data].eval")[: bc.eval_limit or None]
+    train = config_prompts(data.train, data.mapping(), where="[data].train", seed=cfg.seed)
+    evals = config_prompts(data.eval, data.mapping(), where="[data].eval")[: bc.eval_limit or None]
     ds = Dataset.from_list([{"prompt": [{"role": "user", "content": p.prompt}], "answer": str(p.answer)}
                             for p in train])
     acc_initial = hf_greedy_accuracy(model, tokenizer, evals, max_new_tokens=bc.max_new_tokens, reward=reward)

@@ -94,18 +94,18 @@ class _PeakRSS:
 
 
 def ours_step_fn(samples, adv, budget, bucket, device, compile_backend):
-    from trainer.backend.steps import TrainerConfig, build_components, forward_backward, optim_step
-    from trainer.config import OptimConfig
+    from trainer.backend.steps import build_components, forward_backward, optim_step, trainer_config_from
+    from trainer.config import OptimConfig, RLTrainingConfig
 
-    cfg = TrainerConfig(loss="policy", compile=compile_backend is not None, compile_backend=compile_backend or
-                        "inductor", token_budget=budget, bucket_size=bucket, optim=OptimConfig(lr=1e-5))
+    rl = RLTrainingConfig(token_budget=budget, micro_batch_buckets=bucket, optim=OptimConfig(lr=1e-5))
+    cfg = trainer_config_from(rl, compile=compile_backend is not None, compile_backend=compile_backend or "inductor")
     comp = build_components(_model_config(device), cfg)
     state = [TrainingState()]
     mbs = build_micro_batches(samples, token_budget=budget, bucket_size=bucket, advantages=adv)
 
     def step():
         fut = forward_backward(comp, mbs)
-        ofut, state[0] = optim_step(comp, state[0])
+        ofut, state[0] = optim_step(comp, state[0], num_tokens=fut.num_tokens)
         return fut.result()["loss"], ofut.result()
 
     return step

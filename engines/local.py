@@ -79,11 +79,12 @@ class LocalEngine(SGLangEngine):
 
     async def _call(self, method: str, route: str, body: dict | None = None, timeout_s: float | None = None):
         """The route's handler on the server's loop; its errors become the same EngineError /
-        EngineUnavailableError (with the status) that the HTTP client raises for the same answer."""
+        EngineUnavailableError, with the same `status`, that the HTTP client raises for the answer the HTTP server
+        would give (404 for a route the server lacks, the handler's BadRequest status, 400, 500)."""
         where = f"{self.url}{route}"
         endpoint = self._routes.get(route)
         if endpoint is None or method not in endpoint.methods:
-            raise EngineError(f"{where}: HTTP 404: no {method} route {route!r} in the embedded engine")
+            raise EngineError(f"{where}: HTTP 404: no {method} route {route!r} in the embedded engine", status=404)
         if self._loop.is_closed() or not self._thread.is_alive():
             raise EngineUnavailableError(f"{where}: no answer (the in-process engine was closed)")
         fut = asyncio.run_coroutine_threadsafe(endpoint.handler(dict(body or {})), self._loop)
@@ -91,17 +92,17 @@ class LocalEngine(SGLangEngine):
             data = await _wait_with_timeout(fut, timeout_s or self.timeout_s)
         except BadRequest as e:
             err = EngineUnavailableError if e.status >= 500 else EngineError
-            raise err(f"{where}: HTTP {e.status}: {e}") from e
+            raise err(f"{where}: HTTP {e.status}: {e}", status=e.status) from e
         except ValueError as e:
-            raise EngineError(f"{where}: HTTP 400: {e}") from e
+            raise EngineError(f"{where}: HTTP 400: {e}", status=400) from e
         except TimeoutError as e:
             raise EngineUnavailableError(f"{where}: no answer in {timeout_s or self.timeout_s} s") from e
         except (EngineError, concurrent.futures.CancelledError):
             raise
         except Exception as e:  # noqa: BLE001 - what the HTTP server answers with a 500
-            raise EngineUnavailableError(f"{where}: HTTP 500: {type(e).__name__}: {e}") from e
+            raise EngineUnavailableError(f"{where}: HTTP 500: {type(e).__name__}: {e}", status=500) from e
         if isinstance(data, dict) and data.get("success") is False:
-            raise EngineError(f"{where}: HTTP 200: {data.get('message')}")
+            raise EngineError(f"{where}: HTTP 200: {data.get('message')}", status=200)
         return data
 
     async def aclose(self) -> None:  # no connections to close

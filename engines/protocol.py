@@ -1,9 +1,16 @@
-"""The one interface the rollout side and the weight-sync sender use to talk to an inference engine.
+"""The one interface the rollout side, evaluation and the weight-sync sender use to talk to an inference engine.
 
-Three implementations: `engines.sglang.SGLangEngine` (SGLang's native HTTP protocol; it also drives the embedded
-server in `engines/embedded/`), and `engines.vllm.VLLMEngine` (vLLM's OpenAI completions + weight-transfer routes).
-All methods are async (httpx under trio or asyncio); `weight_version` is an int on our side and a decimal string on
-the wire, as SGLang sends it.
+Implementations: `engines.sglang.SGLangEngine` (SGLang's native HTTP protocol; it also drives the embedded server in
+`engines/embedded/`), `engines.local.LocalEngine` (the embedded server in this process, no HTTP) and
+`engines.vllm.VLLMEngine` (vLLM's OpenAI completions + weight-transfer routes); `engines.registry` builds each from a
+config entry. All methods are async (httpx under trio or asyncio); `weight_version` is an int on our side and a
+decimal string on the wire, as SGLang sends it.
+
+`InferenceEngine` = generation and control + `WeightSyncEndpoint`, the capability the weight sync calls
+(trainer/weight_sync/): every engine declares all of it, so nothing is probed with hasattr; what an engine
+cannot do is an answer of the declared method (`colocation_info()` -> {}, `weight_formats()` -> ("direct",)).
+Errors are `EngineError` with the answer's `status` (HTTP, or what the HTTP server would answer), never to be
+recognised by their text.
 
 The log-prob contract: `Completion.logprobs[t]` is the log-prob of `output_ids[t]` under the distribution it was
 sampled from at the request's temperature T, before top-k/top-p: `log_softmax(logits / T)[token]` (T = 0, greedy:
@@ -18,13 +25,35 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+# Statuses of "the engine has no such route" (Not Found, Method Not Allowed): it lacks that capability.
+MISSING_ROUTE_STATUSES = (404, 405)
+
 
 class EngineError(RuntimeError):
-    """An engine answered with an error (a rejected request, a malformed answer)."""
+    """An engine answered with an error (a rejected request, a malformed answer).
+
+    status: the HTTP status of the answer (an in-process engine reports the one its HTTP server would send; 200
+    for a `{"success": false}` answer), None when there was no answer or the answer was malformed."""
+
+    def __init__(self, message: str, *, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+    def __reduce__(self):  # keyword-only status: pickle (multiprocessing, torch object collectives) keeps it
+        return _rebuild_error, (type(self), str(self), self.status)
+
+    @property
+    def missing_route(self) -> bool:
+        """The engine has no such route (404 / 405): it lacks that capability, as opposed to refusing the request."""
+        return self.status in MISSING_ROUTE_STATUSES
 
 
 class EngineUnavailableError(EngineError):
     """An engine did not answer (connection refused, timed out) or answered 5xx: worth retrying."""
+
+
+def _rebuild_error(cls: type[EngineError], message: str, status: int | None) -> EngineError:
+    return cls(message, status=status)
 
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -86,8 +115,49 @@ class Completion:
 
 
 @runtime_checkable
-class InferenceEngine(Protocol):
-    """What the trainer needs from an engine. `url` identifies it in error messages."""
+class WeightSyncEndpoint(Protocol):
+    """What the weight sync (trainer/weight_sync/: WeightSyncSender, DiskWeightSync) calls on an engine. `url`
+    names it in errors. The wire formats and the colocated protocol: engines/weight_sync/wire.py."""
+
+    url: str
+
+    async def world_size(self) -> int:
+        """Ranks this engine takes in the weight-update group: one per worker that receives (tp * pp * dp)."""
+        ...
+
+    async def weight_formats(self) -> tuple[str, ...]:
+        """The `update_weights_from_distributed` formats it reads: "direct" (SGLang's stock broadcast, one tensor at
+        a time) and/or "flattened_bucket" (this project's buckets)."""
+        ...
+
+    async def colocation_info(self) -> dict:
+        """Its device identity and served dtype ({"host", "device", "dtype", ...}, read by wire.is_colocated) when
+        it can load weights from shared slots on its own device; {} when it has no such path (a stock SGLang,
+        vLLM): the sender then broadcasts to it."""
+        ...
+
+    async def colocated_weights(self, body: dict) -> dict:
+        """The same-device path (`op`: attach, load, detach); called only where colocation_info() was not {}."""
+        ...
+
+    async def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str,
+                                        timeout_s: float | None = None) -> None:
+        """Join the weight-update group at ranks rank_offset .. rank_offset + world_size() - 1."""
+        ...
+
+    async def update_weights_from_distributed(self, meta: dict) -> None:
+        """Receive weights announced by `meta` (see engines/weight_sync/wire.py, `WeightMeta.to_wire`) by broadcast."""
+        ...
+
+    async def update_weights_from_disk(self, model_path: str, *, weight_version: int | None = None) -> None:
+        """Reload every weight from the safetensors folder `model_path` (a path the engine can read)."""
+        ...
+
+
+@runtime_checkable
+class InferenceEngine(WeightSyncEndpoint, Protocol):
+    """What the trainer needs from an engine: generation and control here, weight sync from WeightSyncEndpoint."""
 
     url: str
 
@@ -103,13 +173,6 @@ class InferenceEngine(Protocol):
         ...
 
     async def get_weight_version(self) -> int: ...
-
-    async def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
-                                        world_size: int, group_name: str, backend: str) -> None: ...
-
-    async def update_weights_from_distributed(self, meta: dict) -> None:
-        """Receive weights announced by `meta` (see engines/weight_sync/wire.py, `WeightMeta.to_wire`) by broadcast."""
-        ...
 
     async def pause_generation(self) -> None: ...
 

@@ -195,7 +195,7 @@ class SGLangEngine:
         if r.status_code >= 400 or (isinstance(data, dict) and data.get("success") is False):
             msg = (data.get("message") or data.get("error")) if isinstance(data, dict) else data
             err = EngineUnavailableError if r.status_code >= 500 else EngineError
-            raise err(f"{self.url}{route}: HTTP {r.status_code}: {msg}")
+            raise err(f"{self.url}{route}: HTTP {r.status_code}: {msg}", status=r.status_code)
         return data
 
     async def health(self) -> bool:
@@ -235,7 +235,7 @@ class SGLangEngine:
             try:
                 await self._call("POST", "/abort_request", body, timeout_s=min(self.timeout_s, 10.0))
             except EngineError as e:
-                if "HTTP 404" not in str(e) and "HTTP 405" not in str(e):
+                if not e.missing_route:
                     raise
                 await self._call("POST", "/pause_generation", {"mode": "abort"})
                 await self._call("POST", "/continue_generation", {})
@@ -259,7 +259,7 @@ class SGLangEngine:
         try:
             info = await self.get_server_info()
         except EngineError as e:
-            if "HTTP 404" in str(e) or "HTTP 405" in str(e):
+            if e.missing_route:
                 return ("direct",)
             raise
         formats = info.get("weight_update_formats") if isinstance(info, dict) else None
@@ -273,7 +273,7 @@ class SGLangEngine:
         try:
             info = await self.get_server_info()
         except EngineError as e:
-            if "HTTP 404" in str(e) or "HTTP 405" in str(e):
+            if e.missing_route:
                 return 1
             raise
         tp = info.get("tp_size", 1) if isinstance(info, dict) else 1
@@ -309,11 +309,21 @@ class SGLangEngine:
         await self._call("POST", "/update_weights_from_tensor", body)
         self._note_version(body)
 
+    async def colocation_info(self) -> dict:
+        """The embedded engine's answer to the colocated probe (its device identity and dtype); {} for a server
+        without the route (a stock SGLang answers 404) or with extensions=False (not asked)."""
+        if not self.extensions:
+            return {}
+        try:
+            return await self.colocated_weights({"op": "probe"})
+        except EngineError as e:
+            if e.missing_route:
+                return {}
+            raise
+
     async def colocated_weights(self, body: dict) -> dict:
         """The embedded engine's same-device weight path (`op`: probe, attach, load, detach; see
-        engines/weight_sync/wire.py). A stock SGLang answers 404: the sender then broadcasts."""
-        if not self.extensions:
-            raise EngineError(f"{self.url}/colocated_weights: HTTP 404: extensions=False (stock SGLang only)")
+        engines/weight_sync/wire.py)."""
         data = await self._call("POST", "/colocated_weights", body)
         self._note_version(body)
         return data

@@ -43,8 +43,8 @@ from collections.abc import Sequence
 import anyio
 import httpx
 
-from engines.protocol import Completion, SamplingParams, tls_context
-from engines.sglang import EngineError, parse_weight_version
+from engines.protocol import Completion, EngineError, SamplingParams, tls_context
+from engines.sglang import parse_weight_version
 from engines.vllm_ext import BACKEND_NAME
 
 VLLM_VERSION = "0.32.0"
@@ -126,7 +126,7 @@ class VLLMEngine:
         except httpx.HTTPError as e:
             raise EngineError(f"{self.url}{route}: no answer ({type(e).__name__}: {e})") from e
         if r.status_code >= 400:
-            raise EngineError(f"{self.url}{route}: HTTP {r.status_code}: {r.text[:500]}")
+            raise EngineError(f"{self.url}{route}: HTTP {r.status_code}: {r.text[:500]}", status=r.status_code)
         try:
             return r.json()
         except ValueError:
@@ -196,6 +196,18 @@ class VLLMEngine:
     async def world_size(self) -> int:
         """How many ranks this engine takes in the weight-update group (tp * pp * dp workers)."""
         return int((await self._call("GET", "/get_world_size", params={"include_dp": "true"}))["world_size"])
+
+    async def weight_formats(self) -> tuple[str, ...]:
+        """The plugin (engines/vllm_ext) reads this project's wire format in both forms."""
+        return ("direct", "flattened_bucket")
+
+    async def colocation_info(self) -> dict:
+        """{}: vLLM has no same-device weight path here; the sender broadcasts to it through the plugin."""
+        return {}
+
+    async def colocated_weights(self, body: dict) -> dict:
+        raise EngineError(f"{self.url}: vLLM has no colocated weight path (colocation_info() is {{}}); sync it by "
+                          f"broadcast (transport='auto' or 'broadcast')")
 
     async def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, group_name: str = "", backend: str = "gloo",

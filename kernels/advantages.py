@@ -8,11 +8,48 @@ g is the group of sample i (the samples drawn for the same prompt), std_g the un
 A group of one sample has no baseline to compare against: its advantage is 0 for grpo and rloo.
 Rewards must be finite (a failed sample needs a reward, or must be dropped, before this point).
 Per-token advantages for the policy loss: `kernels.packing.broadcast_to_tokens` (packed) or `adv[:, None]` (padded).
+
+The trainer picks an estimator by name from `ADVANTAGE_ESTIMATORS` (`advantage_estimator`), filled by
+`@register_estimator` (verl's `register_adv_est` pattern): each entry is fn(rewards [N], group_ids [N]) -> [N]
+and says whether it needs groups (its baseline is the group's, so a group needs two scored samples). A new
+estimator is one registered function here.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimator:
+    """A registered advantage estimator: fn(rewards [N] float, group_ids [N] int) -> advantages [N] (rewards'
+    dtype); needs_groups: the baseline comes from the sample's group, so a group of one sample has none."""
+
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    needs_groups: bool
+
+
+ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {}  # name -> Estimator, filled by @register_estimator below
+
+
+def register_estimator(name: str, *, needs_groups: bool) -> Callable:
+    """Decorator: register fn(rewards, group_ids) as the advantage estimator `name`."""
+    def add(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable:
+        if name in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is registered twice; pick another name for the new one")
+        ADVANTAGE_ESTIMATORS[name] = Estimator(fn=fn, needs_groups=needs_groups)
+        return fn
+    return add
+
+
+def advantage_estimator(name: str) -> Estimator:
+    """The registered estimator `name`; a ValueError naming the choices otherwise."""
+    if name not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"advantage_estimator={name!r} is unknown; choose one of {tuple(ADVANTAGE_ESTIMATORS)}")
+    return ADVANTAGE_ESTIMATORS[name]
 
 
 def _check_rewards(rewards: torch.Tensor, group_ids: torch.Tensor | None = None) -> None:
@@ -40,6 +77,7 @@ def _group_stats(rewards: torch.Tensor, group_ids: torch.Tensor):
     return inverse, count, mean, std
 
 
+@register_estimator("grpo", needs_groups=True)
 def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, scale: str = "std",
                     eps: float = 1e-6) -> torch.Tensor:
     """Group-relative advantages [N]: reward minus its group mean, over the group std when scale="std"."""
@@ -56,6 +94,7 @@ def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, scale: st
     return adv.to(rewards.dtype)
 
 
+@register_estimator("rloo", needs_groups=True)
 def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """Leave-one-out advantages [N]: reward minus the mean reward of the other samples of its group."""
     _check_rewards(rewards, group_ids)
@@ -73,3 +112,9 @@ def reinforce_advantages(rewards: torch.Tensor, baseline: float | torch.Tensor =
                          f"{tuple(rewards.shape)}")
     return rewards - baseline
 
+
+
+@register_estimator("reinforce", needs_groups=False)
+def reinforce_batch_mean_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """REINFORCE with the batch's mean reward as the baseline (what the trainer's "reinforce" runs; groups unused)."""
+    return reinforce_advantages(rewards, rewards.mean())

@@ -35,10 +35,6 @@ def triton_available() -> bool:
     return True
 
 
-def has_cuda() -> bool:
-    return torch.cuda.is_available()
-
-
 def backend_for(t: torch.Tensor) -> Backend:
     """The implementation a public op uses for tensors on `t.device`."""
     if _forced:
@@ -72,7 +68,3 @@ def use_backend(backend: Backend) -> Iterator[None]:
         yield
     finally:
         _forced.pop()
-
-
-def default_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if has_cuda() else torch.device("cpu")

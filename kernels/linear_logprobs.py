@@ -36,7 +36,7 @@ from kernels._softmax_tiles import (
     merge_softmax_stats,
 )
 from kernels.device import backend_for
-from kernels.logprobs import _FLOAT_DTYPES, _bwd_triton, _fwd_triton
+from kernels.logprobs import FLOAT_DTYPES, _bwd_triton, _fwd_triton
 
 # CPU chunk shape. One thread: a [256 x 2048] fp32 chunk is 2 MiB and the weight slice [2048 x H] 2 MiB at
 # H=256, so chunk, slice and slice gradient stay in L2 while the GEMMs still see large enough operands (measured
@@ -297,7 +297,7 @@ def linear_token_logprobs(
     An out-of-range label at a kept position raises ValueError on CPU; on an accelerator (no host sync) its
     log-prob is NaN.
     """
-    if not isinstance(hidden, torch.Tensor) or hidden.dtype not in _FLOAT_DTYPES:
+    if not isinstance(hidden, torch.Tensor) or hidden.dtype not in FLOAT_DTYPES:
         raise ValueError(f"hidden must be a float32/bfloat16/float16 tensor, got {getattr(hidden, 'dtype', hidden)}")
     if weight.dtype != hidden.dtype:
         raise ValueError(f"weight dtype {weight.dtype} != hidden dtype {hidden.dtype}; cast one of them")

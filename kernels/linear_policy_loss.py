@@ -5,7 +5,8 @@ a time, each chunk is reduced to per-token (lse, logp, H) by the row-softmax pri
 kernels/objective.py works on the [N] vectors. The loss is a scalar, so the gradients are produced inside the
 forward while the logits are at hand; backward only scales them by the upstream scalar.
 
-Token-local objectives (ppo, cispo: ℓ_t depends on token t only), one pass, 3 GEMMs per chunk:
+Token-local objectives (ppo, cispo: ℓ_t depends on token t only; `token_local` in their registry entry), one
+pass, 3 GEMMs per chunk:
     z   = h_c Wᵀ / T                                  [n, V]           (GEMM 1)
     (lse, logp, H) by one read of z; the objective on the chunk's tokens gives g_logp, g_ent (autograd on [n])
     dz  = [g_logp (onehot − p) − g_ent ∂H/∂z] / T     (over z, in place)
@@ -36,17 +37,17 @@ import torch
 from kernels._softmax_tiles import chunk_logits, chunk_logprob_grad_, chunk_softmax_stats, finalize_softmax_stats
 from kernels.device import backend_for
 from kernels.linear_logprobs import addmm_acc_, fp32_addmm_supported
-from kernels.logprobs import _bwd_triton, _fwd_triton
+from kernels.logprobs import FLOAT_DTYPES, _bwd_triton, _fwd_triton
 from kernels.objective import (
+    LossInputs,
     PolicyLossConfig,
     TokenInputs,
+    check_loss_inputs,
     merge_metrics,
     objective_coefficients,
     prepare_token_inputs,
 )
 from kernels.policy_loss import check_temperature
-
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _default_chunk_tokens(vocab: int, device: torch.device) -> int:
@@ -227,33 +228,27 @@ class _AttachGradients(torch.autograd.Function):
 def linear_policy_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
-    labels: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
+    inputs: LossInputs,
     *,
     config: PolicyLossConfig,
     temperature: float = 1.0,
-    old_logprobs: torch.Tensor | None = None,
-    ref_logprobs: torch.Tensor | None = None,
-    rollout_logprobs: torch.Tensor | None = None,
-    cu_seqlens: torch.Tensor | None = None,
-    num_tokens=None,
-    num_seqs=None,
     chunk_tokens: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """`policy_loss(hidden @ weight.T, ...)` without materialising the logits.
+    """`policy_loss(hidden @ weight.T, inputs, ...)` without materialising the logits.
 
-    hidden [T, H] (or [B, L, H]) with labels [T] (packed, cu_seqlens [S+1]) or [B, L] (padded rows); weight
+    hidden [T, H] (or [B, L, H]) with inputs.labels [T] (packed, cu_seqlens [S+1]) or [B, L] (padded rows); weight
     [V, H] the lm_head, same dtype as hidden. Every other argument, and the metrics (with `input_errors`), as in
     `kernels.policy_loss`. chunk_tokens: tokens per chunk (default: ~32 MB of fp32 logits on CPU, ~1 GiB on CUDA).
     When no gradient is needed (no_grad, or neither input requires grad) only the forward work runs.
     """
+    labels = check_loss_inputs(inputs).labels
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(f"hidden shape {tuple(hidden.shape)} must be labels shape {tuple(labels.shape)} + [H]")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight must be the lm_head [V, H={hidden.shape[-1]}], got shape {tuple(weight.shape)}")
-    if hidden.dtype not in _DTYPES or weight.dtype != hidden.dtype:
-        raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share one dtype of {_DTYPES}")
+    if hidden.dtype not in FLOAT_DTYPES or weight.dtype != hidden.dtype:
+        raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share one dtype of "
+                         f"{FLOAT_DTYPES}")
     if weight.device != hidden.device:
         raise ValueError(f"weight on {weight.device} but hidden on {hidden.device}; use one device")
     if not (hidden.is_contiguous() and weight.is_contiguous()):
@@ -262,11 +257,7 @@ def linear_policy_loss(
         raise ValueError(f"chunk_tokens={chunk_tokens}: must be a positive number of tokens")
     inv_t = check_temperature(temperature)
     vocab = weight.shape[0]
-    tok, errors = prepare_token_inputs(
-        labels, advantages, mask, config=config, vocab_size=vocab, old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs, rollout_logprobs=rollout_logprobs, cu_seqlens=cu_seqlens,
-        num_tokens=num_tokens, num_seqs=num_seqs,
-    )
+    tok, errors = prepare_token_inputs(inputs, config=config, vocab_size=vocab)
     grad_on = torch.is_grad_enabled()
     need_h, need_w = grad_on and hidden.requires_grad, grad_on and weight.requires_grad
     chunk = chunk_tokens or _default_chunk_tokens(vocab, hidden.device)

@@ -38,7 +38,7 @@ from kernels._softmax_tiles import (
 )
 from kernels.device import backend_for
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # logits / hidden dtypes every op accepts
 # Rows per chunk of the torch path: bounds its fp32 temporaries to about 16 MiB whatever T is. Every torch op
 # is a parallel region ending in a barrier, so fewer, larger chunks keep that overhead low on busy shared cores.
 _TORCH_CHUNK_ELEMS = 1 << 22
@@ -303,7 +303,7 @@ def logprob_rows(x, labels, keep, inv_t: float, with_ent: bool, inplace_backward
 def _check_inputs(logits, labels, mask, temperature, ignore_index):
     """Shared preconditions of token_logprobs; returns (logits as [N, V], labels [N], keep [N] bool, and the
     [N] bool rows with an out-of-range label, None when they were checked on the host)."""
-    if not isinstance(logits, torch.Tensor) or logits.dtype not in _FLOAT_DTYPES:
+    if not isinstance(logits, torch.Tensor) or logits.dtype not in FLOAT_DTYPES:
         raise ValueError(f"logits must be a float32/bfloat16/float16 tensor, got {getattr(logits, 'dtype', logits)}")
     if logits.ndim < 1 or logits.numel() == 0:
         raise ValueError(f"logits must be a non-empty [..., V] tensor, got shape {tuple(logits.shape)}")

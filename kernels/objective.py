@@ -29,6 +29,15 @@ ppo and cispo are token-local (ℓ_t depends on token t only): they can be evalu
 the results added, which the chunked lm_head driver uses to produce gradients while a chunk's logits are at hand.
 gspo needs all tokens of a sequence at once.
 
+Objectives are registered by name (`register_objective`, verl's `register_policy_loss` pattern) with what the rest of
+the code needs to know about them: token locality (the chunked driver's one or two passes), whether the dual clip
+applies, and their float64 reference term (kernels/reference.py, which `policy_loss_ref` dispatches to through the
+same entry). A new objective is one registered term here plus its reference term there.
+
+The per-token inputs of a call travel as one `LossInputs` (labels, advantages, mask, old / ref / rollout log-probs,
+cu_seqlens, the global counts), the same bundle for `policy_loss`, `linear_policy_loss` and the reference; a packed
+micro-batch builds it with `MicroBatch.loss_inputs()` (trainer/batching/micro_batches.py).
+
 Metrics are 0-d device tensors (no host sync). Token means over the global num_tokens: clip_frac_low/high
 (tokens whose gradient the clip changed: ratio below/above the range with A < 0 / A > 0 for ppo and gspo, any
 clipped weight for cispo), approx_kl (E[r − 1 − log r], token ratio), ratio_mean (the objective's ratio: s_i
@@ -49,16 +58,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import torch
 
 from kernels import device as _device
+from kernels.reference import cispo_term_ref, gspo_term_ref, ppo_term_ref
 
-OBJECTIVES = ("ppo", "gspo", "cispo")
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_TYPES = ("k1", "k2", "k3")
 ROLLOUT_CORRECTIONS = ("none", "tis", "mis")
-IGNORE_INDEX = -100
+IGNORE_INDEX = -100  # a label that is not trained (the Hugging Face / torch cross-entropy convention)
 # Bits of the `input_errors` metric and the error each one raises.
 INPUT_ERRORS = {
     1: "advantages contain NaN or inf at unmasked tokens; fix the reward or advantage computation (or mask "
@@ -69,6 +79,36 @@ INPUT_ERRORS = {
 _ADV_BIT, _LABEL_BIT, _CU_BIT = 1, 2, 4
 _LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: a ratio that far out is clipped anyway; no inf downstream
 _K3_CLAMP = 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """A registered policy objective.
+
+    fn(logp [n], log_ratio [n], tok: TokenInputs, config) -> _PolicyTerm: the per-token term ℓ_t and the values its
+        metrics need (log_ratio = clamp(logp − old, ±20), the token's own log-ratio).
+    token_local: ℓ_t depends on token t alone, so the objective may run chunk by chunk (else: on all tokens at once).
+    dual_clip: the dual clip (clip_ratio_c) applies: ℓ_t is a clipped surrogate with a negative-advantage bound.
+    reference: the same term in plain float64 torch (kernels/reference.py), what `policy_loss_ref` runs.
+    """
+
+    fn: Callable
+    token_local: bool
+    dual_clip: bool
+    reference: Callable
+
+
+OBJECTIVES: dict[str, Objective] = {}  # name -> Objective, filled by @register_objective below
+
+
+def register_objective(name: str, *, token_local: bool, dual_clip: bool, reference: Callable) -> Callable:
+    """Decorator: register the per-token term `fn` as the objective `name` (see `Objective` for the fields)."""
+    def add(fn: Callable) -> Callable:
+        if name in OBJECTIVES:
+            raise ValueError(f"objective {name!r} is registered twice; pick another name for the new objective")
+        OBJECTIVES[name] = Objective(fn=fn, token_local=token_local, dual_clip=dual_clip, reference=reference)
+        return fn
+    return add
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +138,7 @@ class PolicyLossConfig:
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
-            raise ValueError(f"objective={self.objective!r} is unknown; choose one of {OBJECTIVES}")
+            raise ValueError(f"objective={self.objective!r} is unknown; choose one of {tuple(OBJECTIVES)}")
         if self.loss_agg not in LOSS_AGGS:
             raise ValueError(f"loss_agg={self.loss_agg!r} is unknown; choose one of {LOSS_AGGS}")
         if self.kl_type not in KL_TYPES:
@@ -114,9 +154,11 @@ class PolicyLossConfig:
                              "clip_high >= 0")
         if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0:
             raise ValueError(f"clip_ratio_c={self.clip_ratio_c}: dual clip needs a value > 1 (or None to disable)")
-        if self.clip_ratio_c is not None and self.objective == "cispo":
-            raise ValueError("clip_ratio_c (dual clip) bounds the clipped PPO/GSPO loss; objective='cispo' clips "
-                             "its weight instead: set clip_ratio_c=None")
+        if self.clip_ratio_c is not None and not self.objective_spec.dual_clip:
+            clipped = tuple(name for name, o in OBJECTIVES.items() if o.dual_clip)
+            raise ValueError(f"clip_ratio_c (dual clip) bounds the clipped surrogate loss of {clipped}; "
+                             f"objective={self.objective!r} has none (cispo clips its weight instead): set "
+                             "clip_ratio_c=None")
         if not isinstance(self.tis_cap, (int, float)) or math.isnan(self.tis_cap) or self.tis_cap < 1.0:
             raise ValueError(f"tis_cap={self.tis_cap!r}: must be a number >= 1 (float('inf') for no truncation)")
 
@@ -125,9 +167,43 @@ class PolicyLossConfig:
         return self.entropy_coef != 0.0 or self.log_entropy
 
     @property
+    def objective_spec(self) -> Objective:
+        """The registered entry of `objective` (its term, token locality, dual clip, float64 reference)."""
+        return OBJECTIVES[self.objective]
+
+    @property
     def token_local(self) -> bool:
         """True when ℓ_t depends on token t alone, so the objective can be evaluated chunk by chunk."""
-        return self.objective != "gspo"
+        return self.objective_spec.token_local
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LossInputs:
+    """The per-token inputs of one policy-loss call (`policy_loss`, `linear_policy_loss`, `policy_loss_ref`).
+
+    labels [B, L] int64 (rows are sequences) or [T] packed; every other tensor has the labels' shape, except
+    cu_seqlens [S+1] (packed labels: the sequence offsets, starting at 0 and ending at T).
+        labels            next-token ids; IGNORE_INDEX (-100) counts as masked
+        advantages        float, per token (a sequence's advantage broadcast to its tokens)
+        mask              the loss mask, nonzero = trained
+        old_logprobs      log pi_old(label); None = on-policy (old = the current log-probs, detached)
+        ref_logprobs      log pi_ref(label) for the KL term and metric; None = no KL
+        rollout_logprobs  the engine's log-probs, for the mismatch metrics and the rollout correction
+        num_tokens / num_seqs  the counts that normalise the loss (python numbers or 0-d tensors); None: this
+                          call's kept tokens and sequences. The step's global counts make the losses of
+                          micro-batches and ranks sum to the full batch's.
+    A packed micro-batch builds one with `trainer.batching.micro_batches.MicroBatch.loss_inputs()`.
+    """
+
+    labels: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    rollout_logprobs: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
+    num_tokens: int | float | torch.Tensor | None = None
+    num_seqs: int | float | torch.Tensor | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +241,14 @@ class TokenInputs:
 # ---------------------------------------------------------------------------------------------------------
 
 
+def check_loss_inputs(inputs) -> LossInputs:
+    """`inputs`, after checking that it is a LossInputs (the losses take their per-token tensors bundled)."""
+    if not isinstance(inputs, LossInputs):
+        raise ValueError(f"inputs must be a kernels.LossInputs(labels, advantages, mask, ...), got "
+                         f"{type(inputs).__name__}")
+    return inputs
+
+
 def raise_on_input_errors(flags) -> None:
     """Raise the ValueError named by a nonzero `input_errors` bitmask (a 0-d int tensor or an int); 0 passes.
 
@@ -200,7 +284,8 @@ def _sequence_index(labels: torch.Tensor, cu_seqlens: torch.Tensor | None, confi
         return rows.unsqueeze(1).expand(shape).reshape(-1), shape[0], None
     if cu_seqlens is None:
         if config.loss_agg != "token-mean" or not config.token_local:
-            needs = "loss_agg=" + repr(config.loss_agg) if config.loss_agg != "token-mean" else "objective='gspo'"
+            needs = (f"loss_agg={config.loss_agg!r}" if config.loss_agg != "token-mean"
+                     else f"objective={config.objective!r}")
             raise ValueError(f"{needs} needs sequences: pass cu_seqlens for packed [T] labels (or use [B, L] labels)")
         return torch.zeros(n, dtype=torch.int64, device=device), 1, None
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
@@ -214,20 +299,9 @@ def _sequence_index(labels: torch.Tensor, cu_seqlens: torch.Tensor | None, confi
 
 
 def prepare_token_inputs(
-    labels: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    config: PolicyLossConfig,
-    vocab_size: int,
-    old_logprobs: torch.Tensor | None = None,
-    ref_logprobs: torch.Tensor | None = None,
-    rollout_logprobs: torch.Tensor | None = None,
-    cu_seqlens: torch.Tensor | None = None,
-    num_tokens=None,
-    num_seqs=None,
+    inputs: LossInputs, *, config: PolicyLossConfig, vocab_size: int
 ) -> tuple[TokenInputs, torch.Tensor]:
-    """Check the per-token arguments, flatten them to [N] and compute the aggregation weights.
+    """Check the per-token inputs, flatten them to [N] and compute the aggregation weights.
 
     labels [B, L] (rows are sequences) or [T] packed (sequences from cu_seqlens [S+1]); every other per-token
     tensor has the labels' shape. Returns (inputs, input_errors: 0-d int32 bitmask on the labels' device).
@@ -241,6 +315,9 @@ def prepare_token_inputs(
     """
     if not isinstance(config, PolicyLossConfig):
         raise ValueError(f"config must be a PolicyLossConfig, got {type(config).__name__}")
+    labels, advantages, mask = check_loss_inputs(inputs).labels, inputs.advantages, inputs.mask
+    old_logprobs, ref_logprobs, rollout_logprobs = inputs.old_logprobs, inputs.ref_logprobs, inputs.rollout_logprobs
+    cu_seqlens, num_tokens, num_seqs = inputs.cu_seqlens, inputs.num_tokens, inputs.num_seqs
     if labels.dim() not in (1, 2):
         raise ValueError(f"labels must be [B, L] (padded rows) or [T] (packed), got shape {tuple(labels.shape)}")
     if labels.dtype not in (torch.int64, torch.int32):
@@ -335,10 +412,12 @@ def _clipped_surrogate(ratio, adv, c: PolicyLossConfig) -> _PolicyTerm:
     return _PolicyTerm(pg, r, (r < lo) & (adv < 0), (r > hi) & (adv > 0), dual)
 
 
+@register_objective("ppo", token_local=True, dual_clip=True, reference=ppo_term_ref)
 def _ppo(logp, log_ratio, tok, c) -> _PolicyTerm:
     return _clipped_surrogate(torch.exp(log_ratio), tok.advantages, c)
 
 
+@register_objective("gspo", token_local=False, dual_clip=True, reference=gspo_term_ref)
 def _gspo(logp, log_ratio, tok, c) -> _PolicyTerm:
     # Sequence means over the kept tokens, by segment sums over seq_index; every token gets its sequence's value.
     keep_f = tok.keep.float()
@@ -351,13 +430,11 @@ def _gspo(logp, log_ratio, tok, c) -> _PolicyTerm:
     return _clipped_surrogate(seq_ratio, seq_adv, c)
 
 
+@register_objective("cispo", token_local=True, dual_clip=False, reference=cispo_term_ref)
 def _cispo(logp, log_ratio, tok, c) -> _PolicyTerm:
     lo, hi = 1.0 - c.clip_low, 1.0 + c.clip_high
     r = torch.exp(log_ratio).detach()
     return _PolicyTerm(-r.clamp(lo, hi) * tok.advantages * logp, r, r < lo, r > hi, None)
-
-
-_OBJECTIVES = {"ppo": _ppo, "gspo": _gspo, "cispo": _cispo}
 
 
 def _kl(logp, ref, kl_type: str) -> torch.Tensor:
@@ -387,7 +464,7 @@ def policy_objective(
     mw = tok.metric_weight
     delta = logp - tok.old if tok.old is not None else logp - logp.detach()
     log_ratio = delta.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-    term = _OBJECTIVES[c.objective](logp, log_ratio, tok, c)
+    term = c.objective_spec.fn(logp, log_ratio, tok, c)
     per_token = term.loss
     metrics = {}
     if tok.rollout is not None:
@@ -486,7 +563,7 @@ def merge_metrics(a: dict[str, torch.Tensor] | None, b: dict[str, torch.Tensor])
 
 
 __all__ = [
-    "OBJECTIVES", "LOSS_AGGS", "KL_TYPES", "ROLLOUT_CORRECTIONS", "INPUT_ERRORS", "PolicyLossConfig", "TokenInputs",
-    "prepare_token_inputs", "raise_on_input_errors", "policy_objective", "objective_coefficients",
-    "ObjectiveResult", "merge_metrics",
+    "OBJECTIVES", "Objective", "register_objective", "LOSS_AGGS", "KL_TYPES", "ROLLOUT_CORRECTIONS", "INPUT_ERRORS",
+    "IGNORE_INDEX", "PolicyLossConfig", "LossInputs", "check_loss_inputs", "TokenInputs", "prepare_token_inputs",
+    "raise_on_input_errors", "policy_objective", "objective_coefficients", "ObjectiveResult", "merge_metrics",
 ]

@@ -413,10 +413,6 @@ class PackedBatch:
     def max_seqlen(self) -> int:
         return max(self.lengths) if self.lengths else 0
 
-    @property
-    def num_sequences(self) -> int:
-        return len(self.lengths)
-
 
 def pack_batch(input_ids: torch.Tensor | Sequence[torch.Tensor], lengths: Lengths | None = None, *,
                loss_mask: torch.Tensor | Sequence[torch.Tensor] | None = None, pad_to: int | None = None,

@@ -102,71 +102,80 @@ def policy_token_weights_ref(
     return weights
 
 
-def policy_loss_ref(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    config,
-    temperature: float = 1.0,
-    old_logprobs: torch.Tensor | None = None,
-    ref_logprobs: torch.Tensor | None = None,
-    rollout_logprobs: torch.Tensor | None = None,
-    cu_seqlens: torch.Tensor | None = None,
-    num_tokens=None,
-    num_seqs=None,
-    dtype: torch.dtype = torch.float64,
-):
-    """The policy loss (ppo, gspo or cispo) and its metrics, by autograd through plain torch (math in `dtype`).
+# The objectives' per-token terms. Each returns (ℓ_t, the objective's ratio, clipped low, clipped high, dual-clipped
+# or None) from logp, old, adv (all in the reference dtype, 0 off the kept tokens), keep and the call's inputs.
+# kernels/objective.py registers each one with its objective (`register_objective(..., reference=...)`), and
+# `policy_loss_ref` runs the one of config.objective from that entry.
 
-    Same arguments as `kernels.policy_loss`; labels equal to -100 count as masked. Returns (loss, metrics dict)
-    without `input_errors`.
+
+def clipped_surrogate_ref(ratio, adv, c):
+    """max(−A r, −A clip(r, 1 − clip_low, 1 + clip_high)), and with clip_ratio_c the dual clip: the loss of a
+    negative-advantage token is bounded by −A c."""
+    lo, hi = 1.0 - c.clip_low, 1.0 + c.clip_high
+    pg_unclipped = -adv * ratio
+    pg_clipped = -adv * torch.clamp(ratio, lo, hi)
+    pg_ppo = torch.maximum(pg_unclipped, pg_clipped)
+    pg, dual = pg_ppo, None
+    if c.clip_ratio_c is not None:  # dual clip: bound the loss of negative-advantage tokens
+        pg = torch.where(adv < 0, torch.minimum(pg_ppo, -adv * c.clip_ratio_c), pg_ppo)
+        dual = (adv < 0) & (-adv * c.clip_ratio_c < pg_ppo)
+    return pg, ratio, (ratio < lo) & (adv < 0), (ratio > hi) & (adv > 0), dual
+
+
+def ppo_term_ref(logp, old, adv, keep, inputs, c):
+    """PPO: the clipped surrogate of the token ratio r = exp(clamp(logp − old, ±20))."""
+    return clipped_surrogate_ref(torch.exp(torch.clamp(logp - old, -20.0, 20.0)), adv, c)
+
+
+def gspo_term_ref(logp, old, adv, keep, inputs, c):
+    """GSPO: one ratio and one advantage per sequence: s = exp(mean of (logp − old) over its kept tokens), A = mean
+    of its advantages; every token of the sequence carries them into the clipped surrogate."""
+    ratio = torch.ones_like(logp)
+    seq_adv = torch.zeros_like(adv)
+    for idx in sequence_slices_ref(inputs.labels, inputs.cu_seqlens):
+        k = keep[idx].to(logp.dtype)
+        n = max(float(k.sum()), 1.0)
+        ratio[idx] = torch.exp(torch.clamp(((logp[idx] - old[idx]) * k).sum() / n, -20.0, 20.0))
+        seq_adv[idx] = (adv[idx] * k).sum() / n
+    return clipped_surrogate_ref(ratio, seq_adv, c)
+
+
+def cispo_term_ref(logp, old, adv, keep, inputs, c):
+    """CISPO: −sg(clip(r)) A logp: the IS weight is clipped and detached; every token keeps its gradient."""
+    lo, hi = 1.0 - c.clip_low, 1.0 + c.clip_high
+    ratio = torch.exp(torch.clamp(logp - old, -20.0, 20.0)).detach()
+    pg = -torch.clamp(ratio, lo, hi) * adv * logp
+    return pg, ratio, ratio < lo, ratio > hi, None
+
+
+def policy_loss_ref(logits: torch.Tensor, inputs, *, config, temperature: float = 1.0,
+                    dtype: torch.dtype = torch.float64):
+    """The policy loss (any registered objective) and its metrics, by autograd through plain torch (math in
+    `dtype`).
+
+    Same arguments as `kernels.policy_loss`: `inputs` is a kernels.objective.LossInputs (labels equal to -100
+    count as masked). Returns (loss, metrics dict) without `input_errors`.
     """
     c = config
+    labels, mask, cu_seqlens = inputs.labels, inputs.mask, inputs.cu_seqlens
+    num_tokens, num_seqs = inputs.num_tokens, inputs.num_seqs
     keep = (mask != 0) & (labels != -100)
     z = logits.to(dtype) / temperature
     logp_all = torch.log_softmax(z, dim=-1)
     logp = logp_all.gather(-1, torch.where(keep, labels, 0).unsqueeze(-1)).squeeze(-1)
     logp = torch.where(keep, logp, 0.0)  # masked tokens: a finite placeholder (label 0 may be a −inf logit)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
-    adv = advantages.to(dtype)
+    adv = inputs.advantages.to(dtype)
 
     def kept(x):  # padding values never reach the math (they may be garbage)
         return torch.where(keep, x.to(dtype), 0.0)
 
-    old = logp.detach() if old_logprobs is None else kept(old_logprobs)
+    old = logp.detach() if inputs.old_logprobs is None else kept(inputs.old_logprobs)
     log_ratio = torch.clamp(logp - old, -20.0, 20.0)
     token_ratio = torch.exp(log_ratio)
-    lo, hi = 1.0 - c.clip_low, 1.0 + c.clip_high
-
-    if c.objective == "cispo":
-        # −sg(clip(r)) A logp: the IS weight is clipped and detached; every token keeps its gradient.
-        ratio = token_ratio.detach()
-        pg = -torch.clamp(ratio, lo, hi) * adv * logp
-        clipped_low, clipped_high = ratio < lo, ratio > hi
-    else:
-        if c.objective == "gspo":
-            # One ratio and one advantage per sequence: s = exp(mean of (logp − old) over its kept tokens),
-            # A = mean of its advantages; every token of the sequence carries them.
-            ratio = torch.ones_like(logp)
-            seq_adv = torch.zeros_like(adv)
-            for idx in sequence_slices_ref(labels, cu_seqlens):
-                k = keep[idx].to(dtype)
-                n = max(float(k.sum()), 1.0)
-                ratio[idx] = torch.exp(torch.clamp(((logp[idx] - old[idx]) * k).sum() / n, -20.0, 20.0))
-                seq_adv[idx] = (adv[idx] * k).sum() / n
-            adv = seq_adv
-        else:
-            ratio = token_ratio
-        pg_unclipped = -adv * ratio
-        pg_clipped = -adv * torch.clamp(ratio, lo, hi)
-        pg_ppo = torch.maximum(pg_unclipped, pg_clipped)
-        pg = pg_ppo
-        if c.clip_ratio_c is not None:  # dual clip: bound the loss of negative-advantage tokens
-            pg = torch.where(adv < 0, torch.minimum(pg_ppo, -adv * c.clip_ratio_c), pg_ppo)
-        clipped_low = (ratio < lo) & (adv < 0)
-        clipped_high = (ratio > hi) & (adv > 0)
+    # The objective's term through its registry entry (kernels/objective.py), reached from the config: this module
+    # imports nothing of kernels/.
+    pg, ratio, clipped_low, clipped_high, dual = c.objective_spec.reference(logp, old, adv, keep, inputs, c)
 
     metrics = {}
     n_tok = max(float(keep.sum()) if num_tokens is None else float(num_tokens), 1.0)
@@ -174,9 +183,9 @@ def policy_loss_ref(
     def token_mean(x):  # metrics: token means over the kept tokens, normalised by num_tokens
         return torch.where(keep, x.detach().to(dtype), 0.0).sum() / n_tok
 
-    if rollout_logprobs is not None:
+    if inputs.rollout_logprobs is not None:
         trainer = old.detach()  # the trainer's side of the mismatch: old log-probs, else the current ones
-        engine = kept(rollout_logprobs)
+        engine = kept(inputs.rollout_logprobs)
         diff = trainer - engine
         rho = torch.exp(torch.clamp(diff, -20.0, 20.0))  # importance weight trainer / engine
         metrics["mismatch/logprob_abs_diff_mean"] = token_mean(diff.abs())
@@ -194,8 +203,8 @@ def policy_loss_ref(
             metrics["mismatch/tis_clip_frac"] = token_mean(cut.to(dtype))
     per_token = pg
     kl = None
-    if ref_logprobs is not None:
-        diff = logp - kept(ref_logprobs)
+    if inputs.ref_logprobs is not None:
+        diff = logp - kept(inputs.ref_logprobs)
         if c.kl_type == "k1":
             kl = diff
         elif c.kl_type == "k2":
@@ -218,8 +227,8 @@ def policy_loss_ref(
         "approx_kl": token_mean(token_ratio - 1.0 - log_ratio),
         "ratio_mean": token_mean(ratio),
     })
-    if c.clip_ratio_c is not None:
-        metrics["dual_clip_frac"] = token_mean(((adv < 0) & (-adv * c.clip_ratio_c < pg_ppo)).to(dtype))
+    if dual is not None:
+        metrics["dual_clip_frac"] = token_mean(dual.to(dtype))
     if c.entropy_coef != 0.0 or c.log_entropy:
         metrics["entropy"] = token_mean(entropy)
     if kl is not None:

@@ -88,3 +88,22 @@ def test_bad_inputs():
         grpo_advantages(torch.ones(2, 1), ids)
     with pytest.raises(ValueError, match="baseline"):
         reinforce_advantages(torch.ones(3), torch.ones(2))
+
+
+def test_registry_names_each_estimator_and_whether_it_needs_groups():
+    # The trainer picks estimators by name from this table (config validation, compute_advantages, and the
+    # samples left out of the loss for lack of a group baseline): no other list of names exists.
+    from kernels.advantages import ADVANTAGE_ESTIMATORS, advantage_estimator, register_estimator
+
+    assert {name: e.needs_groups for name, e in ADVANTAGE_ESTIMATORS.items()} == \
+        {"grpo": True, "rloo": True, "reinforce": False}
+    rewards, ids = random_groups(7)
+    assert torch.equal(advantage_estimator("grpo").fn(rewards, ids), grpo_advantages(rewards, ids))
+    assert torch.equal(advantage_estimator("rloo").fn(rewards, ids), rloo_advantages(rewards, ids))
+    # reinforce: the batch's mean reward as the baseline; groups play no part
+    assert torch.equal(advantage_estimator("reinforce").fn(rewards, ids), rewards - rewards.mean())
+    with pytest.raises(ValueError, match="advantage_estimator='ppo' is unknown; choose one of"):
+        advantage_estimator("ppo")
+    with pytest.raises(ValueError, match="registered twice"):
+        register_estimator("grpo", needs_groups=True)(rloo_advantages)
+    assert ADVANTAGE_ESTIMATORS["grpo"].fn is grpo_advantages

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import sys
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from engines.embedded.presets import build_tiny_model
+from engines.tiny import build_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -42,7 +44,8 @@ def test_trl_args_mirror_our_loss_and_optimiser(tmp_path):
     assert not args.bf16 and args.top_k == 0
     # A loss the TRL side cannot mirror is refused by name.
     bad = bench.run_config(bench.BenchConfig(), tmp_path)
-    bad["rl"] = {**bad["rl"], "loss": {**bad["rl"]["loss"], "loss_agg": "token-mean"}}
+    bad = dataclasses.replace(bad, rl=dataclasses.replace(bad.rl, loss=dataclasses.replace(bad.rl.loss,
+                                                                                          loss_agg="token-mean")))
     with pytest.raises(ValueError, match="loss.loss_agg"):
         bench.trl_args(bench.BenchConfig(), bad, tmp_path / "trl")
 
@@ -72,8 +75,9 @@ def test_model_option_points_both_sides_at_one_folder(tmp_path):
     folder = tmp_path / "sft_export"
     ref = build_tiny_model(3, arch="qwen2", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
     ref.save_pretrained(folder)
+    build_tokenizer().save_pretrained(folder)  # a model folder carries its tokenizer
     cfg = bench.run_config(bench.BenchConfig(model=str(folder)), tmp_path / "run")
-    assert prepare_model_folder(cfg, None) == folder.resolve()
+    assert prepare_model_folder(cfg) == folder.resolve()
     with pytest.raises(ConfigError, match=r"demo.toml: \[model\]\.path = .*no_such_folder"):
         bench.run_config(bench.BenchConfig(model=str(tmp_path / "no_such_folder")), tmp_path / "run")
 
@@ -94,9 +98,9 @@ def test_trl_one_toy_step_same_initial_model_as_ours(tmp_path):
     assert res["steps"] == 1 and res["samples"] == 16 and res["samples_per_s"] > 0
     assert 0.0 <= res["accuracy"] <= 1.0
     # The TRL side started from the demo's seeded initial model, bit for bit.
-    m = bench.run_config(TOY, tmp_path)["model"]
-    ref = build_tiny_model(0, arch=m["arch"], hidden_size=m["hidden_size"], num_layers=m["num_layers"],
-                           num_heads=m["num_heads"], num_kv_heads=m["num_kv_heads"])
+    m = bench.run_config(TOY, tmp_path).model
+    ref = build_tiny_model(0, arch=m.arch, hidden_size=m.hidden_size, num_layers=m.num_layers,
+                           num_heads=m.num_heads, num_kv_heads=m.num_kv_heads)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "init_model")
     for (name, a), b in zip(ref.state_dict().items(), loaded.state_dict().values()):
         assert (a == b).all(), name

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.cli import load_run_config, main, parse_overrides, phase_configs, rl_config, sft_config, sft_examples
+from engines.tiny import build_tokenizer
+from trainer.cli import ConfigError, load_run_config, main, parse_overrides, phase_configs, sft_examples
+from trainer.config import RunConfig, config_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,7 +27,7 @@ def test_overrides_parse_as_toml_values():
 
 def test_demo_config_builds_valid_configs():
     cfg = load_run_config(ROOT / "configs" / "demo.toml", ["rl.num_steps=3", "output_dir=\"runs/x\""])
-    rl, sft = rl_config(cfg), sft_config(cfg)
+    rl, sft = cfg.rl, cfg.sft
     assert rl.num_steps == 3 and rl.output_dir == "runs/x/rl" and sft.output_dir == "runs/x/sft"
     assert rl.loss.kl_coef == 0.001 and rl.loss.log_entropy and rl.loss.rollout_correction == "none"
     assert sft.optim.lr == 3e-3 and rl.optim.lr == 3e-4 and rl.optim.betas == (0.9, 0.98)
@@ -37,7 +39,58 @@ def test_demo_config_builds_valid_configs():
     assert phase_configs(hot).rl.loss.rollout_correction == "tis"  # async: off-policy by construction
     assert rl.rollout.apply_chat_template is True  # [data].format = "chat" reaches the rollouts
     plain = load_run_config(ROOT / "configs" / "demo.toml", ["data.format=\"plain\""])
-    assert rl_config(plain).rollout.apply_chat_template is False
+    assert plain.rl.rollout.apply_chat_template is False
+
+
+def test_the_run_seed_reaches_every_seeded_part_unless_a_section_sets_its_own():
+    demo = ROOT / "configs" / "demo.toml"
+    zero, one = load_run_config(demo, ["seed=0"]), load_run_config(demo, ["seed=1"])
+    assert (zero.sft.seed, zero.rl.seed, zero.rl.rollout.seed) == (0, 0, 0)
+    assert (one.sft.seed, one.rl.seed, one.rl.rollout.seed) == (1, 1, 1)  # trainers and rollout sampling
+    assert phase_configs(one).rl_trainer.seed == phase_configs(one).sft_trainer.seed == 1
+    assert phase_configs(one).rl_trainer.fingerprint() != phase_configs(zero).rl_trainer.fingerprint()
+    own = load_run_config(demo, ["seed=1", "rl.rollout.seed=5", "sft.seed=2"])
+    assert (own.seed, own.sft.seed, own.rl.seed, own.rl.rollout.seed) == (1, 2, 1, 5)
+    rl_own = load_run_config(demo, ["seed=1", "rl.seed=4"])
+    assert (rl_own.rl.seed, rl_own.rl.rollout.seed, rl_own.sft.seed) == (4, 4, 1)  # [rl] passes its seed down
+
+
+def _sampled_tokens(seed: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The tokens of one rollout batch through the in-process engine, with the [rl.rollout] config of the demo run
+    at `--set seed=<seed>` (the engine's own seed and the data order fixed, one request at a time)."""
+    import trio
+
+    from engines.local import LocalEngine
+    from engines.tiny import build_tokenizer
+    from trainer.rollout.data import DataBuffer, load_jsonl
+    from trainer.rollout.manager import AsyncRolloutManager
+
+    cfg = load_run_config(ROOT / "configs" / "demo.toml", [f"seed={seed}", "rl.rollout.rollout_batch_size=2",
+                                                           "rl.rollout.n_samples_per_prompt=2",
+                                                           "rl.rollout.max_new_tokens=8"])
+    engine = LocalEngine("tiny", seed=0)
+    try:
+        manager = AsyncRolloutManager([engine], cfg.rl.rollout, tokenizer=build_tokenizer(),
+                                      reward_fn=lambda sample: 0.0, deterministic=True)
+        buffer = DataBuffer(load_jsonl(ROOT / "data" / "arithmetic_train.jsonl"), seed=0)
+
+        async def one_batch():
+            async with manager:
+                return await manager.generate_batch(buffer)
+
+        batch = trio.run(one_batch)
+    finally:
+        engine.close()
+    return sorted((s.tokens[:s.prompt_length], s.tokens[s.prompt_length:]) for s in batch.samples)
+
+
+def test_set_seed_changes_the_sampled_tokens():
+    """`--set seed=1` reaches the rollout sampling: the same prompts sample other tokens; the same seed, the same."""
+    zero, one = _sampled_tokens(0), _sampled_tokens(1)
+    assert len(zero) == len(one) == 4
+    assert [prompt for prompt, _ in zero] == [prompt for prompt, _ in one]  # the same prompts (data order)
+    assert [response for _, response in zero] != [response for _, response in one]
+    assert _sampled_tokens(0) == zero
 
 
 def test_plain_sft_examples_train_on_answer_and_eos_only():
@@ -69,8 +122,7 @@ def test_plain_sft_examples_train_on_answer_and_eos_only():
 ])
 def test_unknown_or_bad_keys_are_named(override, message):
     with pytest.raises(ValueError, match=message):
-        cfg = load_run_config(ROOT / "configs" / "demo.toml", [override])
-        rl_config(cfg)
+        load_run_config(ROOT / "configs" / "demo.toml", [override])
 
 
 def test_main_reports_bad_config_without_a_traceback(capsys, tmp_path):
@@ -97,6 +149,31 @@ def test_whole_config_is_validated_before_any_work(capsys, monkeypatch):
         err = capsys.readouterr().err
         assert err.startswith("error: ") and message in err and "Traceback" not in err, err
     assert ran == []  # nothing started
+
+
+def test_no_demo_defaults_stand_in_for_the_reward_or_the_tokenizer(tmp_path):
+    """A run that scores samples names its reward; a model folder brings its own tokenizer. Neither silently
+    becomes the demo's (the arithmetic reward, the project's character tokenizer)."""
+    from engines.embedded.presets import build_tiny_model
+
+    text = (ROOT / "configs" / "demo.toml").read_text()
+    demo = tmp_path / "demo.toml"
+    demo.write_text(text.replace('reward = "trainer.rollout.rewards:arithmetic_reward"', ""))
+    data = str(ROOT / "data" / "arithmetic_train.jsonl")
+    over = [f"data.train={json.dumps(data)}", f"data.eval={json.dumps(data)}"]
+    for mode in ("rl", "sft"):  # RL scores its rollouts; SFT with an eval set scores the evaluation
+        with pytest.raises(ConfigError, match=rf"\[data\]\.reward: mode '{mode}' scores samples"):
+            load_run_config(demo, over, mode=mode)
+    no_eval = tmp_path / "no_eval.toml"
+    no_eval.write_text(demo.read_text().replace('eval = "data/arithmetic_test.jsonl"', ""))
+    assert load_run_config(no_eval, over[:1], mode="sft").data.reward is None  # SFT alone scores nothing
+    folder = tmp_path / "model"
+    build_tiny_model(0, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1).save_pretrained(folder)
+    cfg_over = [*over, 'data.reward="arithmetic"', f"model.path={json.dumps(str(folder))}"]
+    with pytest.raises(ConfigError, match=r"\[model\]\.path = .*has no tokenizer"):
+        load_run_config(demo, cfg_over, mode="rl")
+    build_tokenizer().save_pretrained(folder)
+    assert load_run_config(demo, cfg_over, mode="rl").model.path == str(folder)
 
 
 def test_only_configuration_errors_exit_2(monkeypatch):
@@ -200,17 +277,22 @@ def test_trainer_threads_leave_the_embedded_engines_their_cores(monkeypatch):
     original = torch.get_num_threads()
     torch.set_num_threads(5)  # a value none of the cases below computes
     before = 5
+
+    def run_config(table):
+        return config_from_dict(RunConfig, table, "")
+
     overlapped = {"async_rollout": True}
-    with cores_left_to_trainer({"engines": {"embedded": 1, "threads": 1}, "rl": overlapped}):
+    with cores_left_to_trainer(run_config({"engines": {"embedded": 1, "threads": 1}, "rl": overlapped})):
         assert torch.get_num_threads() == 3  # 4 cores - 1 engine x 1 thread
     assert torch.get_num_threads() == before
-    with cores_left_to_trainer({"engines": {"embedded": 3, "threads": 2}, "rl": overlapped}):
+    with cores_left_to_trainer(run_config({"engines": {"embedded": 3, "threads": 2}, "rl": overlapped})):
         assert torch.get_num_threads() == 1  # never below one
-    with cores_left_to_trainer({"engines": {"embedded": 1, "threads": 1}, "rl": {"async_rollout": False}}):
+    synchronous = {"async_rollout": False}
+    with cores_left_to_trainer(run_config({"engines": {"embedded": 1, "threads": 1}, "rl": synchronous})):
         assert torch.get_num_threads() == before  # synchronous: the engines are idle while the trainer steps
-    with cores_left_to_trainer({"engines": {"urls": ["http://elsewhere:1"]}, "rl": overlapped}):
+    with cores_left_to_trainer(run_config({"engines": {"urls": ["http://elsewhere:1"]}, "rl": overlapped})):
         assert torch.get_num_threads() == before  # engines on other machines take no core here
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    with cores_left_to_trainer({"engines": {"embedded": 1, "threads": 1}, "rl": overlapped}):
+    with cores_left_to_trainer(run_config({"engines": {"embedded": 1, "threads": 1}, "rl": overlapped})):
         assert torch.get_num_threads() == before  # the user's explicit choice wins
     torch.set_num_threads(original)

@@ -96,8 +96,11 @@ def test_forced_colocated_refuses_an_engine_elsewhere():
     class Remote:  # an engine that reports another host
         url = "http://remote"
 
-        async def colocated_weights(self, body):
+        async def colocation_info(self):
             return {"success": True, "host": "other-host", "device": "cpu", "dtype": "float32"}
+
+        async def weight_formats(self):
+            return ("direct", "flattened_bucket")
 
     sender = WeightSyncSender(build_tiny_model(SEED), [Remote()], timeout_s=5, transport="colocated")
     with pytest.raises(WeightSyncError, match="do not share this trainer's device"):

@@ -22,6 +22,7 @@ from trainer.backend.steps import build_components, trainer_config_from
 from trainer.config import OptimConfig, RLTrainingConfig, RolloutConfig
 from trainer.rl import run_rl_training
 from trainer.rollout.data import DataBuffer, load_jsonl
+from trainer.weight_sync import WeightSyncSender
 
 ENGINE_SEED = 2  # for the shared `engine` fixture (tests/conftest.py)
 TOK = build_tokenizer()
@@ -63,8 +64,13 @@ def _run(engine, tmp_path, *, deterministic: bool, jitter_seed: int) -> list[dic
     with use_backend("torch"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         client = Jittered(SGLangEngine(engine.url), jitter_seed)
-        _, state, history = run_rl_training(None, buffer, cfg, engines=[client], tokenizer=TOK,
-                                            reward_fn=digit_fraction, trainer_config=tcfg, components=comp)
+        sender = WeightSyncSender(comp.model, [client])
+        sender.init_group()
+        try:
+            _, state, history = run_rl_training(None, buffer, cfg, engines=[client], sender=sender, tokenizer=TOK,
+                                                reward_fn=digit_fraction, trainer_config=tcfg, components=comp)
+        finally:
+            sender.close()
     assert state.step == 10
     return [{k: v for k, v in m.items() if not _is_timing(k)} for m in history]
 

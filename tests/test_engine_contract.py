@@ -188,3 +188,167 @@ def test_one_pooled_keep_alive_connection_per_event_loop():
         assert len(connections) == 2
     finally:
         server.shutdown()
+
+
+# ----------------------------------------------------------------------------------------------- typed contract
+def _serve(routes: dict[tuple[str, str], tuple[int, dict]], seen: list[str]):
+    """A loopback HTTP server answering (method, path) -> (status, JSON body); records the paths it is asked."""
+    import http.server
+    import json
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _answer(self, method: str) -> None:
+            seen.append(self.path)
+            length = int(self.headers.get("Content-Length") or 0)
+            self.rfile.read(length)
+            status, body = routes.get((method, self.path), (404, {"message": "Not Found"}))
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self._answer("GET")
+
+        def do_POST(self):
+            self._answer("POST")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_engine_errors_carry_the_status_and_a_missing_route_is_told_by_it():
+    """A stock server without our routes (404 / 405): the SGLang client falls back by status. A 400 whose message
+    reads "HTTP 404" is still a rejected request: nothing is decided from an error's text."""
+    import trio
+
+    from engines.protocol import EngineUnavailableError
+    from engines.sglang import SGLangEngine
+
+    seen: list[str] = []
+    routes = {("POST", "/abort_request"): (405, {"message": "Method Not Allowed"}),
+              ("POST", "/pause_generation"): (200, {"success": True}),
+              ("POST", "/continue_generation"): (200, {"success": True}),
+              ("GET", "/get_model_info"): (400, {"message": "HTTP 404 lookalike"}),
+              ("GET", "/flush_cache"): (503, {"message": "busy"})}
+    server = _serve(routes, seen)
+    engine = SGLangEngine(f"http://127.0.0.1:{server.server_address[1]}", timeout_s=10)
+    try:
+        assert trio.run(engine.world_size) == 1 and trio.run(engine.weight_formats) == ("direct",)
+        assert trio.run(engine.colocation_info) == {}
+        del seen[:]
+        trio.run(engine.abort, ["r1"])  # no /abort_request: pause in abort mode + continue cut every request
+        assert seen == ["/abort_request", "/pause_generation", "/continue_generation"]
+        with pytest.raises(EngineError, match="HTTP 400: HTTP 404 lookalike") as rejected:
+            trio.run(engine.get_weight_version)
+        assert rejected.value.status == 400 and not rejected.value.missing_route
+        with pytest.raises(EngineUnavailableError) as busy:
+            trio.run(engine.flush_cache)
+        assert busy.value.status == 503
+        routes[("POST", "/colocated_weights")] = (400, {"message": "HTTP 404 lookalike"})
+        with pytest.raises(EngineError, match="lookalike"):  # a probe that was refused is an error, not "remote"
+            trio.run(engine.colocation_info)
+        del seen[:]
+        assert trio.run(SGLangEngine(engine.url, extensions=False).colocation_info) == {} and seen == []
+    finally:
+        server.shutdown()
+
+
+def test_engine_error_status_survives_pickling():
+    import pickle
+
+    from engines.protocol import EngineUnavailableError
+
+    err = pickle.loads(pickle.dumps(EngineUnavailableError("http://h:1/generate: HTTP 503: busy", status=503)))
+    assert type(err) is EngineUnavailableError and err.status == 503 and str(err).endswith("busy")
+    assert EngineError("no answer").status is None and EngineError("x", status=405).missing_route
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"kind": "trt", "url": "http://h:1"}, "kind = 'trt'"),
+    ({"kind": "sglang"}, "needs a url"),
+    ({"kind": "vllm", "url": "host:1"}, "http"),
+    ({"kind": "sglang", "url": "http://h:1", "tp_size": 0}, "tp_size"),
+    ({"kind": "sglang", "url": "http://h:1", "tp_size": True}, "tp_size"),
+    ({"kind": "embedded", "tp_size": 2}, "one device"),
+    ({"kind": "local", "url": "http://h:1"}, "takes no url"),
+    ({"kind": "vllm", "url": "http://h:1", "model": 3}, "model"),
+])
+def test_engine_spec_names_the_bad_field(fields, message):
+    from engines.registry import EngineSpec
+
+    with pytest.raises(ValueError, match=message):
+        EngineSpec(**fields)
+
+
+def test_registry_builds_every_kind_from_its_spec():
+    import trio
+
+    from engines.protocol import InferenceEngine
+    from engines.registry import ENGINE_KINDS, EngineSpec, build_engine
+    from engines.sglang import SGLangEngine
+    from engines.vllm import VLLMEngine
+
+    assert set(ENGINE_KINDS) == {"sglang", "vllm", "embedded", "local"}
+    sg = build_engine(EngineSpec("sglang", "http://a:1/", tp_size=4), model_folder="/m", api_key="k",
+                      connect_timeout_s=3.0, max_connections=7)
+    assert type(sg) is SGLangEngine and sg.url == "http://a:1" and sg.headers == {"Authorization": "Bearer k"}
+    assert (sg.connect_timeout_s, sg.max_connections) == (3.0, 7) and trio.run(sg.world_size) == 4
+    vl = build_engine(EngineSpec("vllm", "http://b:2"), model_folder="/models/x")
+    assert type(vl) is VLLMEngine and vl.model == "/models/x"
+    assert build_engine(EngineSpec("vllm", "http://b:2", model="served"), model_folder="/m").model == "served"
+    emb = build_engine(EngineSpec("embedded", "http://c:3"), model_folder="/m")
+    assert type(emb) is SGLangEngine and trio.run(emb.world_size) == 1
+    assert all(isinstance(e, InferenceEngine) for e in (sg, vl, emb))
+    assert trio.run(vl.colocation_info) == {} and trio.run(vl.weight_formats) == ("direct", "flattened_bucket")
+    with pytest.raises(ValueError, match="start the engine first"):
+        build_engine(EngineSpec("embedded"), model_folder="/m")
+
+
+def test_a_new_engine_kind_is_one_registry_entry(monkeypatch):
+    """Register a kind: the spec validates it, and the CLI's fleet builder builds it, with nothing else changed."""
+    from engines import registry
+    from trainer.cli import build_engines
+
+    class Echo:
+        def __init__(self, url, folder):
+            self.url, self.folder = url, folder
+
+    monkeypatch.setitem(registry.ENGINE_KINDS, "echo",
+                        registry.EngineKind(lambda spec, opts: Echo(spec.url, opts.model_folder)))
+    built = build_engines([{"url": "http://e:1", "kind": "echo", "tp_size": 1, "model": None},
+                           registry.EngineSpec("echo", "http://e:2")], Path("/models/y"))
+    assert [(type(e), e.url, e.folder) for e in built] == [(Echo, "http://e:1", "/models/y"),
+                                                            (Echo, "http://e:2", "/models/y")]
+
+
+def _calls_and_attributes(path: Path) -> tuple[set[str], list[str]]:
+    """Names called in a module, and the string constants it compares with `in` (text matching)."""
+    tree = ast.parse(path.read_text())
+    called = {n.func.id if isinstance(n.func, ast.Name) else n.func.attr for n in ast.walk(tree)
+              if isinstance(n, ast.Call) and isinstance(n.func, (ast.Name, ast.Attribute))}
+    matched = [c.left.value for c in ast.walk(tree) if isinstance(c, ast.Compare) and isinstance(c.left, ast.Constant)
+               and isinstance(c.left.value, str) and any(isinstance(op, (ast.In, ast.NotIn)) for op in c.ops)]
+    return called, matched
+
+
+def test_the_engine_contract_is_declared_not_probed():
+    """The weight sync calls what engines.protocol declares (no hasattr); no engine error is recognised by its
+    text; trainer/ builds engines only through engines.registry."""
+    paths = sorted((ROOT / "trainer" / "weight_sync").glob("*.py"))
+    for path in paths:
+        called, _ = _calls_and_attributes(path)
+        assert "hasattr" not in called, path
+    for path in [*paths, *sorted((ROOT / "engines").glob("*.py"))]:
+        _, matched = _calls_and_attributes(path)
+        assert not [m for m in matched if "HTTP" in m], (path, matched)
+    for path in sorted((ROOT / "trainer").rglob("*.py")):
+        called, _ = _calls_and_attributes(path)
+        assert not called & {"SGLangEngine", "VLLMEngine", "LocalEngine"}, path

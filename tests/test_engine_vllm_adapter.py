@@ -267,6 +267,12 @@ class FakeTPEngine:
     async def world_size(self) -> int:
         return self.tp
 
+    async def weight_formats(self) -> tuple[str, ...]:
+        return ("direct", "flattened_bucket")
+
+    async def colocation_info(self) -> dict:
+        return {}
+
     async def init_weights_update_group(self, *, master_address, master_port, rank_offset, world_size, group_name,
                                         backend, timeout_s=None):
         import anyio

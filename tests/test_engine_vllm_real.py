@@ -242,6 +242,7 @@ def test_grpo_run_with_a_vllm_engine_raises_reward(vllm, tmp_path):
     from trainer.config import OptimConfig, RLTrainingConfig, RolloutConfig
     from trainer.rl import run_rl_training
     from trainer.rollout.data import DataBuffer, load_jsonl
+    from trainer.weight_sync import WeightSyncSender
 
     eng, tok = vllm["engine"], vllm["tok"]
     if vllm["sender"] is not None:
@@ -260,9 +261,11 @@ def test_grpo_run_with_a_vllm_engine_raises_reward(vllm, tmp_path):
     tcfg = trainer_config_from(cfg, compile=False)
     comp = build_components(tiny_qwen2_config(), tcfg)
     data = DataBuffer(load_jsonl(str(ROOT / "data" / "arithmetic_train.jsonl")), seed=0)
+    vllm["sender"] = sender = WeightSyncSender(comp.model, [eng])  # the fixture closes it
+    sender.init_group()
     with use_backend("torch"):
-        _, state, history = run_rl_training(None, data, cfg, engines=[eng], tokenizer=tok, reward_fn=digit_fraction,
-                                            trainer_config=tcfg, components=comp)
+        _, state, history = run_rl_training(None, data, cfg, engines=[eng], sender=sender, tokenizer=tok,
+                                            reward_fn=digit_fraction, trainer_config=tcfg, components=comp)
     assert state.step == 10 and [m["weight_version"] for m in history] == list(range(1, 11))
     assert all(m["verify_sync_max_abs_diff"] <= TOL for m in history)
     assert all(m["mismatch/logprob_abs_diff_max"] < 1e-3 for m in history)  # engine vs trainer, every step

@@ -11,9 +11,11 @@ import pytest
 import trio
 
 from engines.embedded.launch import EngineProcess
+from engines.registry import EngineSpec
 from engines.sglang import SGLangEngine
 from engines.vllm import VLLMEngine
-from trainer.cli import ConfigError, build_engines, fleet_of, load_run_config, prepare_model_folder
+from trainer.cli import ConfigError, build_engines, load_run_config, prepare_model_folder
+from trainer.config import EnginesConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs" / "demo.toml"
@@ -48,7 +50,7 @@ def config_with_engines(tmp_path: Path, engines_toml: str, name: str = "fleet") 
     ('fleet = [{kind = "sglang"}]', "needs a url"),
     ('fleet = [{url = "host:1", kind = "vllm"}]', "http"),
     ('fleet = [{url = "http://h:1", kind = "sglang", tp_size = 0}]', "tp_size"),
-    ('fleet = [{url = "http://h:1", port = 3}]', "unknown key"),
+    ('fleet = [{url = "http://h:1", port = 3}]', r"unknown config key\(s\) \['port'\] in \[engines.fleet\[0\]\]"),
     ('fleet = [{kind = "embedded", tp_size = 2}]', "one device"),
     ('fleet = "http://h:1"', "list of tables"),
     ('urls = ["http://h:1"]\nfleet = [{kind = "embedded"}]', "list every engine in fleet"),
@@ -62,20 +64,24 @@ def test_bad_fleets_are_named(tmp_path, engines_toml, message):
 
 
 def test_fleet_forms_and_engine_objects(tmp_path):
-    old = load_run_config(config_with_engines(tmp_path, 'urls = ["http://a:1", "http://b:2"]'))["engines"]
-    assert fleet_of(old) == [{"url": "http://a:1", "kind": "sglang", "tp_size": 1, "model": None},
-                             {"url": "http://b:2", "kind": "sglang", "tp_size": 1, "model": None}]
-    assert [t["kind"] for t in fleet_of({"embedded": 2})] == ["embedded", "embedded"]
-    assert fleet_of({"embedded": 2})[0]["url"] is None
+    old = load_run_config(config_with_engines(tmp_path, 'urls = ["http://a:1", "http://b:2"]')).engines
+    assert old.fleet == (EngineSpec(url="http://a:1", kind="sglang", tp_size=1, model=None),
+                         EngineSpec(url="http://b:2", kind="sglang", tp_size=1, model=None))
+    assert [t.kind for t in EnginesConfig(embedded=2).fleet] == ["embedded", "embedded"]
+    assert EnginesConfig(embedded=2).fleet[0].url is None
+    assert EnginesConfig(in_process=True).fleet == (EngineSpec("local"),) and EnginesConfig().fleet == (
+        EngineSpec("embedded"),)
     cfg = load_run_config(config_with_engines(tmp_path, '''
 fleet = [{url = "http://a:1", kind = "sglang", tp_size = 4}, {url = "http://b:2", kind = "vllm", model = "m"},
          {kind = "embedded"}, {url = "http://c:3", kind = "embedded"}]
 sync = "disk"
 master_address = "10.0.0.5"
 '''))
-    fleet = fleet_of(cfg["engines"])
-    assert [t["url"] for t in fleet] == ["http://a:1", "http://b:2", None, "http://c:3"]
-    fleet[2]["url"] = "http://d:4"
+    fleet = list(cfg.engines.fleet)
+    assert [t.url for t in fleet] == ["http://a:1", "http://b:2", None, "http://c:3"]
+    assert [t.tp_size for t in fleet] == [4, 1, 1, 1] and fleet[1].model == "m"
+    assert cfg.engines.sync == "disk" and cfg.engines.master_address == "10.0.0.5"
+    fleet[2] = EngineSpec("embedded", url="http://d:4")
     engines = build_engines(fleet, Path("/models/x"))
     assert [type(e) for e in engines] == [SGLangEngine, VLLMEngine, SGLangEngine, SGLangEngine]
     assert trio.run(engines[0].world_size) == 4  # the configured tp_size: 4 ranks in the group, no server asked
@@ -86,9 +92,8 @@ def _run_rl(tmp_path, sync: str):
     """One RL step with an embedded engine started by the run and one more addressed by URL as kind "sglang"."""
     name = f"fleet_{sync}"
     probe_cfg = load_run_config(config_with_engines(tmp_path, "embedded = 1", name=name))
-    from engines.tiny import build_tokenizer
 
-    folder = prepare_model_folder(probe_cfg, build_tokenizer())  # the run reuses this folder (same output_dir)
+    folder = prepare_model_folder(probe_cfg)  # the run reuses this folder (same output_dir)
     with EngineProcess(str(folder), seed=0) as remote:
         cfg = config_with_engines(tmp_path, f'''
 fleet = [{{kind = "embedded"}}, {{url = "{remote.url}", kind = "sglang", tp_size = 1}}]

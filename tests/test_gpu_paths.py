@@ -7,7 +7,7 @@ then checks the call the branch builds and the numbers it gives against the CPU 
 import pytest
 import torch
 import torch.distributed as dist
-from test_policy_loss import FULL, TEMPERATURE, make_case, positional
+from test_policy_loss import FULL, TEMPERATURE, make_case, split_inputs
 
 import kernels.linear_logprobs as llp
 import trainer.backend.steps as core
@@ -104,7 +104,7 @@ def test_linear_token_logprobs_weight_grad_accumulates_in_fp32(monkeypatch):
 def test_linear_policy_loss_weight_grad_accumulates_in_fp32(monkeypatch):
     config = PolicyLossConfig(loss_agg="seq-mean-token-mean", **FULL)
     _, inputs = make_case("packed", 301, 7, n_seqs=4, max_len=6)
-    args, kw = positional(inputs)
+    inp, kw = split_inputs(inputs)
     g = torch.Generator().manual_seed(4)
     hidden = torch.randn(*inputs["labels"].shape, 16, generator=g).to(BF16)
     weight = (torch.randn(301, 16, generator=g) * 0.3).to(BF16)
@@ -112,7 +112,7 @@ def test_linear_policy_loss_weight_grad_accumulates_in_fp32(monkeypatch):
     def run():
         h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
         with use_backend("triton"):
-            loss, _ = linear_policy_loss(h, w, *args, config=config, temperature=TEMPERATURE, chunk_tokens=5, **kw)
+            loss, _ = linear_policy_loss(h, w, inp, config=config, temperature=TEMPERATURE, chunk_tokens=5, **kw)
         (loss * 1.7).backward()
         return loss.detach(), h.grad, w.grad
 

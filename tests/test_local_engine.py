@@ -10,7 +10,8 @@ import trio
 
 from engines.embedded.presets import build_tiny_model
 from engines.local import LocalEngine
-from engines.protocol import EngineError, EngineUnavailableError, SamplingParams
+from engines.protocol import EngineError, EngineUnavailableError, InferenceEngine, SamplingParams
+from engines.registry import EngineSpec, build_engine
 from engines.sglang import SGLangEngine
 from trainer.weight_sync import WeightSyncSender, verify_sync
 
@@ -20,7 +21,9 @@ PROMPTS = [[1, 20, 21, 22], [1, 40], [1, 7, 8, 9, 10, 11]]
 
 @pytest.fixture(scope="module")
 def local():
-    eng = LocalEngine("tiny", seed=ENGINE_SEED)
+    """Built by the registry from a config entry, as the CLI builds it ([engines] in_process = true)."""
+    eng = build_engine(EngineSpec(kind="local"), model_folder="tiny", seed=ENGINE_SEED)
+    assert type(eng) is LocalEngine and isinstance(eng, InferenceEngine)
     yield eng
     eng.close()
 
@@ -57,12 +60,24 @@ def test_local_engine_also_runs_under_asyncio(local):
 
 
 def test_bad_requests_raise_the_http_errors(local):
-    with pytest.raises(EngineError, match="HTTP 400: input_ids out of range"):
+    """The same messages and statuses as the HTTP path; a missing route is told by its status, not its text."""
+    with pytest.raises(EngineError, match="HTTP 400: input_ids out of range") as bad:
         trio.run(local.generate, [[1, 10**6]], SamplingParams(max_new_tokens=2))
-    with pytest.raises(EngineError, match="HTTP 404"):
+    assert bad.value.status == 400 and not bad.value.missing_route
+    with pytest.raises(EngineError, match="HTTP 404") as missing:
         trio.run(local._call, "POST", "/no_such_route", {})
-    with pytest.raises(EngineError, match="HTTP 400: give 'rid'"):
+    assert missing.value.status == 404 and missing.value.missing_route
+    with pytest.raises(EngineError, match="HTTP 400: give 'rid'") as no_rid:
         trio.run(local._call, "POST", "/abort_request", {})
+    assert no_rid.value.status == 400
+
+
+def test_local_engine_declares_its_weight_sync_capabilities(local):
+    """One rank, both formats, and a same-device path that reports the tiny model's dtype."""
+    assert trio.run(local.world_size) == 1
+    assert trio.run(local.weight_formats) == ("direct", "flattened_bucket")
+    info = trio.run(local.colocation_info)
+    assert info["dtype"] == "float32" and info["device"] == "cpu"
 
 
 def test_abort_by_rid_cuts_a_running_request_short(local):

@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from test_policy_loss import TEMPERATURE, assert_matches, check, make_case, positional
+from test_policy_loss import TEMPERATURE, assert_matches, check, make_case, split_inputs
 
 import kernels.device
 from kernels import PolicyLossConfig, linear_policy_loss, policy_loss, raise_on_input_errors, token_logprobs
@@ -63,13 +63,13 @@ def test_objective_from_hidden_matches_float64_reference(backend, objective, lay
     _, inputs = make_case(layout, 211, seed, n_seqs=4, max_len=7)
     hidden = torch.randn(*inputs["labels"].shape, 16, generator=g)
     weight = torch.randn(211, 16, generator=g) * 0.5
-    args, kw = positional(inputs)
+    inp, kw = split_inputs(inputs)
     upstream = float(torch.randn((), generator=g))
     h1, w1 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-    loss, metrics = linear_policy_loss(h1, w1, *args, config=config, chunk_tokens=3, temperature=TEMPERATURE, **kw)
+    loss, metrics = linear_policy_loss(h1, w1, inp, config=config, chunk_tokens=3, temperature=TEMPERATURE, **kw)
     (loss * upstream).backward()
     h2, w2 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
-    rloss, rmetrics = policy_loss_ref(h2 @ w2.t(), *args, config=config, temperature=TEMPERATURE, **kw)
+    rloss, rmetrics = policy_loss_ref(h2 @ w2.t(), inp, config=config, temperature=TEMPERATURE, **kw)
     (rloss * upstream).backward()
     torch.testing.assert_close(loss.double(), rloss, rtol=1e-5, atol=1e-6)
     assert set(metrics) == set(rmetrics) | {"input_errors"} and int(metrics["input_errors"]) == 0
@@ -79,7 +79,7 @@ def test_objective_from_hidden_matches_float64_reference(backend, objective, lay
     for ours, ref in ((h1.grad, h2.grad), (w1.grad, w2.grad)):
         assert ref.norm() > 0 and (ours.double() - ref).norm() / ref.norm() < 1e-4
     with torch.no_grad():  # forward only (GSPO: pass 1 and the objective, no pass 2)
-        loss_ng, metrics_ng = linear_policy_loss(hidden, weight, *args, config=config, chunk_tokens=3,
+        loss_ng, metrics_ng = linear_policy_loss(hidden, weight, inp, config=config, chunk_tokens=3,
                                                  temperature=TEMPERATURE, **kw)
     torch.testing.assert_close(loss_ng, loss.detach())
     torch.testing.assert_close(metrics_ng["ratio_mean"], metrics["ratio_mean"])
@@ -123,9 +123,9 @@ def test_cispo_gradient_is_the_weighted_logprob_gradient_and_drops_no_token(back
     config = PolicyLossConfig(objective="cispo", loss_agg="token-mean", clip_low=0.2, clip_high=0.2)
     logits, inputs = make_case("padded", 1271, 170, n_seqs=3, max_len=8)
     inputs["ref_logprobs"] = inputs["rollout_logprobs"] = None
-    args, kw = positional(inputs)
+    inp, kw = split_inputs(inputs)
     x = logits.clone().requires_grad_(True)
-    loss, _ = policy_loss(x, *args, config=config, **kw)
+    loss, _ = policy_loss(x, inp, config=config, **kw)
     loss.backward()
 
     keep = (inputs["mask"] != 0) & (inputs["labels"] != -100)
@@ -140,7 +140,7 @@ def test_cispo_gradient_is_the_weighted_logprob_gradient_and_drops_no_token(back
 
     # PPO zeroes the gradient of tokens clipped on their advantage's side; CISPO keeps every token.
     x_ppo = logits.clone().requires_grad_(True)
-    policy_loss(x_ppo, *args, config=dataclasses.replace(config, objective="ppo"), **kw)[0].backward()
+    policy_loss(x_ppo, inp, config=dataclasses.replace(config, objective="ppo"), **kw)[0].backward()
     adv = inputs["advantages"]
     dropped_by_ppo = keep & (((ratio > 1.2) & (adv > 0)) | ((ratio < 0.8) & (adv < 0)))
     assert dropped_by_ppo.sum() >= 2
@@ -152,7 +152,7 @@ def test_mis_drops_tokens_and_tis_truncates(backend):
     # With no KL or entropy term, a token dropped by MIS contributes no gradient at all; TIS keeps every token.
     logits, inputs = make_case("padded", 1271, 180, n_seqs=3, max_len=8)
     inputs["ref_logprobs"] = None
-    args, kw = positional(inputs)
+    inp, kw = split_inputs(inputs)
     keep = (inputs["mask"] != 0) & (inputs["labels"] != -100)
     rho = torch.exp(inputs["old_logprobs"].double() - inputs["rollout_logprobs"].double())
     cap = 1.4
@@ -162,7 +162,7 @@ def test_mis_drops_tokens_and_tis_truncates(backend):
     for corr in ("mis", "tis"):
         config = PolicyLossConfig(loss_agg="token-mean", rollout_correction=corr, tis_cap=cap)
         x = logits.clone().requires_grad_(True)
-        loss, metrics[corr] = policy_loss(x, *args, config=config, **kw)
+        loss, metrics[corr] = policy_loss(x, inp, config=config, **kw)
         loss.backward()
         grads[corr] = x.grad
     assert (grads["mis"][outside] == 0).all()
@@ -179,15 +179,15 @@ def test_mis_drops_tokens_and_tis_truncates(backend):
 def test_mismatch_metrics_compare_engine_with_trainer_logprobs(backend):
     # Engine (rollout) vs trainer: the old log-probs when given, else the current ones. No correction runs.
     logits, inputs = make_case("packed", 1271, 190, n_seqs=4, max_len=6)
-    args, kw = positional(inputs)
+    inp, kw = split_inputs(inputs)
     keep = (inputs["mask"] != 0) & (inputs["labels"] != -100)
     n = keep.sum().double()
     config = PolicyLossConfig(loss_agg="token-mean", kl_coef=0.1)
     with torch.no_grad():
         logp = token_logprobs(logits, inputs["labels"], mask=inputs["mask"]).double()
     for trainer in ("old", "current"):
-        call_kw = dict(kw, old_logprobs=None) if trainer == "current" else kw
-        _, metrics = policy_loss(logits, *args, config=config, **call_kw)
+        call_inp = dataclasses.replace(inp, old_logprobs=None) if trainer == "current" else inp
+        _, metrics = policy_loss(logits, call_inp, config=config, **kw)
         side = logp if trainer == "current" else inputs["old_logprobs"].double()
         diff = torch.where(keep, side - inputs["rollout_logprobs"].double(), 0.0)
         torch.testing.assert_close(metrics["mismatch/logprob_abs_diff_mean"].double(), diff.abs().sum() / n,
@@ -197,33 +197,33 @@ def test_mismatch_metrics_compare_engine_with_trainer_logprobs(backend):
         k3 = torch.where(keep, diff.exp() - 1 - diff, 0.0).sum() / n
         torch.testing.assert_close(metrics["mismatch/kl_k3"].double(), k3, rtol=1e-5, atol=1e-6)
         assert "mismatch/tis_weight_mean" not in metrics
-    _, metrics = policy_loss(logits, *args, config=config, **dict(kw, rollout_logprobs=None))
+    _, metrics = policy_loss(logits, dataclasses.replace(inp, rollout_logprobs=None), config=config, **kw)
     assert not any(k.startswith("mismatch/") for k in metrics)
 
 
 def test_gspo_needs_sequences():
     logits, inputs = make_case("packed", 7, 195)
-    args, kw = positional(inputs)
-    kw["cu_seqlens"] = None
+    inputs["cu_seqlens"] = None
+    inp, kw = split_inputs(inputs)
     with pytest.raises(ValueError, match="cu_seqlens"):
-        policy_loss(logits, *args, config=PolicyLossConfig(objective="gspo", loss_agg="token-mean"), **kw)
+        policy_loss(logits, inp, config=PolicyLossConfig(objective="gspo", loss_agg="token-mean"), **kw)
 
 
 @pytest.mark.parametrize("fn", ["policy_loss", "linear_policy_loss"])
 def test_all_tokens_masked_gives_zero_loss_metrics_and_gradients(backend, fn):
     logits, inputs = make_case("packed", 7, 196, n_seqs=3, max_len=5)
     inputs["mask"] = torch.zeros_like(inputs["mask"])
-    args, kw = positional(inputs)
+    inp, kw = split_inputs(inputs)
     g = torch.Generator().manual_seed(197)
     hidden, weight = torch.randn(inputs["labels"].shape[0], 4, generator=g), torch.randn(7, 4, generator=g)
     for objective in ("ppo", "gspo", "cispo"):
         config = PolicyLossConfig(objective=objective, kl_coef=0.1, rollout_correction="tis")
         if fn == "policy_loss":
             leaves = [logits.clone().requires_grad_(True)]
-            loss, metrics = policy_loss(leaves[0], *args, config=config, **kw)
+            loss, metrics = policy_loss(leaves[0], inp, config=config, **kw)
         else:
             leaves = [hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)]
-            loss, metrics = linear_policy_loss(*leaves, *args, config=config, chunk_tokens=4, **kw)
+            loss, metrics = linear_policy_loss(*leaves, inp, config=config, chunk_tokens=4, **kw)
         loss.backward()
         assert float(loss.detach()) == 0 and all(float(v) == 0 for v in metrics.values())
         assert all((leaf.grad == 0).all() for leaf in leaves)
@@ -265,14 +265,14 @@ def test_input_errors_flag_instead_of_a_host_sync(as_on_an_accelerator, fn):
     config = PolicyLossConfig(objective="gspo", kl_coef=0.1, rollout_correction="tis")
 
     def run(**changes):
-        args, kw = positional({**inputs, **changes})
+        inp, kw = split_inputs({**inputs, **changes})
         x = (logits if fn == "policy_loss" else hidden).clone().requires_grad_(True)
         recorder = _SyncOps()
         with recorder:  # Triton path (the interpreter here, compiled kernels on CUDA): the code a GPU runs
             if fn == "policy_loss":
-                loss, metrics = policy_loss(x, *args, config=config, **kw)
+                loss, metrics = policy_loss(x, inp, config=config, **kw)
             else:
-                loss, metrics = linear_policy_loss(x, weight, *args, config=config, chunk_tokens=4, **kw)
+                loss, metrics = linear_policy_loss(x, weight, inp, config=config, chunk_tokens=4, **kw)
             loss.backward()
         assert recorder.seen == [], f"host syncs on the accelerator path: {recorder.seen}"
         flags = metrics["input_errors"]
@@ -323,3 +323,41 @@ def test_token_logprobs_without_host_sync_mark_bad_labels_nan(as_on_an_accelerat
         keep = torch.arange(9) != 2
         torch.testing.assert_close(out[keep], expected[keep], atol=1e-5, rtol=0)
     assert torch.isfinite(x.grad).all() and (x.grad[4] == 0).all() and (h.grad[4] == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The objective registry: one entry per objective, used by the config, the chunked driver and the reference
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_registry_carries_token_locality_dual_clip_and_the_reference():
+    from kernels import reference
+    from kernels.objective import OBJECTIVES, register_objective
+
+    assert {name: (o.token_local, o.dual_clip) for name, o in OBJECTIVES.items()} == \
+        {"ppo": (True, True), "gspo": (False, True), "cispo": (True, False)}
+    assert {name: o.reference for name, o in OBJECTIVES.items()} == \
+        {"ppo": reference.ppo_term_ref, "gspo": reference.gspo_term_ref, "cispo": reference.cispo_term_ref}
+    for name, o in OBJECTIVES.items():
+        config = PolicyLossConfig(objective=name)
+        assert config.objective_spec is o and config.token_local == o.token_local
+    with pytest.raises(ValueError, match="choose one of \\('ppo', 'gspo', 'cispo'\\)"):
+        PolicyLossConfig(objective="grpo")
+    with pytest.raises(ValueError, match="registered twice"):
+        register_objective("ppo", token_local=True, dual_clip=True, reference=reference.ppo_term_ref)(lambda: None)
+
+
+def test_a_new_registered_objective_runs_everywhere(backend, monkeypatch):
+    # One registration makes a name usable by the config, both losses (the token-local one-pass driver) and the
+    # float64 reference: here PPO's entry under a second name gives PPO's numbers.
+    from kernels.objective import OBJECTIVES
+
+    monkeypatch.setitem(OBJECTIVES, "ppo-again", OBJECTIVES["ppo"])
+    logits, inputs = make_case("packed", 211, 220, n_seqs=3, max_len=6)
+    results = {}
+    for name in ("ppo", "ppo-again"):
+        config = PolicyLossConfig(objective=name, loss_agg="seq-mean-token-mean", clip_ratio_c=1.6, kl_coef=0.1)
+        ours, ref = check(logits, inputs, config, 220)
+        assert_matches(ours, ref)
+        results[name] = ours
+    torch.testing.assert_close(results["ppo-again"][0], results["ppo"][0], rtol=0, atol=0)

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from kernels import PolicyLossConfig, linear_policy_loss, policy_loss, use_backend
+from kernels import LossInputs, PolicyLossConfig, linear_policy_loss, policy_loss, use_backend
 from kernels.reference import policy_loss_ref
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -70,20 +70,23 @@ def assert_matches(ours, ref, *, loss_rtol=1e-5, grad_rtol=1e-4, metric_atol=1e-
     assert rgrad.norm() > 0  # the case exercises a real gradient
 
 
-def positional(inputs):
-    """policy_loss takes labels, advantages, mask positionally."""
-    kw = dict(inputs)
-    return (kw.pop("labels"), kw.pop("advantages"), kw.pop("mask")), kw
+_INPUT_FIELDS = {f.name for f in dataclasses.fields(LossInputs)}
+
+
+def split_inputs(inputs):
+    """(kernels.LossInputs of the per-token entries of `inputs`, the losses' other keywords, e.g. temperature)."""
+    return (LossInputs(**{k: v for k, v in inputs.items() if k in _INPUT_FIELDS}),
+            {k: v for k, v in inputs.items() if k not in _INPUT_FIELDS})
 
 
 def check(logits, inputs, config, seed, temperature=1.0, **extra):
     upstream = torch.randn((), generator=torch.Generator().manual_seed(seed + 1000)).double()
-    args, kw = positional(inputs)
+    inp, kw = split_inputs({**inputs, **extra})
     x = logits.clone().requires_grad_(True)
-    loss, metrics = policy_loss(x, *args, config=config, temperature=temperature, **kw, **extra)
+    loss, metrics = policy_loss(x, inp, config=config, temperature=temperature, **kw)
     (loss * upstream.float()).backward()
     xr = logits.detach().double().requires_grad_(True)
-    rloss, rmetrics = policy_loss_ref(xr, *args, config=config, temperature=temperature, **kw, **extra)
+    rloss, rmetrics = policy_loss_ref(xr, inp, config=config, temperature=temperature, **kw)
     (rloss * upstream).backward()
     return (loss.detach(), metrics, x.grad), (rloss.detach(), rmetrics, xr.grad)
 
@@ -169,10 +172,10 @@ def test_bf16_logits(backend):
 def test_masked_and_ignored_tokens_get_zero_gradient(backend):
     config = PolicyLossConfig(loss_agg="token-mean", entropy_coef=0.1)
     logits, inputs = make_case("padded", 7, 12)
-    args, kw = positional(inputs)
+    inp, kw = split_inputs(inputs)
     logits[inputs["mask"] == 0] = float("nan")  # garbage at padding must not leak
     x = logits.clone().requires_grad_(True)
-    loss, metrics = policy_loss(x, *args, config=config, **kw)
+    loss, metrics = policy_loss(x, inp, config=config, **kw)
     loss.backward()
     dropped = (inputs["mask"] == 0) | (inputs["labels"] == -100)
     assert torch.isfinite(loss) and all(torch.isfinite(v) for v in metrics.values())
@@ -204,10 +207,10 @@ def test_micro_batches_and_ranks_sum_to_full_batch(backend, loss_agg):
     logits, inputs = make_case("padded", 7, 21 + LOSS_AGGS.index(loss_agg), n_seqs=8, max_len=6,
                                temperature=TEMPERATURE)
     inputs["cu_seqlens"] = None
-    args, kw = positional(inputs)
+    inp, kw = split_inputs(inputs)
     kw["temperature"] = TEMPERATURE
     x = logits.clone().requires_grad_(True)
-    full_loss, full_metrics = policy_loss(x, *args, config=config, **kw)
+    full_loss, full_metrics = policy_loss(x, inp, config=config, **kw)
     full_loss.backward()
 
     keep = (inputs["mask"] != 0) & (inputs["labels"] != -100)
@@ -219,10 +222,9 @@ def test_micro_batches_and_ranks_sum_to_full_batch(backend, loss_agg):
         for micro in range(2):
             rows = slice(rank * 4 + micro * 2, rank * 4 + micro * 2 + 2)
             part = _split_rows(inputs, rows)
-            pargs, pkw = positional(part)
+            pinp, pkw = split_inputs({**part, "num_tokens": n_tokens, "num_seqs": n_seqs})
             xp = logits[rows].clone().requires_grad_(True)
-            loss, metrics = policy_loss(xp, *pargs, config=config, num_tokens=n_tokens, num_seqs=n_seqs,
-                                        temperature=TEMPERATURE, **pkw)
+            loss, metrics = policy_loss(xp, pinp, config=config, temperature=TEMPERATURE, **pkw)
             loss.backward()
             total_loss += loss.detach()
             for k in metrics:  # the reduction rule of the metrics: `_max` by max, the flags by or, others by sum
@@ -245,14 +247,14 @@ def test_local_normalisation_differs_from_global():
     config = PolicyLossConfig(loss_agg="token-mean")
     logits, inputs = make_case("padded", 7, 30, n_seqs=4, max_len=6)
     inputs["mask"][:2, 1:] = 0  # very unequal micro-batches
-    args, kw = positional(inputs)
-    kw["cu_seqlens"] = None
+    inputs["cu_seqlens"] = None
+    inp, kw = split_inputs(inputs)
     with use_backend("torch"):
-        full, _ = policy_loss(logits, *args, config=config, **kw)
+        full, _ = policy_loss(logits, inp, config=config, **kw)
         parts = []
         for rows in (slice(0, 2), slice(2, 4)):
-            pargs, pkw = positional(_split_rows(inputs, rows))
-            parts.append(policy_loss(logits[rows], *pargs, config=config, **pkw)[0])
+            pinp, pkw = split_inputs(_split_rows(inputs, rows))
+            parts.append(policy_loss(logits[rows], pinp, config=config, **pkw)[0])
     # Averaging per-micro-batch means (what plain gradient accumulation does) is not the full-batch mean.
     assert not torch.allclose((parts[0] + parts[1]) / 2, full, rtol=1e-3)
 
@@ -271,16 +273,16 @@ def test_linear_equals_policy_loss_on_logits(backend, layout, entropy_coef):
     shape = inputs["labels"].shape
     hidden = torch.randn(*shape, 24, generator=g)
     weight = torch.randn(1271, 24, generator=g) * 0.4
-    args, kw = positional(inputs)
+    inp, kw = split_inputs(inputs)
     kw["temperature"] = TEMPERATURE
     upstream = float(torch.randn((), generator=g))
 
     h1, w1 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-    loss, metrics = linear_policy_loss(h1, w1, *args, config=config, chunk_tokens=5, **kw)  # several chunks
+    loss, metrics = linear_policy_loss(h1, w1, inp, config=config, chunk_tokens=5, **kw)  # several chunks
     (loss * upstream).backward()
 
     h2, w2 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
-    rloss, rmetrics = policy_loss_ref(h2 @ w2.t(), *args, config=config, **kw)
+    rloss, rmetrics = policy_loss_ref(h2 @ w2.t(), inp, config=config, **kw)
     (rloss * upstream).backward()
 
     torch.testing.assert_close(loss.double(), rloss, rtol=1e-5, atol=1e-6)
@@ -293,7 +295,7 @@ def test_linear_equals_policy_loss_on_logits(backend, layout, entropy_coef):
 
     # Same numbers as policy_loss on the materialised fp32 logits.
     h3, w3 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-    loss3, metrics3 = policy_loss((h3 @ w3.t()).contiguous(), *args, config=config, **kw)
+    loss3, metrics3 = policy_loss((h3 @ w3.t()).contiguous(), inp, config=config, **kw)
     (loss3 * upstream).backward()
     torch.testing.assert_close(loss, loss3.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(h1.grad, h3.grad, rtol=1e-4, atol=1e-6)
@@ -307,13 +309,13 @@ def test_linear_bf16(backend):
     g = torch.Generator().manual_seed(46)
     hidden = torch.randn(inputs["labels"].shape[0], 32, generator=g).bfloat16()
     weight = (torch.randn(1271, 32, generator=g) * 0.3).bfloat16()
-    args, kw = positional(inputs)
+    inp, kw = split_inputs(inputs)
     kw["temperature"] = TEMPERATURE
     h1, w1 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-    loss, _ = linear_policy_loss(h1, w1, *args, config=config, chunk_tokens=4, **kw)
+    loss, _ = linear_policy_loss(h1, w1, inp, config=config, chunk_tokens=4, **kw)
     loss.backward()
     h2, w2 = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
-    rloss, _ = policy_loss_ref(h2 @ w2.t(), *args, config=config, **kw)
+    rloss, _ = policy_loss_ref(h2 @ w2.t(), inp, config=config, **kw)
     rloss.backward()
     # The bf16 GEMM output (Triton path) is rounded to bf16 before the fp32 softmax: loss within bf16 precision.
     torch.testing.assert_close(loss.double(), rloss, rtol=2e-2, atol=1e-3)
@@ -328,16 +330,16 @@ def test_linear_frozen_head_and_no_grad(backend):
     g = torch.Generator().manual_seed(51)
     hidden = torch.randn(inputs["labels"].shape[0], 8, generator=g)
     weight = torch.randn(7, 8, generator=g)
-    args, kw = positional(inputs)
+    inp, kw = split_inputs(inputs)
     h = hidden.clone().requires_grad_(True)
-    loss, _ = linear_policy_loss(h, weight, *args, config=config, **kw)  # lm_head frozen (LoRA)
+    loss, _ = linear_policy_loss(h, weight, inp, config=config, **kw)  # lm_head frozen (LoRA)
     loss.backward()
     h2, w2 = hidden.double().requires_grad_(True), weight.double()
-    rloss, _ = policy_loss_ref(h2 @ w2.t(), *args, config=config, **kw)
+    rloss, _ = policy_loss_ref(h2 @ w2.t(), inp, config=config, **kw)
     rloss.backward()
     assert (h.grad.double() - h2.grad).norm() / h2.grad.norm() < 1e-4
     with torch.no_grad():
-        loss_ng, _ = linear_policy_loss(hidden, weight, *args, config=config, **kw)
+        loss_ng, _ = linear_policy_loss(hidden, weight, inp, config=config, **kw)
     torch.testing.assert_close(loss_ng, loss.detach())
     assert not loss_ng.requires_grad
 
@@ -387,11 +389,11 @@ def test_bad_inputs_name_the_argument(fn):
     hidden, weight = torch.randn(n, 4), torch.randn(7, 4)
 
     def call(kw, cfg=config):
-        args, rest = positional(kw)
+        inp, rest = split_inputs(kw)
         with use_backend("torch"):
             if fn == "policy_loss":
-                return policy_loss(logits, *args, config=cfg, **rest)
-            return linear_policy_loss(hidden, weight, *args, config=cfg, **rest)
+                return policy_loss(logits, inp, config=cfg, **rest)
+            return linear_policy_loss(hidden, weight, inp, config=cfg, **rest)
 
     adv = inputs["advantages"].clone()
     adv[0] = float("nan")
@@ -428,12 +430,12 @@ def test_bad_inputs_name_the_argument(fn):
 def test_bad_logits_and_hidden():
     config = PolicyLossConfig(loss_agg="token-mean")
     logits, inputs = make_case("padded", 7, 61)
-    args, kw = positional(inputs)
+    inp, kw = split_inputs(inputs)
     with pytest.raises(ValueError, match="contiguous"):
-        policy_loss(logits.transpose(0, 1).contiguous().transpose(0, 1), *args, config=config, **kw)
+        policy_loss(logits.transpose(0, 1).contiguous().transpose(0, 1), inp, config=config, **kw)
     with pytest.raises(ValueError, match="logits shape"):
-        policy_loss(logits[:, :-1], *args, config=config, **kw)
+        policy_loss(logits[:, :-1], inp, config=config, **kw)
     with pytest.raises(ValueError, match="dtype"):
-        policy_loss(logits.double(), *args, config=config, **kw)
+        policy_loss(logits.double(), inp, config=config, **kw)
     with pytest.raises(ValueError, match="weight"):
-        linear_policy_loss(torch.randn(3, 7, 4), torch.randn(7, 5), *args, config=config, **kw)
+        linear_policy_loss(torch.randn(3, 7, 4), torch.randn(7, 5), inp, config=config, **kw)

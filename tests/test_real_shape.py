@@ -21,9 +21,9 @@ from bench.bench_real_shape import (
     write_model_folder,
 )
 from trainer.backend.export import export_checkpoint, resolve_checkpoint, start_folder
-from trainer.backend.steps import TrainerConfig, build_components, compute_logprobs
+from trainer.backend.steps import build_components, compute_logprobs, trainer_config_from
 from trainer.batching.micro_batches import build_micro_batches
-from trainer.config import OptimConfig, SFTTrainingConfig
+from trainer.config import ModelConfig, OptimConfig, RLTrainingConfig, RunConfig, SFTTrainingConfig
 from trainer.rollout.data import DataSpec, load_prompts
 from trainer.rollout.samples import prompt_token_ids
 from trainer.sft import run_sft_training
@@ -41,8 +41,7 @@ def _sft_run(tmp_path, folder, steps=3):
     convs = [p.metadata["messages"] for p in prompts.take(range(32))]
     cfg = SFTTrainingConfig(num_steps=steps, batch_size=8, max_length=96, token_budget=512, micro_batch_buckets=64,
                             output_dir=str(tmp_path / "sft"), optim=OptimConfig(lr=3e-3))
-    tcfg = TrainerConfig(optim=cfg.optim, num_steps=steps, loss="nll", compile=False, token_budget=512,
-                         bucket_size=64, output_dir=cfg.output_dir)
+    tcfg = trainer_config_from(cfg, compile=False)
     comp, state, _ = run_sft_training(str(folder), convs, cfg, tokenizer=tok, trainer_config=tcfg)
     return comp, tok, convs
 
@@ -117,11 +116,12 @@ def test_rl_can_start_from_a_checkpoint_and_bad_exports_are_named(tmp_path):
     _sft_run(tmp_path, folder, steps=1)
     ckpt = resolve_checkpoint(tmp_path / "sft")
     assert ckpt.name == "step_00000001" and resolve_checkpoint(ckpt) == ckpt
-    cfg = {"output_dir": str(tmp_path / "run"), "model": {"path": str(folder), "checkpoint": str(tmp_path / "sft")}}
+    cfg = RunConfig(output_dir=str(tmp_path / "run"), model=ModelConfig(path=str(folder),
+                                                                      checkpoint=str(tmp_path / "sft")))
     start = start_folder(cfg, folder)
     assert start == tmp_path / "run" / "start_model"
-    assert start_folder({"model": {"path": str(folder)}}, folder) == folder
-    a = build_components(start, TrainerConfig(compile=False))
+    assert start_folder(RunConfig(model=ModelConfig(path=str(folder))), folder) == folder
+    a = build_components(start, trainer_config_from(RLTrainingConfig(), compile=False))
     b = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "start_model")
     for name, p in a.model.named_parameters():
         torch.testing.assert_close(p.full_tensor(), dict(b.named_parameters())[name], atol=0, rtol=0)

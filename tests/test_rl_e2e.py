@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 
+from engines.sglang import SGLangEngine
 from engines.tiny import build_tokenizer, tiny_model_config
 from kernels import use_backend
 from trainer.backend.steps import TrainerConfig, build_components, trainer_config_from
@@ -19,6 +20,7 @@ from trainer.config import OptimConfig, RLTrainingConfig, RolloutConfig
 from trainer.rl import compute_advantages, run_rl_training
 from trainer.rollout.data import DataBuffer, load_jsonl
 from trainer.types import RolloutBatch, Sample, Status
+from trainer.weight_sync import WeightSyncSender
 
 TOK = build_tokenizer()
 DIGITS = {TOK.convert_tokens_to_ids(c) for c in "0123456789"}
@@ -49,12 +51,19 @@ def _config(tmp_path, **kw) -> RLTrainingConfig:
     return RLTrainingConfig(**base)
 
 
-def _run(engine, cfg: RLTrainingConfig, *, resume=False, on_step=None):
+def _run(engine, cfg: RLTrainingConfig, *, resume=False, on_step=None, reward_fn=digit_fraction):
     tcfg = trainer_config_from(cfg, compile=False)
     comp = build_components(tiny_model_config("llama"), tcfg)
     buffer = DataBuffer(load_jsonl("data/arithmetic_train.jsonl"), seed=0)
-    return run_rl_training(None, buffer, cfg, engine_urls=[engine.url], tokenizer=TOK, reward_fn=digit_fraction,
-                           trainer_config=tcfg, components=comp, resume=resume, on_step=on_step)
+    rc = cfg.rollout
+    engines = [SGLangEngine(engine.url, connect_timeout_s=rc.connect_timeout_s, max_connections=rc.max_concurrency)]
+    sender = WeightSyncSender(comp.model, engines)  # the caller owns the sender, as the CLI does
+    sender.init_group()
+    try:
+        return run_rl_training(None, buffer, cfg, engines=engines, sender=sender, tokenizer=TOK, reward_fn=reward_fn,
+                               trainer_config=tcfg, components=comp, resume=resume, on_step=on_step)
+    finally:
+        sender.close()
 
 
 def _rises(history, margin=0.1):
@@ -154,12 +163,8 @@ def _raises_on_odd_prompts(sample):
 
 def test_failed_rewards_are_left_out_end_to_end(engine, tmp_path):
     cfg = _config(tmp_path, num_steps=2)
-    tcfg = trainer_config_from(cfg, compile=False)
-    comp = build_components(tiny_model_config("llama"), tcfg)
-    buffer = DataBuffer(load_jsonl("data/arithmetic_train.jsonl"), seed=0)
     with pytest.warns(UserWarning, match=r"FAILED and are left out of the loss; first error: ZeroDivisionError"):
-        _, state, history = run_rl_training(None, buffer, cfg, engine_urls=[engine.url], tokenizer=TOK,
-                                            reward_fn=_raises_on_odd_prompts, trainer_config=tcfg, components=comp)
+        _, state, history = _run(engine, cfg, reward_fn=_raises_on_odd_prompts)
     assert state.step == 2
     assert all(0 < m["rollout/failed_fraction"] < 1 for m in history)
     assert all(m["train/excluded_fraction"] == m["rollout/failed_fraction"] for m in history)  # whole groups fail
@@ -215,7 +220,8 @@ def test_train_on_batch_trains_exactly_on_the_scored_samples():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             metrics, _ = train_on_batch(comp, TrainingState(), RolloutBatch(samples=batch), cfg,
-                                        dataclasses.replace(tcfg, optim=OptimConfig(lr=1e-12)))
+                                        tcfg.replace(optim=OptimConfig(lr=1e-12)),
+                                        pad_id=TOK.pad_token_id)
         grads.append(metrics["grad_norm"])
         if batch is samples:
             assert metrics["rollout/failed_fraction"] == 4 / 12 and metrics["train/excluded_fraction"] == 5 / 12
@@ -238,7 +244,8 @@ def test_lagging_engines_get_recomputed_old_logprobs(monkeypatch):
         cfg = _config("/tmp/unused", sync_every=sync_every)
         tcfg = trainer_config_from(cfg, compile=False)
         comp = build_components(tiny_model_config("llama"), tcfg)
-        metrics, _ = rl.train_on_batch(comp, rl.TrainingState(), RolloutBatch(samples=samples), cfg, tcfg)
+        metrics, _ = rl.train_on_batch(comp, rl.TrainingState(), RolloutBatch(samples=samples), cfg, tcfg,
+                                       pad_id=TOK.pad_token_id)
         assert bool(calls) == recomputed, sync_every
         assert ("mismatch/tis_weight_mean" in metrics) == recomputed  # "tis" only off-policy
         assert "mismatch/logprob_abs_diff_mean" in metrics  # logged every step: the engine returned log-probs

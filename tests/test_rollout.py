@@ -18,7 +18,6 @@ from trainer.rollout.samples import (
     check_reward_nonzero_std,
     compute_response_lengths,
     convert_to_batch,
-    extract_sample_fields,
     get_filter,
     resolve_filters,
     sample_from_dict,
@@ -84,13 +83,10 @@ def test_convert_to_batch_renumbers_and_summarises():
     json.dumps(m)  # loggable as JSONL
 
 
-def test_extract_fields_transforms_and_serialisation():
+def test_transforms_and_serialisation():
     samples = [_s((9, 10), 1.0), dataclasses.replace(_s((11,), 0.0), loss_mask=(0,))]
-    cols = extract_sample_fields(samples)
-    assert cols["loss_mask"] == [[1, 1], [0]] and cols["tokens"][0] == [1, 2, 3, 9, 10]
-    assert cols["reward"] == [1.0, 0.0] and cols["response_length"] == [2, 1]
-    with pytest.raises(ValueError, match="no field 'bogus'"):
-        extract_sample_fields(samples, ["bogus"])
+    # The effective mask is all ones when the sample has none, so the trainer never special-cases None.
+    assert [list(s.effective_loss_mask) for s in samples] == [[1, 1], [0]]
     drop_zero = lambda xs: [s for s in xs if s.reward > 0]
     double = lambda xs: [dataclasses.replace(s, reward=2 * s.reward) for s in xs]
     out = apply_sample_transforms(samples, [drop_zero, double])

@@ -31,11 +31,30 @@ def first_token_parity(sample):
     return float(sample.tokens[sample.prompt_length] % 2 == 0)
 
 
+class Counted:
+    """An engine client that counts its generate calls still running: none may be once a batch has returned (no
+    request left behind in the background)."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+        self.running = 0
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    async def generate(self, prompts, params, *, rids=None):
+        self.running += 1
+        try:
+            return await self._engine.generate(prompts, params, rids=rids)
+        finally:
+            self.running -= 1
+
+
 def _run(manager, buffer):
     async def go():
         async with manager:
             batch = await manager.generate_batch(buffer)
-            assert manager.num_in_flight == 0
+            assert all(e.running == 0 for e in manager.engines)
             return batch
     return trio.run(go)  # returns only once every task of the batch has ended
 
@@ -51,7 +70,7 @@ def test_manager_with_embedded_engine_oversamples_filters_and_carries_groups_ove
     cfg = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2, over_sampling_factor=2.0, max_new_tokens=12,
                         max_concurrency=3, temperature=1.0, dynamic_filters=("check_reward_nonzero_std",), seed=7,
                         apply_chat_template=True, abort_grace_s=2.0)
-    m = AsyncRolloutManager([SGLangEngine(engine.url, api_key="k")], cfg, tokenizer=TOK,
+    m = AsyncRolloutManager([Counted(SGLangEngine(engine.url, api_key="k"))], cfg, tokenizer=TOK,
                             reward_fn=first_token_parity)
     buf = DataBuffer(load_jsonl("data/arithmetic_train.jsonl"), seed=0)
     batch = _run(m, buf)
@@ -76,7 +95,7 @@ def test_manager_with_embedded_engine_oversamples_filters_and_carries_groups_ove
     m.set_weight_version(1)
     cfg2 = RolloutConfig(**{**cfg.__dict__, "rollout_batch_size": max(1, len(cached)), "over_sampling_factor": 1.0,
                             "dynamic_filters": ()})
-    m2 = AsyncRolloutManager([SGLangEngine(engine.url, api_key="k")], cfg2, tokenizer=TOK,
+    m2 = AsyncRolloutManager([Counted(SGLangEngine(engine.url, api_key="k"))], cfg2, tokenizer=TOK,
                              reward_fn=first_token_parity)
     m2.load_state_dict(m.state_dict())
     batch2 = _run(m2, buf)

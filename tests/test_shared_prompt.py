@@ -18,10 +18,10 @@ from trainer.backend.attention import (
     tree_causal_mask,
 )
 from trainer.backend.models import load_hf_model
-from trainer.backend.steps import TrainerConfig, build_components, compute_logprobs, forward_backward
-from trainer.batching.micro_batches import build_micro_batches
+from trainer.backend.steps import build_components, compute_logprobs, forward_backward, trainer_config_from
+from trainer.batching.micro_batches import attach_logprobs, build_micro_batches
 from trainer.batching.shared_prompt import build_shared_micro_batches, prompt_trees, tree_cost
-from trainer.config import OptimConfig
+from trainer.config import OptimConfig, RLTrainingConfig, RolloutConfig, SFTTrainingConfig
 from trainer.types import Sample
 
 
@@ -66,6 +66,23 @@ def per_sample(mbs, values, samples) -> dict[int, torch.Tensor]:
                 s = samples[i]
                 first = cu[k] + max(s.prompt_length - 1, 0)
                 out[i] = v[first:cu[k + 1] - 1]
+    return out
+
+
+def per_token(mbs, values, samples) -> list[torch.Tensor]:
+    """Inverse of `per_sample`: per-sample lists (one value per response token) -> per-micro-batch [N] or [M]
+    tensors at the positions predicting those tokens, 0 elsewhere: the shape `compute_logprobs` returns, for
+    `attach_logprobs`."""
+    out = []
+    for mb in mbs:
+        t = torch.zeros(mb.labels.shape[0])
+        cu = (mb.segments if mb.trees is not None else mb.row.cu_seqlens).tolist()
+        for k, i in enumerate(mb.sample_index):
+            s = samples[i]
+            v = torch.tensor(values[i][0 if s.prompt_length else 1:], dtype=torch.float32)  # trained tokens only
+            first = cu[k] if mb.trees is not None else cu[k] + max(s.prompt_length - 1, 0)
+            t[first:first + len(v)] = v
+        out.append(t)
     return out
 
 
@@ -143,11 +160,13 @@ def test_flash_attention_has_no_tree_mask_and_says_how_to_fix_it():
 
 
 def _components(loss: str, seed: int = 3, temperature: float = 0.7):
-    cfg = TrainerConfig(loss=loss, compile=False, token_budget=64, bucket_size=16, optim=OptimConfig(lr=1e-3),
-                        seed=seed, temperature=temperature,
-                        policy_loss=PolicyLossConfig(loss_agg="seq-mean-token-mean", kl_coef=0.05,
-                                                     rollout_correction="tis", log_entropy=True))
-    return build_components(tiny_model_config("qwen2"), cfg)
+    """loss "policy": a GRPO step's components (the policy loss at the rollout's temperature); "nll": SFT's."""
+    shared = dict(token_budget=64, micro_batch_buckets=16, optim=OptimConfig(lr=1e-3), seed=seed)
+    phase = SFTTrainingConfig(**shared) if loss == "nll" else RLTrainingConfig(
+        **shared, rollout=RolloutConfig(temperature=temperature),
+        loss=PolicyLossConfig(loss_agg="seq-mean-token-mean", kl_coef=0.05, rollout_correction="tis",
+                              log_entropy=True))
+    return build_components(tiny_model_config("qwen2"), trainer_config_from(phase, compile=False))
 
 
 @pytest.mark.parametrize("seed", [4, 5])
@@ -176,11 +195,13 @@ def test_shared_prompt_loss_metrics_and_gradients_equal_the_plain_layout(seed):
     results = {}
     for name, build in (("plain", build_micro_batches), ("shared", build_shared_micro_batches)):
         comp = _components("policy", seed=3)
-        mbs = build(samples, token_budget=64, bucket_size=16, advantages=adv, old_logprobs=old, ref_logprobs=ref)
+        mbs = build(samples, token_budget=64, bucket_size=16, advantages=adv)
+        mbs = attach_logprobs(mbs, per_token(mbs, old, samples), "old_logprobs")
+        mbs = attach_logprobs(mbs, per_token(mbs, ref, samples), "ref_logprobs")
         tokens = sum(mb.row.num_tokens for mb in mbs)
         metrics = forward_backward(comp, mbs).result()
         grads = {n: p.grad.detach().full_tensor().clone() if hasattr(p.grad, "full_tensor") else p.grad.clone()
-                 for n, p in comp.module.named_parameters()}
+                 for n, p in comp.root.named_parameters()}
         lp = per_sample(mbs, compute_logprobs(comp, mbs), samples)  # after the backward: same weights, no step
         results[name] = (metrics, grads, tokens, lp)
     (m_plain, g_plain, t_plain, lp_plain), (m_shared, g_shared, t_shared, lp_shared) = \

@@ -26,9 +26,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from engines.tiny import tiny_model_config
 from kernels import PolicyLossConfig, use_backend
-from trainer.backend.steps import TrainerConfig, build_components, compute_logprobs, forward_backward, optim_step
+from trainer.backend.steps import build_components, compute_logprobs, forward_backward, optim_step, trainer_config_from
 from trainer.batching.micro_batches import attach_logprobs, build_micro_batches
-from trainer.config import OptimConfig
+from trainer.config import OptimConfig, RLTrainingConfig, RolloutConfig
 from trainer.types import Sample, TrainingState
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,11 +101,12 @@ def _three_step_setup():
     """(trainer config, policy, frozen reference, three steps of micro-batches): a loss with KL, entropy, TIS and
     dual clip. Host preparation (CPU tensors on every machine) happens here, before any recorded region."""
     loss = PolicyLossConfig(kl_coef=0.05, entropy_coef=0.01, rollout_correction="tis", clip_ratio_c=3.0)
-    cfg = TrainerConfig(loss="policy", policy_loss=loss, temperature=0.7, optim=OptimConfig(lr=1e-3),
-                        compile=False, token_budget=64, bucket_size=32)
+    cfg = trainer_config_from(RLTrainingConfig(loss=loss, rollout=RolloutConfig(temperature=0.7),
+                                               optim=OptimConfig(lr=1e-3), token_budget=64, micro_batch_buckets=32),
+                              compile=False)
     policy = build_components(tiny_model_config(), cfg)
     ref = build_components(tiny_model_config(), cfg)
-    ref.module.requires_grad_(False)
+    ref.root.requires_grad_(False)
     batches = [build_micro_batches(s, token_budget=64, bucket_size=32, advantages=a)
                for s, a in (_samples(k) for k in range(3))]
     return cfg, policy, ref, batches
@@ -121,7 +122,7 @@ def test_three_rl_steps_issue_no_host_sync_outside_the_future(torch_path):
             mbs = attach_logprobs(mbs, compute_logprobs(policy, mbs), "old_logprobs")
             mbs = attach_logprobs(mbs, compute_logprobs(ref, mbs), "ref_logprobs")
             fut = forward_backward(policy, mbs)
-            opt_fut, state = optim_step(policy, state)
+            opt_fut, state = optim_step(policy, state, num_tokens=fut.num_tokens)
             results.append({**fut.result(), **opt_fut.result()})
     assert state.step == 3 and all(r["grad_norm"] > 0 for r in results)
     assert all("mismatch/logprob_abs_diff_max" in r and "kl" in r for r in results)  # the full objective ran
@@ -159,7 +160,7 @@ def test_three_rl_steps_on_cuda_under_sync_debug_mode_error():
             mbs = attach_logprobs(mbs, compute_logprobs(policy, mbs), "old_logprobs")
             mbs = attach_logprobs(mbs, compute_logprobs(ref, mbs), "ref_logprobs")
             fut = forward_backward(policy, mbs)
-            opt_fut, state = optim_step(policy, state)
+            opt_fut, state = optim_step(policy, state, num_tokens=fut.num_tokens)
             futures.append((fut, opt_fut))
     finally:
         torch.cuda.set_sync_debug_mode(0)

@@ -15,7 +15,14 @@ import torch
 
 from engines.tiny import tiny_model_config
 from kernels import use_backend
-from trainer.backend.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from trainer.backend.checkpoint import (
+    Checkpointer,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    load_latest,
+    save_checkpoint,
+)
 from trainer.backend.steps import build_components
 from trainer.types import TrainingState
 
@@ -55,7 +62,7 @@ def test_kill_and_resume_reproduces_steps_exactly(tmp_path):
 def test_incomplete_checkpoints_and_fingerprint(tmp_path):
     out = tmp_path / "run"
     cfg = w.config(str(out), compile=False)
-    cfg = dataclasses.replace(cfg, keep_last=2)
+    cfg = cfg.replace(keep_last=2)
     with use_backend("torch"):
         comp = build_components(tiny_model_config(), cfg)
         state = TrainingState()
@@ -76,11 +83,37 @@ def test_incomplete_checkpoints_and_fingerprint(tmp_path):
     state2, extra = load_checkpoint(comp, out)
     assert state2 == state and extra == {"next_step": 3}
     faster = dataclasses.replace(cfg.optim, lr=cfg.optim.lr * 2)
-    other = dataclasses.replace(comp, config=dataclasses.replace(cfg, optim=faster))
+    other = dataclasses.replace(comp, config=cfg.replace(optim=faster))
     with pytest.raises(ValueError, match="fingerprint"):
         load_checkpoint(other, out)
     # output_dir / keep_last may change on resume
-    same = dataclasses.replace(comp, config=dataclasses.replace(cfg, keep_last=5, output_dir=str(tmp_path / "x")))
+    same = dataclasses.replace(comp, config=cfg.replace(keep_last=5, output_dir=str(tmp_path / "x")))
     assert load_checkpoint(same, newest)[0] == state
     with pytest.raises(TypeError):
         save_checkpoint(comp, state, {"bad": object()})
+
+
+def test_checkpointer_saves_on_schedule_at_the_end_and_on_ctrl_c(tmp_path):
+    """The checkpointer both loops use: every save_every steps, when the loop ends, on Ctrl-C (bare, or wrapped in
+    the exception group of a trio nursery, which leaves as a KeyboardInterrupt); never on another error."""
+    out = tmp_path / "run"
+    comp = build_components(tiny_model_config(), w.config(str(out), compile=False).replace(keep_last=9))
+    assert load_latest(comp, out) == (TrainingState(), {})  # nothing to resume yet: a fresh start
+    state, position = TrainingState(), 0
+    ckpt = Checkpointer(comp, lambda: state, lambda: {"position": position}, save_every=2)
+    with ckpt:
+        for _ in range(3):
+            state, _ = w.train_steps(comp, state, range(state.step, state.step + 1))
+            position += 10
+            ckpt.maybe_save()
+    assert [p.name for p in list_checkpoints(out)] == ["step_00000002", "step_00000003"]
+    assert load_latest(comp, out) == (state, {"position": 30})
+    for interrupt in (KeyboardInterrupt(), BaseExceptionGroup("nursery", [KeyboardInterrupt(), ValueError()])):
+        with pytest.raises(KeyboardInterrupt), ckpt:
+            state = dataclasses.replace(state, step=state.step + 1)
+            raise interrupt
+        assert latest_checkpoint(out).name == f"step_{state.step:08d}"
+    with pytest.raises(ValueError), ckpt:
+        state = dataclasses.replace(state, step=state.step + 1)
+        raise ValueError("not an interrupt")
+    assert latest_checkpoint(out).name == f"step_{state.step - 1:08d}"

@@ -25,10 +25,11 @@ from trainer.backend.steps import (
     compute_logprobs,
     forward_backward,
     optim_step,
+    trainer_config_from,
     warmup_cosine,
 )
 from trainer.batching.micro_batches import IGNORE_INDEX, attach_logprobs, build_micro_batches
-from trainer.config import OptimConfig
+from trainer.config import BackendConfig, OptimConfig, RLTrainingConfig, SFTTrainingConfig
 from trainer.types import Sample, TrainingState
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,8 +69,8 @@ def _reference_logprobs(model, s: Sample) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.fixture(scope="module")
 def components():
     with use_backend("torch"):
-        cfg = TrainerConfig(loss="nll", compile=True, compile_backend="aot_eager", token_budget=96, bucket_size=32,
-                            optim=OptimConfig(lr=1e-3), seed=3)
+        sft = SFTTrainingConfig(token_budget=96, micro_batch_buckets=32, optim=OptimConfig(lr=1e-3), seed=3)
+        cfg = trainer_config_from(sft, compile=True, compile_backend="aot_eager")
         yield build_components(tiny_model_config(), cfg)
 
 
@@ -87,7 +88,6 @@ def test_nll_loss_and_logprobs_match_plain_reference(components):
         fut = forward_backward(components, mbs)
         loss = fut.result()["loss"]
         components.optimizer.zero_grad(set_to_none=True)
-        components.pending["tokens"] = 0
     assert abs(loss - ref_loss.item()) < 1e-5 * abs(ref_loss.item())
     for mb, lp in zip(mbs, logps):
         for k, i in enumerate(mb.sample_index):
@@ -105,7 +105,7 @@ def _plain_copy(components):
     """A plain (unsharded) HF model with the current weights of the sharded one."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    full = get_model_state_dict(components.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = get_model_state_dict(components.root, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     plain = load_hf_model(tiny_model_config(), dtype=torch.float32)
     plain.load_state_dict({k.removeprefix("lm."): v for k, v in full.items()})
     return plain
@@ -118,7 +118,7 @@ def test_policy_loss_and_grads_match_full_logit_reference(components):
     samples = _samples(5, n=7)
     adv = torch.randn(7, generator=torch.Generator().manual_seed(0)).tolist()
     pcfg = PolicyLossConfig(loss_agg="seq-mean-token-mean", kl_coef=0.1, clip_low=0.1, clip_high=0.15)
-    cfg = TrainerConfig(loss="policy", policy_loss=pcfg, token_budget=64, bucket_size=32)
+    cfg = trainer_config_from(RLTrainingConfig(loss=pcfg, token_budget=64, micro_batch_buckets=32))
     with use_backend("torch"):
         mbs = build_micro_batches(samples, token_budget=64, bucket_size=32, advantages=adv)
         logps = compute_logprobs(components, mbs)
@@ -130,9 +130,8 @@ def test_policy_loss_and_grads_match_full_logit_reference(components):
         plain = _plain_copy(components)
         fut = forward_backward(components, mbs, cfg)
         got = fut.result()
-        grads = {n.removeprefix("lm."): p.grad.full_tensor() for n, p in components.module.named_parameters()}
+        grads = {n.removeprefix("lm."): p.grad.full_tensor() for n, p in components.root.named_parameters()}
         components.optimizer.zero_grad(set_to_none=True)
-        components.pending["tokens"] = 0
     # Reference: each sequence on its own through the plain model, full-vocabulary logits, float64 loss.
     total = 0.0
     for mb in mbs:
@@ -142,9 +141,7 @@ def test_policy_loss_and_grads_match_full_logit_reference(components):
             lo, hi = int(mb.row.cu_seqlens[k]), int(mb.row.cu_seqlens[k + 1])
             rows.append((lo, hi, plain(input_ids=torch.tensor(samples[i].tokens)[None]).logits[0].double()))
         logits = torch.cat([r[2] for r in rows] + [logits[int(mb.row.cu_seqlens[-1]):]]) if rows else logits
-        loss, metrics = policy_loss_ref(logits, mb.labels, mb.advantages, mb.loss_mask, config=pcfg,
-                                        old_logprobs=mb.old_logprobs, ref_logprobs=mb.ref_logprobs,
-                                        cu_seqlens=mb.segments, num_tokens=mb.num_tokens, num_seqs=mb.num_seqs)
+        loss, metrics = policy_loss_ref(logits, mb.loss_inputs(), config=pcfg)
         total = total + loss
     total.backward()
     assert abs(got["loss"] - total.item()) < 1e-5 * max(1.0, abs(total.item())), (got["loss"], total.item())
@@ -187,8 +184,8 @@ def test_recompiles_bounded_by_buckets():
     counters.clear()
     budget, bucket = 128, 32
     with use_backend("torch"):
-        cfg = TrainerConfig(loss="nll", compile=True, compile_backend="aot_eager", token_budget=budget,
-                            bucket_size=bucket, optim=OptimConfig(lr=1e-3))
+        sft = SFTTrainingConfig(token_budget=budget, micro_batch_buckets=bucket, optim=OptimConfig(lr=1e-3))
+        cfg = trainer_config_from(sft, compile=True, compile_backend="aot_eager")
         comp = build_components(tiny_model_config(), cfg)
         state, shapes = TrainingState(), set()
         for step in range(10):
@@ -200,7 +197,7 @@ def test_recompiles_bounded_by_buckets():
             mbs = build_micro_batches(samples, token_budget=budget, bucket_size=bucket)
             shapes |= {mb.row.padded_len for mb in mbs}
             fut = forward_backward(comp, mbs)
-            _, state = optim_step(comp, state)
+            _, state = optim_step(comp, state, num_tokens=fut.num_tokens)
             assert math.isfinite(fut.result()["loss"])
     graphs = counters["stats"]["unique_graphs"]
     n_buckets = budget // bucket
@@ -235,16 +232,17 @@ def test_schedule_and_optim_state(components):
     assert all(a >= b for a, b in zip(lrs[2:], lrs[3:]))
     with use_backend("torch"):
         mbs = build_micro_batches(_samples(11), token_budget=96, bucket_size=32)
-        before = {n: p.full_tensor().clone() for n, p in components.module.named_parameters()}
+        before = {n: p.full_tensor().clone() for n, p in components.root.named_parameters()}
         fut = forward_backward(components, mbs)
-        ofut, state = optim_step(components, TrainingState(step=4, tokens_seen=10), TrainerConfig(
-            loss="nll", optim=OptimConfig(max_grad_norm=1e-3), token_budget=96, bucket_size=32))
+        ofut, state = optim_step(components, TrainingState(step=4, tokens_seen=10), trainer_config_from(
+            SFTTrainingConfig(optim=OptimConfig(max_grad_norm=1e-3), token_budget=96, micro_batch_buckets=32)),
+            num_tokens=fut.num_tokens)
     out = ofut.result()
     assert fut.done() and ofut.done()  # CPU: resolved at once
     assert state.step == 5 and state.weight_version == 1 and state.tokens_seen == 10 + mbs[0].num_tokens
     assert out["grad_norm"] > 1e-3  # clipped to 1e-3: the update is tiny but not zero
-    assert all(p.grad is None for p in components.module.parameters())
-    moved = max((p.full_tensor() - before[n]).abs().max().item() for n, p in components.module.named_parameters())
+    assert all(p.grad is None for p in components.root.parameters())
+    moved = max((p.full_tensor() - before[n]).abs().max().item() for n, p in components.root.named_parameters())
     assert 0 < moved < 0.01
 
 
@@ -268,7 +266,7 @@ def test_export_roundtrip_and_load_errors(components, tmp_path):
     plain = load_hf_model(path, dtype=torch.float32)
     ids = torch.randint(6, 90, (1, 17))
     with torch.no_grad():
-        ref = components.module(lambda lm: lm(input_ids=ids).logits)
+        ref = components.root(lambda lm: lm(input_ids=ids).logits)
         got = plain(input_ids=ids).logits
     assert torch.allclose(got, ref, atol=1e-5)
     empty = tmp_path / "noweights"
@@ -288,12 +286,12 @@ def test_export_roundtrip_and_load_errors(components, tmp_path):
 def test_bad_inputs():
     with pytest.raises(ValueError, match="lr"):
         OptimConfig(lr=0)
-    with pytest.raises(ValueError, match="optim"):
-        TrainerConfig(optim={"lr": 1e-3})
-    with pytest.raises(ValueError, match="loss"):
-        TrainerConfig(loss="mse")
+    with pytest.raises(ValueError, match="phase.*got OptimConfig"):
+        TrainerConfig(phase=OptimConfig(lr=1e-3))  # an optim config where the phase's belongs
+    with pytest.raises(ValueError, match="loss"):  # the phase decides the loss: SFT the NLL, RL the policy loss
+        TrainerConfig(phase="mse")
     with pytest.raises(ValueError, match="compile_backend"):
-        TrainerConfig(compile_backend="tvm")
+        TrainerConfig(backend=BackendConfig(compile_backend="tvm"))
     with pytest.raises(ValueError, match="token_budget"):
         build_micro_batches([Sample(prompt="", tokens=list(range(200)), response_length=5)], token_budget=128,
                             bucket_size=32)
@@ -303,10 +301,10 @@ def test_bad_inputs():
         tiny_model_config("gpt2")
 
 
-def _loop_pack_reference(samples, adv, old=None):
+def _loop_pack_reference(samples, adv):
     """The packed targets written as the per-token loop they are defined by (trainer/batching/micro_batches.py's
     docstring)."""
-    rows = {k: [] for k in ("ids", "pos", "labels", "mask", "adv", "old", "roll")}
+    rows = {k: [] for k in ("ids", "pos", "labels", "mask", "adv", "roll")}
     for i, s in enumerate(samples):
         L, P = len(s.tokens), s.prompt_length
         for j in range(L):
@@ -317,7 +315,6 @@ def _loop_pack_reference(samples, adv, old=None):
             rows["labels"].append(s.tokens[j + 1] if trained else IGNORE_INDEX)
             rows["mask"].append(float(s.effective_loss_mask[k]) if trained else 0.0)
             rows["adv"].append(adv[i])
-            rows["old"].append(old[i][k] if trained and old is not None else 0.0)
             rows["roll"].append(s.rollout_logprobs[k] if trained and s.rollout_logprobs else 0.0)
     return rows
 
@@ -333,16 +330,14 @@ def test_packed_micro_batch_equals_the_token_loop_definition(seed):
         roll = (-torch.rand(r, generator=g)).tolist() if i % 2 else None
         samples.append(Sample(prompt="", tokens=toks, response_length=r, loss_mask=mask, rollout_logprobs=roll))
     adv = torch.randn(9, generator=g).tolist()
-    old = [(-torch.rand(s.response_length, generator=g)).tolist() for s in samples]
-    (mb,) = build_micro_batches(samples, token_budget=512, bucket_size=32, advantages=adv, old_logprobs=old)
+    (mb,) = build_micro_batches(samples, token_budget=512, bucket_size=32, advantages=adv)
     order = list(mb.sample_index)
-    ref = _loop_pack_reference([samples[i] for i in order], [adv[i] for i in order], [old[i] for i in order])
+    ref = _loop_pack_reference([samples[i] for i in order], [adv[i] for i in order])
     T = len(ref["ids"])
     assert mb.row.padded_len % 32 == 0 and mb.row.num_tokens == T
     assert mb.row.input_ids[:T].tolist() == ref["ids"] and mb.row.position_ids[:T].tolist() == ref["pos"]
     assert mb.labels.tolist() == ref["labels"] + [IGNORE_INDEX] * (mb.row.padded_len - T)
-    for name, got in (("mask", mb.loss_mask), ("adv", mb.advantages), ("old", mb.old_logprobs),
-                      ("roll", mb.rollout_logprobs)):
+    for name, got in (("mask", mb.loss_mask), ("adv", mb.advantages), ("roll", mb.rollout_logprobs)):
         assert torch.equal(got[:T], torch.tensor(ref[name], dtype=torch.float32)), name
         assert not got[T:].any(), name  # the padding tail is zero
     assert mb.local_tokens == int(mb.loss_mask.sum())
@@ -416,8 +411,8 @@ def test_cross_stream_handoffs_are_ordered_with_events(monkeypatch):
 
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)  # no CUDA here; the copy is a no-op on CPU
     log: list = []
-    cfg = TrainerConfig(loss="policy", policy_loss=PolicyLossConfig(kl_coef=0.1), compile=False, token_budget=64,
-                        bucket_size=32)
+    cfg = trainer_config_from(RLTrainingConfig(loss=PolicyLossConfig(kl_coef=0.1), token_budget=64,
+                                               micro_batch_buckets=32), compile=False)
     policy = build_components(tiny_model_config(), cfg)
     ref = build_components(tiny_model_config(), cfg)
     policy = dataclasses.replace(policy, streams=_RecordingStreams("policy", log))
@@ -427,7 +422,8 @@ def test_cross_stream_handoffs_are_ordered_with_events(monkeypatch):
     ref_done = _waits_after(log, "default", "ref.compute")  # the ref's exit hands its outputs to the default stream
     mbs = attach_logprobs(mbs, ref_lp, "ref_logprobs")
     start = len(log)
-    forward_backward(policy, mbs).result()
+    fut = forward_backward(policy, mbs)
+    fut.result()
     # Entry: the policy's compute stream waits on the default stream, after the reference model's hand-off.
     enter = _waits_after(log, "policy.compute", "default", start)
     assert enter > ref_done
@@ -437,7 +433,7 @@ def test_cross_stream_handoffs_are_ordered_with_events(monkeypatch):
     kept = {e[2] for e in log[start:] if e[0] == "keep_alive" and e[1] == "policy.compute"}
     assert {t.data_ptr() for t in ref_lp} <= kept
     fb_exit = _waits_after(log, "default", "policy.compute", enter)
-    _, policy_state = optim_step(policy, TrainingState())
+    _, policy_state = optim_step(policy, TrainingState(), num_tokens=fut.num_tokens)
     # Exit of the optimizer step: the default stream (where a checkpoint or a weight sync is queued next) waits on
     # the compute stream, and this is the last hand-off.
     assert _waits_after(log, "default", "policy.compute", fb_exit + 1) == len(log) - 1
@@ -451,14 +447,13 @@ def test_mismatch_metrics_combine_over_micro_batches(components):
     g = torch.Generator().manual_seed(4)
     samples = [dataclasses.replace(s, rollout_logprobs=(-3 * torch.rand(s.response_length, generator=g)).tolist())
                for s in _samples(9, n=7)]
-    cfg = TrainerConfig(loss="policy", policy_loss=PolicyLossConfig(rollout_correction="tis"), token_budget=64,
-                        bucket_size=32)
+    cfg = trainer_config_from(RLTrainingConfig(loss=PolicyLossConfig(rollout_correction="tis"), token_budget=64,
+                                               micro_batch_buckets=32))
     mbs = build_micro_batches(samples, token_budget=64, bucket_size=32, advantages=[0.3] * 7)
     assert len(mbs) >= 3
     logps = compute_logprobs(components, mbs)  # the current policy, the loss's trainer side (no old log-probs)
     got = forward_backward(components, mbs, cfg).result()
     components.optimizer.zero_grad(set_to_none=True)
-    components.pending["tokens"] = 0
     diffs = [((mb.rollout_logprobs - lp).abs() * mb.loss_mask).double() for mb, lp in zip(mbs, logps)]
     per_batch_max = [d.max().item() for d in diffs]
     assert len(set(per_batch_max)) > 1  # the micro-batches disagree, so sum and max would differ

@@ -76,6 +76,7 @@ def test_sft_lowers_loss(tmp_path):
     with use_backend("torch"), pytest.warns(UserWarning, match="truncated"):
         # max_length 64 cuts the longest conversations: the warning counts them
         comp, state, hist = run_sft_training(tiny_model_config(), chats + [chats[0] * 6], cfg,
+                                             tokenizer=build_tokenizer(),
                                              trainer_config=trainer_config_from(cfg, compile_backend="aot_eager"))
     print("sft loss", hist[0]["loss"], [round(h["loss"], 3) for h in hist[-5:]])
     first, last = hist[0]["loss"], sum(h["loss"] for h in hist[-5:]) / 5

@@ -118,3 +118,100 @@ def test_dr_grpo_normaliser_is_the_generation_limit():
     assert RLTrainingConfig().loss.max_seq_len is None
     given = PolicyLossConfig(kl_coef=0.3)
     assert RLTrainingConfig(loss=given, async_rollout=True).loss is given  # an object is taken as given
+
+
+def test_every_config_field_has_a_default_and_a_help_comment():
+    """One place for a generated reference: each field of the run tree has its default and a comment beside it."""
+    import inspect
+
+    from trainer import config as config_module
+    from trainer.config import RunConfig
+
+    def walk(cls, seen):
+        if cls in seen:
+            return
+        seen.add(cls)
+        for f in dataclasses.fields(cls):
+            assert f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING, (cls, f.name)
+            sub = config_module._hints(cls)[f.name]
+            if isinstance(sub, type) and dataclasses.is_dataclass(sub):
+                walk(sub, seen)
+
+    seen: set = set()
+    walk(RunConfig, seen)
+    assert {c.__name__ for c in seen} >= {"RunConfig", "ModelConfig", "DataConfig", "EnginesConfig", "BackendConfig",
+                                          "EvalConfig", "SFTTrainingConfig", "RLTrainingConfig", "OptimConfig",
+                                          "RolloutConfig"}
+    for cls in seen:
+        for klass in cls.__mro__:
+            if not dataclasses.is_dataclass(klass) or klass is object:
+                continue
+            lines = inspect.getsource(klass).splitlines()
+            for name in klass.__annotations__:
+                i = next(i for i, line in enumerate(lines) if line.strip().startswith(f"{name}:"))
+                # the help: a comment on the field's line, or the comment lines just above it
+                assert "#" in lines[i] or lines[i - 1].strip().startswith("#"), (klass, name)
+
+
+def test_moved_and_unknown_keys_come_from_one_table():
+    from trainer.config import MOVED, ConfigError, RunConfig
+
+    assert MOVED["rl.clip_low"] == "[rl.loss] clip_low" and MOVED["sft.lr"] == "[sft.optim] lr"
+    assert MOVED["trainer.temperature"].startswith("[rl.rollout] temperature")
+    for table, message in [({"rl": {"kl_coef": 0.1}}, r"rl\.kl_coef moved to \[rl\.loss\] kl_coef"),
+                           ({"trainer": {"policy_loss": {}}}, r"trainer\.policy_loss moved to \[rl\.loss\]"),
+                           ({"trainer": {"token_budget": 64}}, r"unknown config key\(s\) \['token_budget'\] in "
+                                                               r"\[trainer\]"),
+                           ({"eval": {"limits": 1}}, r"\['limits'\] in \[eval\]"),
+                           ({"model": {"preset": "big"}}, r"\[model\] preset: 'big'"),
+                           ({"rl": {"rollout": {"temperature": 0}}}, r"\[rl\.rollout\] temperature")]:
+        with pytest.raises(ConfigError, match=message):
+            config_from_dict(RunConfig, table, "")
+
+
+def test_run_config_derives_the_phase_outputs_and_the_chat_template():
+    from trainer.config import RunConfig
+
+    run = config_from_dict(RunConfig, {"name": "x", "data": {"format": "plain"}, "rl": {"rollout": {"seed": 3}}}, "")
+    assert run.output_dir == "runs/x" and run.sft.output_dir == "runs/x/sft" and run.rl.output_dir == "runs/x/rl"
+    assert run.rl.rollout.apply_chat_template is False and run.rl.rollout.seed == 3
+    assert dataclasses.replace(run.engines, threads=2).fleet == run.engines.fleet  # one form after parsing
+    with pytest.raises(ValueError, match="rl: expected a RLTrainingConfig"):
+        RunConfig(rl={"num_steps": 3})
+
+
+def test_trainer_config_reads_its_phase_and_backend_by_reference():
+    from trainer.backend.steps import TrainerConfig, trainer_config_from
+    from trainer.config import BackendConfig
+
+    rl = RLTrainingConfig(loss={"kl_coef": 0.1}, rollout=RolloutConfig(temperature=0.7), token_budget=512,
+                          micro_batch_buckets=64, seed=3)
+    backend = BackendConfig(compile=False, logprob_chunk_tokens=128)
+    t = TrainerConfig(phase=rl, backend=backend)
+    assert t.policy_loss is rl.loss and t.optim is rl.optim and t.temperature == 0.7 and t.loss == "policy"
+    assert t.micro_batch_buckets == 64 and t.token_budget == 512 and t.seed == 3 and t.parallel() is backend
+    assert t.logprob_chunk_tokens == 128 and not t.backend.compile
+    sft = trainer_config_from(SFTTrainingConfig(), compile_backend="aot_eager")
+    assert sft.loss == "nll" and sft.temperature == 1.0 and sft.backend.compile_backend == "aot_eager"
+    changed = t.replace(compile=True, keep_last=7)  # each change where its field lives
+    assert changed.backend.compile and changed.phase.keep_last == 7 and changed.policy_loss is rl.loss
+    assert not t.backend.compile and t.phase.keep_last == 2
+    with pytest.raises(ValueError, match="neither the phase"):
+        t.replace(bucket_size=32)
+    with pytest.raises(ValueError, match="phase"):
+        TrainerConfig(phase=OptimConfig())
+    with pytest.raises(ValueError, match="backend"):
+        TrainerConfig(backend={"compile": False})
+    with pytest.raises(ValueError, match="token_budget"):
+        TrainerConfig(phase=SFTTrainingConfig(token_budget=64, micro_batch_buckets=128))
+
+
+def test_fingerprints_of_earlier_checkpoints_still_match():
+    """The values the flat TrainerConfig (before the run-config tree) gave: their checkpoints still resume."""
+    from trainer.backend.steps import trainer_config_from
+
+    assert trainer_config_from(SFTTrainingConfig()).fingerprint() == "8b4bef38c4e1001b"
+    assert trainer_config_from(RLTrainingConfig()).fingerprint() == "80610971ff7be47c"
+    rl = RLTrainingConfig(loss={"kl_coef": 0.1}, rollout=RolloutConfig(temperature=0.7), seed=3, token_budget=512,
+                          micro_batch_buckets=64, optim=OptimConfig(lr=3e-4, betas=(0.9, 0.98)))
+    assert trainer_config_from(rl, logprob_chunk_tokens=128, compile=False).fingerprint() == "b2c2d178c9d12387"

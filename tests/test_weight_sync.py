@@ -51,12 +51,23 @@ def test_dtype_names():
 
 
 class InProcessEngine:
-    """The receive side without HTTP: what the embedded server does, on a trio worker thread."""
+    """The receive side without HTTP: what the embedded server does, on a trio worker thread. It declares the
+    weight-sync capability (engines.protocol.WeightSyncEndpoint) the sender calls: one rank, both formats, no
+    same-device path."""
 
     def __init__(self, model):
         self.url, self.model = "inproc", model
         self.receiver = WeightReceiver(model, torch.device("cpu"))
         self.version = 0
+
+    async def world_size(self):
+        return 1
+
+    async def weight_formats(self):
+        return ("direct", "flattened_bucket")
+
+    async def colocation_info(self):
+        return {}
 
     async def init_weights_update_group(self, **kw):
         await trio.to_thread.run_sync(lambda: self.receiver.init_group(**kw))
@@ -109,8 +120,7 @@ def test_sync_without_group_is_a_clear_error():
 class ProbedEngine(InProcessEngine):
     """An engine elsewhere (another host) that reports its dtype: the sender broadcasts in that dtype."""
 
-    async def colocated_weights(self, body):
-        assert body == {"op": "probe"}
+    async def colocation_info(self):
         return {"success": True, "host": "another-host", "device": "cpu",
                 "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch.")}
 
@@ -175,3 +185,20 @@ def test_plan_buckets_splits_a_large_parameter_by_rows_and_the_receiver_loads_ea
     bad = WeightMeta(meta.names[:1], meta.dtypes[:1], ((2, p.shape[1]),), (0,), (0,), (10**6,), (p.shape[0] - 1,))
     with pytest.raises(ValueError, match="rows"):
         rec._targets(bad)  # past the last row
+
+
+def test_both_senders_share_the_weight_sync_protocol(tmp_path):
+    """The group sender and the disk fallback are interchangeable behind trainer.weight_sync.WeightSync."""
+    import math
+
+    from trainer.weight_sync import DiskWeightSync, WeightSync
+
+    model = build_tiny_model(seed=1)
+    group = WeightSyncSender(model, [InProcessEngine(build_tiny_model(seed=1))], weight_version=4)
+    disk = DiskWeightSync(model, [], folder=str(tmp_path), weight_version=4)
+    for sender in (group, disk):
+        assert isinstance(sender, WeightSync) and sender.weight_version == 4 and math.isnan(sender.last_sync_s)
+    disk.init_group()
+    assert disk.sync() == 5 and disk.weight_version == 5 and disk.last_sync_s >= 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v5"]
+    disk.close()

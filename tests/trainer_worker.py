@@ -20,12 +20,12 @@ BUDGET, BUCKET = 128, 32
 
 
 def config(output_dir: str = "runs/test", compile: bool = True):
-    from trainer.backend.steps import TrainerConfig
-    from trainer.config import OptimConfig
+    from trainer.backend.steps import trainer_config_from
+    from trainer.config import OptimConfig, SFTTrainingConfig
 
-    return TrainerConfig(loss="nll", optim=OptimConfig(lr=3e-3, warmup_steps=1, max_grad_norm=1.0), num_steps=6,
-                         compile=compile, compile_backend="aot_eager", token_budget=BUDGET, bucket_size=BUCKET,
-                         output_dir=output_dir, seed=0)
+    sft = SFTTrainingConfig(optim=OptimConfig(lr=3e-3, warmup_steps=1, max_grad_norm=1.0), num_steps=6,
+                            token_budget=BUDGET, micro_batch_buckets=BUCKET, output_dir=output_dir, seed=0)
+    return trainer_config_from(sft, compile=compile, compile_backend="aot_eager")
 
 
 def step_samples(step: int, n: int = 6) -> list[Sample]:
@@ -50,7 +50,7 @@ def train_steps(comp, state: TrainingState, steps: range) -> tuple[TrainingState
         mbs = build_micro_batches(step_samples(step), token_budget=BUDGET, bucket_size=BUCKET,
                                   num_ranks=comp.world_size, rank=comp.rank)
         fut = forward_backward(comp, mbs)
-        ofut, state = optim_step(comp, state)
+        ofut, state = optim_step(comp, state, num_tokens=fut.num_tokens)
         losses.append(fut.result()["loss"])
         ofut.result()
     return state, losses
@@ -59,7 +59,7 @@ def train_steps(comp, state: TrainingState, steps: range) -> tuple[TrainingState
 def full_params(comp) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(comp.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return get_model_state_dict(comp.root, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def _fsdp_rank(rank: int, world: int, port: int, out: str) -> None:

@@ -1,18 +1,40 @@
-"""The run's configuration: frozen dataclasses, validated in `__post_init__`, every message naming the bad field.
+"""The run's configuration: one tree of frozen dataclasses for the whole run file, parsed and validated here.
 
-Change one with `dataclasses.replace`; build one from a TOML table with `config_from_dict`.
+    RunConfig                  name, output_dir, seed (the top level of configs/*.toml)
+      model:   ModelConfig     [model]     a Hugging Face folder or the tiny preset
+      data:    DataConfig      [data]      prompt sets, field names, reward, format
+      engines: EnginesConfig   [engines]   the fleet (engines.registry.EngineSpec entries) and the weight sync
+      sft:     SFTTrainingConfig [sft] + [sft.optim] (OptimConfig)
+      rl:      RLTrainingConfig  [rl] + [rl.optim], [rl.loss] (kernels.PolicyLossConfig), [rl.rollout] (RolloutConfig)
+      trainer: BackendConfig   [trainer]   backend settings (compile, param_dtype, ...)
+      eval:    EvalConfig      [eval]
+
+Every field has its default and a one-line help comment where it is declared (a reference can be generated from
+this file). `config_from_dict(cls, table)` builds any node from a TOML table, walking `dataclasses.fields`: the
+known keys are the fields (no key list beside a dataclass), nested dataclasses come from sub-tables, lists become
+tuples. Keys that moved are reported from one table, `MOVED` (by dotted path); `INHERITED` fields (the seed) flow
+from a table into its nested tables unless they set their own. The step functions' config
+(trainer.backend.steps.TrainerConfig) holds a phase config and the BackendConfig by reference: nothing is copied.
+Validation is in each `__post_init__`; every message names the bad field and how to fix it. Change a config with
+`dataclasses.replace`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import types
+import typing
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
+from engines.registry import EngineSpec
 from kernels import PolicyLossConfig
+from kernels.advantages import ADVANTAGE_ESTIMATORS
+from trainer.backend.parallel import ParallelConfig
 from trainer.types import _check, _non_negative, _positive
 
-ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce")
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
@@ -21,17 +43,17 @@ class RolloutConfig:
     rollout_batch_size: int = 8  # prompts per step
     n_samples_per_prompt: int = 4  # group size (GRPO)
     over_sampling_factor: float = 1.0  # submit this many times the prompts needed, stop once the batch is full
-    max_new_tokens: int = 32
-    temperature: float = 1.0
-    top_p: float = 1.0
+    max_new_tokens: int = 32  # generation limit per sample (per turn in multi-turn episodes)
+    temperature: float = 1.0  # the run's one temperature: the engines sample at it, the trainer's log-probs use it
+    top_p: float = 1.0  # nucleus sampling (1.0 = off)
     top_k: int = -1  # -1 = off (SGLang's convention)
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # extra stop tokens (EOS and the template's end of turn always stop)
     max_concurrency: int = 64  # in-flight HTTP requests over all engines
-    request_timeout_s: float = 120.0
-    max_retries: int = 3
+    request_timeout_s: float = 120.0  # one generate request's limit
+    max_retries: int = 3  # retries of a failed request (engine errors that are not the request's fault)
     dynamic_filters: tuple[str, ...] = ()  # names of trainer.rollout.samples filters, e.g. "check_reward_nonzero_std"
     max_staleness: int = 1  # async mode: a sample may lag the trainer by this many weight versions
-    seed: int = 0
+    seed: int = 0  # per-request sampling seeds derive from it (from a run file: [rl] seed, else the run's)
     apply_chat_template: bool = False  # wrap each prompt as a user turn with the tokenizer's chat template
     connect_timeout_s: float = 5.0  # an engine that does not accept a connection within this is "not answering"
     retry_backoff_s: float = 0.2  # wait before retry k is retry_backoff_s * 2**k
@@ -55,12 +77,12 @@ class RolloutConfig:
 class OptimConfig:
     """AdamW with linear warmup then cosine decay: the one optimiser config of SFT and RL ([sft.optim], [rl.optim])."""
 
-    lr: float = 1e-4
+    lr: float = 1e-4  # peak learning rate (after warmup)
     min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio (1.0 = constant after warmup)
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
+    warmup_steps: int = 0  # linear warmup from 0 to lr over these steps
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay
+    betas: tuple[float, float] = (0.9, 0.95)  # AdamW's moment decay rates
+    eps: float = 1e-8  # AdamW's denominator term
     max_grad_norm: float = 1.0  # 0 = no clipping (the norm is still reported)
 
     def __post_init__(self) -> None:
@@ -82,14 +104,14 @@ def _optim(value: Any) -> OptimConfig:
 class _PhaseConfig:
     """What SFT and RL both need besides the optimiser: length, packing, checkpoints, seed, outputs."""
 
-    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)  # the [<phase>.optim] table
     num_steps: int = 10  # also the length of the LR schedule
     token_budget: int = 4096  # tokens per packed micro-batch
     micro_batch_buckets: int = 256  # packed rows are padded to a multiple of this (compile-stable shapes)
     save_every: int = 0  # 0 = only at the end
-    keep_last: int = 2
-    seed: int = 0
-    output_dir: str = "runs/default"
+    keep_last: int = 2  # checkpoints kept (older ones are deleted)
+    seed: int = 0  # the trainer's seed (from a run file: the run's seed unless set here)
+    output_dir: str = "runs/default"  # checkpoints and metrics (from a run file: <run output_dir>/<phase>)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "optim", _optim(self.optim))
@@ -104,7 +126,7 @@ class SFTTrainingConfig(_PhaseConfig):
     """Supervised fine-tuning on chat conversations (assistant-only loss)."""
 
     batch_size: int = 16  # conversations per step
-    max_length: int = 512
+    max_length: int = 512  # tokens per conversation (longer ones are cut)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -129,7 +151,7 @@ def resolve_loss(loss: Any, rollout: RolloutConfig, *, off_policy: bool) -> Any:
     values.setdefault("rollout_correction", "tis" if off_policy else "none")
     if values.get("loss_agg") == "seq-mean-token-sum-norm":
         values.setdefault("max_seq_len", rollout.max_new_tokens)
-    return config_from_dict(PolicyLossConfig, values, "loss")
+    return config_from_dict(PolicyLossConfig, values, "rl.loss")
 
 @dataclasses.dataclass(frozen=True)
 class RLTrainingConfig(_PhaseConfig):
@@ -141,16 +163,16 @@ class RLTrainingConfig(_PhaseConfig):
     sample with it and the trainer computes its log-probs with it.
     """
 
-    advantage_estimator: str = "grpo"
+    advantage_estimator: str = "grpo"  # a name registered in kernels.advantages
     loss: Any = None  # kernels.PolicyLossConfig (a dict of its keys is resolved in __post_init__)
     ppo_epochs: int = 1  # optimizer steps per rollout batch (>1 makes old != current policy)
     sync_every: int = 1  # weight sync to engines every N steps (>1: the engines lag the trainer)
     async_rollout: bool = False  # generate step n+1 while step n trains
-    verify_sync: bool = False
+    verify_sync: bool = False  # after each sync, compare the engines' weights with the trainer's (a metric)
     # Reproducible from the seeds whatever the arrival order of requests: each engine runs one request (one
     # group) at a time, so its batch composition is fixed; costs the batching across groups (see the README).
     deterministic: bool = False
-    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)  # the [rl.rollout] table
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -163,7 +185,7 @@ class RLTrainingConfig(_PhaseConfig):
                f"needs rollout.over_sampling_factor = 1.0 (got {self.rollout.over_sampling_factor}): groups cut "
                f"when the batch fills depend on timing; set it to 1.0 or deterministic = false")
         _check(self.advantage_estimator in ADVANTAGE_ESTIMATORS, "advantage_estimator",
-               f"unknown {self.advantage_estimator!r}; choose one of {ADVANTAGE_ESTIMATORS}")
+               f"unknown {self.advantage_estimator!r}; choose one of {tuple(ADVANTAGE_ESTIMATORS)}")
         _positive(self, "ppo_epochs", "sync_every")
         object.__setattr__(self, "loss", resolve_loss(self.loss, self.rollout, off_policy=self.off_policy))
 
@@ -172,42 +194,298 @@ class RLTrainingConfig(_PhaseConfig):
         """The engines may sample with weights older than the ones being trained."""
         return self.async_rollout or self.sync_every > 1
 
-_OPTIM_KEYS = ("lr", "min_lr_ratio", "warmup_steps", "weight_decay", "betas", "eps", "max_grad_norm")
 
-_LOSS_KEYS = ("loss_agg", "clip_low", "clip_high", "clip_ratio_c", "kl_coef", "kl_type", "entropy_coef", "tis_cap",
-              "log_entropy", "rollout_correction", "objective", "max_seq_len")
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """[model]: the model both the trainer and the engines load: a Hugging Face folder, or the tiny preset."""
 
-# Keys that used to sit at the top of a config and now live in one of its tables: key -> table.
-_MOVED: dict[str, dict[str, str]] = {
-    "SFTTrainingConfig": dict.fromkeys(_OPTIM_KEYS, "optim"),
-    "RLTrainingConfig": {**dict.fromkeys(_OPTIM_KEYS, "optim"), **dict.fromkeys(_LOSS_KEYS, "loss")},
-}
+    preset: str = "tiny"  # the only preset: a random-initialised small model with the project's tokenizer
+    path: str | None = None  # a Hugging Face model folder (config.json, weights, tokenizer); replaces the preset
+    checkpoint: str | None = None  # start from this checkpoint (a step folder or a phase's output_dir) of the model
+    arch: str = "llama"  # preset architecture: "llama" or "qwen2"
+    hidden_size: int | None = None  # preset sizes; None: engines.tiny.tiny_model_config's default
+    num_layers: int | None = None  # preset decoder blocks (None: the preset's default)
+    num_heads: int | None = None  # preset attention heads (None: the preset's default)
+    num_kv_heads: int | None = None  # preset key/value heads (None: the preset's default)
+    intermediate_size: int | None = None  # preset MLP width (None: 4 x hidden_size)
+    max_position_embeddings: int | None = None  # preset context length (None: the preset's default)
+    tie_word_embeddings: bool | None = None  # preset: lm_head shares the embedding (None: the preset's default)
 
-def config_from_dict(cls: type, values: Mapping[str, Any], where: str | None = None) -> Any:
-    """Build a (possibly nested) config dataclass from a dict (a TOML table), naming any key that does not exist.
+    def __post_init__(self) -> None:
+        _check(self.preset == "tiny", "preset", f"{self.preset!r}: the only preset is 'tiny'; or set [model].path")
+        _check(self.arch in ("llama", "qwen2"), "arch", f"{self.arch!r}: the tiny preset exists for 'llama' and "
+                                                        f"'qwen2'")
 
-    `where` is the table's name in messages (e.g. "rl"); a key that moved into a nested table says where it went.
-    Nested dataclass fields (optim, rollout) are built from their sub-tables; `loss` stays a dict that
-    RLTrainingConfig resolves (some of its keys are derived from the rest of the config).
+    def preset_sizes(self) -> dict[str, Any]:
+        """The preset's size arguments the config sets (engines.embedded.presets.build_tiny_model keywords)."""
+        not_sizes = ("preset", "path", "checkpoint", "arch")
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in not_sizes and getattr(self, f.name) is not None}
+
+
+FORMATS = ("chat", "plain")
+# The data set fields a [data] table may set for every set that does not set its own (trainer.rollout.data.DataSpec).
+_MAPPING_KEYS = ("prompt_key", "answer_key", "messages_key", "system_prompt", "split")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """[data]: the prompt sets, their field names, the reward function and the prompt format.
+
+    train / eval / sft: a data file (JSON, JSONL, parquet), a save_to_disk folder, or a list of {path, weight, ...}
+    tables (a weighted mixture; trainer.rollout.data.DataSpec); the field-name keys below apply to every set that
+    does not set its own.
     """
-    where = where or cls.__name__
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    nested = {"optim": OptimConfig, "rollout": RolloutConfig}
-    kwargs: dict[str, Any] = {}
-    for key, value in values.items():
-        moved = _MOVED.get(cls.__name__, {}).get(key)
-        if moved is not None:
-            raise ValueError(f"{where}.{key} moved to [{where}.{moved}] {key}")
-        if key not in fields:
-            raise ValueError(f"unknown config key {key!r} in [{where}]; known keys: {sorted(fields)}")
-        if key in nested and isinstance(value, Mapping):
-            value = config_from_dict(nested[key], value, f"{where}.{key}")
-        elif isinstance(value, list) and "tuple" in str(fields[key].type):
-            value = tuple(value)
-        kwargs[key] = value
+
+    train: Any = None  # the RL prompts (and SFT's when `sft` is unset); required by every mode but export
+    eval: Any = None  # held-out prompts: greedy accuracy before / between / after the phases (None: no evaluation)
+    sft: Any = None  # the SFT examples (prompt + answer, or full conversations); None: `train`
+    reward: str | None = None  # "module:function" or a built-in name ("arithmetic", "gsm8k", ...); rl and eval need one
+    format: str = "chat"  # "chat": prompts are user turns of the chat template; "plain": the prompt text itself
+    prompt_key: str = "prompt"  # the prompt's field in the data set
+    answer_key: str | None = None  # the answer's field (None: "answer" when the set has one)
+    messages_key: str | None = None  # SFT conversations' field (the prompt field is then optional)
+    system_prompt: str | None = None  # a system turn before every prompt (chat format)
+    split: str | None = None  # the split of a DatasetDict.save_to_disk folder (None: "train")
+
+    def __post_init__(self) -> None:
+        _check(self.format in FORMATS, "format", f"{self.format!r}; choose one of {FORMATS}")
+        _check(self.reward is None or (isinstance(self.reward, str) and bool(self.reward)), "reward",
+               f"{self.reward!r}: give a \"module:function\" path or a registered reward name")
+
+    def mapping(self) -> dict[str, Any]:
+        """The field-name keys as the defaults of every set (trainer.rollout.data.data_specs)."""
+        return {k: getattr(self, k) for k in _MAPPING_KEYS}
+
+
+SYNC_MODES = ("group", "disk")
+
+
+@dataclasses.dataclass(frozen=True)
+class EnginesConfig:
+    """[engines]: the fleet of inference engines and how the trainer's weights reach them.
+
+    `fleet` is the one form the run reads: a list of engines.registry.EngineSpec tables {kind, url, tp_size, model}
+    (kind "sglang", "vllm", "embedded": without url, started by the run; "local": in this process); `kind`
+    defaults to "sglang". The older forms are folded into it when the config is built, then cleared (so
+    `dataclasses.replace` sees one form): `urls` (SGLang-protocol servers), `in_process = true` (one "local"
+    engine), `embedded = N` (N engine processes started by the run; 1 when nothing else is given).
+    """
+
+    fleet: tuple[Any, ...] | None = None  # EngineSpec entries (tables or objects); None: from the older forms below
+    urls: tuple[str, ...] = ()  # older form: SGLang-protocol servers at these http(s):// URLs
+    embedded: int | None = None  # older form: embedded engine processes the run starts (None: 1 if nothing else)
+    in_process: bool = False  # one embedded engine inside the trainer's process, no HTTP (single process only)
+    api_key: str | None = None  # sent to every engine ("" = None)
+    threads: int = 1  # CPU threads of each embedded engine process the run starts
+    start_timeout_s: float = 180.0  # wait this long for a started engine to answer /health
+    sync: str = "group"  # weight sync: "group" (broadcast / shared memory) or "disk" (safetensors, opt-in fallback)
+    sync_folder: str | None = None  # disk sync: where the folders go (None: a temporary folder)
+    master_address: str = ""  # the weight-update group's address ("": this host's address the engines reach)
+    master_port: int = 0  # the weight-update group's TCP port (0: pick a free one)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "api_key", self.api_key or None)
+        _check(isinstance(self.in_process, bool), f"in_process = {self.in_process!r}",
+               "true (one engine inside the trainer's process, no HTTP) or false")
+        urls, emb = self.urls, self.embedded
+        _check(isinstance(urls, tuple | list) and all(isinstance(u, str) and u.startswith(("http://", "https://"))
+                                                      for u in urls), f"urls = {urls!r}",
+               "give a list of http(s):// URLs (or [] to start embedded ones); engines with a kind or tp_size go in "
+               "[engines].fleet = [{url, kind, tp_size}, ...]")
+        _check(emb is None or (isinstance(emb, int) and not isinstance(emb, bool) and emb >= 1),
+               f"embedded = {emb!r}", "must be a number >= 1 (the engine processes the run starts)")
+        if self.in_process:
+            given = [k for k, v in (("fleet", self.fleet), ("urls", urls)) if v] + (
+                ["embedded"] if emb not in (None, 1) else [])
+            _check(not given, f"in_process = true and [engines].{given[0] if given else ''} both given",
+                   "the in-process engine is the run's only engine (it replaces the embedded engine process); drop "
+                   "one of them")
+        if self.fleet is not None:
+            for old, value in (("urls", urls), ("embedded", emb)):
+                _check(value in (None, (), []), f"{old} and [engines].fleet both given",
+                       "list every engine in fleet (a URL as {url = \"...\", kind = \"sglang\"}, a started one as "
+                       "{kind = \"embedded\"})")
+            _check(isinstance(self.fleet, tuple | list) and all(isinstance(t, Mapping | EngineSpec)
+                                                                for t in self.fleet), f"fleet = {self.fleet!r}",
+                   "give a list of tables, e.g. fleet = [{url = \"http://host:30000\", kind = \"sglang\", "
+                   "tp_size = 2}, {kind = \"embedded\"}]")
+            fleet = tuple(t if isinstance(t, EngineSpec) else
+                          config_from_dict(EngineSpec, {"kind": "sglang", **t}, f"engines.fleet[{i}]")
+                          for i, t in enumerate(self.fleet))
+        elif urls:
+            fleet = tuple(EngineSpec("sglang", url=u) for u in urls)
+        elif self.in_process:
+            fleet = (EngineSpec("local"),)
+        else:
+            fleet = tuple(EngineSpec("embedded") for _ in range(emb or 1))
+        # One form from here on: a dataclasses.replace of this config must not see the older forms again.
+        for name, value in (("fleet", fleet), ("urls", ()), ("embedded", None), ("in_process", False)):
+            object.__setattr__(self, name, value)
+        _check(self.sync in SYNC_MODES, f"sync = {self.sync!r}",
+               "choose 'group' (broadcast / shared memory) or 'disk'")
+        port = self.master_port
+        _check(not isinstance(port, bool) and isinstance(port, int) and 0 <= port < 65536, f"master_port = {port!r}",
+               "a TCP port (0 = pick a free one)")
+        _check(isinstance(self.master_address, str), "master_address",
+               "a host name or IP address (string) the engines can reach")
+        for name in ("threads", "start_timeout_s"):
+            v = getattr(self, name)
+            _check(not isinstance(v, bool) and isinstance(v, int | float) and v > 0, f"{name} = {v!r}", "must be > 0")
+
+    @property
+    def started_here(self) -> int:
+        """Embedded engine processes the run starts (fleet entries of kind "embedded" without a url)."""
+        return sum(s.kind == "embedded" and s.url is None for s in self.fleet)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendConfig(ParallelConfig):
+    """[trainer]: the training backend's settings; the parallelisation ones (compile, compile_backend,
+    compile_dynamic, activation_checkpointing, param_dtype, liger) are trainer.backend.parallel.ParallelConfig's
+    own fields, so this object is what `parallelize` takes."""
+
+    logprob_chunk_tokens: int | None = None  # tokens per lm_head chunk of the fused log-prob kernels (None: auto)
+    # RL: each prompt's tokens run through the model once per micro-batch, not once per sample (the same loss;
+    # trainer.batching.shared_prompt), where the model's attention supports it
+    # (trainer.backend.attention.supports_shared_prompts).
+    share_prompts: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(self.logprob_chunk_tokens is None or self.logprob_chunk_tokens > 0, "logprob_chunk_tokens",
+               f"must be > 0 or unset, got {self.logprob_chunk_tokens!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """[eval]: greedy held-out accuracy on [data].eval (one temperature-0 sample per prompt)."""
+
+    max_new_tokens: int | None = None  # None: [rl.rollout] max_new_tokens (16 in an SFT-only run)
+    limit: int = 0  # evaluate the first `limit` prompts (0: all of them)
+
+    def __post_init__(self) -> None:
+        _check(self.max_new_tokens is None or self.max_new_tokens > 0, "max_new_tokens",
+               f"must be > 0 or unset, got {self.max_new_tokens!r}")
+        _non_negative(self, "limit")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """A whole run file (configs/*.toml): one table per section, each a config above.
+
+    Derived here, not copied: each phase writes under <output_dir>/<phase> (its own output_dir is replaced), and
+    the rollouts use the chat template exactly when [data].format = "chat". The run's seed reaches the SFT and RL
+    trainers and the rollout sampling through config_from_dict (a section that sets its own `seed` keeps it, and
+    passes it down), and the data order and the preset's initial weights directly.
+    """
+
+    name: str = "run"  # the run's name (the CLI's default: the config file's stem)
+    output_dir: str = ""  # everything the run writes ("": runs/<name>)
+    seed: int = 0  # the run's seed: trainers, rollout sampling, data order, engines, the preset's weights
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)  # [model]
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)  # [data]
+    engines: EnginesConfig = dataclasses.field(default_factory=EnginesConfig)  # [engines]
+    sft: SFTTrainingConfig = dataclasses.field(default_factory=SFTTrainingConfig)  # [sft], [sft.optim]
+    rl: RLTrainingConfig = dataclasses.field(default_factory=RLTrainingConfig)  # [rl], [rl.optim/loss/rollout]
+    trainer: BackendConfig = dataclasses.field(default_factory=BackendConfig)  # [trainer]
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)  # [eval]
+
+    def __post_init__(self) -> None:
+        hints = _hints(RunConfig)
+        for f in dataclasses.fields(self):
+            section = hints[f.name]
+            if dataclasses.is_dataclass(section) and not isinstance(getattr(self, f.name), section):
+                raise ValueError(f"{f.name}: expected a {section.__name__}, got {type(getattr(self, f.name)).__name__}"
+                                 f" (build a run config from its tables with config_from_dict(RunConfig, table))")
+        _check(isinstance(self.seed, int) and not isinstance(self.seed, bool), "seed", f"an int, got {self.seed!r}")
+        if not self.output_dir:
+            object.__setattr__(self, "output_dir", f"runs/{self.name}")
+        out = Path(self.output_dir)
+        object.__setattr__(self, "sft", dataclasses.replace(self.sft, output_dir=str(out / "sft")))
+        rollout = dataclasses.replace(self.rl.rollout, apply_chat_template=self.data.format == "chat")
+        object.__setattr__(self, "rl", dataclasses.replace(self.rl, output_dir=str(out / "rl"), rollout=rollout))
+
+
+# ----------------------------------------------------------------------------------------------- from tables
+# Keys that moved: the dotted path where a config used to take it -> where it goes now (the message names both).
+MOVED: dict[str, str] = {
+    **{f"{phase}.{f.name}": f"[{phase}.optim] {f.name}" for phase in ("sft", "rl")
+       for f in dataclasses.fields(OptimConfig)},
+    **{f"rl.{f.name}": f"[rl.loss] {f.name}" for f in dataclasses.fields(PolicyLossConfig)},
+    "trainer.temperature": "[rl.rollout] temperature (the trainer's log-probs use the rollout's)",
+    "trainer.policy_loss": "[rl.loss]",
+    "trainer.lr": "[sft.optim] / [rl.optim] lr",
+    "trainer.eps": "[sft.optim] / [rl.optim] eps",
+}
+# Fields a nested table takes from its enclosing table when it does not set them: the run's seed reaches [sft],
+# [rl] and through [rl] (or its own seed) [rl.rollout].
+INHERITED = ("seed",)
+
+
+class ConfigError(ValueError):
+    """A run config is invalid; the message names the key and its table (the CLI prints it and exits 2)."""
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _section(tp: Any) -> type | None:
+    """The config dataclass a field holds as a sub-table (not an optional one: that stays as given)."""
+    return tp if isinstance(tp, type) and dataclasses.is_dataclass(tp) else None
+
+
+def _is_tuple(tp: Any) -> bool:
+    """A tuple type, or a union with one (`tuple[str, ...] | None`): a TOML array becomes a tuple there."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return any(_is_tuple(arg) for arg in typing.get_args(tp))
+    return tp is tuple or typing.get_origin(tp) is tuple
+
+
+def _table(where: str) -> str:
+    return f"[{where}]" if where else "the top level"
+
+
+def config_from_dict(cls: type, values: Mapping[str, Any], where: str | None = None, *,
+                     inherited: Mapping[str, Any] | None = None) -> Any:
+    """Build a config dataclass (any node of the RunConfig tree) from a TOML table.
+
+    The known keys are the dataclass's fields; a sub-table of a nested config dataclass is built the same way (an
+    absent one from {} so that INHERITED fields reach it); lists become tuples where the field is a tuple. A key
+    that moved (MOVED, by dotted path) says where it went; any other unknown key is named with the known ones.
+    `where` is the table's dotted name in messages ("rl.rollout"; "" for the top level; default the class name).
+    `inherited` holds the enclosing tables' INHERITED values. Errors are ConfigErrors naming the table.
+    """
+    where = cls.__name__ if where is None else where
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"{_table(where)}: expected a table of keys, got {type(values).__name__} {values!r}")
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    for key in values:
+        path = f"{where}.{key}" if where else key
+        if key not in names and path in MOVED:
+            raise ConfigError(f"{path} moved to {MOVED[path]}")
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise ConfigError(f"unknown config key(s) {unknown} {'in ' + _table(where) if where else 'at the top level'}; "
+                          f"known: {sorted(names)}")
+    kwargs = dict(values)
+    for name in INHERITED:
+        if name in names and name not in kwargs and inherited and name in inherited:
+            kwargs[name] = inherited[name]
+    scope = {**(inherited or {}), **{n: kwargs[n] for n in INHERITED if n in kwargs}}
+    hints = _hints(cls)
+    for name in names:
+        sub = _section(hints[name])
+        value = kwargs.get(name)
+        if sub is not None and (isinstance(value, Mapping) or name not in kwargs):
+            kwargs[name] = config_from_dict(sub, value or {}, f"{where}.{name}" if where else name, inherited=scope)
+        elif isinstance(value, list) and _is_tuple(hints[name]):
+            kwargs[name] = tuple(value)
     try:
         return cls(**kwargs)
+    except ConfigError:
+        raise
     except ValueError as e:
-        if str(e).startswith("["):  # already names its table
-            raise
-        raise ValueError(f"[{where}] {e}") from e
+        raise (ConfigError(f"[{where}] {e}") if where else ConfigError(str(e))) from e

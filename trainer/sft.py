@@ -11,6 +11,7 @@ through the same packed micro-batches and `forward_backward` as RL, with the tok
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from trainer.backend.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.backend.checkpoint import Checkpointer, load_latest
 from trainer.backend.steps import (
     TrainerConfig,
     TrainingComponents,
@@ -30,6 +31,7 @@ from trainer.backend.steps import (
 from trainer.batching.micro_batches import build_micro_batches
 from trainer.config import SFTTrainingConfig
 from trainer.metrics import JSONLLogger, MetricsLogger
+from trainer.rollout.samples import pad_token_id
 from trainer.types import Sample, TrainingState
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -93,69 +95,63 @@ def _batch_indices(n: int, position: int, batch_size: int, seed: int) -> list[in
 
 
 def run_sft_training(model: Any, conversations: Sequence[Conversation], config: SFTTrainingConfig, *,
-                     tokenizer: Any = None, trainer_config: TrainerConfig | None = None,
+                     tokenizer: Any, trainer_config: TrainerConfig | None = None,
                      logger: MetricsLogger | None = None, resume: bool = False,
                      components: TrainingComponents | None = None) -> tuple[TrainingComponents, TrainingState, list]:
     """collate -> forward_backward -> optim_step -> log -> checkpoint, for config.num_steps steps.
 
-    model: a folder, an HF config or a built TrainModule (ignored when `components` is given). Writes
-    metrics.jsonl and checkpoints under config.output_dir; `resume` continues from the newest complete
-    checkpoint there. Ctrl-C writes a checkpoint before re-raising. Returns (components, final state, the
-    per-step metric dicts).
+    model: a folder, an HF config or a built TrainModule (ignored when `components` is given). tokenizer: the
+    model's (chat template, pad id). Writes metrics.jsonl and checkpoints under config.output_dir; `resume`
+    continues from the newest complete checkpoint there. Ctrl-C writes a checkpoint before re-raising. Returns
+    (components, final state, the per-step metric dicts).
     """
     from tqdm import tqdm
 
-    from engines.tiny import build_tokenizer
-
-    tokenizer = tokenizer or build_tokenizer()
     tcfg = trainer_config or trainer_config_from(config)
     if tcfg.loss != "nll":
         raise ValueError(f"trainer_config.loss={tcfg.loss!r}: SFT trains with loss='nll'")
-    samples, n_trunc = [], 0
-    for i, conv in enumerate(conversations):
-        if isinstance(conv, Sample):  # already tokenized (e.g. plain prompt+completion, see trainer.cli)
-            if len(conv.tokens) > config.max_length:
-                raise ValueError(f"conversations[{i}]: {len(conv.tokens)} tokens > max_length={config.max_length}")
-            samples.append(conv)
-            continue
-        _check_messages(conv, f"conversations[{i}]")
-        s, cut = tokenize_conversation(tokenizer, conv, max_length=config.max_length)
-        samples.append(s)
-        n_trunc += cut
-    if n_trunc:
-        warnings.warn(f"{n_trunc} of {len(samples)} conversations were truncated to max_length={config.max_length}",
-                      stacklevel=2)
+    samples = _tokenized(tokenizer, conversations, config.max_length)
     comp = components or build_components(model, tcfg)
-    state, position = TrainingState(), 0
-    out = Path(tcfg.output_dir)
-    if resume and latest_checkpoint(out) is not None:
-        state, extra = load_checkpoint(comp, out)
-        position = int(extra.get("data_position", 0))
-    logger = logger or JSONLLogger(out / "metrics.jsonl", enabled=comp.rank == 0)
+    state, saved = load_latest(comp, tcfg.output_dir) if resume else (TrainingState(), {})
+    position = int(saved.get("data_position", 0))
+    ckpt = Checkpointer(comp, lambda: state, lambda: {"data_position": position}, save_every=tcfg.save_every)
+    logger = logger or JSONLLogger(Path(tcfg.output_dir) / "metrics.jsonl", enabled=comp.rank == 0)
     history: list[dict] = []
-    pad_id = tokenizer.pad_token_id or 0
-    bar = tqdm(total=config.num_steps, initial=state.step, disable=comp.rank != 0, desc="sft")
-    try:
+    pad_id = pad_token_id(tokenizer)
+    with (contextlib.closing(logger),
+          tqdm(total=config.num_steps, initial=state.step, disable=comp.rank != 0, desc="sft") as bar, ckpt):
         while state.step < config.num_steps:
             idx = _batch_indices(len(samples), position, config.batch_size, config.seed)
             batch = [samples[i] for i in idx]
-            mbs = build_micro_batches(batch, token_budget=tcfg.token_budget, bucket_size=tcfg.bucket_size,
+            mbs = build_micro_batches(batch, token_budget=tcfg.token_budget, bucket_size=tcfg.micro_batch_buckets,
                                       pad_id=pad_id, num_ranks=comp.world_size, rank=comp.rank)
             fut = forward_backward(comp, mbs, tcfg)
-            opt_fut, state = optim_step(comp, state, tcfg)
+            opt_fut, state = optim_step(comp, state, tcfg, num_tokens=fut.num_tokens)
             position += config.batch_size
             metrics = {**fut.result(), **opt_fut.result()}
             logger.log(state.step, metrics)
             history.append(metrics)
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.4f}")
-            if tcfg.save_every and state.step % tcfg.save_every == 0:
-                save_checkpoint(comp, state, {"data_position": position})
-        save_checkpoint(comp, state, {"data_position": position})
-    except KeyboardInterrupt:
-        save_checkpoint(comp, state, {"data_position": position})
-        raise
-    finally:
-        bar.close()
-        logger.close()
+            ckpt.maybe_save()
     return comp, state, history
+
+
+def _tokenized(tokenizer: Any, conversations: Sequence[Conversation], max_length: int) -> list[Sample]:
+    """Every conversation as a Sample (already tokenized ones, e.g. plain prompt+completion from trainer.cli, pass
+    through); a warning counts the ones truncated to max_length."""
+    samples, n_trunc = [], 0
+    for i, conv in enumerate(conversations):
+        if isinstance(conv, Sample):
+            if len(conv.tokens) > max_length:
+                raise ValueError(f"conversations[{i}]: {len(conv.tokens)} tokens > max_length={max_length}")
+            samples.append(conv)
+            continue
+        _check_messages(conv, f"conversations[{i}]")
+        s, cut = tokenize_conversation(tokenizer, conv, max_length=max_length)
+        samples.append(s)
+        n_trunc += cut
+    if n_trunc:
+        warnings.warn(f"{n_trunc} of {len(samples)} conversations were truncated to max_length={max_length}",
+                      stacklevel=3)
+    return samples

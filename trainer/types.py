@@ -114,7 +114,8 @@ class RolloutBatch:
 
 @dataclasses.dataclass(frozen=True)
 class TrainingState:
-    """What changes from step to step, threaded explicitly: `fut, state = optim_step(components, state, cfg)`."""
+    """What changes from step to step, threaded explicitly: `opt_fut, state = optim_step(components, state, cfg,
+    num_tokens=fut.num_tokens)`."""
 
     step: int = 0
     weight_version: int = 0

@@ -31,6 +31,7 @@ import pytest
 import torch
 
 from kernels import (
+    LossInputs,
     PolicyLossConfig,
     linear_policy_loss,
     linear_token_logprobs,
@@ -165,9 +166,9 @@ def policy_loss_logits(s: Sizes, device: str, full: bool):
     g = _gen()
     labels, mask, adv, old, ref = _loss_inputs(s, device, g)
     x = (torch.randn(*labels.shape, s.V, generator=g)).to(device, s.dtype).requires_grad_(full)
-    tok_adv = adv[:, None].expand_as(old).contiguous()
+    inputs = LossInputs(labels, adv[:, None].expand_as(old).contiguous(), mask, old_logprobs=old, ref_logprobs=ref)
     return {
-        "ours": lambda: policy_loss(x, labels, tok_adv, mask, config=CONFIG, old_logprobs=old, ref_logprobs=ref)[0],
+        "ours": lambda: policy_loss(x, inputs, config=CONFIG)[0],
         "torch": lambda: eager_policy_loss(x, labels, adv, mask, old, ref),
     }, [x]
 
@@ -177,11 +178,10 @@ def policy_loss_hidden(s: Sizes, device: str, full: bool):
     labels, mask, adv, old, ref = _loss_inputs(s, device, g)
     hidden, weight = _hidden(s.T, s, device, g, full)
     h3 = hidden.view(*labels.shape, s.H)
-    tok_adv = adv[:, None].expand_as(old).contiguous()
+    inputs = LossInputs(labels, adv[:, None].expand_as(old).contiguous(), mask, old_logprobs=old, ref_logprobs=ref)
 
     def ours():
-        kw = dict(config=CONFIG, old_logprobs=old, ref_logprobs=ref)
-        return linear_policy_loss(h3, weight, labels, tok_adv, mask, **kw)[0]
+        return linear_policy_loss(h3, weight, inputs, config=CONFIG)[0]
 
     return {
         "ours": ours,

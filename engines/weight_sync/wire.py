@@ -1,4 +1,4 @@
-"""Weight sync wire format, shared by the trainer's sender (trainer/weight_sync.py) and the engine's receiver
+"""Weight sync wire format, shared by the trainer's sender (trainer/weight_sync/sender.py) and the engine's receiver
 (engines/weight_sync/receiver.py). Nothing here knows about the trainer; nothing on the wire is pickled.
 
 Both transports move the same thing: the model as a sequence of flat uint8 buckets (`plan_buckets`: every tensor at

@@ -9,6 +9,7 @@ Layout of `<output_dir>/checkpoints/step_00000012/`:
 Everything is written into `.tmp_step_00000012/` and renamed when complete, so a crash mid-save leaves only a
 hidden temporary folder that `latest_checkpoint` ignores. `export_hf` writes a consolidated Hugging Face folder
 (config.json + model.safetensors [+ tokenizer]) that `load_hf_model` and the inference engines read.
+`Checkpointer` is the schedule both training loops (RL, SFT) save on: every save_every steps, at the end, on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -108,7 +110,7 @@ def save_checkpoint(components: TrainingComponents, state: TrainingState,
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    model_sd, optim_sd = get_state_dict(components.module, components.optimizer)
+    model_sd, optim_sd = get_state_dict(components.root, components.optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     torch.save(_rng_state(), tmp / f"rng_rank{_rank()}.pt")
     _barrier()
@@ -152,15 +154,65 @@ def load_checkpoint(components: TrainingComponents, path: str | os.PathLike) -> 
     if meta["fingerprint"] != fp:
         raise ValueError(f"{p}: config fingerprint {meta['fingerprint']} differs from this run's {fp}; resume with "
                          f"the same TrainerConfig (only output_dir/keep_last/save_every/compile may change)")
-    model_sd, optim_sd = get_state_dict(components.module, components.optimizer)
+    model_sd, optim_sd = get_state_dict(components.root, components.optimizer)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(p))
-    set_state_dict(components.module, components.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    set_state_dict(components.root, components.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     components.scheduler.load_state_dict(meta["scheduler"])
     rng_file = p / f"rng_rank{_rank()}.pt"
     if meta["world_size"] == components.world_size and rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=False))
-    components.pending["tokens"] = 0
     return TrainingState(**meta["state"]), meta["extra"]
+
+
+def load_latest(components: TrainingComponents, output_dir: str | os.PathLike) -> tuple[TrainingState, dict]:
+    """Resume: the newest complete checkpoint under output_dir loaded into `components`, as (state, extra); a
+    fresh (TrainingState(), {}) when there is none yet (the first run of a resumable job)."""
+    if latest_checkpoint(output_dir) is None:
+        return TrainingState(), {}
+    return load_checkpoint(components, output_dir)
+
+
+def is_interrupt(e: BaseException) -> bool:
+    """Ctrl-C, bare or inside the exception group of a trio nursery that was running when it arrived."""
+    if isinstance(e, KeyboardInterrupt):
+        return True
+    return isinstance(e, BaseExceptionGroup) and e.subgroup(KeyboardInterrupt) is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpointer:
+    """The checkpoint schedule of a training loop: `with Checkpointer(...) as ckpt:` around the loop, then
+    `ckpt.maybe_save()` at the end of each step.
+
+    Saves every `save_every` steps (`maybe_save`; 0: never on a schedule), when the loop ends, and on Ctrl-C (bare or
+    wrapped in a trio exception group, which leaves as a plain KeyboardInterrupt), so that nothing is lost. Any
+    other exception passes through unsaved: the caller decides (`save` writes one now). `state` and `extra` are
+    read at save time: the loop's current TrainingState and the JSON data the rest of the run resumes from
+    (data position, rollout state). Every rank must use it alike (saving is collective).
+    """
+
+    components: TrainingComponents
+    state: Callable[[], TrainingState]
+    extra: Callable[[], dict[str, Any]] = dict
+    save_every: int = 0
+
+    def save(self) -> None:
+        save_checkpoint(self.components, self.state(), self.extra())
+
+    def maybe_save(self) -> None:
+        if self.save_every and self.state().step % self.save_every == 0:
+            self.save()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, kind: type | None, error: BaseException | None, tb: Any) -> None:
+        if error is None:
+            self.save()
+        elif is_interrupt(error):
+            self.save()
+            if not isinstance(error, KeyboardInterrupt):
+                raise KeyboardInterrupt from error  # Ctrl-C inside trio arrives wrapped in an exception group
 
 
 def export_hf(components: TrainingComponents, path: str | os.PathLike, *, tokenizer: Any = None,
@@ -170,7 +222,7 @@ def export_hf(components: TrainingComponents, path: str | os.PathLike, *, tokeni
     Collective (every rank gathers its shards); rank 0 writes to `<path>.tmp` and renames. Returns the path on
     rank 0, None elsewhere.
     """
-    full = get_model_state_dict(components.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = get_model_state_dict(components.root, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if _rank() != 0:
         _barrier()
         return None

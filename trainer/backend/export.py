@@ -28,15 +28,16 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from engines.tokenizer import load_tokenizer
 from trainer.backend.checkpoint import is_complete, latest_checkpoint
 from trainer.backend.parallel import ROOT_PREFIX, TrainModule
+from trainer.config import RunConfig
 
 _MODEL = "model."  # the checkpoint's top-level key of the model entries ({"model": ..., "optim": ...})
 
 
 @dataclasses.dataclass(frozen=True)
 class _Exportable:
-    """What export_hf reads of a TrainingComponents: the module whose state dict it gathers and the HF model."""
+    """What export_hf reads of a TrainingComponents: the root whose state dict it gathers and the HF model."""
 
-    module: nn.Module
+    root: nn.Module
     model: nn.Module
 
 
@@ -101,7 +102,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, model_folder: str | os.Path
     load_checkpoint_weights(model, ckpt)
     tokenizer = load_tokenizer(folder) if (folder / "tokenizer_config.json").is_file() else None
     root = TrainModule(model)
-    path = export_hf(_Exportable(module=root, model=model), out, tokenizer=tokenizer, dtype=dtype)
+    path = export_hf(_Exportable(root=root, model=model), out, tokenizer=tokenizer, dtype=dtype)
     if (folder / "generation_config.json").is_file():
         shutil.copy(folder / "generation_config.json", Path(out) / "generation_config.json")
     return path
@@ -111,11 +112,11 @@ def export_checkpoint(checkpoint: str | os.PathLike, model_folder: str | os.Path
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def export_run(cfg: dict, model_folder: str | os.PathLike, *, checkpoint: str | None = None, out: str | None = None,
-               dtype: str | None = None) -> Path:
+def export_run(cfg: RunConfig, model_folder: str | os.PathLike, *, checkpoint: str | None = None,
+               out: str | None = None, dtype: str | None = None) -> Path:
     """`python -m trainer export`: the run's newest checkpoint (RL if it has one, else SFT) or `checkpoint`, written
     to `out` (default <output_dir>/export) with the architecture and tokenizer of the run's model folder."""
-    run_dir = Path(cfg["output_dir"])
+    run_dir = Path(cfg.output_dir)
     if checkpoint is None:
         found = [latest_checkpoint(run_dir / phase) for phase in ("rl", "sft")]
         if not any(found):
@@ -126,10 +127,10 @@ def export_run(cfg: dict, model_folder: str | os.PathLike, *, checkpoint: str | 
                              dtype=_DTYPES[dtype] if dtype else None)
 
 
-def start_folder(cfg: dict, model_folder: Path) -> Path:
+def start_folder(cfg: RunConfig, model_folder: Path) -> Path:
     """The HF folder a run starts from: `model_folder`, or with [model].checkpoint set, that checkpoint exported
     once into <output_dir>/start_model (so the trainer and the engines load the same weights from one folder)."""
-    ckpt = cfg.get("model", {}).get("checkpoint")
+    ckpt = cfg.model.checkpoint
     if not ckpt:
         return model_folder
-    return export_checkpoint(ckpt, model_folder, Path(cfg["output_dir"]) / "start_model")
+    return export_checkpoint(ckpt, model_folder, Path(cfg.output_dir) / "start_model")

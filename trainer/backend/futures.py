@@ -42,13 +42,16 @@ class TrainFuture(Generic[T]):
         self._read = False
 
     @classmethod
-    def record(cls, value: Any, device: torch.device, finalize: Callable[[Any], T] | None = None) -> TrainFuture[T]:
-        """A future for `value` whose device work is everything queued so far on the current stream of `device`."""
+    def record(cls, value: Any, device: torch.device, finalize: Callable[[Any], T] | None = None,
+               **fields: Any) -> TrainFuture[T]:
+        """A future for `value` whose device work is everything queued so far on the current stream of `device`.
+
+        fields: a subclass's own constructor arguments (e.g. trainer.backend.steps.GradFuture's num_tokens)."""
         event = None
         if device.type == "cuda":
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(device))
-        return cls(value, event, finalize)
+        return cls(value, event, finalize, **fields)
 
     def done(self) -> bool:
         """True once the device work finished (never blocks)."""

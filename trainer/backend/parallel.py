@@ -31,10 +31,10 @@ ROOT_PREFIX = "lm."
 class ParallelConfig:
     """How the model is parallelised. param_dtype None = bfloat16 on CUDA, float32 on CPU."""
 
-    compile: bool = True
+    compile: bool = True  # torch.compile each decoder block
     compile_backend: str = "inductor"  # tests on CPU use "aot_eager" (same graphs and recompiles, no C++ build)
     compile_dynamic: bool | None = None  # None: dynamo's default (static first, dynamic after a shape change)
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = False  # recompute each block's activations in the backward (less memory)
     param_dtype: str | None = None  # "float32" | "bfloat16" | None
     liger: bool = True  # CUDA only
 

@@ -2,7 +2,8 @@
 
     components = build_components(model_or_path, TrainerConfig(...))
     fut = forward_backward(components, micro_batches, config)      # returns at once (queued on CUDA)
-    opt_fut, state = optim_step(components, state, config)         # no host sync between the two
+    opt_fut, state = optim_step(components, state, config,        # no host sync between the two
+                                num_tokens=fut.num_tokens)         # (a host int: the step's loss tokens)
     metrics = fut.result() | opt_fut.result()                      # the step's only sync, when read
 
 Loss path: the backbone gives hidden states [N, H] of a packed row (trainer.backend.attention.packed_hidden_states,
@@ -40,71 +41,97 @@ from trainer.backend.attention import packed_hidden_states
 from trainer.backend.futures import DeviceStreams, TrainFuture
 from trainer.backend.parallel import ParallelConfig, TrainModule
 from trainer.batching.micro_batches import MicroBatch
-from trainer.config import OptimConfig
+from trainer.config import BackendConfig, RLTrainingConfig, SFTTrainingConfig
 from trainer.types import TrainingState
 
-LOSSES = ("policy", "nll")
-# Fields that do not change the math of a run (a resume may change them freely).
-_FINGERPRINT_EXCLUDE = ("output_dir", "keep_last", "save_every", "compile", "compile_backend", "share_prompts")
+# The loss each phase trains: its config's class -> the loss function's name in _LOSS_FNS.
+LOSSES = {SFTTrainingConfig: "nll", RLTrainingConfig: "policy"}
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainerConfig:
-    """Everything the step functions need; built from an SFT/RL config by `trainer_config_from`.
+    """Everything the step functions need: a phase config and the backend settings, held by reference.
 
-    `policy_loss` is a kernels.PolicyLossConfig (loss="policy"); `temperature` is the rollout's sampling
-    temperature, which every trainer log-prob (loss, old and reference log-probs) is computed at.
+    phase: an SFTTrainingConfig (loss "nll", token-level NLL) or an RLTrainingConfig (loss "policy",
+    kernels.linear_policy_loss with the phase's resolved `loss`, every trainer log-prob at the rollout's
+    temperature). backend: the [trainer] table (trainer.config.BackendConfig; also the ParallelConfig of the model).
+    The attributes below read the phase's or the backend's own fields, so there is no copy to drift; build one
+    with `trainer_config_from(phase, compile=False, ...)`.
     """
 
-    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
-    num_steps: int = 10  # length of the cosine schedule
-    loss: str = "policy"  # "policy": kernels.linear_policy_loss; "nll": token-level NLL (SFT)
-    policy_loss: Any = None  # kernels.PolicyLossConfig; None = its defaults
-    temperature: float = 1.0
-    logprob_chunk_tokens: int | None = None
-    compile: bool = True
-    compile_backend: str = "inductor"
-    activation_checkpointing: bool = False
-    param_dtype: str | None = None  # None: bf16 compute on CUDA, fp32 on CPU
-    token_budget: int = 4096
-    bucket_size: int = 256
-    # RL: each prompt's tokens run through the model once per micro-batch, not once per sample (the same loss;
-    # trainer.batching.shared_prompt), where the model's attention supports it
-    # (trainer.backend.attention.supports_shared_prompts).
-    share_prompts: bool = True
-    seed: int = 0
-    output_dir: str = "runs/default"
-    keep_last: int = 2
-    save_every: int = 0
+    phase: Any = dataclasses.field(default_factory=RLTrainingConfig)  # SFTTrainingConfig | RLTrainingConfig
+    backend: BackendConfig = dataclasses.field(default_factory=BackendConfig)  # [trainer]
 
     def __post_init__(self) -> None:
-        if not isinstance(self.optim, OptimConfig):
-            raise ValueError(f"TrainerConfig.optim: expected a trainer.config.OptimConfig, got "
-                             f"{type(self.optim).__name__}")
-        if self.policy_loss is None:
-            object.__setattr__(self, "policy_loss", PolicyLossConfig())
-        checks = [
-            (self.num_steps > 0, "num_steps", "must be > 0"),
-            (self.loss in LOSSES, "loss", f"must be one of {LOSSES}"),
-            (isinstance(self.policy_loss, PolicyLossConfig), "policy_loss", "must be a kernels.PolicyLossConfig"),
-            (self.temperature > 0, "temperature", "must be > 0"),
-            (self.token_budget > 0 and self.bucket_size > 0, "token_budget/bucket_size", "must be > 0"),
-            (self.token_budget >= self.bucket_size, "token_budget", "must be >= bucket_size"),
-            (self.keep_last > 0, "keep_last", "must be > 0"),
-            (self.save_every >= 0, "save_every", "must be >= 0"),
-        ]
-        for ok, field, msg in checks:
-            if not ok:
-                raise ValueError(f"TrainerConfig.{field}: {msg}, got {getattr(self, field.split('/')[0])!r}")
-        self.parallel()  # validates compile_backend / param_dtype
+        if type(self.phase) not in LOSSES:
+            raise ValueError(f"TrainerConfig.phase: expected one of {[c.__name__ for c in LOSSES]} (it decides the "
+                             f"loss: SFT trains the NLL, RL the policy loss), got {type(self.phase).__name__}")
+        if not isinstance(self.backend, BackendConfig):
+            raise ValueError(f"TrainerConfig.backend: expected a trainer.config.BackendConfig (the [trainer] table), "
+                             f"got {type(self.backend).__name__}")
+        if self.token_budget < self.micro_batch_buckets:
+            raise ValueError(f"TrainerConfig.token_budget: must be >= micro_batch_buckets={self.micro_batch_buckets} "
+                             f"(a packed row is padded to a multiple of it), got {self.token_budget}")
+
+    # The phase's fields.
+    optim = property(lambda self: self.phase.optim)
+    num_steps = property(lambda self: self.phase.num_steps)  # also the length of the LR schedule
+    token_budget = property(lambda self: self.phase.token_budget)
+    micro_batch_buckets = property(lambda self: self.phase.micro_batch_buckets)
+    seed = property(lambda self: self.phase.seed)
+    output_dir = property(lambda self: self.phase.output_dir)
+    keep_last = property(lambda self: self.phase.keep_last)
+    save_every = property(lambda self: self.phase.save_every)
+    # The backend's fields.
+    logprob_chunk_tokens = property(lambda self: self.backend.logprob_chunk_tokens)
+    share_prompts = property(lambda self: self.backend.share_prompts)
+    compile = property(lambda self: self.backend.compile)
+    compile_backend = property(lambda self: self.backend.compile_backend)
+    activation_checkpointing = property(lambda self: self.backend.activation_checkpointing)
+    param_dtype = property(lambda self: self.backend.param_dtype)
+
+    @property
+    def loss(self) -> str:
+        """"policy" (RL) or "nll" (SFT)."""
+        return LOSSES[type(self.phase)]
+
+    @property
+    def policy_loss(self) -> PolicyLossConfig:
+        """RL: the phase's resolved kernels.PolicyLossConfig; SFT: unused (its defaults)."""
+        return self.phase.loss if isinstance(self.phase, RLTrainingConfig) else PolicyLossConfig()
+
+    @property
+    def temperature(self) -> float:
+        """RL: the rollout's temperature (the run has one); SFT: 1.0."""
+        return self.phase.rollout.temperature if isinstance(self.phase, RLTrainingConfig) else 1.0
 
     def parallel(self) -> ParallelConfig:
-        return ParallelConfig(compile=self.compile, compile_backend=self.compile_backend,
-                              activation_checkpointing=self.activation_checkpointing, param_dtype=self.param_dtype)
+        return self.backend
+
+    def replace(self, **changes: Any) -> TrainerConfig:
+        """A copy with each change made where the field lives: the phase's (optim, keep_last, ...) or the
+        backend's (compile, ...). `cfg.replace(compile=False)`."""
+        phase = {f.name for f in dataclasses.fields(self.phase)}
+        backend = {f.name for f in dataclasses.fields(self.backend)}
+        unknown = sorted(set(changes) - phase - backend)
+        if unknown:
+            raise ValueError(f"TrainerConfig.replace: {unknown} are fields of neither the phase "
+                             f"({type(self.phase).__name__}) nor the backend (BackendConfig)")
+        return TrainerConfig(
+            phase=dataclasses.replace(self.phase, **{k: v for k, v in changes.items() if k in phase}),
+            backend=dataclasses.replace(self.backend, **{k: v for k, v in changes.items() if k in backend}))
 
     def fingerprint(self) -> str:
-        """sha256 over the fields that change the math of a run (checkpoints refuse to resume on a mismatch)."""
-        d = {k: v for k, v in dataclasses.asdict(self).items() if k not in _FINGERPRINT_EXCLUDE}
+        """sha256 over the settings that change the math of a run (checkpoints refuse to resume on a mismatch).
+
+        The keys are those of the flat TrainerConfig that earlier checkpoints were fingerprinted with (its
+        `bucket_size` is micro_batch_buckets): the same run gives the same fingerprint, so they still resume."""
+        d = {"optim": dataclasses.asdict(self.optim), "num_steps": self.num_steps, "loss": self.loss,
+             "policy_loss": dataclasses.asdict(self.policy_loss), "temperature": self.temperature,
+             "logprob_chunk_tokens": self.logprob_chunk_tokens,
+             "activation_checkpointing": self.backend.activation_checkpointing,
+             "param_dtype": self.backend.param_dtype, "token_budget": self.token_budget,
+             "bucket_size": self.micro_batch_buckets, "seed": self.seed}
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=repr).encode()).hexdigest()[:16]
 
 
@@ -113,14 +140,13 @@ class TrainingComponents:
     """The long-lived objects of a run (the objects are mutable; the bundle is not)."""
 
     model: nn.Module  # the Hugging Face causal LM (parameters are DTensor shards)
-    module: TrainModule  # the FSDP root wrapping `model`; every forward goes through it
+    root: TrainModule  # the FSDP root wrapping `model`; every forward, state dict and optimizer step goes through it
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     mesh: DeviceMesh
     device: torch.device
     config: TrainerConfig
     streams: Any = None  # trainer.backend.futures.DeviceStreams on CUDA, None on CPU (everything runs in order)
-    pending: dict = dataclasses.field(default_factory=lambda: {"tokens": 0})  # tokens since the last optim_step
 
     @property
     def world_size(self) -> int:
@@ -196,7 +222,7 @@ def build_components(model: str | os.PathLike | Any, config: TrainerConfig, *,
     lam = lambda s: warmup_cosine(s, warmup_steps=opt.warmup_steps, num_steps=config.num_steps,
                                   min_lr_ratio=opt.min_lr_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lam)
-    return TrainingComponents(model=root.lm, module=root, optimizer=optimizer, scheduler=scheduler, mesh=mesh,
+    return TrainingComponents(model=root.lm, root=root, optimizer=optimizer, scheduler=scheduler, mesh=mesh,
                               device=device, config=config, streams=DeviceStreams(device) if cuda else None)
 
 
@@ -214,13 +240,8 @@ def _loss_hidden_states(lm: nn.Module, mb: MicroBatch) -> torch.Tensor:
 def _policy_loss(lm: nn.Module, mb: MicroBatch, config: TrainerConfig) -> tuple[torch.Tensor, dict]:
     hidden = _loss_hidden_states(lm, mb)
     weight = lm.get_output_embeddings().weight  # [V, H], unsharded inside the root's forward
-    # Sequences for the per-sequence aggregations: the real ones plus the padding tail (mask 0, contributes 0);
-    # the global num_seqs keeps the normalisation exact.
-    return linear_policy_loss(
-        hidden, weight, mb.labels, mb.advantages, mb.loss_mask, config=config.policy_loss,
-        temperature=config.temperature, old_logprobs=mb.old_logprobs, ref_logprobs=mb.ref_logprobs,
-        rollout_logprobs=mb.rollout_logprobs, cu_seqlens=mb.segments, num_tokens=mb.num_tokens,
-        num_seqs=mb.num_seqs, chunk_tokens=config.logprob_chunk_tokens)
+    return linear_policy_loss(hidden, weight, mb.loss_inputs(), config=config.policy_loss,
+                              temperature=config.temperature, chunk_tokens=config.logprob_chunk_tokens)
 
 
 def _nll_loss(lm: nn.Module, mb: MicroBatch, config: TrainerConfig) -> tuple[torch.Tensor, dict]:
@@ -331,16 +352,28 @@ def _finalize_metrics(host: dict) -> dict:
     return host
 
 
+class GradFuture(TrainFuture[dict]):
+    """forward_backward's future of the step's metrics. Also carries `num_tokens`, the global loss-token count of
+    its micro-batches: a host int known when the work is queued, which `optim_step` takes to grow
+    TrainingState.tokens_seen without reading the future."""
+
+    def __init__(self, value: Any, event: Any = None, finalize: Callable[[Any], dict] | None = None, *,
+                 num_tokens: int) -> None:
+        super().__init__(value, event, finalize)
+        self.num_tokens = num_tokens
+
+
 def forward_backward(components: TrainingComponents, micro_batches: Sequence[MicroBatch],
-                     config: TrainerConfig | None = None) -> TrainFuture[dict]:
+                     config: TrainerConfig | None = None) -> GradFuture:
     """Accumulate gradients of the loss over this rank's packed micro-batches; returns a future of the metrics.
 
     micro_batches: from trainer.batching.micro_batches.build_micro_batches (same count on every rank; each already
     normalised by
     the global token / sequence counts). The future's dict has "loss" (the exact global loss, summed over
     micro-batches and ranks), the loss kernel's metrics combined the same way (a `_max` metric by max) and
-    "num_tokens". Data-dependent input errors found by the kernels (NaN, label out of range) are raised when the
-    future is read. Gradients stay in the parameters' .grad until `optim_step`.
+    "num_tokens" (also `fut.num_tokens`, readable at once). Data-dependent input errors found by the kernels (NaN,
+    label out of range) are raised when the future is read. Gradients stay in the parameters' .grad until
+    `optim_step`.
     """
     config = config or components.config
     if not micro_batches:
@@ -352,14 +385,14 @@ def forward_backward(components: TrainingComponents, micro_batches: Sequence[Mic
         total_loss = torch.zeros((), device=dev, dtype=torch.float32)
         merged = None
         for mb in _device_batches(components, micro_batches):
-            loss, metrics = components.module(lambda lm, mb=mb: loss_fn(lm, mb, config))
+            loss, metrics = components.root(lambda lm, mb=mb: loss_fn(lm, mb, config))
             (loss * world).backward()
             total_loss += loss.detach().float()
             merged = merge_metrics(merged, {k: v.detach().reshape(()) for k, v in metrics.items()})
         totals = _all_reduce(components, {"loss": total_loss, **(merged or {})})
-        totals["num_tokens"] = float(micro_batches[0].num_tokens)
-        components.pending["tokens"] += micro_batches[0].num_tokens  # global count: identical on every rank
-        return TrainFuture.record(totals, dev, _finalize_metrics)
+        num_tokens = micro_batches[0].num_tokens  # global count: identical on every rank
+        totals["num_tokens"] = float(num_tokens)
+        return GradFuture.record(totals, dev, _finalize_metrics, num_tokens=num_tokens)
 
 
 @torch.no_grad()
@@ -383,7 +416,7 @@ def compute_logprobs(components: TrainingComponents, micro_batches: Sequence[Mic
 
     with _on_compute_stream(components):
         for mb in _device_batches(components, micro_batches):
-            out.append(components.module(lambda lm, mb=mb: fn(lm, mb)).float())
+            out.append(components.root(lambda lm, mb=mb: fn(lm, mb)).float())
     return out
 
 
@@ -431,15 +464,16 @@ def clip_grad_norm(parameters: Sequence[nn.Parameter], max_norm: float, mesh: De
     return norm
 
 
-def optim_step(components: TrainingComponents, state: TrainingState,
-               config: TrainerConfig | None = None) -> tuple[TrainFuture[dict], TrainingState]:
+def optim_step(components: TrainingComponents, state: TrainingState, config: TrainerConfig | None = None, *,
+               num_tokens: int) -> tuple[TrainFuture[dict], TrainingState]:
     """Clip, AdamW step, schedule step, zero grads; returns (future of {"grad_norm", "lr"}, the next state).
 
-    The new state has step + 1, weight_version + 1 and tokens_seen grown by the loss tokens of the
-    forward_backward calls since the last step (global counts).
+    num_tokens: the loss tokens of the gradients this step applies, the `num_tokens` of the forward_backward
+    futures since the last step summed (global counts). The new state has step + 1, weight_version + 1 and
+    tokens_seen + num_tokens.
     """
     config = config or components.config
-    params = [p for p in components.module.parameters() if p.requires_grad]
+    params = [p for p in components.root.parameters() if p.requires_grad]
     with _on_compute_stream(components):
         lr = components.scheduler.get_last_lr()[0]  # host float: the schedule lives on the host
         norm = clip_grad_norm(params, config.optim.max_grad_norm, components.mesh)
@@ -447,30 +481,13 @@ def optim_step(components: TrainingComponents, state: TrainingState,
         components.scheduler.step()
         components.optimizer.zero_grad(set_to_none=True)
         fut = TrainFuture.record({"grad_norm": norm, "lr": lr}, components.device)
-    tokens = components.pending["tokens"]
-    components.pending["tokens"] = 0
     new_state = dataclasses.replace(state, step=state.step + 1, weight_version=state.weight_version + 1,
-                                    tokens_seen=state.tokens_seen + tokens)
+                                    tokens_seen=state.tokens_seen + num_tokens)
     return fut, new_state
 
 
-def trainer_config_from(cfg: Any, **overrides: Any) -> TrainerConfig:
-    """The TrainerConfig of a phase: SFTTrainingConfig -> loss "nll"; RLTrainingConfig -> loss "policy" with its
-    resolved PolicyLossConfig, log-probs at the rollout temperature. `overrides` are backend settings
-    (compile, logprob_chunk_tokens, ...)."""
-    from trainer.config import RLTrainingConfig, SFTTrainingConfig
-
-    shared = dict(optim=cfg.optim, num_steps=cfg.num_steps, token_budget=cfg.token_budget,
-                  bucket_size=cfg.micro_batch_buckets, seed=cfg.seed, output_dir=cfg.output_dir,
-                  keep_last=cfg.keep_last, save_every=cfg.save_every)
-    if isinstance(cfg, SFTTrainingConfig):
-        shared["loss"] = "nll"
-    elif isinstance(cfg, RLTrainingConfig):
-        shared.update(loss="policy", policy_loss=cfg.loss, temperature=cfg.rollout.temperature)
-    else:
-        raise ValueError(f"cfg: expected SFTTrainingConfig or RLTrainingConfig, got {type(cfg).__name__}")
-    derived = sorted(set(overrides) & set(shared) | set(overrides) & {"temperature", "policy_loss", "loss"})
-    if derived:
-        raise ValueError(f"trainer overrides {derived}: these come from the SFT/RL config (optim, loss and "
-                         f"rollout tables), not from [trainer]")
-    return TrainerConfig(**shared, **overrides)
+def trainer_config_from(phase: Any, backend: BackendConfig | None = None, **overrides: Any) -> TrainerConfig:
+    """The TrainerConfig of a phase (SFTTrainingConfig or RLTrainingConfig) with `backend` ([trainer]; default
+    BackendConfig()) and `overrides` of its fields (compile, logprob_chunk_tokens, ...) replaced."""
+    backend = backend or BackendConfig()
+    return TrainerConfig(phase=phase, backend=dataclasses.replace(backend, **overrides) if overrides else backend)

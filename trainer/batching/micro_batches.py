@@ -24,11 +24,10 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.nn.functional as F
 
+from kernels.objective import IGNORE_INDEX, LossInputs
 from kernels.packing import PackedBatch, broadcast_to_tokens, packed_layout, shift_left
 from trainer.batching.planner import plan_micro_batches
 from trainer.types import Sample
-
-IGNORE_INDEX = -100
 
 
 def _move(obj, fn):
@@ -83,6 +82,17 @@ class MicroBatch:
     rollout_logprobs: torch.Tensor | None = None  # [N] float32, the engine's log-probs
     trees: PromptTrees | None = None  # the shared-prompt layout (None: one sequence per sample)
 
+    def loss_inputs(self) -> LossInputs:
+        """The per-token inputs of the policy loss (kernels.LossInputs) for this micro-batch.
+
+        Sequences for the per-sequence aggregations are `segments`: the real ones plus the padding tail (mask 0,
+        contributes 0); the global num_tokens / num_seqs keep the normalisation exact.
+        """
+        return LossInputs(labels=self.labels, advantages=self.advantages, mask=self.loss_mask,
+                          old_logprobs=self.old_logprobs, ref_logprobs=self.ref_logprobs,
+                          rollout_logprobs=self.rollout_logprobs, cu_seqlens=self.segments,
+                          num_tokens=self.num_tokens, num_seqs=self.num_seqs)
+
     def to(self, device: torch.device, non_blocking: bool = False) -> MicroBatch:
         """Every tensor on `device` (non_blocking copies overlap compute only from pinned host memory)."""
         return _move(self, lambda t: t.to(device, non_blocking=non_blocking))
@@ -98,15 +108,7 @@ def bucketed_length(n: int, bucket_size: int) -> int:
     return max(1, -(-n // bucket_size)) * bucket_size
 
 
-def _response_values(values: Sequence[float] | None, n: int, name: str) -> list[float]:
-    if values is None:
-        return [0.0] * n
-    if len(values) != n:
-        raise ValueError(f"{name}: needs one value per response token ({n}), got {len(values)}")
-    return [float(v) for v in values]
-
-
-def _padding_row(n: int, *, pad_id: int, num_tokens: int, num_seqs: int, old: bool, ref: bool) -> MicroBatch:
+def _padding_row(n: int, *, pad_id: int, num_tokens: int, num_seqs: int) -> MicroBatch:
     """An all-padding row (a rank with fewer micro-batches than the others still runs the same forwards)."""
     zeros = torch.zeros(n, dtype=torch.float32)
     row = PackedBatch(input_ids=torch.full((n,), pad_id, dtype=torch.int64), position_ids=torch.arange(n),
@@ -114,14 +116,11 @@ def _padding_row(n: int, *, pad_id: int, num_tokens: int, num_seqs: int, old: bo
                       loss_mask=zeros, lengths=())
     return MicroBatch(row=row, labels=torch.full((n,), IGNORE_INDEX, dtype=torch.int64), loss_mask=zeros,
                       advantages=zeros, num_tokens=num_tokens, num_seqs=num_seqs,
-                      segments=torch.tensor([0, n], dtype=torch.int32), old_logprobs=zeros if old else None,
-                      ref_logprobs=zeros if ref else None)
+                      segments=torch.tensor([0, n], dtype=torch.int32))
 
 
 def pack_micro_batch(samples: Sequence[Sample], indices: Sequence[int], *, advantages: Sequence[float],
-                     bucket_size: int, pad_id: int, num_tokens: int, num_seqs: int,
-                     old_logprobs: Sequence[Sequence[float]] | None = None,
-                     ref_logprobs: Sequence[Sequence[float]] | None = None) -> MicroBatch:
+                     bucket_size: int, pad_id: int, num_tokens: int, num_seqs: int) -> MicroBatch:
     """Pack samples[indices] into one bucketed row (host tensors). Empty `indices` gives an all-padding row.
 
     The host only concatenates each sample's token ids and per-response-token values; the layout (positions,
@@ -132,8 +131,7 @@ def pack_micro_batch(samples: Sequence[Sample], indices: Sequence[int], *, advan
     total = sum(lengths)
     n = bucketed_length(total, bucket_size)
     if not chosen:
-        return _padding_row(n, pad_id=pad_id, num_tokens=num_tokens, num_seqs=num_seqs,
-                            old=old_logprobs is not None, ref=ref_logprobs is not None)
+        return _padding_row(n, pad_id=pad_id, num_tokens=num_tokens, num_seqs=num_seqs)
     ids = torch.tensor(list(itertools.chain.from_iterable(s.tokens for s in chosen)), dtype=torch.int64)
     ids = F.pad(ids, (0, n - total), value=pad_id)  # [n]
     cu = [0, *itertools.accumulate(lengths)]
@@ -163,16 +161,12 @@ def pack_micro_batch(samples: Sequence[Sample], indices: Sequence[int], *, advan
         # With an empty prompt the first response token has no position predicting it.
         local_tokens=sum(sum(s.effective_loss_mask[1 if s.prompt_length == 0 else 0:]) for s in chosen),
         sample_index=tuple(indices),
-        old_logprobs=None if old_logprobs is None else shifted(old_logprobs[i] for i in indices),
-        ref_logprobs=None if ref_logprobs is None else shifted(ref_logprobs[i] for i in indices),
         rollout_logprobs=shifted(s.rollout_logprobs or (0.0,) * s.response_length for s in chosen)
         if has_rollout else None)
 
 
 def check_batch_inputs(samples: Sequence[Sample], *, token_budget: int, bucket_size: int,
-                       advantages: Sequence[float] | None, num_ranks: int, rank: int,
-                       old_logprobs: Sequence[Sequence[float]] | None,
-                       ref_logprobs: Sequence[Sequence[float]] | None) -> tuple[list[float], int]:
+                       advantages: Sequence[float] | None, num_ranks: int, rank: int) -> tuple[list[float], int]:
     """Validate the inputs of a micro-batch builder; returns (one advantage per sample, global loss tokens)."""
     if not samples:
         raise ValueError("samples: need at least one sample to build micro-batches")
@@ -191,10 +185,6 @@ def check_batch_inputs(samples: Sequence[Sample], *, token_budget: int, bucket_s
     adv = [0.0] * len(samples) if advantages is None else [float(a) for a in advantages]
     if len(adv) != len(samples):
         raise ValueError(f"advantages: need one per sample ({len(samples)}), got {len(adv)}")
-    for name, per in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
-        if per is not None:
-            for i, s in enumerate(samples):
-                _response_values(per[i], s.response_length, f"{name}[{i}]")
     # With an empty prompt the first response token has no position predicting it: it is never trained.
     num_tokens = sum(sum(s.effective_loss_mask[1 if s.prompt_length == 0 else 0:]) for s in samples)
     return adv, num_tokens
@@ -208,22 +198,19 @@ def rank_micro_batches(plan: list[list[list[int]]], rank: int) -> list[list[int]
 
 def build_micro_batches(samples: Sequence[Sample], *, token_budget: int, bucket_size: int,
                         advantages: Sequence[float] | None = None, pad_id: int = 0, num_ranks: int = 1,
-                        rank: int = 0, old_logprobs: Sequence[Sequence[float]] | None = None,
-                        ref_logprobs: Sequence[Sequence[float]] | None = None) -> list[MicroBatch]:
+                        rank: int = 0) -> list[MicroBatch]:
     """This rank's packed micro-batches for `samples` (host tensors; forward_backward moves them).
 
-    advantages: one float per sample (default 0, e.g. for SFT). old/ref log-probs: optional per-sample lists with
-    one value per response token (usually attached later with `attach_logprobs`). Every rank must call this with
-    the same arguments (the plan is deterministic), so all ranks agree on the number of micro-batches.
+    advantages: one float per sample (default 0, e.g. for SFT). Old / ref log-probs come from the trainer's own
+    forward (`compute_logprobs`) and are attached afterwards with `attach_logprobs`. Every rank must call this
+    with the same arguments (the plan is deterministic), so all ranks agree on the number of micro-batches.
     """
     adv, num_tokens = check_batch_inputs(samples, token_budget=token_budget, bucket_size=bucket_size,
-                                         advantages=advantages, num_ranks=num_ranks, rank=rank,
-                                         old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
+                                         advantages=advantages, num_ranks=num_ranks, rank=rank)
     lengths = [len(s.tokens) for s in samples]
     mine = rank_micro_batches(plan_micro_batches(lengths, token_budget=token_budget, num_ranks=num_ranks), rank)
     return [pack_micro_batch(samples, idx, advantages=adv, bucket_size=bucket_size, pad_id=pad_id,
-                             num_tokens=num_tokens, num_seqs=len(samples), old_logprobs=old_logprobs,
-                             ref_logprobs=ref_logprobs) for idx in mine]
+                             num_tokens=num_tokens, num_seqs=len(samples)) for idx in mine]
 
 
 def attach_logprobs(micro_batches: Sequence[MicroBatch], logprobs: Sequence[torch.Tensor],

@@ -1,16 +1,16 @@
 """Shared-prompt micro-batches: a GRPO group's prompt is run through the model once, not once per sample.
 
 With n samples per prompt, the plain layout (trainer.batching.micro_batches) packs `prompt + response` n times, and
-on short-answer
-work the prompt is most of the tokens (the demo: ~25 prompt tokens, ~3 response tokens, n = 8, so ~85 % of every
-forward and backward recomputes the same prompt). Here the samples of one prompt form a tree in the packed row:
+on short-answer work the prompt is most of the tokens (the demo: ~25 prompt tokens, ~3 response tokens, n = 8, so
+~85 % of every forward and backward recomputes the same prompt). Here the samples of one prompt form a tree in
+the packed row:
 
     row:        [ p0 p1 ... pP-1 | a0 a1 a2 | b0 b1 | c0 ... ]       one prompt, then each response (a branch)
     positions:    0  1  ... P-1  | P  P+1 P+2 | P  P+1 | P  ...       the unshared sequence's positions
     branch:      -1 -1  ...  -1  | 0  0  0  | 1  1  | 2  ...         (row order; -1 on prompts and the padding tail)
 
-A branch token attends the prompt and its own branch causally (trainer.backend.attention), so every hidden state is the
-one of the sample's own sequence and the loss is the plain layout's loss: the same per-token values, the same
+A branch token attends the prompt and its own branch causally (trainer.backend.attention), so every hidden state is
+the one of the sample's own sequence and the loss is the plain layout's loss: the same per-token values, the same
 per-sequence aggregation over the same samples. Only the loss rows change: the hidden state of the prompt's last
 token predicts the first response token of every branch, so the loss gathers M rows (`PromptTrees.hidden_index`,
 one per response token, sample by sample) from the N row tokens, and every per-token target (labels, mask,
@@ -24,6 +24,7 @@ than the token budget is split into several trees, each with its own copy of the
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -70,58 +71,71 @@ def tree_cost(samples: Sequence[Sample], tree: Sequence[int]) -> int:
     return samples[tree[0]].prompt_length + sum(samples[i].response_length for i in tree)
 
 
+class _TreeRow(NamedTuple):
+    """One row's host lists before padding: N row tokens, M loss rows (one per trained response position)."""
+
+    ids: list[int]  # [N] prompt once, then each branch
+    pos: list[int]  # [N] positions of the sample's own sequence
+    seq: list[int]  # [N] tree index
+    branch: list[int]  # [N] branch index in row order, -1 on prompts
+    cu_trees: list[int]  # [trees + 1] row offsets of the trees
+    shapes: list[tuple[int, tuple[int, ...]]]  # (prompt length, response lengths) per tree
+    order: list[int]  # sample index of each branch, in row order (= the loss rows' sequence order)
+    rows: list[int]  # [M] hidden_index: the row token whose hidden state predicts the label
+    labels: list[int]  # [M]
+    mask: list[float]  # [M]
+    cu_rows: list[int]  # [branches + 1] loss-row offsets of the branches
+
+
+def _walk_trees(samples: Sequence[Sample], trees: Sequence[Sequence[int]]) -> _TreeRow:
+    """Lay out each tree's prompt once, then its responses, and the loss rows that read them."""
+    r = _TreeRow([], [], [], [], [0], [], [], [], [], [], [0])
+    for t, tree in enumerate(trees):
+        p = samples[tree[0]].prompt_length
+        prompt = samples[tree[0]].tokens[:p]
+        assert all(samples[i].tokens[:p] == prompt and samples[i].prompt_length == p for i in tree), \
+            "a tree's samples must share their prompt tokens"
+        start = len(r.ids)
+        r.ids.extend(prompt)
+        r.pos.extend(range(p))
+        r.seq.extend([t] * p)
+        r.branch.extend([-1] * p)
+        lens = []
+        for i in tree:
+            s = samples[i]
+            resp = s.tokens[p:]
+            b0 = len(r.ids)
+            r.ids.extend(resp)
+            r.pos.extend(range(p, p + len(resp)))
+            r.seq.extend([t] * len(resp))
+            r.branch.extend([len(r.order)] * len(resp))
+            lens.append(len(resp))
+            m = s.effective_loss_mask
+            # Response token k is predicted by the prompt's last token (k = 0) or by response token k - 1; with an
+            # empty prompt token 0 has no predictor and is never trained (as in the plain layout).
+            for k in range(0 if p else 1, len(resp)):
+                r.rows.append(start + p - 1 if k == 0 else b0 + k - 1)
+                r.labels.append(resp[k])
+                r.mask.append(float(m[k]))
+            r.cu_rows.append(len(r.rows))
+            r.order.append(i)
+        r.shapes.append((p, tuple(lens)))
+        r.cu_trees.append(len(r.ids))
+    return r
+
+
 def pack_tree_micro_batch(samples: Sequence[Sample], trees: Sequence[Sequence[int]], *, advantages: Sequence[float],
-                          bucket_size: int, pad_id: int, num_tokens: int, num_seqs: int,
-                          old_logprobs: Sequence[Sequence[float]] | None = None,
-                          ref_logprobs: Sequence[Sequence[float]] | None = None) -> MicroBatch:
+                          bucket_size: int, pad_id: int, num_tokens: int, num_seqs: int) -> MicroBatch:
     """Pack `trees` (lists of sample indices sharing one prompt) into one row; host tensors.
 
     Row tokens (N, bucketed) and loss rows (M, bucketed) are padded separately: the row's tail is one more causal
     block (seq_index -1), the loss rows' tail reads hidden state 0 with label IGNORE_INDEX and mask 0, as one more
     segment.
     """
-    ids: list[int] = []
-    pos: list[int] = []
-    seq: list[int] = []
-    branch: list[int] = []
-    cu_trees = [0]
-    shapes: list[tuple[int, tuple[int, ...]]] = []
-    order: list[int] = []  # sample index of each branch, in row order (= the loss rows' sequence order)
-    rows: list[int] = []  # hidden_index
-    labels: list[int] = []
-    mask: list[float] = []
-    cu_rows = [0]
-    for t, tree in enumerate(trees):
-        p = samples[tree[0]].prompt_length
-        prompt = samples[tree[0]].tokens[:p]
-        assert all(samples[i].tokens[:p] == prompt and samples[i].prompt_length == p for i in tree), \
-            "a tree's samples must share their prompt tokens"
-        start = len(ids)
-        ids += prompt
-        pos += range(p)
-        seq += [t] * p
-        branch += [-1] * p
-        lens = []
-        for i in tree:
-            s = samples[i]
-            resp = s.tokens[p:]
-            b0 = len(ids)
-            ids += resp
-            pos += range(p, p + len(resp))
-            seq += [t] * len(resp)
-            branch += [len(order)] * len(resp)
-            lens.append(len(resp))
-            m = s.effective_loss_mask
-            # Response token k is predicted by the prompt's last token (k = 0) or by response token k - 1; with an
-            # empty prompt token 0 has no predictor and is never trained (as in the plain layout).
-            for k in range(0 if p else 1, len(resp)):
-                rows.append(start + p - 1 if k == 0 else b0 + k - 1)
-                labels.append(resp[k])
-                mask.append(float(m[k]))
-            cu_rows.append(len(rows))
-            order.append(i)
-        shapes.append((p, tuple(lens)))
-        cu_trees.append(len(ids))
+    walked = _walk_trees(samples, trees)
+    ids, pos, seq, branch = walked.ids, walked.pos, walked.seq, walked.branch
+    cu_trees, shapes, order, rows = walked.cu_trees, walked.shapes, walked.order, walked.rows
+    labels, mask, cu_rows = walked.labels, walked.mask, walked.cu_rows
     total, m_real = len(ids), len(rows)
     n, m_len = bucketed_length(total, bucket_size), bucketed_length(m_real, bucket_size)
     tail = n - total
@@ -132,8 +146,8 @@ def pack_tree_micro_batch(samples: Sequence[Sample], trees: Sequence[Sequence[in
     pad_rows = m_len - m_real
 
     def per_row(values) -> torch.Tensor:
-        """values[i]: sample i's per-response-token values (a list over all samples, or a dict over this row's) ->
-        [M] on the loss rows (0 on the tail)."""
+        """values[i]: sample i's per-response-token values (a dict over this row's samples) -> [M] on the loss
+        rows (0 on the tail)."""
         flat = []
         for i in order:
             v = values[i]
@@ -158,8 +172,6 @@ def pack_tree_micro_batch(samples: Sequence[Sample], trees: Sequence[Sequence[in
         num_tokens=num_tokens, num_seqs=num_seqs,
         segments=torch.tensor(cu_rows + ([m_len] if pad_rows else []), dtype=torch.int32),
         local_tokens=int(sum(mask)), sample_index=tuple(order),
-        old_logprobs=None if old_logprobs is None else per_row(old_logprobs),
-        ref_logprobs=None if ref_logprobs is None else per_row(ref_logprobs),
         rollout_logprobs=per_row({i: samples[i].rollout_logprobs or (0.0,) * samples[i].response_length
                                   for i in order}) if has_rollout else None,
         trees=layout)
@@ -167,20 +179,18 @@ def pack_tree_micro_batch(samples: Sequence[Sample], trees: Sequence[Sequence[in
 
 def build_shared_micro_batches(samples: Sequence[Sample], *, token_budget: int, bucket_size: int,
                                advantages: Sequence[float] | None = None, pad_id: int = 0, num_ranks: int = 1,
-                               rank: int = 0, old_logprobs: Sequence[Sequence[float]] | None = None,
-                               ref_logprobs: Sequence[Sequence[float]] | None = None) -> list[MicroBatch]:
+                               rank: int = 0) -> list[MicroBatch]:
     """trainer.batching.micro_batches.build_micro_batches with the shared-prompt layout: same arguments, same loss.
 
     The planner balances trees (their row tokens) instead of samples; a rank with fewer micro-batches gets
     all-padding rows (the plain layout's), so every rank runs the same number of forwards.
     """
     adv, num_tokens = check_batch_inputs(samples, token_budget=token_budget, bucket_size=bucket_size,
-                                         advantages=advantages, num_ranks=num_ranks, rank=rank,
-                                         old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
+                                         advantages=advantages, num_ranks=num_ranks, rank=rank)
     trees = prompt_trees(samples, token_budget)
     plan = plan_micro_batches([tree_cost(samples, t) for t in trees], token_budget=token_budget, num_ranks=num_ranks)
     mine = rank_micro_batches(plan, rank)
     common = dict(advantages=adv, bucket_size=bucket_size, pad_id=pad_id, num_tokens=num_tokens,
-                  num_seqs=len(samples), old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
+                  num_seqs=len(samples))
     return [pack_tree_micro_batch(samples, [trees[t] for t in idx], **common) if idx
             else pack_micro_batch(samples, [], **common) for idx in mine]

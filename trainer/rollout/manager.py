@@ -180,10 +180,6 @@ class AsyncRolloutManager:
         """The trainer's current weight version (drives the staleness bound of cached partial samples)."""
         self.weight_version = int(version)
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._in_flight)
-
     # ----------------------------------------------------------------------------------------- engine calls
     @staticmethod
     async def _health(engine: InferenceEngine) -> None:

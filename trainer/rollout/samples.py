@@ -108,24 +108,6 @@ def compute_response_lengths(samples: Sequence[Sample]) -> list[int]:
     return [s.response_length for s in samples]
 
 
-def extract_sample_fields(samples: Sequence[Sample], fields: Sequence[str] = (
-        "tokens", "response_length", "loss_mask", "reward", "group_index", "rollout_logprobs",
-        "weight_version", "status")) -> dict[str, list[Any]]:
-    """Column view of a batch: {field: [value per sample]}; `loss_mask` is the effective mask (all ones
-    when the sample has none), so the trainer never special-cases None."""
-    out: dict[str, list[Any]] = {}
-    for f in fields:
-        if f == "loss_mask":
-            out[f] = [list(s.effective_loss_mask) for s in samples]
-        elif f in ("tokens", "rollout_logprobs"):
-            out[f] = [None if getattr(s, f) is None else list(getattr(s, f)) for s in samples]
-        elif hasattr(Sample, f) or f in Sample.__dataclass_fields__:
-            out[f] = [getattr(s, f) for s in samples]
-        else:
-            raise ValueError(f"fields: Sample has no field {f!r}")
-    return out
-
-
 def prompt_token_ids(tokenizer: Any, text: str, *, chat: bool, system: str | None = None) -> list[int]:
     """The token ids a rollout (or an evaluation) sends for a prompt: a user turn of the chat template (after a
     system turn when `system` is given) followed by the assistant header when `chat`, else the bare text without
@@ -151,6 +133,16 @@ def stop_token_ids(tokenizer: Any, *, chat: bool, extra: Sequence[int] = (),
     if chat:
         stops.update(end_of_turn_ids(tokenizer))
     return sorted(stops)
+
+
+def pad_token_id(tokenizer: Any) -> int:
+    """The id packed micro-batches pad with: the tokenizer's pad token, else its eos (padding is masked out of every
+    loss, so any id of the vocabulary works)."""
+    for pad in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if pad is not None:
+            return int(pad)
+    raise ValueError(f"tokenizer {type(tokenizer).__name__}: has neither a pad nor an eos token, so packed batches "
+                     f"have nothing to pad with; set tokenizer.pad_token (e.g. to an unused special token)")
 
 
 def end_of_turn_ids(tokenizer: Any) -> list[int]:
@@ -205,14 +197,6 @@ def convert_to_batch(groups: Sequence[Sequence[Sample]], *, current_weight_versi
     return RolloutBatch(samples=tuple(samples),
                         metadata=build_batch_metadata(samples, current_weight_version=current_weight_version,
                                                       counters=counters))
-
-
-def group_advantage_ready(batch: RolloutBatch, n_samples_per_prompt: int) -> bool:
-    """True when every group of the batch holds exactly n samples (what GRPO normalisation expects)."""
-    counts: dict[int, int] = {}
-    for s in batch.samples:
-        counts[s.group_index] = counts.get(s.group_index, 0) + 1
-    return all(c == n_samples_per_prompt for c in counts.values())
 
 
 def sample_to_dict(s: Sample) -> dict[str, Any]:

@@ -27,17 +27,16 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from engines.protocol import WeightSyncEndpoint
 from engines.weight_sync.wire import (
     COLOCATED_BUCKET_BYTES,
     DEFAULT_BUCKET_BYTES,
     DEFAULT_GROUP_NAME,
-    SHM_DIR,
     WeightSyncError,
     broadcast_async,
     build_group,
@@ -53,121 +52,18 @@ from engines.weight_sync.wire import (
     shutdown_group,
     wait_work,
 )
+from trainer.weight_sync.common import EngineCalls, any_rank, from_rank0, full_tensor, named_weights, trainer_rank
 
 TRANSPORTS = ("auto", "broadcast", "colocated")
-MODES = ("auto", "bucketed", "per_tensor")
-
-
-def named_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """(name, parameter) in a fixed order; FSDP2 keeps the HF names; torch.compile's `_orig_mod.` is stripped.
-    Tied weights appear once (named_parameters de-duplicates), as HF's load_state_dict expects."""
-    return [(n.replace("_orig_mod.", ""), p) for n, p in model.named_parameters()]
-
-
-def full_tensor(p: torch.Tensor) -> torch.Tensor:
-    """The unsharded value: a collective for FSDP2 DTensors (every rank must call it, in the same order)."""
-    from torch.distributed.tensor import DTensor
-
-    return p.full_tensor() if isinstance(p, DTensor) else p
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _trainer_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _any_rank(flag: bool, device: torch.device) -> bool:
-    """True on every trainer rank when `flag` is True on any (one tiny all-reduce; no-op on one process)."""
-    if not _distributed():
-        return flag
-    t = torch.full((1,), int(flag), dtype=torch.int32, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())  # host sync: every rank needs the sync's outcome before it goes on
-
-
-def _from_rank0(value):
-    """Rank 0's `value` on every trainer rank (the trainer's own group; no-op on one process)."""
-    if not _distributed():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-class _HttpCalls:
-    """Runs `make_call(i, engine)` for every engine concurrently (trio + httpx) in a helper thread; records the
-    first error, naming the engine."""
-
-    def __init__(self, engines: Sequence, make_call: Callable, what: str):
-        self.error: BaseException | None = None
-        self.results: list = [None] * len(engines)
-        self._thread = threading.Thread(target=self._run, args=(list(engines), make_call, what), daemon=True)
-        self._thread.start()
-
-    def _run(self, engines, make_call, what):
-        import trio
-
-        async def one(i, eng):
-            try:
-                self.results[i] = await make_call(i, eng)
-            except BaseException as e:  # noqa: BLE001 - reported to the waiting trainer thread
-                if self.error is None:
-                    self.error = WeightSyncError(f"engine {getattr(eng, 'url', eng)} failed {what}: "
-                                                 f"{type(e).__name__}: {e}")
-
-        async def main():
-            async with trio.open_nursery() as nursery:
-                for i, eng in enumerate(engines):
-                    nursery.start_soon(one, i, eng)
-
-        trio.run(main)
-
-    def check(self) -> None:
-        if self.error is not None:
-            raise self.error
-
-    def join(self, timeout_s: float, what: str) -> list:
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            raise WeightSyncError(f"{what}: no HTTP answer from every engine within {timeout_s:.0f}s")
-        self.check()
-        return self.results
-
-
-async def _world_size(eng) -> int:
-    """How many ranks an engine takes in the weight-update group (a vLLM engine reports tp * pp * dp); else 1."""
-    return int(await eng.world_size()) if hasattr(eng, "world_size") else 1
-
-
-async def _formats(eng) -> tuple[str, ...]:
-    """The /update_weights_from_distributed formats an engine reads: asked where the engine can say (an SGLang
-    client asks its server's /get_server_info: a stock SGLang lists none and gets "direct"); an in-process adapter
-    of this project that cannot be asked (the vLLM plugin's, test receivers) reads both."""
-    if hasattr(eng, "weight_formats"):
-        return tuple(await eng.weight_formats())
-    return ("direct", "flattened_bucket")
-
-
-async def _probe(eng) -> dict:
-    """An engine's device identity and dtype; {} for an engine without the colocated route (stock SGLang, vLLM)."""
-    if not hasattr(eng, "colocated_weights") or not getattr(eng, "extensions", True):
-        return {}
-    try:
-        return await eng.colocated_weights({"op": "probe"})
-    except Exception as e:  # noqa: BLE001 - only a missing route means "not colocated"
-        if "HTTP 404" in str(e) or "HTTP 405" in str(e):
-            return {}
-        raise
+BUCKETING_MODES = ("auto", "bucketed", "per_tensor")  # WeightSyncSender(mode=...): the broadcast's wire format
 
 
 class WeightSyncSender:
     """The trainer's side of weight sync (mutable: the group, the slots, the version).
 
     Call from every trainer rank (FSDP2 gathers are collectives); only rank 0 talks to engines.
-    engines: SGLang-protocol clients (engines.sglang.SGLangEngine) or vLLM's, each one process = one rank.
+    engines: what engines.protocol.WeightSyncEndpoint declares (every engine engines.registry builds); each one
+    takes `await eng.world_size()` ranks of the group.
     dtype: the dtype sent (and gathered in); None = the engines' own dtype (asked at init_group), else the model's.
     bucket_bytes: None = 512 MiB for broadcast, COLOCATED_BUCKET_BYTES when an engine is colocated.
     mode: "auto" (negotiated at init_group: the bucketed `flattened_bucket` format when every broadcast engine
@@ -178,12 +74,12 @@ class WeightSyncSender:
     "colocated" (an error for an engine that is not).
     """
 
-    def __init__(self, model: nn.Module, engines: Sequence, *, dtype: torch.dtype | None = None,
+    def __init__(self, model: nn.Module, engines: Sequence[WeightSyncEndpoint], *, dtype: torch.dtype | None = None,
                  bucket_bytes: int | None = None, backend: str | None = None, timeout_s: float = 300.0,
                  master_address: str = "127.0.0.1", master_port: int = 0, group_name: str = DEFAULT_GROUP_NAME,
                  mode: str = "auto", transport: str = "auto", weight_version: int = 0):
-        if mode not in MODES:
-            raise ValueError(f"mode={mode!r}: use one of {MODES}")
+        if mode not in BUCKETING_MODES:
+            raise ValueError(f"mode={mode!r}: use one of {BUCKETING_MODES}")
         if transport not in TRANSPORTS:
             raise ValueError(f"transport={transport!r}: use one of {TRANSPORTS}")
         if mode == "per_tensor" and transport == "colocated":
@@ -203,7 +99,7 @@ class WeightSyncSender:
         self.master_address, self.master_port, self.group_name = master_address, master_port, group_name
         self.weight_version = weight_version
         self.per_tensor = mode == "per_tensor"  # the broadcast format, decided at init_group under "auto"
-        self.rank = _trainer_rank()
+        self.rank = trainer_rank()
         self.meta = self._plan()
         self.group: dist.ProcessGroup | None = None
         self._group_name = ""
@@ -239,9 +135,9 @@ class WeightSyncSender:
             try:
                 decided = self._decide()
             finally:
-                shared = _from_rank0(decided)
+                shared = from_rank0(decided)
         else:
-            shared = _from_rank0(None)
+            shared = from_rank0(None)
         if shared is None:
             raise WeightSyncError("trainer rank 0 could not reach the engines (see its error)")
         dtype_name, self.broadcast_to, self.colocated, split, self.per_tensor = shared
@@ -264,9 +160,9 @@ class WeightSyncSender:
         """(dtype to send, broadcast engine indices, colocated engine indices, whether to split parameters larger
         than a bucket: only when every engine is one of ours, which reads row_offsets, whether the broadcast goes
         one tensor at a time) from the engines' probes and the formats they list."""
-        probes = _HttpCalls(self.engines, lambda i, eng: _probe(eng), "the colocation probe").join(
+        probes = EngineCalls(self.engines, lambda i, eng: eng.colocation_info(), "the colocation probe").join(
             self.timeout_s, "colocation probe")
-        formats = _HttpCalls(self.engines, lambda i, eng: _formats(eng), "the format probe").join(
+        formats = EngineCalls(self.engines, lambda i, eng: eng.weight_formats(), "the format probe").join(
             self.timeout_s, "format probe")
         ours = device_identity(self.device)
         dtypes = {p["dtype"] for p in probes if p.get("dtype")}
@@ -278,7 +174,7 @@ class WeightSyncSender:
             raise WeightSyncError(f"engines serve different dtypes {sorted(dtypes)}: pass dtype= explicitly")
         same = [self.mode != "per_tensor" and is_colocated(ours, p) for p in probes]
         if self.transport == "colocated" and not all(same):
-            bad = [getattr(e, "url", e) for e, s in zip(self.engines, same) if not s]
+            bad = [e.url for e, s in zip(self.engines, same) if not s]
             raise WeightSyncError(f"transport='colocated' but engines {bad} do not share this trainer's device "
                                   f"{ours}; use transport='auto' or 'broadcast'")
         if self.transport == "broadcast":
@@ -286,7 +182,7 @@ class WeightSyncSender:
         broadcast = [i for i, s in enumerate(same) if not s]
         stock = [i for i in broadcast if "flattened_bucket" not in formats[i]]
         if self.mode == "bucketed" and stock:
-            raise WeightSyncError(f"mode='bucketed' but engines {[getattr(self.engines[i], 'url', i) for i in stock]}"
+            raise WeightSyncError(f"mode='bucketed' but engines {[self.engines[i].url for i in stock]}"
                                   f" do not list 'flattened_bucket' in /get_server_info (a stock SGLang); use "
                                   f"mode='auto' or 'per_tensor'")
         per_tensor = self.mode == "per_tensor" or bool(stock)
@@ -300,7 +196,8 @@ class WeightSyncSender:
         name = f"{self.group_name}_{self._generation}"
         engines = [self.engines[i] for i in self.broadcast_to]
         # An engine with tensor/pipeline parallelism takes one rank per worker: offsets from each one's world size
-        sizes = _HttpCalls(engines, lambda k, eng: _world_size(eng), "world_size").join(self.timeout_s, "world_size")
+        sizes = EngineCalls(engines, lambda k, eng: eng.world_size(), "world_size").join(self.timeout_s, "world_size")
+        sizes = [int(n) for n in sizes]
         offsets = [1 + sum(sizes[:k]) for k in range(len(engines))]
         world = 1 + sum(sizes)
 
@@ -309,7 +206,7 @@ class WeightSyncSender:
                                                  rank_offset=offsets[k], world_size=world, group_name=name,
                                                  backend=self.backend, timeout_s=self.timeout_s)
 
-        calls = _HttpCalls(engines, call, "init_weights_update_group")
+        calls = EngineCalls(engines, call, "init_weights_update_group")
         result: dict = {}
 
         def build():  # in a thread: a peer that never joins must not hang the trainer (NCCL init included)
@@ -340,7 +237,7 @@ class WeightSyncSender:
         try:
             body = {"op": "attach", "slots": extra["wire"], "channel": address, "timeout_s": self.timeout_s}
             engines = [self.engines[i] for i in self.colocated]
-            calls = _HttpCalls(engines, lambda k, eng: eng.colocated_weights({**body, "index": k}), "attach")
+            calls = EngineCalls(engines, lambda k, eng: eng.colocated_weights({**body, "index": k}), "attach")
             calls.join(self.timeout_s, "colocated attach")
             self._channel.settimeout(self.timeout_s)
             for _ in engines:
@@ -387,7 +284,7 @@ class WeightSyncSender:
                 error = e
         for _ in gathered:  # ranks > 0 take part in the gathers only; rank 0 finishes them after a failure
             pass
-        if _any_rank(error is not None, self.device):
+        if any_rank(error is not None, self.device):
             if error is not None:
                 raise error
             raise WeightSyncError("the weight sync failed on trainer rank 0 (its error says why); fix it and call "
@@ -412,7 +309,7 @@ class WeightSyncSender:
                 return eng.colocated_weights(colocated_body)
             return eng.update_weights_from_distributed(body)
 
-        calls = _HttpCalls(self.engines, call, "the weight update")
+        calls = EngineCalls(self.engines, call, "the weight update")
         try:
             if self.per_tensor and not self._socks:
                 self._send_per_tensor(gathered, calls)
@@ -427,20 +324,20 @@ class WeightSyncSender:
             raise
         self.last_sync_s = time.perf_counter() - t0
 
-    def _explain(self, err: WeightSyncError, calls: _HttpCalls) -> WeightSyncError:
+    def _explain(self, err: WeightSyncError, calls: EngineCalls) -> WeightSyncError:
         """A transport error does not say which engine died; its HTTP call usually does, a moment later."""
         calls._thread.join(min(2.0, self.timeout_s))
         if calls.error is not None and calls.error is not err:
             return WeightSyncError(f"{calls.error} (transport: {err}); restart the engine and call init_group()")
-        urls = ", ".join(getattr(e, "url", str(e)) for e in self.engines)
+        urls = ", ".join(e.url for e in self.engines)
         return WeightSyncError(f"{err} (engines: {urls}); restart the failed engine and call init_group()")
 
-    def _send_per_tensor(self, gathered: Iterator, calls: _HttpCalls) -> None:
+    def _send_per_tensor(self, gathered: Iterator, calls: EngineCalls) -> None:
         for i, t in gathered:
             work = broadcast_async(self.group, t.contiguous())
             wait_work(work, timeout_s=self.timeout_s, what=f"broadcast of {self.meta.names[i]}", check=calls.check)
 
-    def _send_buckets(self, gathered: Iterator, calls: _HttpCalls, on_bucket) -> None:
+    def _send_buckets(self, gathered: Iterator, calls: EngineCalls, on_bucket) -> None:
         sizes = self.meta.bucket_nbytes
         if not self._slots or self._slots[0].numel() < max(sizes):  # broadcast-only: plain buffers, kept
             self._slots = [torch.empty(max(sizes), dtype=torch.uint8, device=self.device) for _ in range(2)]
@@ -467,7 +364,7 @@ class WeightSyncSender:
                 self._free_slot(b + 2, inflight, calls)
         self._seq += len(sizes)
 
-    def _free_slot(self, b: int, inflight: list, calls: _HttpCalls) -> None:
+    def _free_slot(self, b: int, inflight: list, calls: EngineCalls) -> None:
         """Before packing bucket b into slot b % 2: bucket b-2's broadcast finished and every colocated engine
         signalled that it copied bucket b-2 out (on CUDA, the pack then waits for their copy on the GPU)."""
         s = b % 2
@@ -477,14 +374,14 @@ class WeightSyncSender:
         if b < 2:
             return
         for i, sock in self._socks.items():
-            what = f"engine {getattr(self.engines[i], 'url', i)} copying bucket {b - 2}"
+            what = f"engine {self.engines[i].url} copying bucket {b - 2}"
             got = recv_seq(sock, timeout_s=self.timeout_s, what=what, check=calls.check)
             if got != self._seq + b - 1:
                 raise WeightSyncError(f"{what}: signal {got} out of order (expected {self._seq + b - 1})")
         if self._events is not None:
             torch.cuda.current_stream(self.device).wait_event(self._events[s][1])
 
-    def _hand_out(self, b: int, calls: _HttpCalls, on_bucket):
+    def _hand_out(self, b: int, calls: EngineCalls, on_bucket):
         """Bucket b is packed in slot b % 2: broadcast it (async) and signal the colocated engines."""
         work = None
         if self.group is not None and not self.per_tensor:
@@ -504,7 +401,6 @@ def _unlink(path: str) -> None:
         os.unlink(path)
 
 
-# ----------------------------------------------------------------------------------------------- fleets
 def default_master_address(urls: Sequence[str]) -> str:
     """The weight-update group's address: 127.0.0.1 when every engine is on this host (loopback URLs), else the
     address of this host on the route to the first remote engine (a UDP connect sends no packet)."""
@@ -522,168 +418,3 @@ def default_master_address(urls: Sequence[str]) -> str:
         except OSError as e:
             raise WeightSyncError(f"no route from this host to engine host {remote[0]!r} ({e}); set [engines] "
                                   f"master_address to this host's address the engines can reach") from e
-
-
-def _shm_or_tmp() -> str:
-    import tempfile
-
-    return SHM_DIR if os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK) else tempfile.gettempdir()
-
-
-class DiskWeightSync:
-    """The disk fallback, for when no weight-update group can form (a firewall, an engine of another kind): each
-    sync writes a consolidated safetensors folder (full tensors, HF names, the sent dtype) atomically (a temporary
-    folder renamed into place, so an engine never reads a half-written one) and asks every engine to reload it
-    (SGLang's /update_weights_from_disk, vLLM's reload_weights). Same interface as WeightSyncSender.
-
-    folder: where the versions go (default /dev/shm when writable, else the temp dir); the engines must read the
-    same path (same host, or a shared file system). Only the newest version is kept."""
-
-    def __init__(self, model: nn.Module, engines: Sequence, *, folder: str | None = None,
-                 dtype: torch.dtype | None = None, timeout_s: float = 300.0, weight_version: int = 0):
-        self.model, self.engines = model, list(engines)
-        missing = [getattr(e, "url", e) for e in self.engines if not hasattr(e, "update_weights_from_disk")]
-        if missing:
-            raise ValueError(f"sync='disk': engines {missing} have no update_weights_from_disk; use sync='group'")
-        params = named_weights(model)
-        self.dtype = dtype or params[0][1].dtype
-        self.folder = os.path.abspath(folder or os.path.join(_shm_or_tmp(), f"rlkernels-disk-sync-{os.getpid()}"))
-        self.timeout_s, self.weight_version = timeout_s, weight_version
-        self.rank = _trainer_rank()
-        self.device = params[0][1].device
-        self.last_sync_s = float("nan")
-        self._current: str | None = None
-
-    def init_group(self) -> None:
-        """Nothing to form; checks the folder is writable (rank 0)."""
-        if self.rank == 0:
-            os.makedirs(self.folder, exist_ok=True)
-
-    def write(self, version: int) -> str | None:
-        """Gather every parameter (all ranks) and, on rank 0, write folder/v{version} atomically; returns it."""
-        import json
-        import shutil
-        import uuid
-
-        from safetensors.torch import save_file
-
-        with torch.no_grad():
-            full = {n: full_tensor(p.detach().to(self.dtype)) for n, p in named_weights(self.model)}
-        if self.rank != 0:
-            return None
-        final = os.path.join(self.folder, f"v{version}")
-        tmp = os.path.join(self.folder, f".tmp-v{version}-{uuid.uuid4().hex[:8]}")
-        os.makedirs(tmp)
-        try:
-            save_file({n: t.cpu().contiguous() for n, t in full.items()}, os.path.join(tmp, "model.safetensors"),
-                      metadata={"format": "pt", "weight_version": str(version)})
-            config = getattr(self.model, "config", None)
-            if config is not None and hasattr(config, "to_json_string"):
-                with open(os.path.join(tmp, "config.json"), "w") as f:
-                    f.write(config.to_json_string())
-            else:
-                with open(os.path.join(tmp, "weight_version.json"), "w") as f:
-                    json.dump({"weight_version": version}, f)
-            if os.path.exists(final):
-                shutil.rmtree(final)
-            os.rename(tmp, final)  # atomic on one file system: readers see no folder or a complete one
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return final
-
-    def sync(self, weight_version: int | None = None, on_bucket=None) -> int:
-        import shutil
-
-        version = self.weight_version + 1 if weight_version is None else weight_version
-        t0 = time.perf_counter()
-        path = self.write(version)
-        error = None
-        if self.rank == 0:
-            try:
-                _HttpCalls(self.engines, lambda i, eng: eng.update_weights_from_disk(path, weight_version=version),
-                           "update_weights_from_disk").join(self.timeout_s, "the disk weight update")
-                if self._current is not None and self._current != path:
-                    shutil.rmtree(self._current, ignore_errors=True)
-                self._current = path
-            except BaseException as e:  # noqa: BLE001 - re-raised below, after the other ranks heard of it
-                error = e
-        if _any_rank(error is not None, self.device):
-            raise error if error is not None else WeightSyncError("the disk sync failed on trainer rank 0")
-        self.weight_version = version
-        self.last_sync_s = time.perf_counter() - t0
-        return version
-
-    def close(self) -> None:
-        import shutil
-
-        if self.rank == 0 and self._current is not None:
-            shutil.rmtree(self._current, ignore_errors=True)
-            self._current = None
-
-
-# ----------------------------------------------------------------------------------------------- verification
-@dataclass(frozen=True)
-class VerifyResult:
-    """max |engine log-prob - trainer log-prob| per engine over the probe tokens, and the versions engines report."""
-
-    max_abs_diff: tuple[float, ...]
-    versions: tuple[int, ...]
-    expected_version: int
-    tol: float
-
-    @property
-    def ok(self) -> bool:
-        return all(d <= self.tol for d in self.max_abs_diff) and all(v == self.expected_version
-                                                                        for v in self.versions)
-
-
-# fp32 both sides: the only difference is batched/cached vs one-shot attention arithmetic. bf16: one bf16 rounding
-# of logits-scale values (~2^-8 relative at |logit| ~ 10) dominates.
-VERIFY_TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}
-
-
-def verify_tolerance(*dtypes: torch.dtype) -> float:
-    """The loosest tolerance among the dtypes that computed the two sides' logits."""
-    return max(VERIFY_TOL.get(d, 5e-2) for d in dtypes)
-
-
-def verify_sync(model: nn.Module, engines: Sequence, probe_prompts: Sequence[Sequence[int]], *,
-                expected_version: int, max_new_tokens: int = 8, tol: float | None = None,
-                engine_dtype: torch.dtype | None = None) -> VerifyResult:
-    """Generate greedily from `probe_prompts` on every engine, recompute the log-prob of each generated token with
-    the trainer's model, compare. Call on every trainer rank (an FSDP2 forward is collective); rank 0 asks the
-    engines and shares their answers over the trainer's default group.
-
-    tol None: from the compute dtypes, the dtype the trainer's forward produced its logits in (bf16 under FSDP2
-    mixed precision even with fp32 parameters) and `engine_dtype` when given."""
-    from engines.protocol import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True)
-    answers = None
-    if _trainer_rank() == 0:
-        calls = _HttpCalls(engines, lambda i, eng: eng.generate([list(p) for p in probe_prompts], params),
-                           "generate")
-        answers = calls.join(300.0, "verify_sync generate")
-        answers = [[[(c.output_ids, c.logprobs, c.weight_version) for c in group] for group in per_engine]
-                   for per_engine in answers]
-    answers = _from_rank0(answers)
-    diffs, versions, compute = [], [], set()
-    device = next(model.parameters()).device
-    with torch.no_grad():
-        for per_engine in answers:
-            worst = 0.0
-            for prompt, group in zip(probe_prompts, per_engine):
-                ids, lps, version = group[0]
-                versions.append(version)
-                seq = torch.tensor([list(prompt) + ids], device=device)
-                logits = model(input_ids=seq).logits
-                compute.add(logits.dtype)
-                logits = logits.float()[0, len(prompt) - 1:-1]
-                ours = logits.log_softmax(-1).gather(-1, torch.tensor(ids, device=device)[:, None])[:, 0]
-                worst = max(worst, (ours.cpu() - torch.tensor(lps)).abs().max().item())  # host sync: a check
-            diffs.append(worst)
-    if tol is None:
-        tol = verify_tolerance(*compute, *([engine_dtype] if engine_dtype is not None else []))
-    per_engine_versions = tuple(versions[i * len(probe_prompts)] for i in range(len(answers)))
-    return VerifyResult(tuple(diffs), per_engine_versions, expected_version, tol)

@@ -1,0 +1,118 @@
+"""The one place that builds engine objects: an `EngineSpec` (a run config's engine entry) -> an `InferenceEngine`.
+
+Every engine the project talks to (rollouts, evaluation, weight sync) is built here, from a config entry, by the
+builder its kind names in `ENGINE_KINDS`. Adding an engine kind is one adapter module implementing
+`engines.protocol.InferenceEngine` plus one entry in `ENGINE_KINDS`; the config validation (`EngineSpec`), the CLI
+and the weight sync need no change.
+
+Kinds:
+    "sglang"    a SGLang server at `url` (`engines.sglang.SGLangEngine`; `tp_size` ranks in the weight-update group)
+    "vllm"      a vLLM server at `url` with this project's weight-transfer plugin (`engines.vllm.VLLMEngine`;
+                `model`: its served model name, default the model folder)
+    "embedded"  this project's embedded engine process, spoken to over SGLang's protocol; an entry without `url`
+                is started by the run (trainer.cli.engines_for), which fills the URL in before it is built
+    "local"     the embedded engine inside this process, no HTTP (`engines.local.LocalEngine`, built from the
+                model folder and the run's seed); the caller owns it and calls its `close()`
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+from engines.protocol import InferenceEngine
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+    """One engine of a run's fleet ([engines].fleet entry). Validated on construction; the errors name the field.
+
+    kind: a key of ENGINE_KINDS. url: the server's http(s):// address (None: an "embedded" engine the run starts,
+    or the in-process "local" one). tp_size: the engine's tensor-parallel workers, each one rank of the
+    weight-update group (1 for single-device kinds). model: vLLM's served model name (None: the model folder)."""
+
+    kind: str
+    url: str | None = None
+    tp_size: int = 1
+    model: str | None = None
+
+    def __post_init__(self):
+        entry = ENGINE_KINDS.get(self.kind) if isinstance(self.kind, str) else None
+        if entry is None:
+            raise ValueError(f"kind = {self.kind!r}: choose one of {tuple(ENGINE_KINDS)}")
+        if self.url is None and entry.url == "required":
+            raise ValueError(f"kind {self.kind!r} needs a url (only kind = \"embedded\" is started by the run)")
+        if self.url is not None and entry.url == "none":
+            raise ValueError(f"url = {self.url!r}: kind {self.kind!r} runs inside this process and takes no url; "
+                             f"drop it, or use kind = \"embedded\" for an engine server at a URL")
+        if self.url is not None and not (isinstance(self.url, str) and self.url.startswith(("http://", "https://"))):
+            raise ValueError(f"url = {self.url!r}: give an http(s):// URL")
+        tp = self.tp_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tp_size = {tp!r}: the engine's tensor-parallel size, an int >= 1")
+        if entry.single_device and tp != 1:
+            raise ValueError(f"tp_size = {tp}: the {self.kind} engine runs on one device; tp_size must be 1")
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"model = {self.model!r}: the served model name, a string (None: the model folder)")
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildOptions:
+    """What every builder may use beside the spec: the run's model folder and seed, the API key, HTTP limits."""
+
+    model_folder: str
+    api_key: str | None = None
+    seed: int = 0
+    connect_timeout_s: float = 10.0
+    max_connections: int = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineKind:
+    """A registry entry. build: (spec with its url filled in, options) -> engine. url: "required", "optional"
+    (None: the run starts the engine and fills it in) or "none" (in process). single_device: tp_size must be 1."""
+
+    build: Callable[[EngineSpec, BuildOptions], InferenceEngine]
+    url: str = "required"
+    single_device: bool = False
+
+
+def _sglang(spec: EngineSpec, opts: BuildOptions) -> InferenceEngine:
+    from engines.sglang import SGLangEngine
+
+    return SGLangEngine(spec.url, api_key=opts.api_key, tp_size=spec.tp_size, connect_timeout_s=opts.connect_timeout_s,
+                        max_connections=opts.max_connections)
+
+
+def _vllm(spec: EngineSpec, opts: BuildOptions) -> InferenceEngine:
+    from engines.vllm import VLLMEngine
+
+    return VLLMEngine(spec.url, spec.model or opts.model_folder, api_key=opts.api_key)
+
+
+def _local(spec: EngineSpec, opts: BuildOptions) -> InferenceEngine:
+    from engines.local import LocalEngine
+
+    return LocalEngine(opts.model_folder, seed=opts.seed)
+
+
+ENGINE_KINDS: dict[str, EngineKind] = {
+    "sglang": EngineKind(_sglang),
+    "vllm": EngineKind(_vllm),
+    "embedded": EngineKind(_sglang, url="optional", single_device=True),
+    "local": EngineKind(_local, url="none", single_device=True),
+}
+
+
+def build_engine(spec: EngineSpec, *, model_folder: str | Path, api_key: str | None = None, seed: int = 0,
+                 connect_timeout_s: float = 10.0, max_connections: int = 64) -> InferenceEngine:
+    """The engine object for `spec` (its kind's builder). An "embedded" spec must carry the URL of the started
+    engine by now; a "local" engine is started here, in this process (close it with `close()`)."""
+    entry = ENGINE_KINDS[spec.kind]
+    if spec.url is None and entry.url == "optional":
+        raise ValueError(f"kind {spec.kind!r} without a url: start the engine first (trainer.cli.engines_for "
+                         f"starts one per such entry) and build it from EngineSpec(kind, url=<its URL>)")
+    opts = BuildOptions(model_folder=str(model_folder), api_key=api_key, seed=seed,
+                        connect_timeout_s=connect_timeout_s, max_connections=max_connections)
+    return entry.build(spec, opts)

@@ -1,0 +1,93 @@
+"""What the sender, the disk fallback and the verification share: the parameters in their fixed order and their
+full values, the trainer's rank and its agreement helpers, and concurrent calls to every engine."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engines.protocol import WeightSyncEndpoint
+from engines.weight_sync.wire import WeightSyncError
+
+
+def named_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, parameter) in a fixed order; FSDP2 keeps the HF names; torch.compile's `_orig_mod.` is stripped.
+    Tied weights appear once (named_parameters de-duplicates), as HF's load_state_dict expects."""
+    return [(n.replace("_orig_mod.", ""), p) for n, p in model.named_parameters()]
+
+
+def full_tensor(p: torch.Tensor) -> torch.Tensor:
+    """The unsharded value: a collective for FSDP2 DTensors (every rank must call it, in the same order)."""
+    from torch.distributed.tensor import DTensor
+
+    return p.full_tensor() if isinstance(p, DTensor) else p
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def trainer_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every trainer rank when `flag` is True on any (one tiny all-reduce; no-op on one process)."""
+    if not is_distributed():
+        return flag
+    t = torch.full((1,), int(flag), dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())  # host sync: every rank needs the sync's outcome before it goes on
+
+
+def from_rank0(value):
+    """Rank 0's `value` on every trainer rank (the trainer's own group; no-op on one process)."""
+    if not is_distributed():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class EngineCalls:
+    """Runs `make_call(i, engine)` for every engine concurrently (trio + httpx) in a helper thread; records the
+    first error, naming the engine."""
+
+    def __init__(self, engines: Sequence[WeightSyncEndpoint], make_call: Callable, what: str):
+        self.error: BaseException | None = None
+        self.results: list = [None] * len(engines)
+        self._thread = threading.Thread(target=self._run, args=(list(engines), make_call, what), daemon=True)
+        self._thread.start()
+
+    def _run(self, engines, make_call, what):
+        import trio
+
+        async def one(i, eng):
+            try:
+                self.results[i] = await make_call(i, eng)
+            except BaseException as e:  # noqa: BLE001 - reported to the waiting trainer thread
+                if self.error is None:
+                    self.error = WeightSyncError(f"engine {eng.url} failed {what}: "
+                                                 f"{type(e).__name__}: {e}")
+
+        async def main():
+            async with trio.open_nursery() as nursery:
+                for i, eng in enumerate(engines):
+                    nursery.start_soon(one, i, eng)
+
+        trio.run(main)
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def join(self, timeout_s: float, what: str) -> list:
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise WeightSyncError(f"{what}: no HTTP answer from every engine within {timeout_s:.0f}s")
+        self.check()
+        return self.results

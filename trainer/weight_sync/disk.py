@@ -1,0 +1,110 @@
+"""The disk fallback of the weight sync: a safetensors folder per version, reloaded by every engine."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from engines.protocol import WeightSyncEndpoint
+from engines.weight_sync.wire import SHM_DIR, WeightSyncError
+from trainer.weight_sync.common import EngineCalls, any_rank, full_tensor, named_weights, trainer_rank
+
+
+def _shm_or_tmp() -> str:
+    import tempfile
+
+    return SHM_DIR if os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK) else tempfile.gettempdir()
+
+
+class DiskWeightSync:
+    """The disk fallback, for when no weight-update group can form (a firewall, an engine of another kind): each
+    sync writes a consolidated safetensors folder (full tensors, HF names, the sent dtype) atomically (a temporary
+    folder renamed into place, so an engine never reads a half-written one) and asks every engine to reload it
+    (SGLang's /update_weights_from_disk, vLLM's reload_weights). Same interface as WeightSyncSender.
+
+    folder: where the versions go (default /dev/shm when writable, else the temp dir); the engines must read the
+    same path (same host, or a shared file system). Only the newest version is kept."""
+
+    def __init__(self, model: nn.Module, engines: Sequence[WeightSyncEndpoint], *, folder: str | None = None,
+                 dtype: torch.dtype | None = None, timeout_s: float = 300.0, weight_version: int = 0):
+        self.model, self.engines = model, list(engines)
+        params = named_weights(model)
+        self.dtype = dtype or params[0][1].dtype
+        self.folder = os.path.abspath(folder or os.path.join(_shm_or_tmp(), f"rlkernels-disk-sync-{os.getpid()}"))
+        self.timeout_s, self.weight_version = timeout_s, weight_version
+        self.rank = trainer_rank()
+        self.device = params[0][1].device
+        self.last_sync_s = float("nan")
+        self._current: str | None = None
+
+    def init_group(self) -> None:
+        """Nothing to form; checks the folder is writable (rank 0)."""
+        if self.rank == 0:
+            os.makedirs(self.folder, exist_ok=True)
+
+    def write(self, version: int) -> str | None:
+        """Gather every parameter (all ranks) and, on rank 0, write folder/v{version} atomically; returns it."""
+        import json
+        import shutil
+        import uuid
+
+        from safetensors.torch import save_file
+        from transformers import PretrainedConfig
+
+        with torch.no_grad():
+            full = {n: full_tensor(p.detach().to(self.dtype)) for n, p in named_weights(self.model)}
+        if self.rank != 0:
+            return None
+        final = os.path.join(self.folder, f"v{version}")
+        tmp = os.path.join(self.folder, f".tmp-v{version}-{uuid.uuid4().hex[:8]}")
+        os.makedirs(tmp)
+        try:
+            save_file({n: t.cpu().contiguous() for n, t in full.items()}, os.path.join(tmp, "model.safetensors"),
+                      metadata={"format": "pt", "weight_version": str(version)})
+            config = getattr(self.model, "config", None)  # a Hugging Face model's; a plain nn.Module has none
+            if isinstance(config, PretrainedConfig):
+                with open(os.path.join(tmp, "config.json"), "w") as f:
+                    f.write(config.to_json_string())
+            else:
+                with open(os.path.join(tmp, "weight_version.json"), "w") as f:
+                    json.dump({"weight_version": version}, f)
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.rename(tmp, final)  # atomic on one file system: readers see no folder or a complete one
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return final
+
+    def sync(self, weight_version: int | None = None, on_bucket=None) -> int:
+        import shutil
+
+        version = self.weight_version + 1 if weight_version is None else weight_version
+        t0 = time.perf_counter()
+        path = self.write(version)
+        error = None
+        if self.rank == 0:
+            try:
+                EngineCalls(self.engines, lambda i, eng: eng.update_weights_from_disk(path, weight_version=version),
+                           "update_weights_from_disk").join(self.timeout_s, "the disk weight update")
+                if self._current is not None and self._current != path:
+                    shutil.rmtree(self._current, ignore_errors=True)
+                self._current = path
+            except BaseException as e:  # noqa: BLE001 - re-raised below, after the other ranks heard of it
+                error = e
+        if any_rank(error is not None, self.device):
+            raise error if error is not None else WeightSyncError("the disk sync failed on trainer rank 0")
+        self.weight_version = version
+        self.last_sync_s = time.perf_counter() - t0
+        return version
+
+    def close(self) -> None:
+        import shutil
+
+        if self.rank == 0 and self._current is not None:
+            shutil.rmtree(self._current, ignore_errors=True)
+            self._current = None
