@@ -11,6 +11,7 @@ import statistics
 import httpx
 import torch
 import trio
+from engine_support import Counted
 
 from engines.embedded.presets import build_tiny_model
 from engines.sglang import SGLangEngine
@@ -29,25 +30,6 @@ ENGINE_SEED, ENGINE_API_KEY = SEED, "k"  # for the shared `engine` fixture (test
 
 def first_token_parity(sample):
     return float(sample.tokens[sample.prompt_length] % 2 == 0)
-
-
-class Counted:
-    """An engine client that counts its generate calls still running: none may be once a batch has returned (no
-    request left behind in the background)."""
-
-    def __init__(self, engine) -> None:
-        self._engine = engine
-        self.running = 0
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-    async def generate(self, prompts, params, *, rids=None):
-        self.running += 1
-        try:
-            return await self._engine.generate(prompts, params, rids=rids)
-        finally:
-            self.running -= 1
 
 
 def _run(manager, buffer):

@@ -16,6 +16,7 @@ import time
 import pytest
 import trio
 import uvicorn
+from engine_support import Counted
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
@@ -155,25 +156,6 @@ def engine(engines):
 
 def _clients(fakes):
     return [Counted(SGLangEngine(e.url)) for e in fakes]
-
-
-class Counted:
-    """An engine client that counts its generate calls still running: none may be once a batch has returned (no
-    request left behind in the background)."""
-
-    def __init__(self, engine) -> None:
-        self._engine = engine
-        self.running = 0
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-    async def generate(self, prompts, params, *, rids=None):
-        self.running += 1
-        try:
-            return await self._engine.generate(prompts, params, rids=rids)
-        finally:
-            self.running -= 1
 
 
 def _buffer(prompts, seed=0):

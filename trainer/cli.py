@@ -30,7 +30,7 @@ import os
 import sys
 import time
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -357,88 +357,119 @@ def sft_examples(prompts: Sequence[Any], tokenizer: Any, fmt: str) -> list[Any]:
 
 
 # ----------------------------------------------------------------------------------------------- run
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """What the phases of one CLI run share, built once in `run`."""
+
+    mode: str
+    cfg: RunConfig
+    phases: PhaseConfigs
+    model_folder: Path  # the HF folder the trainer and the engines load
+    tokenizer: Any  # the model folder's own
+    is_main: bool  # rank 0: starts the engines, evaluates, plots, writes the summary
+    resume: bool
+    summary: dict[str, Any]  # filled as the phases finish; written to <output_dir>/summary.json
+
+
 def run(mode: str, cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     """Run `mode` end to end; returns the summary (also written to <output_dir>/summary.json on rank 0)."""
     from trainer.backend.export import start_folder
-    from trainer.backend.steps import broadcast_from_rank0, build_components, init_distributed
-    from trainer.plot import plot_metrics
-    from trainer.rl import run_rl_training
-    from trainer.rollout.data import config_buffer, config_prompts
-    from trainer.sft import run_sft_training
+    from trainer.backend.steps import broadcast_from_rank0, init_distributed
 
     t_start = time.time()
     out = Path(cfg.output_dir)
-    mesh = init_distributed()
-    is_main = mesh.get_rank() == 0
-    data = cfg.data
-    phases = phase_configs(cfg)
+    is_main = init_distributed().get_rank() == 0
     if is_main and not resume:
         fresh_start(out, mode)
     model_folder = start_folder(cfg, prepare_model_folder(cfg)) if is_main else None
     model_folder = Path(broadcast_from_rank0(str(model_folder)))
-    tokenizer = model_tokenizer(model_folder)
-    reward_fn = data.reward
-    fmt = data.format
-    eval_prompts = config_prompts(data.eval, data.mapping(), where="[data].eval") if data.eval is not None else []
-    if cfg.eval.limit:
-        eval_prompts = eval_prompts[: cfg.eval.limit]
-    api_key = cfg.engines.api_key
-    rl_cfg = phases.rl if mode != "sft" else None
-    summary: dict[str, Any] = {"mode": mode, "config": cfg.name}
+    r = _Run(mode=mode, cfg=cfg, phases=phase_configs(cfg), model_folder=model_folder,
+             tokenizer=model_tokenizer(model_folder), is_main=is_main, resume=resume,
+             summary={"mode": mode, "config": cfg.name})
+    rollout = r.phases.rl.rollout
     engines_cm = engines_for(cfg, model_folder, is_main=is_main) if mode != "sft" else contextlib.nullcontext([])
     with engines_cm as fleet:
         fleet = broadcast_from_rank0(fleet)  # rank 0 started (or was given) the engines
-        limits = ({"connect_timeout_s": rl_cfg.rollout.connect_timeout_s,
-                   "max_connections": rl_cfg.rollout.max_concurrency} if rl_cfg is not None else {})
-        engines = build_engines(fleet, model_folder, api_key=api_key, **limits)
-
-        def accuracy(label: str) -> None:
-            if is_main and eval_prompts and engines:
-                acc = evaluate(engines, eval_prompts, tokenizer=tokenizer, reward_fn=reward_fn,
-                               max_new_tokens=cfg.eval.max_new_tokens or (rl_cfg.rollout.max_new_tokens if rl_cfg
-                                                                          else 16),
-                               chat=fmt == "chat")
-                summary[f"accuracy_{label}"] = acc
-                print(f"[{label}] held-out accuracy: {acc:.3f} on {len(eval_prompts)} problems", flush=True)
-
-        components = None
-        if mode in ("sft+rl", "demo", "rl") and engines:
-            accuracy("before_sft" if mode != "rl" else "before_rl")
-        if mode in ("sft", "sft+rl", "demo"):
-            scfg = phases.sft
-            sft_prompts = config_prompts(data.train if data.sft is None else data.sft, data.mapping(),
-                                         where="[data].sft", seed=cfg.seed)
-            components, sft_state, sft_hist = run_sft_training(
-                str(model_folder), sft_examples(sft_prompts, tokenizer, fmt), scfg, tokenizer=tokenizer, resume=resume,
-                trainer_config=phases.sft_trainer)
-            summary["sft_steps"] = sft_state.step
-            summary["sft_final_loss"] = sft_hist[-1]["loss"] if sft_hist else None
-            if is_main:
-                plot_metrics(Path(scfg.output_dir) / "metrics.jsonl", out / "sft.png", title=f"{cfg.name} SFT")
+        engines = build_engines(fleet, model_folder, api_key=cfg.engines.api_key,
+                                connect_timeout_s=rollout.connect_timeout_s, max_connections=rollout.max_concurrency)
+        accuracy = _evaluator(r, engines)
+        if mode != "sft":
+            accuracy("before_rl" if mode == "rl" else "before_sft")
+        sft_components = _sft_phase(r) if mode in ("sft", "sft+rl", "demo") else None
         if mode in ("rl", "sft+rl", "demo"):
-            tcfg = phases.rl_trainer
-            comp = build_components(components.root if components is not None else str(model_folder), tcfg)
-            sender = build_sender(cfg, comp.model, engines)
-            sender.init_group()
-            if components is not None:  # engines serve the SFT weights from here on
-                sender.sync(weight_version=0)
-                accuracy("after_sft")
-            buffer = config_buffer(data.train, data.mapping(), where="[data].train", seed=cfg.seed)
-            with cores_left_to_trainer(cfg):  # async: the engines generate while the trainer steps
-                comp, state, hist = run_rl_training(None, buffer, rl_cfg, engines=engines, tokenizer=tokenizer,
-                                                    reward_fn=reward_fn, trainer_config=tcfg, components=comp,
-                                                    resume=resume, sender=sender)
-            sender.close()
-            summary["rl_steps"] = state.step
-            summary["rl_final_reward_mean"] = hist[-1]["reward_mean"] if hist else None
-            accuracy("after_rl")
-            if is_main:
-                plot_metrics(Path(rl_cfg.output_dir) / "metrics.jsonl", out / "rl.png", title=f"{cfg.name} GRPO")
-    summary["wall_seconds"] = round(time.time() - t_start, 1)
+            _rl_phase(r, engines, sft_components, accuracy)
+    r.summary["wall_seconds"] = round(time.time() - t_start, 1)
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
+        (out / "summary.json").write_text(json.dumps(r.summary, indent=2) + "\n")
+    return r.summary
+
+
+def _evaluator(r: _Run, engines: Sequence[InferenceEngine]) -> Callable[[str], None]:
+    """`accuracy(label)`: greedy held-out accuracy on [data].eval, into the summary as accuracy_<label> (rank 0; a
+    no-op without an eval set or engines)."""
+    from trainer.rollout.data import config_prompts
+
+    data = r.cfg.data
+    prompts = config_prompts(data.eval, data.mapping(), where="[data].eval") if data.eval is not None else []
+    prompts = prompts[: r.cfg.eval.limit or None]
+    max_new_tokens = r.cfg.eval.max_new_tokens or r.phases.rl.rollout.max_new_tokens
+
+    def accuracy(label: str) -> None:
+        if r.is_main and prompts and engines:
+            acc = evaluate(engines, prompts, tokenizer=r.tokenizer, reward_fn=data.reward,
+                           max_new_tokens=max_new_tokens, chat=data.format == "chat")
+            r.summary[f"accuracy_{label}"] = acc
+            print(f"[{label}] held-out accuracy: {acc:.3f} on {len(prompts)} problems", flush=True)
+
+    return accuracy
+
+
+def _sft_phase(r: _Run) -> Any:
+    """SFT from the model folder; returns the trained TrainingComponents (RL continues from them in memory)."""
+    from trainer.plot import plot_metrics
+    from trainer.rollout.data import config_prompts
+    from trainer.sft import run_sft_training
+
+    data, scfg = r.cfg.data, r.phases.sft
+    prompts = config_prompts(data.train if data.sft is None else data.sft, data.mapping(), where="[data].sft",
+                             seed=r.cfg.seed)
+    components, state, hist = run_sft_training(
+        str(r.model_folder), sft_examples(prompts, r.tokenizer, data.format), scfg, tokenizer=r.tokenizer,
+        resume=r.resume, trainer_config=r.phases.sft_trainer)
+    r.summary.update(sft_steps=state.step, sft_final_loss=hist[-1]["loss"] if hist else None)
+    if r.is_main:
+        plot_metrics(Path(scfg.output_dir) / "metrics.jsonl", Path(r.cfg.output_dir) / "sft.png",
+                     title=f"{r.cfg.name} SFT")
+    return components
+
+
+def _rl_phase(r: _Run, engines: Sequence[InferenceEngine], sft_components: Any,
+              accuracy: Callable[[str], None]) -> None:
+    """GRPO from the SFT weights (in memory) or the model folder, with the engines synced to them first."""
+    from trainer.backend.steps import build_components
+    from trainer.plot import plot_metrics
+    from trainer.rl import run_rl_training
+    from trainer.rollout.data import config_buffer
+
+    data, rl_cfg, tcfg = r.cfg.data, r.phases.rl, r.phases.rl_trainer
+    comp = build_components(sft_components.root if sft_components is not None else str(r.model_folder), tcfg)
+    sender = build_sender(r.cfg, comp.model, engines)
+    sender.init_group()
+    if sft_components is not None:  # engines serve the SFT weights from here on
+        sender.sync(weight_version=0)
+        accuracy("after_sft")
+    buffer = config_buffer(data.train, data.mapping(), where="[data].train", seed=r.cfg.seed)
+    with cores_left_to_trainer(r.cfg):  # async: the engines generate while the trainer steps
+        comp, state, hist = run_rl_training(None, buffer, rl_cfg, engines=engines, tokenizer=r.tokenizer,
+                                            reward_fn=data.reward, trainer_config=tcfg, components=comp,
+                                            resume=r.resume, sender=sender)
+    sender.close()
+    r.summary.update(rl_steps=state.step, rl_final_reward_mean=hist[-1]["reward_mean"] if hist else None)
+    accuracy("after_rl")
+    if r.is_main:
+        plot_metrics(Path(rl_cfg.output_dir) / "metrics.jsonl", Path(r.cfg.output_dir) / "rl.png",
+                     title=f"{r.cfg.name} GRPO")
 
 
 def print_table(summary: dict[str, Any]) -> None:
