@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, GenerationConfig
 
-from engines.tiny import build_tokenizer, tiny_model_config
+from engines.tiny import BOS, EOS, IM_END, PAD, SPECIAL_TOKENS, build_tokenizer, tiny_model_config
 from engines.tokenizer import load_tokenizer
 
 TINY = "tiny"
@@ -24,6 +24,11 @@ def build_tiny_model(seed: int = 0, arch: str = "llama", dtype: torch.dtype = to
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Stock `generate()` on a saved folder stops where our engines do: at <eos> and at the chat template's end of
+    # turn (a chat model's answer ends with <|im_end|>, not <eos>).
+    ids = {t: SPECIAL_TOKENS.index(t) for t in (PAD, BOS, EOS, IM_END)}
+    model.generation_config = GenerationConfig(bos_token_id=ids[BOS], eos_token_id=[ids[EOS], ids[IM_END]],
+                                               pad_token_id=ids[PAD])
     return model.to(dtype).eval()
 
 
