@@ -32,10 +32,10 @@ class EngineSpec:
     or the in-process "local" one). tp_size: the engine's tensor-parallel workers, each one rank of the
     weight-update group (1 for single-device kinds). model: vLLM's served model name (None: the model folder)."""
 
-    kind: str
-    url: str | None = None
-    tp_size: int = 1
-    model: str | None = None
+    kind: str  # "sglang", "vllm", "embedded" or "local" (a key of ENGINE_KINDS)
+    url: str | None = None  # the server's http(s):// address (None: an "embedded" engine the run starts, or "local")
+    tp_size: int = 1  # tensor-parallel workers: each is one rank of the weight-update group
+    model: str | None = None  # vLLM's served model name (None: the model folder)
 
     def __post_init__(self):
         entry = ENGINE_KINDS.get(self.kind) if isinstance(self.kind, str) else None

@@ -123,18 +123,18 @@ class PolicyLossConfig:
     log_entropy: compute the `entropy` metric even when entropy_coef is 0.
     """
 
-    objective: str = "ppo"
-    loss_agg: str = "seq-mean-token-mean"
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    clip_ratio_c: float | None = None
-    kl_coef: float = 0.0
-    kl_type: str = "k3"
-    entropy_coef: float = 0.0
-    rollout_correction: str = "none"
-    tis_cap: float = 2.0
-    max_seq_len: int | None = None
-    log_entropy: bool = False
+    objective: str = "ppo"  # ppo | gspo (sequence-level ratio) | cispo (clipped stop-gradient IS weight)
+    loss_agg: str = "seq-mean-token-mean"  # token-mean | seq-mean-token-mean (GRPO) | seq-mean-token-sum[-norm]
+    clip_low: float = 0.2  # the ratio is clipped below at 1 - clip_low
+    clip_high: float = 0.2  # ... and above at 1 + clip_high (DAPO's clip-higher: > clip_low)
+    clip_ratio_c: float | None = None  # dual-clip bound (> 1) for negative advantages (ppo, gspo); None = off
+    kl_coef: float = 0.0  # weight of the KL to the frozen reference policy (0 = no reference model)
+    kl_type: str = "k3"  # the KL estimator: k1 | k2 | k3 (Schulman's)
+    entropy_coef: float = 0.0  # entropy bonus weight (subtracted from the loss)
+    rollout_correction: str = "none"  # none | tis | mis, against the engine's log-probs (a run file derives it)
+    tis_cap: float = 2.0  # tis: weights truncated at this; mis: tokens kept where the weight is in [1/cap, cap]
+    max_seq_len: int | None = None  # seq-mean-token-sum-norm's normaliser (a run file: rollout.max_new_tokens)
+    log_entropy: bool = False  # compute the `entropy` metric even when entropy_coef is 0
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:

@@ -52,7 +52,8 @@ class Jittered:
 def _run(engine, tmp_path, *, deterministic: bool, jitter_seed: int) -> list[dict]:
     # Async mode: the loss's TIS weights use the engine's log-probs, so the loss itself sees engine numerics. The
     # filter replaces groups whose samples all score the same, so the batch's groups depend on the rewards.
-    rollout = RolloutConfig(rollout_batch_size=4, n_samples_per_prompt=4, max_new_tokens=6, temperature=1.0, seed=5,
+    rollout = RolloutConfig(apply_chat_template=False,
+                            rollout_batch_size=4, n_samples_per_prompt=4, max_new_tokens=6, temperature=1.0, seed=5,
                             max_staleness=1, dynamic_filters=("check_reward_nonzero_std",))
     cfg = RLTrainingConfig(optim=OptimConfig(lr=1e-2, warmup_steps=0, min_lr_ratio=1.0), num_steps=10,
                            token_budget=256, micro_batch_buckets=64, loss={"loss_agg": "token-mean"},
@@ -100,4 +101,4 @@ def test_without_the_option_the_arrival_order_shows_in_the_metrics(engine, tmp_p
 
 def test_deterministic_rejects_over_sampling():
     with pytest.raises(ValueError, match=r"deterministic: needs rollout.over_sampling_factor = 1.0 \(got 1.5\)"):
-        RLTrainingConfig(deterministic=True, rollout=RolloutConfig(over_sampling_factor=1.5))
+        RLTrainingConfig(deterministic=True, rollout=RolloutConfig(apply_chat_template=False, over_sampling_factor=1.5))

@@ -254,7 +254,8 @@ def test_grpo_run_with_a_vllm_engine_raises_reward(vllm, tmp_path):
         resp = sample.tokens[sample.prompt_length:]
         return sum(t in digits for t in resp) / max(len(resp), 1)
 
-    rollout = RolloutConfig(rollout_batch_size=8, n_samples_per_prompt=4, max_new_tokens=6, temperature=1.0, seed=5)
+    rollout = RolloutConfig(apply_chat_template=False,
+                            rollout_batch_size=8, n_samples_per_prompt=4, max_new_tokens=6, temperature=1.0, seed=5)
     cfg = RLTrainingConfig(optim=OptimConfig(lr=1e-2, warmup_steps=0, min_lr_ratio=1.0), num_steps=10,
                            token_budget=256, micro_batch_buckets=64, loss={"loss_agg": "token-mean"},
                            output_dir=str(tmp_path), rollout=rollout, verify_sync=True)

@@ -82,7 +82,8 @@ def _worker(output_dir: str, failing_step: int) -> None:
     digits = [tok.convert_tokens_to_ids(c) for c in "0123456789"]
     cfg = RLTrainingConfig(optim=OptimConfig(lr=1e-2, warmup_steps=0), num_steps=NUM_STEPS, token_budget=128,
                            micro_batch_buckets=32, loss={"loss_agg": "token-mean"}, output_dir=output_dir,
-                           rollout=RolloutConfig(rollout_batch_size=BATCH, n_samples_per_prompt=N, max_new_tokens=4,
+                           rollout=RolloutConfig(apply_chat_template=False,
+                                                 rollout_batch_size=BATCH, n_samples_per_prompt=N, max_new_tokens=4,
                                                  max_retries=0, seed=3))
     tcfg = trainer_config_from(cfg, compile=False)
     with use_backend("torch"):

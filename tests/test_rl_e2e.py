@@ -42,7 +42,8 @@ ENGINE_SEED = 1  # for the shared `engine` fixture (tests/conftest.py)
 
 
 def _config(tmp_path, **kw) -> RLTrainingConfig:
-    rollout = dict(rollout_batch_size=8, n_samples_per_prompt=4, max_new_tokens=6, temperature=1.0, seed=5)
+    rollout = dict(rollout_batch_size=8, n_samples_per_prompt=4, max_new_tokens=6, temperature=1.0, seed=5,
+                   apply_chat_template=False)
     rollout.update(kw.pop("rollout", {}))
     loss = {"loss_agg": "token-mean", **kw.pop("loss", {})}
     base = dict(optim=OptimConfig(lr=1e-2, warmup_steps=0, min_lr_ratio=1.0), num_steps=10, token_budget=256,

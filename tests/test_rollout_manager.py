@@ -188,7 +188,8 @@ def test_batch_from_two_engines_keeps_logprobs_versions_and_groups(engines, engi
     for e in engines:
         e.version = 3
     before = [e.requests for e in engines]
-    cfg = RolloutConfig(rollout_batch_size=4, n_samples_per_prompt=3, max_new_tokens=8, seed=11)
+    cfg = RolloutConfig(apply_chat_template=False,
+                        rollout_batch_size=4, n_samples_per_prompt=3, max_new_tokens=8, seed=11)
     m = AsyncRolloutManager(_clients(engines), cfg, tokenizer=TOK, reward_fn="arithmetic")
     batch = _run(m, _arith_buffer())
     assert len(batch) == 12 and all(e.requests > b for e, b in zip(engines, before))  # both engines used
@@ -206,7 +207,8 @@ def test_batch_from_two_engines_keeps_logprobs_versions_and_groups(engines, engi
 
 
 def test_oversampling_fills_batch_and_filter_drops_zero_variance_groups(engine):
-    cfg = RolloutConfig(rollout_batch_size=4, n_samples_per_prompt=4, over_sampling_factor=2.0, max_new_tokens=8,
+    cfg = RolloutConfig(apply_chat_template=False,
+                        rollout_batch_size=4, n_samples_per_prompt=4, over_sampling_factor=2.0, max_new_tokens=8,
                         dynamic_filters=("check_reward_nonzero_std",), seed=1)
     m = AsyncRolloutManager(_clients([engine]), cfg, tokenizer=TOK, reward_fn="arithmetic")
     # The 8 groups first in flight (2 x 4) all have an even first operand, so the engine is always right and
@@ -230,7 +232,8 @@ def test_abort_leaves_no_stray_requests_and_partials_resume_with_their_version(e
     engine.slow_mod, engine.version, engine.latency = 5, 7, 0.005
     # Fast prompts (b % 5 != 0) and slow ones (b % 5 == 0) interleaved; 2 needed, 3x over-sampled.
     prompts = ["1+2=", "3+5=", "5+1=", "7+10=", "9+15=", "11+20=", "13+3=", "15+4=", "17+6=", "19+7="]
-    cfg = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2, over_sampling_factor=3.0,
+    cfg = RolloutConfig(apply_chat_template=False,
+                        rollout_batch_size=2, n_samples_per_prompt=2, over_sampling_factor=3.0,
                         max_new_tokens=24, max_staleness=1, abort_grace_s=3.0, seed=3)
     m = AsyncRolloutManager(_clients([engine]), cfg, tokenizer=TOK, reward_fn="arithmetic")
     m.set_weight_version(7)
@@ -278,7 +281,8 @@ def test_abort_leaves_no_stray_requests_and_partials_resume_with_their_version(e
 
 def test_stale_partials_restart_from_the_prompt(engine):
     engine.slow_mod, engine.latency = 5, 0.005
-    cfg = RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=2, over_sampling_factor=2.0,
+    cfg = RolloutConfig(apply_chat_template=False,
+                        rollout_batch_size=1, n_samples_per_prompt=2, over_sampling_factor=2.0,
                         max_new_tokens=24, max_staleness=0, abort_grace_s=3.0)
     m = AsyncRolloutManager(_clients([engine]), cfg, tokenizer=TOK, reward_fn="arithmetic")
     buf = _buffer(["1+2=", "3+5=", "2+2=", "4+4="])
@@ -302,7 +306,8 @@ def test_engine_that_does_not_answer_fails_clearly_within_bounded_time(engine):
     silent.bind(("127.0.0.1", 0))
     silent.listen(8)  # accepts TCP connections (kernel backlog) but never answers
     silent_url = f"http://127.0.0.1:{silent.getsockname()[1]}"
-    cfg = RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=2, max_retries=2, retry_backoff_s=0.05,
+    cfg = RolloutConfig(apply_chat_template=False,
+                        rollout_batch_size=1, n_samples_per_prompt=2, max_retries=2, retry_backoff_s=0.05,
                         request_timeout_s=0.3, connect_timeout_s=0.3)
     try:
         for url in (dead_url, silent_url):
@@ -327,7 +332,7 @@ def test_raising_reward_marks_samples_failed_without_crashing(engine):
             raise KeyError("judge unavailable")
         return arithmetic_reward(sample)
 
-    cfg = RolloutConfig(rollout_batch_size=4, n_samples_per_prompt=2, max_new_tokens=8)
+    cfg = RolloutConfig(apply_chat_template=False, rollout_batch_size=4, n_samples_per_prompt=2, max_new_tokens=8)
     batch = _run(AsyncRolloutManager(_clients([engine]), cfg, tokenizer=TOK, reward_fn=reward), _arith_buffer())
     failed = [s for s in batch.samples if s.status == Status.FAILED]
     assert len(failed) == 4 and batch.metadata["reward_failed"] == 4
@@ -368,7 +373,8 @@ class InProcessEngine:
 
 
 def test_any_engine_object_drives_rollouts_one_request_per_group():
-    cfg = RolloutConfig(rollout_batch_size=3, n_samples_per_prompt=3, dynamic_filters=("check_reward_nonzero_std",))
+    cfg = RolloutConfig(apply_chat_template=False,
+                        rollout_batch_size=3, n_samples_per_prompt=3, dynamic_filters=("check_reward_nonzero_std",))
     eng = InProcessEngine()
     m = AsyncRolloutManager([eng], cfg, tokenizer=TOK, reward_fn="arithmetic")
     batch = _run(m, _arith_buffer())
@@ -380,7 +386,8 @@ def test_any_engine_object_drives_rollouts_one_request_per_group():
 
 
 def test_generate_rollout_batches_is_deterministic(engine):
-    cfg = RolloutConfig(rollout_batch_size=3, n_samples_per_prompt=2, max_new_tokens=8, temperature=0.7, seed=5)
+    cfg = RolloutConfig(apply_chat_template=False,
+                        rollout_batch_size=3, n_samples_per_prompt=2, max_new_tokens=8, temperature=0.7, seed=5)
 
     def double(samples):
         return [dataclasses.replace(s, reward=2 * s.reward) for s in samples]
@@ -397,7 +404,8 @@ def test_generate_rollout_batches_is_deterministic(engine):
     assert all(v == 0 for batch in a for _, _, v in batch)  # the engine's version, not the trainer's
     assert len({tuple(x[0] for x in batch) for batch in a}) == 3  # different prompts each step
     with pytest.raises(ValueError, match="unknown filter"):
-        AsyncRolloutManager(_clients([engine]), RolloutConfig(dynamic_filters=("nope",)), tokenizer=TOK)
+        AsyncRolloutManager(_clients([engine]), RolloutConfig(apply_chat_template=False,
+                                                              dynamic_filters=("nope",)), tokenizer=TOK)
     with pytest.raises(ValueError, match="engines: give at least one"):
         AsyncRolloutManager([], cfg, tokenizer=TOK)
     with pytest.raises(TypeError, match="not URLs"):
@@ -412,7 +420,8 @@ def test_no_prompt_is_lost_across_batches_under_random_timing(engines, engine, s
     rng = random.Random(seed)
     for e in engines:
         e.jitter, e.latency = 20.0, 0.001
-    cfg = RolloutConfig(rollout_batch_size=rng.randint(1, 3), n_samples_per_prompt=rng.randint(2, 3),
+    cfg = RolloutConfig(apply_chat_template=False,
+                        rollout_batch_size=rng.randint(1, 3), n_samples_per_prompt=rng.randint(2, 3),
                         over_sampling_factor=rng.choice([1.0, 1.5, 3.0]), max_new_tokens=8,
                         max_concurrency=rng.randint(2, 16), seed=seed,
                         dynamic_filters=rng.choice([(), ("check_reward_nonzero_std",), ("check_min_reward",)]),
@@ -452,7 +461,8 @@ def test_no_prompt_is_lost_across_batches_under_random_timing(engines, engine, s
 def test_filters_that_reject_everything_give_up_at_the_cap_with_a_clear_error(engine):
     """Even first operands always get the right answer from the fake engine: every group has zero reward variance,
     so the filter drops them all; the manager stops after max_filtered_groups drops and says what to change."""
-    cfg = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2, max_new_tokens=8, seed=0,
+    cfg = RolloutConfig(apply_chat_template=False,
+                        rollout_batch_size=2, n_samples_per_prompt=2, max_new_tokens=8, seed=0,
                         dynamic_filters=("check_reward_nonzero_std",), max_filtered_groups=5)
     m = AsyncRolloutManager(_clients([engine]), cfg, tokenizer=TOK, reward_fn="arithmetic")
     buf = _buffer([f"{2 * i}+{i + 1}=" for i in range(20)])
@@ -461,7 +471,8 @@ def test_filters_that_reject_everything_give_up_at_the_cap_with_a_clear_error(en
 
 
 def test_cached_groups_not_launched_stay_queued_and_engine_failure_loses_no_prompt(engine):
-    cfg = RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=2, max_new_tokens=8, max_retries=1,
+    cfg = RolloutConfig(apply_chat_template=False,
+                        rollout_batch_size=1, n_samples_per_prompt=2, max_new_tokens=8, max_retries=1,
                         retry_backoff_s=0.01)
     m = AsyncRolloutManager(_clients([engine]), cfg, tokenizer=TOK, reward_fn="arithmetic")
     m.partial_groups = [m._new_group(Prompt(prompt=f"{i}+1=", answer=str(i + 1), index=i)) for i in range(4)]

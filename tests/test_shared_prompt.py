@@ -163,7 +163,7 @@ def _components(loss: str, seed: int = 3, temperature: float = 0.7):
     """loss "policy": a GRPO step's components (the policy loss at the rollout's temperature); "nll": SFT's."""
     shared = dict(token_budget=64, micro_batch_buckets=16, optim=OptimConfig(lr=1e-3), seed=seed)
     phase = SFTTrainingConfig(**shared) if loss == "nll" else RLTrainingConfig(
-        **shared, rollout=RolloutConfig(temperature=temperature),
+        **shared, rollout=RolloutConfig(apply_chat_template=False, temperature=temperature),
         loss=PolicyLossConfig(loss_agg="seq-mean-token-mean", kl_coef=0.05, rollout_correction="tis",
                               log_entropy=True))
     return build_components(tiny_model_config("qwen2"), trainer_config_from(phase, compile=False))

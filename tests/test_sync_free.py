@@ -101,7 +101,8 @@ def _three_step_setup():
     """(trainer config, policy, frozen reference, three steps of micro-batches): a loss with KL, entropy, TIS and
     dual clip. Host preparation (CPU tensors on every machine) happens here, before any recorded region."""
     loss = PolicyLossConfig(kl_coef=0.05, entropy_coef=0.01, rollout_correction="tis", clip_ratio_c=3.0)
-    cfg = trainer_config_from(RLTrainingConfig(loss=loss, rollout=RolloutConfig(temperature=0.7),
+    cfg = trainer_config_from(RLTrainingConfig(loss=loss, rollout=RolloutConfig(apply_chat_template=False,
+                                                                                temperature=0.7),
                                                optim=OptimConfig(lr=1e-3), token_budget=64, micro_batch_buckets=32),
                               compile=False)
     policy = build_components(tiny_model_config(), cfg)

@@ -40,6 +40,7 @@ import trio
 from engines.protocol import InferenceEngine
 from trainer.backend.steps import TrainerConfig
 from trainer.config import ConfigError, EnginesConfig, RLTrainingConfig, RunConfig, SFTTrainingConfig, config_from_dict
+from trainer.config_reference import check_key_path, to_toml
 
 if TYPE_CHECKING:
     from trainer.weight_sync import WeightSync
@@ -105,9 +106,12 @@ def load_run_config(path: str | Path, overrides: Sequence[str] = (), mode: str |
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from e
     try:
-        table = merge(raw, parse_overrides(overrides))
+        over = parse_overrides(overrides)
     except ValueError as e:
         raise ConfigError(str(e)) from e
+    for pair in overrides:
+        check_key_path(pair.split("=", 1)[0].strip())
+    table = merge(raw, over)
     table.setdefault("name", path.stem)
     try:
         cfg = config_from_dict(RunConfig, table, "")
@@ -299,9 +303,14 @@ def cores_left_to_trainer(cfg: RunConfig):
 
 # ----------------------------------------------------------------------------------------------- evaluation
 def evaluate(engines: Sequence[InferenceEngine], prompts: Sequence[Any], *, tokenizer: Any, reward_fn: Any,
-             max_new_tokens: int, chat: bool = True) -> float:
-    """Greedy accuracy (mean reward of one temperature-0 sample per prompt) served by the first engine (an engine
-    object, built by engines.registry like every other)."""
+             max_new_tokens: int, chat: bool = True, max_reward: float = 1.0) -> dict[str, float]:
+    """Greedy evaluation (one temperature-0 sample per prompt) served by the first engine (an engine object, built
+    by engines.registry like every other): {"reward_mean", "accuracy", "n", "failed"}.
+
+    accuracy is the fraction of samples that are correct: the reward's own verdict where it returns one
+    ({"reward": r, "correct": bool}), else reward >= `max_reward` (the reward's maximum; 1.0 for the built-ins).
+    Samples whose reward function raised count as wrong with reward 0 (their errors are printed as they happen).
+    """
     from engines.protocol import SamplingParams
     from trainer.rollout.rewards import compute_rewards, load_reward_fn
     from trainer.rollout.samples import prompt_token_ids, stop_token_ids
@@ -327,8 +336,13 @@ def evaluate(engines: Sequence[InferenceEngine], prompts: Sequence[Any], *, toke
                               metadata={**p.metadata, "answer": p.answer}, status=Status.COMPLETED))
     scored, n_failed = compute_rewards(samples, load_reward_fn(reward_fn))
     if n_failed == len(scored):
-        raise RuntimeError(f"evaluation: the reward function failed on all {n_failed} samples; see its errors above")
-    return sum(s.reward or 0.0 for s in scored) / max(len(scored), 1)
+        raise RuntimeError(f"evaluation: the reward function failed on all {n_failed} samples; its first error, with "
+                           f"the sample and the traceback, is printed above")
+    n = max(len(scored), 1)
+    correct = [s.correct if s.correct is not None else (s.status != Status.FAILED and s.reward >= max_reward)
+               for s in scored]
+    return {"reward_mean": sum(s.reward or 0.0 for s in scored) / n, "accuracy": sum(correct) / n,
+            "n": len(scored), "failed": n_failed}
 
 
 def sft_examples(prompts: Sequence[Any], tokenizer: Any, fmt: str) -> list[Any]:
@@ -381,23 +395,34 @@ def run(mode: str, cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     is_main = init_distributed().get_rank() == 0
     if is_main and not resume:
         fresh_start(out, mode)
+    if is_main:  # what this run ran: every key, defaults filled in (`--config` it to run it again)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.toml").write_text(f"# the resolved config of `{mode}` (every key, defaults filled in)\n"
+                                         + to_toml(cfg))
     model_folder = start_folder(cfg, prepare_model_folder(cfg)) if is_main else None
     model_folder = Path(broadcast_from_rank0(str(model_folder)))
     r = _Run(mode=mode, cfg=cfg, phases=phase_configs(cfg), model_folder=model_folder,
              tokenizer=model_tokenizer(model_folder), is_main=is_main, resume=resume,
              summary={"mode": mode, "config": cfg.name})
     rollout = r.phases.rl.rollout
-    engines_cm = engines_for(cfg, model_folder, is_main=is_main) if mode != "sft" else contextlib.nullcontext([])
+    # SFT alone needs engines only to evaluate (before and after, like the other modes).
+    needs_engines = mode != "sft" or cfg.data.eval is not None
+    engines_cm = engines_for(cfg, model_folder, is_main=is_main) if needs_engines else contextlib.nullcontext([])
     with engines_cm as fleet:
         fleet = broadcast_from_rank0(fleet)  # rank 0 started (or was given) the engines
         engines = build_engines(fleet, model_folder, api_key=cfg.engines.api_key,
                                 connect_timeout_s=rollout.connect_timeout_s, max_connections=rollout.max_concurrency)
-        accuracy = _evaluator(r, engines)
-        if mode != "sft":
-            accuracy("before_rl" if mode == "rl" else "before_sft")
+        evaluate_as = _evaluator(r, engines)
+        evaluate_as("before_rl" if mode == "rl" else "before_sft")
         sft_components = _sft_phase(r) if mode in ("sft", "sft+rl", "demo") else None
+        if mode == "sft" and engines:
+            sender = build_sender(cfg, sft_components.model, engines)
+            sender.init_group()
+            sender.sync(weight_version=0)  # the engines serve the SFT weights
+            evaluate_as("after_sft")
+            sender.close()
         if mode in ("rl", "sft+rl", "demo"):
-            _rl_phase(r, engines, sft_components, accuracy)
+            _rl_phase(r, engines, sft_components, evaluate_as)
     r.summary["wall_seconds"] = round(time.time() - t_start, 1)
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -406,8 +431,8 @@ def run(mode: str, cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
 
 
 def _evaluator(r: _Run, engines: Sequence[InferenceEngine]) -> Callable[[str], None]:
-    """`accuracy(label)`: greedy held-out accuracy on [data].eval, into the summary as accuracy_<label> (rank 0; a
-    no-op without an eval set or engines)."""
+    """`evaluate_as(label)`: greedy evaluation on [data].eval, into the summary as accuracy_<label> and
+    reward_mean_<label> (rank 0; a no-op without an eval set or engines)."""
     from trainer.rollout.data import config_prompts
 
     data = r.cfg.data
@@ -415,14 +440,16 @@ def _evaluator(r: _Run, engines: Sequence[InferenceEngine]) -> Callable[[str], N
     prompts = prompts[: r.cfg.eval.limit or None]
     max_new_tokens = r.cfg.eval.max_new_tokens or r.phases.rl.rollout.max_new_tokens
 
-    def accuracy(label: str) -> None:
+    def evaluate_as(label: str) -> None:
         if r.is_main and prompts and engines:
-            acc = evaluate(engines, prompts, tokenizer=r.tokenizer, reward_fn=data.reward,
-                           max_new_tokens=max_new_tokens, chat=data.format == "chat")
-            r.summary[f"accuracy_{label}"] = acc
-            print(f"[{label}] held-out accuracy: {acc:.3f} on {len(prompts)} problems", flush=True)
+            got = evaluate(engines, prompts, tokenizer=r.tokenizer, reward_fn=data.reward,
+                           max_new_tokens=max_new_tokens, chat=data.format == "chat", max_reward=r.cfg.eval.max_reward)
+            r.summary[f"accuracy_{label}"] = got["accuracy"]
+            r.summary[f"reward_mean_{label}"] = got["reward_mean"]
+            print(f"[{label}] held-out: accuracy {got['accuracy']:.3f}, mean reward {got['reward_mean']:.3f} on "
+                  f"{got['n']} problems (greedy)", flush=True)
 
-    return accuracy
+    return evaluate_as
 
 
 def _sft_phase(r: _Run) -> Any:
@@ -445,7 +472,7 @@ def _sft_phase(r: _Run) -> Any:
 
 
 def _rl_phase(r: _Run, engines: Sequence[InferenceEngine], sft_components: Any,
-              accuracy: Callable[[str], None]) -> None:
+              evaluate_as: Callable[[str], None]) -> None:
     """GRPO from the SFT weights (in memory) or the model folder, with the engines synced to them first."""
     from trainer.backend.steps import build_components
     from trainer.plot import plot_metrics
@@ -458,7 +485,7 @@ def _rl_phase(r: _Run, engines: Sequence[InferenceEngine], sft_components: Any,
     sender.init_group()
     if sft_components is not None:  # engines serve the SFT weights from here on
         sender.sync(weight_version=0)
-        accuracy("after_sft")
+        evaluate_as("after_sft")
     buffer = config_buffer(data.train, data.mapping(), where="[data].train", seed=r.cfg.seed)
     with cores_left_to_trainer(r.cfg):  # async: the engines generate while the trainer steps
         comp, state, hist = run_rl_training(None, buffer, rl_cfg, engines=engines, tokenizer=r.tokenizer,
@@ -466,24 +493,33 @@ def _rl_phase(r: _Run, engines: Sequence[InferenceEngine], sft_components: Any,
                                             resume=r.resume, sender=sender)
     sender.close()
     r.summary.update(rl_steps=state.step, rl_final_reward_mean=hist[-1]["reward_mean"] if hist else None)
-    accuracy("after_rl")
+    evaluate_as("after_rl")
     if r.is_main:
         plot_metrics(Path(rl_cfg.output_dir) / "metrics.jsonl", Path(r.cfg.output_dir) / "rl.png",
                      title=f"{r.cfg.name} GRPO")
 
 
+STAGES = (("before SFT", "before_sft"), ("after SFT", "after_sft"), ("before RL", "before_rl"),
+          ("after RL", "after_rl"))
+
+
 def print_table(summary: dict[str, Any]) -> None:
-    rows = [("before SFT", "accuracy_before_sft"), ("after SFT", "accuracy_after_sft"),
-            ("after RL", "accuracy_after_rl")]
-    print("\n| stage | held-out accuracy |\n|---|---|")
+    """The held-out figures of every evaluation the run made: accuracy (correct answers) and the mean reward."""
+    rows = [(label, key) for label, key in STAGES if f"accuracy_{key}" in summary]
+    if rows:
+        print("\n| stage | held-out accuracy | mean reward |\n|---|---|---|")
     for label, key in rows:
-        if key in summary:
-            print(f"| {label} | {summary[key] * 100:.1f} % |")
-    print(f"\nRL steps: {summary.get('rl_steps')}, wall time: {summary['wall_seconds']:.0f} s", flush=True)
+        print(f"| {label} | {summary[f'accuracy_{key}'] * 100:.1f} % | {summary[f'reward_mean_{key}']:.3f} |")
+    steps = ", ".join(f"{phase} steps: {summary[f'{phase}_steps']}" for phase in ("sft", "rl")
+                      if f"{phase}_steps" in summary)
+    print(f"\n{steps + ', ' if steps else ''}wall time: {summary['wall_seconds']:.0f} s", flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m trainer", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m trainer", description=__doc__.split("\n")[0],
+        epilog="Every config key, its type, default and meaning: docs/config.md (regenerate it with `python -m "
+               "trainer.config_reference`). A run writes its resolved config to <output_dir>/config.toml.")
     ap.add_argument("mode", choices=MODES)
     ap.add_argument("--config", default=None, help="TOML run config (demo: configs/demo.toml)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -495,6 +531,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                     help="export: store the weights in this dtype (default: as trained)")
     args = ap.parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Loading weights" bars of tiny folders: noise in a run's log
     config = args.config or ("configs/demo.toml" if args.mode == "demo" else None)
     if config is None:
         ap.error(f"{args.mode}: --config is required (e.g. configs/demo.toml)")

@@ -54,7 +54,7 @@ class RolloutConfig:
     dynamic_filters: tuple[str, ...] = ()  # names of trainer.rollout.samples filters, e.g. "check_reward_nonzero_std"
     max_staleness: int = 1  # async mode: a sample may lag the trainer by this many weight versions
     seed: int = 0  # per-request sampling seeds derive from it (from a run file: [rl] seed, else the run's)
-    apply_chat_template: bool = False  # wrap each prompt as a user turn with the tokenizer's chat template
+    apply_chat_template: bool = True  # prompts are user turns of the chat template (a run file: [data].format)
     connect_timeout_s: float = 5.0  # an engine that does not accept a connection within this is "not answering"
     retry_backoff_s: float = 0.2  # wait before retry k is retry_backoff_s * 2**k
     abort_grace_s: float = 5.0  # after /abort_request, wait this long for engines to return partial samples
@@ -359,10 +359,11 @@ class BackendConfig(ParallelConfig):
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
-    """[eval]: greedy held-out accuracy on [data].eval (one temperature-0 sample per prompt)."""
+    """[eval]: greedy evaluation on [data].eval (one temperature-0 sample per prompt): accuracy and mean reward."""
 
-    max_new_tokens: int | None = None  # None: [rl.rollout] max_new_tokens (16 in an SFT-only run)
+    max_new_tokens: int | None = None  # None: [rl.rollout] max_new_tokens
     limit: int = 0  # evaluate the first `limit` prompts (0: all of them)
+    max_reward: float = 1.0  # a sample is correct when its reward reaches this (unless the reward says "correct")
 
     def __post_init__(self) -> None:
         _check(self.max_new_tokens is None or self.max_new_tokens > 0, "max_new_tokens",
@@ -448,6 +449,28 @@ def _table(where: str) -> str:
     return f"[{where}]" if where else "the top level"
 
 
+_SCALARS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _check_scalar(tp: Any, value: Any, path: str) -> None:
+    """A TOML value against a field typed with scalars only (`int`, `float | None`, ...): `num_steps = "abc"` or
+    `2.5` is an error here, not a TypeError mid-run. An int is a float; a bool is neither an int nor a float."""
+    args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+    scalars = [a for a in args if a is not type(None)]
+    if not scalars or any(a not in _SCALARS for a in scalars):
+        return  # tables, arrays, Any: their own checks
+    for a in scalars:
+        if a is bool and isinstance(value, bool):
+            return
+        if a is int and isinstance(value, int) and not isinstance(value, bool):
+            return
+        if a is float and isinstance(value, int | float) and not isinstance(value, bool):
+            return
+        if a is str and isinstance(value, str):
+            return
+    raise ConfigError(f"{path} = {value!r}: expected {' or '.join(_SCALARS[a] for a in scalars)}")
+
+
 def config_from_dict(cls: type, values: Mapping[str, Any], where: str | None = None, *,
                      inherited: Mapping[str, Any] | None = None) -> Any:
     """Build a config dataclass (any node of the RunConfig tree) from a TOML table.
@@ -470,12 +493,14 @@ def config_from_dict(cls: type, values: Mapping[str, Any], where: str | None = N
     if unknown:
         raise ConfigError(f"unknown config key(s) {unknown} {'in ' + _table(where) if where else 'at the top level'}; "
                           f"known: {sorted(names)}")
+    hints = _hints(cls)
+    for key, value in values.items():
+        _check_scalar(hints[key], value, f"{where}.{key}" if where else key)
     kwargs = dict(values)
     for name in INHERITED:
         if name in names and name not in kwargs and inherited and name in inherited:
             kwargs[name] = inherited[name]
     scope = {**(inherited or {}), **{n: kwargs[n] for n in INHERITED if n in kwargs}}
-    hints = _hints(cls)
     for name in names:
         sub = _section(hints[name])
         value = kwargs.get(name)

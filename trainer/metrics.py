@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -56,3 +57,39 @@ class JSONLLogger:
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The rows a JSONLLogger wrote."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+class _LineProgress:
+    """The progress of a run whose stderr is not a terminal (a log file, CI): one plain line every `every` steps and
+    at the end, instead of tqdm's redraws (each one a carriage-return line in a file)."""
+
+    def __init__(self, total: int, initial: int, desc: str, every: int) -> None:
+        self.total, self.n, self.desc, self.every = total, initial, desc, every
+        self.postfix: dict[str, Any] = {}
+        self.t0 = time.perf_counter()
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self.n % self.every == 0 or self.n == self.total:
+            items = "".join(f" {k}={v}" for k, v in self.postfix.items())
+            rate = (time.perf_counter() - self.t0) / max(self.n, 1)
+            print(f"{self.desc}: step {self.n}/{self.total}{items} ({rate:.2f} s/step)", file=sys.stderr, flush=True)
+
+    def set_postfix(self, **kw: Any) -> None:
+        self.postfix = kw
+
+    def __enter__(self) -> _LineProgress:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def progress(total: int, *, initial: int, desc: str, enabled: bool, stream: Any = None) -> Any:
+    """tqdm on a terminal; a line every ~10 % of the steps elsewhere; nothing where not `enabled` (other ranks)."""
+    from tqdm import tqdm
+
+    stream = stream or sys.stderr
+    if not enabled or stream.isatty():
+        return tqdm(total=total, initial=initial, desc=desc, disable=not enabled)
+    return _LineProgress(total, initial, desc, every=max(1, total // 10))

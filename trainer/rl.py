@@ -44,7 +44,7 @@ from trainer.backend.steps import (
 from trainer.batching.micro_batches import attach_logprobs, build_micro_batches
 from trainer.batching.shared_prompt import build_shared_micro_batches
 from trainer.config import RLTrainingConfig
-from trainer.metrics import JSONLLogger, MetricsLogger
+from trainer.metrics import JSONLLogger, MetricsLogger, progress
 from trainer.rollout.samples import build_batch_metadata, pad_token_id
 from trainer.rollout.source import RolloutSource
 from trainer.types import RolloutBatch, Sample, Status, TrainingState
@@ -167,6 +167,21 @@ def train_on_batch(components: TrainingComponents, state: TrainingState, batch: 
     return {k: float(v) for k, v in metrics.items()}, state
 
 
+def describe_objective(config: RLTrainingConfig) -> str:
+    """One line naming the objective a run trains with, and why its rollout correction is what it is (async
+    rollouts turn TIS on by default: a user should see that, not find it in the code)."""
+    lo = config.loss
+    lag = ("async_rollout" if config.async_rollout else f"sync_every = {config.sync_every}") if config.off_policy \
+        else None
+    why = (f"off-policy rollouts ({lag}): the engines may sample with older weights" if lag else
+           "synchronous on-policy rollouts")
+    kl = f", kl {lo.kl_type} x {lo.kl_coef:g}" if lo.kl_coef > 0 else ""
+    ent = f", entropy x {lo.entropy_coef:g}" if lo.entropy_coef > 0 else ""
+    return (f"rl objective: {lo.objective}, {config.advantage_estimator} advantages, loss_agg {lo.loss_agg}, clip "
+            f"[{1 - lo.clip_low:g}, {1 + lo.clip_high:g}]{kl}{ent}, ppo_epochs {config.ppo_epochs}; rollout_correction "
+            f"{lo.rollout_correction!r} ({why}; [rl.loss] rollout_correction chooses)")
+
+
 def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, engines: Sequence[InferenceEngine],
                     sender: WeightSync, tokenizer: Any, reward_fn: Any, trainer_config: TrainerConfig | None = None,
                     components: TrainingComponents | None = None, logger: MetricsLogger | None = None,
@@ -185,8 +200,6 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
     Writes metrics.jsonl and checkpoints under config.output_dir; resume=True continues from the newest complete
     checkpoint there (data position and partial-rollout cache included). Ctrl-C writes a checkpoint first.
     """
-    from tqdm import tqdm
-
     from trainer.rollout.manager import AsyncRolloutManager
 
     if config.async_rollout and config.rollout.max_staleness < 1:
@@ -203,8 +216,10 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
     pad_id = pad_token_id(tokenizer)  # what packed rows pad with
     logger = logger or JSONLLogger(Path(tcfg.output_dir) / "metrics.jsonl", enabled=comp.rank == 0)
     history: list[dict] = []
-    with (contextlib.closing(logger), tqdm(total=config.num_steps, initial=state.step, disable=comp.rank != 0,
-                                           desc="rl") as bar,
+    if comp.rank == 0:
+        print(describe_objective(config), flush=True)
+    with (contextlib.closing(logger), progress(config.num_steps, initial=state.step, desc="rl",
+                                               enabled=comp.rank == 0) as bar,
           _rollout_source(data_buffer, config, manager, sender, comp.rank, on_failure=ckpt.save) as source, ckpt):
         sync_s = _sync(sender, state.weight_version)  # engines serve exactly the weights being trained
         while state.step < config.num_steps:
@@ -244,8 +259,8 @@ def _report(step: int, metrics: dict[str, float], *, logger: MetricsLogger, hist
     history.append(metrics)
     if on_step is not None:
         on_step(step, metrics)
-    bar.update(1)
     bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", loss=f"{metrics['loss']:.4f}")
+    bar.update(1)
 
 
 def step_metrics(train: dict[str, float], batch: RolloutBatch, state: TrainingState, *, trained_from: int,

@@ -30,7 +30,7 @@ from trainer.backend.steps import (
 )
 from trainer.batching.micro_batches import build_micro_batches
 from trainer.config import SFTTrainingConfig
-from trainer.metrics import JSONLLogger, MetricsLogger
+from trainer.metrics import JSONLLogger, MetricsLogger, progress
 from trainer.rollout.samples import pad_token_id
 from trainer.types import Sample, TrainingState
 
@@ -76,11 +76,13 @@ def compute_loss_mask(tokenizer: Any, messages: Conversation) -> tuple[list[int]
 
 
 def tokenize_conversation(tokenizer: Any, messages: Conversation, *, max_length: int) -> tuple[Sample, bool]:
-    """A Sample (first token = prompt, the rest = response with the assistant mask) and whether it was truncated."""
+    """A Sample (first token = prompt, the rest = response with the assistant mask) and whether the cut at
+    max_length lost a trained token (template glue after the last end of turn is not trained on, so cutting it is
+    no loss)."""
     if max_length < 2:
         raise ValueError(f"max_length={max_length}: need at least 2 tokens (one input, one target)")
     ids, mask = compute_loss_mask(tokenizer, messages)
-    truncated = len(ids) > max_length
+    truncated = any(mask[max_length:])
     ids, mask = ids[:max_length], mask[:max_length]
     return Sample(prompt="", tokens=tuple(ids), response_length=len(ids) - 1, loss_mask=tuple(mask[1:])), truncated
 
@@ -105,8 +107,6 @@ def run_sft_training(model: Any, conversations: Sequence[Conversation], config: 
     continues from the newest complete checkpoint there. Ctrl-C writes a checkpoint before re-raising. Returns
     (components, final state, the per-step metric dicts).
     """
-    from tqdm import tqdm
-
     tcfg = trainer_config or trainer_config_from(config)
     if tcfg.loss != "nll":
         raise ValueError(f"trainer_config.loss={tcfg.loss!r}: SFT trains with loss='nll'")
@@ -119,7 +119,7 @@ def run_sft_training(model: Any, conversations: Sequence[Conversation], config: 
     history: list[dict] = []
     pad_id = pad_token_id(tokenizer)
     with (contextlib.closing(logger),
-          tqdm(total=config.num_steps, initial=state.step, disable=comp.rank != 0, desc="sft") as bar, ckpt):
+          progress(config.num_steps, initial=state.step, desc="sft", enabled=comp.rank == 0) as bar, ckpt):
         while state.step < config.num_steps:
             idx = _batch_indices(len(samples), position, config.batch_size, config.seed)
             batch = [samples[i] for i in idx]
@@ -131,8 +131,8 @@ def run_sft_training(model: Any, conversations: Sequence[Conversation], config: 
             metrics = {**fut.result(), **opt_fut.result()}
             logger.log(state.step, metrics)
             history.append(metrics)
-            bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.4f}")
+            bar.update(1)
             ckpt.maybe_save()
     return comp, state, history
 
@@ -152,6 +152,6 @@ def _tokenized(tokenizer: Any, conversations: Sequence[Conversation], max_length
         samples.append(s)
         n_trunc += cut
     if n_trunc:
-        warnings.warn(f"{n_trunc} of {len(samples)} conversations were truncated to max_length={max_length}",
-                      stacklevel=3)
+        warnings.warn(f"{n_trunc} of {len(samples)} conversations lose trained (assistant) tokens to "
+                      f"max_length={max_length}; raise [sft] max_length to train on them whole", stacklevel=3)
     return samples

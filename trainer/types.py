@@ -61,6 +61,9 @@ class Sample:
     weight_version: int = 0
     metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     status: Status = Status.PENDING
+    # The reward function's verdict when it gives one ({"reward": r, "correct": bool}); None: evaluation counts a
+    # sample correct when its reward reaches [eval] max_reward.
+    correct: bool | None = None
 
     def __post_init__(self) -> None:
         # map() rather than generators: rollouts build ~10k Samples per step (each segment is a replace()).

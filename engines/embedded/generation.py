@@ -17,12 +17,18 @@ filters, which is what the trainer recomputes at the same temperature.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import DynamicCache
+
+# transformers 5.24 renames the forward's `past_key_values` to `cache` and warns on every decode step; the versions
+# this project runs on (5.17 on the GPU image, < 5.20 beside vLLM) know only the old name, so the old name stays and
+# that one warning is silenced (it would fill a run's log: one per engine step).
+warnings.filterwarnings("ignore", message="`past_key_values` is deprecated", category=FutureWarning)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,12 @@
 """Reward functions: built-in verifiable tasks, user `module:function` loading, and failure-safe application.
 
-A reward function takes one finished `Sample` and returns a float (or an awaitable of one). The reference
-answer and the data set's other fields are in `sample.metadata` ("answer", plus any metadata keys).
+A reward function takes one finished `Sample` and returns its reward: a finite number or a bool, or a mapping
+{"reward": number, "correct": bool} when "correct" is not simply "the reward reached its maximum" (partial
+credit), or an awaitable of either. The sample carries the prompt text (`sample.prompt`), the decoded response
+(`sample.response`), its tokens, and in `sample.metadata` the data row: the reference answer under "answer"
+(whatever [data] answer_key named in the file) and every other field of the row. A function that raises marks its
+sample FAILED (left out of the loss, counted); the first time each distinct error happens, its traceback and the
+sample are printed to stderr.
 
 Built-in tasks, both small enough for the project's character-level tokenizer and a tiny model:
   - arithmetic: "23+17=" -> "40"; reward 1.0 when the last integer in the response equals the answer.
@@ -28,11 +33,14 @@ import importlib
 import importlib.util
 import inspect
 import math
+import numbers
 import os
 import re
+import sys
 import threading
+import traceback
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 from typing import Any
@@ -230,19 +238,50 @@ def load_reward_fn(spec: str | RewardFn) -> RewardFn:
 
 # ----------------------------------------------------------------------------------------------- applying
 def _finish(sample: Sample, value: Any) -> Sample:
-    try:
-        reward = float(value)
-    except (TypeError, ValueError):
-        return _failed(sample, TypeError(f"reward function returned {type(value).__name__}, expected a float"))
+    correct = None
+    if isinstance(value, Mapping):
+        if "reward" not in value:
+            return _failed(sample, TypeError(f"reward function returned a mapping without 'reward' "
+                                             f"(keys {sorted(value)}); return {{'reward': x, 'correct': bool}}"))
+        correct, value = value.get("correct"), value["reward"]
+        if correct is not None and not isinstance(correct, bool):
+            return _failed(sample, TypeError(f"reward function returned correct={correct!r}; give a bool or None"))
+    if isinstance(value, str) or not isinstance(value, numbers.Real):
+        return _failed(sample, TypeError(f"reward function returned {type(value).__name__} {value!r:.40}, expected "
+                                         f"a number or a bool (a tensor: return .item())"))
+    reward = float(value)
     if not math.isfinite(reward):
         return _failed(sample, ValueError(f"reward function returned a non-finite value {reward}"))
-    return dataclasses.replace(sample, reward=reward)
+    return dataclasses.replace(sample, reward=reward, correct=correct)
+
+
+# The distinct errors already printed (type and message): each is shown once per process, with its traceback and
+# the sample it failed on, the moment it first happens; later ones are only counted.
+_REPORTED: set[str] = set()
+_MAX_REPORTS = 20
+
+
+def describe_failure(sample: Sample) -> str:
+    """What a user needs to fix a reward function: the sample it failed on and the traceback."""
+    meta = {k: v for k, v in sample.metadata.items() if k not in ("reward_error", "reward_traceback")}
+    shown = {k: (v if len(repr(v)) <= 80 else f"{repr(v)[:77]}...") for k, v in meta.items()}
+    return (f"reward function failed: {sample.metadata.get('reward_error')}\n"
+            f"  on the sample: prompt={sample.prompt[-200:]!r}\n"
+            f"                 response={sample.response[:200]!r}\n"
+            f"                 metadata={shown} (the data row's fields; the reference answer is 'answer')\n"
+            f"{sample.metadata.get('reward_traceback', '')}")
 
 
 def _failed(sample: Sample, err: BaseException) -> Sample:
     # Reward 0.0 (not None) keeps group statistics defined; status FAILED lets the trainer mask the sample.
-    meta = {**sample.metadata, "reward_error": f"{type(err).__name__}: {err}"}
-    return dataclasses.replace(sample, reward=0.0, status=Status.FAILED, metadata=meta)
+    message = f"{type(err).__name__}: {err}"
+    trace = "".join(traceback.format_exception(err)) if err.__traceback__ is not None else message + "\n"
+    meta = {**sample.metadata, "reward_error": message, "reward_traceback": trace}
+    failed = dataclasses.replace(sample, reward=0.0, status=Status.FAILED, metadata=meta)
+    if message not in _REPORTED and len(_REPORTED) < _MAX_REPORTS:
+        _REPORTED.add(message)
+        print(describe_failure(failed), file=sys.stderr, flush=True)
+    return failed
 
 
 def compute_reward(sample: Sample, reward_fn: RewardFn) -> Sample:
