@@ -3,12 +3,13 @@
 `AutoTokenizer.from_pretrained` picks the tokenizer class from the model type (transformers 5 does so even when
 `tokenizer_config.json` names another class, for model types it lists as having wrong hub classes, qwen2 among them),
 and a model-specific class may rebuild the pre-tokenizer instead of reading the one in `tokenizer.json`. For a
-folder whose `tokenizer.json` is not that model's stock pipeline (the project's character-level tokenizer in a
+folder whose `tokenizer.json` is not that model's stock pipeline (a character-level WordLevel tokenizer in a
 Qwen2 folder: transformers 5.24's `Qwen2Tokenizer` silently drops every newline) the trainer would then encode
 prompts unlike the tokenizer that wrote the folder, and unlike any other reader of `tokenizer.json`. So:
 `tokenizer.json` is the truth; when the class AutoTokenizer chose encodes a probe text differently from it, the
 generic fast tokenizer (which runs `tokenizer.json` as written, with the folder's special tokens and chat template)
-is used instead. Stock folders (a real Qwen2 or Llama-3 tokenizer) keep their class.
+is used instead. Stock folders (a real Qwen2 or Llama-3 tokenizer, the project's own tiny tokenizer, which is a
+`Qwen2Tokenizer`) keep their class.
 """
 
 from __future__ import annotations

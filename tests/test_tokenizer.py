@@ -1,4 +1,4 @@
-"""The project's own character-level tokenizer and tiny model presets."""
+"""The project's own byte-level tokenizer (one token per character of its alphabet) and tiny model presets."""
 
 import random
 

@@ -170,7 +170,7 @@ class RLTrainingConfig(_PhaseConfig):
     async_rollout: bool = False  # generate step n+1 while step n trains
     verify_sync: bool = False  # after each sync, compare the engines' weights with the trainer's (a metric)
     # Reproducible from the seeds whatever the arrival order of requests: each engine runs one request (one
-    # group) at a time, so its batch composition is fixed; costs the batching across groups (see the README).
+    # group) at a time, so its batch composition is fixed; costs the batching across groups (docs/results.md measures it).
     deterministic: bool = False
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)  # the [rl.rollout] table
 

@@ -1,7 +1,7 @@
 """Kernel regression set: every case times our op and an eager torch yardstick of the same math, side by side.
 
     make bench-save / make bench-check      (bench/gate.py: median(ours) / median(torch), against a saved
-                                             per-device baseline; see README "Kernel regression gate")
+                                             per-device baseline; see docs/components.md "Kernel regression gate")
 
 Cases (fwd = forward only, full = forward + backward with a random upstream gradient):
     logprobs-logits-{fwd,full}    kernels.token_logprobs            vs log_softmax + gather

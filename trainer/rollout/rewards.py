@@ -8,7 +8,7 @@ credit), or an awaitable of either. The sample carries the prompt text (`sample.
 sample FAILED (left out of the loss, counted); the first time each distinct error happens, its traceback and the
 sample are printed to stderr.
 
-Built-in tasks, both small enough for the project's character-level tokenizer and a tiny model:
+Built-in tasks, both small enough for the tiny preset's one-token-per-character vocabulary and a tiny model:
   - arithmetic: "23+17=" -> "40"; reward 1.0 when the last integer in the response equals the answer.
   - countdown: reach a target with +-*/ over given numbers, each used at most once; 1.0 correct,
     0.1 for a well-formed expression over the allowed numbers that misses the target, 0.0 otherwise.
