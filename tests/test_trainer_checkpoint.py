@@ -117,3 +117,46 @@ def test_checkpointer_saves_on_schedule_at_the_end_and_on_ctrl_c(tmp_path):
         state = dataclasses.replace(state, step=state.step + 1)
         raise ValueError("not an interrupt")
     assert latest_checkpoint(out).name == f"step_{state.step - 1:08d}"
+
+
+class _RunsCode:
+    """A pickled object whose loading runs code (here: creates a file), as a crafted rng_rank0.pt would."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.marker)!r}, 'w').close()",)
+
+
+def _draws() -> tuple:
+    import random
+
+    import numpy as np
+
+    return random.random(), float(np.random.rand()), float(np.random.standard_normal()), float(torch.rand(()))
+
+
+def test_rng_states_resume_exactly_and_load_without_pickle(tmp_path):
+    import random
+
+    import numpy as np
+
+    out = tmp_path / "run"
+    comp = build_components(tiny_model_config(), w.config(str(out), compile=False))
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    np.random.standard_normal()  # numpy keeps a cached gaussian in its state: it must come back too
+    state = save_checkpoint(comp, TrainingState(step=1), {})
+    expected = _draws()
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    load_checkpoint(comp, out)
+    assert _draws() == expected
+    rng_file = latest_checkpoint(out) / "rng_rank0.pt"
+    assert set(torch.load(rng_file, weights_only=True)) >= {"torch", "python", "numpy"}  # no pickle needed
+    # A crafted file is refused, naming it, and its code never runs.
+    marker = tmp_path / "pwned"
+    torch.save({"torch": _RunsCode(marker)}, rng_file)
+    with pytest.raises(ValueError, match=f"{rng_file}: refused to load"):
+        load_checkpoint(comp, out)
+    assert not marker.exists()
+    assert state.step == 1

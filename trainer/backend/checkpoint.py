@@ -2,7 +2,8 @@
 
 Layout of `<output_dir>/checkpoints/step_00000012/`:
     *.distcp, .metadata     DCP shards of {"model": ..., "optim": ...} (each rank writes its own shards)
-    rng_rank{r}.pt          torch / CUDA / python / numpy RNG states of rank r
+    rng_rank{r}.pt          torch / CUDA / python / numpy RNG states of rank r, as tensors, numbers and lists only:
+                            read with torch.load(weights_only=True), so a crafted file cannot run code
     state.json              TrainingState, the caller's `extra` (data position, ...), scheduler state,
                             config fingerprint, world size; written LAST
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -79,7 +81,12 @@ def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
 
 
 def _rng_state() -> dict[str, Any]:
-    out = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    """This process's RNG states in types `torch.load(weights_only=True)` reads (tensors, numbers, strings, lists):
+    no numpy array or tuple that would need a pickle to come back."""
+    version, mt, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    out = {"torch": torch.get_rng_state(), "python": [version, list(mt), gauss],
+           "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)]}
     if torch.cuda.is_available():
         out["cuda"] = torch.cuda.get_rng_state()
     return out
@@ -87,10 +94,24 @@ def _rng_state() -> dict[str, Any]:
 
 def _set_rng_state(rng: dict[str, Any]) -> None:
     torch.set_rng_state(rng["torch"])
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
+    version, mt, gauss = rng["python"]
+    random.setstate((version, tuple(mt), gauss))
+    kind, keys, pos, has_gauss, cached = rng["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
+
+
+def read_rng_file(path: Path) -> dict[str, Any]:
+    """The RNG states of `path`, read without running any of its code: weights_only=True refuses every pickled
+    object but tensors and plain containers (a crafted file, or one written by a version that pickled numpy
+    arrays)."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"{path}: refused to load: it holds objects other than tensors and plain data (a crafted "
+                         f"file, or an RNG file from an older version); delete it to resume without restoring the "
+                         f"RNG states ({str(e).splitlines()[0]})") from e
 
 
 def save_checkpoint(components: TrainingComponents, state: TrainingState,
@@ -160,7 +181,7 @@ def load_checkpoint(components: TrainingComponents, path: str | os.PathLike) -> 
     components.scheduler.load_state_dict(meta["scheduler"])
     rng_file = p / f"rng_rank{_rank()}.pt"
     if meta["world_size"] == components.world_size and rng_file.is_file():
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+        _set_rng_state(read_rng_file(rng_file))
     return TrainingState(**meta["state"]), meta["extra"]
 
 
