@@ -85,3 +85,50 @@ def test_sft_lowers_loss(tmp_path):
     rows = read_jsonl(tmp_path / "sft" / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 21)) and rows[0]["loss"] == pytest.approx(first)
     assert latest_checkpoint(tmp_path / "sft").name == "step_00000020" and state.step == 20
+
+
+class _Killed(Exception):
+    """A kill of the process after a chosen step: unlike Ctrl-C it writes no checkpoint."""
+
+
+def test_resume_after_a_kill_logs_each_step_once(tmp_path, monkeypatch, capsys):
+    from trainer.backend.checkpoint import load_latest
+    from trainer.metrics import JSONLLogger
+
+    chats = _toy_chats(16, seed=1)
+    cfg = SFTTrainingConfig(optim=OptimConfig(lr=1e-3, warmup_steps=1), num_steps=12, batch_size=2, max_length=128,
+                            token_budget=256, micro_batch_buckets=64, output_dir=str(tmp_path / "sft"), save_every=5,
+                            seed=0)
+    tcfg = trainer_config_from(cfg, compile=False)
+    log = JSONLLogger.log
+
+    def log_then_die_at_8(self, step, metrics):
+        log(self, step, metrics)
+        if step == 8:
+            raise _Killed
+
+    monkeypatch.setattr(JSONLLogger, "log", log_then_die_at_8)
+    with use_backend("torch"), pytest.raises(_Killed):
+        run_sft_training(tiny_model_config(), chats, cfg, tokenizer=build_tokenizer(), trainer_config=tcfg)
+    monkeypatch.setattr(JSONLLogger, "log", log)
+    assert latest_checkpoint(tmp_path / "sft").name == "step_00000005"
+    assert [r["step"] for r in read_jsonl(tmp_path / "sft" / "metrics.jsonl")] == list(range(1, 9))
+    with use_backend("torch"):
+        comp, state, _ = run_sft_training(tiny_model_config(), chats, cfg, tokenizer=build_tokenizer(),
+                                          trainer_config=tcfg, resume=True)
+    assert state.step == 12
+    assert [r["step"] for r in read_jsonl(tmp_path / "sft" / "metrics.jsonl")] == list(range(1, 13))
+    # --resume where nothing was saved says so, naming the folder, and starts from step 0.
+    capsys.readouterr()
+    assert load_latest(comp, tmp_path / "empty")[0].step == 0
+    assert f"no complete checkpoint under {tmp_path / 'empty' / 'checkpoints'}" in capsys.readouterr().err
+
+
+def test_truncate_jsonl_drops_later_steps_and_a_torn_last_line(tmp_path):
+    from trainer.metrics import truncate_jsonl
+
+    log = tmp_path / "metrics.jsonl"
+    log.write_text("".join(f'{{"step": {s}, "loss": {s / 10}}}\n' for s in range(1, 9)) + '{"step": 9, "lo')
+    assert truncate_jsonl(log, 5) == 4
+    assert read_jsonl(log) == [{"step": s, "loss": s / 10} for s in range(1, 6)]
+    assert truncate_jsonl(log, 0) == 5 and read_jsonl(log) == []

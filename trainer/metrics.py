@@ -30,15 +30,46 @@ def _jsonable(v: Any) -> Any:
     return repr(v)
 
 
-class JSONLLogger:
-    """Appends {"step": s, "time": t, **metrics} lines to `path` (rank 0 only when `enabled` is False elsewhere)."""
+def truncate_jsonl(path: str | os.PathLike, last_step: int) -> int:
+    """Drop the rows of a metrics log whose step is beyond `last_step` (and a torn last line, from a kill mid-write);
+    returns how many rows were dropped. A run resumed from its step-5 checkpoint after dying at step 8 logs steps
+    6.. again: without this the log would hold them twice. Rewritten through a temporary file and a rename, so a
+    kill here leaves the old log or the new one."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError:
+            row = None
+        if isinstance(row, dict) and int(row.get("step", 0)) <= last_step:
+            kept.append(line)
+        elif line.strip():
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
+        os.replace(tmp, path)
+    return dropped
 
-    def __init__(self, path: str | os.PathLike, *, enabled: bool = True) -> None:
+
+class JSONLLogger:
+    """Appends {"step": s, "time": t, **metrics} lines to `path` (rank 0 only when `enabled` is False elsewhere).
+
+    `keep_through`: the step the run starts after (0 fresh, the checkpoint's step on resume); rows of later steps
+    left by an earlier attempt are removed first, so each step appears in the log once. None appends to the file as
+    it is."""
+
+    def __init__(self, path: str | os.PathLike, *, enabled: bool = True, keep_through: int | None = None) -> None:
         self.path = Path(path)
         self.enabled = enabled
         self._fh = None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            if keep_through is not None:
+                truncate_jsonl(self.path, keep_through)
             self._fh = self.path.open("a", encoding="utf-8")
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:

@@ -214,7 +214,8 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
     ckpt = Checkpointer(comp, lambda: state, lambda: {k: part.state_dict() for k, part in resumable.items()},
                         save_every=tcfg.save_every)
     pad_id = pad_token_id(tokenizer)  # what packed rows pad with
-    logger = logger or JSONLLogger(Path(tcfg.output_dir) / "metrics.jsonl", enabled=comp.rank == 0)
+    logger = logger or JSONLLogger(Path(tcfg.output_dir) / "metrics.jsonl", enabled=comp.rank == 0,
+                                   keep_through=state.step)
     history: list[dict] = []
     if comp.rank == 0:
         print(describe_objective(config), flush=True)

@@ -115,7 +115,8 @@ def run_sft_training(model: Any, conversations: Sequence[Conversation], config: 
     state, saved = load_latest(comp, tcfg.output_dir) if resume else (TrainingState(), {})
     position = int(saved.get("data_position", 0))
     ckpt = Checkpointer(comp, lambda: state, lambda: {"data_position": position}, save_every=tcfg.save_every)
-    logger = logger or JSONLLogger(Path(tcfg.output_dir) / "metrics.jsonl", enabled=comp.rank == 0)
+    logger = logger or JSONLLogger(Path(tcfg.output_dir) / "metrics.jsonl", enabled=comp.rank == 0,
+                                   keep_through=state.step)
     history: list[dict] = []
     pad_id = pad_token_id(tokenizer)
     with (contextlib.closing(logger),

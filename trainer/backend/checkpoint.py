@@ -22,6 +22,7 @@ import pickle
 import random
 import re
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -187,8 +188,12 @@ def load_checkpoint(components: TrainingComponents, path: str | os.PathLike) -> 
 
 def load_latest(components: TrainingComponents, output_dir: str | os.PathLike) -> tuple[TrainingState, dict]:
     """Resume: the newest complete checkpoint under output_dir loaded into `components`, as (state, extra); a
-    fresh (TrainingState(), {}) when there is none yet (the first run of a resumable job)."""
+    fresh (TrainingState(), {}) when there is none yet (the first run of a resumable job), with a warning: a user
+    who asked to resume must see that nothing was resumed."""
     if latest_checkpoint(output_dir) is None:
+        if _rank() == 0:
+            print(f"warning: resume: no complete checkpoint under {checkpoints_root(output_dir)}; starting from "
+                  f"step 0", file=sys.stderr, flush=True)
         return TrainingState(), {}
     return load_checkpoint(components, output_dir)
 
