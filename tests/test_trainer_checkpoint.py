@@ -84,7 +84,8 @@ def test_incomplete_checkpoints_and_fingerprint(tmp_path):
     assert state2 == state and extra == {"next_step": 3}
     faster = dataclasses.replace(cfg.optim, lr=cfg.optim.lr * 2)
     other = dataclasses.replace(comp, config=cfg.replace(optim=faster))
-    with pytest.raises(ValueError, match="fingerprint"):
+    with pytest.raises(ValueError, match=r"differs from the checkpoint's in optim\.lr \(optim\.lr was 0\.003, now "
+                                         r"0\.006\)"):
         load_checkpoint(other, out)
     # output_dir / keep_last may change on resume
     same = dataclasses.replace(comp, config=cfg.replace(keep_last=5, output_dir=str(tmp_path / "x")))
@@ -160,3 +161,18 @@ def test_rng_states_resume_exactly_and_load_without_pickle(tmp_path):
         load_checkpoint(comp, out)
     assert not marker.exists()
     assert state.step == 1
+
+
+def test_resume_may_extend_num_steps_and_names_any_other_difference(tmp_path):
+    out = tmp_path / "run"
+    cfg = w.config(str(out), compile=False)  # num_steps 6
+    comp = build_components(tiny_model_config(), cfg)
+    state, _ = w.train_steps(comp, TrainingState(), range(3))
+    save_checkpoint(comp, state, {})
+    longer = dataclasses.replace(comp, config=cfg.replace(num_steps=20))
+    assert load_checkpoint(longer, out)[0] == state  # extending a run is allowed
+    with pytest.raises(ValueError, match=r"num_steps = 2 is below the checkpoint's step 3"):
+        load_checkpoint(dataclasses.replace(comp, config=cfg.replace(num_steps=2)), out)
+    other = dataclasses.replace(comp, config=cfg.replace(num_steps=20, token_budget=cfg.token_budget * 2))
+    with pytest.raises(ValueError, match=r"differs from the checkpoint's in token_budget \(token_budget was"):
+        load_checkpoint(other, out)

@@ -143,6 +143,7 @@ def save_checkpoint(components: TrainingComponents, state: TrainingState,
             "extra": extra,
             "scheduler": components.scheduler.state_dict(),
             "fingerprint": cfg.fingerprint(),
+            "fingerprint_fields": cfg.fingerprint_fields(),
             "world_size": components.world_size,
         }
         (tmp / "state.json").write_text(json.dumps(meta, indent=1, default=repr))
@@ -155,11 +156,54 @@ def save_checkpoint(components: TrainingComponents, state: TrainingState,
     return state
 
 
+# Fingerprinted settings a resume may change: a longer num_steps extends the run (the LR schedule then decays to
+# the new end; the step the checkpoint stopped at is kept).
+RESUMABLE_CHANGES = ("num_steps",)
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"optim": {"lr": 1}} -> {"optim.lr": 1}: the names a user sets them by."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """{field: (checkpoint's value, this run's value)} for the fingerprinted settings that differ, RESUMABLE_CHANGES
+    left out."""
+    a, b = _flat(saved), _flat(current)
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
+            if a.get(k) != b.get(k) and k not in RESUMABLE_CHANGES}
+
+
+def _check_resumable(path: Path, meta: dict[str, Any], config: Any) -> None:
+    """Refuse a resume that would silently change the run's math, naming each field that differs."""
+    saved = meta.get("fingerprint_fields")
+    if saved is None:  # written before the fields were stored: only the hash can be compared
+        if meta["fingerprint"] != config.fingerprint():
+            raise ValueError(f"{path}: config fingerprint {meta['fingerprint']} differs from this run's "
+                             f"{config.fingerprint()} (the checkpoint predates per-field records, so the field "
+                             f"cannot be named); resume with the same TrainerConfig")
+        return
+    diff = config_differences(saved, config.fingerprint_fields())
+    if diff:
+        fields = "; ".join(f"{k} was {old!r}, now {new!r}" for k, (old, new) in diff.items())
+        raise ValueError(f"{path}: this run's config differs from the checkpoint's in {', '.join(diff)} ({fields}); "
+                         f"resume with the checkpoint's values (num_steps may change to extend a run, and "
+                         f"output_dir/keep_last/save_every/compile may change) or start a new run")
+    step = meta["state"]["step"]
+    if config.num_steps < step:
+        raise ValueError(f"{path}: num_steps = {config.num_steps} is below the checkpoint's step {step}; a resume "
+                         f"may extend a run, not shorten it: set num_steps >= {step}")
+
+
 def load_checkpoint(components: TrainingComponents, path: str | os.PathLike) -> tuple[TrainingState, dict]:
     """Restore model, optimizer, scheduler and RNG from `path` (a step folder, or an output_dir: its newest).
 
     Returns (TrainingState, extra). Raises ValueError when `path` is not a complete checkpoint or when it was
-    written with a different config fingerprint (a resume must not silently change the run).
+    written with other settings of the run's math (a resume must not silently change the run), naming the fields;
+    a larger num_steps is allowed (it extends the run).
     """
     p = Path(path)
     if not _STEP_RE.match(p.name):
@@ -172,10 +216,7 @@ def load_checkpoint(components: TrainingComponents, path: str | os.PathLike) -> 
         raise ValueError(f"{p}: not a complete checkpoint (state.json or .metadata missing: an interrupted save?); "
                          f"pass the output_dir to resume from the newest complete one")
     meta = json.loads((p / "state.json").read_text())
-    fp = components.config.fingerprint()
-    if meta["fingerprint"] != fp:
-        raise ValueError(f"{p}: config fingerprint {meta['fingerprint']} differs from this run's {fp}; resume with "
-                         f"the same TrainerConfig (only output_dir/keep_last/save_every/compile may change)")
+    _check_resumable(p, meta, components.config)
     model_sd, optim_sd = get_state_dict(components.root, components.optimizer)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(p))
     set_state_dict(components.root, components.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)

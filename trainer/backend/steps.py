@@ -121,8 +121,9 @@ class TrainerConfig:
             phase=dataclasses.replace(self.phase, **{k: v for k, v in changes.items() if k in phase}),
             backend=dataclasses.replace(self.backend, **{k: v for k, v in changes.items() if k in backend}))
 
-    def fingerprint(self) -> str:
-        """sha256 over the settings that change the math of a run (checkpoints refuse to resume on a mismatch).
+    def fingerprint_fields(self) -> dict[str, Any]:
+        """The settings that change the math of a run, as JSON data (a checkpoint stores them, so that a resume
+        with other values can name the field that differs).
 
         The keys are those of the flat TrainerConfig that earlier checkpoints were fingerprinted with (its
         `bucket_size` is micro_batch_buckets): the same run gives the same fingerprint, so they still resume."""
@@ -132,7 +133,11 @@ class TrainerConfig:
              "activation_checkpointing": self.backend.activation_checkpointing,
              "param_dtype": self.backend.param_dtype, "token_budget": self.token_budget,
              "bucket_size": self.micro_batch_buckets, "seed": self.seed}
-        return hashlib.sha256(json.dumps(d, sort_keys=True, default=repr).encode()).hexdigest()[:16]
+        return json.loads(json.dumps(d, sort_keys=True, default=repr))
+
+    def fingerprint(self) -> str:
+        """sha256 over `fingerprint_fields` (checkpoints refuse to resume on a mismatch, num_steps aside)."""
+        return hashlib.sha256(json.dumps(self.fingerprint_fields(), sort_keys=True).encode()).hexdigest()[:16]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
