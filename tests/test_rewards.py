@@ -178,3 +178,89 @@ def test_new_rewards_load_by_name_and_failures_are_counted():
     assert failed == 1 and scored[0].reward == 1.0 and "holds no number" in scored[1].metadata["reward_error"]
     scored, failed = compute_rewards(samples[:2], math_reward)
     assert failed == 1 and scored[0].reward == 1.0
+
+
+@pytest.mark.parametrize("value, shown", [("1.0", "str '1.0'"), (1e300, "returned 1e+300, beyond +-1e+06"),
+                                          (-1e7, "returned -1e+07, beyond"), (float("inf"), "non-finite value inf"),
+                                          (float("nan"), "non-finite value nan")])
+def test_a_reward_must_be_a_finite_number_of_sane_size(value, shown):
+    (s,), failed = compute_rewards([_sample("1")], lambda _: value)
+    assert failed == 1 and s.status == Status.FAILED and s.reward == 0.0
+    assert shown in s.metadata["reward_error"]
+    (ok,), failed = compute_rewards([_sample("1")], lambda _: True)  # a bool is a reward (1.0)
+    assert failed == 0 and ok.reward == 1.0 and ok.status != Status.FAILED
+
+
+def test_a_reward_past_its_timeout_fails_its_sample_without_stalling_the_step():
+    import threading
+    import time
+
+    import trio
+
+    from trainer.config import DataConfig
+    from trainer.rollout.rewards import acompute_reward, with_timeout
+
+    release = threading.Event()
+
+    def stuck(sample):  # a sync reward that hangs (a network call, a pathological parse)
+        if sample.response == "hang":
+            release.wait(30)
+        return 1.0
+
+    async def stuck_async(sample):
+        await trio.sleep(30)
+
+    async def score(fn, responses):
+        return [await acompute_reward(_sample(r), with_timeout(fn, 0.2)) for r in responses]
+
+    t0 = time.monotonic()
+    fast, slow = trio.run(score, stuck, ["ok", "hang"])
+    slow_async, = trio.run(score, stuck_async, ["x"])
+    release.set()
+    assert time.monotonic() - t0 < 5
+    assert fast.reward == 1.0 and fast.status != Status.FAILED
+    for s in (slow, slow_async):
+        assert s.status == Status.FAILED and s.reward == 0.0
+        assert "took longer than 0.2 s ([data] reward_timeout_s)" in s.metadata["reward_error"]
+    assert DataConfig().reward_timeout_s == 60.0
+    with pytest.raises(ValueError, match="reward_timeout_s"):
+        DataConfig(reward_timeout_s=0)
+
+
+def test_evaluation_bounds_each_reward_call_and_names_the_error_when_all_fail():
+    import threading
+    import time
+
+    from engines.protocol import Completion
+    from trainer.cli import evaluate
+    from trainer.rollout.data import Prompt
+
+    tok = build_tokenizer()
+
+    class Echo:  # answers every prompt with "7"
+        async def generate(self, prompts, params):
+            ids = tok("7", add_special_tokens=False)["input_ids"]
+            return [[Completion(output_ids=ids, logprobs=[0.0] * len(ids), finish_reason="stop", weight_version=0)]
+                    for _ in prompts]
+
+    prompts = [Prompt(prompt=f"{i}+7=", answer=str(i + 7), metadata={}, index=i) for i in range(3)]
+    release = threading.Event()
+
+    def hangs_on_first(sample):
+        if sample.prompt == "0+7=":
+            release.wait(30)
+        return 1.0
+
+    t0 = time.monotonic()
+    got = evaluate([Echo()], prompts, tokenizer=tok, reward_fn=hangs_on_first, max_new_tokens=2, chat=False,
+                   reward_timeout_s=0.2)
+    release.set()
+    assert time.monotonic() - t0 < 5 and got["failed"] == 1 and got["accuracy"] == pytest.approx(2 / 3)
+
+    def broken(sample):
+        raise KeyError("no_such_field")
+
+    for _ in range(2):  # the second time nothing is printed above: the error must be in the message
+        with pytest.raises(RuntimeError, match="failed on all 3 samples; the first: reward function failed: "
+                                               "KeyError: 'no_such_field'"):
+            evaluate([Echo()], prompts, tokenizer=tok, reward_fn=broken, max_new_tokens=2, chat=False)

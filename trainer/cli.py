@@ -39,7 +39,15 @@ import trio
 
 from engines.protocol import InferenceEngine
 from trainer.backend.steps import TrainerConfig
-from trainer.config import ConfigError, EnginesConfig, RLTrainingConfig, RunConfig, SFTTrainingConfig, config_from_dict
+from trainer.config import (
+    ConfigError,
+    DataConfig,
+    EnginesConfig,
+    RLTrainingConfig,
+    RunConfig,
+    SFTTrainingConfig,
+    config_from_dict,
+)
 from trainer.config_reference import check_key_path, to_toml
 
 if TYPE_CHECKING:
@@ -303,16 +311,18 @@ def cores_left_to_trainer(cfg: RunConfig):
 
 # ----------------------------------------------------------------------------------------------- evaluation
 def evaluate(engines: Sequence[InferenceEngine], prompts: Sequence[Any], *, tokenizer: Any, reward_fn: Any,
-             max_new_tokens: int, chat: bool = True, max_reward: float = 1.0) -> dict[str, float]:
+             max_new_tokens: int, chat: bool = True, max_reward: float = 1.0,
+             reward_timeout_s: float | None = DataConfig.reward_timeout_s) -> dict[str, float]:
     """Greedy evaluation (one temperature-0 sample per prompt) served by the first engine (an engine object, built
     by engines.registry like every other): {"reward_mean", "accuracy", "n", "failed"}.
 
     accuracy is the fraction of samples that are correct: the reward's own verdict where it returns one
     ({"reward": r, "correct": bool}), else reward >= `max_reward` (the reward's maximum; 1.0 for the built-ins).
-    Samples whose reward function raised count as wrong with reward 0 (their errors are printed as they happen).
+    Samples whose reward function raised, or outlasted `reward_timeout_s`, count as wrong with reward 0 (their
+    errors are printed as they happen).
     """
     from engines.protocol import SamplingParams
-    from trainer.rollout.rewards import compute_rewards, load_reward_fn
+    from trainer.rollout.rewards import acompute_reward, describe_failure, load_reward_fn, with_timeout
     from trainer.rollout.samples import prompt_token_ids, stop_token_ids
     from trainer.types import Sample, Status
 
@@ -323,21 +333,23 @@ def evaluate(engines: Sequence[InferenceEngine], prompts: Sequence[Any], *, toke
         raise TypeError(f"evaluate: engines = {list(engines)[:1]!r}: give engine objects (engines.registry.build_engine"
                         f" or trainer.cli.build_engines), not URLs")
     engine = engines[0]
+    score = with_timeout(load_reward_fn(reward_fn), reward_timeout_s)
 
     async def run():
-        return await engine.generate(ids, params)
+        outs = await engine.generate(ids, params)
+        samples = [Sample(prompt=p.prompt, tokens=tuple(prompt_ids) + tuple(group[0].output_ids),
+                          response=tokenizer.decode(group[0].output_ids), response_length=len(group[0].output_ids),
+                          metadata={**p.metadata, "answer": p.answer}, status=Status.COMPLETED)
+                   for p, prompt_ids, group in zip(prompts, ids, outs)]
+        return [await acompute_reward(s, score) for s in samples]
 
-    outs = trio.run(run)
-    samples = []
-    for p, prompt_ids, group in zip(prompts, ids, outs):
-        c = group[0]
-        samples.append(Sample(prompt=p.prompt, tokens=tuple(prompt_ids) + tuple(c.output_ids),
-                              response=tokenizer.decode(c.output_ids), response_length=len(c.output_ids),
-                              metadata={**p.metadata, "answer": p.answer}, status=Status.COMPLETED))
-    scored, n_failed = compute_rewards(samples, load_reward_fn(reward_fn))
+    scored = trio.run(run)
+    n_failed = sum(1 for s in scored if "reward_error" in s.metadata)
     if n_failed == len(scored):
-        raise RuntimeError(f"evaluation: the reward function failed on all {n_failed} samples; its first error, with "
-                           f"the sample and the traceback, is printed above")
+        # The error itself, not "see above": an error printed once per process (an earlier evaluation, the rollouts)
+        # is not printed again.
+        raise RuntimeError(f"evaluation: the reward function failed on all {n_failed} samples; the first: "
+                           f"{describe_failure(scored[0])}")
     n = max(len(scored), 1)
     correct = [s.correct if s.correct is not None else (s.status != Status.FAILED and s.reward >= max_reward)
                for s in scored]
@@ -443,7 +455,8 @@ def _evaluator(r: _Run, engines: Sequence[InferenceEngine]) -> Callable[[str], N
     def evaluate_as(label: str) -> None:
         if r.is_main and prompts and engines:
             got = evaluate(engines, prompts, tokenizer=r.tokenizer, reward_fn=data.reward,
-                           max_new_tokens=max_new_tokens, chat=data.format == "chat", max_reward=r.cfg.eval.max_reward)
+                           max_new_tokens=max_new_tokens, chat=data.format == "chat", max_reward=r.cfg.eval.max_reward,
+                           reward_timeout_s=data.reward_timeout_s)
             r.summary[f"accuracy_{label}"] = got["accuracy"]
             r.summary[f"reward_mean_{label}"] = got["reward_mean"]
             print(f"[{label}] held-out: accuracy {got['accuracy']:.3f}, mean reward {got['reward_mean']:.3f} on "
@@ -490,7 +503,7 @@ def _rl_phase(r: _Run, engines: Sequence[InferenceEngine], sft_components: Any,
     with cores_left_to_trainer(r.cfg):  # async: the engines generate while the trainer steps
         comp, state, hist = run_rl_training(None, buffer, rl_cfg, engines=engines, tokenizer=r.tokenizer,
                                             reward_fn=data.reward, trainer_config=tcfg, components=comp,
-                                            resume=r.resume, sender=sender)
+                                            resume=r.resume, sender=sender, reward_timeout_s=data.reward_timeout_s)
     sender.close()
     r.summary.update(rl_steps=state.step, rl_final_reward_mean=hist[-1]["reward_mean"] if hist else None)
     evaluate_as("after_rl")

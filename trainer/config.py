@@ -241,6 +241,7 @@ class DataConfig:
     eval: Any = None  # held-out prompts: greedy accuracy before / between / after the phases (None: no evaluation)
     sft: Any = None  # the SFT examples (prompt + answer, or full conversations); None: `train`
     reward: str | None = None  # "module:function" or a built-in name ("arithmetic", "gsm8k", ...); rl and eval need one
+    reward_timeout_s: float = 60.0  # one reward call's limit (s); past it the sample is FAILED, the step goes on
     format: str = "chat"  # "chat": prompts are user turns of the chat template; "plain": the prompt text itself
     prompt_key: str = "prompt"  # the prompt's field in the data set
     answer_key: str | None = None  # the answer's field (None: "answer" when the set has one)
@@ -252,6 +253,7 @@ class DataConfig:
         _check(self.format in FORMATS, "format", f"{self.format!r}; choose one of {FORMATS}")
         _check(self.reward is None or (isinstance(self.reward, str) and bool(self.reward)), "reward",
                f"{self.reward!r}: give a \"module:function\" path or a registered reward name")
+        _positive(self, "reward_timeout_s")
 
     def mapping(self) -> dict[str, Any]:
         """The field-name keys as the defaults of every set (trainer.rollout.data.data_specs)."""

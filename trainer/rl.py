@@ -43,8 +43,9 @@ from trainer.backend.steps import (
 )
 from trainer.batching.micro_batches import attach_logprobs, build_micro_batches
 from trainer.batching.shared_prompt import build_shared_micro_batches
-from trainer.config import RLTrainingConfig
+from trainer.config import DataConfig, RLTrainingConfig
 from trainer.metrics import JSONLLogger, MetricsLogger, progress
+from trainer.rollout.rewards import load_reward_fn, with_timeout
 from trainer.rollout.samples import build_batch_metadata, pad_token_id
 from trainer.rollout.source import RolloutSource
 from trainer.types import RolloutBatch, Sample, Status, TrainingState
@@ -187,6 +188,7 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
                     components: TrainingComponents | None = None, logger: MetricsLogger | None = None,
                     resume: bool = False, probe_prompts: Sequence[Sequence[int]] | None = None,
                     on_step: Callable[[int, dict], None] | None = None,
+                    reward_timeout_s: float | None = DataConfig.reward_timeout_s,
                     ) -> tuple[TrainingComponents, TrainingState, list[dict]]:
     """Train with GRPO/PPO for config.num_steps steps; returns (components, final state, per-step metrics).
 
@@ -196,7 +198,8 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
     start (so they serve the policy being trained) and every `sync_every` steps, through `sender`: a
     trainer.weight_sync sender (WeightSyncSender, or DiskWeightSync) to those engines whose group is already up;
     the caller owns it (init_group before, close after). tokenizer: the model's (prompts, stop tokens, the pad
-    id). reward_fn: a function of a Sample or a name trainer.rollout.rewards.load_reward_fn resolves.
+    id). reward_fn: a function of a Sample or a name trainer.rollout.rewards.load_reward_fn resolves; a call
+    longer than `reward_timeout_s` (None: no limit) marks its sample FAILED instead of stalling the step.
     Writes metrics.jsonl and checkpoints under config.output_dir; resume=True continues from the newest complete
     checkpoint there (data position and partial-rollout cache included). Ctrl-C writes a checkpoint first.
     """
@@ -207,6 +210,8 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
     tcfg = trainer_config or trainer_config_from(config)
     comp = components or build_components(model, tcfg)
     ref = _reference_components(comp, tcfg) if config.loss.kl_coef > 0 else None  # frozen starting weights
+    if reward_fn is not None:
+        reward_fn = with_timeout(load_reward_fn(reward_fn), reward_timeout_s)
     manager = AsyncRolloutManager(engines, config.rollout, tokenizer=tokenizer, reward_fn=reward_fn,
                                   deterministic=config.deterministic)
     resumable = {"data_buffer": data_buffer, "rollout_manager": manager}  # restored with the weights on resume

@@ -6,7 +6,9 @@ credit), or an awaitable of either. The sample carries the prompt text (`sample.
 (`sample.response`), its tokens, and in `sample.metadata` the data row: the reference answer under "answer"
 (whatever [data] answer_key named in the file) and every other field of the row. A function that raises marks its
 sample FAILED (left out of the loss, counted); the first time each distinct error happens, its traceback and the
-sample are printed to stderr.
+sample are printed to stderr. So does a result that is not a finite number or a bool (a string "1.0", a tensor,
+None), or one beyond +-MAX_ABS_REWARD, and a call that outlasts its timeout (`with_timeout`, [data] reward_timeout_s):
+the rollout moves on without it.
 
 Built-in tasks, both small enough for the tiny preset's one-token-per-character vocabulary and a tiny model:
   - arithmetic: "23+17=" -> "40"; reward 1.0 when the last integer in the response equals the answer.
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -45,9 +48,16 @@ from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 from typing import Any
 
+import trio
+
 from trainer.types import Sample, Status
 
 RewardFn = Callable[[Sample], Any]  # returns float or Awaitable[float]
+
+# The largest reward magnitude accepted. Advantages are group statistics in float32: squares of rewards near 1e19
+# overflow, and one reward of 1e9 next to rewards of 1 leaves them no resolution. A reward this large is a bug (an
+# unscaled count, a sentinel); a real task rescales it.
+MAX_ABS_REWARD = 1e6
 
 _INT_RE = re.compile(r"-?\d+")
 # Chat/special markers of the common templates (Qwen/ChatML, Llama 3, ours) that engines may leave in the text.
@@ -159,8 +169,9 @@ def gsm8k_reward(sample: Sample) -> float:
 
 # ----------------------------------------------------------------------------------------------- math
 def _math_timeout() -> int | None:
-    # math-verify bounds parsing and comparison with signal.alarm, which only the main thread may set; elsewhere
-    # it runs unbounded (the rollout manager scores in the main thread).
+    # math-verify bounds parsing and comparison with signal.alarm, which only the main thread may set. A reward run
+    # under `with_timeout` (every rollout's) runs in a worker thread: there math-verify is unbounded, and the
+    # caller's reward timeout bounds the wait for it instead.
     return 5 if threading.current_thread() is threading.main_thread() else None
 
 
@@ -252,6 +263,10 @@ def _finish(sample: Sample, value: Any) -> Sample:
     reward = float(value)
     if not math.isfinite(reward):
         return _failed(sample, ValueError(f"reward function returned a non-finite value {reward}"))
+    if abs(reward) > MAX_ABS_REWARD:
+        return _failed(sample, ValueError(f"reward function returned {reward:g}, beyond +-{MAX_ABS_REWARD:g} "
+                                          f"(MAX_ABS_REWARD): the advantages' float32 group statistics would "
+                                          f"overflow or lose every other reward; scale the reward down"))
     return dataclasses.replace(sample, reward=reward, correct=correct)
 
 
@@ -304,6 +319,31 @@ async def acompute_reward(sample: Sample, reward_fn: RewardFn) -> Sample:
     except Exception as e:  # noqa: BLE001
         return _failed(sample, e)
     return _finish(sample, value)
+
+
+def with_timeout(reward_fn: RewardFn, timeout_s: float | None) -> RewardFn:
+    """`reward_fn` as an async function that raises TimeoutError after `timeout_s` seconds (None: no limit), for
+    `acompute_reward` inside trio: a slow call marks its sample FAILED instead of stalling the whole step.
+
+    A plain function runs in a trio worker thread (so it must be thread-safe, as the built-ins are): a thread
+    cannot be stopped, so one past its limit is abandoned, left to finish in the background, and its result
+    dropped. An async function is cancelled."""
+    if timeout_s is None:
+        return reward_fn
+
+    @functools.wraps(reward_fn)
+    async def bounded(sample: Sample) -> Any:
+        with trio.move_on_after(timeout_s):
+            if inspect.iscoroutinefunction(reward_fn):
+                value = await reward_fn(sample)
+            else:
+                value = await trio.to_thread.run_sync(reward_fn, sample, abandon_on_cancel=True)
+            return await value if inspect.isawaitable(value) else value
+        raise TimeoutError(f"reward function {getattr(reward_fn, '__name__', reward_fn)!r} took longer than "
+                           f"{timeout_s:g} s ([data] reward_timeout_s); it was abandoned and the sample left out: "
+                           f"make it faster or raise the limit")
+
+    return bounded
 
 
 def compute_rewards(samples: Sequence[Sample], reward_fn: RewardFn) -> tuple[list[Sample], int]:
