@@ -1,4 +1,5 @@
-"""Problem generators of the built-in tasks (arithmetic, countdown) and the shipped data sets.
+"""Problem generators of the built-in tasks (arithmetic, countdown; the agent recipe's products are in
+trainer.rollout.agent_task) and the shipped data sets.
 
 `python -m trainer.rollout.datasets --out data` regenerates the shipped data sets deterministically; each generator
 is a pure function of its arguments. The rewards that score these tasks are in trainer.rollout.rewards.
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any
 
+from trainer.rollout.agent_task import make_direct_sft_examples, make_multiply_problems, make_tool_sft_conversations
 from trainer.rollout.data import write_jsonl
 
 
@@ -86,6 +88,23 @@ def write_demo_data(out_dir: str, *, n_train: int = 700, n_test: int = 200, seed
     return paths
 
 
+def write_agent_data(out_dir: str, *, n_train: int = 700, n_test: int = 200, n_sft: int = 200,
+                     seed: int = 0) -> dict[str, str]:
+    """The agent recipe's two-digit products (configs/agent_demo*.toml): RL prompts, a disjoint held-out set, and
+    two SFT sets over the same first `n_sft` training problems: tool-use conversations ("messages") and, for the
+    no-tool baseline, prompt -> answer pairs."""
+    train = make_multiply_problems(n_train, seed=seed)
+    test = make_multiply_problems(n_test, seed=seed + 1, exclude={r["prompt"] for r in train})
+    sft = train[:n_sft]
+    paths = {name: os.path.join(out_dir, f"{name}.jsonl")
+             for name in ("multiply_train", "multiply_test", "multiply_tool_sft", "multiply_sft")}
+    write_jsonl(paths["multiply_train"], train)
+    write_jsonl(paths["multiply_test"], test)
+    write_jsonl(paths["multiply_tool_sft"], make_tool_sft_conversations(sft))
+    write_jsonl(paths["multiply_sft"], make_direct_sft_examples(sft))
+    return paths
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="Regenerate the shipped demo data sets (deterministic).")
     p.add_argument("--out", default="data")
@@ -96,9 +115,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     # reaches ~40 % greedy accuracy after a short SFT, which leaves RL room to show its effect.
     p.add_argument("--max-operand", type=int, default=30)
     p.add_argument("--ops", default="+")
+    # The agent recipe: SFT warm start on a few tool-use conversations (the first --n-agent-sft training problems).
+    p.add_argument("--n-agent-sft", type=int, default=200)
     a = p.parse_args(argv)
-    for name, path in write_demo_data(a.out, n_train=a.n_train, n_test=a.n_test, seed=a.seed,
-                                      max_operand=a.max_operand, ops=a.ops).items():
+    paths = write_demo_data(a.out, n_train=a.n_train, n_test=a.n_test, seed=a.seed, max_operand=a.max_operand,
+                            ops=a.ops)
+    paths |= write_agent_data(a.out, n_train=a.n_train, n_test=a.n_test, n_sft=a.n_agent_sft, seed=a.seed)
+    for name, path in paths.items():
         print(f"{name}: {path}")
 
 
