@@ -59,10 +59,27 @@ class RolloutConfig:
     retry_backoff_s: float = 0.2  # wait before retry k is retry_backoff_s * 2**k
     abort_grace_s: float = 5.0  # after /abort_request, wait this long for engines to return partial samples
     max_filtered_groups: int = 0  # give up after this many groups dropped by filters in one batch (0 = 10 x batch)
+    # Multi-turn episodes (trainer.rollout.episodes); at most one of env / tools / rollout_fn, chat format only.
+    env: Any = None  # "module:factory": called once per episode; returns an object with reset() and step()
+    tools: tuple[Any, ...] = ()  # "module:function" tools run by the built-in tool environment (trainer.rollout.tools)
+    rollout_fn: Any = None  # "module:function": async fn(client, row) that drives its own episode through `client`
+    max_turns: int = 4  # assistant turns per episode (an episode still running after them is truncated)
+    max_context_tokens: int = 0  # an episode's tokens, prompt and every turn (0: no limit but max_turns)
+    tool_timeout_s: float = 10.0  # one tool call's limit; past it the model is answered with an error
+    tool_parser: str = "hermes"  # reads the model's tool calls: "hermes" (<tool_call>{json}</tool_call>) or "module:fn"
+    mask_truncated: bool = False  # truncated samples stay out of the loss (still in their group's baseline)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "dynamic_filters", tuple(self.dynamic_filters))
+        object.__setattr__(self, "tools", tuple(self.tools))
+        given = [k for k in ("env", "tools", "rollout_fn") if getattr(self, k)]
+        _check(len(given) <= 1, " and ".join(given), "give one of env, tools and rollout_fn: tools runs the built-in "
+               "tool environment, a custom env calls its tools in its own step(), a rollout_fn drives the episode")
+        _check(not given or self.apply_chat_template, given[0] if given else "",
+               "multi-turn episodes are chat conversations: set [data] format = \"chat\"")
+        _positive(self, "max_turns", "tool_timeout_s")
+        _non_negative(self, "max_context_tokens")
         _positive(self, "rollout_batch_size", "n_samples_per_prompt", "max_new_tokens", "max_concurrency",
                   "request_timeout_s")
         _check(self.over_sampling_factor >= 1.0, "over_sampling_factor",
@@ -170,7 +187,8 @@ class RLTrainingConfig(_PhaseConfig):
     async_rollout: bool = False  # generate step n+1 while step n trains
     verify_sync: bool = False  # after each sync, compare the engines' weights with the trainer's (a metric)
     # Reproducible from the seeds whatever the arrival order of requests: each engine runs one request (one
-    # group) at a time, so its batch composition is fixed; costs the batching across groups (docs/results.md measures it).
+    # group) at a time, so its batch composition is fixed; costs the batching across groups (docs/results.md has
+    # the cost).
     deterministic: bool = False
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)  # the [rl.rollout] table
 

@@ -82,24 +82,28 @@ def compute_advantages(samples: Sequence[Sample], estimator: str) -> list[float]
     return out
 
 
-def trained_samples(samples: Sequence[Sample], estimator: str) -> tuple[list[int], dict[str, float]]:
+def trained_samples(samples: Sequence[Sample], estimator: str, *,
+                    mask_truncated: bool = False) -> tuple[list[int], dict[str, float]]:
     """Indices of the samples the loss trains on, and counts of the ones it leaves out.
 
-    Left out: FAILED samples (the reward function raised, or generation failed: there is no reward to learn
-    from), and for group estimators every sample of a group left with fewer than two scored samples (no
-    baseline). Left-out samples are not packed at all, so they count in neither the token nor the sequence
-    normaliser of the loss. A warning names the first reward error.
+    Left out: FAILED samples (the reward function or the episode's environment raised, or generation failed:
+    there is no reward to learn from), for group estimators every sample of a group left with fewer than two
+    scored samples (no baseline), and with `mask_truncated` every TRUNCATED sample (it still counts in its group's
+    baseline: compute_advantages sees it). Left-out samples are not packed at all, so they count in neither the
+    token nor the sequence normaliser of the loss. A warning names the first error.
     """
     needs_groups = advantage_estimator(estimator).needs_groups
     failed = [s for s in samples if s.status == Status.FAILED]
     if failed:
-        first = next((s.metadata["reward_error"] for s in failed if "reward_error" in s.metadata), "generation failed")
+        first = next((s.metadata.get("reward_error") or s.metadata["env_error"] for s in failed
+                      if "reward_error" in s.metadata or "env_error" in s.metadata), "generation failed")
         warnings.warn(f"{len(failed)} of {len(samples)} samples FAILED and are left out of the loss; first error: "
                       f"{first}", stacklevel=2)
     uids = _group_ids(samples)
     scored_per_group = collections.Counter(u for u, s in zip(uids, samples) if s.status != Status.FAILED)
     keep = [i for i, (u, s) in enumerate(zip(uids, samples)) if s.status != Status.FAILED
-            and (not needs_groups or scored_per_group[u] >= 2)]
+            and (not needs_groups or scored_per_group[u] >= 2)
+            and not (mask_truncated and s.status == Status.TRUNCATED)]
     n = len(samples)
     return keep, {"rollout/failed_fraction": len(failed) / n, "train/excluded_fraction": (n - len(keep)) / n}
 
@@ -134,11 +138,14 @@ def train_on_batch(components: TrainingComponents, state: TrainingState, batch: 
     engine-vs-trainer mismatch metrics, and applies the off-policy correction when one is configured.
     """
     samples = list(batch.samples)
-    keep, metrics = trained_samples(samples, config.advantage_estimator)
+    keep, metrics = trained_samples(samples, config.advantage_estimator, mask_truncated=config.rollout.mask_truncated)
     if not keep:
-        errors = [s.metadata["reward_error"] for s in samples if "reward_error" in s.metadata]
-        raise RuntimeError(f"no sample of this batch can be trained on ({len(samples)} samples, every group has "
-                           f"fewer than two scored samples); first reward error: {errors[0] if errors else None}")
+        errors = [s.metadata.get("reward_error") or s.metadata["env_error"] for s in samples
+                  if "reward_error" in s.metadata or "env_error" in s.metadata]
+        masked = sum(s.status == Status.TRUNCATED for s in samples) if config.rollout.mask_truncated else 0
+        raise RuntimeError(f"no sample of this batch can be trained on ({len(samples)} samples, {masked} truncated and "
+                           f"masked ([rl.rollout] mask_truncated), the others failed or in groups with fewer than two "
+                           f"scored samples); first error: {errors[0] if errors else None}")
     advantages = compute_advantages(samples, config.advantage_estimator)
     samples, advantages = [samples[i] for i in keep], [advantages[i] for i in keep]
     correction = config.loss.rollout_correction

@@ -36,50 +36,23 @@ import trio
 
 from engines.protocol import Completion, EngineError, EngineUnavailableError, InferenceEngine, SamplingParams
 from trainer.config import RolloutConfig
+from trainer.rollout.episodes import build_driver, run_episode
 from trainer.rollout.rewards import RewardFn, acompute_reward, load_reward_fn
 from trainer.rollout.samples import (
     SampleTransform,
     apply_sample_transforms,
     convert_to_batch,
+    extend_sample,
     first_failed_filter,
     prompt_token_ids,
     resolve_filters,
+    restart_sample,
     sample_from_dict,
     sample_to_dict,
     stop_token_ids,
 )
+from trainer.rollout.tools import load_tool_parser
 from trainer.types import RolloutBatch, Sample, Status
-
-
-def extend_sample(sample: Sample, new_ids: Sequence[int], new_logprobs: Sequence[float], *, status: Status,
-                  weight_version: int, tokenizer: Any = None, max_new_tokens: int | None = None) -> Sample:
-    """Append one generated segment to a (possibly partial) sample.
-
-    `metadata["weight_versions"]` lists the version of each segment; `weight_version` is the oldest of them,
-    the conservative value for the trainer's staleness bound.
-    """
-    old_lp = list(sample.rollout_logprobs or ())
-    tokens = tuple(sample.tokens) + tuple(new_ids)
-    resp_len = sample.response_length + len(new_ids)
-    versions = list(sample.metadata.get("weight_versions", ())) + ([weight_version] if new_ids else [])
-    if status == Status.ABORTED and max_new_tokens is not None and resp_len >= max_new_tokens:
-        status = Status.TRUNCATED
-    response = sample.response
-    if tokenizer is not None:
-        response = tokenizer.decode(list(tokens[len(tokens) - resp_len:]), skip_special_tokens=False)
-    return dataclasses.replace(
-        sample, tokens=tokens, response=response, response_length=resp_len,
-        rollout_logprobs=tuple(old_lp) + tuple(float(x) for x in new_logprobs), status=status,
-        weight_version=min(versions) if versions else weight_version,
-        metadata={**sample.metadata, "weight_versions": versions})
-
-
-def restart_sample(sample: Sample) -> Sample:
-    """Drop a sample's partial response (it is too stale to finish) and make it pending again."""
-    prompt = tuple(sample.tokens[: sample.prompt_length])
-    meta = {k: v for k, v in sample.metadata.items() if k != "weight_versions"}
-    return dataclasses.replace(sample, tokens=prompt, response="", response_length=0, rollout_logprobs=(),
-                               loss_mask=None, reward=None, status=Status.PENDING, metadata=meta)
 
 
 def _oldest_first(groups: list[list[Sample]]) -> list[list[Sample]]:
@@ -123,12 +96,17 @@ class AsyncRolloutManager:
             lambda text, system: tuple(prompt_token_ids(tokenizer, text, chat=config.apply_chat_template,
                                                         system=system)))
         self.reward_fn = load_reward_fn(reward_fn) if reward_fn is not None else None
+        # Multi-turn episodes (trainer.rollout.episodes) when the config names an env, tools or a rollout_fn.
+        self.driver, self.tools = build_driver(config)
+        self.parse_turn = load_tool_parser(config.tool_parser)
         self.filters = resolve_filters(config.dynamic_filters if filters is None else filters)
         self.check_health = check_health
         self.deterministic = deterministic
         self._engine_locks: dict[int, trio.Lock] = {}  # deterministic: id(engine) -> its one request at a time
         self.stop_ids = tuple(stop_token_ids(tokenizer, chat=config.apply_chat_template, extra=config.stop_token_ids,
                                              generation_config=generation_config))
+        # Where an assistant turn ends in the chat template (episodes render the environment's answer after it).
+        self.turn_end_ids = frozenset(stop_token_ids(tokenizer, chat=True, generation_config=generation_config))
         self.weight_version = 0
         self.partial_groups: list[list[Sample]] = []  # groups cut by the last batch, resumed first by the next
         self._group_uid = 0  # monotonically increasing id of each group drawn from the buffer (seeds, order)
@@ -257,6 +235,8 @@ class AsyncRolloutManager:
         uid = self._group_uid
         self._group_uid += 1
         meta = {**prompt.metadata, "answer": prompt.answer, "prompt_index": prompt.index, "group_uid": uid}
+        if self.driver is not None and getattr(prompt, "system", None):
+            meta["system_prompt"] = prompt.system  # the tool environment opens with it
         return [Sample(prompt=prompt.prompt, tokens=tuple(ids), rollout_logprobs=(), index=j,
                        metadata={**meta, "sample_index": j}) for j in range(self.config.n_samples_per_prompt)]
 
@@ -309,17 +289,50 @@ class AsyncRolloutManager:
             if s.status not in _FINISHED:
                 parts.setdefault(self.config.max_new_tokens - s.response_length, []).append(j)
         async with trio.open_nursery() as n:
-            for budget, js in parts.items():
-                n.start_soon(self._run_part, slot, groups, engine, js, budget)
+            if self.driver is not None:  # episodes: one each, scored as they finish
+                for j in (j for js in parts.values() for j in js):
+                    n.start_soon(self._run_episode, slot, groups, engine, j)
+            else:
+                for budget, js in parts.items():
+                    n.start_soon(self._run_part, slot, groups, engine, js, budget)
         if self._stopping or any(s.status in (Status.PENDING, Status.ABORTED) for s in groups[slot]):
             return  # cut by the abort: stays in `groups`, cached for the next batch
-        scored = []
-        for s in groups[slot]:
-            if self.reward_fn is not None and s.status != Status.FAILED:
-                s = await acompute_reward(s, self.reward_fn)
-            scored.append(s)
-        groups[slot] = scored
+        if self.driver is None:
+            groups[slot] = [await self._score(s) for s in groups[slot]]
         await done.send(slot)
+
+    async def _score(self, sample: Sample, reward: Any = None) -> Sample:
+        """The sample with its reward: `reward` when given (an environment's), else the reward function's."""
+        if sample.status == Status.FAILED:
+            return sample
+        if reward is not None:
+            return await acompute_reward(sample, lambda _: reward)
+        return sample if self.reward_fn is None else await acompute_reward(sample, self.reward_fn)
+
+    async def _run_episode(self, slot: int, groups: dict[int, list[Sample]], engine: InferenceEngine, j: int) -> None:
+        """Run sample j of group `slot` as a multi-turn episode (trainer.rollout.episodes), one engine request per
+        turn, each turn's seed fixed by (run seed, group, sample, segment) like single-turn requests. An episode
+        that was cut by an earlier batch's abort starts again: its environment did not outlive that batch."""
+        s = groups[slot][j]
+        if s.status != Status.PENDING or s.response_length:
+            s = restart_sample(s)
+        c = self.config
+        uid = s.metadata["group_uid"]
+
+        async def generate(tokens: tuple[int, ...], budget: int, segment: int) -> Completion | None:
+            seed = (c.seed * 1_000_003 + uid * 65_537 + j * 257 + segment) % (2 ** 31)
+            params = SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, max_new_tokens=budget,
+                                    stop_token_ids=self.stop_ids, n=1, seed=seed)
+            outs = await self._generate(engine, [tokens], params, rid=f"g{uid}-s{j}-{segment}-{slot}")
+            return None if outs is None else outs[0]
+
+        done, reward = await run_episode(
+            s, self.driver, tokenizer=self.tokenizer, generate=generate, turn_end_ids=self.turn_end_ids,
+            parse=self.parse_turn, max_turns=c.max_turns, max_new_tokens=c.max_new_tokens,
+            max_context_tokens=c.max_context_tokens, tools=self.tools)
+        if done.status in (Status.COMPLETED, Status.TRUNCATED):
+            done = await self._score(done, reward)
+        groups[slot][j] = done
 
     # ----------------------------------------------------------------------------------------- one batch
     async def generate_batch(self, data_buffer: Any) -> RolloutBatch:

@@ -32,12 +32,9 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
-import importlib
-import importlib.util
 import inspect
 import math
 import numbers
-import os
 import re
 import sys
 import threading
@@ -50,6 +47,7 @@ from typing import Any
 
 import trio
 
+from trainer.rollout.loading import load_callable
 from trainer.types import Sample, Status
 
 RewardFn = Callable[[Sample], Any]  # returns float or Awaitable[float]
@@ -229,22 +227,7 @@ def load_reward_fn(spec: str | RewardFn) -> RewardFn:
         return BUILTIN_REWARDS[spec]
     if ":" not in spec:
         raise ValueError(f"reward {spec!r}: use a built-in name {sorted(BUILTIN_REWARDS)} or 'module:function'")
-    mod_name, fn_name = spec.rsplit(":", 1)
-    try:
-        if mod_name.endswith(".py"):
-            if not os.path.exists(mod_name):
-                raise FileNotFoundError(f"{mod_name} does not exist")
-            loader_spec = importlib.util.spec_from_file_location(os.path.basename(mod_name)[:-3], mod_name)
-            module = importlib.util.module_from_spec(loader_spec)
-            loader_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(mod_name)
-    except Exception as e:  # noqa: BLE001 - any import failure becomes one clear message
-        raise ValueError(f"reward {spec!r}: cannot import {mod_name!r} ({type(e).__name__}: {e})") from e
-    fn = getattr(module, fn_name, None)
-    if fn is None or not callable(fn):
-        raise ValueError(f"reward {spec!r}: module {mod_name!r} has no callable {fn_name!r}")
-    return fn
+    return load_callable(spec, "reward")
 
 
 # ----------------------------------------------------------------------------------------------- applying

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from trainer.rollout.loading import load_callable
 from trainer.types import RolloutBatch, Sample, Status
 
 GroupFilter = Callable[[Sequence[Sample]], bool]
@@ -78,11 +78,7 @@ def get_filter(name: str | GroupFilter) -> GroupFilter:
     if name in FILTERS:
         return FILTERS[name]
     if ":" in name:
-        mod, fn = name.rsplit(":", 1)
-        obj = getattr(importlib.import_module(mod), fn, None)
-        if callable(obj):
-            return obj
-        raise ValueError(f"dynamic_filters: {name!r}: module {mod!r} has no callable {fn!r}")
+        return load_callable(name, "dynamic_filters:")
     raise ValueError(f"dynamic_filters: unknown filter {name!r}; choose from {sorted(FILTERS)} or 'module:function'")
 
 
@@ -163,6 +159,52 @@ def _mean(xs: Sequence[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
 
+# ----------------------------------------------------------------------------------------------- growing samples
+def extend_sample(sample: Sample, new_ids: Sequence[int], new_logprobs: Sequence[float], *, status: Status,
+                  weight_version: int | None, tokenizer: Any = None, max_new_tokens: int | None = None,
+                  loss_mask_value: int | None = None) -> Sample:
+    """Append one segment to a (possibly partial) sample: tokens the engine generated, or (multi-turn episodes)
+    tokens an environment's messages rendered to.
+
+    `metadata["weight_versions"]` lists the version of each generated segment (None: not generated, no version);
+    `weight_version` is the oldest of them, the conservative value for the trainer's staleness bound.
+    `loss_mask_value` (1: the model's tokens, 0: the environment's) extends an explicit loss mask; None leaves it
+    unset (every response token trained).
+    """
+    old_lp = list(sample.rollout_logprobs or ())
+    tokens = tuple(sample.tokens) + tuple(new_ids)
+    resp_len = sample.response_length + len(new_ids)
+    versions = list(sample.metadata.get("weight_versions", ())) + (
+        [weight_version] if new_ids and weight_version is not None else [])
+    if status == Status.ABORTED and max_new_tokens is not None and resp_len >= max_new_tokens:
+        status = Status.TRUNCATED
+    response = sample.response
+    if tokenizer is not None:
+        response = tokenizer.decode(list(tokens[len(tokens) - resp_len:]), skip_special_tokens=False)
+    mask = sample.loss_mask
+    if loss_mask_value is not None:
+        mask = tuple(mask or ()) + (loss_mask_value,) * len(new_ids)
+    return dataclasses.replace(
+        sample, tokens=tokens, response=response, response_length=resp_len, loss_mask=mask,
+        rollout_logprobs=tuple(old_lp) + tuple(float(x) for x in new_logprobs), status=status,
+        weight_version=min(versions, default=sample.weight_version if weight_version is None else weight_version),
+        metadata={**sample.metadata, "weight_versions": versions})
+
+
+# What a rollout adds to a sample's metadata as it progresses (trainer.rollout.episodes adds the episode's).
+PROGRESS_KEYS = frozenset({"weight_versions", "turns", "tool_calls", "tool_errors", "env_seconds", "env_error",
+                           "messages", "truncated_by", "reward_error", "reward_traceback"})
+
+
+def restart_sample(sample: Sample) -> Sample:
+    """Drop a sample's partial response (too stale to finish, or an episode whose environment is gone) and make it
+    pending again."""
+    prompt = tuple(sample.tokens[: sample.prompt_length])
+    meta = {k: v for k, v in sample.metadata.items() if k not in PROGRESS_KEYS}
+    return dataclasses.replace(sample, tokens=prompt, response="", response_length=0, rollout_logprobs=(),
+                               loss_mask=None, reward=None, status=Status.PENDING, metadata=meta)
+
+
 def build_batch_metadata(samples: Sequence[Sample], *, current_weight_version: int = 0,
                          counters: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Scalar statistics of a batch for logging (all plain Python numbers, JSON-serialisable)."""
@@ -182,6 +224,15 @@ def build_batch_metadata(samples: Sequence[Sample], *, current_weight_version: i
         "staleness_max": max(staleness, default=0),
         "staleness_mean": _mean(staleness),
     }
+    episodes = [s for s in samples if "turns" in s.metadata]  # multi-turn episodes (trainer.rollout.episodes)
+    if episodes:
+        meta.update({
+            "turns_mean": _mean([s.metadata["turns"] for s in episodes]),
+            "tool_calls_mean": _mean([s.metadata["tool_calls"] for s in episodes]),
+            "tool_errors": sum(s.metadata["tool_errors"] for s in episodes),
+            "env_errors": sum("env_error" in s.metadata for s in episodes),
+            "env_time_s": sum(s.metadata["env_seconds"] for s in episodes),
+        })
     for k, v in (counters or {}).items():
         meta[k] = v
     return meta

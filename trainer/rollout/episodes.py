@@ -1,0 +1,306 @@
+"""Multi-turn episodes, token-exact: environments (`[rl.rollout] env`), tools (`tools`) and agent functions
+(`rollout_fn`) turned into one training `Sample` each.
+
+An episode is a conversation the model takes part in. Its trained tokens are exactly
+
+    opening prompt (the environment's first messages, rendered with the generation prompt)
+    + turn 1 as the engine generated it (loss_mask 1, the engine's log-probs, its weight version)
+    + the environment's answer, rendered as it follows an assistant turn (loss_mask 0)
+    + turn 2 ... and so on,
+
+so the model's own tokens are never decoded and re-encoded (the decode of a turn is only read, by the tool-call
+parser), and each new turn's prompt is the previous tokens plus the rendering of the new messages only.
+
+`Episode` is the one object that grows a trajectory: `await episode.chat(messages)` takes the whole conversation
+so far (it must extend the previous call's, with the assistant messages `chat` returned left as they were), renders
+the new messages, asks the engine for one turn and returns the assistant message (`{"role": "assistant",
+"content", "tool_calls"?}`). An environment loop (`run_env`) and a user's agent function both drive it. An episode
+ends by the driver returning, or by `EpisodeEnd` out of `chat`: a limit (`max_turns`, `max_context_tokens`, a turn
+cut by `max_new_tokens`: TRUNCATED) or an abort (the batch filled: ABORTED; the group is cached and the episode
+starts again with the next batch, because a live environment cannot be checkpointed).
+
+An environment is any object with `reset(prompt, metadata) -> list[message]` and `step(assistant_message) ->
+EnvStep | {"messages", "reward", "done", "info"?}`, either of them plain or async; its factory is called once per
+episode with no arguments. The episode's reward is the sum of the environment's rewards, or, when it gave none,
+the run's reward function's on the final sample, whose `response` is the model's last message (the whole
+conversation is `metadata["messages"]`). An environment that raises fails the episode (FAILED: out of the
+loss and of its group's statistics), never the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+import sys
+import time
+import traceback
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+from engines.protocol import Completion
+from trainer.rollout.loading import load_callable
+from trainer.rollout.samples import extend_sample
+from trainer.rollout.tools import ToolEnv, load_tools
+from trainer.types import Sample, Status
+
+# (tokens so far, new-token budget, segment number) -> the engine's turn, or None when the batch filled first.
+GenerateFn = Callable[[tuple[int, ...], int, int], Awaitable[Completion | None]]
+# (episode, the sample it started from) -> the episode's reward (a number, {"reward", "correct"}) or None.
+Driver = Callable[["Episode", Sample], Awaitable[Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvStep:
+    """What an environment answers to one assistant message: the messages that follow it (user, tool or system
+    turns), a reward for this step (None: none), whether the episode is over, and counters for the metrics
+    (`tool_errors`)."""
+
+    messages: tuple[Mapping[str, Any], ...] = ()
+    reward: float | None = None
+    done: bool = False
+    info: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+
+def as_env_step(value: Any) -> EnvStep:
+    """An EnvStep from what `step` returned (an EnvStep, or a dict of its fields: no import from this project)."""
+    if isinstance(value, EnvStep):
+        return value
+    if not isinstance(value, Mapping):
+        raise TypeError(f"env.step returned {type(value).__name__}; return a dict {{'messages': [...], 'reward': "
+                        f"float | None, 'done': bool}} or a trainer.rollout.episodes.EnvStep")
+    unknown = set(value) - {f.name for f in dataclasses.fields(EnvStep)}
+    if unknown:
+        raise TypeError(f"env.step returned unknown keys {sorted(unknown)}; known: messages, reward, done, info")
+    step = EnvStep(messages=tuple(value.get("messages") or ()), reward=value.get("reward"),
+                   done=bool(value.get("done", False)), info=dict(value.get("info") or {}))
+    _check_messages(step.messages, "env.step")
+    if step.reward is not None and (isinstance(step.reward, bool) or not isinstance(step.reward, int | float)
+                                    or not math.isfinite(step.reward)):
+        raise TypeError(f"env.step returned reward {step.reward!r}; give a finite number or None")
+    return step
+
+
+def _check_messages(messages: Sequence[Any], where: str) -> None:
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise TypeError(f"{where}: message {i} is {m!r:.80}; each message is a dict with a 'role' and a "
+                            f"string 'content'")
+        if m["role"] == "assistant":
+            raise ValueError(f"{where}: message {i} has role 'assistant'; the model writes the assistant turns "
+                             f"(the environment answers with user, tool or system messages)")
+
+
+class EpisodeEnd(BaseException):
+    """Raised out of `Episode.chat` when the episode cannot go on: reason "max_turns", "context", "length" (a limit:
+    the episode is TRUNCATED) or "abort" (the batch filled). A BaseException, so that an agent function's
+    `except Exception` does not swallow it."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+# ----------------------------------------------------------------------------------------------- rendering
+_PLACEHOLDER = ({"role": "user", "content": "x"}, {"role": "assistant", "content": "y"})
+
+
+def _render(tokenizer: Any, messages: Sequence[Mapping[str, Any]], tools: Sequence[Callable] | None, *,
+            generation_prompt: bool) -> list[int]:
+    out = tokenizer.apply_chat_template([dict(m) for m in messages], tools=list(tools) if tools else None,
+                                        add_generation_prompt=generation_prompt, tokenize=True, return_dict=True)
+    return list(out["input_ids"])
+
+
+def render_opening(tokenizer: Any, messages: Sequence[Mapping[str, Any]], tools: Sequence[Callable] = ()) -> list[int]:
+    """The tokens of an episode's opening messages, up to and including the assistant's generation prompt."""
+    return _render(tokenizer, messages, tools, generation_prompt=True)
+
+
+@functools.lru_cache(maxsize=64)
+def _after_turn(tokenizer: Any, tools: tuple[Callable, ...],
+                turn_end_ids: frozenset[int]) -> tuple[tuple[int, ...], int]:
+    """A placeholder conversation ending with an assistant turn, rendered, and where the model's part of that turn
+    ends in it: just after the template's end-of-turn token (the last of `turn_end_ids` in the assistant's part). What
+    the template writes after it (Qwen's "\\n") is glue the environment's rendering starts with."""
+    base = _render(tokenizer, _PLACEHOLDER, tools, generation_prompt=False)
+    header = _render(tokenizer, _PLACEHOLDER[:1], tools, generation_prompt=True)
+    ends = [i for i in range(len(header), len(base)) if base[i] in turn_end_ids]
+    return tuple(base), (ends[-1] + 1 if ends else len(base))
+
+
+def render_continuation(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, turn_end_ids: frozenset[int],
+                        tools: Sequence[Callable] = ()) -> list[int]:
+    """The tokens `messages` render to right after a finished assistant turn, through the next assistant
+    generation prompt: the template's rendering of [placeholder turns + messages] minus that of the placeholder
+    turns. `turn_end_ids`: the tokenizer's eos and the template's end-of-turn token (trainer.rollout.samples
+    .stop_token_ids without a run's extra stop tokens). Needs a template that renders turns append-only."""
+    base, cut = _after_turn(tokenizer, tuple(tools), turn_end_ids)
+    full = _render(tokenizer, list(_PLACEHOLDER) + list(messages), tools, generation_prompt=True)
+    if tuple(full[:len(base)]) != base:
+        raise ValueError("tokenizer: its chat template renders earlier turns differently once more messages follow; "
+                         "multi-turn episodes need a template that renders turns append-only")
+    return full[cut:]
+
+
+# ----------------------------------------------------------------------------------------------- the episode
+class Episode:
+    """One episode's growing trajectory (the only mutable state of a multi-turn rollout); see the module docstring.
+
+    `sample` is the trajectory so far: tokens, loss_mask (1 on the model's tokens), the engine's log-probs (0.0 on
+    the environment's tokens, which the loss never reads), the weight version of each turn
+    (`metadata["weight_versions"]`). `messages` is the conversation as the driver sees it.
+    """
+
+    def __init__(self, sample: Sample, *, tokenizer: Any, generate: GenerateFn, turn_end_ids: frozenset[int],
+                 parse: Callable[[str], Any], max_turns: int, max_new_tokens: int, max_context_tokens: int = 0,
+                 tools: Sequence[Callable] = ()) -> None:
+        self.sample = sample
+        self.tokenizer, self.generate, self.turn_end_ids, self.parse = tokenizer, generate, turn_end_ids, parse
+        self.max_turns, self.max_new_tokens, self.max_context_tokens = max_turns, max_new_tokens, max_context_tokens
+        self.tools = tuple(tools)
+        self.messages: list[dict] = []
+        self.turns = 0
+        self.tool_calls = 0  # calls the model wrote, malformed ones included
+        self.tool_errors = 0.0  # the environment's count (EnvStep.info["tool_errors"])
+        self.env_seconds = 0.0  # time spent in the environment's reset and step
+
+    @property
+    def row(self) -> dict[str, Any]:
+        """The data row the episode started from: its fields, "prompt" and "answer"."""
+        return {**self.sample.metadata, "prompt": self.sample.prompt}
+
+    async def chat(self, messages: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """One assistant turn after `messages` (the whole conversation so far); see the module docstring."""
+        messages = [dict(m) for m in messages]
+        if self.turns >= self.max_turns:
+            raise EpisodeEnd("max_turns")
+        if not self.messages:
+            _check_messages(messages, "the opening messages")
+            if not messages:
+                raise ValueError("the opening messages are empty; an episode starts with at least a user message")
+            ids = render_opening(self.tokenizer, messages, self.tools)
+            self.sample = dataclasses.replace(self.sample, tokens=tuple(ids), response="", response_length=0,
+                                              loss_mask=(), rollout_logprobs=())
+        else:
+            n = len(self.messages)
+            if messages[:n] != self.messages:
+                raise ValueError("chat(messages): the conversation must extend the previous call's (its messages and "
+                                 "the assistant message chat returned, unchanged), so the trained tokens stay exact")
+            _check_messages(messages[n:], "the new messages")
+            ids = render_continuation(self.tokenizer, messages[n:], turn_end_ids=self.turn_end_ids, tools=self.tools)
+            if self.max_context_tokens and len(self.sample.tokens) + len(ids) >= self.max_context_tokens:
+                raise EpisodeEnd("context")
+            self.sample = extend_sample(self.sample, ids, [0.0] * len(ids), status=self.sample.status,
+                                        weight_version=None, loss_mask_value=0)
+        budget = self.max_new_tokens
+        if self.max_context_tokens:
+            budget = min(budget, self.max_context_tokens - len(self.sample.tokens))
+        if budget <= 0:
+            raise EpisodeEnd("context")
+        segment = len(self.sample.metadata.get("weight_versions", ()))
+        out = await self.generate(self.sample.tokens, budget, segment)
+        if out is None:
+            raise EpisodeEnd("abort")
+        self.sample = extend_sample(self.sample, out.output_ids, out.logprobs, status=self.sample.status,
+                                    weight_version=out.weight_version, loss_mask_value=1)
+        self.turns += out.finish_reason != "abort"  # a turn cut by a limit is still one the model took
+        if out.finish_reason == "length" and budget < self.max_new_tokens:
+            raise EpisodeEnd("context")  # cut by the context limit, not by the turn's own
+        if out.finish_reason != "stop":
+            raise EpisodeEnd(out.finish_reason)  # "abort", or "length": the turn was cut mid-way
+        turn = self.parse(self.tokenizer.decode(list(out.output_ids), skip_special_tokens=True))
+        reply = turn.message()
+        self.tool_calls += len(turn.calls) + len(turn.errors)
+        self.messages = messages + [reply]
+        return dict(reply)
+
+
+# ----------------------------------------------------------------------------------------------- drivers
+async def _maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+def env_driver(factory: Callable[[], Any]) -> Driver:
+    """The episode loop of an environment: reset, then chat / step until the environment says done."""
+
+    async def drive(episode: Episode, sample: Sample) -> Any:
+        env = factory()
+        t0 = time.perf_counter()
+        messages = list(await _maybe_await(env.reset(sample.prompt, dict(sample.metadata))))
+        episode.env_seconds += time.perf_counter() - t0
+        rewards = []
+        while True:
+            reply = await episode.chat(messages)
+            t0 = time.perf_counter()
+            step = as_env_step(await _maybe_await(env.step(reply)))
+            episode.env_seconds += time.perf_counter() - t0
+            episode.tool_errors += float(step.info.get("tool_errors", 0))
+            if step.reward is not None:
+                rewards.append(float(step.reward))
+            messages = messages + [reply] + [dict(m) for m in step.messages]
+            if step.done:
+                return sum(rewards) if rewards else None
+
+    return drive
+
+
+def fn_driver(fn: Callable[..., Any]) -> Driver:
+    """A user's agent: `async def fn(client, row)` drives the episode through `client.chat(messages)` and returns
+    its reward (a number, {"reward", "correct"}) or None (the run's reward function scores the final sample)."""
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"[rl.rollout] rollout_fn {getattr(fn, '__name__', fn)!r} must be an async function "
+                         f"`async def fn(client, row)` (it awaits client.chat(messages))")
+
+    async def drive(episode: Episode, sample: Sample) -> Any:
+        return await fn(episode, episode.row)
+
+    return drive
+
+
+def build_driver(config: Any) -> tuple[Driver | None, tuple[Callable, ...]]:
+    """From a RolloutConfig: the episode driver (None: single-turn rollouts) and the tools the chat template gets."""
+    if config.tools:
+        tools = load_tools(config.tools)
+        return env_driver(lambda: ToolEnv(tools, timeout_s=config.tool_timeout_s)), tuple(tools.values())
+    if config.env:
+        return env_driver(load_callable(config.env, "[rl.rollout] env")), ()
+    if config.rollout_fn:
+        return fn_driver(load_callable(config.rollout_fn, "[rl.rollout] rollout_fn")), ()
+    return None, ()
+
+
+_REPORTED: set[str] = set()
+
+
+async def run_episode(sample: Sample, driver: Driver, **episode_kw: Any) -> tuple[Sample, Any]:
+    """Run one episode from `sample` (its prompt and metadata); returns the finished sample and the reward its
+    driver gave (None: the run's reward function scores it). Status: COMPLETED, TRUNCATED (a limit), ABORTED (the
+    batch filled) or FAILED (the environment or agent raised: `metadata["env_error"]`, its traceback printed once
+    per distinct error)."""
+    episode = Episode(sample, **episode_kw)
+    reward, status, extra = None, Status.COMPLETED, {}
+    try:
+        reward = await driver(episode, sample)
+    except EpisodeEnd as end:
+        status = Status.ABORTED if end.reason == "abort" else Status.TRUNCATED
+        extra["truncated_by"] = end.reason
+    except Exception as e:  # noqa: BLE001 - a failing environment fails its episode, not the run
+        status, message = Status.FAILED, f"{type(e).__name__}: {e}"
+        extra["env_error"] = message
+        if message not in _REPORTED and len(_REPORTED) < 20:
+            _REPORTED.add(message)
+            print(f"environment failed on prompt {sample.prompt[-200:]!r}:\n{''.join(traceback.format_exception(e))}",
+                  file=sys.stderr, flush=True)
+    done = episode.sample
+    # What a reward function reads: the model's final message (built-in rewards look for the answer there); the
+    # whole conversation is metadata["messages"]. Before any finished turn: the text of what was generated.
+    finals = [m["content"] for m in episode.messages if m["role"] == "assistant"]
+    response = finals[-1] if finals else episode.tokenizer.decode(list(done.tokens[done.prompt_length:]),
+                                                                  skip_special_tokens=True)
+    meta = {**done.metadata, **extra, "turns": episode.turns, "tool_calls": episode.tool_calls,
+            "tool_errors": episode.tool_errors, "env_seconds": episode.env_seconds, "messages": episode.messages}
+    done = dataclasses.replace(done, response=response, status=status, metadata=meta,
+                               reward=0.0 if status == Status.FAILED else None)
+    return done, reward

@@ -1,0 +1,149 @@
+"""Tool calls: parsing them from the model's text, and the built-in tool environment (`[rl.rollout] tools`).
+
+A tool is a plain Python function (sync or async) with type hints and a docstring that documents its arguments;
+its JSON schema is what transformers' `get_json_schema` makes of it, and the chat template gets the functions
+themselves (`apply_chat_template(..., tools=...)`), as transformers documents.
+
+Parsers read the text of one assistant turn (decoded for reading only: the trained tokens are the engine's) and
+return a `ParsedTurn`: the content before the first call, the calls, and the calls that could not be read. The
+built-in one is the Qwen2.5 / Hermes format, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; any
+function `text -> ParsedTurn` can replace it (`[rl.rollout] tool_parser = "module:function"`).
+
+`ToolEnv` is an environment like any user's (trainer.rollout.episodes): `reset` opens with the prompt as a user
+turn, `step` runs the assistant's calls (each with a timeout) and answers with one `tool` message per call; a
+turn without a call ends the episode. A bad call, an unknown tool, a tool that raises or runs past its timeout is
+answered with an error message (the model can recover) and counted in `info["tool_errors"]`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import trio
+
+from trainer.rollout.loading import load_callable
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedTurn:
+    """One assistant turn read for its tool calls: `calls` are OpenAI-style {"type": "function", "function":
+    {"name", "arguments": dict}}; `errors` describe the calls that could not be read."""
+
+    content: str
+    calls: tuple[dict, ...] = ()
+    errors: tuple[str, ...] = ()
+
+    def message(self) -> dict[str, Any]:
+        """The assistant message an environment's `step` receives."""
+        msg: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.calls:
+            msg["tool_calls"] = [dict(c) for c in self.calls]
+        if self.errors:
+            msg["tool_call_errors"] = list(self.errors)
+        return msg
+
+
+_HERMES = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
+
+
+def parse_hermes(text: str) -> ParsedTurn:
+    """Qwen2.5 / Hermes tool calls: each `<tool_call>{"name": str, "arguments": object}</tool_call>` (arguments may
+    also be a JSON string, as OpenAI sends them). An unclosed tag or malformed JSON is an error, not a call."""
+    calls, errors = [], []
+    first = text.find("<tool_call>")
+    content = text if first < 0 else text[:first]
+    for m in _HERMES.finditer(text):
+        body = m.group(1).strip()
+        if not m.group(2):
+            errors.append(f"unclosed <tool_call>: {body[:80]!r}")
+            continue
+        try:
+            call = json.loads(body)
+            name, args = call["name"], call.get("arguments", {})
+            if isinstance(args, str):
+                args = json.loads(args) if args.strip() else {}
+            if not isinstance(name, str) or not isinstance(args, Mapping):
+                raise TypeError("'name' must be a string and 'arguments' an object")
+        except (ValueError, KeyError, TypeError) as e:
+            errors.append(f"malformed tool call {body[:80]!r}: {type(e).__name__}: {e}")
+            continue
+        calls.append({"type": "function", "function": {"name": name, "arguments": dict(args)}})
+    return ParsedTurn(content=content.strip(), calls=tuple(calls), errors=tuple(errors))
+
+
+TOOL_PARSERS: dict[str, Callable[[str], ParsedTurn]] = {"hermes": parse_hermes}
+
+
+def load_tool_parser(spec: str | Callable[[str], ParsedTurn]) -> Callable[[str], ParsedTurn]:
+    if isinstance(spec, str) and spec in TOOL_PARSERS:
+        return TOOL_PARSERS[spec]
+    return load_callable(spec, f"[rl.rollout] tool_parser (built-in: {sorted(TOOL_PARSERS)})")
+
+
+def load_tools(specs: Sequence[str | Callable[..., Any]]) -> dict[str, Callable[..., Any]]:
+    """name -> function for `[rl.rollout] tools`; each must have a JSON schema (type hints, documented arguments):
+    checked here, before any work, because the chat template needs it."""
+    from transformers.utils import get_json_schema
+
+    tools: dict[str, Callable[..., Any]] = {}
+    for spec in specs:
+        fn = load_callable(spec, "[rl.rollout] tools:")
+        try:
+            name = get_json_schema(fn)["function"]["name"]
+        except Exception as e:  # noqa: BLE001 - transformers raises several types; all mean the same fix
+            raise ValueError(f"[rl.rollout] tools: {spec!r} has no JSON schema ({type(e).__name__}: {e}); give it type "
+                             f"hints and a docstring with an Args: section describing every argument") from e
+        if name in tools:
+            raise ValueError(f"[rl.rollout] tools: two tools are named {name!r}")
+        tools[name] = fn
+    if not tools:
+        raise ValueError("[rl.rollout] tools: give at least one 'module:function'")
+    return tools
+
+
+async def call_tool(fn: Callable[..., Any], args: Mapping[str, Any], timeout_s: float) -> str:
+    """Run one tool (an async one in this event loop, a sync one in a worker thread) within `timeout_s`; its result
+    as the text of a tool message (a str as is, anything else as JSON). Raises trio.TooSlowError past the limit."""
+    with trio.fail_after(timeout_s):
+        if inspect.iscoroutinefunction(fn):
+            result = await fn(**args)
+        else:
+            # abandon_on_cancel: past the timeout the thread is left to finish on its own; the episode goes on.
+            result = await trio.to_thread.run_sync(lambda: fn(**args), abandon_on_cancel=True)
+    return result if isinstance(result, str) else json.dumps(result)
+
+
+class ToolEnv:
+    """The built-in environment of `[rl.rollout] tools`: one per episode (state: nothing but the tools)."""
+
+    def __init__(self, tools: Mapping[str, Callable[..., Any]], *, timeout_s: float) -> None:
+        self.tools = dict(tools)
+        self.timeout_s = timeout_s
+
+    def reset(self, prompt: str, metadata: Mapping[str, Any]) -> list[dict]:
+        system = metadata.get("system_prompt")
+        return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+
+    async def step(self, message: Mapping[str, Any]) -> dict:
+        calls, bad = message.get("tool_calls") or [], message.get("tool_call_errors") or []
+        if not calls and not bad:  # an answer without a tool call ends the episode; the run's reward scores it
+            return {"messages": [], "reward": None, "done": True}
+        replies = [{"role": "tool", "content": f"error: {e}"} for e in bad]
+        errors = len(bad)
+        for call in calls:
+            name, args = call["function"]["name"], call["function"]["arguments"]
+            try:
+                if name not in self.tools:
+                    raise LookupError(f"unknown tool {name!r}; the tools are {sorted(self.tools)}")
+                content = await call_tool(self.tools[name], args, self.timeout_s)
+            except trio.TooSlowError:
+                content, errors = f"error: {name} timed out after {self.timeout_s:g}s", errors + 1
+            except Exception as e:  # noqa: BLE001 - a failing tool is the model's problem to handle, not the run's
+                content, errors = f"error: {type(e).__name__}: {e}", errors + 1
+            replies.append({"role": "tool", "name": name, "content": content})
+        return {"messages": replies, "reward": None, "done": False, "info": {"tool_errors": errors}}
