@@ -24,15 +24,40 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 PROBE = "Hello, World!\n  12+30=42\t#### 7\n\nx_y (a-b)/c 'quote' \"q\" 3.5e-2 Ünïcode"
 
 
+# The files that hold a vocabulary, one set per kind of tokenizer: the fast tokenizer's, then the slow BPE,
+# SentencePiece and WordPiece ones. Without any, transformers still builds a tokenizer from tokenizer_config.json
+# alone: its special tokens and nothing else, so every text encodes to no tokens at all.
+VOCAB_FILES = (("tokenizer.json",), ("vocab.json", "merges.txt"), ("tokenizer.model",), ("vocab.txt",))
+
+
+def missing_tokenizer_files(folder: str | os.PathLike) -> list[str]:
+    """The files a model folder lacks to hold a usable tokenizer ([] when it has one): a vocabulary (VOCAB_FILES:
+    tokenizer.json, the usual one, named when there is none) and tokenizer_config.json (special tokens, chat
+    template)."""
+    folder = Path(folder)
+    missing = [] if any(all((folder / f).is_file() for f in files) for files in VOCAB_FILES) else ["tokenizer.json"]
+    return missing + ([] if (folder / "tokenizer_config.json").is_file() else ["tokenizer_config.json"])
+
+
+def check_tokenizer_files(folder: str | os.PathLike) -> None:
+    """FileNotFoundError naming the missing files when `folder` holds no usable tokenizer."""
+    missing = missing_tokenizer_files(folder)
+    if missing:
+        raise FileNotFoundError(f"{folder}: the model folder has no tokenizer (missing {' and '.join(missing)}); save "
+                                f"the model's tokenizer there with tokenizer.save_pretrained({str(folder)!r})")
+
+
 def _probe_ids(tok: PreTrainedTokenizerBase) -> list[int]:
     return tok(PROBE, add_special_tokens=False)["input_ids"]
 
 
 def load_tokenizer(folder: str | os.PathLike) -> PreTrainedTokenizerBase:
-    """The tokenizer of a Hugging Face folder, encoding exactly as its `tokenizer.json` (module docstring)."""
+    """The tokenizer of a Hugging Face folder, encoding exactly as its `tokenizer.json` (module docstring); a folder
+    without tokenizer files is refused (`check_tokenizer_files`)."""
     from tokenizers import Tokenizer
 
     folder = Path(folder)
+    check_tokenizer_files(folder)
     tok = AutoTokenizer.from_pretrained(folder)
     file = folder / "tokenizer.json"
     if not file.is_file():

@@ -1,10 +1,13 @@
 """The project's own byte-level tokenizer (one token per character of its alphabet) and tiny model presets."""
 
 import random
+from pathlib import Path
 
 import pytest
 
 from engines.tiny import CHARS, build_tokenizer, tiny_model_config
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_round_trip_on_random_text():
@@ -60,3 +63,28 @@ def test_a_model_folder_gives_back_the_tokenizer_that_wrote_it(tmp_path, arch):
     assert again(text, add_special_tokens=False)["input_ids"] == tok(text, add_special_tokens=False)["input_ids"]
     assert (again.pad_token_id, again.eos_token_id, again.convert_tokens_to_ids("<|im_end|>")) == \
         (tok.pad_token_id, tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>"))
+
+
+def test_a_model_folder_without_tokenizer_files_is_refused_naming_them(tmp_path):
+    """A folder with only tokenizer_config.json loads in transformers as a tokenizer of its special tokens, which
+    encodes every text to nothing: refused before any work, naming the missing files."""
+    import json
+
+    from engines.tokenizer import load_tokenizer
+    from trainer.cli import load_run_config
+    from trainer.config import ConfigError
+
+    folder = tmp_path / "model"
+    tiny_model_config().save_pretrained(folder)
+    with pytest.raises(FileNotFoundError, match="has no tokenizer \\(missing tokenizer.json and tokenizer_config.json"):
+        load_tokenizer(folder)
+    build_tokenizer().save_pretrained(folder)
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(FileNotFoundError, match=r"model.*has no tokenizer \(missing tokenizer.json\); save"):
+        load_tokenizer(folder)
+    data = json.dumps(str(ROOT / "data" / "arithmetic_train.jsonl"))
+    with pytest.raises(ConfigError, match=r"\[model\]\.path = .*has no tokenizer \(missing tokenizer.json\)"):
+        load_run_config(ROOT / "configs" / "demo.toml", [f"model.path={json.dumps(str(folder))}", f"data.train={data}",
+                                                         f"data.eval={data}"], mode="rl")
+    build_tokenizer().save_pretrained(folder)
+    assert load_tokenizer(folder)("12", add_special_tokens=False)["input_ids"]

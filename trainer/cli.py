@@ -141,15 +141,17 @@ def _check_engines(engines: EnginesConfig) -> None:
 
 def _check_inputs(cfg: RunConfig, mode: str) -> None:
     """The files, the model folder and the reward function that `mode` will use exist and load."""
+    from engines.tokenizer import check_tokenizer_files
     from trainer.rollout.data import data_specs
     from trainer.rollout.rewards import load_reward_fn
 
     if cfg.model.path is not None and not (Path(cfg.model.path) / "config.json").is_file():
         raise FileNotFoundError(f"[model].path = {cfg.model.path}: not a Hugging Face model folder (no config.json)")
-    if cfg.model.path is not None and not any((Path(cfg.model.path) / f).is_file()
-                                              for f in ("tokenizer.json", "tokenizer_config.json")):
-        raise FileNotFoundError(f"[model].path = {cfg.model.path}: the folder has no tokenizer (tokenizer.json / "
-                                f"tokenizer_config.json); save the model's tokenizer there with save_pretrained")
+    if cfg.model.path is not None:
+        try:
+            check_tokenizer_files(cfg.model.path)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"[model].path = {e}") from None
     if mode == "export":  # reads a checkpoint, no data
         return
     data = cfg.data
@@ -191,12 +193,10 @@ def prepare_model_folder(cfg: RunConfig) -> Path:
 
 
 def model_tokenizer(folder: Path) -> Any:
-    """The model folder's own tokenizer: prompts, stop tokens and pad ids all come from it (never a stand-in)."""
+    """The model folder's own tokenizer: prompts, stop tokens and pad ids all come from it (never a stand-in); a
+    folder without tokenizer files is refused, naming them."""
     from engines.tokenizer import load_tokenizer
 
-    if not (folder / "tokenizer_config.json").is_file() and not (folder / "tokenizer.json").is_file():
-        raise FileNotFoundError(f"{folder}: the model folder has no tokenizer (tokenizer.json / tokenizer_config.json);"
-                                f" save one there with tokenizer.save_pretrained({str(folder)!r})")
     return load_tokenizer(folder)
 
 
