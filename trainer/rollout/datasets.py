@@ -88,7 +88,7 @@ def write_demo_data(out_dir: str, *, n_train: int = 700, n_test: int = 200, seed
     return paths
 
 
-def write_agent_data(out_dir: str, *, n_train: int = 700, n_test: int = 200, n_sft: int = 200,
+def write_agent_data(out_dir: str, *, n_train: int = 700, n_test: int = 200, n_sft: int = 700,
                      seed: int = 0) -> dict[str, str]:
     """The agent recipe's two-digit products (configs/agent_demo*.toml): RL prompts, a disjoint held-out set, and
     two SFT sets over the same first `n_sft` training problems: tool-use conversations ("messages") and, for the
@@ -115,8 +115,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     # reaches ~40 % greedy accuracy after a short SFT, which leaves RL room to show its effect.
     p.add_argument("--max-operand", type=int, default=30)
     p.add_argument("--ops", default="+")
-    # The agent recipe: SFT warm start on a few tool-use conversations (the first --n-agent-sft training problems).
-    p.add_argument("--n-agent-sft", type=int, default=200)
+    # The agent recipe: SFT on tool-use conversations over the first --n-agent-sft training problems (all).
+    p.add_argument("--n-agent-sft", type=int, default=700)
     a = p.parse_args(argv)
     paths = write_demo_data(a.out, n_train=a.n_train, n_test=a.n_test, seed=a.seed, max_operand=a.max_operand,
                             ops=a.ops)
