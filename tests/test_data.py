@@ -87,3 +87,51 @@ def test_malformed_line_names_file_and_line(tmp_path, bad, msg):
 def test_get_prompts_rejects_negative():
     with pytest.raises(ValueError, match="n: must be >= 0"):
         DataBuffer(_prompts(3)).get_prompts(-1)
+
+
+def _char_tokenizer_with_unk():
+    """A character-level WordLevel tokenizer over digits, '+', '=' and a few letters; anything else is <unk>."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(["<unk>", *"0123456789+=abc "])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
+def test_characters_outside_the_vocabulary_are_counted_and_warned_once():
+    import warnings
+
+    from engines.tiny import build_tokenizer
+    from trainer.rollout.data import unknown_characters, warn_unknown_characters
+
+    tok = _char_tokenizer_with_unk()
+    texts = ["1+2=", "a é+€=é", "b\u00e9c"]
+    assert unknown_characters(tok, texts) == {"é": 3, "€": 1}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert warn_unknown_characters(tok, texts, where="[data].train") == 4
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert "[data].train: 4 characters are outside the tokenizer's vocabulary and become <unk>" in message
+    assert "'é' x3, '€' x1" in message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn about: no warning at all
+        assert warn_unknown_characters(tok, ["1+2=3"], where="x") == 0
+        assert warn_unknown_characters(build_tokenizer(), texts, where="x") == 0  # byte-level: every text encodes
+
+
+def test_the_cli_warns_about_unknown_characters_of_the_eval_set(tmp_path):
+    from pathlib import Path
+
+    from trainer.cli import _evaluator, _Run, load_run_config, phase_configs
+
+    root = Path(__file__).resolve().parents[1]
+    data = tmp_path / "eval.jsonl"
+    data.write_text('{"prompt": "1+1=€", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"}\n')
+    cfg = load_run_config(root / "configs" / "demo.toml", [f'data.eval="{data}"'])
+    r = _Run(mode="rl", cfg=cfg, phases=phase_configs(cfg), model_folder=tmp_path, tokenizer=_char_tokenizer_with_unk(),
+             is_main=True, resume=False, summary={})
+    with pytest.warns(UserWarning, match=r"\[data\]\.eval: 1 characters are outside .*most common: '€' x1\)"):
+        _evaluator(r, [])

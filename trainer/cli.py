@@ -445,11 +445,13 @@ def run(mode: str, cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
 def _evaluator(r: _Run, engines: Sequence[InferenceEngine]) -> Callable[[str], None]:
     """`evaluate_as(label)`: greedy evaluation on [data].eval, into the summary as accuracy_<label> and
     reward_mean_<label> (rank 0; a no-op without an eval set or engines)."""
-    from trainer.rollout.data import config_prompts
+    from trainer.rollout.data import config_prompts, warn_unknown_characters
 
     data = r.cfg.data
     prompts = config_prompts(data.eval, data.mapping(), where="[data].eval") if data.eval is not None else []
     prompts = prompts[: r.cfg.eval.limit or None]
+    if r.is_main:
+        warn_unknown_characters(r.tokenizer, [p.prompt for p in prompts], where="[data].eval")
     max_new_tokens = r.cfg.eval.max_new_tokens or r.phases.rl.rollout.max_new_tokens
 
     def evaluate_as(label: str) -> None:
@@ -468,12 +470,15 @@ def _evaluator(r: _Run, engines: Sequence[InferenceEngine]) -> Callable[[str], N
 def _sft_phase(r: _Run) -> Any:
     """SFT from the model folder; returns the trained TrainingComponents (RL continues from them in memory)."""
     from trainer.plot import plot_metrics
-    from trainer.rollout.data import config_prompts
+    from trainer.rollout.data import config_prompts, warn_unknown_characters
     from trainer.sft import run_sft_training
 
     data, scfg = r.cfg.data, r.phases.sft
     prompts = config_prompts(data.train if data.sft is None else data.sft, data.mapping(), where="[data].sft",
                              seed=r.cfg.seed)
+    if r.is_main:
+        texts = [p.prompt for p in prompts] + [str(p.answer) for p in prompts if p.answer is not None]
+        warn_unknown_characters(r.tokenizer, texts, where="[data].sft")
     components, state, hist = run_sft_training(
         str(r.model_folder), sft_examples(prompts, r.tokenizer, data.format), scfg, tokenizer=r.tokenizer,
         resume=r.resume, trainer_config=r.phases.sft_trainer)
@@ -490,7 +495,7 @@ def _rl_phase(r: _Run, engines: Sequence[InferenceEngine], sft_components: Any,
     from trainer.backend.steps import build_components
     from trainer.plot import plot_metrics
     from trainer.rl import run_rl_training
-    from trainer.rollout.data import config_buffer
+    from trainer.rollout.data import config_buffer, warn_unknown_characters
 
     data, rl_cfg, tcfg = r.cfg.data, r.phases.rl, r.phases.rl_trainer
     comp = build_components(sft_components.root if sft_components is not None else str(r.model_folder), tcfg)
@@ -500,6 +505,8 @@ def _rl_phase(r: _Run, engines: Sequence[InferenceEngine], sft_components: Any,
         sender.sync(weight_version=0)
         evaluate_as("after_sft")
     buffer = config_buffer(data.train, data.mapping(), where="[data].train", seed=r.cfg.seed)
+    if r.is_main:
+        warn_unknown_characters(r.tokenizer, [p.prompt for s in buffer.sets for p in s], where="[data].train")
     with cores_left_to_trainer(r.cfg):  # async: the engines generate while the trainer steps
         comp, state, hist = run_rl_training(None, buffer, rl_cfg, engines=engines, tokenizer=r.tokenizer,
                                             reward_fn=data.reward, trainer_config=tcfg, components=comp,

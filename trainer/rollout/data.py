@@ -21,6 +21,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -572,3 +574,34 @@ def config_buffer(value: Any, data: Mapping[str, Any], *, where: str, seed: int 
                   cache_dir: str | None = None) -> DataBuffer:
     """The DataBuffer of a [data] entry (RL prompts): one set or a weighted mixture, rows read on demand."""
     return DataBuffer.from_specs(data_specs(value, data, where=where), seed=seed, cache_dir=cache_dir)
+
+
+# ----------------------------------------------------------------------------------------------- vocabulary
+def unknown_characters(tokenizer: Any, texts: Sequence[str]) -> Counter[str]:
+    """The text the tokenizer has no token for, with counts: each span it encodes to its unk token (a character, for
+    the character and SentencePiece vocabularies that have one; byte-level vocabularies never produce it). A slow
+    tokenizer, which gives no offsets, counts the unk tokens under their own name."""
+    unk = tokenizer.unk_token_id
+    if unk is None or not texts:
+        return Counter()
+    fast = tokenizer.is_fast
+    enc = tokenizer(list(texts), add_special_tokens=False, return_offsets_mapping=fast)
+    found: Counter[str] = Counter()
+    for i, ids in enumerate(enc["input_ids"]):
+        spans = enc["offset_mapping"][i] if fast else [None] * len(ids)
+        found.update(texts[i][span[0]:span[1]] if span else tokenizer.unk_token
+                     for tid, span in zip(ids, spans) if tid == unk)
+    return found
+
+
+def warn_unknown_characters(tokenizer: Any, texts: Sequence[str], *, where: str) -> int:
+    """One warning for a data set whose text holds characters outside the tokenizer's vocabulary (they become its
+    unk token, and the model never sees what they were); returns how many there are."""
+    found = unknown_characters(tokenizer, texts)
+    total = sum(found.values())
+    if total:
+        common = ", ".join(f"{c!r} x{n}" for c, n in found.most_common(5))
+        warnings.warn(f"{where}: {total} characters are outside the tokenizer's vocabulary and become "
+                      f"{tokenizer.unk_token} (most common: {common}); the model cannot tell them apart: clean the "
+                      f"data or use a tokenizer that covers them", stacklevel=2)
+    return total
