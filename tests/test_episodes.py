@@ -400,3 +400,27 @@ def test_a_user_environment_runs_through_the_cli(tmp_path):
         assert row["rollout/env_time_s"] >= 0 and row["rollout/tool_calls_mean"] == 0
         assert 0.0 <= row["rollout/truncated_fraction"] <= 1.0
     assert os.path.exists(out / "config.toml") and "guess_env.py:Guess" in (out / "config.toml").read_text()
+
+
+def test_evaluation_runs_the_same_episodes_greedily():
+    """trainer.cli.evaluate with a rollout config that names tools: each prompt is one greedy episode (temperature
+    0 on every turn), scored by the run's reward on the final message."""
+    from trainer.cli import evaluate
+    from trainer.rollout.data import Prompt
+
+    calls = []
+
+    class Greedy(Scripted):
+        async def generate(self, prompts, params, *, rids=None):
+            calls.append(params.temperature)
+            return await super().generate(prompts, params, rids=rids)
+
+    eng = Greedy(lambda text: ("408" if "12*34" in text else "1") if "<|im_start|>tool" in text
+                 else CALL % ("calculator", "12*34"))
+    prompts = [Prompt("12*34?", "408"), Prompt("3*4?", "12")]
+    rollout = RolloutConfig(tools=(calculator,), max_turns=3)
+    got = evaluate([eng], prompts, tokenizer=TOK, reward_fn="arithmetic", max_new_tokens=128, rollout=rollout)
+    assert got == {"reward_mean": 0.5, "accuracy": 0.5, "n": 2, "failed": 0}
+    assert calls == [0.0] * 4  # two turns per episode, all greedy
+    single = evaluate([eng], prompts, tokenizer=TOK, reward_fn="arithmetic", max_new_tokens=128)
+    assert single["accuracy"] == 0.0  # without the episode, the tool call is the answer

@@ -312,14 +312,15 @@ def cores_left_to_trainer(cfg: RunConfig):
 # ----------------------------------------------------------------------------------------------- evaluation
 def evaluate(engines: Sequence[InferenceEngine], prompts: Sequence[Any], *, tokenizer: Any, reward_fn: Any,
              max_new_tokens: int, chat: bool = True, max_reward: float = 1.0,
-             reward_timeout_s: float | None = DataConfig.reward_timeout_s) -> dict[str, float]:
+             reward_timeout_s: float | None = DataConfig.reward_timeout_s, rollout: Any = None) -> dict[str, float]:
     """Greedy evaluation (one temperature-0 sample per prompt) served by the first engine (an engine object, built
     by engines.registry like every other): {"reward_mean", "accuracy", "n", "failed"}.
 
     accuracy is the fraction of samples that are correct: the reward's own verdict where it returns one
     ({"reward": r, "correct": bool}), else reward >= `max_reward` (the reward's maximum; 1.0 for the built-ins).
     Samples whose reward function raised, or outlasted `reward_timeout_s`, count as wrong with reward 0 (their
-    errors are printed as they happen).
+    errors are printed as they happen). With a `rollout` config that names an env, tools or a rollout_fn, each
+    prompt is one greedy multi-turn episode of it (trainer.rollout.episodes), scored as in training.
     """
     from engines.protocol import SamplingParams
     from trainer.rollout.rewards import acompute_reward, describe_failure, load_reward_fn, with_timeout
@@ -336,6 +337,14 @@ def evaluate(engines: Sequence[InferenceEngine], prompts: Sequence[Any], *, toke
     score = with_timeout(load_reward_fn(reward_fn), reward_timeout_s)
 
     async def run():
+        if rollout is not None and (rollout.env or rollout.tools or rollout.rollout_fn):
+            from trainer.rollout.episodes import run_greedy_episodes
+
+            opening = [Sample(prompt=p.prompt, tokens=tuple(i), metadata={
+                **p.metadata, "answer": p.answer, "sample_index": 0,
+                **({"system_prompt": p.system} if p.system else {})}) for p, i in zip(prompts, ids)]
+            return await run_greedy_episodes(engine, opening, rollout, tokenizer=tokenizer,
+                                             max_new_tokens=max_new_tokens, score=score)
         outs = await engine.generate(ids, params)
         samples = [Sample(prompt=p.prompt, tokens=tuple(prompt_ids) + tuple(group[0].output_ids),
                           response=tokenizer.decode(group[0].output_ids), response_length=len(group[0].output_ids),
@@ -458,7 +467,7 @@ def _evaluator(r: _Run, engines: Sequence[InferenceEngine]) -> Callable[[str], N
         if r.is_main and prompts and engines:
             got = evaluate(engines, prompts, tokenizer=r.tokenizer, reward_fn=data.reward,
                            max_new_tokens=max_new_tokens, chat=data.format == "chat", max_reward=r.cfg.eval.max_reward,
-                           reward_timeout_s=data.reward_timeout_s)
+                           reward_timeout_s=data.reward_timeout_s, rollout=r.phases.rl.rollout)
             r.summary[f"accuracy_{label}"] = got["accuracy"]
             r.summary[f"reward_mean_{label}"] = got["reward_mean"]
             print(f"[{label}] held-out: accuracy {got['accuracy']:.3f}, mean reward {got['reward_mean']:.3f} on "

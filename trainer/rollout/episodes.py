@@ -39,10 +39,13 @@ import traceback
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from engines.protocol import Completion
+import trio
+
+from engines.protocol import Completion, SamplingParams
 from trainer.rollout.loading import load_callable
-from trainer.rollout.samples import extend_sample
-from trainer.rollout.tools import ToolEnv, load_tools
+from trainer.rollout.rewards import acompute_reward
+from trainer.rollout.samples import extend_sample, stop_token_ids
+from trainer.rollout.tools import ToolEnv, load_tool_parser, load_tools
 from trainer.types import Sample, Status
 
 # (tokens so far, new-token budget, segment number) -> the engine's turn, or None when the batch filled first.
@@ -304,3 +307,33 @@ async def run_episode(sample: Sample, driver: Driver, **episode_kw: Any) -> tupl
     done = dataclasses.replace(done, response=response, status=status, metadata=meta,
                                reward=0.0 if status == Status.FAILED else None)
     return done, reward
+
+
+async def run_greedy_episodes(engine: Any, samples: Sequence[Sample], config: Any, *, tokenizer: Any,
+                              max_new_tokens: int, score: Callable[[Sample], Any]) -> list[Sample]:
+    """Evaluation's episodes: each sample's episode with greedy turns (temperature 0, `max_new_tokens` a turn) and
+    the environment / tools / agent of the RolloutConfig `config`, all in flight together so the engine batches
+    their turns; each scored by its environment's reward or else by `score` (a reward function)."""
+    driver, tools = build_driver(config)
+    assert driver is not None, "run_greedy_episodes needs a config with env, tools or rollout_fn"
+    stops = tuple(stop_token_ids(tokenizer, chat=True, extra=config.stop_token_ids))
+    kw = dict(tokenizer=tokenizer, turn_end_ids=frozenset(stop_token_ids(tokenizer, chat=True)),
+              parse=load_tool_parser(config.tool_parser), max_turns=config.max_turns, max_new_tokens=max_new_tokens,
+              max_context_tokens=config.max_context_tokens, tools=tools)
+
+    async def generate(tokens: tuple[int, ...], budget: int, segment: int) -> Completion:
+        params = SamplingParams(temperature=0.0, max_new_tokens=budget, stop_token_ids=stops)
+        return (await engine.generate([tokens], params))[0][0]
+
+    out: list[Any] = [None] * len(samples)
+
+    async def one(i: int) -> None:
+        done, reward = await run_episode(samples[i], driver, generate=generate, **kw)
+        if done.status != Status.FAILED:
+            done = await acompute_reward(done, (lambda _: reward) if reward is not None else score)
+        out[i] = done
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(samples)):
+            nursery.start_soon(one, i)
+    return out
