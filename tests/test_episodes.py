@@ -383,18 +383,23 @@ class Guess:
 '''
 
 
-def test_a_user_environment_runs_through_the_cli(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_user_environment_runs_through_the_cli(tmp_path, mode):
+    """A user's environment file named in the config, in a synchronous run and in an async one (episodes of step
+    n+1 generated while step n trains, TIS on)."""
     (tmp_path / "guess_env.py").write_text(USER_ENV)
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "trainer", "rl", "--config", "configs/demo.toml",
-           "--set", f"output_dir=\"{out}\"", "--set", "rl.num_steps=2", "--set", "rl.rollout.rollout_batch_size=4",
+           "--set", f"output_dir=\"{out}\"", "--set", "rl.num_steps=3", "--set", "rl.rollout.rollout_batch_size=4",
            "--set", "rl.rollout.n_samples_per_prompt=4", "--set", f"rl.rollout.env=\"{tmp_path}/guess_env.py:Guess\"",
-           "--set", "rl.rollout.max_turns=2", "--set", "eval.limit=8"]
+           "--set", "rl.rollout.max_turns=2", "--set", "eval.limit=8",
+           "--set", f"rl.async_rollout={str(mode == 'async').lower()}"]
     env = {"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(x) for x in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 2
+    assert len(rows) == 3
+    assert [r["train_staleness_max"] for r in rows] == ([0.0, 1.0, 1.0] if mode == "async" else [0.0] * 3)
     for row in rows:
         assert 1.0 <= row["rollout/turns_mean"] <= 2.0 and row["rollout/env_errors"] == 0
         assert row["rollout/env_time_s"] >= 0 and row["rollout/tool_calls_mean"] == 0
