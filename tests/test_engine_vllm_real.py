@@ -87,6 +87,31 @@ def test_sampled_logprobs_match_float64_reference(vllm, temperature):
     assert [[c.output_ids for c in g] for g in again] == [[c.output_ids for c in g] for g in out]
 
 
+def test_multi_turn_episodes_are_token_exact(vllm):
+    """Episodes of several turns (trainer.rollout.episodes) through the rollout manager on vLLM: the sample's tokens
+    are the opening prompt, what vLLM returned each turn and the environment's rendered messages; loss_mask 1
+    exactly on vLLM's tokens; their log-probs agree with a float32 forward of the same weights (before any weight
+    sync of this module changes them)."""
+    from episode_support import CHAR_STOPS, Recording, Talk, arithmetic_buffer, check_token_exact
+
+    from trainer.config import RolloutConfig
+    from trainer.rollout.manager import AsyncRolloutManager
+
+    eng, model, tok = vllm["engine"], vllm["model"], vllm["tok"]
+    rec = Recording(eng)
+    cfg = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=3, max_new_tokens=4, env=Talk,
+                        stop_token_ids=CHAR_STOPS, max_turns=4, seed=1)
+    manager = AsyncRolloutManager([rec], cfg, tokenizer=tok, reward_fn="arithmetic")
+
+    async def run():
+        async with manager:
+            return await manager.generate_batch(arithmetic_buffer())
+
+    batch = trio.run(run)
+    assert sorted(s.metadata["turns"] for s in batch.samples) == [1, 1, 2, 2, 3, 3]
+    check_token_exact(batch.samples, rec, tok, model, tol=TOL)
+
+
 def test_greedy_is_argmax_with_temperature_one_logprobs(vllm):
     eng, model, tok = vllm["engine"], vllm["model"], vllm["tok"]
     prompts = encode(tok, ["abc", "99-1="])
