@@ -30,12 +30,15 @@ class EngineSpec:
 
     kind: a key of ENGINE_KINDS. url: the server's http(s):// address (None: an "embedded" engine the run starts,
     or the in-process "local" one). tp_size: the engine's tensor-parallel workers, each one rank of the
-    weight-update group (1 for single-device kinds). model: vLLM's served model name (None: the model folder)."""
+    weight-update group (1 for single-device kinds). model: vLLM's served model name (None: the model folder).
+    api_key: this engine's key, where it differs from [engines].api_key (the run gives each engine it starts its
+    own random key here); kept out of repr so a logged spec never shows it."""
 
     kind: str  # "sglang", "vllm", "embedded" or "local" (a key of ENGINE_KINDS)
     url: str | None = None  # the server's http(s):// address (None: an "embedded" engine the run starts, or "local")
     tp_size: int = 1  # tensor-parallel workers: each is one rank of the weight-update group
     model: str | None = None  # vLLM's served model name (None: the model folder)
+    api_key: str | None = dataclasses.field(default=None, repr=False)  # this engine's key (None: [engines].api_key)
 
     def __post_init__(self):
         entry = ENGINE_KINDS.get(self.kind) if isinstance(self.kind, str) else None
@@ -55,6 +58,9 @@ class EngineSpec:
             raise ValueError(f"tp_size = {tp}: the {self.kind} engine runs on one device; tp_size must be 1")
         if self.model is not None and not isinstance(self.model, str):
             raise ValueError(f"model = {self.model!r}: the served model name, a string (None: the model folder)")
+        if self.api_key is not None and not (isinstance(self.api_key, str) and self.api_key):
+            raise ValueError("api_key: give this engine's key as a non-empty string (or leave it out to use "
+                             "[engines].api_key)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,11 +114,12 @@ ENGINE_KINDS: dict[str, EngineKind] = {
 def build_engine(spec: EngineSpec, *, model_folder: str | Path, api_key: str | None = None, seed: int = 0,
                  connect_timeout_s: float = 10.0, max_connections: int = 64) -> InferenceEngine:
     """The engine object for `spec` (its kind's builder). An "embedded" spec must carry the URL of the started
-    engine by now; a "local" engine is started here, in this process (close it with `close()`)."""
+    engine by now; a "local" engine is started here, in this process (close it with `close()`). The spec's own
+    api_key wins over `api_key` (the fleet-wide one)."""
     entry = ENGINE_KINDS[spec.kind]
     if spec.url is None and entry.url == "optional":
         raise ValueError(f"kind {spec.kind!r} without a url: start the engine first (trainer.cli.engines_for "
                          f"starts one per such entry) and build it from EngineSpec(kind, url=<its URL>)")
-    opts = BuildOptions(model_folder=str(model_folder), api_key=api_key, seed=seed,
+    opts = BuildOptions(model_folder=str(model_folder), api_key=spec.api_key or api_key, seed=seed,
                         connect_timeout_s=connect_timeout_s, max_connections=max_connections)
     return entry.build(spec, opts)

@@ -218,7 +218,11 @@ def fresh_start(out: Path, mode: str) -> None:
 def engines_for(cfg: RunConfig, model_folder: Path, *, is_main: bool):
     """Yield the fleet ([engines].fleet, EngineSpecs) with every engine reachable: the "embedded" entries without a
     url are started here as processes (the spec gets the URL), a "local" entry as an in-process engine (the entry
-    becomes {"engine": <it>}, which build_engines takes as is); rank 0 only, other ranks get the list from rank 0."""
+    becomes {"engine": <it>}, which build_engines takes as is); rank 0 only, other ranks get the list from rank 0.
+
+    Each started engine requires an API key: [engines].api_key, else a random one made here (the spec carries it
+    to build_engines; it reaches the engine in its environment, never its command line), so no other local user
+    can swap its weights or pause it."""
     e = cfg.engines
     fleet: list[Any] = list(e.fleet)
     to_start = [i for i, s in enumerate(fleet) if s.kind == "embedded" and s.url is None]
@@ -226,10 +230,11 @@ def engines_for(cfg: RunConfig, model_folder: Path, *, is_main: bool):
     if not (to_start or local) or not is_main:
         yield fleet
         return
-    from engines.embedded.launch import EngineProcess
+    from engines.embedded.launch import EngineProcess, new_api_key
     from engines.registry import build_engine
 
-    procs = [EngineProcess(str(model_folder), api_key=e.api_key, seed=cfg.seed, threads=e.threads,
+    key = e.api_key or new_api_key()
+    procs = [EngineProcess(str(model_folder), api_key=key, seed=cfg.seed, threads=e.threads,
                            start_timeout_s=e.start_timeout_s)
              for _ in to_start]
     started: list[Any] = []
@@ -242,7 +247,7 @@ def engines_for(cfg: RunConfig, model_folder: Path, *, is_main: bool):
         for p in procs:
             p.wait_healthy()
         for i, p in zip(to_start, procs):
-            fleet[i] = dataclasses.replace(fleet[i], url=p.url)
+            fleet[i] = dataclasses.replace(fleet[i], url=p.url, api_key=key)
         yield fleet
     finally:
         for eng in started:
@@ -254,7 +259,7 @@ def engines_for(cfg: RunConfig, model_folder: Path, *, is_main: bool):
 def build_engines(fleet: Sequence[Any], model_folder: Path, *, api_key: str | None = None,
                   connect_timeout_s: float = 10.0, max_connections: int = 64) -> list[InferenceEngine]:
     """Engine objects for a fleet, each built by engines.registry.build_engine from its EngineSpec (a dict entry
-    {url, kind, tp_size, model} is read as one). An entry that carries its started object under "engine" (the
+    {url, kind, tp_size, model, api_key} is read as one). An entry that carries its started object under "engine" (the
     in-process engine engines_for started and owns) is that object."""
     from engines.registry import EngineSpec, build_engine
 
@@ -263,8 +268,8 @@ def build_engines(fleet: Sequence[Any], model_folder: Path, *, api_key: str | No
         if isinstance(t, dict) and t.get("engine") is not None:
             out.append(t["engine"])
             continue
-        spec = t if isinstance(t, EngineSpec) else EngineSpec(**{k: t[k] for k in ("kind", "url", "tp_size", "model")
-                                                                  if k in t})
+        fields = ("kind", "url", "tp_size", "model", "api_key")
+        spec = t if isinstance(t, EngineSpec) else EngineSpec(**{k: t[k] for k in fields if k in t})
         out.append(build_engine(spec, model_folder=model_folder, api_key=api_key,
                                 connect_timeout_s=connect_timeout_s, max_connections=max_connections))
     return out

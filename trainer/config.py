@@ -296,7 +296,7 @@ class EnginesConfig:
     urls: tuple[str, ...] = ()  # older form: SGLang-protocol servers at these http(s):// URLs
     embedded: int | None = None  # older form: embedded engine processes the run starts (None: 1 if nothing else)
     in_process: bool = False  # one embedded engine inside the trainer's process, no HTTP (single process only)
-    api_key: str | None = None  # sent to every engine ("" = None)
+    api_key: str | None = None  # the engines' key ("" = None: each engine the run starts gets a random one)
     threads: int = 1  # CPU threads of each embedded engine process the run starts
     start_timeout_s: float = 180.0  # wait this long for a started engine to answer /health
     sync: str = "group"  # weight sync: "group" (broadcast / shared memory) or "disk" (safetensors, opt-in fallback)

@@ -1,8 +1,13 @@
-"""Start an embedded engine as a real subprocess (tests, benchmarks, the demo) and stop it reliably."""
+"""Start an embedded engine as a real subprocess (tests, benchmarks, the run's engines) and stop it reliably.
+
+The API key reaches the engine in its environment (API_KEY_ENV), never on its command line: any local user can read
+another's argv (`ps`), only the owner can read /proc/<pid>/environ.
+"""
 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -14,6 +19,24 @@ import httpx
 
 from engines.protocol import tls_context
 
+# The engine process reads its API key from this variable and drops it from its environment at once.
+API_KEY_ENV = "RLKERNELS_ENGINE_API_KEY"
+
+
+def new_api_key() -> str:
+    """A random key for an engine the run starts (256 bits; URL-safe, so it fits a Bearer header as is)."""
+    return secrets.token_urlsafe(32)
+
+
+def engine_env(api_key: str | None, root: str, base: dict[str, str]) -> dict[str, str]:
+    """The engine process's environment: `base` with the project on PYTHONPATH and the key in API_KEY_ENV (removed
+    when there is no key, so a key in the caller's own environment never opens or locks an engine by accident)."""
+    env = {k: v for k, v in base.items() if k != API_KEY_ENV}
+    env["PYTHONPATH"] = root + os.pathsep + base.get("PYTHONPATH", "")
+    if api_key:
+        env[API_KEY_ENV] = api_key
+    return env
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -23,7 +46,11 @@ def free_port() -> int:
 
 class EngineProcess:
     """`with EngineProcess(model="tiny") as eng: eng.url ...` — spawns `python -m engines.embedded`, waits for
-    /health (deadline `start_timeout_s`), and kills the process on exit (also on errors)."""
+    /health (deadline `start_timeout_s`), and kills the process on exit (also on errors).
+
+    api_key: required on every route when given (passed in the environment, not argv). None leaves the engine
+    open to every local user: fine for a test's throwaway engine, not for a run's (trainer.cli.engines_for gives
+    each engine it starts the configured key or a new_api_key())."""
 
     def __init__(self, model: str = "tiny", *, port: int | None = None, api_key: str | None = None, seed: int = 0,
                  extra_args: tuple[str, ...] = (), start_timeout_s: float = 120.0, threads: int = 1):
@@ -42,10 +69,8 @@ class EngineProcess:
         """Spawn without waiting (start several engines in parallel, then wait_healthy() each)."""
         cmd = [sys.executable, "-m", "engines.embedded", "--model", self.model, "--port", str(self.port),
                "--seed", str(self.seed), "--threads", str(self.threads), *self.extra_args]
-        if self.api_key:
-            cmd += ["--api-key", self.api_key]
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        env = engine_env(self.api_key, root, dict(os.environ))
         # stderr goes to a file, not a pipe: nobody reads a pipe while the engine runs, and a full one (64 KiB of
         # warnings) would block the engine's next write, i.e. hang it.
         self.stderr_file = tempfile.TemporaryFile()

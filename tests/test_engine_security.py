@@ -1,0 +1,106 @@
+"""The engine's open door (issue 30, security): engines the run starts require a random API key that never shows
+on their command line; a non-loopback engine without a key is refused. Real processes, real HTTP on loopback."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from engines.embedded.launch import API_KEY_ENV, free_port
+from engines.protocol import SamplingParams
+from trainer.cli import build_engines, engines_for
+from trainer.config import EnginesConfig, RunConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pids_listening_on(port: int) -> list[int]:
+    """The processes whose command line names `--port <port>` (the engine started for that port)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"engines.embedded" in argv and str(port).encode() in argv:
+            out.append(int(pid))
+    return out
+
+
+def test_run_started_engine_requires_its_random_key_and_hides_it_from_ps():
+    cfg = RunConfig(engines=EnginesConfig(embedded=1, start_timeout_s=120.0))
+    assert cfg.engines.api_key is None  # nothing configured: the run makes a key of its own
+    with engines_for(cfg, Path("tiny"), is_main=True) as fleet:
+        spec = fleet[0]
+        assert spec.api_key and len(spec.api_key) >= 32 and spec.api_key not in repr(spec)
+        # A neighbour without the key: every route refused, the weights and the schedule untouched.
+        for route, body in (("/pause_generation", {"mode": "abort"}),
+                            ("/update_weights_from_disk", {"model_path": "/tmp/poison"}),
+                            ("/colocated_weights", {"op": "probe"}),
+                            ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}})):
+            r = httpx.post(spec.url + route, json=body, timeout=30)
+            assert r.status_code == 401, (route, r.status_code, r.text)
+        wrong = httpx.post(spec.url + "/pause_generation", json={}, timeout=30,
+                           headers={"Authorization": "Bearer " + "x" * len(spec.api_key)})
+        assert wrong.status_code == 401
+        # The trainer's own client (built from the fleet as the run builds it) is let in.
+        (eng,) = build_engines(fleet, Path("tiny"))
+        out = trio.run(eng.generate, [[1, 20, 21]], SamplingParams(temperature=0, max_new_tokens=4,
+                                                                    ignore_eos=True))
+        assert len(out[0][0].output_ids) == 4
+        assert trio.run(eng.get_weight_version) == 0
+        # The key is in no process's argv (what `ps` shows every local user).
+        port = int(spec.url.rsplit(":", 1)[1])
+        (pid,) = pids_listening_on(port)
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+        assert b"--port" in argv and spec.api_key.encode() not in argv and b"--api-key" not in argv
+        # It travels in the environment instead, which only the engine's owner can read.
+        assert os.stat(f"/proc/{pid}/environ").st_mode & 0o077 == 0
+
+
+def test_configured_key_is_used_for_the_started_engine():
+    cfg = RunConfig(engines=EnginesConfig(embedded=1, api_key="configured-key-123", start_timeout_s=120.0))
+    with engines_for(cfg, Path("tiny"), is_main=True) as fleet:
+        assert fleet[0].api_key == "configured-key-123"
+        ok = httpx.get(fleet[0].url + "/get_weight_version", timeout=30,
+                       headers={"Authorization": "Bearer configured-key-123"})
+        assert ok.status_code == 200 and ok.json()["weight_version"] == "0"
+
+
+def _engine_cli(*args: str, env_key: str | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
+    env["PYTHONPATH"] = str(ROOT)
+    if env_key:
+        env[API_KEY_ENV] = env_key
+    return subprocess.run([sys.executable, "-m", "engines.embedded", "--model", "tiny", "--port", str(free_port()),
+                           *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_non_loopback_host_without_a_key_is_refused_before_loading():
+    proc = _engine_cli("--host", "0.0.0.0")
+    assert proc.returncode != 0
+    assert "--host 0.0.0.0 without an API key" in proc.stderr and "--allow-no-key" in proc.stderr
+    both = _engine_cli("--host", "0.0.0.0", "--api-key", "k1", env_key="k2")
+    assert both.returncode != 0 and f"--api-key and {API_KEY_ENV}" in both.stderr
+
+
+def test_key_file_must_be_private(tmp_path):
+    from engines.embedded.__main__ import check_exposure, resolve_api_key
+
+    f = tmp_path / "key"
+    f.write_text("s3cret\n")
+    f.chmod(0o644)
+    with pytest.raises(SystemExit, match="chmod 600"):
+        resolve_api_key(None, str(f), {})
+    f.chmod(0o600)
+    assert resolve_api_key(None, str(f), {}) == "s3cret"
+    assert resolve_api_key(None, None, {API_KEY_ENV: "from-env"}) == "from-env"
+    check_exposure("127.0.0.1", None, False)  # loopback: open is allowed (a test's throwaway engine)
+    check_exposure("0.0.0.0", None, True)  # the explicit opt-in
+    check_exposure("0.0.0.0", "k", False)
+    with pytest.raises(SystemExit, match="--allow-no-key"):
+        check_exposure("engine.example", None, False)
