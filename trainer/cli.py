@@ -169,6 +169,30 @@ def _check_inputs(cfg: RunConfig, mode: str) -> None:
             raise ValueError(f"[data].reward: mode {mode!r} scores samples; name the reward function, e.g. "
                              f"reward = \"arithmetic\" or reward = \"my_package.rewards:score\"")
         load_reward_fn(data.reward)
+    _check_data(cfg, mode)
+
+
+def data_roles(mode: str, data: DataConfig) -> dict[str, Any]:
+    """The data sets `mode` reads, by the [data] key that gives each: the RL prompts ("train"), the SFT examples
+    ("sft": [data].sft, else the train set) and the evaluation set ("eval")."""
+    roles = {}
+    if mode in ("rl", "sft+rl", "demo"):
+        roles["train"] = data.train
+    if mode in ("sft", "sft+rl", "demo"):
+        roles["sft"] = data.train if data.sft is None else data.sft
+    if data.eval is not None:
+        roles["eval"] = data.eval
+    return roles
+
+
+def _check_data(cfg: RunConfig, mode: str) -> None:
+    """Every data set `mode` reads loads and passes the loaders' checks now (an empty file, a missing or mistyped
+    field, text that is not UTF-8), before any engine starts: these used to surface after the engines started and
+    an evaluation ran."""
+    from trainer.rollout.data import data_specs, load_mixture
+
+    for key, value in data_roles(mode, cfg.data).items():
+        load_mixture(data_specs(value, cfg.data.mapping(), where=f"[data].{key}"))
 
 
 # ----------------------------------------------------------------------------------------------- model

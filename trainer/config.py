@@ -204,6 +204,19 @@ class RLTrainingConfig(_PhaseConfig):
                f"when the batch fills depend on timing; set it to 1.0 or deterministic = false")
         _check(self.advantage_estimator in ADVANTAGE_ESTIMATORS, "advantage_estimator",
                f"unknown {self.advantage_estimator!r}; choose one of {tuple(ADVANTAGE_ESTIMATORS)}")
+        # A group estimator's baseline is the other samples of the group: a group of one has none, and every sample
+        # would be left out of the loss (trainer.rl.trained_samples), failing the first step after its rollout.
+        n = self.rollout.n_samples_per_prompt
+        ungrouped = tuple(k for k, e in ADVANTAGE_ESTIMATORS.items() if not e.needs_groups)
+        _check(n >= 2 or not ADVANTAGE_ESTIMATORS[self.advantage_estimator].needs_groups, "advantage_estimator",
+               f"{self.advantage_estimator!r} takes each sample's baseline from its group, so it needs [rl.rollout] "
+               f"n_samples_per_prompt >= 2 (got {n}); raise it, or choose an estimator without groups: {ungrouped}")
+        # One sequence is a prompt (at least one token) and up to max_new_tokens generated ones; a micro-batch must
+        # hold it (the data's own prompt lengths are checked when the data loads: trainer.cli).
+        m = self.rollout.max_new_tokens
+        _check(self.token_budget > m, "token_budget",
+               f"{self.token_budget} cannot hold one sequence (a prompt + [rl.rollout] max_new_tokens = {m} tokens); "
+               f"raise [rl] token_budget or lower max_new_tokens")
         _positive(self, "ppo_epochs", "sync_every")
         object.__setattr__(self, "loss", resolve_loss(self.loss, self.rollout, off_policy=self.off_policy))
 

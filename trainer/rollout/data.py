@@ -202,6 +202,8 @@ def _locate_json_error(path: Path) -> str:
                 numbered.append((lineno, json.loads(line)))
             except json.JSONDecodeError as e:
                 return f"{path}: line {lineno}: malformed JSON ({e.msg} at column {e.colno}): {line.strip()[:80]!r}"
+    if not numbered:
+        return f"{path}: the data set has no rows (the file is empty or blank); give one JSON object per line"
     seen: dict[str, tuple[int, str]] = {}
     for n, row in numbered:
         if not isinstance(row, dict):

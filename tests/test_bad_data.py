@@ -1,0 +1,98 @@
+"""Bad data and bad config values are refused before any work (issue 30 items 10-13): `error: ...` naming the file,
+the row or line and the key to change, exit code 2, and the run (engines, SFT, evaluation) never started."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+import trainer.cli as cli
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _config(tmp_path: Path, train: Path, **tables: dict) -> Path:
+    """A small run config: the tiny preset, `train` as the data, the arithmetic reward; `tables` add keys by table
+    ("data", "rl.rollout", ...)."""
+    sections = {"data": {"train": str(train), "reward": "arithmetic"}, "engines": {"in_process": True}}
+    for name, keys in tables.items():
+        sections.setdefault(name.replace("__", "."), {}).update(keys)
+    text = "".join(f"[{name}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items())
+                   for name, keys in sections.items())
+    path = tmp_path / "run.toml"
+    path.write_text(f'output_dir = "{tmp_path / "out"}"\n' + text)
+    return path
+
+
+def _refused(monkeypatch, capsys, mode: str, config: Path, *overrides: str) -> str:
+    """main() exits 2 with `error: ...` and no traceback, and never reaches cli.run; returns the message."""
+    ran = []
+    monkeypatch.setattr(cli, "run", lambda *a, **k: ran.append(a))
+    args = [mode, "--config", str(config)] + [a for o in overrides for a in ("--set", o)]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err  # after `datasets`' progress lines, when a set was converted
+    assert "Traceback" not in err and err.splitlines()[-1].startswith("error: "), err
+    assert ran == []  # nothing started: no engine, no SFT step, no evaluation
+    return err.splitlines()[-1]
+
+
+ROWS = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+3=", "answer": "5"}]
+
+
+# ----------------------------------------------------------------------------------------------- item 13
+def test_an_empty_data_file_is_refused_before_the_engine_starts(monkeypatch, capsys, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    err = _refused(monkeypatch, capsys, "rl", _config(tmp_path, empty))
+    assert f"{empty}: the data set has no rows" in err
+
+
+@pytest.mark.parametrize("mode", ["rl", "sft", "sft+rl"])
+def test_data_field_errors_are_refused_before_the_engine_starts(monkeypatch, capsys, tmp_path, mode):
+    bad = _jsonl(tmp_path / "bad.jsonl", [{"question": "1+1=", "answer": "2"}])
+    err = _refused(monkeypatch, capsys, mode, _config(tmp_path, bad))
+    assert f"{bad}: row 0: missing field 'prompt'" in err and "prompt_key" in err
+
+
+def test_an_eval_set_with_a_field_error_is_refused_before_the_engine_starts(monkeypatch, capsys, tmp_path):
+    good = _jsonl(tmp_path / "train.jsonl", ROWS)
+    bad = _jsonl(tmp_path / "eval.jsonl", [ROWS[0], {"prompt": 7, "answer": "5"}])
+    err = _refused(monkeypatch, capsys, "rl", _config(tmp_path, good, data={"eval": str(bad)}))
+    assert str(bad) in err and "'prompt'" in err
+
+
+def test_a_group_estimator_with_one_sample_per_prompt_is_a_config_error(monkeypatch, capsys, tmp_path):
+    config = _config(tmp_path, _jsonl(tmp_path / "train.jsonl", ROWS))
+    for estimator in ("grpo", "rloo"):
+        err = _refused(monkeypatch, capsys, "rl", config, "rl.rollout.n_samples_per_prompt=1",
+                       f'rl.advantage_estimator="{estimator}"')
+        assert f"[rl] advantage_estimator: '{estimator}' takes each sample's baseline from its group" in err
+        assert "n_samples_per_prompt >= 2 (got 1)" in err and "'reinforce'" in err
+    cfg = cli.load_run_config(config, ["rl.rollout.n_samples_per_prompt=1", 'rl.advantage_estimator="reinforce"'],
+                              mode="rl")
+    assert cfg.rl.rollout.n_samples_per_prompt == 1  # an estimator without groups takes groups of one
+
+
+def test_a_token_budget_smaller_than_one_sequence_is_a_config_error(monkeypatch, capsys, tmp_path):
+    config = _config(tmp_path, _jsonl(tmp_path / "train.jsonl", ROWS))
+    err = _refused(monkeypatch, capsys, "rl", config, "rl.token_budget=64", "rl.micro_batch_buckets=64",
+                   "rl.rollout.max_new_tokens=64")
+    assert "[rl] token_budget: 64 cannot hold one sequence" in err and "max_new_tokens = 64" in err
+
+
+@pytest.mark.parametrize("value, message", [("abc", "rl.num_steps = 'abc': expected an integer"),
+                                            ("2.5", "rl.num_steps = 2.5: expected an integer")])
+def test_a_mistyped_num_steps_is_a_config_error(monkeypatch, capsys, tmp_path, value, message):
+    config = _config(tmp_path, _jsonl(tmp_path / "train.jsonl", ROWS))
+    assert message in _refused(monkeypatch, capsys, "rl", config, f"rl.num_steps={value}")
+
+
+@pytest.mark.parametrize("name", ["demo.toml", "agent_demo.toml", "agent_demo_notools.toml"])
+def test_the_shipped_configs_pass_the_data_checks(name):
+    for mode in ("sft", "rl", "sft+rl"):
+        cli.load_run_config(ROOT / "configs" / name, mode=mode)
