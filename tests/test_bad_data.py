@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 import trainer.cli as cli
+from trainer.rollout.data import load_jsonl, load_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,3 +97,30 @@ def test_a_mistyped_num_steps_is_a_config_error(monkeypatch, capsys, tmp_path, v
 def test_the_shipped_configs_pass_the_data_checks(name):
     for mode in ("sft", "rl", "sft+rl"):
         cli.load_run_config(ROOT / "configs" / name, mode=mode)
+
+
+# ----------------------------------------------------------------------------------------------- item 11
+def test_a_row_that_is_not_utf8_is_refused_naming_the_file_and_line(monkeypatch, capsys, tmp_path):
+    """The JSON reader keeps invalid bytes: the row used to load, then fail with a UnicodeDecodeError mid-run."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "a\xff\xfeb", "answer": "3"}\n')
+    message = f"{bad}: line 2: not valid UTF-8 (byte 0xff at column 14)"
+    with pytest.raises(ValueError) as e:
+        load_prompts(bad)
+    assert message in str(e.value)
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: not valid UTF-8 \(byte 0xff at column 14\)"):
+        load_jsonl(bad)  # the small-file reader too
+    for mode in ("rl", "sft"):
+        err = _refused(monkeypatch, capsys, mode, _config(tmp_path, bad))
+        assert message in err and "re-save the file as UTF-8" in err
+
+
+def test_a_parquet_row_that_is_not_utf8_is_refused_naming_the_row_and_field(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    prompts = pa.array([b"1+1=", b"2+\xc3(="], pa.binary()).view(pa.string())  # a view does not check the bytes
+    pq.write_table(pa.table({"prompt": prompts, "answer": ["2", "5"]}), tmp_path / "bad.parquet")
+    with pytest.raises(ValueError) as e:
+        load_prompts(tmp_path / "bad.parquet")
+    assert f"{tmp_path / 'bad.parquet'}: row 1: field 'prompt': not valid UTF-8 (byte 0xc3 at column 3)" in str(e.value)

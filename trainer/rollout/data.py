@@ -80,11 +80,12 @@ def load_jsonl(path: str | os.PathLike, *, prompt_key: str = "prompt", answer_ke
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: prompt file does not exist")
     prompts: list[Prompt] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            line = _decode_line(raw, where)
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
@@ -96,6 +97,15 @@ def load_jsonl(path: str | os.PathLike, *, prompt_key: str = "prompt", answer_ke
         raise ValueError(f"{path}: no prompts found (the file is empty or only blank lines); "
                          f"expected one JSON object per line with a {prompt_key!r} key")
     return prompts
+
+
+def _decode_line(raw: bytes, where: str) -> str:
+    """One line of a data file as text; bytes that are not UTF-8 are an error naming the line and the byte."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); data files "
+                         f"are read as UTF-8: re-save the file as UTF-8 or drop the line") from None
 
 
 def write_jsonl(path: str | os.PathLike, records: Sequence[Mapping[str, Any]]) -> None:
@@ -182,9 +192,23 @@ def _file_format(path: Path) -> str:
     return fmt
 
 
+def _first_bad_utf8_line(path: Path) -> str | None:
+    """The error naming the first line of a text file that is not UTF-8 (None: every line is)."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                _decode_line(raw, f"{path}: line {lineno}")
+            except ValueError as e:
+                return str(e)
+    return None
+
+
 def _locate_json_error(path: Path) -> str:
-    """Why `datasets` could not read a JSON/JSONL file, by row (1-based line for JSONL): a bad line, a non-object
-    row, or a field whose type differs from its first occurrence."""
+    """Why `datasets` could not read a JSON/JSONL file, by row (1-based line for JSONL): bytes that are not UTF-8, a
+    bad line, a non-object row, or a field whose type differs from its first occurrence."""
+    bad_text = _first_bad_utf8_line(path)
+    if bad_text is not None:
+        return bad_text
     text = path.read_text(encoding="utf-8", errors="replace")
     if text.lstrip().startswith("["):
         try:
@@ -255,7 +279,35 @@ def load_dataset_file(path: str | os.PathLike, *, split: str | None = None,
             raise ValueError(f"{p}: not a readable {fmt} file ({type(e).__name__}: {str(e)[:200]})") from e
     if len(ds) == 0:
         raise ValueError(f"{p}: the data set has no rows")
+    _check_utf8(ds, p)
     return ds
+
+
+def _check_utf8(ds: datasets.Dataset, path: Path) -> None:
+    """Every text of the set is valid UTF-8. The JSON reader keeps bytes that are not, and a row holding them would
+    fail with a UnicodeDecodeError only when it is read, mid-run; one vectorised pass over the Arrow data finds it
+    now, then the error path names the line (JSON files) or the row and field (parquet, save_to_disk folders)."""
+    try:
+        ds.data.table.validate(full=True)
+    except pa.ArrowInvalid as e:
+        raise ValueError(_locate_bad_utf8(ds, path) or f"{path}: the data set's Arrow data is invalid ({e})") from None
+
+
+def _locate_bad_utf8(ds: datasets.Dataset, path: Path) -> str | None:
+    """Where the first text that is not UTF-8 is: its 1-based line in a JSON/JSONL file, else its row and field."""
+    if path.is_file() and _file_format(path) == "json":
+        return _first_bad_utf8_line(path)
+    for key in ds.column_names:
+        col = ds.data.table.column(key)
+        if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
+            continue
+        for row, value in enumerate(col.cast(pa.large_binary()).to_pylist()):
+            if value is not None:
+                try:
+                    _decode_line(value, f"{path}: row {row}: field {key!r}")
+                except ValueError as e:
+                    return str(e)
+    return None
 
 
 def _first_row(mask: pa.ChunkedArray | pa.Array) -> int | None:
