@@ -4,6 +4,7 @@ on their command line; a non-loopback engine without a key is refused. Real proc
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -104,3 +105,48 @@ def test_key_file_must_be_private(tmp_path):
     check_exposure("0.0.0.0", "k", False)
     with pytest.raises(SystemExit, match="--allow-no-key"):
         check_exposure("engine.example", None, False)
+
+
+# A trainer-like parent: starts an engine (from its main thread, or from a thread that then ends) and waits.
+PARENT = """
+import sys, threading, time
+from engines.embedded.launch import EngineProcess
+eng = EngineProcess("tiny", start_timeout_s=120.0)
+if sys.argv[1] == "thread":
+    t = threading.Thread(target=eng.start)
+    t.start()
+    t.join()  # the launching thread is gone: the engine must outlive it
+else:
+    eng.start()
+print(eng.proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def is_gone(pid: int) -> bool:
+    """No such process, or a zombie (dead, waiting for a reaper that may never come in a container)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
+    return "\nState:\tZ" in status
+
+
+@pytest.mark.parametrize("launched_from", ["main", "thread"])
+def test_engine_dies_with_its_trainer_on_kill_9(launched_from):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, launched_from], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        engine_pid = int(parent.stdout.readline())  # printed once the engine answered /health
+        time.sleep(1.0)  # the engine is serving; a launching thread that ended did not take it down
+        assert not is_gone(engine_pid)
+        parent.kill()  # SIGKILL: no finally, no atexit in the trainer runs
+        parent.wait(timeout=30)
+        deadline = time.monotonic() + 10.0
+        while not is_gone(engine_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert is_gone(engine_pid), f"engine {engine_pid} outlived its killed parent"
+    finally:
+        parent.kill()
+        parent.wait(timeout=30)

@@ -13,7 +13,7 @@ import os
 import stat
 import sys
 
-from engines.embedded.launch import API_KEY_ENV
+from engines.embedded.launch import API_KEY_ENV, PARENT_ENV, die_with_parent
 
 
 def resolve_api_key(flag: str | None, file: str | None, environ: dict[str, str]) -> str | None:
@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-batch-rows", type=int, default=256, help="rows merged into one generation batch")
     ap.add_argument("--no-compile", action="store_true", help="do not torch.compile the decode step on CUDA")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    die_with_parent(os.environ.pop(PARENT_ENV, None))  # started by a trainer: end with it, even on kill -9
     args = ap.parse_args(argv)
     api_key = resolve_api_key(args.api_key, args.api_key_file, dict(os.environ))
     os.environ.pop(API_KEY_ENV, None)  # not inherited by anything this process starts (compile workers)

@@ -2,6 +2,9 @@
 
 The API key reaches the engine in its environment (API_KEY_ENV), never on its command line: any local user can read
 another's argv (`ps`), only the owner can read /proc/<pid>/environ.
+
+An engine started here dies with the process that started it, even on kill -9 (no orphan keeps the port and the
+memory): the launcher names itself in PARENT_ENV and the engine calls `die_with_parent` first thing.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import httpx
@@ -21,6 +25,47 @@ from engines.protocol import tls_context
 
 # The engine process reads its API key from this variable and drops it from its environment at once.
 API_KEY_ENV = "RLKERNELS_ENGINE_API_KEY"
+
+
+# "<pid>:<main|thread>": the launcher's pid, and whether it launched from its main thread (see die_with_parent).
+PARENT_ENV = "RLKERNELS_ENGINE_PARENT"
+PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h)
+PARENT_POLL_S = 0.2  # how often the watchdog looks for a new parent
+
+
+def parent_tag() -> str:
+    """What the launcher puts in PARENT_ENV."""
+    main = threading.current_thread() is threading.main_thread()
+    return f"{os.getpid()}:{'main' if main else 'thread'}"
+
+
+def die_with_parent(tag: str | None) -> None:
+    """Engine side: exit when the launcher named by `tag` (PARENT_ENV) dies, however it dies.
+
+    A watchdog thread exits as soon as this process's parent changes (a dead parent's children are re-parented).
+    On Linux, when the launcher started us from its main thread, the kernel also sends SIGKILL on its death
+    (PR_SET_PDEATHSIG), which works even while Python is stuck in native code; it is not armed for a launch from
+    another thread, because the kernel fires it when that *thread* exits, which would kill a healthy engine."""
+    if not tag:
+        return
+    pid_text, _, how = tag.partition(":")
+    parent = int(pid_text)
+    if how == "main" and sys.platform.startswith("linux"):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            print(f"warning: prctl(PR_SET_PDEATHSIG) failed (errno {ctypes.get_errno()}); the watchdog thread "
+                  f"alone ends this engine with its parent", file=sys.stderr)
+    if os.getppid() != parent:  # the launcher died before we got here
+        os._exit(1)
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)  # no cleanup to wait for: the engine holds nothing that outlives it
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
 def new_api_key() -> str:
@@ -70,7 +115,7 @@ class EngineProcess:
         cmd = [sys.executable, "-m", "engines.embedded", "--model", self.model, "--port", str(self.port),
                "--seed", str(self.seed), "--threads", str(self.threads), *self.extra_args]
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env = engine_env(self.api_key, root, dict(os.environ))
+        env = {**engine_env(self.api_key, root, dict(os.environ)), PARENT_ENV: parent_tag()}
         # stderr goes to a file, not a pipe: nobody reads a pipe while the engine runs, and a full one (64 KiB of
         # warnings) would block the engine's next write, i.e. hang it.
         self.stderr_file = tempfile.TemporaryFile()
