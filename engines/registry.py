@@ -12,7 +12,8 @@ Kinds:
     "embedded"  this project's embedded engine process, spoken to over SGLang's protocol; an entry without `url`
                 is started by the run (trainer.cli.engines_for), which fills the URL in before it is built
     "local"     the embedded engine inside this process, no HTTP (`engines.local.LocalEngine`, built from the
-                model folder and the run's seed); the caller owns it and calls its `close()`
+                model folder and the run's seed, on `device`: the trainer's own, so a one-GPU run generates on the
+                GPU in its dtype); the caller owns it and calls its `close()`
 """
 
 from __future__ import annotations
@@ -65,11 +66,13 @@ class EngineSpec:
 
 @dataclasses.dataclass(frozen=True)
 class BuildOptions:
-    """What every builder may use beside the spec: the run's model folder and seed, the API key, HTTP limits."""
+    """What every builder may use beside the spec: the run's model folder and seed, the API key, HTTP limits, and
+    the device an in-process engine runs on ("cpu", "cuda:0", ...)."""
 
     model_folder: str
     api_key: str | None = None
     seed: int = 0
+    device: str = "cpu"
     connect_timeout_s: float = 10.0
     max_connections: int = 64
 
@@ -100,7 +103,7 @@ def _vllm(spec: EngineSpec, opts: BuildOptions) -> InferenceEngine:
 def _local(spec: EngineSpec, opts: BuildOptions) -> InferenceEngine:
     from engines.local import LocalEngine
 
-    return LocalEngine(opts.model_folder, seed=opts.seed)
+    return LocalEngine(opts.model_folder, seed=opts.seed, device=opts.device)
 
 
 ENGINE_KINDS: dict[str, EngineKind] = {
@@ -112,14 +115,15 @@ ENGINE_KINDS: dict[str, EngineKind] = {
 
 
 def build_engine(spec: EngineSpec, *, model_folder: str | Path, api_key: str | None = None, seed: int = 0,
-                 connect_timeout_s: float = 10.0, max_connections: int = 64) -> InferenceEngine:
+                 connect_timeout_s: float = 10.0, max_connections: int = 64, device: str = "cpu") -> InferenceEngine:
     """The engine object for `spec` (its kind's builder). An "embedded" spec must carry the URL of the started
-    engine by now; a "local" engine is started here, in this process (close it with `close()`). The spec's own
+    engine by now; a "local" engine is started here, in this process, on `device` (give the trainer's: an engine
+    on another device than the trainer cannot take its weights by handle; close it with `close()`). The spec's own
     api_key wins over `api_key` (the fleet-wide one)."""
     entry = ENGINE_KINDS[spec.kind]
     if spec.url is None and entry.url == "optional":
         raise ValueError(f"kind {spec.kind!r} without a url: start the engine first (trainer.cli.engines_for "
                          f"starts one per such entry) and build it from EngineSpec(kind, url=<its URL>)")
     opts = BuildOptions(model_folder=str(model_folder), api_key=spec.api_key or api_key, seed=seed,
-                        connect_timeout_s=connect_timeout_s, max_connections=max_connections)
+                        connect_timeout_s=connect_timeout_s, max_connections=max_connections, device=str(device))
     return entry.build(spec, opts)

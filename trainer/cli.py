@@ -239,10 +239,12 @@ def fresh_start(out: Path, mode: str) -> None:
 
 
 @contextlib.contextmanager
-def engines_for(cfg: RunConfig, model_folder: Path, *, is_main: bool):
+def engines_for(cfg: RunConfig, model_folder: Path, *, is_main: bool, device: str = "cpu"):
     """Yield the fleet ([engines].fleet, EngineSpecs) with every engine reachable: the "embedded" entries without a
-    url are started here as processes (the spec gets the URL), a "local" entry as an in-process engine (the entry
-    becomes {"engine": <it>}, which build_engines takes as is); rank 0 only, other ranks get the list from rank 0.
+    url are started here as processes (the spec gets the URL), a "local" entry as an in-process engine on `device`,
+    the trainer's own (the entry becomes {"engine": <it>}, which build_engines takes as is); rank 0 only, other
+    ranks get the list from rank 0. On another device than the trainer's, a one-GPU run would generate in fp32 on
+    the CPU and the weight sync would pick a transport the engine refuses.
 
     Each started engine requires an API key: [engines].api_key, else a random one made here (the spec carries it
     to build_engines; it reaches the engine in its environment, never its command line), so no other local user
@@ -266,7 +268,7 @@ def engines_for(cfg: RunConfig, model_folder: Path, *, is_main: bool):
         for p in procs:
             p.launch()
         for i in local:
-            started.append(build_engine(fleet[i], model_folder=model_folder, seed=cfg.seed))
+            started.append(build_engine(fleet[i], model_folder=model_folder, seed=cfg.seed, device=device))
             fleet[i] = {"engine": started[-1]}
         for p in procs:
             p.wait_healthy()
@@ -438,11 +440,12 @@ class _Run:
 def run(mode: str, cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     """Run `mode` end to end; returns the summary (also written to <output_dir>/summary.json on rank 0)."""
     from trainer.backend.export import start_folder
-    from trainer.backend.steps import broadcast_from_rank0, init_distributed
+    from trainer.backend.steps import broadcast_from_rank0, init_distributed, mesh_device
 
     t_start = time.time()
     out = Path(cfg.output_dir)
-    is_main = init_distributed().get_rank() == 0
+    mesh = init_distributed()
+    is_main = mesh.get_rank() == 0
     if is_main and not resume:
         fresh_start(out, mode)
     if is_main:  # what this run ran: every key, defaults filled in (`--config` it to run it again)
@@ -457,7 +460,8 @@ def run(mode: str, cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     rollout = r.phases.rl.rollout
     # SFT alone needs engines only to evaluate (before and after, like the other modes).
     needs_engines = mode != "sft" or cfg.data.eval is not None
-    engines_cm = engines_for(cfg, model_folder, is_main=is_main) if needs_engines else contextlib.nullcontext([])
+    engines_cm = (engines_for(cfg, model_folder, is_main=is_main, device=str(mesh_device(mesh.device_type)))
+                  if needs_engines else contextlib.nullcontext([]))
     with engines_cm as fleet:
         fleet = broadcast_from_rank0(fleet)  # rank 0 started (or was given) the engines
         engines = build_engines(fleet, model_folder, api_key=cfg.engines.api_key,

@@ -1,6 +1,6 @@
 """FSDP2 + torch.compile: free functions applied to a (meta-device) Hugging Face causal LM in a fixed order.
 
-    apply_liger            CUDA only: Liger's RMSNorm / SwiGLU / RoPE where Liger supports the architecture
+    apply_liger            CUDA only: Liger's RMSNorm / SwiGLU on this model's modules, where Liger supports it
     apply_ac               optional activation checkpointing of every decoder block (HF's non-reentrant path)
     compile_blocks         per-decoder-block torch.compile (small graphs, one per block class; fast to build)
     fully_shard            each block, then the root (a TrainModule wrapping the LM), one MixedPrecisionPolicy
@@ -15,6 +15,7 @@ reduce-scattered by the root's backward hook. State-dict keys of the root carry 
 from __future__ import annotations
 
 import dataclasses
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -66,21 +67,52 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
+def _module_globals(package: str) -> dict[str, dict[str, Any]]:
+    """{module name: a copy of its globals} for `package` and its loaded submodules."""
+    return {name: dict(vars(m)) for name, m in list(sys.modules.items())
+            if m is not None and (name == package or name.startswith(package + "."))}
+
+
+def _restore_globals(saved: dict[str, dict[str, Any]]) -> None:
+    """Rebind every global that changed in the modules `saved` copied (names added since, such as a submodule
+    imported meanwhile, stay: they replaced nothing)."""
+    for name, before in saved.items():
+        now = vars(sys.modules[name])
+        for key, value in before.items():
+            if now.get(key) is not value:
+                now[key] = value
+
+
 def apply_liger(model: nn.Module) -> bool:
-    """Liger's RMSNorm / SwiGLU / RoPE kernels on the instance (CUDA only). Returns whether they were applied."""
+    """Liger's RMSNorm / SwiGLU kernels on this instance's modules only (CUDA only). Returns whether applied.
+
+    Liger's apply functions also rebind names in the architecture's transformers module (its RoPE function, its
+    RMSNorm and MLP classes), which changes every model of that architecture in the process: the in-process
+    engine's model (built before, possibly on the CPU) would run Triton RoPE on its tensors, and a model built
+    after would get Liger's classes. So the module's globals are put back after the call: the instance keeps its
+    norms and MLPs (Liger binds their forward per module), the rest of the process keeps transformers' code.
+    RoPE stays transformers': it is a module-level function with no per-instance form, and the per-block compile
+    fuses its elementwise ops anyway.
+    """
     model_type = getattr(model.config, "model_type", None)
     try:
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
     except ImportError:
-        warnings.warn("liger-kernel is not installed: model kernels (RMSNorm/SwiGLU/RoPE) stay eager", stacklevel=2)
+        warnings.warn("liger-kernel is not installed: model kernels (RMSNorm/SwiGLU) stay eager", stacklevel=2)
         return False
     fn = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
     if fn is None:
         warnings.warn(f"liger-kernel has no kernels for model_type={model_type!r}; using the HF modules",
                       stacklevel=2)
         return False
-    # The loss is ours (fused lm_head + policy loss), so Liger's cross-entropy patches stay off.
-    fn(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False, model=model)
+    # e.g. transformers.models.qwen2 for transformers.models.qwen2.modeling_qwen2.Qwen2ForCausalLM
+    saved = _module_globals(type(model).__module__.rpartition(".")[0])
+    try:
+        # The loss is ours (fused lm_head + policy loss), so Liger's cross-entropy patches stay off.
+        fn(rope=False, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False,
+           model=model)
+    finally:
+        _restore_globals(saved)
     return True
 
 

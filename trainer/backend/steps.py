@@ -202,6 +202,12 @@ def warmup_cosine(step: int, *, warmup_steps: int, num_steps: int, min_lr_ratio:
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def mesh_device(device_type: str) -> torch.device:
+    """This rank's device for a mesh of `device_type`: the current CUDA device (init_distributed made it this
+    rank's) or the CPU. The trainer and an in-process engine both live there."""
+    return torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+
+
 def build_components(model: str | os.PathLike | Any, config: TrainerConfig, *,
                      mesh: DeviceMesh | None = None) -> TrainingComponents:
     """Load + parallelise the model (a folder, an HF config, or a TrainModule already built) and its optimizer.
@@ -212,7 +218,7 @@ def build_components(model: str | os.PathLike | Any, config: TrainerConfig, *,
     from trainer.backend.models import load_hf_model
 
     mesh = mesh if mesh is not None else init_distributed()
-    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+    device = mesh_device(mesh.device_type)
     torch.manual_seed(config.seed)
     if isinstance(model, TrainModule):
         root = model
