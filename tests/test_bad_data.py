@@ -17,13 +17,20 @@ def _jsonl(path: Path, rows: list) -> Path:
     return path
 
 
+def _toml(value) -> str:
+    """A TOML value: a table inline, anything else as JSON (which TOML reads alike for strings and numbers)."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + "}"
+    return json.dumps(value)
+
+
 def _config(tmp_path: Path, train: Path, **tables: dict) -> Path:
     """A small run config: the tiny preset, `train` as the data, the arithmetic reward; `tables` add keys by table
     ("data", "rl.rollout", ...)."""
     sections = {"data": {"train": str(train), "reward": "arithmetic"}, "engines": {"in_process": True}}
     for name, keys in tables.items():
         sections.setdefault(name.replace("__", "."), {}).update(keys)
-    text = "".join(f"[{name}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items())
+    text = "".join(f"[{name}]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in keys.items())
                    for name, keys in sections.items())
     path = tmp_path / "run.toml"
     path.write_text(f'output_dir = "{tmp_path / "out"}"\n' + text)
@@ -124,3 +131,52 @@ def test_a_parquet_row_that_is_not_utf8_is_refused_naming_the_row_and_field(tmp_
     with pytest.raises(ValueError) as e:
         load_prompts(tmp_path / "bad.parquet")
     assert f"{tmp_path / 'bad.parquet'}: row 1: field 'prompt': not valid UTF-8 (byte 0xc3 at column 3)" in str(e.value)
+
+
+# ----------------------------------------------------------------------------------------------- item 10
+NO_ANSWER = [ROWS[0], {"prompt": "2+3="}, {"prompt": "4+4=", "answer": "8"}]
+
+
+@pytest.mark.parametrize("mode", ["sft", "sft+rl"])
+def test_sft_rows_without_an_answer_are_refused_naming_the_row(monkeypatch, capsys, tmp_path, mode):
+    """SFT from prompt/answer pairs used to train on the text "None" for these rows."""
+    bad = _jsonl(tmp_path / "sft.jsonl", NO_ANSWER)
+    err = _refused(monkeypatch, capsys, mode, _config(tmp_path, bad))
+    assert f"{bad}: row 1: field 'answer' is missing (null), and SFT from prompt/answer pairs trains on the answer" \
+        in err and 'train on the text "None"' in err
+    none = _jsonl(tmp_path / "none.jsonl", [{"prompt": "1+1="}, {"prompt": "2+3="}])  # no answer field at all
+    err = _refused(monkeypatch, capsys, "sft", _config(tmp_path, none))
+    assert f"{none}: row 0: missing field 'answer'" in err and "[data].answer_key" in err
+    named = _jsonl(tmp_path / "named.jsonl", [{"prompt": "1+1=", "sol": "2"}, {"prompt": "2+3=", "sol": None}])
+    err = _refused(monkeypatch, capsys, "sft", _config(tmp_path, named, data={"answer_key": "sol"}))
+    assert f"{named}: row 1: field 'sol' is missing (null)" in err
+
+
+def test_sft_conversations_need_no_answer(tmp_path):
+    conv = [{"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]}]
+    sft = _jsonl(tmp_path / "conv.jsonl", conv)
+    config = _config(tmp_path, _jsonl(tmp_path / "train.jsonl", ROWS),
+                     data={"sft": {"path": str(sft), "messages_key": "messages"}})
+    assert cli.load_run_config(config, mode="sft+rl").data.sft["messages_key"] == "messages"
+
+
+def test_rl_rows_without_an_answer_are_refused_when_the_set_has_answers(monkeypatch, capsys, tmp_path):
+    bad = _jsonl(tmp_path / "train.jsonl", NO_ANSWER)
+    err = _refused(monkeypatch, capsys, "rl", _config(tmp_path, bad))
+    assert f"{bad}: row 1: field 'answer' is missing (null), and the reward would score that row against None" in err
+
+
+def test_an_rl_set_without_any_answer_loads_with_a_warning(tmp_path):
+    """Whether the reward reads answers cannot be known (a judge or an environment may not): a warning, no error."""
+    none = _jsonl(tmp_path / "train.jsonl", [{"prompt": "1+1="}, {"prompt": "2+3="}])
+    with pytest.warns(UserWarning, match=rf"\[data\]\.train: {none} has no 'answer' field: the reward gets "
+                                         r"answer = None"):
+        cli.load_run_config(_config(tmp_path, none), mode="rl")
+
+
+def test_sft_examples_refuse_a_prompt_without_an_answer():
+    from trainer.rollout.data import Prompt
+
+    for fmt in ("chat", "plain"):
+        with pytest.raises(ValueError, match=r"SFT example 1 \('2\+3='\) has no answer"):
+            cli.sft_examples([Prompt("1+1=", "2"), Prompt("2+3=")], None, fmt)

@@ -30,6 +30,7 @@ import os
 import sys
 import time
 import tomllib
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -173,13 +174,13 @@ def _check_inputs(cfg: RunConfig, mode: str) -> None:
 
 
 def data_roles(mode: str, data: DataConfig) -> dict[str, Any]:
-    """The data sets `mode` reads, by the [data] key that gives each: the RL prompts ("train"), the SFT examples
-    ("sft": [data].sft, else the train set) and the evaluation set ("eval")."""
+    """The data sets `mode` reads, by the [data] key that gives each, in the order the run uses them: the SFT
+    examples ("sft": [data].sft, else the train set), the RL prompts ("train") and the evaluation set ("eval")."""
     roles = {}
-    if mode in ("rl", "sft+rl", "demo"):
-        roles["train"] = data.train
     if mode in ("sft", "sft+rl", "demo"):
         roles["sft"] = data.train if data.sft is None else data.sft
+    if mode in ("rl", "sft+rl", "demo"):
+        roles["train"] = data.train
     if data.eval is not None:
         roles["eval"] = data.eval
     return roles
@@ -187,12 +188,21 @@ def data_roles(mode: str, data: DataConfig) -> dict[str, Any]:
 
 def _check_data(cfg: RunConfig, mode: str) -> None:
     """Every data set `mode` reads loads and passes the loaders' checks now (an empty file, a missing or mistyped
-    field, text that is not UTF-8), before any engine starts: these used to surface after the engines started and
-    an evaluation ran."""
+    field, text that is not UTF-8, a row without an answer), before any engine starts: these used to surface after
+    the engines started and an evaluation ran.
+
+    Answers: SFT from prompt/answer pairs trains on them, so every row needs one. A set that has an answer field
+    needs it in every row. An RL or evaluation set with no answer field at all is allowed, with a warning: whether
+    the reward reads the answer cannot be known here (a judge, a length reward or an environment may not)."""
     from trainer.rollout.data import data_specs, load_mixture
 
     for key, value in data_roles(mode, cfg.data).items():
-        load_mixture(data_specs(value, cfg.data.mapping(), where=f"[data].{key}"))
+        sets = load_mixture(data_specs(value, cfg.data.mapping(), where=f"[data].{key}"), require_answer=key == "sft")
+        for s in sets:
+            if not s.has_answers and s.spec.messages_key is None:
+                warnings.warn(f"[data].{key}: {s.spec.path} has no {s.spec.answer_key or 'answer'!r} field: the "
+                              f"reward gets answer = None for every prompt; map the answers' field with "
+                              f"[data].answer_key = \"<field>\" if the reward reads them", stacklevel=2)
 
 
 # ----------------------------------------------------------------------------------------------- model
@@ -407,6 +417,10 @@ def sft_examples(prompts: Sequence[Any], tokenizer: Any, fmt: str) -> list[Any]:
     from trainer.rollout.samples import prompt_token_ids
     from trainer.types import Sample
 
+    for i, p in enumerate(prompts):
+        if p.answer is None and not p.metadata.get("messages"):
+            raise ValueError(f"SFT example {i} ({p.prompt[:40]!r}) has no answer, and SFT trains on the answer (it "
+                             f"would train on the text \"None\"); give it one or SFT on conversations")
     if fmt == "plain":
         out = []
         for p in prompts:
@@ -517,7 +531,7 @@ def _sft_phase(r: _Run) -> Any:
 
     data, scfg = r.cfg.data, r.phases.sft
     prompts = config_prompts(data.train if data.sft is None else data.sft, data.mapping(), where="[data].sft",
-                             seed=r.cfg.seed)
+                             seed=r.cfg.seed, require_answer=True)
     if r.is_main:
         texts = [p.prompt for p in prompts] + [str(p.answer) for p in prompts if p.answer is not None]
         warn_unknown_characters(r.tokenizer, texts, where="[data].sft")

@@ -316,10 +316,11 @@ def _first_row(mask: pa.ChunkedArray | pa.Array) -> int | None:
     return int(hits[0].as_py()) if len(hits) else None
 
 
-def _check_text(ds: datasets.Dataset, key: str, where: str, *, allow_numbers: bool = False) -> None:
-    """Field `key` exists, is text (or a number when allowed) and is set in every row."""
+def _check_text(ds: datasets.Dataset, key: str, where: str, *, allow_numbers: bool = False, why: str = "") -> None:
+    """Field `key` exists, is text (or a number when allowed) and is set in every row; `why` (why every row needs
+    it) is added to the messages of a missing field or row."""
     if key not in ds.column_names:
-        raise ValueError(f"{where}: row 0: missing field {key!r} (fields: {ds.column_names}); map it with "
+        raise ValueError(f"{where}: row 0: missing field {key!r} (fields: {ds.column_names}){why}; map it with "
                          f"[data].{'answer_key' if allow_numbers else 'prompt_key'} = \"<field>\"")
     col = ds.data.column(key)
     text = pa.types.is_string(col.type) or pa.types.is_large_string(col.type)
@@ -336,7 +337,7 @@ def _check_text(ds: datasets.Dataset, key: str, where: str, *, allow_numbers: bo
         col = pa.chunked_array([c.storage for c in col.chunks], type=col.type.storage_type)
     row = _first_row(pc.is_null(col))
     if row is not None:
-        raise ValueError(f"{where}: row {row}: field {key!r} is missing (null)")
+        raise ValueError(f"{where}: row {row}: field {key!r} is missing (null){why}")
     if text:
         row = _first_row(pc.equal(pc.utf8_length(col), 0))
         if row is not None:
@@ -394,6 +395,12 @@ class PromptSet:
     def __len__(self) -> int:
         return len(self.dataset)
 
+    @property
+    def has_answers(self) -> bool:
+        """The set has an answer field (checked when it loaded: then every row has one)."""
+        key = self.spec.answer_key or "answer"
+        return key in self.dataset.column_names and not pa.types.is_null(self.dataset.data.column(key).type)
+
     def __getitem__(self, i: int) -> Prompt:
         if not -len(self) <= i < len(self):
             raise IndexError(f"row {i} outside a data set of {len(self)} rows ({self.spec.path})")
@@ -433,8 +440,25 @@ class PromptSet:
                       index=self.offset + index, system=s.system_prompt)
 
 
-def load_prompts(spec: DataSpec | str | os.PathLike, *, offset: int = 0, cache_dir: str | None = None) -> PromptSet:
-    """Load and check one data set: its fields exist, have the right types and are set in every row."""
+def _check_answers(ds: datasets.Dataset, spec: DataSpec, where: str, *, required: bool) -> None:
+    """The answer field. A named `answer_key` must be set in every row. The default "answer" field, when the set has
+    it, too: a row without one would be scored against None, or (SFT) trained on the text "None". `required` (SFT
+    from prompt/answer pairs: the answer is the target) needs the field whatever its name. A set with no answer
+    field at all is left to the caller: a reward may not read one."""
+    key = spec.answer_key or "answer"
+    absent = key not in ds.column_names or pa.types.is_null(ds.data.column(key).type)
+    if absent and spec.answer_key is None and not required:
+        return
+    why = (", and SFT from prompt/answer pairs trains on the answer (without one it would train on the text \"None\"); "
+           "give every row an answer or SFT on conversations ([data].messages_key)") if required else \
+        ", and the reward would score that row against None; give every row an answer or drop the row"
+    _check_text(ds, key, where, allow_numbers=True, why=why)
+
+
+def load_prompts(spec: DataSpec | str | os.PathLike, *, offset: int = 0, cache_dir: str | None = None,
+                 require_answer: bool = False) -> PromptSet:
+    """Load and check one data set: its fields exist, have the right types and are set in every row (the answer:
+    see `_check_answers`; `require_answer` is for SFT examples, and a set of conversations needs none)."""
     if not isinstance(spec, DataSpec):
         spec = DataSpec(path=spec)
     ds = load_dataset_file(spec.path, split=spec.split, cache_dir=cache_dir)
@@ -445,16 +469,16 @@ def load_prompts(spec: DataSpec | str | os.PathLike, *, offset: int = 0, cache_d
             _check_text(ds, spec.prompt_key, where)
     else:
         _check_text(ds, spec.prompt_key, where)
-    if spec.answer_key is not None:
-        _check_text(ds, spec.answer_key, where, allow_numbers=True)
+    _check_answers(ds, spec, where, required=require_answer and spec.messages_key is None)
     return PromptSet(dataset=ds, spec=spec, offset=offset)
 
 
-def load_mixture(specs: Sequence[DataSpec], *, cache_dir: str | None = None) -> list[PromptSet]:
+def load_mixture(specs: Sequence[DataSpec], *, cache_dir: str | None = None,
+                 require_answer: bool = False) -> list[PromptSet]:
     """Load every set of a mixture; Prompt indices run on across the sets (set k starts after sets 0..k-1)."""
     sets, offset = [], 0
     for spec in specs:
-        sets.append(load_prompts(spec, offset=offset, cache_dir=cache_dir))
+        sets.append(load_prompts(spec, offset=offset, cache_dir=cache_dir, require_answer=require_answer))
         offset += len(sets[-1])
     return sets
 
@@ -610,14 +634,15 @@ class DataBuffer:
 
 # ----------------------------------------------------------------------------------------------- run config
 def config_prompts(value: Any, data: Mapping[str, Any], *, where: str, seed: int = 0,
-                   cache_dir: str | None = None) -> list[Prompt]:
-    """The prompts of a [data] entry as a list (evaluation and SFT sets, which are read whole).
+                   cache_dir: str | None = None, require_answer: bool = False) -> list[Prompt]:
+    """The prompts of a [data] entry as a list (evaluation and SFT sets, which are read whole; `require_answer`:
+    SFT examples, see `load_prompts`).
 
     One set: its rows in order. A mixture: one weighted pass, sum of the set sizes long, drawn as the buffer draws
     (a set of weight 2 appears twice as often as its size alone would give).
     """
     specs = data_specs(value, data, where=where)
-    sets = load_mixture(specs, cache_dir=cache_dir)
+    sets = load_mixture(specs, cache_dir=cache_dir, require_answer=require_answer)
     if len(sets) == 1:
         return list(sets[0])
     buf = DataBuffer.mixture(sets, [s.weight for s in specs], seed=seed)
