@@ -1,5 +1,6 @@
 """A full GRPO training step: ours (packed micro-batches, fused lm_head + policy loss, FSDP2, per-block compile)
-versus a plain reference step (padded batch, eager full-vocabulary log_softmax, no compile).
+versus a plain reference step (padded batch, eager full-vocabulary log_softmax, no compile; on a GPU in micro-batches
+sized to fit its memory, or skipped with the reason when one row does not fit).
 
     make bench                                       (pytest-benchmark; extra_info holds tokens/s and peak MB)
     .venv/bin/python bench/bench_train_step.py       (side-by-side table and the ratios)
@@ -111,14 +112,68 @@ def ours_step_fn(samples, adv, budget, bucket, device, compile_backend):
     return step
 
 
-def reference_step_fn(samples, adv, device):
-    """Padded [B, L] batch, full [B, L, V] logits, log_softmax + gather, clipped GRPO loss (seq-mean-token-mean)."""
+FP32_BYTES = 4
+REFERENCE_MEMORY_FRACTION = 0.9  # of the device's free memory: the allocator's fragmentation and CUDA context
+
+
+class DoesNotFit(Exception):
+    """The reference step cannot run one row on this device; the message says how much it needs."""
+
+
+def reference_activation_bytes(rows: int, length: int, cfg, dtype_bytes: int) -> int:
+    """Planned bytes of one reference micro-batch of `rows` padded rows of `length` tokens at the peak of its
+    backward: the logits [rows, L, V] in the model dtype, four fp32 [rows, L, V] tensors (the .float() copy,
+    log_softmax's output saved for its backward, and the gradients of both), and every decoder block's saved
+    activations (generously 8 hidden-wide and 4 MLP-wide tensors per token in the model dtype)."""
+    tokens = rows * length
+    logits = tokens * cfg.vocab_size * (dtype_bytes + 4 * FP32_BYTES)
+    blocks = tokens * cfg.num_hidden_layers * (8 * cfg.hidden_size + 4 * cfg.intermediate_size) * dtype_bytes
+    return logits + blocks
+
+
+def reference_state_bytes(n_params: int, dtype_bytes: int) -> int:
+    """Weights, gradients and AdamW's two moments, all in the model dtype."""
+    return 4 * n_params * dtype_bytes
+
+
+def reference_rows(n_samples: int, length: int, cfg, n_params: int, dtype_bytes: int,
+                   budget_bytes: float | None) -> int:
+    """Rows per reference micro-batch: all `n_samples` without a budget (the CPU), else the most whose planned
+    bytes (state + activations) fit `budget_bytes`. Raises DoesNotFit when not even one row does."""
+    if budget_bytes is None:
+        return n_samples
+    state = reference_state_bytes(n_params, dtype_bytes)
+    per_row = reference_activation_bytes(1, length, cfg, dtype_bytes)
+    rows = min(n_samples, int((budget_bytes - state) // per_row))
+    if rows < 1:
+        raise DoesNotFit(f"the reference step needs {(state + per_row) / 2**30:.1f} GiB for one row of {length} "
+                         f"tokens (vocab {cfg.vocab_size}); the device has {budget_bytes / 2**30:.1f} GiB to give: "
+                         f"shorten the samples (max response) or use a larger device")
+    return rows
+
+
+def _device_budget(device: torch.device) -> float | None:
+    """Bytes the reference may plan for on `device` (None on the CPU: its peak is measured, not planned)."""
+    if device.type != "cuda":
+        return None
+    return REFERENCE_MEMORY_FRACTION * torch.cuda.mem_get_info(device)[0]
+
+
+def reference_step_fn(samples, adv, device, budget_bytes: float | None = None):
+    """Padded [B, L] batch, full [B, L, V] logits, log_softmax + gather, clipped GRPO loss (seq-mean-token-mean).
+
+    On a GPU the batch runs as micro-batches of the rows that fit the device (reference_rows; gradients
+    accumulate, one optimizer step): the same loss and update as one batch, as a padded trainer would run it.
+    """
     from trainer.backend.models import load_hf_model
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = load_hf_model(_model_config(device), dtype=dtype, device=device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    cfg = _model_config(device)
     L = max(len(s.tokens) for s in samples)
+    budget = _device_budget(device) if budget_bytes is None else budget_bytes
+    rows = reference_rows(len(samples), L, cfg, _n_params(cfg), dtype.itemsize, budget)
+    model = load_hf_model(cfg, dtype=dtype, device=device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     ids = torch.zeros(len(samples), L, dtype=torch.long)
     attn = torch.zeros(len(samples), L, dtype=torch.long)
     mask = torch.zeros(len(samples), L - 1)
@@ -129,17 +184,25 @@ def reference_step_fn(samples, adv, device):
     ids, attn, mask = ids.to(device), attn.to(device), mask.to(device)
     advantages = torch.tensor(adv, device=device)[:, None]
 
-    def step():
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()  # [B, L-1, V]
-        logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+    def micro_loss(sl: slice) -> torch.Tensor:  # this slice's share of the batch mean
+        logits = model(input_ids=ids[sl], attention_mask=attn[sl]).logits[:, :-1].float()  # [b, L-1, V]
+        logp = torch.log_softmax(logits, -1).gather(-1, ids[sl, 1:, None])[..., 0]
         ratio = torch.exp(logp - logp.detach())
-        pg = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(0.8, 1.2))
-        loss = ((pg * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
-        loss.backward()
+        a = advantages[sl]
+        pg = torch.maximum(-a * ratio, -a * ratio.clamp(0.8, 1.2))
+        m = mask[sl]
+        return (pg * m).sum(1).div(m.sum(1).clamp(min=1)).sum() / len(samples)
+
+    def step():
+        total = torch.zeros((), device=device)
+        for start in range(0, len(samples), rows):
+            loss = micro_loss(slice(start, start + rows))
+            loss.backward()
+            total += loss.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss.item()
+        return total.item()
 
     return step
 
@@ -185,7 +248,10 @@ def test_train_step(benchmark, request, provider):
         if provider == "ours":
             step = ours_step_fn(samples, adv, budget, bucket, device, "aot_eager" if small else "inductor")
         else:
-            step = reference_step_fn(samples, adv, device)
+            try:
+                step = reference_step_fn(samples, adv, device)
+            except DoesNotFit as e:
+                pytest.skip(str(e))
         step()
         benchmark.extra_info.update(tokens=tokens)
         benchmark.pedantic(step, rounds=1 if small else 5, iterations=1)
@@ -209,9 +275,14 @@ def main() -> None:
     print(f"speed-up {ours['tokens_per_s'] / ref['tokens_per_s']:.2f}x   peak-memory ratio "
           f"{ours['peak_mb'] / max(ref['peak_mb'], 1e-9):.2f}x")
     if device.type == "cuda":
-        n_params = sum(p.numel() for p in torch.nn.Module.parameters(_build_for_count(cfg)))
+        n_params = _n_params(cfg)
         mfu = 6 * n_params * ours["tokens_per_s"] / 989e12
         print(f"MFU (6 N tokens/s over 989 TFLOP/s bf16 dense): {mfu:.3f}")
+
+
+def _n_params(cfg) -> int:
+    """Parameters of the model `cfg` describes (tied embeddings counted once), from a meta-device build."""
+    return sum(p.numel() for p in _build_for_count(cfg).parameters())
 
 
 def _build_for_count(cfg):

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -118,19 +119,39 @@ def gpu_tests(work: Path, timeout_s: float) -> dict:
     return out
 
 
-def benchmarks(work: Path, timeout_s: float) -> dict:
-    """The pytest-benchmark suites at their CUDA sizes (weight sync separately, below)."""
+def _benchmark_results(js: Path) -> list[dict]:
+    """The rows of one pytest-benchmark JSON file (none when the suite wrote none: it failed or timed out)."""
+    if not js.exists():
+        return []
+    return [{"name": b["fullname"], "median_ms": 1e3 * b["stats"]["median"],
+             **{k: v for k, v in b.get("extra_info", {}).items() if isinstance(v, int | float | str)}}
+            for b in json.loads(js.read_text()).get("benchmarks", [])]
+
+
+def benchmarks(work: Path, timeout_s: float, progress: Callable[[dict], None] = lambda out: None) -> dict:
+    """The pytest-benchmark suites at their CUDA sizes (weight sync separately, below), each in its own pytest
+    process with its own JSON, `timeout_s` for the whole stage: a suite that fails or runs out of time loses only
+    its own figures, and `progress(out)` after each suite lets the caller write what finished."""
     files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "bench").glob("bench_*.py")
                    if p.name != "bench_weight_sync.py")
-    js = work / "benchmarks.json"
-    rc, secs = _run([sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider", "--benchmark-only",
-                     f"--benchmark-json={js}"], work / "benchmarks.log", timeout_s)
-    out = {"returncode": rc, "seconds": round(secs, 1), "files": files, "results": []}
-    if js.exists():
-        for b in json.loads(js.read_text()).get("benchmarks", []):
-            out["results"].append({"name": b["fullname"], "median_ms": 1e3 * b["stats"]["median"],
-                                   **{k: v for k, v in b.get("extra_info", {}).items()
-                                      if isinstance(v, int | float | str)}})
+    deadline = time.monotonic() + timeout_s
+    out: dict = {"returncode": 0, "seconds": 0.0, "files": files, "suites": {}, "results": []}
+    for f in files:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            out["suites"][f] = {"returncode": 124, "skipped": f"the stage's {timeout_s:.0f} s were spent"}
+            out["returncode"] = out["returncode"] or 124
+            continue
+        stem = Path(f).stem
+        js = work / f"benchmarks-{stem}.json"
+        js.unlink(missing_ok=True)  # a previous run's figures must not pass for this one's
+        rc, secs = _run([sys.executable, "-m", "pytest", f, "-q", "-p", "no:cacheprovider", "--benchmark-only",
+                         f"--benchmark-json={js}"], work / f"benchmarks-{stem}.log", left)
+        out["suites"][f] = {"returncode": rc, "seconds": round(secs, 1)}
+        out["results"] += _benchmark_results(js)
+        out["seconds"] = round(out["seconds"] + secs, 1)
+        out["returncode"] = out["returncode"] or rc
+        progress(out)
     return out
 
 
@@ -145,23 +166,57 @@ def weight_sync(work: Path, timeout_s: float) -> dict:
 
 
 def markdown(report: dict) -> str:
-    v, t, ws = report["versions"], report["gpu_tests"], report["weight_sync"]
+    """The report as Markdown; a partial one (stages not run yet) shows what it has."""
+    v, t, ws = report["versions"], report.get("gpu_tests", {}), report.get("weight_sync", {})
     lines = [f"# gpu-check on {v['gpu']}", "", f"{report['date']} · status **{report['status']}**", "",
              "| component | version |", "|---|---|", *[f"| {k} | {val} |" for k, val in v.items()], "",
-             f"Preflight (compiled Triton kernel vs torch): {report['preflight']}", "",
+             f"Preflight (compiled Triton kernel vs torch): {report.get('preflight', 'not run')}", "",
              f"GPU tests: {t.get('tests', '?')} run, {t.get('failures', '?')} failed, {t.get('errors', '?')} errors, "
-             f"{t.get('skipped', '?')} skipped ({t['seconds']} s).", *[f"- failed: `{n}`" for n in t.get("failed", [])],
+             f"{t.get('skipped', '?')} skipped ({t.get('seconds', '?')} s).",
+             *[f"- failed: `{n}`" for n in t.get("failed", [])],
              "", "## Weight sync (Qwen2.5-0.5B-shaped, fp32)", ""]
     for key in ("colocated_ms", "colocated_gbps", "broadcast_ms", "broadcast_gbps", "broadcast_skipped",
                 "memcpy_gbps"):
         if key in ws:
             lines.append(f"- {key}: {ws[key]:.3f}" if isinstance(ws[key], float) else f"- {key}: {ws[key]}")
-    lines += ["", "## Benchmarks (median)", "", "| benchmark | ms | figures |", "|---|---|---|"]
-    for r in report["benchmarks"].get("results", []):
+    lines += ["", "## Benchmarks (median)", ""]
+    bench = report.get("benchmarks", {})
+    lines += [f"- `{f}`: exit {r['returncode']}" + (f" ({r['skipped']})" if "skipped" in r else "")
+              for f, r in bench.get("suites", {}).items() if r["returncode"] != 0]
+    lines += ["", "| benchmark | ms | figures |", "|---|---|---|"]
+    for r in bench.get("results", []):
         extra = ", ".join(f"{k}={val:.3g}" if isinstance(val, float) else f"{k}={val}" for k, val in r.items()
                           if k not in ("name", "median_ms"))
         lines.append(f"| `{r['name']}` | {r['median_ms']:.3f} | {extra} |")
     return "\n".join(lines) + "\n"
+
+
+def write_report(report: dict, out_dir: Path, name: str) -> None:
+    """<out_dir>/<name>.json and .md as they stand; written after every stage (and every benchmark suite), so a
+    stage that times out, or a run that is killed, keeps what finished. Status "running: ..." until the end."""
+    (out_dir / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out_dir / f"{name}.md").write_text(markdown(report))
+
+
+def run_stages(report: dict, stages: dict[str, Callable[[], dict]], write: Callable[[dict], None]) -> list[str]:
+    """Run each stage in order, recording its result in `report` and writing the report after each one; a stage
+    that raises is recorded as failed and the rest still run. Returns the stages that failed."""
+    failed = []
+    for key, stage in stages.items():
+        report["status"] = f"running: {key}"
+        write(report)
+        try:
+            report[key] = stage()
+        except Exception as e:  # noqa: BLE001 - recorded; the rest still runs
+            report[key] = {"returncode": 1, "error": f"{type(e).__name__}: {e}"}
+        print(f"{key}:", {k: v for k, v in report[key].items() if k not in ("failed", "results", "suites")},
+              flush=True)
+        if report[key].get("returncode", 0) != 0:
+            failed.append(key)
+    return failed
+
+
+SKIP_NAMES = {"tests": "gpu_tests", "benchmarks": "benchmarks", "weight_sync": "weight_sync"}  # --skip -> stage
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
         print(NO_CUDA, file=sys.stderr)
         return 2
     skip = set(filter(None, args.skip.split(",")))
+    if skip - SKIP_NAMES.keys():
+        ap.error(f"--skip {args.skip}: unknown stage(s) {sorted(skip - SKIP_NAMES.keys())}; "
+                 f"choose from {','.join(SKIP_NAMES)}")
     out_dir = Path(args.out)
     name = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-")
     work = out_dir / f"{name}-logs"
@@ -189,18 +247,23 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - recorded; the rest still runs
         report["preflight"] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
     print("preflight:", report["preflight"], flush=True)
-    report["gpu_tests"] = gpu_tests(work, args.timeout) if "tests" not in skip else {"skipped": "--skip", "seconds": 0}
-    print("gpu tests:", {k: v for k, v in report["gpu_tests"].items() if k != "failed"}, flush=True)
-    report["benchmarks"] = benchmarks(work, args.timeout) if "benchmarks" not in skip else {"skipped": "--skip"}
-    print("benchmarks:", report["benchmarks"].get("returncode"), flush=True)
-    report["weight_sync"] = weight_sync(work, args.timeout) if "weight_sync" not in skip else {"skipped": "--skip"}
-    print("weight sync:", report["weight_sync"], flush=True)
-    failed = [k for k in ("gpu_tests", "benchmarks", "weight_sync") if report[k].get("returncode", 0) != 0]
+
+    def write(r: dict) -> None:
+        write_report(r, out_dir, name)
+
+    def bench_progress(partial: dict) -> None:  # each finished suite reaches the files at once
+        write({**report, "benchmarks": partial})
+
+    run = {"gpu_tests": lambda: gpu_tests(work, args.timeout),
+           "benchmarks": lambda: benchmarks(work, args.timeout, bench_progress),
+           "weight_sync": lambda: weight_sync(work, args.timeout)}
+    for s in skip:
+        report[SKIP_NAMES[s]] = {"skipped": "--skip", "seconds": 0}
+    failed = run_stages(report, {k: f for k, f in run.items() if k not in report}, write)
     if not report["preflight"].get("ok"):
         failed.insert(0, "preflight")
     report["status"] = "failed: " + ", ".join(failed) if failed else "passed"
-    (out_dir / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out_dir / f"{name}.md").write_text(markdown(report))
+    write(report)
     print(f"{report['status']}; wrote {out_dir / name}.json and .md", flush=True)
     return 1 if failed else 0
 
