@@ -44,7 +44,7 @@ def tiny_llama(device):
     cfg = LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=4096)
     torch.manual_seed(0)
-    impl = default_attn_implementation(device)
+    impl = default_attn_implementation(device, torch.float32)  # the model below is fp32
     return AutoModelForCausalLM.from_config(cfg, attn_implementation=impl, dtype=torch.float32).to(device).train()
 
 

@@ -326,10 +326,42 @@ def test_default_attn_implementation_follows_the_device():
     assert default_attn_implementation("cuda") == expected
 
 
+def test_fp32_models_never_get_flash_attn(monkeypatch):
+    """flash-attn rejects fp32 q/k/v (issue 26 item 3): with it installed, an fp32 model (this file's GPU test,
+    [trainer] param_dtype = "float32") takes FlexAttention, with the reason; half precision keeps flash-attn."""
+    monkeypatch.setattr(attention, "flash_attn_available", lambda: True)
+    impl, why = attention.choose_attn_implementation("cuda", torch.float32)
+    assert impl == "flex_attention" and "float32" in why and "bfloat16" in why
+    assert default_attn_implementation("cuda", torch.bfloat16) == "flash_attention_2"
+    assert default_attn_implementation("cuda", torch.float16) == "flash_attention_2"
+    assert default_attn_implementation("cpu", torch.bfloat16) == PACKED_SDPA
+
+    import trainer.backend.models as models
+    from trainer.backend.parallel import ParallelConfig
+
+    chosen = []
+
+    class Stop(Exception):
+        pass
+
+    def record(config, impl):
+        chosen.append(impl)
+        raise Stop
+
+    monkeypatch.setattr(models, "_build_meta", record)
+    cfg = tiny_model("llama").config
+    for kw in ({"dtype": torch.float32},  # a plain fp32 model (references, this file's GPU test)
+               {"mesh": object(), "parallel": ParallelConfig(param_dtype="float32")},  # the fp32 trainer
+               {"mesh": object(), "parallel": ParallelConfig()}):  # the default trainer: bf16 compute
+        with pytest.raises(Stop):
+            models.load_hf_model(cfg, device="cuda", **kw)
+    assert chosen == ["flex_attention", "flex_attention", "flash_attention_2"]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_packed_logits_on_cuda_default_attention(arch):
-    impl = default_attn_implementation("cuda")
+    impl = default_attn_implementation("cuda", torch.float32)  # tiny_model is fp32: never flash-attn
     model = tiny_model(arch, impl).cuda().eval()
     ref = tiny_model(arch, "sdpa").cuda().eval()
     seqs = [s.cuda() for s in random_sequences(9, LENGTHS)]

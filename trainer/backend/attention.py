@@ -10,8 +10,8 @@ document structure explicitly:
     packed_sdpa           gather / scatter indices (per-sequence causal SDPA)     CPU default
     sdpa                  4D bool mask [1, 1, N, N], True = attend                CPU reference
     eager                 4D additive float mask [1, 1, N, N] (0 / dtype min)    debugging
-    flash_attention_2/3   cu_seq_lens_q/k + max_length_q/k (varlen kernel)        CUDA when flash-attn is installed
-    flex_attention        BlockMask with a document-causal mask_mod               CUDA otherwise
+    flash_attention_2/3   cu_seq_lens_q/k + max_length_q/k (varlen kernel)        CUDA, flash-attn, bf16/fp16 compute
+    flex_attention        BlockMask with a document-causal mask_mod               CUDA otherwise (fp32 included)
 
 transformers returns a 4D tensor or BlockMask mask as-is (masking_utils._preprocess_mask_arguments), so the same
 mask reaches every layer; the flash kwargs travel through **kwargs down to the attention function.
@@ -48,11 +48,28 @@ def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
-def default_attn_implementation(device: torch.device | str) -> str:
-    """The attn_implementation to load a model with for packed training on `device`."""
-    if torch.device(device).type == "cuda":
-        return "flash_attention_2" if flash_attn_available() else "flex_attention"
-    return PACKED_SDPA
+FLASH_DTYPES = (torch.float16, torch.bfloat16)  # flash-attn's kernels take half-precision q/k/v only
+
+
+def choose_attn_implementation(device: torch.device | str,
+                               dtype: torch.dtype = torch.bfloat16) -> tuple[str, str]:
+    """(attn_implementation, why) for packed training on `device` with attention inputs (the compute dtype) of
+    `dtype`: flash-attn only where it is installed and the inputs are half precision (it rejects fp32 ones, e.g.
+    [trainer] param_dtype = "float32"), FlexAttention on other CUDA runs, packed_sdpa on the CPU."""
+    if torch.device(device).type != "cuda":
+        return PACKED_SDPA, "not CUDA: per-sequence SDPA over the packed row"
+    if not flash_attn_available():
+        return "flex_attention", "flash-attn is not installed: FlexAttention with a document-causal BlockMask"
+    if dtype not in FLASH_DTYPES:
+        return "flex_attention", (f"flash-attn takes float16/bfloat16 inputs only and this model computes in "
+                                  f"{dtype}: FlexAttention instead (compute in bfloat16 to use flash-attn)")
+    return "flash_attention_2", f"flash-attn's varlen kernel on {dtype} inputs"
+
+
+def default_attn_implementation(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> str:
+    """The attn_implementation to load a model with for packed training on `device`, computing in `dtype`
+    (choose_attn_implementation says why)."""
+    return choose_attn_implementation(device, dtype)[0]
 
 
 def _as_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from trainer.backend.attention import default_attn_implementation
-from trainer.backend.parallel import ROOT_PREFIX, ParallelConfig, decoder_layers, parallelize
+from trainer.backend.parallel import ROOT_PREFIX, ParallelConfig, compute_dtype, decoder_layers, parallelize
 
 # ---------------------------------------------------------------------------------------------------------
 # Loading: meta-device build -> parallelise -> materialise -> load safetensors into the (sharded) model
@@ -90,7 +90,10 @@ def load_hf_model(path_or_config: str | os.PathLike | PretrainedConfig, *, dtype
     """
     config, folder = _read_config(path_or_config)
     device = torch.device(device)
-    impl = default_attn_implementation(device)
+    parallel = parallel or ParallelConfig()
+    # The attention sees the compute dtype: `dtype` itself, or under a mesh the mixed-precision policy's (flash-attn
+    # rejects fp32 inputs, so an fp32 run takes another path).
+    impl = default_attn_implementation(device, dtype if mesh is None else compute_dtype(device.type, parallel))
     model = _build_meta(config, impl)
     decoder_layers(model)  # fail early, with a clear message, on a layout we cannot parallelise
     if folder is not None:
@@ -102,7 +105,7 @@ def load_hf_model(path_or_config: str | os.PathLike | PretrainedConfig, *, dtype
         model.load_state_dict(sd, strict=True)
         _init_buffers(model, device)
         return model.eval()
-    root = parallelize(model, mesh, parallel or ParallelConfig())
+    root = parallelize(model, mesh, parallel)
     root.to_empty(device=device)
     sd = _full_state_dict(config, folder, model, seed, dtype)
     # Each rank holds the full tensors on the CPU and keeps its own shard (distribute_tensor slices locally).

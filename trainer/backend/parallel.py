@@ -127,10 +127,14 @@ def compile_blocks(model: nn.Module, config: ParallelConfig) -> None:
         block.compile(backend=config.compile_backend, dynamic=config.compile_dynamic)
 
 
+def compute_dtype(device_type: str, config: ParallelConfig) -> torch.dtype:
+    """The dtype the blocks compute in: [trainer] param_dtype, default bfloat16 on CUDA and float32 on CPU."""
+    return getattr(torch, config.param_dtype or ("bfloat16" if device_type == "cuda" else "float32"))
+
+
 def mixed_precision(device_type: str, config: ParallelConfig) -> MixedPrecisionPolicy:
     """bf16 compute + fp32 gradient reduction on CUDA by default; plain fp32 on CPU."""
-    name = config.param_dtype or ("bfloat16" if device_type == "cuda" else "float32")
-    if name == "float32":
+    if compute_dtype(device_type, config) == torch.float32:
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
