@@ -36,10 +36,11 @@ def test_disk_sync_matches_the_trainer(tmp_path):
         assert sync.sync() == 1
         res = verify_sync(trainer, [eng], PROBES, expected_version=1)
         assert res.ok and res.max_abs_diff[0] <= 1e-5, res
-        assert sorted(os.listdir(tmp_path / "w")) == ["v1"]  # no temporary folder left
+        assert os.path.dirname(sync.folder) == str(tmp_path / "w")  # this run's own folder inside the given one
+        assert sorted(os.listdir(sync.folder)) == ["v1"]  # no temporary folder left
         perturb(trainer, 2)
         assert sync.sync() == 2
-        assert sorted(os.listdir(tmp_path / "w")) == ["v2"]  # only the newest version is kept
+        assert sorted(os.listdir(sync.folder)) == ["v2"]  # only the newest version is kept
         res = verify_sync(trainer, [eng], PROBES, expected_version=2)
         assert res.ok and res.max_abs_diff[0] <= 1e-5, res
         # a folder with a wrong shape is refused before any weight changes
@@ -54,7 +55,7 @@ def test_disk_sync_matches_the_trainer(tmp_path):
             trio.run(lambda: eng.update_weights_from_disk(str(tmp_path / "none")))
         assert verify_sync(trainer, [eng], PROBES, expected_version=2).ok
         sync.close()
-    assert not (tmp_path / "w" / "v2").exists()
+    assert os.listdir(tmp_path / "w") == []  # the run's folder is gone, the given one stays
 
 
 def test_default_master_address():

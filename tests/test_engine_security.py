@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 import trio
 
 from engines.embedded.launch import API_KEY_ENV, free_port
@@ -150,3 +151,141 @@ def test_engine_dies_with_its_trainer_on_kill_9(launched_from):
     finally:
         parent.kill()
         parent.wait(timeout=30)
+
+
+# ------------------------------------------------------------------------------------------ leftovers, open names
+def test_colocated_attach_cannot_create_or_grow_shm_files():
+    """/colocated_weights maps only the trainer's existing slot files, at their size: a request naming a missing
+    file or a huge size leaves nothing in /dev/shm (it used to create a file of any size and leave it)."""
+    from engines.embedded.launch import EngineProcess
+
+    key = "k" * 32
+    name = f"/dev/shm/rlkernels-weights-probe-{os.getpid()}"
+    with EngineProcess("tiny", api_key=key) as proc:
+        def attach(nbytes, paths):
+            return httpx.post(proc.url + "/colocated_weights", timeout=30, headers={"Authorization": f"Bearer {key}"},
+                              json={"op": "attach", "index": 0, "channel": "/nonexistent/signals.sock",
+                                    "slots": {"kind": "shm", "nbytes": nbytes, "paths": paths}})
+
+        r = attach(1 << 40, [name + "-0", name + "-1"])
+        assert r.status_code == 400 and "cannot be opened" in r.json()["message"]
+        assert not os.path.exists(name + "-0") and not os.path.exists(name + "-1")
+        fd = os.open(name + "-0", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, 4096)
+            r = attach(1 << 40, [name + "-0"])  # an existing file is not grown to the asked size
+            assert r.status_code == 400 and "of 1099511627776 bytes" in r.json()["message"]
+            assert os.fstat(fd).st_size == 4096
+        finally:
+            os.close(fd)
+            os.unlink(name + "-0")
+        r = attach(8, ["/etc/passwd"])
+        assert r.status_code == 400 and "rlkernels-weights" in r.json()["message"]
+        unauth = httpx.post(proc.url + "/colocated_weights", json={"op": "probe"}, timeout=30)
+        assert unauth.status_code == 401  # the route needs the key like every other
+
+
+def test_signal_channel_is_a_private_file_socket_removed_after_use():
+    from engines.weight_sync.wire import connect_channel, listen_channel, remove_channel
+
+    sock, address = listen_channel()
+    try:
+        assert address.startswith("/") and not address.startswith("\0")  # not the abstract namespace
+        folder = os.path.dirname(address)
+        st = os.stat(folder)
+        assert st.st_mode & 0o777 == 0o700 and st.st_uid == os.getuid()
+        peer = connect_channel(address, 3, timeout_s=5)
+        conn, _ = sock.accept()
+        assert conn.recv(8) == (3).to_bytes(8, "little")
+        remove_channel(address)
+        assert not os.path.exists(folder)
+        peer.sendall((7).to_bytes(8, "little"))  # the connection outlives the socket's name
+        assert conn.recv(8) == (7).to_bytes(8, "little")
+        peer.close()
+        conn.close()
+    finally:
+        sock.close()
+        remove_channel(address)
+    with pytest.raises(ValueError, match="not one of ours"):
+        connect_channel("/tmp/elsewhere.sock", 0, timeout_s=5)
+
+
+def test_colocated_sync_leaves_no_channel_or_slot_files(tmp_path):
+    """A colocated sync through a real engine process: after init_group no slot file and no channel folder is
+    left, and the weights arrive (the channel and the slots work through the new names)."""
+    import glob
+    import tempfile
+
+    from engines.embedded.launch import EngineProcess
+    from engines.embedded.presets import build_tiny_model
+    from engines.sglang import SGLangEngine
+    from trainer.weight_sync import WeightSyncSender, verify_sync
+
+    channels = os.path.join(tempfile.gettempdir(), "rlkernels-channel-*")
+    before = set(glob.glob(channels))
+    trainer = build_tiny_model(3)
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.mul_(0.5)
+    key = "k" * 32
+    with EngineProcess("tiny", seed=3, api_key=key) as proc:
+        eng = SGLangEngine(proc.url, api_key=key, timeout_s=60)
+        sender = WeightSyncSender(trainer, [eng], timeout_s=60)
+        sender.init_group()
+        assert sender.colocated == [0]
+        assert set(glob.glob(channels)) == before and not glob.glob(f"/dev/shm/rlkernels-weights-{os.getpid()}-*")
+        assert sender.sync() == 1
+        assert verify_sync(trainer, [eng], [[1, 20, 21, 22]], expected_version=1).ok
+        sender.close()
+
+
+def listeners(port: int) -> list[str]:
+    """Local addresses (hex, as /proc/net/tcp{,6} writes them) listening on `port`."""
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            addr, _, hex_port = local.rpartition(":")
+            if state == "0A" and int(hex_port, 16) == port:
+                out.append(addr)
+    return out
+
+
+def test_weight_group_store_listens_on_its_address_only():
+    from engines.weight_sync.wire import create_store
+
+    store = create_store("127.0.0.1", 0, is_master=True, timeout_s=10)
+    client = create_store("127.0.0.1", store.port, is_master=False, timeout_s=10)
+    client.set("k", "v")
+    assert store.get("k") == b"v"
+    assert listeners(store.port) == ["0100007F"]  # 127.0.0.1 only, not 0.0.0.0 or [::]
+
+
+def test_disk_sync_folder_is_private_unguessable_and_removed(tmp_path):
+    import gc
+
+    from engines.embedded.presets import build_tiny_model
+    from trainer.weight_sync import DiskWeightSync
+
+    model = build_tiny_model(0)
+    a, b = DiskWeightSync(model, [], folder=str(tmp_path)), DiskWeightSync(model, [], folder=str(tmp_path))
+    a.init_group()
+    b.init_group()
+    assert a.folder != b.folder and os.path.dirname(a.folder) == str(tmp_path)
+    assert str(os.getpid()) not in os.path.basename(a.folder)  # not derivable from the pid
+    assert os.stat(a.folder).st_mode & 0o777 == 0o700
+    a.write(1)
+    assert os.listdir(a.folder) == ["v1"]
+    a.close()
+    assert not os.path.exists(a.folder or "") and sorted(os.listdir(tmp_path)) == [os.path.basename(b.folder)]
+    b_folder = b.folder
+    del b  # a run that ended on an exception, without close(): the folder goes with the object
+    gc.collect()
+    assert not os.path.exists(b_folder) and os.listdir(tmp_path) == []
+    default = DiskWeightSync(model, [])
+    default.init_group()
+    try:
+        assert os.path.basename(default.folder).startswith("rlkernels-disk-sync-")
+        assert os.stat(default.folder).st_mode & 0o777 == 0o700
+    finally:
+        default.close()

@@ -320,7 +320,7 @@ def build_sender(cfg: RunConfig, model: Any, engines: Sequence[InferenceEngine])
     if e.sync == "disk":
         sender = DiskWeightSync(model, engines, folder=e.sync_folder)
         print(f"weight sync: disk fallback ([engines] sync = \"disk\"): every sync writes a safetensors folder "
-              f"under {sender.folder} and each engine reloads it", flush=True)
+              f"in a private folder under {sender.base} and each engine reloads it", flush=True)
         return sender
     address = e.master_address or default_master_address([eng.url for eng in engines])
     return WeightSyncSender(model, engines, master_address=address, master_port=e.master_port)

@@ -313,7 +313,7 @@ class EnginesConfig:
     threads: int = 1  # CPU threads of each embedded engine process the run starts
     start_timeout_s: float = 180.0  # wait this long for a started engine to answer /health
     sync: str = "group"  # weight sync: "group" (broadcast / shared memory) or "disk" (safetensors, opt-in fallback)
-    sync_folder: str | None = None  # disk sync: where the folders go (None: a temporary folder)
+    sync_folder: str | None = None  # disk sync: the run makes its private folder here (None: /dev/shm or temp dir)
     master_address: str = ""  # the weight-update group's address ("": this host's address the engines reach)
     master_port: int = 0  # the weight-update group's TCP port (0: pick a free one)
 

@@ -12,8 +12,8 @@ one broadcast of slot k % 2.
 
 colocated (an engine on the trainer's own device: same GPU UUID, or on CPU the same host and /dev/shm): no copy on
 the wire. The trainer's two slots are shared once per group (`create_slots` / `open_slots`: a /dev/shm file on
-CPU, a CUDA IPC handle on GPU, both as JSON) and the engine keeps them mapped across syncs. A Unix socket per
-engine carries one 8-byte sequence number per bucket each way:
+CPU, a CUDA IPC handle on GPU, both as JSON) and the engine keeps them mapped across syncs. A Unix socket (a file in
+a mode-0700 folder: this user only) per engine carries one 8-byte sequence number per bucket each way:
     trainer: [wait done(k-2)] pack bucket k into slot k%2, [record written[k%2]]  -> send ready(seq_k)
     engine:  recv ready(seq_k), [wait written[k%2]], copy slot -> parameters, [record read[k%2]] -> send done(seq_k)
 so a slot is never rewritten before every engine has copied it out. On CUDA the bracketed steps are IPC events:
@@ -24,12 +24,16 @@ sync). A closed socket is a dead peer: the waiting side fails at once instead of
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime
 import importlib
+import mmap
 import os
 import select
 import socket
+import stat
 import struct
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -203,9 +207,45 @@ def unpack_bucket(meta: WeightMeta, indices, bucket: torch.Tensor) -> list[torch
 
 # ----------------------------------------------------------------------------------------------- process group
 def create_store(master_address: str, master_port: int, *, is_master: bool, timeout_s: float) -> dist.TCPStore:
-    """The rendezvous store: trainer rank 0 hosts it (port 0 = pick a free one; read `store.port`)."""
-    return dist.TCPStore(master_address, master_port, is_master=is_master,
-                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    """The rendezvous store: trainer rank 0 hosts it (port 0 = pick a free one; read `store.port`).
+
+    The host listens on `master_address` only, the address its engines were told: a bare TCPStore listens on every
+    interface, which would open the group's rendezvous to the network when loopback suffices."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not is_master:
+        return dist.TCPStore(master_address, master_port, is_master=False, timeout=timeout, wait_for_workers=False)
+    fd = listen_fd(master_address, master_port)
+    port = master_port or _bound_port(fd)
+    return dist.TCPStore(master_address, port, is_master=True, timeout=timeout, wait_for_workers=False,
+                         master_listen_fd=fd)
+
+
+def listen_fd(address: str, port: int) -> int:
+    """A TCP socket listening on `address` alone (IPv4, IPv6 or a host name, resolved here); its descriptor is
+    handed over (the TCPStore owns and closes it)."""
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise WeightSyncError(f"master_address {address!r} does not resolve ({e}); give an IP address of this host "
+                              f"that the engines reach") from e
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        raise WeightSyncError(f"cannot listen on {address}:{port} for the weight-update group ({e}); give a free "
+                              f"master_port (0: any) and an address of this host") from e
+    return sock.detach()
+
+
+def _bound_port(fd: int) -> int:
+    sock = socket.socket(fileno=fd)
+    try:
+        return sock.getsockname()[1]
+    finally:
+        sock.detach()  # the descriptor stays open for the store
 
 
 def build_group(store: dist.Store, *, rank: int, world_size: int, group_name: str, backend: str,
@@ -317,11 +357,12 @@ def open_slots(wire: dict, device: torch.device) -> tuple[list[torch.Tensor], li
     if kind == "shm":
         if device.type != "cpu":
             raise ValueError(f"shared-memory slots are CPU memory; this engine runs on {device}")
-        for p in wire["paths"]:
-            if os.path.dirname(p) != SHM_DIR or not os.path.basename(p).startswith("rlkernels-weights-"):
-                raise ValueError(f"slot path {p!r} is not a {SHM_DIR}/rlkernels-weights-* file")
-        return [torch.from_file(p, shared=True, size=int(wire["nbytes"]), dtype=torch.uint8)
-                for p in wire["paths"]], None
+        nbytes = wire.get("nbytes")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise ValueError(f"slots nbytes={nbytes!r}: the size of the trainer's slot files, an int > 0")
+        if not isinstance(wire.get("paths"), list) or not wire["paths"]:
+            raise ValueError("slots 'paths' must be a non-empty list of the trainer's slot files")
+        return [map_slot_file(p, nbytes) for p in wire["paths"]], None
     if kind == "cuda_ipc":
         if device.type != "cuda":
             raise ValueError("CUDA IPC slots need a CUDA engine; this engine runs on CPU")
@@ -332,28 +373,74 @@ def open_slots(wire: dict, device: torch.device) -> tuple[list[torch.Tensor], li
     raise ValueError(f"slots kind={kind!r}: expected 'shm' (CPU) or 'cuda_ipc' (GPU)")
 
 
+def map_slot_file(path: str, nbytes: int) -> torch.Tensor:
+    """Map one existing slot file of the trainer's, shared, without creating or resizing anything: the request
+    that names it comes over HTTP, so the file must already be a regular `SHM_DIR/rlkernels-weights-*` file of
+    this user of exactly `nbytes` (torch.from_file would create a missing file and grow a short one to any size,
+    leaving it behind in /dev/shm)."""
+    if not isinstance(path, str) or os.path.dirname(path) != SHM_DIR or \
+            not os.path.basename(path).startswith("rlkernels-weights-"):
+        raise ValueError(f"slot path {path!r} is not a {SHM_DIR}/rlkernels-weights-* file")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise ValueError(f"slot file {path!r} cannot be opened ({e.strerror}); the trainer creates it before "
+                         f"attach and removes it once every engine mapped it: re-run init_group()") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size != nbytes:
+            raise ValueError(f"slot file {path!r} is not a regular file of this user of {nbytes} bytes "
+                             f"(size {st.st_size}, owner uid {st.st_uid}); re-run init_group()")
+        mem = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)  # the mapping keeps the memory; nothing is left open or named on our side
+    return torch.frombuffer(mem, dtype=torch.uint8)  # holds a reference to `mem`: unmapped with the tensor
+
+
 # ----------------------------------------------------------------------------------------------- bucket signals
 _SEQ = struct.Struct("<Q")
+CHANNEL_PREFIX = "rlkernels-channel-"
+CHANNEL_NAME = "signals.sock"
 
 
 def listen_channel() -> tuple[socket.socket, str]:
-    """Trainer side: a listening Unix socket in Linux's abstract namespace (no file to clean up); its address
-    goes to the engine as JSON."""
-    address = f"rlkernels-weights-{os.getpid()}-{uuid.uuid4().hex}"
+    """Trainer side: a listening Unix socket, a file in a fresh mode-0700 folder (so only this user can connect;
+    the abstract namespace would let any local user in). Its path goes to the engine as JSON; remove it with
+    `remove_channel` once every engine connected (connections outlive the name)."""
+    folder = tempfile.mkdtemp(prefix=CHANNEL_PREFIX)
+    address = os.path.join(folder, CHANNEL_NAME)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.bind("\0" + address)
-    sock.listen(16)
+    try:
+        sock.bind(address)
+        sock.listen(16)
+    except BaseException:
+        sock.close()
+        remove_channel(address)
+        raise
     return sock, address
+
+
+def remove_channel(address: str) -> None:
+    """Remove the socket file and its folder (idempotent)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(address)
+    with contextlib.suppress(FileNotFoundError):
+        os.rmdir(os.path.dirname(address))
 
 
 def connect_channel(address: str, hello: int, timeout_s: float) -> socket.socket:
     """Engine side: connect and introduce itself with `hello` (its engine index)."""
-    if not address.startswith("rlkernels-weights-"):
-        raise ValueError(f"channel address {address!r} is not one of ours")
+    if not (isinstance(address, str) and os.path.basename(address) == CHANNEL_NAME
+            and os.path.basename(os.path.dirname(address)).startswith(CHANNEL_PREFIX)):
+        raise ValueError(f"channel address {address!r} is not one of ours (.../{CHANNEL_PREFIX}*/{CHANNEL_NAME})")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout_s)
-    sock.connect("\0" + address)
-    sock.sendall(_SEQ.pack(hello))
+    try:
+        sock.connect(address)
+        sock.sendall(_SEQ.pack(hello))
+    except BaseException:
+        sock.close()
+        raise
     return sock
 
 

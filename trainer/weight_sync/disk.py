@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -15,8 +18,6 @@ from trainer.weight_sync.common import EngineCalls, any_rank, full_tensor, named
 
 
 def _shm_or_tmp() -> str:
-    import tempfile
-
     return SHM_DIR if os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK) else tempfile.gettempdir()
 
 
@@ -26,15 +27,20 @@ class DiskWeightSync:
     folder renamed into place, so an engine never reads a half-written one) and asks every engine to reload it
     (SGLang's /update_weights_from_disk, vLLM's reload_weights). Same interface as WeightSyncSender.
 
-    folder: where the versions go (default /dev/shm when writable, else the temp dir); the engines must read the
-    same path (same host, or a shared file system). Only the newest version is kept."""
+    folder: where this run's sync folder goes (default /dev/shm when writable, else the temp dir); the engines
+    must read the same path (same host, or a shared file system, as the same user). The sync folder itself is
+    made by init_group with an unguessable name and mode 0700 (tempfile.mkdtemp: no other user can read the
+    weights or plant a folder for the engines to load) and removed by close(), at interpreter exit, or when the
+    object is collected, whichever comes first. Only the newest version is kept."""
 
     def __init__(self, model: nn.Module, engines: Sequence[WeightSyncEndpoint], *, folder: str | None = None,
                  dtype: torch.dtype | None = None, timeout_s: float = 300.0, weight_version: int = 0):
         self.model, self.engines = model, list(engines)
         params = named_weights(model)
         self.dtype = dtype or params[0][1].dtype
-        self.folder = os.path.abspath(folder or os.path.join(_shm_or_tmp(), f"rlkernels-disk-sync-{os.getpid()}"))
+        self.base = os.path.abspath(folder or _shm_or_tmp())
+        self.folder: str | None = None  # this run's folder inside `base`, made by init_group (rank 0)
+        self._cleanup: weakref.finalize | None = None
         self.timeout_s, self.weight_version = timeout_s, weight_version
         self.rank = trainer_rank()
         self.device = params[0][1].device
@@ -42,14 +48,16 @@ class DiskWeightSync:
         self._current: str | None = None
 
     def init_group(self) -> None:
-        """Nothing to form; checks the folder is writable (rank 0)."""
-        if self.rank == 0:
-            os.makedirs(self.folder, exist_ok=True)
+        """Nothing to form; makes this run's sync folder (rank 0; once: a second call keeps it)."""
+        if self.rank == 0 and self.folder is None:
+            os.makedirs(self.base, exist_ok=True)
+            self.folder = tempfile.mkdtemp(prefix="rlkernels-disk-sync-", dir=self.base)
+            # Also on an exception or Ctrl-C that skips close(); only kill -9 can leave it (in a temp dir).
+            self._cleanup = weakref.finalize(self, shutil.rmtree, self.folder, ignore_errors=True)
 
     def write(self, version: int) -> str | None:
         """Gather every parameter (all ranks) and, on rank 0, write folder/v{version} atomically; returns it."""
         import json
-        import shutil
         import uuid
 
         from safetensors.torch import save_file
@@ -59,6 +67,8 @@ class DiskWeightSync:
             full = {n: full_tensor(p.detach().to(self.dtype)) for n, p in named_weights(self.model)}
         if self.rank != 0:
             return None
+        if self.folder is None:
+            raise WeightSyncError("the disk sync has no folder: call init_group() first")
         final = os.path.join(self.folder, f"v{version}")
         tmp = os.path.join(self.folder, f".tmp-v{version}-{uuid.uuid4().hex[:8]}")
         os.makedirs(tmp)
@@ -81,8 +91,6 @@ class DiskWeightSync:
         return final
 
     def sync(self, weight_version: int | None = None, on_bucket=None) -> int:
-        import shutil
-
         version = self.weight_version + 1 if weight_version is None else weight_version
         t0 = time.perf_counter()
         path = self.write(version)
@@ -103,8 +111,7 @@ class DiskWeightSync:
         return version
 
     def close(self) -> None:
-        import shutil
-
-        if self.rank == 0 and self._current is not None:
-            shutil.rmtree(self._current, ignore_errors=True)
-            self._current = None
+        """Remove this run's sync folder (every version in it); a later init_group() makes a new one."""
+        if self._cleanup is not None:
+            self._cleanup()  # rmtree, once
+        self.folder, self._cleanup, self._current = None, None, None

@@ -48,6 +48,7 @@ from engines.weight_sync.wire import (
     listen_channel,
     plan_buckets,
     recv_seq,
+    remove_channel,
     send_seq,
     shutdown_group,
     wait_work,
@@ -230,11 +231,12 @@ class WeightSyncSender:
 
     def _init_colocated(self) -> None:
         """Create the two slots and the signal channel; every colocated engine maps them once."""
-        self._slots, paths, extra = create_slots(max(self.meta.bucket_nbytes), self.device)
-        self._events = extra["events"]
         self._channel, address = listen_channel()
-        self._seq = 0
+        paths: list[str] = []
         try:
+            self._slots, paths, extra = create_slots(max(self.meta.bucket_nbytes), self.device)
+            self._events = extra["events"]
+            self._seq = 0
             body = {"op": "attach", "slots": extra["wire"], "channel": address, "timeout_s": self.timeout_s}
             engines = [self.engines[i] for i in self.colocated]
             calls = EngineCalls(engines, lambda k, eng: eng.colocated_weights({**body, "index": k}), "attach")
@@ -247,6 +249,7 @@ class WeightSyncSender:
         finally:
             for p in paths:  # every engine mapped them (or failed): the mappings outlive the names
                 _unlink(p)
+            remove_channel(address)  # every engine connected (or failed): connections outlive the socket's name
 
     def close(self) -> None:
         """Drop the group, the slots and the channel (the engines drop theirs at the next attach)."""
