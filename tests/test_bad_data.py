@@ -180,3 +180,72 @@ def test_sft_examples_refuse_a_prompt_without_an_answer():
     for fmt in ("chat", "plain"):
         with pytest.raises(ValueError, match=r"SFT example 1 \('2\+3='\) has no answer"):
             cli.sft_examples([Prompt("1+1=", "2"), Prompt("2+3=")], None, fmt)
+
+
+# ----------------------------------------------------------------------------------------------- item 12
+def test_sft_examples_all_cut_by_max_length_are_refused(monkeypatch, capsys, tmp_path):
+    """Every example losing its answer to the cut used to run as a no-op (loss 0) with only a warning."""
+    rows = [{"prompt": "1+1=", "answer": "the answer is two, written out at length"}, ROWS[1] | {"answer": "x" * 50}]
+    config = _config(tmp_path, _jsonl(tmp_path / "sft.jsonl", rows))
+    err = _refused(monkeypatch, capsys, "sft", config, "sft.max_length=24")
+    assert "[data].sft: every one of the 2 SFT examples loses trained (assistant) tokens to [sft] max_length = 24" \
+        in err and f"(the first, {tmp_path / 'sft.jsonl'}: row 0, is 65 tokens)" in err
+    assert "raise [sft] max_length to 75 (the longest)" in err
+    err = _refused(monkeypatch, capsys, "sft", config, "sft.max_length=24", 'data.format="plain"')
+    assert f"[data].sft: {tmp_path / 'sft.jsonl'}: row 0: the example (prompt + answer + eos) is 45 tokens > [sft] " \
+           "max_length = 24 (2 of 2 are); raise [sft] max_length to 55" in err
+    cfg = cli.load_run_config(config, ["sft.max_length=80"], mode="sft")  # long enough for both: no error
+    assert cfg.sft.max_length == 80
+
+
+def test_an_sft_example_past_the_token_budget_or_the_context_is_refused(monkeypatch, capsys, tmp_path):
+    config = _config(tmp_path, _jsonl(tmp_path / "sft.jsonl", [ROWS[0], {"prompt": "y" * 90, "answer": "1"}]))
+    err = _refused(monkeypatch, capsys, "sft", config, "sft.max_length=512", "sft.token_budget=64",
+                   "sft.micro_batch_buckets=64")
+    assert f"[data].sft: {tmp_path / 'sft.jsonl'}: row 1: the example is 112 tokens (after the [sft] max_length cut) " \
+           "> [sft] token_budget = 64" in err
+    err = _refused(monkeypatch, capsys, "sft", config, "sft.max_length=512", "model.max_position_embeddings=100")
+    assert "row 1: the example is 112 tokens (after the [sft] max_length cut) > the model's context " \
+           "(max_position_embeddings) = 100; lower [sft] max_length to 100" in err
+
+
+@pytest.mark.parametrize("key", ["train", "eval"])
+def test_a_prompt_that_fills_the_models_context_is_refused(monkeypatch, capsys, tmp_path, key):
+    """A 5000-character prompt made a step take > 290 s, far past the tiny model's 512 positions."""
+    long = _jsonl(tmp_path / "long.jsonl", [ROWS[0], {"prompt": "9+" * 2500 + "=", "answer": "5"}])
+    good = _jsonl(tmp_path / "good.jsonl", ROWS)
+    config = _config(tmp_path, long if key == "train" else good, data={"eval": str(long)} if key == "eval" else {})
+    err = _refused(monkeypatch, capsys, "rl", config)
+    assert f"[data].{key}: {long}: row 1: the prompt is 5020 tokens and the model's context " \
+           "(max_position_embeddings) is 512: no room to generate" in err
+
+
+def test_a_prompt_and_its_response_past_the_rl_token_budget_are_refused(monkeypatch, capsys, tmp_path):
+    config = _config(tmp_path, _jsonl(tmp_path / "train.jsonl", [ROWS[0], {"prompt": "z" * 60, "answer": "1"}]))
+    err = _refused(monkeypatch, capsys, "rl", config, "rl.token_budget=64", "rl.micro_batch_buckets=64",
+                   "rl.rollout.max_new_tokens=32")
+    assert f"[data].train: {tmp_path / 'train.jsonl'}: row 1: the prompt is 79 tokens, + [rl.rollout] " \
+           "max_new_tokens = 32 is 111 > [rl] token_budget = 64: a sample that long cannot be trained" in err
+
+
+def test_a_prompt_whose_full_response_would_pass_the_context_is_a_warning(tmp_path):
+    config = _config(tmp_path, _jsonl(tmp_path / "train.jsonl", [ROWS[0], {"prompt": "z" * 100, "answer": "1"}]))
+    with pytest.warns(UserWarning, match=r"\[data\]\.train: 1 prompts leave less than \[rl\.rollout\] max_new_tokens "
+                                         r"= 32 tokens of the model's context \(128\); the first, .*train\.jsonl: "
+                                         r"row 1, is 119 tokens.*lower \[rl\.rollout\] max_new_tokens to 9"):
+        cli.load_run_config(config, ["model.max_position_embeddings=128", "rl.rollout.max_new_tokens=32"], mode="rl")
+
+
+def test_the_real_shape_config_passes_the_data_checks(tmp_path, monkeypatch):
+    """configs/qwen05b_shape.toml with a model folder of its shape and tokenizer (no weights: the checks read the
+    config and the tokenizer only)."""
+    from transformers import Qwen2Config
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # bench_real_shape imports its neighbour _proc
+    from bench.bench_real_shape import CONFIG, QWEN05B_SHAPE, build_chatml_tokenizer, training_texts
+
+    folder = tmp_path / "model"
+    Qwen2Config(**QWEN05B_SHAPE).save_pretrained(folder)
+    build_chatml_tokenizer(training_texts()).save_pretrained(folder)
+    for mode in ("sft", "rl", "sft+rl"):
+        cli.load_run_config(CONFIG, [f"model.path={json.dumps(str(folder))}"], mode=mode)

@@ -196,6 +196,7 @@ def _check_data(cfg: RunConfig, mode: str) -> None:
     the reward reads the answer cannot be known here (a judge, a length reward or an environment may not)."""
     from trainer.rollout.data import data_specs, load_mixture
 
+    limits = _model_limits(cfg)
     for key, value in data_roles(mode, cfg.data).items():
         sets = load_mixture(data_specs(value, cfg.data.mapping(), where=f"[data].{key}"), require_answer=key == "sft")
         for s in sets:
@@ -203,6 +204,43 @@ def _check_data(cfg: RunConfig, mode: str) -> None:
                 warnings.warn(f"[data].{key}: {s.spec.path} has no {s.spec.answer_key or 'answer'!r} field: the "
                               f"reward gets answer = None for every prompt; map the answers' field with "
                               f"[data].answer_key = \"<field>\" if the reward reads them", stacklevel=2)
+        _check_lengths(cfg, key, sets, *limits)
+
+
+
+def _model_limits(cfg: RunConfig) -> tuple[Any, int | None]:
+    """The tokenizer and the context length (max_position_embeddings; None where the config has none) of the
+    model the run loads: [model].path's, or the preset's (the folder prepare_model_folder writes)."""
+    if cfg.model.path is not None:
+        from engines.tokenizer import load_tokenizer
+
+        folder = Path(cfg.model.path)
+        return load_tokenizer(folder), json.loads((folder / "config.json").read_text()).get("max_position_embeddings")
+    from engines.tiny import build_tokenizer, tiny_model_config
+
+    return build_tokenizer(), tiny_model_config(cfg.model.arch, **cfg.model.preset_sizes()).max_position_embeddings
+
+
+def _check_lengths(cfg: RunConfig, key: str, sets: Sequence[Any], tokenizer: Any, context: int | None) -> None:
+    """The lengths of the data set `key` ("sft", "train", "eval") against the model's context and the budgets of
+    the phase that reads it (trainer.rollout.lengths says what is an error and what a warning)."""
+    from trainer.rollout.lengths import check_prompt_lengths, check_sft_lengths, prompt_lengths, sft_lengths
+
+    data, sft = cfg.data, cfg.sft
+    if key == "sft":
+        examples = [(f"{s.spec.path}: row {i}", e) for s in sets
+                    for i, e in enumerate(sft_examples(list(s), tokenizer, data.format))]
+        check_sft_lengths(sft_lengths(examples, tokenizer, max_length=sft.max_length), max_length=sft.max_length,
+                          token_budget=sft.token_budget, context=context, plain=data.format == "plain")
+        return
+    rows = prompt_lengths(sets, tokenizer, chat=data.format == "chat")
+    if key == "train":
+        check_prompt_lengths(rows, data_key=key, context=context, max_new_tokens=cfg.rl.rollout.max_new_tokens,
+                             new_tokens_key="[rl.rollout] max_new_tokens", token_budget=cfg.rl.token_budget)
+    else:
+        new_tokens_key = "[eval] max_new_tokens" if cfg.eval.max_new_tokens else "[rl.rollout] max_new_tokens"
+        check_prompt_lengths(rows, data_key=key, context=context, new_tokens_key=new_tokens_key,
+                             max_new_tokens=cfg.eval.max_new_tokens or cfg.rl.rollout.max_new_tokens)
 
 
 # ----------------------------------------------------------------------------------------------- model
