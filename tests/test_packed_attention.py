@@ -1,5 +1,7 @@
 """Packed attention: a packed row's forward/backward equals each sequence run alone (tiny Llama / Qwen2, fp32)."""
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -7,6 +9,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig, 
 
 import trainer.backend.attention as attention
 from kernels import pack_batch, shift_left, use_backend
+from kernels.packing import packed_layout
 from kernels.reference import block_causal_mask_reference
 from trainer.backend.attention import (
     PACKED_SDPA,
@@ -122,7 +125,9 @@ def test_packed_segment_indices_match_a_loop():
                                                       generator=g))
         lengths = lengths + (1,)  # at least one non-empty sequence
         n = sum(lengths) + int(torch.randint(0, 4, (1,), generator=g))
-        gather, scatter = packed_segment_indices(lengths, n)
+        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+        with use_backend("torch"):
+            gather, scatter = packed_segment_indices(packed_layout(cu, total=n)[1], lengths)
         segs = [x for x in lengths if x > 0]
         lmax, start, flat = max(segs), 0, []
         assert gather.shape == (len(segs), lmax)
@@ -144,7 +149,7 @@ def test_packed_sdpa_attention_equals_dense_block_causal_sdpa(kv_heads):
     g = torch.Generator().manual_seed(12)
     with use_backend("torch"):
         batch = pack_batch(random_sequences(12, [9, 1, 30, 4]), pad_to=56)
-    gather, scatter = packed_segment_indices(batch.lengths, batch.padded_len)
+    gather, scatter = packed_segment_indices(batch.seq_index, batch.lengths)
     q = torch.randn(1, 4, 56, 8, generator=g, requires_grad=True)
     k, v = (torch.randn(1, kv_heads, 56, 8, generator=g, requires_grad=True) for _ in range(2))
     out, _ = packed_sdpa_attention(_Attn(), q, k, v, None, scaling=0.3, packed_gather_index=gather,

@@ -138,29 +138,35 @@ def flex_block_mask(seq_index: torch.Tensor, block_size: int = 128):
                                     mask_mod=document_causal, seq_lengths=(n, n))
 
 
-def packed_segment_indices(lengths: tuple[int, ...], padded_len: int,
-                           device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """Host lengths of a packed row -> (gather [S, Lmax], scatter [N]) int64 indices over its S non-empty sequences.
+def packed_segment_indices(seq_index: torch.Tensor, lengths: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N] sequence ids of a packed row (-1 on the padding tail) and its host lengths -> (gather [S, Lmax],
+    scatter [N]) int64 indices over its S non-empty sequences, on seq_index's device.
 
     gather[s, j] is the row position of token j of sequence s, clamped to its last token for j >= its length
     (those slots are causal-masked for every real query, and their own query rows are dropped); scatter[n] =
     s * Lmax + j is where row token n sits in the flattened [S * Lmax] padded batch, and S * Lmax (one zero row
     past the end) for the N - T padding-tail tokens: their attention output is 0, never computed (it is never
     used: loss mask 0, and no real token attends them). Built once per row, shared by every layer.
+
+    Device ops on seq_index only, sizes from the host's lengths: no tensor is made from a Python list (a blocking
+    host-to-device copy on CUDA) and nothing is read back.
     """
     segs = [n for n in lengths if n > 0]
-    if not segs or sum(segs) > padded_len:
+    n = seq_index.shape[0]
+    if not segs or sum(segs) > n:
         raise ValueError(f"lengths={tuple(lengths)}: need at least one non-empty sequence and sum(lengths) <= "
-                         f"padded_len={padded_len}; pass the row's own lengths")
-    seg = torch.tensor(segs, dtype=torch.int64, device=device)  # [S]
-    starts = torch.cumsum(seg, 0) - seg  # [S]
-    lmax, total = max(segs), sum(segs)
-    j = torch.arange(lmax, device=device)
-    gather = starts[:, None] + torch.minimum(j[None, :], seg[:, None] - 1)  # [S, Lmax]
-    owner = torch.repeat_interleave(torch.arange(len(segs), device=device), seg)  # [T] sequence of each token
-    real = owner * lmax + torch.arange(total, device=device) - starts[owner]  # [T]
-    tail = torch.full((padded_len - total,), len(segs) * lmax, dtype=torch.int64, device=device)
-    return gather, torch.cat([real, tail])
+                         f"N={n}; pass the row's own seq_index and lengths")
+    s, lmax, total, dev = len(segs), max(segs), sum(segs), seq_index.device
+    # run[i]: 0 .. S-1 over the real tokens in row order (an empty sequence has no token, so no run), S on the tail
+    run = torch.zeros(n, dtype=torch.int64, device=dev)
+    run[1:] = torch.cumsum(seq_index[1:] != seq_index[:-1], 0)
+    lens = torch.zeros(s + 1, dtype=torch.int64, device=dev).index_add_(0, run, torch.ones_like(run))[:s]  # [S]
+    starts = torch.cumsum(lens, 0) - lens  # [S]
+    j = torch.arange(lmax, device=dev)
+    gather = starts[:, None] + torch.minimum(j[None, :], lens[:, None] - 1)  # [S, Lmax]
+    i = torch.arange(n, device=dev)
+    real = run * lmax + i - starts[run.clamp(max=s - 1)]  # [N]: slot of token i in its sequence's padded row
+    return gather, torch.where(i < total, real, s * lmax)
 
 
 def tree_causal_mask(seq_index: torch.Tensor, branch: torch.Tensor, dtype: torch.dtype = torch.bool) -> torch.Tensor:
@@ -305,7 +311,7 @@ def packed_attention_kwargs(model, batch: PackedBatch, trees: PromptTrees | None
         kw["attention_mask"] = torch.ones_like(ids, dtype=torch.bool)
         segments = sum(1 for n in batch.lengths if n > 0) + (batch.padded_len > batch.num_tokens)
         if segments > 1:  # else one plain causal sequence (or an all-padding row): sdpa with is_causal
-            gather, scatter = packed_segment_indices(batch.lengths, batch.padded_len, ids.device)
+            gather, scatter = packed_segment_indices(batch.seq_index, batch.lengths)
             kw.update(packed_gather_index=gather, packed_scatter_index=scatter)
     elif impl == "sdpa":
         kw["attention_mask"] = block_causal_mask(batch.seq_index, torch.bool)
@@ -314,11 +320,12 @@ def packed_attention_kwargs(model, batch: PackedBatch, trees: PromptTrees | None
     elif impl in _FLASH:
         # Varlen segments: the real sequences, then the padding tail as one more segment (so every row of the
         # packed tensor belongs to some segment and the output shape stays [1, N, H]).
+        # The tail's end is appended by a fill (F.pad's value), not a tensor from a Python list (a blocking copy).
         cu = batch.cu_seqlens
         seg = list(batch.lengths)
         tail = batch.padded_len - batch.num_tokens
         if tail:
-            cu = torch.cat([cu, torch.tensor([batch.padded_len], dtype=cu.dtype, device=cu.device)])
+            cu = F.pad(cu, (0, 1), value=batch.padded_len)  # [S+2]
             seg.append(tail)
         max_len = max(seg) if seg else 0
         kw.update(attention_mask=None, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len,
