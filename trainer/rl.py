@@ -22,7 +22,7 @@ import collections
 import contextlib
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,7 +47,7 @@ from trainer.config import DataConfig, RLTrainingConfig
 from trainer.metrics import JSONLLogger, MetricsLogger, progress
 from trainer.rollout.rewards import load_reward_fn, with_timeout
 from trainer.rollout.samples import build_batch_metadata, pad_token_id
-from trainer.rollout.source import RolloutSource
+from trainer.rollout.source import ResumePoints, RolloutSource
 from trainer.types import RolloutBatch, Sample, Status, TrainingState
 
 if TYPE_CHECKING:
@@ -223,8 +223,10 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
                                   deterministic=config.deterministic)
     resumable = {"data_buffer": data_buffer, "rollout_manager": manager}  # restored with the weights on resume
     state = _resume(comp, tcfg.output_dir, resumable) if resume else TrainingState()
-    ckpt = Checkpointer(comp, lambda: state, lambda: {k: part.state_dict() for k, part in resumable.items()},
-                        save_every=tcfg.save_every)
+    # A checkpoint of step n holds the data position and rollout state of when batch n was drawn, not the live
+    # ones (batch n+1 may be drawn already): the resumed run draws exactly the batches an uninterrupted one would.
+    points = ResumePoints(resumable, step=state.step)
+    ckpt = Checkpointer(comp, lambda: state, lambda: points.at(state.step), save_every=tcfg.save_every)
     pad_id = pad_token_id(tokenizer)  # what packed rows pad with
     logger = logger or JSONLLogger(Path(tcfg.output_dir) / "metrics.jsonl", enabled=comp.rank == 0,
                                    keep_through=state.step)
@@ -233,36 +235,53 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
         print(describe_objective(config), flush=True)
     with (contextlib.closing(logger), progress(config.num_steps, initial=state.step, desc="rl",
                                                enabled=comp.rank == 0) as bar,
-          _rollout_source(data_buffer, config, manager, sender, comp.rank, on_failure=ckpt.save) as source, ckpt):
+          _rollout_source(data_buffer, config, manager, sender, comp.rank, on_failure=ckpt.save,
+                          on_drawn=points.record) as source, ckpt):
         sync_s = _sync(sender, state.weight_version)  # engines serve exactly the weights being trained
         while state.step < config.num_steps:
             batch, gen_s = _timed(source.next, state.step + 1)
             trained_from = state.weight_version  # the batch's staleness is measured against these weights
             (metrics, state), train_s = _timed(train_on_batch, comp, state, batch, config, tcfg, pad_id=pad_id,
                                                ref_components=ref)
-            if state.step % config.sync_every == 0 or state.step == config.num_steps:
-                source.wait_idle()  # the engine must not change weights mid-request
-                sync_s = _sync(sender, state.weight_version)
             metrics = step_metrics(metrics, batch, state, trained_from=trained_from, time_generate_s=gen_s,
                                    time_train_s=train_s, time_sync_s=sync_s)
-            if config.verify_sync and state.step % config.sync_every == 0:
-                metrics["verify_sync_max_abs_diff"] = _verify_sync(comp, engines, sender, state.step,
-                                                                   probe_prompts or _default_probes(batch))
-            _report(state.step, metrics, logger=logger, history=history, bar=bar, on_step=on_step)
+            # The step has trained (a checkpoint now holds it): its row is logged even when Ctrl-C stops the sync.
+            with _reported(state.step, metrics, logger=logger, history=history, bar=bar, on_step=on_step):
+                if state.step % config.sync_every == 0 or state.step == config.num_steps:
+                    source.wait_idle()  # the engine must not change weights mid-request
+                    sync_s = metrics["time_sync_s"] = _sync(sender, state.weight_version)
+                if config.verify_sync and state.step % config.sync_every == 0:
+                    metrics["verify_sync_max_abs_diff"] = _verify_sync(comp, engines, sender, state.step,
+                                                                       probe_prompts or _default_probes(batch))
             ckpt.maybe_save()
     return comp, state, history
 
 
 def _rollout_source(data_buffer: Any, config: RLTrainingConfig, manager: AsyncRolloutManager, sender: WeightSync,
-                    rank: int, *,
-                    on_failure: Callable[[], None]) -> RolloutSource:
+                    rank: int, *, on_failure: Callable[[], None], on_drawn: Callable[[int], None]) -> RolloutSource:
     """Rank 0 drives the rollouts (each batch generated for the sender's current weight version); the source hands
     every batch, or its failure, to the other ranks, and in async mode generates the next batch ahead."""
     from trainer.rollout.manager import generate_rollout_batches
 
     batches = generate_rollout_batches(data_buffer, config.rollout, manager=manager,
                                        weight_version=lambda: sender.weight_version) if rank == 0 else None
-    return RolloutSource(batches, num_steps=config.num_steps, prefetch=config.async_rollout, on_failure=on_failure)
+    return RolloutSource(batches, num_steps=config.num_steps, prefetch=config.async_rollout, on_failure=on_failure,
+                         on_drawn=on_drawn)
+
+
+@contextlib.contextmanager
+def _reported(step: int, metrics: dict[str, float], *, logger: MetricsLogger, history: list[dict], bar: Any,
+              on_step: Callable[[int, dict], None] | None) -> Iterator[None]:
+    """Report a trained step's metrics after the block (which completes them: sync time, verify_sync), or, when the
+    block raises (Ctrl-C or an engine failing the sync), log them as they are before the error goes on: the
+    checkpoint written on the way out holds this step, so the log must too. The caller's on_step and the progress
+    bar are left out then (the run is stopping)."""
+    try:
+        yield
+    except BaseException:
+        logger.log(step, metrics)
+        raise
+    _report(step, metrics, logger=logger, history=history, bar=bar, on_step=on_step)
 
 
 def _report(step: int, metrics: dict[str, float], *, logger: MetricsLogger, history: list[dict], bar: Any,
