@@ -143,3 +143,61 @@ def test_ctrl_c_during_the_post_step_sync_keeps_the_step_in_the_log(local, tmp_p
     _, state, history = _run(local, cfg, resume=True)
     assert state.step == NUM_STEPS and [m["step"] for m in history] == [3, 4]
     assert _logged_steps(tmp_path) == [1, 2, 3, 4]
+
+
+class DiesInSync:
+    """The in-process engine, except that it dies when the weight update of version `at` reaches it: its load
+    call fails with BrokenPipeError (the connection to a dead process) and serves nothing after."""
+
+    def __init__(self, engine, at: int) -> None:
+        self._engine, self.at = engine, at
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    async def colocated_weights(self, body):
+        if body.get("op") == "load" and str(body.get("weight_version")) == str(self.at):  # sent as a string
+            raise BrokenPipeError(32, "Broken pipe")
+        return await self._engine.colocated_weights(body)
+
+
+class BrokenChannelSender(WeightSyncSender):
+    """A sender whose signal channel to the engine breaks (BrokenPipeError: the engine process is gone) while the
+    sync of version `break_at` hands out its first bucket."""
+
+    break_at: int | None = None
+
+    def sync(self, weight_version=None, on_bucket=None):
+        import trainer.weight_sync.sender as sender_module
+
+        real = sender_module.send_seq
+
+        def broken(sock, seq):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        if weight_version == self.break_at:
+            sender_module.send_seq = broken
+        try:
+            return super().sync(weight_version, on_bucket)
+        finally:
+            sender_module.send_seq = real
+
+
+@pytest.mark.parametrize("fault", ["engine call", "signal channel"])
+def test_an_engine_dying_in_the_weight_sync_leaves_a_checkpoint_and_a_clear_error(local, tmp_path, fault):
+    """The engine dies in step 2's sync: the error names the engine and says how to go on, the trained step 2 is
+    checkpointed and logged, and the run resumes from it with a healthy engine."""
+    from engines.weight_sync.wire import WeightSyncError
+
+    cfg = _config(tmp_path)
+    with pytest.raises(WeightSyncError) as failed:
+        if fault == "engine call":
+            _run(DiesInSync(local, at=2), cfg)
+        else:
+            _run(local, cfg, sender_cls=BrokenChannelSender, break_at=2)
+    message = str(failed.value)
+    assert local.url in message and "BrokenPipeError" in message and "--resume" in message, message
+    assert (tmp_path / "checkpoints" / "step_00000002" / "state.json").is_file()
+    assert _logged_steps(tmp_path) == [1, 2]
+    _, state, history = _run(local, cfg, resume=True)
+    assert state.step == NUM_STEPS and [m["step"] for m in history] == [3, 4]

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engines.protocol import InferenceEngine
+from engines.weight_sync.wire import WeightSyncError
 from kernels.advantages import advantage_estimator
 from trainer.backend.attention import supports_shared_prompts
 from trainer.backend.checkpoint import Checkpointer, load_latest
@@ -249,7 +250,7 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
             with _reported(state.step, metrics, logger=logger, history=history, bar=bar, on_step=on_step):
                 if state.step % config.sync_every == 0 or state.step == config.num_steps:
                     source.wait_idle()  # the engine must not change weights mid-request
-                    sync_s = metrics["time_sync_s"] = _sync(sender, state.weight_version)
+                    sync_s = metrics["time_sync_s"] = _sync(sender, state.weight_version, on_failure=ckpt.save)
                 if config.verify_sync and state.step % config.sync_every == 0:
                     metrics["verify_sync_max_abs_diff"] = _verify_sync(comp, engines, sender, state.step,
                                                                        probe_prompts or _default_probes(batch))
@@ -326,9 +327,22 @@ def _timed(fn: Callable[..., Any], *args: Any, **kw: Any) -> tuple[Any, float]:
     return out, time.perf_counter() - t0
 
 
-def _sync(sender: WeightSync, version: int) -> float:
+def _sync(sender: WeightSync, version: int, *, on_failure: Callable[[], None] | None = None) -> float:
+    """Send the trainer's weights (version `version`) to the engines; returns the seconds it took.
+
+    An engine that dies or fails during the sync is what a failed rollout is: the trained state is consistent, so
+    every rank (the sender's error reaches them all) runs `on_failure` (the collective checkpoint) and raises an
+    error that names the engine (the sender's) and the way on."""
     t0 = time.perf_counter()
-    sender.sync(weight_version=version)
+    try:
+        sender.sync(weight_version=version)
+    except WeightSyncError as e:
+        if on_failure is None:
+            raise
+        on_failure()
+        raise WeightSyncError(f"an engine failed the weight sync of version {version}; the trained steps are "
+                              f"checkpointed: restart the engine, then continue with --resume (run_rl_training("
+                              f"resume=True)). The sync's error: {e}") from e
     return time.perf_counter() - t0
 
 

@@ -319,7 +319,7 @@ class WeightSyncSender:
             else:
                 self._send_buckets(gathered, calls, on_bucket)
             calls.join(self.timeout_s, "the weight update")
-        except WeightSyncError as e:
+        except (WeightSyncError, OSError) as e:  # OSError: a socket to an engine that died (BrokenPipeError, ...)
             self.close()  # the group may hold a half-done collective, a slot a half-read bucket: force a re-init
             raise self._explain(e, calls) from e
         except BaseException:
@@ -327,13 +327,14 @@ class WeightSyncSender:
             raise
         self.last_sync_s = time.perf_counter() - t0
 
-    def _explain(self, err: WeightSyncError, calls: EngineCalls) -> WeightSyncError:
+    def _explain(self, err: WeightSyncError | OSError, calls: EngineCalls) -> WeightSyncError:
         """A transport error does not say which engine died; its HTTP call usually does, a moment later."""
         calls._thread.join(min(2.0, self.timeout_s))
+        what = str(err) if isinstance(err, WeightSyncError) else f"{type(err).__name__}: {err}"
         if calls.error is not None and calls.error is not err:
-            return WeightSyncError(f"{calls.error} (transport: {err}); restart the engine and call init_group()")
+            return WeightSyncError(f"{calls.error} (transport: {what}); restart the engine and call init_group()")
         urls = ", ".join(e.url for e in self.engines)
-        return WeightSyncError(f"{err} (engines: {urls}); restart the failed engine and call init_group()")
+        return WeightSyncError(f"{what} (engines: {urls}); restart the failed engine and call init_group()")
 
     def _send_per_tensor(self, gathered: Iterator, calls: EngineCalls) -> None:
         for i, t in gathered:
@@ -392,8 +393,13 @@ class WeightSyncSender:
         if self._socks:
             if self._events is not None:
                 self._events[b % 2][0].record(torch.cuda.current_stream(self.device))
-            for sock in self._socks.values():
-                send_seq(sock, self._seq + b + 1)
+            for i, sock in self._socks.items():
+                try:
+                    send_seq(sock, self._seq + b + 1)
+                except OSError as e:  # BrokenPipeError, ConnectionResetError: the engine's end is gone
+                    raise WeightSyncError(f"engine {self.engines[i].url}: its signal channel broke while bucket {b} "
+                                          f"was handed out ({type(e).__name__}: {e}); the engine process died or "
+                                          f"closed the channel") from e
         if on_bucket is not None:
             on_bucket(b, len(self.meta.bucket_nbytes))
         return work
