@@ -201,3 +201,19 @@ def test_an_engine_dying_in_the_weight_sync_leaves_a_checkpoint_and_a_clear_erro
     assert _logged_steps(tmp_path) == [1, 2]
     _, state, history = _run(local, cfg, resume=True)
     assert state.step == NUM_STEPS and [m["step"] for m in history] == [3, 4]
+
+
+def test_a_damaged_newest_checkpoint_resumes_the_run_from_the_previous_one(local, tmp_path, capsys):
+    """Bytes flipped in a shard of step 4's checkpoint: --resume warns naming the file, resumes from step 2 (the
+    data position of step 2 with it) and trains steps 3 and 4 again on the same prompts, each logged once."""
+    cfg = _config(tmp_path, save_every=2)
+    _run(local, cfg)
+    shard = tmp_path / "checkpoints" / "step_00000004" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    capsys.readouterr()
+    _, state, history = _run(local, cfg, resume=True)
+    assert f"({shard}: sha256" in capsys.readouterr().err
+    assert state.step == NUM_STEPS and [m["step"] for m in history] == [3, 4]
+    assert _logged_steps(tmp_path) == [1, 2, 3, 4]

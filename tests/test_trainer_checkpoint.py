@@ -157,6 +157,16 @@ def test_rng_states_resume_exactly_and_load_without_pickle(tmp_path):
     # A crafted file is refused, naming it, and its code never runs.
     marker = tmp_path / "pwned"
     torch.save({"torch": _RunsCode(marker)}, rng_file)
+    with pytest.raises(ValueError, match=f"{rng_file}: sha256 .* differs"):  # the checksum catches a plain swap
+        load_checkpoint(comp, out)
+    # A crafter who also rewrites the checksum in state.json: the file still never runs code.
+    import hashlib
+    import json
+
+    meta_file = rng_file.parent / "state.json"
+    meta = json.loads(meta_file.read_text())
+    meta["sha256"]["rng_rank0.pt"] = hashlib.sha256(rng_file.read_bytes()).hexdigest()
+    meta_file.write_text(json.dumps(meta))
     with pytest.raises(ValueError, match=f"{rng_file}: refused to load"):
         load_checkpoint(comp, out)
     assert not marker.exists()
@@ -176,3 +186,57 @@ def test_resume_may_extend_num_steps_and_names_any_other_difference(tmp_path):
     other = dataclasses.replace(comp, config=cfg.replace(num_steps=20, token_budget=cfg.token_budget * 2))
     with pytest.raises(ValueError, match=r"differs from the checkpoint's in token_budget \(token_budget was"):
         load_checkpoint(other, out)
+
+
+def test_a_damaged_newest_checkpoint_is_set_aside_and_the_previous_one_resumes(tmp_path, capsys):
+    """Bytes flipped in a shard of the newest checkpoint: its checksum (recorded at save time) fails; an explicit
+    load names the file; a resume warns naming it, sets the checkpoint aside and resumes from the previous step
+    with exactly the weights saved there."""
+    import json
+    import re
+
+    from trainer.backend.checkpoint import CorruptCheckpointError
+
+    out = tmp_path / "run"
+    comp = build_components(tiny_model_config(), w.config(str(out), compile=False))
+    state, saved = TrainingState(), {}
+    for _ in range(2):
+        state, _ = w.train_steps(comp, state, range(state.step, state.step + 1))
+        save_checkpoint(comp, state, {"next_step": state.step})
+        saved[state.step] = {k: v.clone() for k, v in w.full_params(comp).items()}  # not views of the live ones
+    newest = out / "checkpoints" / "step_00000002"
+    sums = json.loads((newest / "state.json").read_text())["sha256"]
+    assert {".metadata", "__0_0.distcp", "rng_rank0.pt"} <= set(sums) and not list(newest.glob("sha256_rank*"))
+    shard = newest / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 64] = bytes(b ^ 0xFF for b in data[middle:middle + 64])  # same size, other bytes
+    shard.write_bytes(bytes(data))
+
+    with pytest.raises(CorruptCheckpointError, match=re.escape(str(shard)) + ": sha256 .* differs"):
+        load_checkpoint(comp, newest)  # a step named explicitly is verified, not replaced
+    capsys.readouterr()
+    fresh = build_components(tiny_model_config(), w.config(str(out), compile=False))
+    resumed, extra = load_latest(fresh, out)
+    err = capsys.readouterr().err
+    assert f"checkpoint {newest} is damaged ({shard}: sha256" in err, err
+    assert resumed.step == 1 and extra == {"next_step": 1}
+    params = w.full_params(fresh)
+    assert all(torch.equal(params[k], saved[1][k]) for k in saved[1])
+    assert not all(torch.equal(params[k], saved[2][k]) for k in saved[2])
+    # Set aside, not deleted: never picked again, never counted by keep_last.
+    assert [p.name for p in list_checkpoints(out)] == ["step_00000001"]
+    assert (out / "checkpoints" / "step_00000002.corrupt" / "__0_0.distcp").is_file()
+
+
+def test_every_checkpoint_damaged_is_an_error_naming_them(tmp_path):
+    from trainer.backend.checkpoint import CorruptCheckpointError
+
+    out = tmp_path / "run"
+    comp = build_components(tiny_model_config(), w.config(str(out), compile=False))
+    state, _ = w.train_steps(comp, TrainingState(), range(1))
+    save_checkpoint(comp, state, {})
+    meta = out / "checkpoints" / "step_00000001" / "state.json"
+    meta.write_text(meta.read_text()[:-20])  # cut short: not JSON any more
+    with pytest.raises(CorruptCheckpointError, match=f"no intact checkpoint.*{meta}: unreadable"):
+        load_latest(comp, out)

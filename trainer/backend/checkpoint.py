@@ -5,10 +5,12 @@ Layout of `<output_dir>/checkpoints/step_00000012/`:
     rng_rank{r}.pt          torch / CUDA / python / numpy RNG states of rank r, as tensors, numbers and lists only:
                             read with torch.load(weights_only=True), so a crafted file cannot run code
     state.json              TrainingState, the caller's `extra` (data position, ...), scheduler state,
-                            config fingerprint, world size; written LAST
+                            config fingerprint, world size, the sha256 of every other file; written LAST
 
 Everything is written into `.tmp_step_00000012/` and renamed when complete, so a crash mid-save leaves only a
-hidden temporary folder that `latest_checkpoint` ignores. `export_hf` writes a consolidated Hugging Face folder
+hidden temporary folder that `latest_checkpoint` ignores. A resume verifies the checksums first (`verify_checkpoint`):
+a damaged newest checkpoint is set aside (renamed `step_00000012.corrupt`) with a warning naming the bad file, and the
+run resumes from the previous complete one (`load_latest`). `export_hf` writes a consolidated Hugging Face folder
 (config.json + model.safetensors [+ tokenizer]) that `load_hf_model` and the inference engines read.
 `Checkpointer` is the schedule both training loops (RL, SFT) save on: every save_every steps, at the end, on Ctrl-C.
 """
@@ -16,6 +18,7 @@ hidden temporary folder that `latest_checkpoint` ignores. `export_hf` writes a c
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import pickle
@@ -32,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -40,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from trainer.backend.parallel import ROOT_PREFIX
-from trainer.backend.steps import TrainingComponents
+from trainer.backend.steps import TrainingComponents, broadcast_from_rank0
 from trainer.types import TrainingState
 
 FORMAT_VERSION = 1
@@ -115,6 +119,35 @@ def read_rng_file(path: Path) -> dict[str, Any]:
                          f"RNG states ({str(e).splitlines()[0]})") from e
 
 
+class CorruptCheckpointError(ValueError):
+    """A checkpoint's file is missing, unreadable or differs from the checksum recorded when it was written."""
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _write_own_checksums(folder: Path, rank: int) -> None:
+    """The sha256 of the files this rank wrote (its DCP shards, named `__<rank>_<n>.distcp` by DCP's file system
+    writer, and its RNG file) to `sha256_rank<rank>.json`: each rank hashes its own, in parallel."""
+    own = [*folder.glob(f"__{rank}_*.distcp"), folder / f"rng_rank{rank}.pt"]
+    (folder / f"sha256_rank{rank}.json").write_text(json.dumps({f.name: _sha256(f) for f in own}))
+
+
+def _collect_checksums(folder: Path) -> dict[str, str]:
+    """Rank 0, once every rank wrote its files and checksums: {file name: sha256} of every file of the checkpoint
+    but state.json (the ranks' lists merged and removed; a file no rank claimed, .metadata included, hashed here)."""
+    sums: dict[str, str] = {}
+    for part in sorted(folder.glob("sha256_rank*.json")):
+        sums.update(json.loads(part.read_text()))
+        part.unlink()
+    for f in sorted(folder.iterdir()):
+        if f.is_file() and f.name != "state.json" and f.name not in sums:
+            sums[f.name] = _sha256(f)
+    return sums
+
+
 def save_checkpoint(components: TrainingComponents, state: TrainingState,
                     extra: dict[str, Any] | None = None) -> TrainingState:
     """Write a complete checkpoint of step `state.step` (collective: every rank calls it); returns `state`.
@@ -135,6 +168,7 @@ def save_checkpoint(components: TrainingComponents, state: TrainingState,
     model_sd, optim_sd = get_state_dict(components.root, components.optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     torch.save(_rng_state(), tmp / f"rng_rank{_rank()}.pt")
+    _write_own_checksums(tmp, _rank())
     _barrier()
     if _rank() == 0:
         meta = {
@@ -145,6 +179,7 @@ def save_checkpoint(components: TrainingComponents, state: TrainingState,
             "fingerprint": cfg.fingerprint(),
             "fingerprint_fields": cfg.fingerprint_fields(),
             "world_size": components.world_size,
+            "sha256": _collect_checksums(tmp),  # what a resume verifies before it loads anything
         }
         (tmp / "state.json").write_text(json.dumps(meta, indent=1, default=repr))
         if final.exists():  # re-saving the same step (e.g. Ctrl-C right after a periodic save)
@@ -198,12 +233,53 @@ def _check_resumable(path: Path, meta: dict[str, Any], config: Any) -> None:
                          f"may extend a run, not shorten it: set num_steps >= {step}")
 
 
+def _read_meta(path: Path) -> dict[str, Any]:
+    f = path / "state.json"
+    try:
+        return json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptCheckpointError(f"{f}: unreadable ({type(e).__name__}: {e}); the checkpoint is damaged: "
+                                     f"resume from an earlier one (pass the output_dir: the newest intact one is "
+                                     f"used)") from e
+
+
+def verify_checkpoint(path: str | os.PathLike) -> None:
+    """Check every file of the checkpoint at `path` against the sha256 recorded when it was written; raises
+    CorruptCheckpointError naming the first missing or differing file. A checkpoint written before checksums were
+    recorded has nothing to check against and passes."""
+    p = Path(path)
+    for name, want in sorted(_read_meta(p).get("sha256", {}).items()):
+        f = p / name
+        try:
+            got = _sha256(f)
+        except OSError as e:
+            raise CorruptCheckpointError(f"{f}: unreadable ({type(e).__name__}: {e}); the checkpoint is "
+                                         f"incomplete or damaged") from e
+        if got != want:
+            raise CorruptCheckpointError(f"{f}: sha256 {got[:16]}... differs from {want[:16]}..., recorded when the "
+                                         f"checkpoint was written: the file changed or is damaged")
+
+
+def _verify_on_rank0(path: Path) -> None:
+    """verify_checkpoint read once (rank 0); every rank raises its verdict (collective)."""
+    error = None
+    if _rank() == 0:
+        try:
+            verify_checkpoint(path)
+        except CorruptCheckpointError as e:
+            error = str(e)
+    error = broadcast_from_rank0(error)
+    if error is not None:
+        raise CorruptCheckpointError(error)
+
+
 def load_checkpoint(components: TrainingComponents, path: str | os.PathLike) -> tuple[TrainingState, dict]:
     """Restore model, optimizer, scheduler and RNG from `path` (a step folder, or an output_dir: its newest).
 
-    Returns (TrainingState, extra). Raises ValueError when `path` is not a complete checkpoint or when it was
+    Returns (TrainingState, extra). Raises CorruptCheckpointError (a ValueError) naming the file when a file
+    differs from its recorded checksum, and ValueError when `path` is not a complete checkpoint or when it was
     written with other settings of the run's math (a resume must not silently change the run), naming the fields;
-    a larger num_steps is allowed (it extends the run).
+    a larger num_steps is allowed (it extends the run). `load_latest` falls back to an earlier checkpoint instead.
     """
     p = Path(path)
     if not _STEP_RE.match(p.name):
@@ -215,10 +291,20 @@ def load_checkpoint(components: TrainingComponents, path: str | os.PathLike) -> 
     if not is_complete(p):
         raise ValueError(f"{p}: not a complete checkpoint (state.json or .metadata missing: an interrupted save?); "
                          f"pass the output_dir to resume from the newest complete one")
-    meta = json.loads((p / "state.json").read_text())
+    _verify_on_rank0(p)
+    return _load_verified(components, p)
+
+
+def _load_verified(components: TrainingComponents, p: Path) -> tuple[TrainingState, dict]:
+    meta = _read_meta(p)
     _check_resumable(p, meta, components.config)
     model_sd, optim_sd = get_state_dict(components.root, components.optimizer)
-    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(p))
+    try:
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(p))
+    except (CheckpointException, OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
+        # A checkpoint from before checksums, or of another model: say which folder.
+        raise ValueError(f"{p}: its model/optimizer shards did not load into this model ({type(e).__name__}: "
+                         f"{e}); the files are damaged or the checkpoint is of another model") from e
     set_state_dict(components.root, components.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     components.scheduler.load_state_dict(meta["scheduler"])
     rng_file = p / f"rng_rank{_rank()}.pt"
@@ -227,16 +313,52 @@ def load_checkpoint(components: TrainingComponents, path: str | os.PathLike) -> 
     return TrainingState(**meta["state"]), meta["extra"]
 
 
+def _set_aside(path: Path) -> Path:
+    """Rename a damaged checkpoint out of the step_NNNNNNNN namespace (kept for inspection, never loaded, never
+    counted by keep_last)."""
+    dest, k = path.with_name(f"{path.name}.corrupt"), 1
+    while dest.exists():  # set aside before: keep both
+        dest, k = path.with_name(f"{path.name}.corrupt{k}"), k + 1
+    os.replace(path, dest)
+    return dest
+
+
+def _newest_intact(output_dir: str | os.PathLike) -> tuple[str | None, str | None]:
+    """Rank 0: (the newest checkpoint that verifies, None) after setting each damaged newer one aside with a
+    warning naming its bad file; (None, an error) when there are checkpoints but none verifies; (None, None) when
+    there are none."""
+    bad: list[str] = []
+    for p in reversed(list_checkpoints(output_dir)):
+        try:
+            verify_checkpoint(p)
+            return str(p), None
+        except CorruptCheckpointError as e:
+            moved = _set_aside(p)
+            bad.append(str(e))
+            print(f"warning: resume: checkpoint {p} is damaged ({e}); set aside as {moved}, resuming from the "
+                  f"previous complete checkpoint", file=sys.stderr, flush=True)
+    if bad:
+        return None, (f"resume: no intact checkpoint under {checkpoints_root(output_dir)} (each was set aside as "
+                      f"*.corrupt): {'; '.join(bad)}; start a new run without --resume")
+    return None, None
+
+
 def load_latest(components: TrainingComponents, output_dir: str | os.PathLike) -> tuple[TrainingState, dict]:
-    """Resume: the newest complete checkpoint under output_dir loaded into `components`, as (state, extra); a
-    fresh (TrainingState(), {}) when there is none yet (the first run of a resumable job), with a warning: a user
-    who asked to resume must see that nothing was resumed."""
-    if latest_checkpoint(output_dir) is None:
+    """Resume: the newest intact checkpoint under output_dir loaded into `components`, as (state, extra). A newer
+    checkpoint whose files fail their checksums is set aside (renamed *.corrupt) with a warning naming the bad file,
+    and the previous complete one is loaded; an error when every checkpoint is damaged. A fresh
+    (TrainingState(), {}) when there is none yet (the first run of a resumable job), with a warning: a user who
+    asked to resume must see that nothing was resumed. Collective: rank 0 verifies, every rank loads its choice."""
+    found, error = _newest_intact(output_dir) if _rank() == 0 else (None, None)
+    found, error = broadcast_from_rank0((found, error))
+    if error is not None:
+        raise CorruptCheckpointError(error)
+    if found is None:
         if _rank() == 0:
             print(f"warning: resume: no complete checkpoint under {checkpoints_root(output_dir)}; starting from "
                   f"step 0", file=sys.stderr, flush=True)
         return TrainingState(), {}
-    return load_checkpoint(components, output_dir)
+    return _load_verified(components, Path(found))
 
 
 def is_interrupt(e: BaseException) -> bool:
