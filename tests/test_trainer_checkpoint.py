@@ -227,6 +227,12 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_previous_one_resumes(t
     # Set aside, not deleted: never picked again, never counted by keep_last.
     assert [p.name for p in list_checkpoints(out)] == ["step_00000001"]
     assert (out / "checkpoints" / "step_00000002.corrupt" / "__0_0.distcp").is_file()
+    # An export of the damaged checkpoint is refused too, naming the file.
+    from trainer.backend.export import load_checkpoint_weights
+
+    aside = out / "checkpoints" / "step_00000002.corrupt"
+    with pytest.raises(CorruptCheckpointError, match=re.escape(str(aside / "__0_0.distcp"))):
+        load_checkpoint_weights(fresh.model, aside)  # the checksums are checked before any tensor is read
 
 
 def test_every_checkpoint_damaged_is_an_error_naming_them(tmp_path):

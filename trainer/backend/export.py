@@ -26,7 +26,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from engines.tokenizer import load_tokenizer
-from trainer.backend.checkpoint import is_complete, latest_checkpoint
+from trainer.backend.checkpoint import is_complete, latest_checkpoint, verify_checkpoint
 from trainer.backend.parallel import ROOT_PREFIX, TrainModule
 from trainer.config import RunConfig
 
@@ -67,7 +67,10 @@ def _plain_model(model_folder: Path) -> nn.Module:
 
 
 def load_checkpoint_weights(model: nn.Module, checkpoint: Path) -> None:
-    """Fill `model` (a plain HF model) from the model entries of a DCP checkpoint; names every missing tensor."""
+    """Fill `model` (a plain HF model) from the model entries of a DCP checkpoint, after checking its files against
+    the checksums recorded when it was written (a damaged shard is an error naming it, never a silently wrong
+    export); names every missing tensor."""
+    verify_checkpoint(checkpoint)
     saved = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
     names = {k.removeprefix(_MODEL + ROOT_PREFIX) for k in saved if k.startswith(_MODEL + ROOT_PREFIX)}
     params = dict(model.named_parameters())  # a tied lm_head appears once, under its embedding's name
