@@ -75,8 +75,7 @@ def test_manager_with_embedded_engine_oversamples_filters_and_carries_groups_ove
     model = build_tiny_model(SEED)
     # The engine is not wedged by the cut requests: the next batch resumes every cached group first.
     m.set_weight_version(1)
-    cfg2 = RolloutConfig(apply_chat_template=False,
-                         **{**cfg.__dict__, "rollout_batch_size": max(1, len(cached)), "over_sampling_factor": 1.0,
+    cfg2 = RolloutConfig(**{**cfg.__dict__, "rollout_batch_size": max(1, len(cached)), "over_sampling_factor": 1.0,
                             "dynamic_filters": ()})
     m2 = AsyncRolloutManager([Counted(SGLangEngine(engine.url, api_key="k"))], cfg2, tokenizer=TOK,
                              reward_fn=first_token_parity)

@@ -127,6 +127,6 @@ def test_evaluation_stops_at_the_templates_end_of_turn(served):
 
     prompts = [Prompt(prompt=p, answer="0", index=i) for i, p in enumerate(PROMPTS)]
     acc = evaluate([SGLangEngine(eng.url)], prompts, tokenizer=tok, reward_fn=reward, max_new_tokens=6, chat=True)
-    assert acc == pytest.approx(0.25) and seen[PROMPTS[0]] == (eot,)
+    assert acc == {"reward_mean": 0.25, "accuracy": 0.25, "n": 4, "failed": 0} and seen[PROMPTS[0]] == (eot,)
     for p in PROMPTS[1:]:
         assert len(seen[p]) == 6 or seen[p][-1] in {tok.eos_token_id, eot, *gen_eos}
