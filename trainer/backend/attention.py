@@ -14,7 +14,10 @@ document structure explicitly:
     flex_attention        BlockMask with a document-causal mask_mod               CUDA otherwise (fp32 included)
 
 transformers returns a 4D tensor or BlockMask mask as-is (masking_utils._preprocess_mask_arguments), so the same
-mask reaches every layer; the flash kwargs travel through **kwargs down to the attention function.
+mask reaches every layer; the flash kwargs travel through **kwargs down to the attention function. packed_sdpa
+passes an empty 4D placeholder [1, 1, 0, 0] (packed_placeholder_mask) for the same reason: a 2D all-ones mask makes
+sdpa_mask ask `mask.all()` (_ignore_causal_mask_sdpa) and no mask makes find_packed_sequence_indices read the
+position_ids, both host syncs on CUDA; the placeholder skips both and holds no data.
 
 packed_sdpa is registered here with transformers' AttentionInterface: the row's segments are gathered into a padded
 batch [S, H, Lmax, D] and run through SDPA with is_causal, so a row costs O(S * Lmax^2) instead of the dense path's
@@ -63,6 +66,8 @@ def choose_attn_implementation(device: torch.device | str,
     if dtype not in FLASH_DTYPES:
         return "flex_attention", (f"flash-attn takes float16/bfloat16 inputs only and this model computes in "
                                   f"{dtype}: FlexAttention instead (compute in bfloat16 to use flash-attn)")
+    # Not verified free of host syncs: transformers' packed-sequence detection reads position_ids when the mask
+    # is None (packed_attention_kwargs says more); only a GPU with flash-attn can check it.
     return "flash_attention_2", f"flash-attn's varlen kernel on {dtype} inputs"
 
 
@@ -215,6 +220,19 @@ def tree_segment_indices(trees: tuple[tuple[int, tuple[int, ...]], ...], padded_
     return gather, torch.tensor(scatter, dtype=torch.int64, device=device)
 
 
+def packed_placeholder_mask(device: torch.device | str) -> torch.Tensor:
+    """[1, 1, 0, 0] bool, no data: packed_sdpa's attention_mask. transformers returns any 4D mask untouched, so
+    no mask function runs (no host read of a mask or of position_ids); packed_sdpa_attention knows it by its
+    shape and attends per segment (packing indices) or causally over the whole row (one segment). Empty on
+    purpose: code that took it for a real [B, 1, N, N] mask fails on its shape instead of attending everything."""
+    return torch.empty((1, 1, 0, 0), dtype=torch.bool, device=device)
+
+
+def is_packed_placeholder(mask) -> bool:
+    """Whether `mask` is packed_placeholder_mask's (a real 4D mask has N >= 1 query rows)."""
+    return isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[-2:] == (0, 0)
+
+
 def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                           packed_gather_index: torch.Tensor | None = None,
@@ -225,16 +243,18 @@ def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     packed_scatter_index [N] (packed_attention_kwargs builds them), the row is gathered into a padded batch
     [S, H, Lmax, D], attended with is_causal (a sequence's pad slots sit after its real tokens, so the causal mask
     already hides them from real queries) and scattered back, the padding tail as zeros: O(S * Lmax^2) work, and
-    both index ops are differentiable. Without them this is transformers' sdpa (mask from the sdpa mask function).
+    both index ops are differentiable. Without them this is transformers' sdpa (mask from the sdpa mask function),
+    or, given the placeholder mask, one causal sequence (sdpa's is_causal, no mask tensor).
     """
+    placeholder = is_packed_placeholder(attention_mask)
     if packed_gather_index is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    if query.shape[0] != 1 or attention_mask is not None or packed_scatter_index is None:
+        mask = None if placeholder else attention_mask
+        return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+    if query.shape[0] != 1 or not (attention_mask is None or placeholder) or packed_scatter_index is None:
         raise ValueError(
             f"packed_sdpa with packing indices expects one row (batch 1, got {query.shape[0]}), no attention mask "
-            f"(got {None if attention_mask is None else tuple(attention_mask.shape)}) and packed_scatter_index; "
-            "build the call with trainer.backend.attention.packed_attention_kwargs"
+            f"or packed_placeholder_mask's (got {None if attention_mask is None else tuple(attention_mask.shape)}) "
+            "and packed_scatter_index; build the call with trainer.backend.attention.packed_attention_kwargs"
         )
     if not getattr(module, "is_causal", True):
         raise ValueError("packed_sdpa: the packed path is causal only; this attention module is not causal")
@@ -285,7 +305,7 @@ def supports_shared_prompts(model) -> bool:
 def _tree_attention_kwargs(impl: str, model, batch: PackedBatch, trees: PromptTrees) -> dict:
     if impl == PACKED_SDPA:
         gather, scatter = tree_segment_indices(trees.trees, batch.padded_len, batch.input_ids.device)
-        return {"attention_mask": torch.ones_like(batch.input_ids[None], dtype=torch.bool),
+        return {"attention_mask": packed_placeholder_mask(batch.input_ids.device),
                 "packed_gather_index": gather, "packed_scatter_index": scatter}
     if impl in ("sdpa", "eager"):
         dtype = torch.bool if impl == "sdpa" else _model_dtype(model)
@@ -306,9 +326,9 @@ def packed_attention_kwargs(model, batch: PackedBatch, trees: PromptTrees | None
     if trees is not None:
         return {**kw, **_tree_attention_kwargs(impl, model, batch, trees)}
     if impl == PACKED_SDPA:
-        # A full 2D mask: transformers then skips its position_ids packing detection and builds no mask (sdpa's
-        # is_causal skip), so no N x N tensor exists; the segments travel as the two index tensors.
-        kw["attention_mask"] = torch.ones_like(ids, dtype=torch.bool)
+        # The empty 4D placeholder: transformers passes it through (no position_ids packing detection, no
+        # mask.all() check: no host sync), so no N x N tensor exists; the segments travel as the two index tensors.
+        kw["attention_mask"] = packed_placeholder_mask(ids.device)
         segments = sum(1 for n in batch.lengths if n > 0) + (batch.padded_len > batch.num_tokens)
         if segments > 1:  # else one plain causal sequence (or an all-padding row): sdpa with is_causal
             gather, scatter = packed_segment_indices(batch.seq_index, batch.lengths)
@@ -318,6 +338,10 @@ def packed_attention_kwargs(model, batch: PackedBatch, trees: PromptTrees | None
     elif impl == "eager":
         kw["attention_mask"] = block_causal_mask(batch.seq_index, _model_dtype(model))
     elif impl in _FLASH:
+        # Not verified sync-free (needs flash-attn on a GPU; tests/test_sync_free.py covers packed_sdpa only):
+        # attention_mask=None makes transformers' _preprocess_mask_arguments call find_packed_sequence_indices on
+        # position_ids, a host read on CUDA, although the cu_seq_lens below already say where sequences start.
+        # test_three_rl_steps_on_cuda_under_sync_debug_mode_error is the check, on a GPU with flash-attn.
         # Varlen segments: the real sequences, then the padding tail as one more segment (so every row of the
         # packed tensor belongs to some segment and the output shape stays [1, N, H]).
         # The tail's end is appended by a fill (F.pad's value), not a tensor from a Python list (a blocking copy).
