@@ -225,6 +225,26 @@ def test_two_ranks_match_one_process(tmp_path):
         assert (v - two["params"][k]).abs().max().item() < 1e-5, k
 
 
+@pytest.mark.distributed
+def test_deferred_grad_sync_reduces_once_per_step_with_the_same_result(tmp_path):
+    """[trainer] defer_grad_sync (the default): FSDP2 reduce-scatters after the last micro-batch only; the trained
+    parameters equal those of a reduce-scatter after every micro-batch (2 gloo ranks, 3 steps)."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, str(WORKER), "fsdp_sync", str(tmp_path / "s.pt"), "2"], check=True, timeout=300,
+                   env=env, cwd=ROOT)
+    got = torch.load(tmp_path / "s.pt")
+    deferred, every, mbs = got[True], got[False], got["micro_batches"]
+    assert sum(mbs) > 3, mbs  # some step has several micro-batches: there is something to defer
+    # One reduce-scatter per FSDP group (the blocks and the root) per backward that syncs.
+    per_sync = every["reduce_scatters"] // sum(mbs)
+    assert per_sync >= 2 and every["reduce_scatters"] == per_sync * sum(mbs)
+    assert deferred["reduce_scatters"] == per_sync * 3  # once per step
+    for a, b in zip(deferred["losses"], every["losses"]):
+        assert abs(a - b) < 1e-5 * max(1.0, abs(a))
+    for k, v in deferred["params"].items():
+        assert (v - every["params"][k]).abs().max().item() < 1e-5, k
+
+
 def test_schedule_and_optim_state(components):
     lrs = [warmup_cosine(s, warmup_steps=3, num_steps=10, min_lr_ratio=0.1) for s in range(12)]
     assert lrs[:3] == pytest.approx([1 / 3, 2 / 3, 1.0])

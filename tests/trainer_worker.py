@@ -1,6 +1,8 @@
 """Subprocess entry points for the trainer tests (fresh processes: FSDP ranks, kill-and-resume).
 
     python tests/trainer_worker.py fsdp   <out.pt> <world_size>             # spawns world_size gloo ranks
+    python tests/trainer_worker.py fsdp_sync <out.pt> <world_size>          # the same, with and without
+                                                                            # defer_grad_sync, counting reduce-scatters
     python tests/trainer_worker.py train  <out.pt> <output_dir> <steps> <save_at> [resume]
 
 Both train the tiny llama on a deterministic synthetic batch per step (a function of the step index only), on
@@ -41,13 +43,13 @@ def step_samples(step: int, n: int = 6) -> list[Sample]:
     return out
 
 
-def train_steps(comp, state: TrainingState, steps: range) -> tuple[TrainingState, list[float]]:
+def train_steps(comp, state: TrainingState, steps: range, n: int = 6) -> tuple[TrainingState, list[float]]:
     from trainer.backend.steps import forward_backward, optim_step
     from trainer.batching.micro_batches import build_micro_batches
 
     losses = []
     for step in steps:
-        mbs = build_micro_batches(step_samples(step), token_budget=BUDGET, bucket_size=BUCKET,
+        mbs = build_micro_batches(step_samples(step, n), token_budget=BUDGET, bucket_size=BUCKET,
                                   num_ranks=comp.world_size, rank=comp.rank)
         fut = forward_backward(comp, mbs)
         ofut, state = optim_step(comp, state, num_tokens=fut.num_tokens)
@@ -80,9 +82,47 @@ def _fsdp_rank(rank: int, world: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+def _fsdp_sync_rank(rank: int, world: int, port: int, out: str) -> None:
+    """Three steps with [trainer] defer_grad_sync on and off, from the same weights: the parameters after them, and
+    how many reduce-scatters each step's micro-batches launched (FSDP2 calls dist.reduce_scatter_single)."""
+    import torch.distributed as dist
+
+    from engines.tiny import tiny_model_config
+    from kernels import use_backend
+    from trainer.backend.steps import build_components, init_distributed
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    calls = [0]
+    real = dist.reduce_scatter_single
+
+    def counted(*args, **kw):
+        calls[0] += 1
+        return real(*args, **kw)
+
+    dist.reduce_scatter_single = counted
+    result = {}
+    mesh = init_distributed("cpu")
+    with use_backend("torch"):
+        for defer in (True, False):
+            cfg = config(compile=False).replace(defer_grad_sync=defer)
+            comp = build_components(tiny_model_config(), cfg, mesh=mesh)
+            calls[0] = 0
+            _, losses = train_steps(comp, TrainingState(), range(3), n=16)  # several micro-batches a step
+            result[defer] = {"losses": losses, "params": full_params(comp), "reduce_scatters": calls[0]}
+    if rank == 0:
+        from trainer.batching.micro_batches import build_micro_batches
+
+        result["micro_batches"] = [len(build_micro_batches(step_samples(s, 16), token_budget=BUDGET,
+                                                           bucket_size=BUCKET, num_ranks=world, rank=rank))
+                                   for s in range(3)]
+        torch.save(result, out)
+    dist.destroy_process_group()
+
+
 def main(argv: list[str]) -> None:
     mode, out = argv[0], argv[1]
-    if mode == "fsdp":
+    if mode in ("fsdp", "fsdp_sync"):
         import socket
 
         import torch.multiprocessing as mp
@@ -91,7 +131,7 @@ def main(argv: list[str]) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        mp.spawn(_fsdp_rank, args=(world, port, out), nprocs=world, join=True)
+        mp.spawn(_fsdp_rank if mode == "fsdp" else _fsdp_sync_rank, args=(world, port, out), nprocs=world, join=True)
     elif mode == "train":
         from engines.tiny import tiny_model_config
         from kernels import use_backend

@@ -383,6 +383,10 @@ class BackendConfig(ParallelConfig):
     # trainer.batching.shared_prompt), where the model's attention supports it
     # (trainer.backend.attention.supports_shared_prompts).
     share_prompts: bool = True
+    # FSDP2: reduce-scatter the gradients once per step, after the last micro-batch (the others accumulate unsharded
+    # gradients: one collective per step instead of one per micro-batch, at the memory of one unsharded gradient).
+    # False: after every micro-batch (the least memory).
+    defer_grad_sync: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -85,6 +85,7 @@ class TrainerConfig:
     # The backend's fields.
     logprob_chunk_tokens = property(lambda self: self.backend.logprob_chunk_tokens)
     share_prompts = property(lambda self: self.backend.share_prompts)
+    defer_grad_sync = property(lambda self: self.backend.defer_grad_sync)
     compile = property(lambda self: self.backend.compile)
     compile_backend = property(lambda self: self.backend.compile_backend)
     activation_checkpointing = property(lambda self: self.backend.activation_checkpointing)
@@ -395,7 +396,12 @@ def forward_backward(components: TrainingComponents, micro_batches: Sequence[Mic
     with _on_compute_stream(components):
         total_loss = torch.zeros((), device=dev, dtype=torch.float32)
         merged = None
-        for mb in _device_batches(components, micro_batches):
+        last = len(micro_batches) - 1
+        for i, mb in enumerate(_device_batches(components, micro_batches)):
+            # FSDP2 reduce-scatters in this micro-batch's backward only when it is the last one (defer_grad_sync):
+            # the earlier ones accumulate unsharded gradients, so a step costs one collective per block, not one
+            # per micro-batch. The last micro-batch always syncs, so the flag is True again when the step ends.
+            components.root.set_requires_gradient_sync(i == last or not config.defer_grad_sync)
             loss, metrics = components.root(lambda lm, mb=mb: loss_fn(lm, mb, config))
             (loss * world).backward()
             total_loss += loss.detach().float()
