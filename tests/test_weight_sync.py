@@ -144,6 +144,35 @@ def test_sender_sends_in_the_engines_dtype():
     sender.close()
 
 
+def test_engines_that_do_not_report_a_dtype_get_the_fallback_not_the_fp32_masters():
+    """A stock engine (colocation_info {}: no dtype) serving bf16: the sender sends the caller's fallback_dtype (the
+    CLI's: [engines] dtype, else the trainer's compute dtype), half the bytes of the fp32 masters; an engine that
+    reports its dtype still decides."""
+    from trainer.cli import served_dtype
+    from trainer.config import RunConfig, config_from_dict
+
+    trainer = build_tiny_model(seed=1)
+    _perturb(trainer, 12)
+    engine = InProcessEngine(build_tiny_model(seed=1, dtype=torch.bfloat16))
+    sender = WeightSyncSender(trainer, [engine], fallback_dtype=torch.bfloat16, bucket_bytes=16 << 10, timeout_s=30)
+    sender.init_group()
+    assert sender.dtype == torch.bfloat16 and set(sender.meta.dtypes) == {"bfloat16"}
+    assert sender.sync() == 1
+    for (n, p), (_, q) in zip(trainer.named_parameters(), engine.model.named_parameters()):
+        assert torch.equal(p.to(torch.bfloat16), q), n
+    sender.close()
+    reported = WeightSyncSender(trainer, [ProbedEngine(build_tiny_model(seed=1))], fallback_dtype=torch.bfloat16,
+                                timeout_s=30)
+    reported.init_group()
+    assert reported.dtype == torch.float32  # the engine said float32
+    reported.close()
+    # The CLI's choice: [engines] dtype, else the compute dtype ([trainer] param_dtype; float32 on CPU by default).
+    assert served_dtype(RunConfig(), trainer) == torch.float32
+    assert served_dtype(config_from_dict(RunConfig, {"trainer": {"param_dtype": "bfloat16"}}, ""), trainer) \
+        == torch.bfloat16
+    assert served_dtype(config_from_dict(RunConfig, {"engines": {"dtype": "float16"}}, ""), trainer) == torch.float16
+
+
 def test_sender_argument_errors_name_the_fix():
     model = build_tiny_model(seed=1)
     with pytest.raises(ValueError, match="transport='pipes'"):

@@ -361,7 +361,18 @@ def build_sender(cfg: RunConfig, model: Any, engines: Sequence[InferenceEngine])
               f"in a private folder under {sender.base} and each engine reloads it", flush=True)
         return sender
     address = e.master_address or default_master_address([eng.url for eng in engines])
-    return WeightSyncSender(model, engines, master_address=address, master_port=e.master_port)
+    return WeightSyncSender(model, engines, master_address=address, master_port=e.master_port,
+                            fallback_dtype=served_dtype(cfg, model))
+
+
+def served_dtype(cfg: RunConfig, model: Any) -> torch.dtype:
+    """The dtype engines that do not report theirs (a stock SGLang, vLLM) are sent: [engines] dtype, else the one
+    the trainer computes in ([trainer] param_dtype: bfloat16 on CUDA, float32 on CPU), not its fp32 masters."""
+    from trainer.backend.parallel import compute_dtype
+
+    if cfg.engines.dtype is not None:
+        return getattr(torch, cfg.engines.dtype)
+    return compute_dtype(next(model.parameters()).device.type, cfg.trainer)
 
 
 @contextlib.contextmanager

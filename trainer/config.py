@@ -316,6 +316,9 @@ class EnginesConfig:
     sync_folder: str | None = None  # disk sync: the run makes its private folder here (None: /dev/shm or temp dir)
     master_address: str = ""  # the weight-update group's address ("": this host's address the engines reach)
     master_port: int = 0  # the weight-update group's TCP port (0: pick a free one)
+    # What engines that do not report their dtype (a stock SGLang, vLLM) serve: weights are sent in it. None: the
+    # trainer's compute dtype ([trainer] param_dtype: bfloat16 on CUDA, float32 on CPU)
+    dtype: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "api_key", self.api_key or None)
@@ -360,6 +363,8 @@ class EnginesConfig:
         port = self.master_port
         _check(not isinstance(port, bool) and isinstance(port, int) and 0 <= port < 65536, f"master_port = {port!r}",
                "a TCP port (0 = pick a free one)")
+        _check(self.dtype in (None, "float32", "bfloat16", "float16"), f"dtype = {self.dtype!r}",
+               "float32, bfloat16 or float16 (what the engines serve), or unset")
         _check(isinstance(self.master_address, str), "master_address",
                "a host name or IP address (string) the engines can reach")
         for name in ("threads", "start_timeout_s"):

@@ -65,7 +65,8 @@ class WeightSyncSender:
     Call from every trainer rank (FSDP2 gathers are collectives); only rank 0 talks to engines.
     engines: what engines.protocol.WeightSyncEndpoint declares (every engine engines.registry builds); each one
     takes `await eng.world_size()` ranks of the group.
-    dtype: the dtype sent (and gathered in); None = the engines' own dtype (asked at init_group), else the model's.
+    dtype: the dtype sent (and gathered in); None = the engines' own dtype (asked at init_group), else
+    `fallback_dtype` (engines that do not report theirs: a stock SGLang, vLLM), else the model's parameters'.
     bucket_bytes: None = 512 MiB for broadcast, COLOCATED_BUCKET_BYTES when an engine is colocated.
     mode: "auto" (negotiated at init_group: the bucketed `flattened_bucket` format when every broadcast engine
     lists it in /get_server_info, else SGLang's stock one broadcast per tensor), "bucketed" or "per_tensor"
@@ -76,7 +77,8 @@ class WeightSyncSender:
     """
 
     def __init__(self, model: nn.Module, engines: Sequence[WeightSyncEndpoint], *, dtype: torch.dtype | None = None,
-                 bucket_bytes: int | None = None, backend: str | None = None, timeout_s: float = 300.0,
+                 fallback_dtype: torch.dtype | None = None, bucket_bytes: int | None = None,
+                 backend: str | None = None, timeout_s: float = 300.0,
                  master_address: str = "127.0.0.1", master_port: int = 0, group_name: str = DEFAULT_GROUP_NAME,
                  mode: str = "auto", transport: str = "auto", weight_version: int = 0):
         if mode not in BUCKETING_MODES:
@@ -92,7 +94,9 @@ class WeightSyncSender:
             raise ValueError("model has no parameters to sync")
         self.device = params[0][1].device
         self._dtype_arg = dtype
-        self.dtype = dtype or params[0][1].dtype
+        # Under mixed precision the parameters are fp32 masters: an engine that serves bf16 would get twice the
+        # bytes it keeps, so the caller says what engines that do not report their dtype serve.
+        self.dtype = dtype or fallback_dtype or params[0][1].dtype
         self.backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
         self._bucket_arg = bucket_bytes
         self.bucket_bytes = bucket_bytes or DEFAULT_BUCKET_BYTES
