@@ -6,6 +6,9 @@
                                                   subprocess)
 
 Providers
+    copy           from logits only: one device copy moving the bytes the op must move (read + write = the
+                   analytic count below), timed the same way: the bandwidth the other providers' GB/s is read
+                   against (GB_per_s_vs_copy needs this row from the same run: bench/gpu_check.py divides)
     torch          kernels.reference (log_softmax + gather, fp32 math), eager
     torch-compile  the same under torch.compile
     liger          from logits: liger_kernel.ops.grpo_loss.fused_selective_log_softmax (Triton, forward only,
@@ -15,9 +18,12 @@ Providers
     liger-grpo     from hidden only: LigerFusedLinearGRPOLoss (the chunked GRPO loss; the issue's CPU yardstick)
     ours           kernels.token_logprobs / kernels.linear_token_logprobs (log-probs only, like Liger)
     ours-entropy   the same with return_entropy=True (upstream gradient through both outputs)
-Derived figures: GB/s for the logits op (fwd reads T·V logits; fwd+bwd reads them twice and writes T·V
-gradients), TFLOP/s for the hidden op (2·T·H·V per GEMM; 1 GEMM forward, 3 forward+backward: the useful work,
+Derived figures: GB/s for the logits op (logits_bytes: fwd reads T·V logits; fwd+bwd reads them twice and
+writes T·V gradients), TFLOP/s for the hidden op (2·T·H·V per GEMM; 1 GEMM forward, 3 forward+backward: the useful work,
 not counting the chunked implementations' recompute), peak memory (CUDA allocator peak, or peak RSS in the script).
+Only the op's own traffic is timed: in "full" mode the leaf that requires grad is the op's input itself ([T, V]
+logits; [1, T+1, V] for Liger, forward-only), so no slice's backward scatters into a bigger gradient, and each
+round's gradient is fresh (`.grad = None` first), so none is accumulated into the last one.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ if __package__ in (None, ""):
 from kernels import linear_token_logprobs, token_logprobs, use_backend  # noqa: E402
 from kernels.reference import linear_token_logprobs_ref, token_logprobs_ref  # noqa: E402
 
-LOGITS_PROVIDERS = ("torch", "torch-compile", "liger", "ours", "ours-entropy")
+LOGITS_PROVIDERS = ("copy", "torch", "torch-compile", "liger", "ours", "ours-entropy")
 HIDDEN_PROVIDERS = ("torch", "torch-compile", "liger", "liger-grpo", "ours", "ours-entropy")
 # name -> (device, shape): (T, V, dtype) from logits; (T, H, V, dtype) from hidden.
 LOGITS_SIZES = {
@@ -52,6 +58,7 @@ HIDDEN_SIZES = {
     **{f"cuda-T{T}-H896-V{V}": ("cuda", (T, 896, V, torch.bfloat16)) for T in (4096, 16384) for V in (32000, 151936)},
 }
 SMALL_LOGITS = (64, 1271, torch.float32)
+_COPY_GB_PER_S: dict[tuple[str, str], float] = {}  # (mode, size) -> the copy baseline's GB/s in this session
 SMALL_HIDDEN = (64, 32, 1271, torch.float32)
 
 
@@ -60,13 +67,34 @@ def _compiled(fn):
     return torch.compile(fn, dynamic=False)
 
 
+def logits_bytes(T: int, V: int, element_size: int, mode: str) -> int:
+    """Bytes the logits op must move: fwd reads the [T, V] logits once; fwd+bwd ("full") reads them twice and
+    writes the [T, V] gradient ([T] vectors are negligible and not counted)."""
+    return T * V * element_size * (1 if mode == "fwd" else 3)
+
+
+def copy_call(nbytes: int, device: str):
+    """(zero-argument closure, bytes it moves): one copy between two buffers of nbytes / 2 each on `device`, i.e.
+    nbytes read + written, the same count the logits op is credited with."""
+    src = torch.ones(nbytes // 2, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src), src.nbytes + dst.nbytes
+
+
+def logits_input(provider: str, T: int, V: int, dtype: torch.dtype, device: str, requires_grad: bool):
+    """The logits leaf in the layout the provider's op takes: [1, T+1, V] for Liger (it drops the last position),
+    [T, V] for the others, so the leaf is the op's input and its gradient is the op's own output."""
+    shape = (1, T + 1, V) if provider == "liger" else (T, V)
+    return (2 * torch.randn(shape, device=device)).to(dtype).requires_grad_(requires_grad)
+
+
 def logits_call(provider, logits, labels, mask):
-    """Zero-argument closure returning (logp, entropy | None); `logits` is [1, T+1, V] (Liger's layout)."""
+    """Zero-argument closure returning (logp, entropy | None); `logits` from logits_input (the op's own input)."""
     if provider == "liger":
         from liger_kernel.ops.grpo_loss import fused_selective_log_softmax
 
         return lambda: (fused_selective_log_softmax(logits, labels[None], temperature=1.0, mask=mask[None])[0], None)
-    x = logits[0, :-1]  # [T, V], contiguous rows
+    x = logits  # [T, V], contiguous rows, the leaf itself
     if provider in ("ours", "ours-entropy"):
         ent = provider == "ours-entropy"
         return lambda: _pair(token_logprobs(x, labels, mask=mask, return_entropy=ent))
@@ -100,8 +128,13 @@ def _pair(out):
     return out if isinstance(out, tuple) else (out, None)
 
 
-def _run_mode(fn, mode, grads):
+def _run_mode(fn, mode, grads, leaves=()):
+    """The timed callable: fn, plus in "full" mode the backward of a random-weighted sum into fresh gradients of
+    `leaves` (host-side `.grad = None`: no accumulation pass over the previous round's gradient)."""
     def run():
+        if mode == "full":
+            for leaf in leaves:
+                leaf.grad = None
         logp, ent = fn()
         if mode == "full":
             loss = logp.sum() if logp.ndim == 0 else (logp * grads[0]).sum()
@@ -114,6 +147,8 @@ def _run_mode(fn, mode, grads):
 
 
 def _skip_reason(provider, mode, device, small, op):
+    if provider == "copy" and op != "logits":
+        return "the copy baseline is for the bandwidth-bound logits op"
     if provider.startswith("liger"):
         try:
             import liger_kernel  # noqa: F401
@@ -158,16 +193,25 @@ def test_logprobs_from_logits(benchmark, request, provider, mode, size):
     if (reason := _skip_reason(provider, mode, device, small, "logits")) is not None:
         pytest.skip(reason)
     T, V, dtype = _shape(LOGITS_SIZES, size, SMALL_LOGITS, device, small)
-    labels, mask, grads = _inputs(T, V, device)
-    logits = (2 * torch.randn(1, T + 1, V, device=device)).to(dtype).requires_grad_(mode == "full")
+    moved = logits_bytes(T, V, dtype.itemsize, mode)
+    if provider == "copy":
+        copy, copied = copy_call(moved, device)
+        run = _run_mode(lambda: (copy(), None), "fwd", None)
+    else:
+        labels, mask, grads = _inputs(T, V, device)
+        logits = logits_input(provider, T, V, dtype, device, requires_grad=mode == "full")
+        run = _run_mode(logits_call(provider, logits, labels, mask), mode, grads, leaves=(logits,))
     with _backend_ctx(device, small):
-        run = _run_mode(logits_call(provider, logits, labels, mask), mode, grads)
         benchmark.pedantic(run, rounds=1 if small else 5, iterations=1, warmup_rounds=1)
         _record_memory(benchmark, run)
-    moved = T * V * logits.element_size() * (1 if mode == "fwd" else 3)
-    benchmark.extra_info.update(shape=f"T={T} V={V} {dtype}")
+    nbytes = copied if provider == "copy" else moved  # equal: the copy moves the op's analytic count
+    benchmark.extra_info.update(shape=f"T={T} V={V} {dtype}", bytes=nbytes)
     if benchmark.stats is not None:
-        benchmark.extra_info["GB_per_s"] = moved / benchmark.stats.stats.median / 1e9
+        gbps = benchmark.extra_info["GB_per_s"] = nbytes / benchmark.stats.stats.median / 1e9
+        if provider == "copy":
+            _COPY_GB_PER_S[(mode, size)] = gbps
+        elif (mode, size) in _COPY_GB_PER_S:  # the copy row ran first in this session (provider is the outer loop)
+            benchmark.extra_info["GB_per_s_vs_copy"] = gbps / _COPY_GB_PER_S[(mode, size)]
 
 
 @pytest.mark.parametrize("size", list(HIDDEN_SIZES))
@@ -183,7 +227,7 @@ def test_logprobs_from_hidden(benchmark, request, provider, mode, size):
     hidden = torch.randn(T, H, device=device).to(dtype).requires_grad_(mode == "full")
     weight = (torch.randn(V, H, device=device) * H**-0.5).to(dtype).requires_grad_(mode == "full")
     with _backend_ctx(device, small):
-        run = _run_mode(hidden_call(provider, hidden, weight, labels, mask), mode, grads)
+        run = _run_mode(hidden_call(provider, hidden, weight, labels, mask), mode, grads, leaves=(hidden, weight))
         benchmark.pedantic(run, rounds=1 if small else 3, iterations=1, warmup_rounds=1)
         _record_memory(benchmark, run)
     # GEMM work a materialising implementation needs: logits (fwd), + dhidden and dweight (bwd).

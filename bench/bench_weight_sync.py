@@ -88,19 +88,23 @@ def copy_timer(nbytes: int, device: str = "cpu"):
     dst = torch.empty_like(src)
     dst.copy_(src)
 
-    def once() -> float:
-        _sync(device)
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        return time.perf_counter() - t0
-
-    return once
+    return lambda: timed(lambda: dst.copy_(src), device)
 
 
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize(device)
+
+
+def timed(fn, device: str) -> float:
+    """Seconds `fn()` takes on `device`, its queued device work included: the device is synchronised before the
+    clock starts (earlier work is not counted) and before it stops (a CUDA call returns once its work is queued,
+    so without the second wait the clock would stop before the copies ran). A no-op wait on CPU."""
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
 
 
 def _start_engine(shapes, device: str):
@@ -144,9 +148,7 @@ def measure(*, small: bool = False, device: str = "cpu", engine_device: str | No
         for _ in range(repeats):
             times["memcpy"].append(copy())
             for transport, sender in senders.items():
-                t0 = time.perf_counter()
-                sender.sync()
-                times[transport].append(time.perf_counter() - t0)
+                times[transport].append(timed(sender.sync, device))
         assert trio.run(eng.get_weight_version) == sender.weight_version
     finally:
         for sender in senders.values():
