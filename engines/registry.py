@@ -40,6 +40,7 @@ class EngineSpec:
     tp_size: int = 1  # tensor-parallel workers: each is one rank of the weight-update group
     model: str | None = None  # vLLM's served model name (None: the model folder)
     api_key: str | None = dataclasses.field(default=None, repr=False)  # this engine's key (None: [engines].api_key)
+    device: str | None = None  # where an "embedded" engine the run starts runs ("cuda:1", "cpu"; None: placed by it)
 
     def __post_init__(self):
         entry = ENGINE_KINDS.get(self.kind) if isinstance(self.kind, str) else None
@@ -59,6 +60,12 @@ class EngineSpec:
             raise ValueError(f"tp_size = {tp}: the {self.kind} engine runs on one device; tp_size must be 1")
         if self.model is not None and not isinstance(self.model, str):
             raise ValueError(f"model = {self.model!r}: the served model name, a string (None: the model folder)")
+        if self.device is not None and (self.kind != "embedded" or self.url is not None):
+            raise ValueError(f"device = {self.device!r}: only an \"embedded\" engine the run starts (no url) is "
+                             f"placed by the run; a server at a URL chose its device when it started")
+        if self.device is not None and not (isinstance(self.device, str)
+                                            and (self.device == "cpu" or self.device.startswith("cuda"))):
+            raise ValueError(f"device = {self.device!r}: give \"cpu\" or \"cuda:N\"")
         if self.api_key is not None and not (isinstance(self.api_key, str) and self.api_key):
             raise ValueError("api_key: give this engine's key as a non-empty string (or leave it out to use "
                              "[engines].api_key)")

@@ -151,3 +151,33 @@ threads = 1
     rows = [json.loads(line) for line in (tmp_path / "fleet_vllm" / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 1 and rows[0]["verify_sync_max_abs_diff"] <= 1e-5
     assert version == rows[0]["weight_version"] == 1  # vLLM got the sync
+
+
+def test_engines_the_run_starts_are_placed_by_device():
+    """One process shares its GPU with its engines; torchrun ranks leave the GPUs past world_size to the engines
+    (round robin); a fleet entry's device wins; no free GPU is an error naming the fix; no CUDA: the CPU."""
+    from trainer.cli import engine_devices
+
+    assert engine_devices([None, None], trainer_device="cpu", world_size=1, cuda_count=0) == ["cpu", "cpu"]
+    assert engine_devices([None], trainer_device="cuda:0", world_size=1, cuda_count=8) == ["cuda:0"]
+    assert engine_devices([None, None, None], trainer_device="cuda:0", world_size=6, cuda_count=8) == [
+        "cuda:6", "cuda:7", "cuda:6"]
+    assert engine_devices([None, "cuda:3"], trainer_device="cuda:0", world_size=4, cuda_count=8) == [
+        "cuda:4", "cuda:3"]
+    assert engine_devices(["cuda:1"], trainer_device="cuda:0", world_size=8, cuda_count=8) == ["cuda:1"]
+    with pytest.raises(ConfigError, match="torchrun --nproc-per-node 7"):
+        engine_devices([None], trainer_device="cuda:0", world_size=8, cuda_count=8)
+    with pytest.raises(ValueError, match="only an \"embedded\" engine the run starts"):
+        EngineSpec("sglang", url="http://127.0.0.1:1", device="cuda:1")
+    with pytest.raises(ValueError, match="cuda:N"):
+        EngineSpec("embedded", device="gpu1")
+    # The engine process is told its device on its command line.
+    proc = EngineProcess("tiny", device="cpu")
+    try:
+        proc.launch()
+        assert proc.proc.args[proc.proc.args.index("--device") + 1] == "cpu"
+    finally:
+        proc.kill()
+    cfg = load_run_config(Path(__file__).resolve().parents[1] / "configs" / "demo.toml",
+                          ["engines.in_process=false", 'engines.fleet=[{kind = "embedded", device = "cpu"}]'])
+    assert cfg.engines.fleet[0].device == "cpu"

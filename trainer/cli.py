@@ -286,6 +286,26 @@ def fresh_start(out: Path, mode: str) -> None:
               f"(pass --resume to continue a run instead)", flush=True)
 
 
+def engine_devices(given: Sequence[str | None], *, trainer_device: str, world_size: int, cuda_count: int) -> list[str]:
+    """Where each engine the run starts runs: its fleet entry's `device` when set; else the CPU without CUDA; a
+    one-process run's engines share the trainer's GPU (colocated: the weight sync goes through shared memory); a
+    multi-process run's (torchrun) go, round robin, to the GPUs its ranks leave free (ranks take cuda:0 ..
+    cuda:world_size-1), because an engine beside rank 0 would take memory and compute from one rank only and stall
+    the others. No free GPU is an error naming the fix."""
+    if cuda_count == 0:
+        return [d or "cpu" for d in given]
+    if world_size <= 1:
+        return [d or trainer_device for d in given]
+    free = [f"cuda:{i}" for i in range(world_size, cuda_count)]
+    if not free and any(d is None for d in given):
+        raise ConfigError(f"[engines]: {world_size} trainer ranks use every one of the {cuda_count} GPUs, and the "
+                          f"engines the run starts would crowd rank 0's; run fewer ranks (torchrun --nproc-per-node "
+                          f"{cuda_count - 1}) or place each engine with fleet = [{{kind = \"embedded\", device = "
+                          f"\"cuda:N\"}}]")
+    auto = iter(free * len(given))
+    return [d or next(auto) for d in given]
+
+
 @contextlib.contextmanager
 def engines_for(cfg: RunConfig, model_folder: Path, *, is_main: bool, device: str = "cpu"):
     """Yield the fleet ([engines].fleet, EngineSpecs) with every engine reachable: the "embedded" entries without a
@@ -308,9 +328,12 @@ def engines_for(cfg: RunConfig, model_folder: Path, *, is_main: bool, device: st
     from engines.registry import build_engine
 
     key = e.api_key or new_api_key()
+    places = engine_devices([fleet[i].device for i in to_start], trainer_device=device,
+                            world_size=int(os.environ.get("WORLD_SIZE", "1")),
+                            cuda_count=torch.cuda.device_count() if torch.cuda.is_available() else 0)
     procs = [EngineProcess(str(model_folder), api_key=key, seed=cfg.seed, threads=e.threads,
-                           start_timeout_s=e.start_timeout_s)
-             for _ in to_start]
+                           start_timeout_s=e.start_timeout_s, device=place)
+             for place in places]
     started: list[Any] = []
     try:
         for p in procs:
