@@ -2,12 +2,16 @@
 
 Same model, same prompts, same number of new tokens (no early stop: both produce exactly B x new tokens), greedy
 and sampled. The figure is generated tokens/s (extra_info["tokens_per_s"]); the ratio of the two providers in one
-run is what to compare. The engine's HTTP layer is not timed here (tests/test_engine_server.py covers it).
+run is what to compare. The engine's HTTP layer is not timed here (tests/test_engine_server.py covers it). On a
+CUDA machine both run on the GPU (model, prompts and the engine's cache; the clock stops after a device sync),
+otherwise on the CPU; extra_info["device"] says which.
 
     .venv/bin/python -m pytest bench/bench_generate.py --benchmark-only      # full size
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -20,14 +24,33 @@ SMOKE = dict(hidden_size=64, num_layers=2, batch=8, prompt=8, new=8)
 FULL = dict(hidden_size=256, num_layers=4, batch=64, prompt=16, new=64)
 
 
+def bench_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def build_setup(size: dict, device: str):
+    """(model, prompts [B, P], size) on `device`: the model in eval mode, prompts from a fixed seed."""
+    model = build_tiny_model(0, arch="qwen2", hidden_size=size["hidden_size"], num_layers=size["num_layers"],
+                             max_position_embeddings=512).to(device)
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(6, 100, (size["batch"], size["prompt"]), generator=g).to(device)
+    return model, prompts, size
+
+
 @pytest.fixture(scope="module")
 def setup(request):
-    size = SMOKE if request.config.getoption("benchmark_disable") else FULL
-    model = build_tiny_model(0, arch="qwen2", hidden_size=size["hidden_size"], num_layers=size["num_layers"],
-                             max_position_embeddings=512)
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(6, 100, (size["batch"], size["prompt"]), generator=g)
-    return model, prompts, size
+    return build_setup(SMOKE if request.config.getoption("benchmark_disable") else FULL, bench_device())
+
+
+def _synced(fn):
+    """fn, then a device sync before it returns (so the benchmark's clock stops after the GPU's work)."""
+    def run(*args):
+        n = fn(*args)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return n
+
+    return run
 
 
 def _engine(model, prompts, new, temperature):
@@ -51,11 +74,14 @@ def _hf(model, prompts, new, temperature):
 @pytest.mark.parametrize("provider", ["engine", "transformers"])
 def test_generate_throughput(benchmark, setup, provider, temperature):
     model, prompts, size = setup
-    fn = _engine if provider == "engine" else _hf
-    with use_backend("torch"):
+    fn = _synced(_engine if provider == "engine" else _hf)
+    device = prompts.device.type
+    # On CPU the torch kernels (conftest sets the Triton interpreter there); on CUDA the device's own choice.
+    with use_backend("torch") if device == "cpu" else contextlib.nullcontext():
         n = benchmark.pedantic(fn, args=(model, prompts, size["new"], temperature), rounds=3, iterations=1,
                                warmup_rounds=1)
     assert n == size["batch"] * size["new"]  # both providers produce exactly the same amount of work
     if benchmark.stats is not None:
         benchmark.extra_info["tokens_per_s"] = n / benchmark.stats.stats.median
-    benchmark.extra_info.update(batch=size["batch"], new_tokens=size["new"], hidden=size["hidden_size"])
+    benchmark.extra_info.update(batch=size["batch"], new_tokens=size["new"], hidden=size["hidden_size"],
+                                device=device)

@@ -1,10 +1,18 @@
 """`make gpu-check`: one command that validates a CUDA machine and records what it measured.
 
 In one run: versions and a compiled-kernel preflight (a Triton kernel must run as a compiled `JITFunction`, not
-the interpreter, and match torch); every `gpu`-marked test; the benchmarks at their CUDA sizes (kernel GB/s
-against a copy, Liger side by side where it is importable, the train step; pytest-benchmark JSON); the weight sync
-of a Qwen2.5-0.5B-shaped model, colocated and broadcast (bench/bench_weight_sync.py --json). Writes
-bench/results/<gpu-name>.json and bench/results/<gpu-name>.md.
+the interpreter, and match torch), then the stages, in this order:
+
+    gpu_tests    every `gpu`-marked test
+    demo         `python -m trainer demo` on the GPU, under a timeout: job time and accuracies from summary.json
+    distributed  the `distributed`-marked tests (torchrun / spawned ranks, NCCL on the GPUs present); skipped with
+                 the reason on one GPU (NCCL cannot put two ranks on one device)
+    benchmarks   every bench/bench_*.py suite at its CUDA sizes, one process each (kernel GB/s against a copy, Liger
+                 side by side where it is importable, the train step, the engine's generation on the GPU)
+    weight_sync  a Qwen2.5-0.5B-shaped model, colocated and broadcast (bench/bench_weight_sync.py --json)
+
+Writes bench/results/<gpu-name>.json and .md after every stage. `--dry-run` prints the plan (every stage, its
+commands, timeout, or why it is skipped) and runs nothing, on any machine; `--gpus N` plans for N GPUs.
 
 Exit status: 0 all passed, 1 something failed (the report says what), 2 no CUDA device (nothing is run).
 """
@@ -16,6 +24,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -104,18 +113,107 @@ def _run(cmd: list[str], log: Path, timeout_s: float) -> tuple[int, float]:
     return rc, time.monotonic() - t0
 
 
-def gpu_tests(work: Path, timeout_s: float) -> dict:
-    """Every gpu-marked test, compiled kernels; counts from the JUnit XML."""
-    xml = work / "gpu_tests.xml"
-    rc, secs = _run([sys.executable, "-m", "pytest", "tests", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-                     "--benchmark-disable", f"--junitxml={xml}"], work / "gpu_tests.log", timeout_s)
-    out = {"returncode": rc, "seconds": round(secs, 1), "log": str(work / "gpu_tests.log")}
+# Each stage's commands come from these builders, for the run and for the --dry-run plan alike.
+DEMO_TIMEOUT_S = 1800  # the demo's job is ~80 s on a 2-core CPU; a GPU run far past this is a failure
+ONE_GPU = ("one GPU: the distributed tests start two ranks and NCCL cannot put two ranks on one device; run "
+           "gpu-check on a machine with two or more GPUs")
+
+
+def pytest_marker_cmd(marker: str, xml: Path) -> list[str]:
+    return [sys.executable, "-m", "pytest", "tests", "-m", marker, "-q", "-p", "no:cacheprovider",
+            "--benchmark-disable", f"--junitxml={xml}"]
+
+
+def benchmark_files() -> list[str]:
+    """The pytest-benchmark suites (the weight sync runs as its own stage)."""
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "bench").glob("bench_*.py")
+                  if p.name != "bench_weight_sync.py")
+
+
+def benchmark_cmd(file: str, js: Path) -> list[str]:
+    return [sys.executable, "-m", "pytest", file, "-q", "-p", "no:cacheprovider", "--benchmark-only",
+            f"--benchmark-json={js}"]
+
+
+def weight_sync_cmd() -> list[str]:
+    return [sys.executable, "bench/bench_weight_sync.py", "--json", "--device", "cuda"]
+
+
+def demo_cmd(out: Path) -> list[str]:
+    return [sys.executable, "-m", "trainer", "demo", "--set", f"output_dir={out}"]
+
+
+def stage_commands(work: Path) -> dict[str, list[list[str]]]:
+    """Stage -> the commands it runs, in run order."""
+    return {"gpu_tests": [pytest_marker_cmd("gpu", work / "gpu_tests.xml")],
+            "demo": [demo_cmd(work / "demo")],
+            "distributed": [pytest_marker_cmd("distributed", work / "distributed.xml")],
+            "benchmarks": [benchmark_cmd(f, work / f"benchmarks-{Path(f).stem}.json") for f in benchmark_files()],
+            "weight_sync": [weight_sync_cmd()]}
+
+
+def stage_skip_reason(stage: str, gpus: int) -> str | None:
+    return ONE_GPU if stage == "distributed" and gpus < 2 else None
+
+
+def stage_timeout(stage: str, timeout_s: float) -> float:
+    return min(timeout_s, DEMO_TIMEOUT_S) if stage == "demo" else timeout_s
+
+
+def plan(work: Path, gpus: int, timeout_s: float) -> dict[str, dict]:
+    """What a run does, without running it: for each stage its commands (shell-quoted), its timeout, and why it is
+    skipped where it is."""
+    out = {}
+    for stage, cmds in stage_commands(work).items():
+        entry: dict = {"commands": [shlex.join(c) for c in cmds], "timeout_s": stage_timeout(stage, timeout_s)}
+        if (why := stage_skip_reason(stage, gpus)) is not None:
+            entry["skipped"] = why
+        out[stage] = entry
+    return out
+
+
+def _pytest_stage(cmd: list[str], xml: Path, log: Path, timeout_s: float) -> dict:
+    """Run a pytest command; counts and failed test ids from its JUnit XML."""
+    rc, secs = _run(cmd, log, timeout_s)
+    out = {"returncode": rc, "seconds": round(secs, 1), "log": str(log)}
     if xml.exists():
         root = ET.parse(xml).getroot()
         suite = root if root.tag == "testsuite" else root.find("testsuite")
         out.update({k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")})
         out["failed"] = [f"{c.get('classname')}::{c.get('name')}" for c in suite.iter("testcase")
                          if c.find("failure") is not None or c.find("error") is not None]
+    return out
+
+
+def gpu_tests(work: Path, timeout_s: float) -> dict:
+    """Every gpu-marked test, compiled kernels; counts from the JUnit XML."""
+    (cmd,) = stage_commands(work)["gpu_tests"]
+    return _pytest_stage(cmd, work / "gpu_tests.xml", work / "gpu_tests.log", timeout_s)
+
+
+def distributed(work: Path, timeout_s: float, gpus: int) -> dict:
+    """The distributed-marked tests with the machine's GPUs visible (their ranks take one GPU each); on one GPU
+    skipped with the reason (a skip, not a failure: the stage cannot run here)."""
+    if (why := stage_skip_reason("distributed", gpus)) is not None:
+        return {"returncode": 0, "skipped": why, "seconds": 0}
+    (cmd,) = stage_commands(work)["distributed"]
+    return {**_pytest_stage(cmd, work / "distributed.xml", work / "distributed.log", timeout_s), "gpus": gpus}
+
+
+def demo(work: Path, timeout_s: float) -> dict:
+    """`python -m trainer demo` on the GPU (the trainer and the in-process engine on the rank's device), under
+    the demo's timeout: the job time and the accuracies before/after SFT and RL from its summary.json."""
+    (cmd,) = stage_commands(work)["demo"]
+    summary = work / "demo" / "summary.json"
+    summary.unlink(missing_ok=True)  # a previous run's figures must not pass for this one's
+    rc, secs = _run(cmd, work / "demo.log", stage_timeout("demo", timeout_s))
+    out: dict = {"returncode": rc, "seconds": round(secs, 1), "log": str(work / "demo.log")}
+    if summary.exists():
+        got = json.loads(summary.read_text())
+        out.update({k: v for k, v in got.items() if k == "wall_seconds" or k.startswith(("accuracy_", "sft_",
+                                                                                          "rl_"))})
+    elif rc == 0:
+        out.update(returncode=1, error=f"the demo exited 0 but wrote no {summary}")
     return out
 
 
@@ -132,8 +230,7 @@ def benchmarks(work: Path, timeout_s: float, progress: Callable[[dict], None] = 
     """The pytest-benchmark suites at their CUDA sizes (weight sync separately, below), each in its own pytest
     process with its own JSON, `timeout_s` for the whole stage: a suite that fails or runs out of time loses only
     its own figures, and `progress(out)` after each suite lets the caller write what finished."""
-    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "bench").glob("bench_*.py")
-                   if p.name != "bench_weight_sync.py")
+    files = benchmark_files()
     deadline = time.monotonic() + timeout_s
     out: dict = {"returncode": 0, "seconds": 0.0, "files": files, "suites": {}, "results": []}
     for f in files:
@@ -145,8 +242,7 @@ def benchmarks(work: Path, timeout_s: float, progress: Callable[[dict], None] = 
         stem = Path(f).stem
         js = work / f"benchmarks-{stem}.json"
         js.unlink(missing_ok=True)  # a previous run's figures must not pass for this one's
-        rc, secs = _run([sys.executable, "-m", "pytest", f, "-q", "-p", "no:cacheprovider", "--benchmark-only",
-                         f"--benchmark-json={js}"], work / f"benchmarks-{stem}.log", left)
+        rc, secs = _run(benchmark_cmd(f, js), work / f"benchmarks-{stem}.log", left)
         out["suites"][f] = {"returncode": rc, "seconds": round(secs, 1)}
         out["results"] += _benchmark_results(js)
         out["seconds"] = round(out["seconds"] + secs, 1)
@@ -157,7 +253,7 @@ def benchmarks(work: Path, timeout_s: float, progress: Callable[[dict], None] = 
 
 def weight_sync(work: Path, timeout_s: float) -> dict:
     log = work / "weight_sync.log"
-    rc, secs = _run([sys.executable, "bench/bench_weight_sync.py", "--json", "--device", "cuda"], log, timeout_s)
+    rc, secs = _run(weight_sync_cmd(), log, timeout_s)
     out = {"returncode": rc, "seconds": round(secs, 1)}
     lines = [ln for ln in log.read_text().splitlines() if ln.startswith("{")]
     if rc == 0 and lines:
@@ -173,8 +269,15 @@ def markdown(report: dict) -> str:
              f"Preflight (compiled Triton kernel vs torch): {report.get('preflight', 'not run')}", "",
              f"GPU tests: {t.get('tests', '?')} run, {t.get('failures', '?')} failed, {t.get('errors', '?')} errors, "
              f"{t.get('skipped', '?')} skipped ({t.get('seconds', '?')} s).",
-             *[f"- failed: `{n}`" for n in t.get("failed", [])],
-             "", "## Weight sync (Qwen2.5-0.5B-shaped, fp32)", ""]
+             *[f"- failed: `{n}`" for n in t.get("failed", [])]]
+    d, dm = report.get("distributed", {}), report.get("demo", {})
+    lines += ["", "Distributed tests: " + (d["skipped"] if "skipped" in d else
+                                           f"{d.get('tests', '?')} run, {d.get('failures', '?')} failed, "
+                                           f"{d.get('errors', '?')} errors ({d.get('seconds', '?')} s)"),
+              *[f"- failed: `{n}`" for n in d.get("failed", [])],
+              "", f"Demo: exit {dm.get('returncode', '?')}, job {dm.get('wall_seconds', '?')} s, " + ", ".join(
+                  f"{k} {v}" for k, v in dm.items() if k.startswith("accuracy_")),
+              "", "## Weight sync (Qwen2.5-0.5B-shaped, fp32)", ""]
     for key in ("colocated_ms", "colocated_gbps", "broadcast_ms", "broadcast_gbps", "broadcast_skipped",
                 "memcpy_gbps"):
         if key in ws:
@@ -216,26 +319,37 @@ def run_stages(report: dict, stages: dict[str, Callable[[], dict]], write: Calla
     return failed
 
 
-SKIP_NAMES = {"tests": "gpu_tests", "benchmarks": "benchmarks", "weight_sync": "weight_sync"}  # --skip -> stage
+SKIP_NAMES = {"tests": "gpu_tests", "demo": "demo", "distributed": "distributed", "benchmarks": "benchmarks",
+              "weight_sync": "weight_sync"}  # --skip -> stage
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="where the .json and .md go")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per stage (tests, benchmarks, sync)")
-    ap.add_argument("--skip", default="", help="comma list of stages to skip: tests,benchmarks,weight_sync")
+    ap.add_argument("--skip", default="", help=f"comma list of stages to skip: {','.join(SKIP_NAMES)}")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan (stages, commands, timeouts, skips) "
+                                                            "as JSON and run nothing; works without CUDA")
+    ap.add_argument("--gpus", type=int, default=None, help="plan for this many GPUs (default: the machine's)")
     args = ap.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)  # before triton is imported: compiled kernels only
     sys.path.insert(0, str(ROOT))
     import torch
 
-    if not torch.cuda.is_available():
-        print(NO_CUDA, file=sys.stderr)
-        return 2
+    gpus = torch.cuda.device_count() if args.gpus is None else args.gpus
     skip = set(filter(None, args.skip.split(",")))
     if skip - SKIP_NAMES.keys():
         ap.error(f"--skip {args.skip}: unknown stage(s) {sorted(skip - SKIP_NAMES.keys())}; "
                  f"choose from {','.join(SKIP_NAMES)}")
+    if args.dry_run:
+        stages = plan(Path(args.out) / "<gpu-name>-logs", gpus, args.timeout)
+        for s in skip:
+            stages[SKIP_NAMES[s]]["skipped"] = "--skip"
+        print(json.dumps({"gpus": gpus, "stages": stages}, indent=2))
+        return 0
+    if not torch.cuda.is_available():
+        print(NO_CUDA, file=sys.stderr)
+        return 2
     out_dir = Path(args.out)
     name = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-")
     work = out_dir / f"{name}-logs"
@@ -255,8 +369,11 @@ def main(argv: list[str] | None = None) -> int:
         write({**report, "benchmarks": partial})
 
     run = {"gpu_tests": lambda: gpu_tests(work, args.timeout),
+           "demo": lambda: demo(work, args.timeout),
+           "distributed": lambda: distributed(work, args.timeout, gpus),
            "benchmarks": lambda: benchmarks(work, args.timeout, bench_progress),
            "weight_sync": lambda: weight_sync(work, args.timeout)}
+    assert list(run) == list(stage_commands(work)), "a stage without a plan (or a plan without a stage)"
     for s in skip:
         report[SKIP_NAMES[s]] = {"skipped": "--skip", "seconds": 0}
     failed = run_stages(report, {k: f for k, f in run.items() if k not in report}, write)

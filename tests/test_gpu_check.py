@@ -168,3 +168,84 @@ def test_gpu_check_writes_each_stage_as_it_finishes(tmp_path, monkeypatch):
     assert on_disk[2]["benchmarks"]["results"][0]["median_ms"] == 2.0  # kept while the next stage ran
     assert "RuntimeError" in report["weight_sync"]["error"]
     assert "exit 124" in gc.markdown({**report, "status": "failed"})
+
+
+STAGES = ["gpu_tests", "demo", "distributed", "benchmarks", "weight_sync"]
+
+
+def _dry_run(tmp_path, gpus: int) -> dict:
+    import json as _json
+
+    r = subprocess.run([sys.executable, "bench/gpu_check.py", "--dry-run", "--gpus", str(gpus), "--out",
+                        str(tmp_path)], cwd=ROOT, env=_clean_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert list(tmp_path.iterdir()) == []  # a plan runs and writes nothing
+    return _json.loads(r.stdout)["stages"]
+
+
+def test_dry_run_plans_every_stage_with_its_commands(tmp_path):
+    """What `make gpu-check` misses no more (issue 26 item 10): the plan, on this CPU, lists every stage in run
+    order with the commands it runs; the demo under its own timeout; the engine's generation among the suites."""
+    one = _dry_run(tmp_path, gpus=1)
+    assert list(one) == STAGES and all(s["commands"] and s["timeout_s"] > 0 for s in one.values())
+    assert "-m gpu" in one["gpu_tests"]["commands"][0]
+    assert "-m trainer demo --set" in one["demo"]["commands"][0] and one["demo"]["timeout_s"] <= 1800
+    assert "-m distributed" in one["distributed"]["commands"][0]
+    assert "one GPU" in one["distributed"]["skipped"]  # skipped with the reason, not failed
+    assert any("bench/bench_generate.py" in c for c in one["benchmarks"]["commands"])
+    assert "bench/bench_weight_sync.py --json --device cuda" in one["weight_sync"]["commands"][0]
+    two = _dry_run(tmp_path, gpus=2)
+    assert not any("skipped" in s for s in two.values())
+
+
+def test_demo_stage_records_job_time_and_accuracies(tmp_path, monkeypatch):
+    import json as _json
+
+    import bench.gpu_check as gc
+
+    calls = []
+
+    def fake_run(cmd, log, timeout_s):  # the demo writes its summary into the output_dir it was given
+        calls.append((cmd, timeout_s))
+        out = Path(next(a for a in cmd if a.startswith("output_dir=")).split("=", 1)[1])
+        out.mkdir(parents=True)
+        (out / "summary.json").write_text(_json.dumps({"mode": "demo", "accuracy_after_sft": 0.225,
+                                                       "accuracy_after_rl": 0.55, "wall_seconds": 40.5}))
+        return 0, 41.0
+
+    monkeypatch.setattr(gc, "_run", fake_run)
+    got = gc.demo(tmp_path, 7200.0)
+    assert got["returncode"] == 0 and got["wall_seconds"] == 40.5 and got["accuracy_after_rl"] == 0.55
+    assert calls[0][1] == gc.DEMO_TIMEOUT_S and calls[0][0][1:4] == ["-m", "trainer", "demo"]
+    md = gc.markdown({"date": "d", "status": "passed", "versions": {"gpu": "H100"}, "demo": got,
+                      "distributed": gc.distributed(tmp_path, 60.0, gpus=1)})
+    assert "job 40.5 s" in md and "accuracy_after_rl 0.55" in md and "one GPU" in md
+    assert len(calls) == 1  # the one-GPU distributed stage ran nothing
+
+    monkeypatch.setattr(gc, "_run", lambda cmd, log, timeout_s: (0, 1.0))  # exit 0 without a summary: a failure
+    assert gc.demo(tmp_path / "again", 60.0)["returncode"] == 1
+
+
+def test_every_cuda_only_test_is_in_make_gpu_check():
+    """gpu-check runs `pytest -m gpu`: a test skipped without CUDA by a plain skipif would never run there."""
+    import ast
+
+    missing = []
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+                decos = [ast.unparse(d) for d in node.decorator_list]
+                cuda_only = any("skipif(not torch.cuda.is_available()" in d for d in decos)
+                if cuda_only and "pytest.mark.gpu" not in decos:
+                    missing.append(f"{path.name}::{node.name}")
+    assert not missing, f"mark these @pytest.mark.gpu: {missing}"
+
+
+def test_bench_generate_runs_on_the_chosen_device():
+    # bench_generate ran on the CPU on every machine; now model and prompts go to bench_device() (CUDA when there
+    # is one). "meta" stands in for the GPU here: everything the benchmark feeds the engine lands on it.
+    from bench.bench_generate import SMOKE, bench_device, build_setup
+
+    model, prompts, _ = build_setup(SMOKE, "meta")
+    assert prompts.device.type == "meta" and {p.device.type for p in model.parameters()} == {"meta"}
+    assert bench_device() == ("cuda" if torch.cuda.is_available() else "cpu")

@@ -127,7 +127,7 @@ def test_linear_policy_loss_weight_grad_accumulates_in_fp32(monkeypatch):
     torch.testing.assert_close(gw.float(), gw_bf16.float(), rtol=0.05, atol=2e-3)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; this machine has none")
+@pytest.mark.gpu  # make gpu-check runs `-m gpu`: a plain skipif would leave this out of it
 def test_cuda_fp32_addmm_is_supported_and_exact():
     assert llp.fp32_addmm_supported("cuda", BF16)
     g = torch.Generator(device="cuda").manual_seed(5)
