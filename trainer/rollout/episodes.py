@@ -274,6 +274,17 @@ def build_driver(config: Any) -> tuple[Driver | None, tuple[Callable, ...]]:
     return None, ()
 
 
+async def score_finished(sample: Sample, reward_fn: Callable[[Sample], Any] | None, given: Any = None) -> Sample:
+    """A finished sample (COMPLETED or TRUNCATED) with its reward: `given` (an environment's or an agent's) when
+    there is one, else `reward_fn`'s (None: left unscored); any other status is returned as it is (a FAILED one
+    has no reward to learn from)."""
+    if sample.status not in (Status.COMPLETED, Status.TRUNCATED):
+        return sample
+    if given is not None:
+        return await acompute_reward(sample, lambda _: given)
+    return sample if reward_fn is None else await acompute_reward(sample, reward_fn)
+
+
 _REPORTED: set[str] = set()
 
 
@@ -329,9 +340,7 @@ async def run_greedy_episodes(engine: Any, samples: Sequence[Sample], config: An
 
     async def one(i: int) -> None:
         done, reward = await run_episode(samples[i], driver, generate=generate, **kw)
-        if done.status != Status.FAILED:
-            done = await acompute_reward(done, (lambda _: reward) if reward is not None else score)
-        out[i] = done
+        out[i] = await score_finished(done, score, reward)
 
     async with trio.open_nursery() as nursery:
         for i in range(len(samples)):

@@ -36,8 +36,8 @@ import trio
 
 from engines.protocol import Completion, EngineError, EngineUnavailableError, InferenceEngine, SamplingParams
 from trainer.config import RolloutConfig
-from trainer.rollout.episodes import build_driver, run_episode
-from trainer.rollout.rewards import RewardFn, acompute_reward, load_reward_fn
+from trainer.rollout.episodes import build_driver, run_episode, score_finished
+from trainer.rollout.rewards import RewardFn, load_reward_fn
 from trainer.rollout.samples import (
     SampleTransform,
     apply_sample_transforms,
@@ -298,16 +298,8 @@ class AsyncRolloutManager:
         if self._stopping or any(s.status in (Status.PENDING, Status.ABORTED) for s in groups[slot]):
             return  # cut by the abort: stays in `groups`, cached for the next batch
         if self.driver is None:
-            groups[slot] = [await self._score(s) for s in groups[slot]]
+            groups[slot] = [await score_finished(s, self.reward_fn) for s in groups[slot]]
         await done.send(slot)
-
-    async def _score(self, sample: Sample, reward: Any = None) -> Sample:
-        """The sample with its reward: `reward` when given (an environment's), else the reward function's."""
-        if sample.status == Status.FAILED:
-            return sample
-        if reward is not None:
-            return await acompute_reward(sample, lambda _: reward)
-        return sample if self.reward_fn is None else await acompute_reward(sample, self.reward_fn)
 
     async def _run_episode(self, slot: int, groups: dict[int, list[Sample]], engine: InferenceEngine, j: int) -> None:
         """Run sample j of group `slot` as a multi-turn episode (trainer.rollout.episodes), one engine request per
@@ -330,9 +322,7 @@ class AsyncRolloutManager:
             s, self.driver, tokenizer=self.tokenizer, generate=generate, turn_end_ids=self.turn_end_ids,
             parse=self.parse_turn, max_turns=c.max_turns, max_new_tokens=c.max_new_tokens,
             max_context_tokens=c.max_context_tokens, tools=self.tools)
-        if done.status in (Status.COMPLETED, Status.TRUNCATED):
-            done = await self._score(done, reward)
-        groups[slot][j] = done
+        groups[slot][j] = await score_finished(done, self.reward_fn, reward)
 
     # ----------------------------------------------------------------------------------------- one batch
     async def generate_batch(self, data_buffer: Any) -> RolloutBatch:
