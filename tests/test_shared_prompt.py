@@ -125,6 +125,42 @@ def test_tree_mask_is_each_samples_own_causal_mask():
     assert torch.equal(f == 0, m)
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_flex_tree_block_mask_equals_the_dense_tree_mask(block_size):
+    """FlexAttention's shared-prompt mask (the CUDA path without flash-attn) against SDPA with the dense tree mask,
+    through flex_attention's eager implementation on CPU, on real shared-prompt rows; full tiles hold only allowed
+    pairs and every allowed pair lies in a listed tile."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from trainer.backend.attention import flex_tree_block_mask
+
+    mbs = build_shared_micro_batches(grouped_samples(3), token_budget=128, bucket_size=16)
+    g = torch.Generator().manual_seed(7)
+    for mb in mbs:
+        seq, branch = mb.row.seq_index, mb.trees.branch
+        n = seq.shape[0]
+        q, k, v = (torch.randn(1, 2, n, 16, generator=g) for _ in range(3))
+        mask = flex_tree_block_mask(seq, branch, block_size)
+        dense = tree_causal_mask(seq, branch)
+        torch.testing.assert_close(flex_attention(q, k, v, block_mask=mask),
+                                   F.scaled_dot_product_attention(q, k, v, attn_mask=dense), rtol=0, atol=1e-5)
+        allowed = dense[0, 0]
+        nb = -(-n // block_size)
+        pad = torch.zeros(nb * block_size, nb * block_size, dtype=torch.bool)
+        pad[:n, :n] = allowed
+        tiles = pad.view(nb, block_size, nb, block_size).permute(0, 2, 1, 3).reshape(nb, nb, -1)
+        listed = mask.to_dense()[0, 0].bool()  # [nb, nb]: tiles listed as partial or full
+        assert bool((tiles.any(-1) <= listed).all())  # every allowed pair is in a listed tile
+        counts, cols = mask.full_kv_num_blocks[0, 0], mask.full_kv_indices[0, 0]
+        full = torch.zeros(nb, nb, dtype=torch.bool)
+        for i in range(nb):
+            full[i, cols[i, :counts[i]].long()] = True
+        assert bool(tiles[full].all())  # a full tile (mask_mod skipped) holds allowed pairs only
+        if block_size == 4:  # prompts longer than a tile: some tiles are full, so the skip is exercised
+            assert int(counts.sum()) > 0
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("attn", [PACKED_SDPA, "sdpa", "eager"])
 def test_shared_prompt_hidden_states_equal_each_samples_own_forward(arch, attn):

@@ -32,6 +32,7 @@ times a zero loss mask is still NaN in the backward); packed_sdpa skips it inste
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -122,13 +123,10 @@ def flex_block_tiles(seq_index: torch.Tensor, block_size: int = 128) -> tuple[to
     return partial, full
 
 
-def flex_block_mask(seq_index: torch.Tensor, block_size: int = 128):
-    """BlockMask for FlexAttention: document-causal over `seq_index` [N]; fully masked tiles are skipped, full tiles
-    skip mask_mod, partial tiles evaluate it (it reads seq_index [N]). Tile tables from flex_block_tiles."""
+def _block_mask(partial: torch.Tensor, full: torch.Tensor, mask_mod: Callable, n: int, block_size: int):
+    """A FlexAttention BlockMask over [N] rows from [nb, nb] tile tables: fully masked tiles are skipped, full tiles
+    skip mask_mod, partial tiles evaluate it."""
     from torch.nn.attention.flex_attention import BlockMask
-
-    def document_causal(b, h, q_idx, kv_idx):
-        return (seq_index[q_idx] == seq_index[kv_idx]) & (kv_idx <= q_idx)
 
     def ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # [nb, nb] -> (counts [1, 1, nb], column indices [1, 1, nb, nb]) int32, listed tiles first in column order
@@ -137,10 +135,41 @@ def flex_block_mask(seq_index: torch.Tensor, block_size: int = 128):
         cols = torch.argsort(t, dim=-1, descending=True, stable=True)
         return t.sum(-1, dtype=torch.int32), cols.to(torch.int32)
 
+    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=block_size, mask_mod=mask_mod,
+                                    seq_lengths=(n, n))
+
+
+def flex_block_mask(seq_index: torch.Tensor, block_size: int = 128):
+    """BlockMask for FlexAttention: document-causal over `seq_index` [N] (mask_mod reads seq_index [N]). Tile tables
+    from flex_block_tiles."""
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (seq_index[q_idx] == seq_index[kv_idx]) & (kv_idx <= q_idx)
+
     partial, full = flex_block_tiles(seq_index, block_size)
+    return _block_mask(partial, full, document_causal, seq_index.shape[0], block_size)
+
+
+def flex_tree_block_mask(seq_index: torch.Tensor, branch: torch.Tensor, block_size: int = 128):
+    """BlockMask for FlexAttention in the shared-prompt layout: tree_causal_mask's rule over [N] tree ids and [N]
+    branch ids (-1 on prompts), as a mask_mod.
+
+    Tiles: the tree mask allows a subset of the document-causal pairs (the trees are the documents), so a tile the
+    document tables skip is skipped here too. A document-full tile stays full only when its key tile holds prompt
+    tokens only (every later query of the same tree sees the whole prompt); otherwise it is partial, and mask_mod
+    drops the keys of other branches. Everything runs on the device with sizes the host knows (no sync)."""
+
+    def tree_causal(b, h, q_idx, kv_idx):
+        return ((seq_index[q_idx] == seq_index[kv_idx]) & (kv_idx <= q_idx)
+                & ((branch[kv_idx] < 0) | (branch[kv_idx] == branch[q_idx])))
+
     n = seq_index.shape[0]
-    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=block_size,
-                                    mask_mod=document_causal, seq_lengths=(n, n))
+    partial, full = flex_block_tiles(seq_index, block_size)
+    nb = partial.shape[0]
+    pad = torch.zeros(nb * block_size - n, dtype=torch.bool, device=branch.device)
+    prompt_only = torch.cat([branch < 0, ~pad]).view(nb, block_size).all(dim=1)  # [nb] kv tiles of prompt tokens
+    keep_full = full & prompt_only[None, :]
+    return _block_mask(partial | (full & ~keep_full), keep_full, tree_causal, n, block_size)
 
 
 def packed_segment_indices(seq_index: torch.Tensor, lengths: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -290,14 +319,14 @@ def _model_dtype(model) -> torch.dtype:
     return next(model.parameters()).dtype
 
 
-SHARED_PROMPT_IMPLS = (PACKED_SDPA, "sdpa", "eager")  # attention paths with a shared-prompt (tree) mask
+SHARED_PROMPT_IMPLS = (PACKED_SDPA, "sdpa", "eager", "flex_attention")  # paths with a shared-prompt (tree) mask
 
 
 def supports_shared_prompts(model) -> bool:
     """Whether the model's attn_implementation can run the shared-prompt layout (trainer.batching.shared_prompt).
 
-    flash-attn's varlen kernel has no per-branch mask; flex_attention could (a mask_mod over branch ids) but has
-    no tile tables for it yet: both train with the plain layout.
+    flash-attn's varlen kernel has no per-branch mask: it trains with the plain layout. flex_attention takes the
+    tree as a mask_mod with tile tables (flex_tree_block_mask).
     """
     return _attn_implementation(model) in SHARED_PROMPT_IMPLS
 
@@ -310,6 +339,8 @@ def _tree_attention_kwargs(impl: str, model, batch: PackedBatch, trees: PromptTr
     if impl in ("sdpa", "eager"):
         dtype = torch.bool if impl == "sdpa" else _model_dtype(model)
         return {"attention_mask": tree_causal_mask(batch.seq_index, trees.branch, dtype)}
+    if impl == "flex_attention":
+        return {"attention_mask": flex_tree_block_mask(batch.seq_index, trees.branch)}
     raise ValueError(f"attn_implementation={impl!r} has no shared-prompt (tree) mask; load the model with one of "
                      f"{SHARED_PROMPT_IMPLS} or set [trainer] share_prompts = false")
 
