@@ -15,6 +15,7 @@ import contextlib
 
 import pytest
 import torch
+from _bench_utils import plan_entry, skip_unless_fits
 
 from engines.embedded.generation import Row, generate_rows
 from engines.embedded.presets import build_tiny_model
@@ -28,6 +29,30 @@ def bench_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def case_bytes(size: dict) -> int:
+    """Planned peak device bytes of either provider at `size` (fp32): the weights 4·P (P from a meta-device build
+    of the config), the KV cache of B rows of prompt + new tokens (K and V, every layer: 2·B·S·layers·kv_width·4;
+    doubled for a concatenating cache's copy), and fp32 logits of every position at the prefill, 4·B·S·vocab."""
+    from transformers import AutoModelForCausalLM
+
+    from engines.tiny import tiny_model_config
+
+    cfg = tiny_model_config("qwen2", hidden_size=size["hidden_size"], num_layers=size["num_layers"],
+                            max_position_embeddings=512)
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    rows, seq = size["batch"], size["prompt"] + size["new"]
+    kv_width = cfg.num_key_value_heads * cfg.hidden_size // cfg.num_attention_heads
+    return 4 * n_params + 2 * (2 * rows * seq * cfg.num_hidden_layers * kv_width * 4) + 4 * rows * seq * cfg.vocab_size
+
+
+def planned_cases(memory_bytes: float) -> list[dict]:
+    """Every case this file runs on a GPU (FULL), with its planned bytes against `memory_bytes`."""
+    nbytes = case_bytes(FULL)
+    return [plan_entry(f"test_generate_throughput[{p}-{t}]", nbytes, memory_bytes)
+            for t in ("greedy", "sampled") for p in ("engine", "transformers")]
+
+
 def build_setup(size: dict, device: str):
     """(model, prompts [B, P], size) on `device`: the model in eval mode, prompts from a fixed seed."""
     model = build_tiny_model(0, arch="qwen2", hidden_size=size["hidden_size"], num_layers=size["num_layers"],
@@ -39,6 +64,8 @@ def build_setup(size: dict, device: str):
 
 @pytest.fixture(scope="module")
 def setup(request):
+    if bench_device() == "cuda":
+        skip_unless_fits(case_bytes(SMOKE if request.config.getoption("benchmark_disable") else FULL))
     return build_setup(SMOKE if request.config.getoption("benchmark_disable") else FULL, bench_device())
 
 

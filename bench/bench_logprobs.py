@@ -38,7 +38,7 @@ import time
 
 import pytest
 import torch
-from _bench_utils import _backend_ctx, _device, _shape, _sync
+from _bench_utils import TOKEN_VECTOR_BYTES, _backend_ctx, _device, _shape, _sync, plan_entry, skip_unless_fits
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -71,6 +71,67 @@ def logits_bytes(T: int, V: int, element_size: int, mode: str) -> int:
     """Bytes the logits op must move: fwd reads the [T, V] logits once; fwd+bwd ("full") reads them twice and
     writes the [T, V] gradient ([T] vectors are negligible and not counted)."""
     return T * V * element_size * (1 if mode == "fwd" else 3)
+
+
+def case_bytes(op: str, provider: str, mode: str, shape: tuple) -> int:
+    """Planned peak device bytes of one case; the run skips a case that does not fit (skip_unless_fits), the
+    dry run (planned_cases) lists it. e = bytes per input element, N = T·V, [T] vectors TOKEN_VECTOR_BYTES·T.
+    From logits ([T, V] e; Liger [T+1, V]):
+      copy           src + dst, logits_bytes(mode) in all (the op's analytic count; no logits input)
+      torch(-compile) fwd: input e + z = .float()/t 4 + log_softmax 4 (+ the 4-byte upcast, gone before
+                     log_softmax) -> e + 8; full: + grad of log_softmax 4, of z 4, of the division 4, and the
+                     input's grad e, the forward's z freed -> 2e + 16 (bounded: every [T, V] at once)
+      liger          forward only: the input e
+      ours(-entropy) fwd: the input e; full: + its gradient e
+    From hidden (hidden [T, H] e, weight [V, H] e; full adds their gradients, 2e·(T + V)·H):
+      torch(-compile) fp32 copies of hidden and weight 4·(T + V)·H, fp32 logits 4 + z 4 + log_softmax 4 -> 12
+                     per [T, V] element; full: + the four fp32 gradients above -> 16 (logits freed), and fp32
+                     gradients of the two copies 4·(T + V)·H
+      liger          _ChunkedSelectiveLogProbFunction: [2048, 4096] fp32 chunks (logits, probs, grad: 3) and
+                     full: fp32 grad_hidden [T, H] and grad_weight [V, H]
+      liger-grpo     one sequence of T/4 tokens at a time: [T/4, V] in e + five fp32 (upcast, log_softmax,
+                     their gradients, probs), grad_weight [V, H] e + the chunk's fp32 one, grad_inputs [T, H] e
+      ours(-entropy) one [n, V] e chunk buffer of at most 2^28 bytes (fwd; full: + the backward's own) and
+                     full: the fp32 weight-gradient accumulator [V, H] 4
+    """
+    if op == "logits":
+        T, V, dtype = shape
+        e, N, H = dtype.itemsize, T * V, 0
+        per_elem = {"torch": (e + 8, 2 * e + 16), "liger": (e, e), "ours": (e, 2 * e)}
+        if provider == "copy":
+            return logits_bytes(T, V, e, mode)
+        fwd, full = per_elem[provider.removesuffix("-compile").removesuffix("-entropy")]
+        if provider == "liger":
+            N = (T + 1) * V
+        return (fwd if mode == "fwd" else full) * N + TOKEN_VECTOR_BYTES * T
+    T, H, V, dtype = shape
+    e, N, full = dtype.itemsize, T * V, mode == "full"
+    inputs = e * (T + V) * H * (2 if full else 1)
+    base = provider.removesuffix("-compile").removesuffix("-entropy")
+    if base == "torch":
+        work = (16 if full else 12) * N + 4 * (T + V) * H * (2 if full else 1)
+    elif base == "liger":
+        work = 3 * 4 * 2048 * 4096 + (4 * (T + V) * H if full else 0)
+    elif base == "liger-grpo":
+        work = (T // 4) * V * (e + 5 * 4) + (e + 4) * V * H + e * T * H
+    else:
+        work = min(1 << 28, T * V * e) * (2 if full else 1) + (4 * V * H if full else 0)
+    return inputs + work + TOKEN_VECTOR_BYTES * T
+
+
+def planned_cases(memory_bytes: float) -> list[dict]:
+    """Every case this file runs at its CUDA sizes, with its planned bytes against `memory_bytes`."""
+    out = []
+    for op, sizes, providers, test in (("logits", LOGITS_SIZES, LOGITS_PROVIDERS, "test_logprobs_from_logits"),
+                                       ("hidden", HIDDEN_SIZES, HIDDEN_PROVIDERS, "test_logprobs_from_hidden")):
+        for size, (device, shape) in sizes.items():
+            if device != "cuda":
+                continue
+            for provider in providers:
+                for mode in ("fwd", "full"):
+                    out.append(plan_entry(f"{test}[{provider}-{mode}-{size}]",
+                                          case_bytes(op, provider, mode, shape), memory_bytes))
+    return out
 
 
 def copy_call(nbytes: int, device: str):
@@ -193,6 +254,7 @@ def test_logprobs_from_logits(benchmark, request, provider, mode, size):
     if (reason := _skip_reason(provider, mode, device, small, "logits")) is not None:
         pytest.skip(reason)
     T, V, dtype = _shape(LOGITS_SIZES, size, SMALL_LOGITS, device, small)
+    skip_unless_fits(case_bytes("logits", provider, mode, (T, V, dtype)))
     moved = logits_bytes(T, V, dtype.itemsize, mode)
     if provider == "copy":
         copy, copied = copy_call(moved, device)
@@ -223,6 +285,7 @@ def test_logprobs_from_hidden(benchmark, request, provider, mode, size):
     if (reason := _skip_reason(provider, mode, device, small, "hidden")) is not None:
         pytest.skip(reason)
     T, H, V, dtype = _shape(HIDDEN_SIZES, size, SMALL_HIDDEN, device, small)
+    skip_unless_fits(case_bytes("hidden", provider, mode, (T, H, V, dtype)))
     labels, mask, grads = _inputs(T, V, device)
     hidden = torch.randn(T, H, device=device).to(dtype).requires_grad_(mode == "full")
     weight = (torch.randn(V, H, device=device) * H**-0.5).to(dtype).requires_grad_(mode == "full")

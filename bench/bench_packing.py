@@ -27,6 +27,8 @@ import torch.nn.functional as F
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _bench_utils import plan_entry, skip_unless_fits  # noqa: E402  (bench/ is on the path)
+
 from kernels import pack, pack_batch, shift_left, unpack, use_backend  # noqa: E402
 from trainer.backend.attention import default_attn_implementation, packed_logits  # noqa: E402
 from trainer.batching.planner import bucket_length, plan_micro_batches, plan_stats  # noqa: E402
@@ -36,6 +38,41 @@ PAD_BATCH = 16
 # (samples, max length, token budget): full sizes for the measurement, small ones for the CI smoke run.
 FULL = (128, 2048, 4096)  # the CLI also times budget = max length
 SMALL = (16, 128, 256)
+
+
+# The tiny Llama's shape (tiny_llama below) for the memory plan.
+_LAYERS, _HIDDEN, _MLP, _HEADS = 2, 64, 128, 4
+
+
+def step_bytes(layout: str, sizes: tuple = FULL) -> int:
+    """Planned peak device bytes of one training step (fp32, 4 bytes), bounded by the largest forward: a padded
+    batch of PAD_BATCH rows of the longest sample, or one packed row of the token budget (rows x L tokens).
+    Per token: every block's saved activations (8 hidden-wide and 4 MLP-wide, generously) and the logits with
+    their log_softmax and gradients (4 x V); per row: attention scores and probabilities with their gradients in
+    every layer if materialised (4 x heads x L^2) and the mask (L^2); weights, gradients: negligible."""
+    _, max_len, budget = sizes
+    rows, length = (PAD_BATCH, max_len) if layout == "padded" else (1, max(budget, max_len))
+    per_token = (_LAYERS * (8 * _HIDDEN + 4 * _MLP) + 4 * V) * 4
+    per_row = (4 * _LAYERS * _HEADS + 1) * length * length * 4
+    return rows * (length * per_token + per_row)
+
+
+def pack_bytes(B: int, L: int, D: int) -> int:
+    """Pack/unpack: the padded [B, L, D] fp32 input, the packed [<= B·L, D] copy and the unpacked output."""
+    return 3 * B * L * D * 4
+
+
+PACK_GPU = (64, 2048, 256)  # (B, L, D) at full size
+
+
+def planned_cases(memory_bytes: float) -> list[dict]:
+    """Every case this file runs on a GPU, with its planned bytes against `memory_bytes` (the planner runs on the
+    host: no device bytes)."""
+    out = [plan_entry(f"test_train_step_tokens_per_s[{lay}]", step_bytes(lay), memory_bytes)
+           for lay in ("padded", "packed")]
+    out += [plan_entry(f"test_pack_unpack_bandwidth[{op}-{p}]", pack_bytes(*PACK_GPU), memory_bytes)
+            for op in ("pack", "unpack") for p in ("torch", "triton")]
+    return out + [plan_entry("test_planner_time", 0, memory_bytes)]
 
 
 def tiny_llama(device):
@@ -105,6 +142,8 @@ def _sync():
 def test_train_step_tokens_per_s(benchmark, request, layout):
     n, max_len, budget = _sizes(request)
     device = _device()
+    if device == "cuda":
+        skip_unless_fits(step_bytes(layout, (n, max_len, budget)))
     model = tiny_llama(device)
     lengths, plan, rows, padded = make_workload(n, max_len, budget, device)
 
@@ -141,7 +180,9 @@ def test_pack_unpack_bandwidth(benchmark, request, provider, op):
     device = _device()
     if provider == "triton" and device == "cpu" and not request.config.getoption("benchmark_disable"):
         pytest.skip("the Triton path on CPU is the interpreter: a correctness tool, not a timing")
-    B, L, D = (8, 64, 4) if request.config.getoption("benchmark_disable") else (64, 2048, 256)
+    B, L, D = (8, 64, 4) if request.config.getoption("benchmark_disable") else PACK_GPU
+    if device == "cuda":
+        skip_unless_fits(pack_bytes(B, L, D))
     lengths = torch.randint(1, L + 1, (B,), generator=torch.Generator().manual_seed(0)).tolist()
     x = torch.randn(B, L, D, device=device)
     flat = pack(x, lengths)

@@ -29,7 +29,7 @@ import time
 
 import pytest
 import torch
-from _bench_utils import _backend_ctx, _device, _shape, _sync
+from _bench_utils import TOKEN_VECTOR_BYTES, _backend_ctx, _device, _shape, _sync, plan_entry, skip_unless_fits
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -47,6 +47,60 @@ HIDDEN_SIZES = {"cpu-H256": ("cpu", (8, 512, 256, 32000, torch.float32)),
                 "cuda-H4096": ("cuda", (8, 2048, 4096, 151936, torch.bfloat16))}
 SMALL_LOGITS = (2, 16, 1271, torch.float32)
 SMALL_HIDDEN = (2, 16, 32, 1271, torch.float32)
+
+
+def case_bytes(op: str, provider: str, mode: str, shape: tuple) -> int:
+    """Planned peak device bytes of one case; the run skips a case that does not fit (skip_unless_fits), the
+    dry run (planned_cases) lists it. e = bytes per input element, N = B·L·V, [B, L] vectors
+    TOKEN_VECTOR_BYTES per token.
+    From logits (the leaf [B, L+1, V] e, ~N·e):
+      torch(-compile) + the [B, L, V] copy x e; policy_loss_ref in fp32: z = .float()/t 4, log_softmax 4, the
+                     entropy's exp 4 and product 4 -> 2e + 16; full: + x's gradient e, and the backward's
+                     fp32 gradients of log_softmax, z and the division 4 each -> bounded by 3e + 20
+      liger          triton_grpo_loss: the leaf e; full: + its gradient e (inplace=False)
+      ours           + the copy x e; full: + x's gradient e
+    From hidden (hidden [B, L, H] e, weight [V, H] e; full adds their gradients, 2e·(B·L + V)·H):
+      torch(-compile) logits = hidden @ weight.t() [B, L, V] e, then as above without the copy: e + 16; full:
+                     + the logits' gradient e -> 2e + 20
+      liger          LigerFusedLinearGRPOLoss, one sequence (L tokens) at a time: [L, V] in e + five fp32
+                     (upcast, log_softmax, their gradients, probs); grad_weight [V, H] e + the chunk's fp32
+                     one; grad_inputs [B·L, H] e
+      ours           one [n, V] e chunk buffer of at most 2^28 bytes (full: + the backward's own) and full: the
+                     fp32 weight-gradient accumulator [V, H] 4
+    """
+    full = mode == "full"
+    if op == "logits":
+        B, L, V, dtype = shape
+        e = dtype.itemsize
+        per_elem = {"torch": (2 * e + 16, 3 * e + 20), "liger": (e, 2 * e), "ours": (2 * e, 3 * e)}
+        fwd_b, full_b = per_elem[provider.removesuffix("-compile")]
+        return (full_b if full else fwd_b) * B * (L + 1) * V + TOKEN_VECTOR_BYTES * B * L
+    B, L, H, V, dtype = shape
+    e, T = dtype.itemsize, B * L
+    inputs = e * (T + V) * H * (2 if full else 1)
+    base = provider.removesuffix("-compile")
+    if base == "torch":
+        work = (2 * e + 20 if full else e + 16) * T * V
+    elif base == "liger":
+        work = L * V * (e + 5 * 4) + (e + 4) * V * H + e * T * H
+    else:
+        work = min(1 << 28, T * V * e) * (2 if full else 1) + (4 * V * H if full else 0)
+    return inputs + work + TOKEN_VECTOR_BYTES * T
+
+
+def planned_cases(memory_bytes: float) -> list[dict]:
+    """Every case this file runs at its CUDA sizes, with its planned bytes against `memory_bytes`."""
+    out = []
+    for op, sizes, test in (("logits", LOGITS_SIZES, "test_policy_loss_from_logits"),
+                            ("hidden", HIDDEN_SIZES, "test_policy_loss_from_hidden")):
+        for size, (device, shape) in sizes.items():
+            if device != "cuda":
+                continue
+            for provider in PROVIDERS:
+                for mode in ("fwd", "full"):
+                    out.append(plan_entry(f"{test}[{provider}-{mode}-{size}]",
+                                          case_bytes(op, provider, mode, shape), memory_bytes))
+    return out
 
 
 def make_inputs(B, L, V, device, seed=0):
@@ -164,6 +218,7 @@ def test_policy_loss_from_logits(benchmark, request, provider, mode, size):
     if provider == "liger" and device == "cpu" and not small:
         pytest.skip("Liger's triton_grpo_loss has no CPU path (only the interpreter, a correctness tool)")
     B, L, V, dtype = _shape(LOGITS_SIZES, size, SMALL_LOGITS, device, small)
+    skip_unless_fits(case_bytes("logits", provider, mode, (B, L, V, dtype)))
     t = make_inputs(B, L, V, device)
     logits = (0.5 * torch.randn(B, L + 1, V, device=device)).to(dtype).requires_grad_(mode == "full")
     with _backend_ctx(device, small):
@@ -184,6 +239,7 @@ def test_policy_loss_from_hidden(benchmark, request, provider, mode, size):
     if (reason := _skip_reason(provider, device, small)) is not None:
         pytest.skip(reason)
     B, L, H, V, dtype = _shape(HIDDEN_SIZES, size, SMALL_HIDDEN, device, small)
+    skip_unless_fits(case_bytes("hidden", provider, mode, (B, L, H, V, dtype)))
     t = make_inputs(B, L, V, device)
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(B, L, H, generator=g).to(device, dtype).requires_grad_(mode == "full")

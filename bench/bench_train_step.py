@@ -27,6 +27,8 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _bench_utils import MEMORY_FRACTION, plan_entry, skip_unless_fits  # noqa: E402  (bench/ is on the path)
+
 from kernels import use_backend  # noqa: E402
 from trainer.batching.micro_batches import build_micro_batches  # noqa: E402
 from trainer.types import Sample, TrainingState  # noqa: E402
@@ -113,7 +115,7 @@ def ours_step_fn(samples, adv, budget, bucket, device, compile_backend):
 
 
 FP32_BYTES = 4
-REFERENCE_MEMORY_FRACTION = 0.9  # of the device's free memory: the allocator's fragmentation and CUDA context
+REFERENCE_MEMORY_FRACTION = MEMORY_FRACTION  # of the device's free memory: the allocator's fragmentation, CUDA context
 
 
 class DoesNotFit(Exception):
@@ -150,6 +152,36 @@ def reference_rows(n_samples: int, length: int, cfg, n_params: int, dtype_bytes:
                          f"tokens (vocab {cfg.vocab_size}); the device has {budget_bytes / 2**30:.1f} GiB to give: "
                          f"shorten the samples (max response) or use a larger device")
     return rows
+
+
+def ours_bytes(n_params: int, cfg, token_budget: int, dtype_bytes: int) -> int:
+    """Planned peak bytes of our step: fp32 weights, gradients and AdamW's two moments (16 B a parameter) and a
+    compute-dtype copy of the weights; one packed micro-batch of `token_budget` tokens with every block's saved
+    activations (the reference's generous 8 hidden-wide and 4 MLP-wide tensors per token); the fused lm_head's
+    two chunk buffers (at most 2^28 bytes each) and its fp32 weight-gradient accumulator [V, H]."""
+    state = (4 * FP32_BYTES + dtype_bytes) * n_params
+    blocks = token_budget * cfg.num_hidden_layers * (8 * cfg.hidden_size + 4 * cfg.intermediate_size) * dtype_bytes
+    head = 2 * (1 << 28) + FP32_BYTES * cfg.vocab_size * cfg.hidden_size
+    return state + blocks + head
+
+
+def planned_cases(memory_bytes: float) -> list[dict]:
+    """The two cases at the GPU sizes with their planned bytes against `memory_bytes`: the reference in the
+    micro-batches that fit MEMORY_FRACTION of it (reference_rows; skipped with the reason when one row does not),
+    ours at its token budget (skipped with the reason when it does not fit)."""
+    cfg = _model_config(torch.device("cuda"))  # the Qwen2.5-0.5B shape, built on the meta device only
+    n, max_resp, budget, _ = FULL_GPU
+    samples, _ = make_samples(n, max_resp, cfg.vocab_size)
+    length, n_params, bf16 = max(len(s.tokens) for s in samples), _n_params(cfg), torch.bfloat16.itemsize
+    state = reference_state_bytes(n_params, bf16)
+    try:
+        rows = reference_rows(n, length, cfg, n_params, bf16, MEMORY_FRACTION * memory_bytes)
+        ref = plan_entry(f"test_train_step[reference] ({rows} of {n} rows a micro-batch)",
+                         state + reference_activation_bytes(rows, length, cfg, bf16), memory_bytes)
+    except DoesNotFit as e:
+        ref = {**plan_entry("test_train_step[reference]", state + reference_activation_bytes(1, length, cfg, bf16),
+                            memory_bytes), "skipped": str(e)}
+    return [ref, plan_entry("test_train_step[ours]", ours_bytes(n_params, cfg, budget, bf16), memory_bytes)]
 
 
 def _device_budget(device: torch.device) -> float | None:
@@ -246,6 +278,8 @@ def test_train_step(benchmark, request, provider):
     tokens = sum(len(s.tokens) for s in samples)
     with use_backend("torch") if device.type == "cpu" else contextlib.nullcontext():
         if provider == "ours":
+            if device.type == "cuda":
+                skip_unless_fits(ours_bytes(_n_params(cfg), cfg, budget, torch.bfloat16.itemsize))
             step = ours_step_fn(samples, adv, budget, bucket, device, "aot_eager" if small else "inductor")
         else:
             try:

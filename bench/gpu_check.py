@@ -12,7 +12,9 @@ the interpreter, and match torch), then the stages, in this order:
     weight_sync  a Qwen2.5-0.5B-shaped model, colocated and broadcast (bench/bench_weight_sync.py --json)
 
 Writes bench/results/<gpu-name>.json and .md after every stage. `--dry-run` prints the plan (every stage, its
-commands, timeout, or why it is skipped) and runs nothing, on any machine; `--gpus N` plans for N GPUs.
+commands, timeout, or why it is skipped; every benchmark case with its planned peak device bytes, marked where it
+would not fit `--memory-gb`, 80 by default, as the run skips it) and runs nothing, on any machine; `--gpus N` plans
+for N GPUs.
 
 Exit status: 0 all passed, 1 something failed (the report says what), 2 no CUDA device (nothing is run).
 """
@@ -125,9 +127,30 @@ def pytest_marker_cmd(marker: str, xml: Path) -> list[str]:
 
 
 def benchmark_files() -> list[str]:
-    """The pytest-benchmark suites (the weight sync runs as its own stage)."""
+    """The pytest-benchmark suites (the weight sync runs as its own stage); a script without a test function
+    (bench_rl_vs_trl.py) is not one: pytest would collect nothing and exit 5, a failure of the stage's making."""
     return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "bench").glob("bench_*.py")
-                  if p.name != "bench_weight_sync.py")
+                  if p.name != "bench_weight_sync.py" and re.search(r"^def test_", p.read_text(), re.M))
+
+
+UNSIZED = {"bench/bench_real_shape.py": "runs the CLI (sft, export, rl) in its own processes on the Qwen2.5-0.5B "
+                                        "shape: its memory follows configs/qwen05b_shape.toml, not a per-case plan"}
+
+
+def benchmark_memory_plan(memory_bytes: float) -> dict[str, list[dict] | str]:
+    """Suite -> every case it launches at its CUDA sizes with its planned peak device bytes (the suite's own
+    planned_cases, from the sizing function its run skips by), marked "skipped" with the reason where it would not
+    fit `memory_bytes`; or why the suite is not sized. Imports each suite (bench/ on the path, as under pytest)."""
+    import importlib
+
+    if str(ROOT / "bench") not in sys.path:
+        sys.path.insert(0, str(ROOT / "bench"))
+    out: dict[str, list[dict] | str] = {}
+    for f in benchmark_files():
+        module = importlib.import_module(Path(f).stem)
+        sized = getattr(module, "planned_cases", None)
+        out[f] = sized(memory_bytes) if sized else "not sized: " + UNSIZED.get(f, "the suite has no planned_cases")
+    return out
 
 
 def benchmark_cmd(file: str, js: Path) -> list[str]:
@@ -160,15 +183,19 @@ def stage_timeout(stage: str, timeout_s: float) -> float:
     return min(timeout_s, DEMO_TIMEOUT_S) if stage == "demo" else timeout_s
 
 
-def plan(work: Path, gpus: int, timeout_s: float) -> dict[str, dict]:
+def plan(work: Path, gpus: int, timeout_s: float, memory_gb: float = 80.0) -> dict[str, dict]:
     """What a run does, without running it: for each stage its commands (shell-quoted), its timeout, and why it is
-    skipped where it is."""
+    skipped where it is; for the benchmarks, every case with its planned device bytes against `memory_gb`
+    ("cases"), and the cases that would not fit and are skipped with the reason ("does_not_fit")."""
     out = {}
     for stage, cmds in stage_commands(work).items():
         entry: dict = {"commands": [shlex.join(c) for c in cmds], "timeout_s": stage_timeout(stage, timeout_s)}
         if (why := stage_skip_reason(stage, gpus)) is not None:
             entry["skipped"] = why
         out[stage] = entry
+    cases = benchmark_memory_plan(memory_gb * 1e9)
+    out["benchmarks"].update(memory_gb=memory_gb, cases=cases, does_not_fit=[
+        f"{f}::{c['case']}" for f, rows in cases.items() if isinstance(rows, list) for c in rows if "skipped" in c])
     return out
 
 
@@ -331,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="print the plan (stages, commands, timeouts, skips) "
                                                             "as JSON and run nothing; works without CUDA")
     ap.add_argument("--gpus", type=int, default=None, help="plan for this many GPUs (default: the machine's)")
+    ap.add_argument("--memory-gb", type=float, default=80.0, help="plan the benchmark cases against this much "
+                                                                     "device memory (GB, 1e9 bytes; default 80)")
     args = ap.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)  # before triton is imported: compiled kernels only
     sys.path.insert(0, str(ROOT))
@@ -342,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--skip {args.skip}: unknown stage(s) {sorted(skip - SKIP_NAMES.keys())}; "
                  f"choose from {','.join(SKIP_NAMES)}")
     if args.dry_run:
-        stages = plan(Path(args.out) / "<gpu-name>-logs", gpus, args.timeout)
+        stages = plan(Path(args.out) / "<gpu-name>-logs", gpus, args.timeout, args.memory_gb)
         for s in skip:
             stages[SKIP_NAMES[s]]["skipped"] = "--skip"
         print(json.dumps({"gpus": gpus, "stages": stages}, indent=2))

@@ -95,10 +95,11 @@ def test_real_shape_mismatch_tolerance_follows_the_dtype(monkeypatch):
         mismatch_tolerance({"trainer": "float16", "engine": "float16"})
 
 
-def test_train_step_reference_fits_an_80gb_device_at_its_gpu_sizes():
+def test_train_step_reference_fits_an_80gb_device_at_its_gpu_sizes(monkeypatch):
     """At the sizes the benchmark generates for a GPU, one [96, L, V] batch plans ~100 GB (the issue's four fp32
     [B, L, V] tensors of ~26.5 GB); the micro-batched reference plans within 80 GB, and a device too small for one
     row skips with the reason."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # the suites import their neighbour _bench_utils
     from bench.bench_train_step import (
         FULL_GPU,
         REFERENCE_MEMORY_FRACTION,
@@ -173,11 +174,12 @@ def test_gpu_check_writes_each_stage_as_it_finishes(tmp_path, monkeypatch):
 STAGES = ["gpu_tests", "demo", "distributed", "benchmarks", "weight_sync"]
 
 
-def _dry_run(tmp_path, gpus: int) -> dict:
+def _dry_run(tmp_path, gpus: int, memory_gb: float = 80) -> dict:
     import json as _json
 
     r = subprocess.run([sys.executable, "bench/gpu_check.py", "--dry-run", "--gpus", str(gpus), "--out",
-                        str(tmp_path)], cwd=ROOT, env=_clean_env(), capture_output=True, text=True, timeout=300)
+                        str(tmp_path), "--memory-gb", str(memory_gb)], cwd=ROOT, env=_clean_env(),
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert list(tmp_path.iterdir()) == []  # a plan runs and writes nothing
     return _json.loads(r.stdout)["stages"]
@@ -241,7 +243,8 @@ def test_every_cuda_only_test_is_in_make_gpu_check():
     assert not missing, f"mark these @pytest.mark.gpu: {missing}"
 
 
-def test_bench_generate_runs_on_the_chosen_device():
+def test_bench_generate_runs_on_the_chosen_device(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # the suites import their neighbour _bench_utils
     # bench_generate ran on the CPU on every machine; now model and prompts go to bench_device() (CUDA when there
     # is one). "meta" stands in for the GPU here: everything the benchmark feeds the engine lands on it.
     from bench.bench_generate import SMOKE, bench_device, build_setup
@@ -249,3 +252,49 @@ def test_bench_generate_runs_on_the_chosen_device():
     model, prompts, _ = build_setup(SMOKE, "meta")
     assert prompts.device.type == "meta" and {p.device.type for p in model.parameters()} == {"meta"}
     assert bench_device() == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_dry_run_sizes_every_benchmark_case_against_the_device_memory(tmp_path, monkeypatch):
+    """Every case the benchmark stage launches at its CUDA sizes is planned with its peak device bytes (issue 26,
+    "Done when"): at 80 GB each fits or is marked skipped with a reason; at 8 GB the [T, V]-materialising
+    references and the big train step are marked. The run skips by the same per-suite sizing function."""
+    import bench.gpu_check as gc
+
+    def cases(plan: dict) -> dict[str, dict]:
+        return {f"{f}::{c['case']}": c for f, rows in plan["cases"].items() if isinstance(rows, list) for c in rows}
+
+    big = _dry_run(tmp_path, gpus=1, memory_gb=80)["benchmarks"]
+    assert big["memory_gb"] == 80
+    sized = {f for f, rows in big["cases"].items() if isinstance(rows, list)}
+    assert sized >= {"bench/bench_logprobs.py", "bench/bench_policy_loss.py", "bench/bench_train_step.py",
+                     "bench/bench_packing.py", "bench/bench_generate.py"}
+    assert all(rows.startswith("not sized: ") for f, rows in big["cases"].items() if f not in sized)
+    at80 = cases(big)
+    for name, c in at80.items():
+        assert c["bytes"] <= 0.9 * 80e9 or c.get("skipped"), name
+    assert set(big["does_not_fit"]) == {n for n, c in at80.items() if "skipped" in c}
+    # the case list is the suite's parametrisation at CUDA sizes (6 providers x 2 modes x 4 sizes, from logits)
+    assert sum("test_logprobs_from_logits[" in n for n in at80) == 48
+    ref = "bench/bench_logprobs.py::test_logprobs_from_logits[torch-full-cuda-T16384-V151936]"
+    assert at80[ref]["bytes"] >= 20 * 16384 * 151936  # bf16 input + grad, four fp32 [T, V] in the backward
+    ours = "bench/bench_logprobs.py::test_logprobs_from_logits[ours-full-cuda-T16384-V151936]"
+    assert at80[ours]["bytes"] < at80[ref]["bytes"] / 4
+
+    small = _dry_run(tmp_path, gpus=1, memory_gb=8)["benchmarks"]
+    at8 = cases(small)
+    for name in (ref, "bench/bench_policy_loss.py::test_policy_loss_from_logits[torch-full-cuda-V151936]",
+                 "bench/bench_policy_loss.py::test_policy_loss_from_hidden[torch-fwd-cuda-H4096]",
+                 "bench/bench_train_step.py::test_train_step[ours]"):
+        assert "7.2 GB" in at8[name]["skipped"] and name in small["does_not_fit"], name
+    assert "skipped" not in at8[ours.replace("T16384", "T4096").replace("V151936", "V32000")]
+
+    # the run's skip and the plan come from the same function: a case over the device memory skips with its reason
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import _bench_utils as bu
+    from bench_logprobs import case_bytes
+
+    monkeypatch.setattr(bu, "device_memory_bytes", lambda: 8e9)
+    with pytest.raises(pytest.skip.Exception, match="more than 7.2 GB"):
+        bu.skip_unless_fits(case_bytes("logits", "torch", "full", (16384, 151936, torch.bfloat16)))
+    bu.skip_unless_fits(case_bytes("logits", "ours", "full", (4096, 32000, torch.bfloat16)))  # fits: no skip
+    assert "bench/bench_rl_vs_trl.py" not in gc.benchmark_files()  # no test in it: pytest would exit 5
