@@ -156,8 +156,24 @@ def _fill_for(dtype: torch.dtype, fill: float) -> float | int | bool:
     return int(fill)
 
 
-def _block_d(D: int) -> int:
-    return min(triton.next_power_of_2(max(D, 1)), 256)
+# One program of _pack_kernel / _unpack_kernel copies [BLOCK_T, BLOCK_D] tiles. Its registers hold the tile's
+# int64 addresses (8 B per element whatever the dtype) besides the data, so the tile size, not the dtype, decides
+# spills: at 4 warps, 64 x 64 and larger tiles spill when D is not a multiple of 16 (no 16-byte loads), and
+# 64 x 256 tiles for 4- and 8-byte elements even when it is; tiles of 2048 elements (16 per thread) spill in
+# none (ptxas for sm_90: tests/test_kernel_spills.py). Wide rows take fewer tokens per program; narrow ones
+# (D = 1: ids, masks) keep 64. A copy needs no more bytes in flight per program: other programs fill the SM.
+_COPY_TILE_ELEMS = 2048
+_COPY_BLOCK_T = 64
+_COPY_WARPS = 4
+# Tokens per program of _layout_kernel and _broadcast_kernel (one int64 element each, 2 per thread at 4 warps).
+_TOKEN_BLOCK = 256
+
+
+def _copy_tiles(D: int) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_D, num_warps) of a pack/unpack launch over rows of D elements (the copy is the same at any
+    tiling: only speed and registers depend on it)."""
+    block_d = min(triton.next_power_of_2(max(D, 1)), 256)
+    return min(_COPY_BLOCK_T, _COPY_TILE_ELEMS // block_d), block_d, _COPY_WARPS
 
 
 def _check_padded(padded: torch.Tensor, lens: list[int]) -> None:
@@ -185,9 +201,10 @@ def _pack_fwd(padded: torch.Tensor, lens: list[int], total: int, fill: float) ->
         D = int(torch.Size(padded.shape[2:]).numel())
         len_t = torch.tensor(lens, dtype=torch.int32, device=padded.device)
         cu = cu_seqlens_from_lengths(lens, padded.device)
-        BLOCK_T = 64
+        BLOCK_T, BLOCK_D, warps = _copy_tiles(D)
         _pack_kernel[(B, triton.cdiv(L, BLOCK_T))](
-            _kernel_view(padded), _kernel_view(flat), len_t, cu, L, D, BLOCK_T=BLOCK_T, BLOCK_D=_block_d(D)
+            _kernel_view(padded), _kernel_view(flat), len_t, cu, L, D, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
+            num_warps=warps,
         )
     else:
         keep = torch.arange(L, device=padded.device)[None, :] < torch.tensor(lens, device=padded.device)[:, None]
@@ -204,11 +221,11 @@ def _unpack_fwd(flat: torch.Tensor, lens: list[int], max_len: int, fill: float) 
         D = int(torch.Size(flat.shape[1:]).numel())
         len_t = torch.tensor(lens, dtype=torch.int32, device=flat.device)
         cu = cu_seqlens_from_lengths(lens, flat.device)
-        BLOCK_T = 64
+        BLOCK_T, BLOCK_D, warps = _copy_tiles(D)
         _unpack_kernel[(B, triton.cdiv(max_len, BLOCK_T))](
             _kernel_view(flat), _kernel_view(padded), len_t, cu, max_len, D,
             FILL=_fill_for(torch.uint8 if flat.dtype == torch.bool else flat.dtype, fill),
-            BLOCK_T=BLOCK_T, BLOCK_D=_block_d(D),
+            BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, num_warps=warps,
         )
     else:
         padded.fill_(_fill_for(flat.dtype, fill))
@@ -302,9 +319,8 @@ def packed_layout(cu_seqlens: torch.Tensor, total: int | None = None) -> tuple[t
     if N == 0:
         return pos, seq
     if backend_for(cu_seqlens) == "triton":
-        BLOCK = 256
-        _layout_kernel[(triton.cdiv(N, BLOCK),)](cu_seqlens, pos, seq, N, S, N_ITERS=max(S, 1).bit_length(),
-                                                 BLOCK=BLOCK)
+        _layout_kernel[(triton.cdiv(N, _TOKEN_BLOCK),)](cu_seqlens, pos, seq, N, S,
+                                                        N_ITERS=max(S, 1).bit_length(), BLOCK=_TOKEN_BLOCK)
     else:
         cu = cu_seqlens.long()
         i = torch.arange(N, device=dev)
@@ -324,9 +340,8 @@ class _Broadcast(torch.autograd.Function):
         if N == 0:
             return out
         if backend_for(values) == "triton":
-            BLOCK = 256
-            _broadcast_kernel[(triton.cdiv(N, BLOCK),)](values, seq_index, out, N,
-                                                        FILL=_fill_for(values.dtype, fill), BLOCK=BLOCK)
+            _broadcast_kernel[(triton.cdiv(N, _TOKEN_BLOCK),)](values, seq_index, out, N,
+                                                               FILL=_fill_for(values.dtype, fill), BLOCK=_TOKEN_BLOCK)
         else:
             valid = seq_index >= 0
             out.copy_(torch.where(valid, values[seq_index.clamp(min=0)], _fill_for(values.dtype, fill)))
