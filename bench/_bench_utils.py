@@ -67,6 +67,15 @@ def skip_unless_fits(nbytes: int) -> None:
         pytest.skip(why)
 
 
+def planned_suite_cases(memory_bytes: float, suites, case_bytes) -> list[dict]:
+    """Every case of a provider x mode x size suite at its CUDA sizes, with its planned bytes (`case_bytes(op,
+    provider, mode, shape)`) against `memory_bytes`. suites: (op, sizes {id: (device, shape)}, providers, test name)."""
+    return [plan_entry(f"{test}[{provider}-{mode}-{size}]", case_bytes(op, provider, mode, shape), memory_bytes)
+            for op, sizes, providers, test in suites
+            for size, (device, shape) in sizes.items() if device == "cuda"
+            for provider in providers for mode in ("fwd", "full")]
+
+
 def plan_entry(case: str, nbytes: int, memory_bytes: float) -> dict:
     """One line of a dry-run plan: the case, its planned bytes, and the skip reason where it does not fit."""
     entry: dict = {"case": case, "bytes": int(nbytes), "GB": round(nbytes / 1e9, 2)}

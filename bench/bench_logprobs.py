@@ -38,7 +38,7 @@ import time
 
 import pytest
 import torch
-from _bench_utils import TOKEN_VECTOR_BYTES, _backend_ctx, _device, _shape, _sync, plan_entry, skip_unless_fits
+from _bench_utils import TOKEN_VECTOR_BYTES, _backend_ctx, _device, _shape, _sync, planned_suite_cases, skip_unless_fits
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -121,17 +121,9 @@ def case_bytes(op: str, provider: str, mode: str, shape: tuple) -> int:
 
 def planned_cases(memory_bytes: float) -> list[dict]:
     """Every case this file runs at its CUDA sizes, with its planned bytes against `memory_bytes`."""
-    out = []
-    for op, sizes, providers, test in (("logits", LOGITS_SIZES, LOGITS_PROVIDERS, "test_logprobs_from_logits"),
-                                       ("hidden", HIDDEN_SIZES, HIDDEN_PROVIDERS, "test_logprobs_from_hidden")):
-        for size, (device, shape) in sizes.items():
-            if device != "cuda":
-                continue
-            for provider in providers:
-                for mode in ("fwd", "full"):
-                    out.append(plan_entry(f"{test}[{provider}-{mode}-{size}]",
-                                          case_bytes(op, provider, mode, shape), memory_bytes))
-    return out
+    return planned_suite_cases(memory_bytes, (
+        ("logits", LOGITS_SIZES, LOGITS_PROVIDERS, "test_logprobs_from_logits"),
+        ("hidden", HIDDEN_SIZES, HIDDEN_PROVIDERS, "test_logprobs_from_hidden")), case_bytes)
 
 
 def copy_call(nbytes: int, device: str):

@@ -14,6 +14,7 @@ import warnings
 
 import pytest
 import trio
+from engine_support import digit_fraction
 
 from engines.sglang import SGLangEngine
 from engines.tiny import build_tokenizer, tiny_model_config
@@ -26,13 +27,6 @@ from trainer.weight_sync import WeightSyncSender
 
 ENGINE_SEED = 2  # for the shared `engine` fixture (tests/conftest.py)
 TOK = build_tokenizer()
-DIGITS = {TOK.convert_tokens_to_ids(c) for c in "0123456789"}
-
-
-def digit_fraction(sample):
-    resp = sample.tokens[sample.prompt_length:]
-    return sum(t in DIGITS for t in resp) / max(len(resp), 1)
-
 
 class Jittered:
     """An engine client whose generate requests leave after a random delay (0-20 ms) from its own generator."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from engine_support import digit_fraction
 
 import trainer.rl as rl
 from engines.local import LocalEngine
@@ -22,14 +23,8 @@ from trainer.rollout.data import DataBuffer, load_jsonl
 from trainer.weight_sync import WeightSyncSender
 
 TOK = build_tokenizer()
-DIGITS = {TOK.convert_tokens_to_ids(c) for c in "0123456789"}
 NUM_STEPS = 4
 TRAIN_ON_BATCH = rl.train_on_batch  # the real step, before any test wraps it
-
-
-def digit_fraction(sample):
-    resp = sample.tokens[sample.prompt_length:]
-    return sum(t in DIGITS for t in resp) / max(len(resp), 1)
 
 
 @pytest.fixture(autouse=True)

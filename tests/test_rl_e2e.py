@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+from engine_support import digit_fraction
 
 from engines.sglang import SGLangEngine
 from engines.tiny import build_tokenizer, tiny_model_config
@@ -23,12 +24,6 @@ from trainer.types import RolloutBatch, Sample, Status
 from trainer.weight_sync import WeightSyncSender
 
 TOK = build_tokenizer()
-DIGITS = {TOK.convert_tokens_to_ids(c) for c in "0123456789"}
-
-
-def digit_fraction(sample):
-    resp = sample.tokens[sample.prompt_length:]
-    return sum(t in DIGITS for t in resp) / max(len(resp), 1)
 
 
 @pytest.fixture(autouse=True)
