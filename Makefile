@@ -46,7 +46,8 @@ bench: $(STAMP)
 	$(BIN)/python -m pytest bench -q --benchmark-only --benchmark-columns=min,median,max
 
 # Kernel regression gate (bench/gate.py): bench-save stores this device's baseline under bench/results/baselines/;
-# bench-check fails when median(ours) / median(torch reference) of a case is > 15 % above the baseline's.
+# bench-check fails when median(ours) / median(torch reference) of a case is above the baseline's by more than its
+# limit (15 %, more for a case whose blocks disagree: bench/gate.py).
 bench-save: $(STAMP)
 	$(BIN)/python bench/gate.py save
 

@@ -123,3 +123,34 @@ def test_a_case_without_its_reference_is_an_error():
         gate.normalised(run)
     run["benchmarks"].pop(0)
     assert gate.normalised(run)["b"].value == statistics.median([3.0 / 4.0])
+
+
+def _blocked_run(ratios_by_case: dict[str, list[float]]) -> dict:
+    """A pytest-benchmark document whose case c has block b with torch median 1.0 and ours median ratios[b]."""
+    benches = []
+    for case, ratios in ratios_by_case.items():
+        for b, r in enumerate(ratios):
+            for impl, median in (("torch", 1.0), ("ours", r)):
+                benches.append({"fullname": f"t[{case}-b{b}-{impl}]", "stats": {"median": median},
+                                "extra_info": {"case": case, "impl": impl, "block": b}})
+    return {"benchmarks": benches}
+
+
+def test_the_limit_grows_with_the_spread_of_a_cases_blocks():
+    """A case whose blocks disagree by ~20 % (a loaded machine) may move by more than 15 % between checks of the
+    same tree without failing; a quiet case may not; a 2x slowdown fails either way."""
+    noisy = [1.0, 1.2, 0.8, 1.25, 0.78]  # median 1.0, relative MAD 0.2
+    quiet = [1.0, 1.01, 0.99, 1.0, 1.005]
+    base = gate.normalised(_blocked_run({"noisy": noisy, "quiet": quiet}))
+    assert base["noisy"].value == 1.0 and base["noisy"].spread == pytest.approx(0.2)
+    assert base["quiet"].spread == pytest.approx(0.005)
+    shifted = _blocked_run({"noisy": [r * 1.2 for r in noisy], "quiet": [r * 1.2 for r in quiet]})
+    results = {r.case: r for r in gate.compare(_blocked_run({"noisy": noisy, "quiet": quiet}), shifted)}
+    assert results["noisy"].change == pytest.approx(0.2) and results["quiet"].change == pytest.approx(0.2)
+    assert results["noisy"].limit == pytest.approx(3 * (0.2 ** 2 + 0.2 ** 2) ** 0.5)  # ~0.85: within the noise
+    assert results["quiet"].limit == gate.THRESHOLD  # the spread is below the floor
+    assert gate.regressions(list(results.values())) == ["quiet"]
+    doubled = _blocked_run({"noisy": [r * 2 for r in noisy], "quiet": quiet})
+    assert gate.regressions(gate.compare(_blocked_run({"noisy": noisy, "quiet": quiet}), doubled)) == ["noisy"]
+    report = gate.format_report(gate.compare(_blocked_run({"noisy": noisy, "quiet": quiet}), doubled))
+    assert "REGRESSED (> +85%)" in report and "ok (limit +15%)" in report
