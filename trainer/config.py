@@ -400,17 +400,90 @@ class BackendConfig(ParallelConfig):
 
 
 @dataclasses.dataclass(frozen=True)
-class EvalConfig:
-    """[eval]: greedy evaluation on [data].eval (one temperature-0 sample per prompt): accuracy and mean reward."""
+class EvalSetConfig:
+    """One [[eval.sets]] entry: a held-out set scored on its own (logged as eval/<name>/...).
 
+    The field-name keys (prompt_key, answer_key, system_prompt, split) and the reward default to [data]'s.
+    """
+
+    name: str = ""  # the set's name in the metrics (eval/<name>/accuracy); unique among the sets
+    path: Any = None  # a data file or save_to_disk folder, or a list of {path, ...} tables, as [data].eval
+    reward: str | None = None  # None: [data].reward
+    reward_timeout_s: float | None = None  # None: [data].reward_timeout_s
+    prompt_key: str | None = None  # None: [data].prompt_key
+    answer_key: str | None = None  # None: [data].answer_key
+    system_prompt: str | None = None  # None: [data].system_prompt
+    split: str | None = None  # None: [data].split
+    limit: int | None = None  # None: [eval] limit
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.name, str) and bool(self.name) and "/" not in self.name, "name",
+               f"{self.name!r}: give each [[eval.sets]] a non-empty name without '/'")
+        _check(self.path is not None, "path", f"set {self.name!r} has no path; give a data file or folder")
+        _check(self.limit is None or self.limit >= 0, "limit", f"must be >= 0 or unset, got {self.limit!r}")
+
+    def mapping(self, data: DataConfig) -> dict[str, Any]:
+        """[data]'s field-name keys with this set's own on top."""
+        own = {k: getattr(self, k) for k in ("prompt_key", "answer_key", "system_prompt", "split")
+               if getattr(self, k) is not None}
+        return {**data.mapping(), **own}
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """[eval]: evaluation on held-out sets, before and after each phase and every `every` steps during it.
+
+    The sets: [data].eval (named "eval") and every [[eval.sets]] entry. Per set: greedy accuracy and mean reward
+    (one temperature-0 sample per prompt) and, with k > 0, pass@j (the unbiased estimator, for j = 1, 2, 4, ..., k)
+    and avg@k (mean correctness) over k samples per prompt at `temperature`, seeded from the run's seed.
+    """
+
+    every: int = 0  # evaluate every N steps of each phase, after the weight sync (0: before and after the phases only)
+    sets: tuple[Any, ...] = ()  # [[eval.sets]] tables (EvalSetConfig): more held-out sets besides [data].eval
     max_new_tokens: int | None = None  # None: [rl.rollout] max_new_tokens
-    limit: int = 0  # evaluate the first `limit` prompts (0: all of them)
+    limit: int = 0  # evaluate the first `limit` prompts of each set (0: all of them)
     max_reward: float = 1.0  # a sample is correct when its reward reaches this (unless the reward says "correct")
+    k: int = 0  # sampled answers per prompt for pass@k / avg@k (0: greedy only)
+    temperature: float = 1.0  # the sampled answers' temperature (eval only; training keeps [rl.rollout]'s)
+    seed: int = 0  # the sampled answers' seeds derive from it (from a run file: the run's seed unless set here)
 
     def __post_init__(self) -> None:
         _check(self.max_new_tokens is None or self.max_new_tokens > 0, "max_new_tokens",
                f"must be > 0 or unset, got {self.max_new_tokens!r}")
-        _non_negative(self, "limit")
+        _non_negative(self, "limit", "every", "k")
+        _check(self.temperature > 0, "temperature", f"must be > 0 (greedy is always measured), got {self.temperature}")
+        sets = tuple(s if isinstance(s, EvalSetConfig) else config_from_dict(EvalSetConfig, s, "eval.sets")
+                     for s in self.sets)
+        names = [s.name for s in sets]
+        _check(len(set(names)) == len(names) and "eval" not in names, "sets",
+               f"set names {names} must be unique and not \"eval\" ([data].eval's)")
+        object.__setattr__(self, "sets", sets)
+
+
+LOGGING_BACKENDS = ("jsonl", "tensorboard", "wandb")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    """[logging]: where a run's metrics go, and which steps' rollouts are written out for inspection.
+
+    Every backend gets every metric with its step; the run's config is recorded once per backend. JSONL:
+    <phase output_dir>/metrics.jsonl (always written). TensorBoard: <output_dir>/tensorboard/<phase>. Weights &
+    Biases: <output_dir>/wandb, offline unless an API key is configured (WANDB_MODE, when set, decides).
+    """
+
+    backends: tuple[str, ...] = ("jsonl",)  # any of "jsonl", "tensorboard", "wandb"
+    project: str = "rlkernels"  # the W&B project
+    run_name: str | None = None  # the W&B run / TensorBoard run name (None: the run's name)
+    rollouts_every: int = 0  # write every N-th RL step's samples to <rl output_dir>/rollouts/ (0: never)
+    table_rows: int = 3  # samples per rollout table sent to backends that show tables (best, median, worst reward)
+
+    def __post_init__(self) -> None:
+        bad = [b for b in self.backends if b not in LOGGING_BACKENDS]
+        _check(not bad, "backends", f"{bad}: choose from {LOGGING_BACKENDS}")
+        _check("jsonl" in self.backends, "backends",
+               f"{list(self.backends)}: keep \"jsonl\" (the plot, the summary and --resume read metrics.jsonl)")
+        _non_negative(self, "rollouts_every", "table_rows")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -432,7 +505,8 @@ class RunConfig:
     sft: SFTTrainingConfig = dataclasses.field(default_factory=SFTTrainingConfig)  # [sft], [sft.optim]
     rl: RLTrainingConfig = dataclasses.field(default_factory=RLTrainingConfig)  # [rl], [rl.optim/loss/rollout]
     trainer: BackendConfig = dataclasses.field(default_factory=BackendConfig)  # [trainer]
-    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)  # [eval]
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)  # [eval], [[eval.sets]]
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)  # [logging]
 
     def __post_init__(self) -> None:
         hints = _hints(RunConfig)
