@@ -287,3 +287,68 @@ def block_causal_mask_reference(seq_index: list[int]) -> torch.Tensor:
         for j in range(i + 1):
             mask[i, j] = seq_index[i] == seq_index[j]
     return mask
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GAE and the clipped value loss (kernels/gae.py)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _gae_sequence_ref(rewards: list[float], values: list[float], mask: list[bool], gamma: float,
+                      lam: float) -> tuple[list[float], list[float]]:
+    """GAE of one sequence, walking its tokens backwards. Tokens with mask 0 are skipped: the recursion carries the
+    next trained token's value and advantage across them, and they get advantage and return 0. The last trained
+    token bootstraps from 0 (terminal)."""
+    T = len(rewards)
+    advantages, returns = [0.0] * T, [0.0] * T
+    next_value, next_advantage = 0.0, 0.0
+    for t in reversed(range(T)):
+        if not mask[t]:
+            continue
+        delta = rewards[t] + gamma * next_value - values[t]
+        advantage = delta + gamma * lam * next_advantage
+        advantages[t], returns[t] = advantage, advantage + values[t]
+        next_value, next_advantage = values[t], advantage
+    return advantages, returns
+
+
+def gae_reference(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float, lam: float,
+                  cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns) float64: padded [B, T] inputs (rows are sequences), or packed [N] with cu_seqlens
+    [S+1] (tokens past cu_seqlens[-1] get 0). A plain loop over sequences and their tokens."""
+    r, v, m = rewards.double(), values.double(), mask.bool()
+    advantages, returns = torch.zeros_like(r), torch.zeros_like(r)
+    for idx in sequence_slices_ref(r, cu_seqlens):
+        a, g = _gae_sequence_ref(r[idx].tolist(), v[idx].tolist(), m[idx].tolist(), gamma, lam)
+        advantages[idx] = torch.tensor(a, dtype=torch.float64)
+        returns[idx] = torch.tensor(g, dtype=torch.float64)
+    return advantages, returns
+
+
+def value_loss_reference(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+                         *, clip: float | None, agg: str = "token-mean", num_tokens=None) -> torch.Tensor:
+    """PPO's clipped value loss in float64, token by token: ½ max((v − R)², (clip(v, old − c, old + c) − R)²)
+    (½ (v − R)² without a clip), then the token mean (over num_tokens, default the masked tokens) or the mean over
+    rows of each row's token mean ([B, T] only). Differentiable w.r.t. `values` (pass a float64 leaf)."""
+    flat_v, flat_old = values.reshape(-1, values.shape[-1]), old_values.reshape(-1, values.shape[-1])
+    flat_r, flat_m = returns.reshape(-1, values.shape[-1]).double(), mask.reshape(-1, values.shape[-1]).bool()
+    total, n_tok, row_means = 0.0, 0, []
+    for b in range(flat_v.shape[0]):
+        row_total, row_tok = 0.0, 0
+        for t in range(flat_v.shape[1]):
+            if not flat_m[b, t]:
+                continue
+            v, old, ret = flat_v[b, t].double(), flat_old[b, t].double(), flat_r[b, t]
+            loss = 0.5 * (v - ret) ** 2
+            if clip is not None:
+                v_clipped = old + torch.clamp(v - old, -clip, clip)
+                loss = torch.maximum(loss, 0.5 * (v_clipped - ret) ** 2)
+            row_total, row_tok = row_total + loss, row_tok + 1
+        total, n_tok = total + row_total, n_tok + row_tok
+        row_means.append(row_total / max(row_tok, 1))
+    if agg == "token-mean":
+        denominator = max(n_tok, 1) if num_tokens is None else float(num_tokens)
+        return torch.as_tensor(total / denominator, dtype=torch.float64)
+    if agg == "seq-mean-token-mean":
+        return torch.as_tensor(sum(row_means) / len(row_means), dtype=torch.float64)
+    raise ValueError(f"agg={agg!r}")
