@@ -203,13 +203,16 @@ def test_sft_plus_rl_end_to_end_through_the_cli(tmp_path):
         assert 0.0 <= summary[key] <= 1.0
     assert summary["accuracy_before_sft"] == 0.0  # a random model does not add numbers
     assert (out / "rl.png").stat().st_size > 10_000 and (out / "sft.png").is_file()
-    assert len((out / "rl" / "metrics.jsonl").read_text().splitlines()) == 2
+    rows = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]  # step 0: the evaluation of the SFT weights RL starts from
+    assert rows[0]["eval/eval/accuracy"] == summary["accuracy_after_sft"] and "loss" not in rows[0]
+    assert rows[2]["eval/eval/accuracy"] == summary["accuracy_after_rl"]
     assert "| after RL |" in proc.stdout
     # Run again without --resume: it starts over instead of appending to the previous run's metrics.
     again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "starting over" in again.stdout
-    assert len((out / "rl" / "metrics.jsonl").read_text().splitlines()) == 2
+    assert len((out / "rl" / "metrics.jsonl").read_text().splitlines()) == 3
 
 
 @pytest.mark.distributed
@@ -229,8 +232,8 @@ def test_torchrun_two_ranks_share_rollouts_and_sync_from_rank0(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["sft_steps"] == 10 and summary["rl_steps"] == 2
     rows = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]  # rank 0 logs once per step
-    assert all(r["verify_sync_max_abs_diff"] <= 1e-5 for r in rows)  # engine == 2-rank FSDP2 trainer
+    assert [r["step"] for r in rows] == [0, 1, 2]  # rank 0 logs once per step (step 0: the first evaluation)
+    assert all(r["verify_sync_max_abs_diff"] <= 1e-5 for r in rows[1:])  # engine == 2-rank FSDP2 trainer
     assert proc.stdout.count("| after RL |") == 1
 
 
@@ -249,7 +252,7 @@ def test_sigint_writes_a_checkpoint_and_resume_finishes_the_run(tmp_path):
     metrics = out / "rl" / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:  # the step-0 evaluation and 2 steps
             break
         time.sleep(0.05)
     assert proc.poll() is None, "the run ended before it could be interrupted"

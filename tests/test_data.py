@@ -125,13 +125,12 @@ def test_characters_outside_the_vocabulary_are_counted_and_warned_once():
 def test_the_cli_warns_about_unknown_characters_of_the_eval_set(tmp_path):
     from pathlib import Path
 
-    from trainer.cli import _evaluator, _Run, load_run_config, phase_configs
+    from trainer.cli import load_run_config
+    from trainer.evaluation import eval_sets
 
     root = Path(__file__).resolve().parents[1]
     data = tmp_path / "eval.jsonl"
     data.write_text('{"prompt": "1+1=€", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"}\n')
     cfg = load_run_config(root / "configs" / "demo.toml", [f'data.eval="{data}"'])
-    r = _Run(mode="rl", cfg=cfg, phases=phase_configs(cfg), model_folder=tmp_path, tokenizer=_char_tokenizer_with_unk(),
-             is_main=True, resume=False, summary={})
     with pytest.warns(UserWarning, match=r"\[data\]\.eval: 1 characters are outside .*most common: '€' x1\)"):
-        _evaluator(r, [])
+        eval_sets(cfg, tokenizer=_char_tokenizer_with_unk())

@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import trio
 
 from engines.protocol import InferenceEngine
 from trainer.backend.steps import TrainerConfig
@@ -50,11 +49,12 @@ from trainer.config import (
     config_from_dict,
 )
 from trainer.config_reference import check_key_path, to_toml
+from trainer.evaluation import evaluate  # noqa: F401  (trainer.cli.evaluate: where callers have found it)
 
 if TYPE_CHECKING:
     from trainer.weight_sync import WeightSync
 
-MODES = ("sft", "rl", "sft+rl", "demo", "export")
+MODES = ("sft", "rl", "sft+rl", "demo", "export", "generate", "replay")
 
 
 # ----------------------------------------------------------------------------------------------- config
@@ -126,11 +126,24 @@ def load_run_config(path: str | Path, overrides: Sequence[str] = (), mode: str |
         cfg = config_from_dict(RunConfig, table, "")
         phase_configs(cfg)  # the step functions' own checks (token_budget >= micro_batch_buckets)
         _check_engines(cfg.engines)
+        _check_tracking(cfg)
         if mode is not None:
             _check_inputs(cfg, mode)
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(f"{path}: {e}") from e
     return cfg
+
+
+def _check_tracking(cfg: RunConfig) -> None:
+    """The [logging] backends' packages are installed, and evaluation steps are weight-sync steps (an evaluation
+    between syncs would score older weights, or need a sync of its own that changes what the engines generate)."""
+    from trainer.tracking import check_backends
+
+    check_backends(cfg.logging.backends)
+    every, sync = cfg.eval.every, cfg.rl.sync_every
+    if every and every % sync:
+        raise ValueError(f"[eval] every = {every}: evaluation runs right after a weight sync, and [rl] sync_every = "
+                         f"{sync}; make every a multiple of {sync}")
 
 
 def _check_engines(engines: EnginesConfig) -> None:
@@ -153,12 +166,12 @@ def _check_inputs(cfg: RunConfig, mode: str) -> None:
             check_tokenizer_files(cfg.model.path)
         except FileNotFoundError as e:
             raise FileNotFoundError(f"[model].path = {e}") from None
-    if mode == "export":  # reads a checkpoint, no data
+    if mode in ("export", "replay"):  # read a checkpoint / written rollouts, no data
         return
     data = cfg.data
     if data.train is None:
         raise ValueError("[data].train: give a prompt data set (JSON/JSONL/parquet file or save_to_disk folder)")
-    needs = ("eval", "train") if mode == "rl" else ("eval", "sft", "train")
+    needs = ("eval", "train") if mode in ("rl", "generate") else ("eval", "sft", "train")
     for key in needs:
         if getattr(data, key) is None:
             continue
@@ -170,6 +183,13 @@ def _check_inputs(cfg: RunConfig, mode: str) -> None:
             raise ValueError(f"[data].reward: mode {mode!r} scores samples; name the reward function, e.g. "
                              f"reward = \"arithmetic\" or reward = \"my_package.rewards:score\"")
         load_reward_fn(data.reward)
+    for s in cfg.eval.sets:  # [[eval.sets]]: their files and rewards ([data]'s when unset)
+        for spec in data_specs(s.path, s.mapping(data), where=f"[[eval.sets]] {s.name!r}"):
+            if not Path(spec.path).exists():
+                raise FileNotFoundError(f"[[eval.sets]] {s.name!r}: {spec.path!r}: no such file or folder")
+        if (s.reward or data.reward) is None:
+            raise ValueError(f"[[eval.sets]] {s.name!r}: no reward; set its reward or [data].reward")
+        load_reward_fn(s.reward or data.reward)
     _check_data(cfg, mode)
 
 
@@ -179,7 +199,7 @@ def data_roles(mode: str, data: DataConfig) -> dict[str, Any]:
     roles = {}
     if mode in ("sft", "sft+rl", "demo"):
         roles["sft"] = data.train if data.sft is None else data.sft
-    if mode in ("rl", "sft+rl", "demo"):
+    if mode in ("rl", "sft+rl", "demo", "generate"):
         roles["train"] = data.train
     if data.eval is not None:
         roles["eval"] = data.eval
@@ -422,63 +442,7 @@ def cores_left_to_trainer(cfg: RunConfig):
         torch.set_num_threads(before)
 
 
-# ----------------------------------------------------------------------------------------------- evaluation
-def evaluate(engines: Sequence[InferenceEngine], prompts: Sequence[Any], *, tokenizer: Any, reward_fn: Any,
-             max_new_tokens: int, chat: bool = True, max_reward: float = 1.0,
-             reward_timeout_s: float | None = DataConfig.reward_timeout_s, rollout: Any = None) -> dict[str, float]:
-    """Greedy evaluation (one temperature-0 sample per prompt) served by the first engine (an engine object, built
-    by engines.registry like every other): {"reward_mean", "accuracy", "n", "failed"}.
-
-    accuracy is the fraction of samples that are correct: the reward's own verdict where it returns one
-    ({"reward": r, "correct": bool}), else reward >= `max_reward` (the reward's maximum; 1.0 for the built-ins).
-    Samples whose reward function raised, or outlasted `reward_timeout_s`, count as wrong with reward 0 (their
-    errors are printed as they happen). With a `rollout` config that names an env, tools or a rollout_fn, each
-    prompt is one greedy multi-turn episode of it (trainer.rollout.episodes), scored as in training.
-    """
-    from engines.protocol import SamplingParams
-    from trainer.rollout.rewards import acompute_reward, describe_failure, load_reward_fn, with_timeout
-    from trainer.rollout.samples import prompt_token_ids, stop_token_ids
-    from trainer.types import Sample, Status
-
-    ids = [prompt_token_ids(tokenizer, p.prompt, chat=chat, system=p.system) for p in prompts]
-    stop = tuple(stop_token_ids(tokenizer, chat=chat))
-    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=stop)
-    if not engines or isinstance(engines[0], str):
-        raise TypeError(f"evaluate: engines = {list(engines)[:1]!r}: give engine objects (engines.registry.build_engine"
-                        f" or trainer.cli.build_engines), not URLs")
-    engine = engines[0]
-    score = with_timeout(load_reward_fn(reward_fn), reward_timeout_s)
-
-    async def run():
-        if rollout is not None and (rollout.env or rollout.tools or rollout.rollout_fn):
-            from trainer.rollout.episodes import run_greedy_episodes
-
-            opening = [Sample(prompt=p.prompt, tokens=tuple(i), metadata={
-                **p.metadata, "answer": p.answer, "sample_index": 0,
-                **({"system_prompt": p.system} if p.system else {})}) for p, i in zip(prompts, ids)]
-            return await run_greedy_episodes(engine, opening, rollout, tokenizer=tokenizer,
-                                             max_new_tokens=max_new_tokens, score=score)
-        outs = await engine.generate(ids, params)
-        samples = [Sample(prompt=p.prompt, tokens=tuple(prompt_ids) + tuple(group[0].output_ids),
-                          response=tokenizer.decode(group[0].output_ids), response_length=len(group[0].output_ids),
-                          metadata={**p.metadata, "answer": p.answer}, status=Status.COMPLETED)
-                   for p, prompt_ids, group in zip(prompts, ids, outs)]
-        return [await acompute_reward(s, score) for s in samples]
-
-    scored = trio.run(run)
-    n_failed = sum(1 for s in scored if "reward_error" in s.metadata)
-    if n_failed == len(scored):
-        # The error itself, not "see above": an error printed once per process (an earlier evaluation, the rollouts)
-        # is not printed again.
-        raise RuntimeError(f"evaluation: the reward function failed on all {n_failed} samples; the first: "
-                           f"{describe_failure(scored[0])}")
-    n = max(len(scored), 1)
-    correct = [s.correct if s.correct is not None else (s.status != Status.FAILED and s.reward >= max_reward)
-               for s in scored]
-    return {"reward_mean": sum(s.reward or 0.0 for s in scored) / n, "accuracy": sum(correct) / n,
-            "n": len(scored), "failed": n_failed}
-
-
+# ----------------------------------------------------------------------------------------------- data
 def sft_examples(prompts: Sequence[Any], tokenizer: Any, fmt: str) -> list[Any]:
     """SFT examples from prompt/answer records.
 
@@ -527,6 +491,7 @@ def run(mode: str, cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     """Run `mode` end to end; returns the summary (also written to <output_dir>/summary.json on rank 0)."""
     from trainer.backend.export import start_folder
     from trainer.backend.steps import broadcast_from_rank0, init_distributed, mesh_device
+    from trainer.evaluation import Evaluator, eval_sets
 
     t_start = time.time()
     out = Path(cfg.output_dir)
@@ -544,25 +509,24 @@ def run(mode: str, cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
              tokenizer=model_tokenizer(model_folder), is_main=is_main, resume=resume,
              summary={"mode": mode, "config": cfg.name})
     rollout = r.phases.rl.rollout
-    # SFT alone needs engines only to evaluate (before and after, like the other modes).
-    needs_engines = mode != "sft" or cfg.data.eval is not None
+    # SFT alone needs engines only to evaluate (before, during and after, like the other modes).
+    needs_engines = mode != "sft" or has_eval_sets(cfg)
     engines_cm = (engines_for(cfg, model_folder, is_main=is_main, device=str(mesh_device(mesh.device_type)))
                   if needs_engines else contextlib.nullcontext([]))
     with engines_cm as fleet:
         fleet = broadcast_from_rank0(fleet)  # rank 0 started (or was given) the engines
         engines = build_engines(fleet, model_folder, api_key=cfg.engines.api_key,
                                 connect_timeout_s=rollout.connect_timeout_s, max_connections=rollout.max_concurrency)
-        evaluate_as = _evaluator(r, engines)
-        evaluate_as("before_rl" if mode == "rl" else "before_sft")
-        sft_components = _sft_phase(r) if mode in ("sft", "sft+rl", "demo") else None
-        if mode == "sft" and engines:
-            sender = build_sender(cfg, sft_components.model, engines)
-            sender.init_group()
-            sender.sync(weight_version=0)  # the engines serve the SFT weights
-            evaluate_as("after_sft")
-            sender.close()
+        sets = eval_sets(cfg, tokenizer=r.tokenizer) if is_main else []
+        evaluator = Evaluator(sets, engines, cfg, tokenizer=r.tokenizer, rollout=rollout)
+        sft_components, sender = None, None
+        if mode in ("sft", "sft+rl", "demo"):
+            sft_components, sender = _sft_phase(r, engines, evaluator)
         if mode in ("rl", "sft+rl", "demo"):
-            _rl_phase(r, engines, sft_components, evaluate_as)
+            _rl_phase(r, engines, sft_components, sender, evaluator)
+        elif sender is not None:
+            sender.close()
+    r.summary.update(evaluator.summary())
     r.summary["wall_seconds"] = round(time.time() - t_start, 1)
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -570,33 +534,26 @@ def run(mode: str, cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     return r.summary
 
 
-def _evaluator(r: _Run, engines: Sequence[InferenceEngine]) -> Callable[[str], None]:
-    """`evaluate_as(label)`: greedy evaluation on [data].eval, into the summary as accuracy_<label> and
-    reward_mean_<label> (rank 0; a no-op without an eval set or engines)."""
-    from trainer.rollout.data import config_prompts, warn_unknown_characters
-
-    data = r.cfg.data
-    prompts = config_prompts(data.eval, data.mapping(), where="[data].eval") if data.eval is not None else []
-    prompts = prompts[: r.cfg.eval.limit or None]
-    if r.is_main:
-        warn_unknown_characters(r.tokenizer, [p.prompt for p in prompts], where="[data].eval")
-    max_new_tokens = r.cfg.eval.max_new_tokens or r.phases.rl.rollout.max_new_tokens
-
-    def evaluate_as(label: str) -> None:
-        if r.is_main and prompts and engines:
-            got = evaluate(engines, prompts, tokenizer=r.tokenizer, reward_fn=data.reward,
-                           max_new_tokens=max_new_tokens, chat=data.format == "chat", max_reward=r.cfg.eval.max_reward,
-                           reward_timeout_s=data.reward_timeout_s, rollout=r.phases.rl.rollout)
-            r.summary[f"accuracy_{label}"] = got["accuracy"]
-            r.summary[f"reward_mean_{label}"] = got["reward_mean"]
-            print(f"[{label}] held-out: accuracy {got['accuracy']:.3f}, mean reward {got['reward_mean']:.3f} on "
-                  f"{got['n']} problems (greedy)", flush=True)
-
-    return evaluate_as
+def has_eval_sets(cfg: RunConfig) -> bool:
+    """Whether the run evaluates: a [data].eval set or an [[eval.sets]] entry (the same answer on every rank)."""
+    return cfg.data.eval is not None or bool(cfg.eval.sets)
 
 
-def _sft_phase(r: _Run) -> Any:
-    """SFT from the model folder; returns the trained TrainingComponents (RL continues from them in memory)."""
+def _logger(r: _Run, phase: str, phase_dir: str) -> Callable[[int], Any]:
+    """The phase's metrics logger, opened by the loop once it knows the step it starts after (resume)."""
+    from trainer.tracking import build_logger
+
+    text = to_toml(r.cfg)
+    return lambda keep_through: build_logger(
+        r.cfg.logging, phase=phase, phase_dir=Path(phase_dir), run_dir=Path(r.cfg.output_dir), run_name=r.cfg.name,
+        config_text=text, config=tomllib.loads(text), enabled=r.is_main, keep_through=keep_through)
+
+
+def _sft_phase(r: _Run, engines: Sequence[InferenceEngine], evaluator: Any) -> tuple[Any, WeightSync | None]:
+    """SFT from the model folder; returns the trained TrainingComponents (RL continues from them in memory) and the
+    weight-sync sender to the engines (None without engines), which evaluation during SFT syncs through."""
+    from trainer.backend.steps import build_components
+    from trainer.evaluation import Evaluation
     from trainer.plot import plot_metrics
     from trainer.rollout.data import config_prompts, warn_unknown_characters
     from trainer.sft import run_sft_training
@@ -607,44 +564,94 @@ def _sft_phase(r: _Run) -> Any:
     if r.is_main:
         texts = [p.prompt for p in prompts] + [str(p.answer) for p in prompts if p.answer is not None]
         warn_unknown_characters(r.tokenizer, texts, where="[data].sft")
+    components = build_components(str(r.model_folder), r.phases.sft_trainer)
+    sender, evaluation = None, None
+    if engines and has_eval_sets(r.cfg):
+        sender = build_sender(r.cfg, components.model, engines)
+        sender.init_group()
+        then_rl = r.mode != "sft"  # RL's first evaluation is of the SFT weights: SFT does not repeat it
+
+        def run_eval(step: int) -> dict[str, float]:
+            if step > 0:
+                sender.sync(weight_version=0)  # collective: every rank; the engines serve this SFT step's weights
+            label = "before_sft" if step == 0 else "after_sft" if step == scfg.num_steps else None
+            return evaluator("sft", step, label=label) if r.is_main else {}
+
+        evaluation = Evaluation(every=r.cfg.eval.every, run=run_eval, at_end=not then_rl)
     components, state, hist = run_sft_training(
-        str(r.model_folder), sft_examples(prompts, r.tokenizer, data.format), scfg, tokenizer=r.tokenizer,
-        resume=r.resume, trainer_config=r.phases.sft_trainer)
+        None, sft_examples(prompts, r.tokenizer, data.format), scfg, tokenizer=r.tokenizer, resume=r.resume,
+        trainer_config=r.phases.sft_trainer, components=components, evaluation=evaluation,
+        logger=_logger(r, "sft", scfg.output_dir))
     r.summary.update(sft_steps=state.step, sft_final_loss=hist[-1]["loss"] if hist else None)
     if r.is_main:
         plot_metrics(Path(scfg.output_dir) / "metrics.jsonl", Path(r.cfg.output_dir) / "sft.png",
                      title=f"{r.cfg.name} SFT")
-    return components
+    return components, sender
 
 
-def _rl_phase(r: _Run, engines: Sequence[InferenceEngine], sft_components: Any,
-              evaluate_as: Callable[[str], None]) -> None:
-    """GRPO from the SFT weights (in memory) or the model folder, with the engines synced to them first."""
+def _rl_phase(r: _Run, engines: Sequence[InferenceEngine], sft_components: Any, sender: WeightSync | None,
+              evaluator: Any) -> None:
+    """GRPO from the SFT weights (in memory) or the model folder; the engines are synced to them first (the sender
+    SFT used, when it had one: the same model)."""
     from trainer.backend.steps import build_components
+    from trainer.evaluation import Evaluation
     from trainer.plot import plot_metrics
     from trainer.rl import run_rl_training
     from trainer.rollout.data import config_buffer, warn_unknown_characters
+    from trainer.rollout.dumps import RolloutDumps
 
     data, rl_cfg, tcfg = r.cfg.data, r.phases.rl, r.phases.rl_trainer
     comp = build_components(sft_components.root if sft_components is not None else str(r.model_folder), tcfg)
-    sender = build_sender(r.cfg, comp.model, engines)
-    sender.init_group()
-    if sft_components is not None:  # engines serve the SFT weights from here on
-        sender.sync(weight_version=0)
-        evaluate_as("after_sft")
+    if sender is None:
+        sender = build_sender(r.cfg, comp.model, engines)
+        sender.init_group()
     buffer = config_buffer(data.train, data.mapping(), where="[data].train", seed=r.cfg.seed)
     if r.is_main:
         warn_unknown_characters(r.tokenizer, [p.prompt for s in buffer.sets for p in s], where="[data].train")
+    first = "after_sft" if sft_components is not None else "before_rl"
+
+    def run_eval(step: int) -> dict[str, float]:  # after the loop's weight sync
+        label = first if step == 0 else "after_rl" if step == rl_cfg.num_steps else None
+        return evaluator("rl", step, label=label)
+
+    evaluation = Evaluation(every=r.cfg.eval.every, run=run_eval) if evaluator else None
+    dumps = RolloutDumps(every=r.cfg.logging.rollouts_every, folder=Path(rl_cfg.output_dir) / "rollouts",
+                         table_rows=r.cfg.logging.table_rows)
     with cores_left_to_trainer(r.cfg):  # async: the engines generate while the trainer steps
         comp, state, hist = run_rl_training(None, buffer, rl_cfg, engines=engines, tokenizer=r.tokenizer,
                                             reward_fn=data.reward, trainer_config=tcfg, components=comp,
-                                            resume=r.resume, sender=sender, reward_timeout_s=data.reward_timeout_s)
+                                            resume=r.resume, sender=sender, reward_timeout_s=data.reward_timeout_s,
+                                            evaluation=evaluation, dumps=dumps if dumps.every else None,
+                                            logger=_logger(r, "rl", rl_cfg.output_dir))
     sender.close()
     r.summary.update(rl_steps=state.step, rl_final_reward_mean=hist[-1]["reward_mean"] if hist else None)
-    evaluate_as("after_rl")
     if r.is_main:
         plot_metrics(Path(rl_cfg.output_dir) / "metrics.jsonl", Path(r.cfg.output_dir) / "rl.png",
                      title=f"{r.cfg.name} GRPO")
+
+
+def debug_mode(mode: str, cfg: RunConfig, *, rollouts: str | None, checkpoint: str | None) -> int:
+    """`generate`: [rl] num_steps rollout batches from the engines, written to <output_dir>/rollouts, no training.
+    `replay`: train on written rollouts without any engine (trainer.replay)."""
+    from trainer.backend.export import start_folder
+    from trainer.replay import generate, replay
+
+    model_folder = start_folder(cfg, prepare_model_folder(cfg))
+    tokenizer = model_tokenizer(model_folder)
+    if mode == "replay":
+        folder = Path(rollouts) if rollouts else Path(cfg.rl.output_dir) / "rollouts"
+        try:
+            replay(cfg, model_folder, folder, checkpoint=checkpoint, tokenizer=tokenizer)
+        except (ValueError, FileNotFoundError) as e:  # no rollouts, a bad file, a checkpoint of another run
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0
+    rollout = cfg.rl.rollout
+    with engines_for(cfg, model_folder, is_main=True) as fleet:
+        engines = build_engines(fleet, model_folder, api_key=cfg.engines.api_key,
+                                connect_timeout_s=rollout.connect_timeout_s, max_connections=rollout.max_concurrency)
+        generate(cfg, engines, tokenizer=tokenizer, folder=Path(cfg.output_dir) / "rollouts")
+    return 0
 
 
 STAGES = (("before SFT", "before_sft"), ("after SFT", "after_sft"), ("before RL", "before_rl"),
@@ -678,6 +685,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="export: the HF folder to write (default <output_dir>/export)")
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                     help="export: store the weights in this dtype (default: as trained)")
+    ap.add_argument("--rollouts", default=None, help="replay: the folder of step_N.jsonl files to train on (written "
+                    "by [logging] rollouts_every or the generate mode; default <output_dir>/rl/rollouts)")
     args = ap.parse_args(argv)
     from transformers.utils import logging as hf_logging
 
@@ -701,6 +710,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         print(f"exported {folder}", flush=True)
         return 0
+    if args.mode in ("generate", "replay"):
+        return debug_mode(args.mode, cfg, rollouts=args.rollouts, checkpoint=args.checkpoint)
     try:
         summary = run(args.mode, cfg, resume=args.resume)
     except KeyboardInterrupt:

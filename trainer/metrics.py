@@ -85,42 +85,76 @@ class JSONLLogger:
             self._fh = None
 
 
+def open_logger(logger: MetricsLogger | Any, path: str | os.PathLike, *, enabled: bool,
+                keep_through: int) -> MetricsLogger:
+    """A loop's logger: the one given; or a factory's, called with the step the run starts after (0 fresh, the
+    checkpoint's step on resume: each backend drops what an earlier attempt logged past it); or the JSONL log at
+    `path`."""
+    if logger is None:
+        return JSONLLogger(path, enabled=enabled, keep_through=keep_through)
+    if isinstance(logger, MetricsLogger):
+        return logger
+    return logger(keep_through)
+
+
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The rows a JSONLLogger wrote."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-class _LineProgress:
-    """The progress of a run whose stderr is not a terminal (a log file, CI): one plain line every `every` steps and
-    at the end, instead of tqdm's redraws (each one a carriage-return line in a file)."""
+def step_fields(metrics: dict[str, Any], last_eval: tuple[str, float] | None) -> dict[str, str]:
+    """What the progress line shows of a step: reward and loss, the latest eval figure (the first set's greedy
+    accuracy, from whichever step last evaluated) and where the step's time went (generate / train / sync)."""
+    out = {k: f"{metrics[k]:.3f}" for k in ("reward_mean", "loss") if isinstance(metrics.get(k), (int, float))}
+    out = {"reward" if k == "reward_mean" else k: v for k, v in out.items()}
+    if last_eval is not None:
+        out[last_eval[0]] = f"{last_eval[1]:.3f}"
+    times = [(name, metrics.get(f"time_{name}_s")) for name in ("generate", "train", "sync")]
+    if any(isinstance(t, (int, float)) for _, t in times):
+        out["time"] = "/".join(f"{t:.2f}" for _, t in times if isinstance(t, (int, float))) + " s (gen/train/sync)"
+    return out
 
-    def __init__(self, total: int, initial: int, desc: str, every: int) -> None:
-        self.total, self.n, self.desc, self.every = total, initial, desc, every
-        self.postfix: dict[str, Any] = {}
+
+class StepProgress:
+    """A phase's progress: tqdm on a terminal; off a terminal (a log file, CI) one plain line per step instead of
+    tqdm's redraws (each a carriage-return line in a file); nothing where not `enabled` (other ranks).
+
+    `step(metrics)` advances by one step and shows step_fields; the latest eval figure stays on the line until the
+    next evaluation (the mutable state that makes this a class)."""
+
+    def __init__(self, total: int, *, initial: int, desc: str, enabled: bool, stream: Any = None) -> None:
+        from tqdm import tqdm
+
+        stream = stream or sys.stderr
+        self.total, self.n, self.initial, self.desc, self.enabled = total, initial, initial, desc, enabled
+        self.stream = stream
+        self.last_eval: tuple[str, float] | None = None
         self.t0 = time.perf_counter()
+        self._bar = tqdm(total=total, initial=initial, desc=desc, file=stream) \
+            if enabled and stream.isatty() else None
 
-    def update(self, n: int = 1) -> None:
-        self.n += n
-        if self.n % self.every == 0 or self.n == self.total:
-            items = "".join(f" {k}={v}" for k, v in self.postfix.items())
-            rate = (time.perf_counter() - self.t0) / max(self.n, 1)
-            print(f"{self.desc}: step {self.n}/{self.total}{items} ({rate:.2f} s/step)", file=sys.stderr, flush=True)
+    def step(self, metrics: dict[str, Any]) -> None:
+        evals = [k for k in metrics if k.startswith("eval/") and k.endswith("/accuracy")]
+        if evals:
+            name = evals[0].removeprefix("eval/").removesuffix("/accuracy")
+            self.last_eval = (f"{name}_acc", float(metrics[evals[0]]))
+        fields = step_fields(metrics, self.last_eval)
+        self.n += 1
+        if self._bar is not None:
+            self._bar.set_postfix(fields, refresh=False)
+            self._bar.update(1)
+        elif self.enabled:
+            rate = (time.perf_counter() - self.t0) / max(self.n - self.initial, 1)
+            items = "".join(f" {k}={v}" for k, v in fields.items())
+            print(f"{self.desc}: step {self.n}/{self.total}{items} ({rate:.2f} s/step)", file=self.stream, flush=True)
 
-    def set_postfix(self, **kw: Any) -> None:
-        self.postfix = kw
-
-    def __enter__(self) -> _LineProgress:
+    def __enter__(self) -> StepProgress:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        return None
+        if self._bar is not None:
+            self._bar.close()
 
 
-def progress(total: int, *, initial: int, desc: str, enabled: bool, stream: Any = None) -> Any:
-    """tqdm on a terminal; a line every ~10 % of the steps elsewhere; nothing where not `enabled` (other ranks)."""
-    from tqdm import tqdm
-
-    stream = stream or sys.stderr
-    if not enabled or stream.isatty():
-        return tqdm(total=total, initial=initial, desc=desc, disable=not enabled)
-    return _LineProgress(total, initial, desc, every=max(1, total // 10))
+def progress(total: int, *, initial: int, desc: str, enabled: bool, stream: Any = None) -> StepProgress:
+    return StepProgress(total, initial=initial, desc=desc, enabled=enabled, stream=stream)

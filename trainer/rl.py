@@ -45,7 +45,9 @@ from trainer.backend.steps import (
 from trainer.batching.micro_batches import attach_logprobs, build_micro_batches
 from trainer.batching.shared_prompt import build_shared_micro_batches
 from trainer.config import DataConfig, RLTrainingConfig
-from trainer.metrics import JSONLLogger, MetricsLogger, progress
+from trainer.evaluation import Evaluation
+from trainer.metrics import MetricsLogger, open_logger, progress
+from trainer.rollout.dumps import RolloutDumps, rollout_rows, sample_logprobs, table_rows, write_rollouts
 from trainer.rollout.rewards import load_reward_fn, with_timeout
 from trainer.rollout.samples import build_batch_metadata, pad_token_id
 from trainer.rollout.source import ResumePoints, RolloutSource
@@ -193,10 +195,12 @@ def describe_objective(config: RLTrainingConfig) -> str:
 
 def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, engines: Sequence[InferenceEngine],
                     sender: WeightSync, tokenizer: Any, reward_fn: Any, trainer_config: TrainerConfig | None = None,
-                    components: TrainingComponents | None = None, logger: MetricsLogger | None = None,
-                    resume: bool = False, probe_prompts: Sequence[Sequence[int]] | None = None,
+                    components: TrainingComponents | None = None,
+                    logger: MetricsLogger | Callable[[int], MetricsLogger] | None = None, resume: bool = False,
+                    probe_prompts: Sequence[Sequence[int]] | None = None,
                     on_step: Callable[[int, dict], None] | None = None,
                     reward_timeout_s: float | None = DataConfig.reward_timeout_s,
+                    evaluation: Evaluation | None = None, dumps: RolloutDumps | None = None,
                     ) -> tuple[TrainingComponents, TrainingState, list[dict]]:
     """Train with GRPO/PPO for config.num_steps steps; returns (components, final state, per-step metrics).
 
@@ -208,8 +212,12 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
     the caller owns it (init_group before, close after). tokenizer: the model's (prompts, stop tokens, the pad
     id). reward_fn: a function of a Sample or a name trainer.rollout.rewards.load_reward_fn resolves; a call
     longer than `reward_timeout_s` (None: no limit) marks its sample FAILED instead of stalling the step.
-    Writes metrics.jsonl and checkpoints under config.output_dir; resume=True continues from the newest complete
-    checkpoint there (data position and partial-rollout cache included). Ctrl-C writes a checkpoint first.
+    Writes metrics.jsonl and checkpoints under config.output_dir (`logger`: where the metrics go instead, e.g.
+    trainer.tracking.build_logger's); resume=True continues from the newest complete checkpoint there (data
+    position and partial-rollout cache included). Ctrl-C writes a checkpoint first. `evaluation`
+    (trainer.evaluation.Evaluation): held-out figures at the start, every N steps right after the weight sync, and
+    at the last step, logged with the step. `dumps` (trainer.rollout.dumps.RolloutDumps): the samples of every
+    N-th step written out (with the trainer's log-probs before the update) and a few shown as a table.
     """
     from trainer.rollout.manager import AsyncRolloutManager
 
@@ -229,8 +237,8 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
     points = ResumePoints(resumable, step=state.step)
     ckpt = Checkpointer(comp, lambda: state, lambda: points.at(state.step), save_every=tcfg.save_every)
     pad_id = pad_token_id(tokenizer)  # what packed rows pad with
-    logger = logger or JSONLLogger(Path(tcfg.output_dir) / "metrics.jsonl", enabled=comp.rank == 0,
-                                   keep_through=state.step)
+    logger = open_logger(logger, Path(tcfg.output_dir) / "metrics.jsonl", enabled=comp.rank == 0,
+                         keep_through=state.step)
     history: list[dict] = []
     if comp.rank == 0:
         print(describe_objective(config), flush=True)
@@ -239,9 +247,12 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
           _rollout_source(data_buffer, config, manager, sender, comp.rank, on_failure=ckpt.save,
                           on_drawn=points.record) as source, ckpt):
         sync_s = _sync(sender, state.weight_version)  # engines serve exactly the weights being trained
+        if comp.rank == 0 and evaluation is not None and evaluation.at_start and state.step == 0:
+            logger.log(0, evaluation.run(0))
         while state.step < config.num_steps:
             batch, gen_s = _timed(source.next, state.step + 1)
             trained_from = state.weight_version  # the batch's staleness is measured against these weights
+            seen = _inspect(comp, batch, tcfg, pad_id) if dumps is not None and dumps.due(state.step + 1) else None
             (metrics, state), train_s = _timed(train_on_batch, comp, state, batch, config, tcfg, pad_id=pad_id,
                                                ref_components=ref)
             metrics = step_metrics(metrics, batch, state, trained_from=trained_from, time_generate_s=gen_s,
@@ -254,6 +265,10 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
                 if config.verify_sync and state.step % config.sync_every == 0:
                     metrics["verify_sync_max_abs_diff"] = _verify_sync(comp, engines, sender, state.step,
                                                                        probe_prompts or _default_probes(batch))
+                if comp.rank == 0 and evaluation is not None and evaluation.due(state.step, config.num_steps):
+                    metrics.update(evaluation.run(state.step))  # the engines serve this step's weights
+            if seen is not None and comp.rank == 0:
+                _write_rollouts(dumps, state.step, batch, seen, config, logger=logger, tokenizer=tokenizer)
             ckpt.maybe_save()
     return comp, state, history
 
@@ -268,6 +283,31 @@ def _rollout_source(data_buffer: Any, config: RLTrainingConfig, manager: AsyncRo
                                        weight_version=lambda: sender.weight_version) if rank == 0 else None
     return RolloutSource(batches, num_steps=config.num_steps, prefetch=config.async_rollout, on_failure=on_failure,
                          on_drawn=on_drawn)
+
+
+def _inspect(components: TrainingComponents, batch: RolloutBatch, tcfg: TrainerConfig,
+             pad_id: int) -> list[list[float | None]]:
+    """The trainer's per-token log-probs of the batch before the step's update (for the dump's mismatch column)."""
+    return sample_logprobs(components, batch.samples, token_budget=tcfg.token_budget,
+                           bucket_size=tcfg.micro_batch_buckets, pad_id=pad_id)
+
+
+def _write_rollouts(dumps: RolloutDumps, step: int, batch: RolloutBatch, logprobs: list[list[float | None]],
+                    config: RLTrainingConfig, *, logger: MetricsLogger, tokenizer: Any) -> None:
+    """The step's samples to <rollouts>/step_N.jsonl, and a few (best, median, worst reward) as a table to the
+    backends that show tables."""
+    with warnings.catch_warnings():  # the step already warned about its failed samples
+        warnings.simplefilter("ignore")
+        keep, _ = trained_samples(batch.samples, config.advantage_estimator,
+                                  mask_truncated=config.rollout.mask_truncated)
+    keep_set = set(keep)
+    rows = rollout_rows(batch, step=step, advantages=compute_advantages(batch.samples, config.advantage_estimator),
+                        trained=[i in keep_set for i in range(len(batch))], trainer_logprobs=logprobs,
+                        tokenizer=tokenizer)
+    write_rollouts(dumps.path(step), rows)
+    table = table_rows(rows, dumps.table_rows)
+    if table and hasattr(logger, "log_table"):  # JSONL has no tables (the file above is its view)
+        logger.log_table(step, "rollouts/samples", table)
 
 
 @contextlib.contextmanager
@@ -287,13 +327,12 @@ def _reported(step: int, metrics: dict[str, float], *, logger: MetricsLogger, hi
 
 def _report(step: int, metrics: dict[str, float], *, logger: MetricsLogger, history: list[dict], bar: Any,
             on_step: Callable[[int, dict], None] | None) -> None:
-    """A step's metrics to the JSONL log, the returned history, the caller's on_step and the progress bar."""
+    """A step's metrics to the logger, the returned history, the caller's on_step and the progress line."""
     logger.log(step, metrics)
     history.append(metrics)
     if on_step is not None:
         on_step(step, metrics)
-    bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", loss=f"{metrics['loss']:.4f}")
-    bar.update(1)
+    bar.step(metrics)
 
 
 def step_metrics(train: dict[str, float], batch: RolloutBatch, state: TrainingState, *, trained_from: int,

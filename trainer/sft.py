@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,8 @@ from trainer.backend.steps import (
 )
 from trainer.batching.micro_batches import build_micro_batches
 from trainer.config import SFTTrainingConfig
-from trainer.metrics import JSONLLogger, MetricsLogger, progress
+from trainer.evaluation import Evaluation
+from trainer.metrics import MetricsLogger, open_logger, progress
 from trainer.rollout.samples import pad_token_id
 from trainer.types import Sample, TrainingState
 
@@ -98,14 +99,17 @@ def _batch_indices(n: int, position: int, batch_size: int, seed: int) -> list[in
 
 def run_sft_training(model: Any, conversations: Sequence[Conversation], config: SFTTrainingConfig, *,
                      tokenizer: Any, trainer_config: TrainerConfig | None = None,
-                     logger: MetricsLogger | None = None, resume: bool = False,
-                     components: TrainingComponents | None = None) -> tuple[TrainingComponents, TrainingState, list]:
+                     logger: MetricsLogger | Callable[[int], MetricsLogger] | None = None, resume: bool = False,
+                     components: TrainingComponents | None = None,
+                     evaluation: Evaluation | None = None) -> tuple[TrainingComponents, TrainingState, list]:
     """collate -> forward_backward -> optim_step -> log -> checkpoint, for config.num_steps steps.
 
     model: a folder, an HF config or a built TrainModule (ignored when `components` is given). tokenizer: the
     model's (chat template, pad id). Writes metrics.jsonl and checkpoints under config.output_dir; `resume`
     continues from the newest complete checkpoint there. Ctrl-C writes a checkpoint before re-raising. Returns
-    (components, final state, the per-step metric dicts).
+    (components, final state, the per-step metric dicts). `evaluation` (trainer.evaluation.Evaluation, whose run
+    syncs the engines to the trainer first): held-out figures at step 0, every N steps and at the last step, logged
+    with the step.
     """
     tcfg = trainer_config or trainer_config_from(config)
     if tcfg.loss != "nll":
@@ -115,12 +119,14 @@ def run_sft_training(model: Any, conversations: Sequence[Conversation], config: 
     state, saved = load_latest(comp, tcfg.output_dir) if resume else (TrainingState(), {})
     position = int(saved.get("data_position", 0))
     ckpt = Checkpointer(comp, lambda: state, lambda: {"data_position": position}, save_every=tcfg.save_every)
-    logger = logger or JSONLLogger(Path(tcfg.output_dir) / "metrics.jsonl", enabled=comp.rank == 0,
-                                   keep_through=state.step)
+    logger = open_logger(logger, Path(tcfg.output_dir) / "metrics.jsonl", enabled=comp.rank == 0,
+                         keep_through=state.step)
     history: list[dict] = []
     pad_id = pad_token_id(tokenizer)
     with (contextlib.closing(logger),
           progress(config.num_steps, initial=state.step, desc="sft", enabled=comp.rank == 0) as bar, ckpt):
+        if evaluation is not None and evaluation.at_start and state.step == 0:
+            logger.log(0, evaluation.run(0))
         while state.step < config.num_steps:
             idx = _batch_indices(len(samples), position, config.batch_size, config.seed)
             batch = [samples[i] for i in idx]
@@ -130,10 +136,11 @@ def run_sft_training(model: Any, conversations: Sequence[Conversation], config: 
             opt_fut, state = optim_step(comp, state, tcfg, num_tokens=fut.num_tokens)
             position += config.batch_size
             metrics = {**fut.result(), **opt_fut.result()}
+            if evaluation is not None and evaluation.due(state.step, config.num_steps):
+                metrics.update(evaluation.run(state.step))
             logger.log(state.step, metrics)
             history.append(metrics)
-            bar.set_postfix(loss=f"{metrics['loss']:.4f}")
-            bar.update(1)
+            bar.step(metrics)
             ckpt.maybe_save()
     return comp, state, history
 

@@ -320,26 +320,32 @@ async def run_episode(sample: Sample, driver: Driver, **episode_kw: Any) -> tupl
     return done, reward
 
 
-async def run_greedy_episodes(engine: Any, samples: Sequence[Sample], config: Any, *, tokenizer: Any,
-                              max_new_tokens: int, score: Callable[[Sample], Any]) -> list[Sample]:
-    """Evaluation's episodes: each sample's episode with greedy turns (temperature 0, `max_new_tokens` a turn) and
-    the environment / tools / agent of the RolloutConfig `config`, all in flight together so the engine batches
-    their turns; each scored by its environment's reward or else by `score` (a reward function)."""
+async def run_eval_episodes(engine: Any, samples: Sequence[Sample], config: Any, *, tokenizer: Any,
+                            max_new_tokens: int, score: Callable[[Sample], Any], temperature: float = 0.0,
+                            seeds: Sequence[int] | None = None) -> list[Sample]:
+    """Evaluation's episodes: each sample's episode (turns of `max_new_tokens` at `temperature`: greedy by default;
+    sampled turns of episode i are seeded seeds[i] + 1009 * turn) with the environment / tools / agent of the
+    RolloutConfig `config`, all in flight together so the engine batches their turns; each scored by its
+    environment's reward or else by `score` (a reward function)."""
     driver, tools = build_driver(config)
-    assert driver is not None, "run_greedy_episodes needs a config with env, tools or rollout_fn"
+    assert driver is not None, "run_eval_episodes needs a config with env, tools or rollout_fn"
+    assert temperature == 0.0 or (seeds is not None and len(seeds) == len(samples)), "sampled episodes need seeds"
     stops = tuple(stop_token_ids(tokenizer, chat=True, extra=config.stop_token_ids))
     kw = dict(tokenizer=tokenizer, turn_end_ids=frozenset(stop_token_ids(tokenizer, chat=True)),
               parse=load_tool_parser(config.tool_parser), max_turns=config.max_turns, max_new_tokens=max_new_tokens,
               max_context_tokens=config.max_context_tokens, tools=tools)
 
-    async def generate(tokens: tuple[int, ...], budget: int, segment: int) -> Completion:
-        params = SamplingParams(temperature=0.0, max_new_tokens=budget, stop_token_ids=stops)
-        return (await engine.generate([tokens], params))[0][0]
+    def generator(i: int) -> Callable[..., Any]:
+        async def generate(tokens: tuple[int, ...], budget: int, segment: int) -> Completion:
+            seed = None if temperature == 0.0 else (seeds[i] + 1009 * segment) % (2 ** 31)
+            params = SamplingParams(temperature=temperature, max_new_tokens=budget, stop_token_ids=stops, seed=seed)
+            return (await engine.generate([tokens], params))[0][0]
+        return generate
 
     out: list[Any] = [None] * len(samples)
 
     async def one(i: int) -> None:
-        done, reward = await run_episode(samples[i], driver, generate=generate, **kw)
+        done, reward = await run_episode(samples[i], driver, generate=generator(i), **kw)
         out[i] = await score_finished(done, score, reward)
 
     async with trio.open_nursery() as nursery:

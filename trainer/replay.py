@@ -1,0 +1,109 @@
+"""Debugging without the other half: train on rollouts written out earlier (no engine), or generate rollouts
+without training (no trainer).
+
+    python -m trainer generate --config configs/demo.toml --set rl.num_steps=3   # -> <output_dir>/rollouts/
+    python -m trainer replay --config configs/demo.toml --rollouts runs/demo/rl/rollouts \
+        --checkpoint runs/demo/rl/checkpoints/step_00000024
+
+Replay trains each step file (trainer.rollout.dumps) in step order with the RL step function the run uses
+(`trainer.rl.train_on_batch`: the same advantages, packing, loss and optimizer step), from `--checkpoint` (its
+weights, optimizer, schedule and step) or from the run's start model. The KL term's reference is the weights the
+RL phase started from: the SFT phase's last checkpoint when the run has one, else the start model. The step of the
+file after the checkpoint's reproduces the logged step's loss and gradient norm (tests/test_evaluation.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from trainer.config import RunConfig
+
+
+def replay(cfg: RunConfig, model_folder: Path, rollouts: str | Path, *, checkpoint: str | None = None,
+           tokenizer: Any) -> list[dict[str, float]]:
+    """Train on every step file under `rollouts` whose step is past the checkpoint's, in order; returns each
+    step's metrics (also written to <output_dir>/replay/metrics.jsonl, the original's beside them when the run's
+    rl/metrics.jsonl has that step)."""
+    from trainer.backend.checkpoint import latest_checkpoint, load_checkpoint
+    from trainer.backend.export import resolve_checkpoint
+    from trainer.backend.steps import build_components
+    from trainer.cli import phase_configs
+    from trainer.metrics import JSONLLogger, read_jsonl
+    from trainer.rl import _reference_components, train_on_batch
+    from trainer.rollout.dumps import read_rollouts, rollout_files
+    from trainer.rollout.samples import pad_token_id
+    from trainer.types import TrainingState
+
+    phases = phase_configs(cfg)
+    rl_cfg, tcfg = phases.rl, phases.rl_trainer
+    sft_end = latest_checkpoint(Path(cfg.output_dir) / "sft")
+    comp = build_components(str(model_folder), tcfg)
+    ref = None
+    if rl_cfg.loss.kl_coef > 0:  # the RL phase's starting weights: SFT's last checkpoint, else the start model
+        if sft_end is not None:
+            load_checkpoint(build_components(str(model_folder), phases.sft_trainer), sft_end)  # shape/config check
+            start = build_components(str(model_folder), dataclasses.replace(tcfg, phase=phases.sft))
+            load_checkpoint(start, sft_end)
+            ref = _reference_components(start, tcfg)
+        else:
+            ref = _reference_components(comp, tcfg)
+    state = TrainingState()
+    if checkpoint is not None:
+        state, _ = load_checkpoint(comp, resolve_checkpoint(checkpoint))
+    logged = Path(rl_cfg.output_dir) / "metrics.jsonl"
+    original = {r["step"]: r for r in read_jsonl(logged) if "loss" in r} if logged.is_file() else {}
+    out_dir = Path(cfg.output_dir) / "replay"
+    history = []
+    logger = JSONLLogger(out_dir / "metrics.jsonl", enabled=comp.rank == 0, keep_through=0)
+    try:
+        for path in rollout_files(rollouts):
+            step, batch = read_rollouts(path)
+            if step <= state.step:
+                continue
+            metrics, state = train_on_batch(comp, state, batch, rl_cfg, tcfg, pad_id=pad_token_id(tokenizer),
+                                            ref_components=ref)
+            was = original.get(step, {})
+            metrics.update({f"original/{k}": was[k] for k in ("loss", "grad_norm") if k in was})
+            logger.log(step, metrics)
+            history.append({"step": step, **metrics})
+            if comp.rank == 0:
+                then = "".join(f", logged {k} {was[k]:.6g}" for k in ("loss", "grad_norm") if k in was)
+                print(f"replay step {step} ({path.name}): loss {metrics['loss']:.6g}, grad_norm "
+                      f"{metrics['grad_norm']:.6g}{then}", flush=True)
+    finally:
+        logger.close()
+    return history
+
+
+def generate(cfg: RunConfig, engines: Sequence[Any], *, tokenizer: Any, folder: Path) -> list[Path]:
+    """[rl] num_steps rollout batches from the engines as they are (no trainer, no weight sync), each scored,
+    given its advantages and written to folder/step_N.jsonl like a training run's dumps."""
+    from trainer.rl import compute_advantages, trained_samples
+    from trainer.rollout.data import config_buffer
+    from trainer.rollout.dumps import rollout_rows, write_rollouts
+    from trainer.rollout.manager import AsyncRolloutManager, generate_rollout_batches
+    from trainer.rollout.rewards import load_reward_fn, with_timeout
+
+    data, rl_cfg = cfg.data, cfg.rl
+    reward = with_timeout(load_reward_fn(data.reward), data.reward_timeout_s)
+    manager = AsyncRolloutManager(engines, rl_cfg.rollout, tokenizer=tokenizer, reward_fn=reward,
+                                  deterministic=rl_cfg.deterministic)
+    buffer = config_buffer(data.train, data.mapping(), where="[data].train", seed=cfg.seed)
+    written = []
+    batches = generate_rollout_batches(buffer, rl_cfg.rollout, manager=manager, num_batches=rl_cfg.num_steps)
+    for step, batch in enumerate(batches, start=1):
+        keep, _ = trained_samples(batch.samples, rl_cfg.advantage_estimator,
+                                  mask_truncated=rl_cfg.rollout.mask_truncated)
+        rows = rollout_rows(batch, step=step, advantages=compute_advantages(batch.samples, rl_cfg.advantage_estimator),
+                            trained=[i in set(keep) for i in range(len(batch))], trainer_logprobs=None,
+                            tokenizer=tokenizer)
+        written.append(write_rollouts(folder / f"step_{step:06d}.jsonl", rows))
+        rewards = [r["reward"] for r in rows if r["reward"] is not None]
+        print(f"generate step {step}: {len(rows)} samples, mean reward "
+              f"{sum(rewards) / max(len(rewards), 1):.3f} -> {written[-1]}", flush=True)
+    (folder / "config.json").write_text(json.dumps({"name": cfg.name, "num_steps": rl_cfg.num_steps}) + "\n")
+    return written
