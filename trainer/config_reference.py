@@ -25,12 +25,12 @@ from typing import Any
 
 from engines.registry import EngineSpec
 from kernels import PolicyLossConfig
-from trainer.config import RLTrainingConfig, RunConfig, _hints, _section
+from trainer.config import EvalSetConfig, RLTrainingConfig, RunConfig, _hints, _section
 
 # Tables whose field is typed loosely (it also takes a ready-made object) but whose keys are another class's.
 SUBTABLES: dict[tuple[type, str], type] = {(RLTrainingConfig, "loss"): PolicyLossConfig}
-# Arrays of tables: [[engines.fleet]] entries are EngineSpecs.
-ARRAY_TABLES: dict[str, type] = {"engines.fleet": EngineSpec}
+# Arrays of tables: [[engines.fleet]] entries are EngineSpecs, [[eval.sets]] entries EvalSetConfigs.
+ARRAY_TABLES: dict[str, type] = {"engines.fleet": EngineSpec, "eval.sets": EvalSetConfig}
 
 
 def section_class(cls: type, name: str) -> type | None:
