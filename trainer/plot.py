@@ -39,9 +39,12 @@ def plot_metrics(metrics_path: str | Path, png_path: str | Path, *, title: str =
         return None
     rows = read_metrics(path)
     series = []
-    for key, label in PANELS:
+    # Evaluation during training: each set's greedy accuracy (rows of the steps that evaluated, step 0 included).
+    evals = sorted({k for r in rows for k in r if k.startswith("eval/") and k.endswith("/accuracy")})
+    panels = [(k, f"held-out accuracy ({k.split('/')[1]})") for k in evals] + list(PANELS)
+    for key, label in panels:
         pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
-        if pts and any(v != 0 for _, v in pts):  # an all-zero curve (e.g. clip fraction on-policy) says nothing
+        if pts and (key in evals or any(v != 0 for _, v in pts)):  # an all-zero curve (clip fraction) says nothing
             series.append((label, pts))
     if not series:
         return None
