@@ -105,8 +105,11 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
 def step_fields(metrics: dict[str, Any], last_eval: tuple[str, float] | None) -> dict[str, str]:
     """What the progress line shows of a step: reward and loss, the latest eval figure (the first set's greedy
     accuracy, from whichever step last evaluated) and where the step's time went (generate / train / sync)."""
-    out = {k: f"{metrics[k]:.3f}" for k in ("reward_mean", "loss") if isinstance(metrics.get(k), (int, float))}
-    out = {"reward" if k == "reward_mean" else k: v for k, v in out.items()}
+    out = {}
+    if isinstance(metrics.get("reward_mean"), (int, float)):
+        out["reward"] = f"{metrics['reward_mean']:.3f}"
+    if isinstance(metrics.get("loss"), (int, float)):
+        out["loss"] = f"{metrics['loss']:.4g}"  # RL losses sit near 0: significant digits, not decimals
     if last_eval is not None:
         out[last_eval[0]] = f"{last_eval[1]:.3f}"
     times = [(name, metrics.get(f"time_{name}_s")) for name in ("generate", "train", "sync")]
