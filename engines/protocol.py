@@ -112,6 +112,14 @@ class Completion:
     finish_reason: str
     weight_version: int
     prompt_ids: list[int] = field(default_factory=list)
+    # (first token index, version) of each run of output tokens one weight version produced: more than one when
+    # the engine took new weights while this request ran (an update in flight). () where the engine does not say.
+    weight_versions: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def oldest_version(self) -> int:
+        """The version of the oldest weights that produced a token of this completion (the staleness bound's)."""
+        return min((v for _, v in self.weight_versions), default=self.weight_version)
 
 
 @runtime_checkable

@@ -117,11 +117,14 @@ def parse_generate(resp: Any, prompts: Sequence[Sequence[int]], n: int,
             if len(lps) != len(ids):
                 raise EngineError(f"/generate returned {len(ids)} output ids but {len(lps)} log-probs; the engine "
                                   f"must honour return_logprob=true")
+            version = parse_weight_version(meta.get("weight_version"), fallback_version)
+            # The embedded engine says which version produced which tokens (an update in flight splits a row);
+            # a stock SGLang reports one version a request: every token gets it.
+            spans = tuple((int(i), int(v)) for i, v in meta.get("weight_versions") or ()) or ((0, version),)
             group.append(Completion(output_ids=ids, logprobs=[float(x[0]) for x in lps],
                                     finish_reason=parse_finish_reason(meta.get("finish_reason")),
-                                    weight_version=parse_weight_version(meta.get("weight_version"),
-                                                                        fallback_version),
-                                    prompt_ids=list(prompt)))
+                                    weight_version=version, prompt_ids=list(prompt),
+                                    weight_versions=spans if ids else ()))
         groups.append(group)
     return groups
 

@@ -136,6 +136,8 @@ def test_rl_through_the_cli_with_the_in_process_engine(tmp_path):
         "rl.rollout.rollout_batch_size=8", "rl.rollout.n_samples_per_prompt=4", "eval.limit=8"], mode="rl")
     summary = run("rl", cfg)
     rows = [json.loads(line) for line in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert "eval/eval/accuracy" in rows[0] and "loss" not in rows[0]  # step 0: the evaluation before RL
+    rows = rows[1:]
     assert summary["rl_steps"] == 3 and len(rows) == 3
     assert all(r["num_samples"] == 32 and math.isfinite(r["loss"]) for r in rows)
     # On-policy: the engine's log-probs are the trainer's, so the weights reached the engine at every step.

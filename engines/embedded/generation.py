@@ -51,6 +51,9 @@ class RowResult:
     output_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" | "length" | "abort"
+    # (first token index, weight version) of each run of tokens one weight version produced: one span unless the
+    # weights changed while the row was paused in the batch (an update in flight).
+    versions: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -60,6 +63,10 @@ class _Active:
     gen: torch.Generator
     out_ids: list[int] = field(default_factory=list)
     out_lp: list[float] = field(default_factory=list)
+    spans: list[tuple[int, int]] = field(default_factory=list)  # (first token index, version): RowResult.versions
+
+    def result(self, finish_reason: str) -> RowResult:
+        return RowResult(self.out_ids, self.out_lp, finish_reason, tuple(self.spans))
 
 
 def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -131,6 +138,7 @@ class DecodeBatch:
         self.mask = torch.zeros((0, 0), dtype=torch.long, device=self.device)  # [B, L]
         self.pos = torch.zeros((0,), dtype=torch.long, device=self.device)  # [B] next position id
         self.last = torch.zeros((0,), dtype=torch.long, device=self.device)  # [B] token not yet fed
+        self.version = 0  # the weight version of the model's weights now (the server sets it after a load)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -203,7 +211,7 @@ class DecodeBatch:
         cut = [i for i, a in enumerate(self.rows) if rids is None or a.row.rid in rids]
         if not cut:
             return []
-        out = [(self.rows[i].handle, RowResult(self.rows[i].out_ids, self.rows[i].out_lp, "abort")) for i in cut]
+        out = [(self.rows[i].handle, self.rows[i].result("abort")) for i in cut]
         cut_set = set(cut)
         self._keep([i for i in range(len(self.rows)) if i not in cut_set])
         return out
@@ -231,12 +239,14 @@ class DecodeBatch:
         # One host sync per step: the finished-row bookkeeping needs the tokens on the host.
         keep = []
         for i, (a, t, p) in enumerate(zip(self.rows, tok.tolist(), lp.tolist())):
+            if not a.spans or a.spans[-1][1] != self.version:  # this step's forward ran on these weights
+                a.spans.append((len(a.out_ids), self.version))
             a.out_ids.append(t)
             a.out_lp.append(p)
             if t in a.row.stop_ids:
-                done.append((a.handle, RowResult(a.out_ids, a.out_lp, "stop")))
+                done.append((a.handle, a.result("stop")))
             elif len(a.out_ids) >= a.row.max_new_tokens:
-                done.append((a.handle, RowResult(a.out_ids, a.out_lp, "length")))
+                done.append((a.handle, a.result("length")))
             else:
                 keep.append(i)
         self._keep(keep)

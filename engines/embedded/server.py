@@ -125,6 +125,12 @@ class EngineServer:
         self.running, self.wakeup = asyncio.Event(), asyncio.Event()
         self._scheduler: asyncio.Task | None = None
 
+    def set_weight_version(self, version: int) -> int:
+        """After a load: the version the model's weights now are. Rows paused in place (an update in flight) go
+        on with these weights, so their next tokens start a new span of RowResult.versions."""
+        self.weight_version = self.batch.version = int(version)
+        return self.weight_version
+
     @property
     def num_running_rows(self) -> int:
         return len(self.batch)
@@ -165,6 +171,7 @@ class EngineServer:
             except Exception as e:  # noqa: BLE001 - delivered to every request that had a row in the batch
                 self._fail([h for _, h in admit] + [a.handle for a in self.batch.rows], e)
                 self.batch = DecodeBatch(self.model, pad_id=self.pad_id, decode_fn=self.decode_fn)
+                self.batch.version = self.weight_version
                 continue
             finally:
                 self.stepping = False
@@ -329,6 +336,8 @@ def _output(server: EngineServer, r: RowResult, prompt_len: int, version: int, r
             "completion_tokens": len(r.output_ids),
             "output_token_logprobs": [[lp, t, None] for lp, t in zip(r.logprobs, r.output_ids)],
             "weight_version": str(version),
+            # ours: (first token index, version) of each run of tokens one weight version produced
+            "weight_versions": [[i, v] for i, v in r.versions],
         },
     }
 
@@ -421,8 +430,7 @@ def route_handlers(server: EngineServer) -> dict[str, Endpoint]:
 
     def _bump(body: dict) -> int:
         v = body.get("weight_version")
-        server.weight_version = int(v) if v is not None else server.weight_version + 1
-        return server.weight_version
+        return server.set_weight_version(int(v) if v is not None else server.weight_version + 1)
 
     async def update_distributed(body: dict):
         meta = WeightMeta.from_wire(body)

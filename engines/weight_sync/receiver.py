@@ -222,7 +222,7 @@ async def colocated_request(server, body: dict) -> dict:
             raise
     server.weights_consistent = True
     v = body.get("weight_version")
-    server.weight_version = int(v) if v is not None else server.weight_version + 1
+    server.set_weight_version(int(v) if v is not None else server.weight_version + 1)
     return {"success": True, "message": f"updated {len(meta.names)} tensors",
             "weight_version": str(server.weight_version)}
 

@@ -162,12 +162,15 @@ def _mean(xs: Sequence[float]) -> float:
 # ----------------------------------------------------------------------------------------------- growing samples
 def extend_sample(sample: Sample, new_ids: Sequence[int], new_logprobs: Sequence[float], *, status: Status,
                   weight_version: int | None, tokenizer: Any = None, max_new_tokens: int | None = None,
-                  loss_mask_value: int | None = None) -> Sample:
+                  loss_mask_value: int | None = None, spans: Sequence[tuple[int, int]] = ()) -> Sample:
     """Append one segment to a (possibly partial) sample: tokens the engine generated, or (multi-turn episodes)
     tokens an environment's messages rendered to.
 
-    `metadata["weight_versions"]` lists the version of each generated segment (None: not generated, no version);
-    `weight_version` is the oldest of them, the conservative value for the trainer's staleness bound.
+    `metadata["weight_versions"]` lists the (oldest) version of each generated segment (None: not generated, no
+    version); `weight_version` is the oldest of them, the conservative value for the trainer's staleness bound.
+    `spans` ((first token index in the segment, version), an engine's Completion.weight_versions) say which
+    weights produced which of the new tokens when an update landed mid-request; `metadata["token_versions"]` keeps
+    them as [response offset, version] pairs, one a run of tokens (one pair a segment when the engine gives none).
     `loss_mask_value` (1: the model's tokens, 0: the environment's) extends an explicit loss mask; None leaves it
     unset (every response token trained).
     """
@@ -176,6 +179,9 @@ def extend_sample(sample: Sample, new_ids: Sequence[int], new_logprobs: Sequence
     resp_len = sample.response_length + len(new_ids)
     versions = list(sample.metadata.get("weight_versions", ())) + (
         [weight_version] if new_ids and weight_version is not None else [])
+    runs = list(sample.metadata.get("token_versions", ()))
+    if new_ids and weight_version is not None:
+        runs += [[sample.response_length + i, v] for i, v in (spans or ((0, weight_version),))]
     if status == Status.ABORTED and max_new_tokens is not None and resp_len >= max_new_tokens:
         status = Status.TRUNCATED
     response = sample.response
@@ -188,12 +194,12 @@ def extend_sample(sample: Sample, new_ids: Sequence[int], new_logprobs: Sequence
         sample, tokens=tokens, response=response, response_length=resp_len, loss_mask=mask,
         rollout_logprobs=tuple(old_lp) + tuple(float(x) for x in new_logprobs), status=status,
         weight_version=min(versions, default=sample.weight_version if weight_version is None else weight_version),
-        metadata={**sample.metadata, "weight_versions": versions})
+        metadata={**sample.metadata, "weight_versions": versions, "token_versions": runs})
 
 
 # What a rollout adds to a sample's metadata as it progresses (trainer.rollout.episodes adds the episode's).
-PROGRESS_KEYS = frozenset({"weight_versions", "turns", "tool_calls", "tool_errors", "env_seconds", "env_error",
-                           "messages", "truncated_by", "reward_error", "reward_traceback"})
+PROGRESS_KEYS = frozenset({"weight_versions", "token_versions", "turns", "tool_calls", "tool_errors", "env_seconds",
+                           "env_error", "messages", "truncated_by", "reward_error", "reward_traceback"})
 
 
 def restart_sample(sample: Sample) -> Sample:
