@@ -178,11 +178,17 @@ def _check_inputs(cfg: RunConfig, mode: str) -> None:
         for spec in data_specs(getattr(data, key), data.mapping(), where=f"[data].{key}"):
             if not Path(spec.path).exists():
                 raise FileNotFoundError(f"[data].{key}: {spec.path!r}: no such file or folder")
-    if mode != "sft" or data.eval is not None:  # RL rollouts and evaluation score samples
+    # RL rollouts score with [data].reward unless [rewards] sources are given; evaluation always does.
+    sourced = mode in ("rl", "sft+rl", "demo") and bool(cfg.rewards.sources)
+    if (mode != "sft" and not sourced) or data.eval is not None:
         if data.reward is None:
             raise ValueError(f"[data].reward: mode {mode!r} scores samples; name the reward function, e.g. "
                              f"reward = \"arithmetic\" or reward = \"my_package.rewards:score\"")
         load_reward_fn(data.reward)
+    if sourced:
+        from trainer.rollout.reward_sources import check_reward_sources
+
+        check_reward_sources(cfg.rewards, default_rule=data.reward, dynamic_filters=cfg.rl.rollout.dynamic_filters)
     for s in cfg.eval.sets:  # [[eval.sets]]: their files and rewards ([data]'s when unset)
         for spec in data_specs(s.path, s.mapping(data), where=f"[[eval.sets]] {s.name!r}"):
             if not Path(spec.path).exists():
@@ -602,6 +608,7 @@ def _rl_phase(r: _Run, engines: Sequence[InferenceEngine], sft_components: Any, 
 
     data, rl_cfg, tcfg = r.cfg.data, r.phases.rl, r.phases.rl_trainer
     comp = build_components(sft_components.root if sft_components is not None else str(r.model_folder), tcfg)
+    rewards = _reward_sources(r, engines, device=str(comp.device))
     if sender is None:
         sender = build_sender(r.cfg, comp.model, engines)
         sender.init_group()
@@ -619,7 +626,8 @@ def _rl_phase(r: _Run, engines: Sequence[InferenceEngine], sft_components: Any, 
                          table_rows=r.cfg.logging.table_rows)
     with cores_left_to_trainer(r.cfg):  # async: the engines generate while the trainer steps
         comp, state, hist = run_rl_training(None, buffer, rl_cfg, engines=engines, tokenizer=r.tokenizer,
-                                            reward_fn=data.reward, trainer_config=tcfg, components=comp,
+                                            reward_fn=None if r.cfg.rewards.sources else data.reward,
+                                            rewards=rewards, trainer_config=tcfg, components=comp,
                                             resume=r.resume, sender=sender, reward_timeout_s=data.reward_timeout_s,
                                             evaluation=evaluation, dumps=dumps if dumps.every else None,
                                             logger=_logger(r, "rl", rl_cfg.output_dir))
@@ -628,6 +636,18 @@ def _rl_phase(r: _Run, engines: Sequence[InferenceEngine], sft_components: Any, 
     if r.is_main:
         plot_metrics(Path(rl_cfg.output_dir) / "metrics.jsonl", Path(r.cfg.output_dir) / "rl.png",
                      title=f"{r.cfg.name} GRPO")
+
+
+def _reward_sources(r: _Run, engines: Sequence[InferenceEngine], *, device: str) -> Any:
+    """The [rewards] sources (trainer.rollout.reward_sources), built on rank 0, which scores the rollouts: reward
+    models loaded on the trainer's `device`, judges on their engines; None without sources ([data].reward alone)."""
+    from trainer.rollout.reward_sources import build_reward_sources, describe_rewards
+
+    if not r.cfg.rewards.sources or not r.is_main:
+        return None
+    print(describe_rewards(r.cfg.rewards, r.cfg.data.reward), flush=True)
+    return build_reward_sources(r.cfg.rewards, default_rule=r.cfg.data.reward, engines=engines, tokenizer=r.tokenizer,
+                                device=device, timeout_s=r.cfg.data.reward_timeout_s)
 
 
 def debug_mode(mode: str, cfg: RunConfig, *, rollouts: str | None, checkpoint: str | None) -> int:

@@ -486,6 +486,122 @@ class LoggingConfig:
         _non_negative(self, "rollouts_every", "table_rows")
 
 
+REWARD_SOURCE_KINDS = ("rule", "model", "judge")
+REWARD_NORMALIZE = ("none", "batch")
+# The keys each kind of reward source reads (beside kind, weight, label); any other key set on a source is an error.
+REWARD_SOURCE_KEYS = {
+    "rule": ("name",),
+    "model": ("path", "url", "api_key_file", "timeout_s", "batch_size", "chat", "max_length"),
+    "judge": ("engine", "path", "api_key_file", "timeout_s", "template", "parser", "max_new_tokens", "min_score",
+              "max_score", "system"),
+}
+
+
+def _http_url(value: Any) -> bool:
+    return isinstance(value, str) and value.startswith(("http://", "https://"))
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardSourceConfig:
+    """One [rewards] sources entry: a rule (a reward function), a reward model or an LLM judge, with its weight.
+
+    rule: `name`. model: `path` (scored in the trainer's process, on its device) or `url` (a scoring server:
+    python -m trainer.rollout.reward_server), batch_size, chat, max_length. judge: `template`, `engine`, `path`,
+    parser, max_new_tokens, min_score / max_score, system (trainer.rollout.judge). A key of another kind is an error.
+    """
+
+    kind: str = "rule"  # "rule" (a reward function), "model" (a reward model) or "judge" (an LLM judge)
+    weight: float = 1.0  # its factor in the combined reward: the sum over sources of weight x (normalised) score
+    label: str | None = None  # its metrics' name, reward/<label>_mean (None: a rule's function name, else kind + index)
+    name: str | None = None  # rule: a built-in reward or "module:function" (None: [data].reward)
+    # model: the reward model's folder (an AutoModelForSequenceClassification with one output, saved with its tokenizer
+    # and chat template), loaded in the trainer's process; judge: the judge model's folder, read for its tokenizer and
+    # chat template only (None: the run's model)
+    path: str | None = None
+    url: str | None = None  # model: the http(s):// address of a scoring server that holds the model (instead of path)
+    # judge: the http(s):// address of the engine serving it (the SGLang protocol: an SGLang or embedded engine; None:
+    # the run's first engine, i.e. the policy judges itself)
+    engine: str | None = None
+    api_key_file: str | None = None  # model url / judge engine: a file whose first line is the server's API key
+    timeout_s: float = 120.0  # model url / judge engine: one request's limit in seconds
+    batch_size: int = 16  # model: samples per forward (sorted by length)
+    chat: bool = True  # model: score the conversation in the model's chat template (false: prompt + completion text)
+    max_length: int | None = None  # model: a longer rendering keeps its last max_length tokens (None: all of them)
+    template: str | None = None  # judge: its prompt, a str.format text with {prompt}, {response} and {answer}
+    parser: str = "score"  # judge: "score" (first number), "yes_no" or "module:function" (text -> number or None)
+    max_new_tokens: int = 64  # judge: the judge's answer limit (it answers greedily)
+    min_score: float | None = None  # judge: the "score" parser clamps below at this (None: no bound)
+    max_score: float | None = None  # judge: the "score" parser clamps above at this (None: no bound)
+    system: str | None = None  # judge: a system turn before the judge's prompt
+
+    def __post_init__(self) -> None:
+        _check(self.kind in REWARD_SOURCE_KINDS, f"kind = {self.kind!r}", f"choose one of {REWARD_SOURCE_KINDS}")
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        given = [k for k, v in defaults.items() if k not in ("kind", "weight", "label") and getattr(self, k) != v]
+        for key in given:
+            if key not in REWARD_SOURCE_KEYS[self.kind]:
+                owners = [k for k, keys in REWARD_SOURCE_KEYS.items() if key in keys]
+                raise ValueError(f"{key}: a key of {' and '.join(repr(o) for o in owners)} sources, and this one is "
+                                 f"kind = {self.kind!r}; drop {key}, or change kind")
+        w = self.weight
+        _check(not isinstance(w, bool) and isinstance(w, int | float) and w == w and abs(w) != float("inf"),
+               f"weight = {w!r}", "a finite number (its factor in the combined reward)")
+        _check(self.label is None or (isinstance(self.label, str) and bool(self.label) and "/" not in self.label),
+               f"label = {self.label!r}", "a non-empty name without '/' (the metric is reward/<label>_mean)")
+        _check(self.name is None or (isinstance(self.name, str) and bool(self.name)), f"name = {self.name!r}",
+               "a built-in reward name (\"arithmetic\", \"gsm8k\", ...) or \"module:function\"")
+        _positive(self, "timeout_s")
+        if self.kind == "model":
+            _check((self.path is None) != (self.url is None), "path and url",
+                   "give a model source one of them: path (a reward-model folder, scored in the trainer's process) or "
+                   "url (a scoring server that holds the model: python -m trainer.rollout.reward_server)")
+            _check(self.url is None or _http_url(self.url), f"url = {self.url!r}", "give an http(s):// address")
+            _positive(self, "batch_size")
+            _check(self.max_length is None or self.max_length > 0, f"max_length = {self.max_length!r}",
+                   "must be > 0, or unset to keep every token")
+        if self.kind == "judge":
+            _check(self.engine is None or _http_url(self.engine), f"engine = {self.engine!r}",
+                   "give the judge engine's http(s):// address, or leave it out to use the run's first engine")
+            _check(isinstance(self.template, str), "template",
+                   "a judge source needs its prompt, e.g. template = \"Question: {prompt}\\nAnswer: {response}\\n"
+                   "Is the answer correct? Reply yes or no.\" with parser = \"yes_no\"")
+            self.judge_config()  # the template's fields, the parser's name, the score bounds
+
+    def judge_config(self) -> Any:
+        """The trainer.rollout.judge.JudgeConfig of a judge source (its own checks run there)."""
+        from trainer.rollout.judge import JudgeConfig
+
+        return JudgeConfig(template=self.template, parser=self.parser, min_score=self.min_score,
+                           max_score=self.max_score, max_new_tokens=self.max_new_tokens, system=self.system)
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardsConfig:
+    """[rewards]: the RL reward as a weighted sum of sources (rules, reward models, LLM judges).
+
+    No sources (the default): [data].reward alone, as before. With sources, each sample's reward is the sum over
+    sources of weight x score, where with normalize = "batch" every source's scores are first z-scored over the
+    batch's scored samples: (score - mean) / std, population statistics computed exactly; a source whose scores are
+    all equal in the batch (std 0) gives 0 to every sample. A sample on which any source fails is FAILED (left out of
+    the loss, counted). Evaluation keeps [data].reward (the held-out truth).
+    """
+
+    sources: tuple[Any, ...] = ()  # {kind, weight, ...} tables (RewardSourceConfig); empty: [data].reward alone
+    normalize: str = "none"  # "none", or "batch": z-score each source's scores over the batch before the weighted sum
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.sources, tuple | list), f"sources = {self.sources!r}",
+               "a list of tables, e.g. sources = [{kind = \"model\", path = \"runs/rm\"}]")
+        sources = tuple(s if isinstance(s, RewardSourceConfig) else
+                        config_from_dict(RewardSourceConfig, s, f"rewards.sources[{i}]")
+                        for i, s in enumerate(self.sources))
+        object.__setattr__(self, "sources", sources)
+        _check(self.normalize in REWARD_NORMALIZE, f"normalize = {self.normalize!r}",
+               f"choose one of {REWARD_NORMALIZE}")
+        labels = [s.label for s in sources if s.label is not None]
+        _check(len(set(labels)) == len(labels), "sources", f"labels {labels} must be unique (each names a metric)")
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """A whole run file (configs/*.toml): one table per section, each a config above.
@@ -507,6 +623,7 @@ class RunConfig:
     trainer: BackendConfig = dataclasses.field(default_factory=BackendConfig)  # [trainer]
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)  # [eval], [[eval.sets]]
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)  # [logging]
+    rewards: RewardsConfig = dataclasses.field(default_factory=RewardsConfig)  # [rewards]
 
     def __post_init__(self) -> None:
         hints = _hints(RunConfig)

@@ -25,12 +25,14 @@ from typing import Any
 
 from engines.registry import EngineSpec
 from kernels import PolicyLossConfig
-from trainer.config import EvalSetConfig, RLTrainingConfig, RunConfig, _hints, _section
+from trainer.config import EvalSetConfig, RewardSourceConfig, RLTrainingConfig, RunConfig, _hints, _section
 
 # Tables whose field is typed loosely (it also takes a ready-made object) but whose keys are another class's.
 SUBTABLES: dict[tuple[type, str], type] = {(RLTrainingConfig, "loss"): PolicyLossConfig}
-# Arrays of tables: [[engines.fleet]] entries are EngineSpecs, [[eval.sets]] entries EvalSetConfigs.
-ARRAY_TABLES: dict[str, type] = {"engines.fleet": EngineSpec, "eval.sets": EvalSetConfig}
+# Arrays of tables: [[engines.fleet]] entries are EngineSpecs, [[eval.sets]] entries EvalSetConfigs, [rewards]
+# sources entries RewardSourceConfigs.
+ARRAY_TABLES: dict[str, type] = {"engines.fleet": EngineSpec, "eval.sets": EvalSetConfig,
+                                 "rewards.sources": RewardSourceConfig}
 
 
 def section_class(cls: type, name: str) -> type | None:

@@ -55,6 +55,7 @@ from trainer.types import RolloutBatch, Sample, Status, TrainingState
 
 if TYPE_CHECKING:
     from trainer.rollout.manager import AsyncRolloutManager
+    from trainer.rollout.reward_sources import RewardSources
     from trainer.weight_sync import WeightSync
 
 
@@ -201,6 +202,7 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
                     on_step: Callable[[int, dict], None] | None = None,
                     reward_timeout_s: float | None = DataConfig.reward_timeout_s,
                     evaluation: Evaluation | None = None, dumps: RolloutDumps | None = None,
+                    rewards: RewardSources | None = None,
                     ) -> tuple[TrainingComponents, TrainingState, list[dict]]:
     """Train with GRPO/PPO for config.num_steps steps; returns (components, final state, per-step metrics).
 
@@ -218,6 +220,8 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
     (trainer.evaluation.Evaluation): held-out figures at the start, every N steps right after the weight sync, and
     at the last step, logged with the step. `dumps` (trainer.rollout.dumps.RolloutDumps): the samples of every
     N-th step written out (with the trainer's log-probs before the update) and a few shown as a table.
+    `rewards` (trainer.rollout.reward_sources.build_reward_sources, [rewards] sources): the reward as a weighted sum
+    of rules, reward models and judges, in place of `reward_fn` (pass None); each source's metrics are logged.
     """
     from trainer.rollout.manager import AsyncRolloutManager
 
@@ -226,7 +230,11 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
     tcfg = trainer_config or trainer_config_from(config)
     comp = components or build_components(model, tcfg)
     ref = _reference_components(comp, tcfg) if config.loss.kl_coef > 0 else None  # frozen starting weights
-    if reward_fn is not None:
+    if rewards is not None:  # [rewards] sources: rules score in the rollout, models and judges per batch after it
+        if reward_fn is not None:
+            raise ValueError("give reward_fn or rewards (whose rule sources replace reward_fn), not both")
+        reward_fn = rewards.rule_reward()
+    elif reward_fn is not None:
         reward_fn = with_timeout(load_reward_fn(reward_fn), reward_timeout_s)
     manager = AsyncRolloutManager(engines, config.rollout, tokenizer=tokenizer, reward_fn=reward_fn,
                                   deterministic=config.deterministic)
@@ -245,7 +253,7 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
     with (contextlib.closing(logger), progress(config.num_steps, initial=state.step, desc="rl",
                                                enabled=comp.rank == 0) as bar,
           _rollout_source(data_buffer, config, manager, sender, comp.rank, on_failure=ckpt.save,
-                          on_drawn=points.record) as source, ckpt):
+                          on_drawn=points.record, rewards=rewards) as source, ckpt):
         sync_s = _sync(sender, state.weight_version)  # engines serve exactly the weights being trained
         if comp.rank == 0 and evaluation is not None and evaluation.at_start and state.step == 0:
             logger.log(0, evaluation.run(0))
@@ -257,6 +265,7 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
                                                ref_components=ref)
             metrics = step_metrics(metrics, batch, state, trained_from=trained_from, time_generate_s=gen_s,
                                    time_train_s=train_s, time_sync_s=sync_s)
+            metrics.update(batch.metadata.get("reward_metrics", {}))  # [rewards] sources: reward/<label>_mean, judge/*
             # The step has trained (a checkpoint now holds it): its row is logged even when Ctrl-C stops the sync.
             with _reported(state.step, metrics, logger=logger, history=history, bar=bar, on_step=on_step):
                 if state.step % config.sync_every == 0 or state.step == config.num_steps:
@@ -274,13 +283,18 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
 
 
 def _rollout_source(data_buffer: Any, config: RLTrainingConfig, manager: AsyncRolloutManager, sender: WeightSync,
-                    rank: int, *, on_failure: Callable[[], None], on_drawn: Callable[[int], None]) -> RolloutSource:
+                    rank: int, *, on_failure: Callable[[], None], on_drawn: Callable[[int], None],
+                    rewards: RewardSources | None = None) -> RolloutSource:
     """Rank 0 drives the rollouts (each batch generated for the sender's current weight version); the source hands
-    every batch, or its failure, to the other ranks, and in async mode generates the next batch ahead."""
+    every batch, or its failure, to the other ranks, and in async mode generates the next batch ahead. Reward
+    models and judges (`rewards`) score each batch right after its generation, in the same (worker) thread."""
     from trainer.rollout.manager import generate_rollout_batches
+    from trainer.rollout.reward_sources import scored_batches
 
     batches = generate_rollout_batches(data_buffer, config.rollout, manager=manager,
                                        weight_version=lambda: sender.weight_version) if rank == 0 else None
+    if batches is not None and rewards is not None:
+        batches = scored_batches(batches, rewards)
     return RolloutSource(batches, num_steps=config.num_steps, prefetch=config.async_rollout, on_failure=on_failure,
                          on_drawn=on_drawn)
 

@@ -45,23 +45,12 @@ def load_reward_model(path: str | os.PathLike, *, device: str | torch.device = "
     model (a causal LM, whose classification head transformers would initialise at random) or a classifier with
     several outputs is refused with an error naming the folder.
     """
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification
 
     from engines.tokenizer import load_tokenizer
 
     folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"reward model {str(folder)!r}: no config.json there; give a Hugging Face folder "
-                                f"written by model.save_pretrained")
-    config = AutoConfig.from_pretrained(folder)
-    archs = list(getattr(config, "architectures", None) or [])
-    if archs and not any(a.endswith("ForSequenceClassification") for a in archs):
-        raise ValueError(f"reward model {str(folder)!r} holds a {archs} model, not a sequence classifier: its score "
-                         f"head would be random weights; give a folder saved from an "
-                         f"AutoModelForSequenceClassification (num_labels=1)")
-    if config.num_labels != 1:
-        raise ValueError(f"reward model {str(folder)!r} has num_labels={config.num_labels}; a reward model gives one "
-                         f"score per sequence: train or save it with num_labels=1")
+    check_reward_model_folder(folder)
     if dtype is None:
         dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
     tokenizer = load_tokenizer(folder)
@@ -78,6 +67,29 @@ def load_reward_model(path: str | os.PathLike, *, device: str | torch.device = "
         text_config.pad_token_id = pad
         model.config.pad_token_id = pad
     return model, tokenizer
+
+
+def check_reward_model_folder(path: str | os.PathLike) -> None:
+    """Without loading any weight: `path` holds a sequence classifier with one output (config.json) and its tokenizer
+    files; an error naming the folder and the fix otherwise (what load_reward_model refuses)."""
+    from transformers import AutoConfig
+
+    from engines.tokenizer import check_tokenizer_files
+
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"reward model {str(folder)!r}: no config.json there; give a Hugging Face folder "
+                                f"written by model.save_pretrained")
+    config = AutoConfig.from_pretrained(folder)
+    archs = list(getattr(config, "architectures", None) or [])
+    if archs and not any(a.endswith("ForSequenceClassification") for a in archs):
+        raise ValueError(f"reward model {str(folder)!r} holds a {archs} model, not a sequence classifier: its score "
+                         f"head would be random weights; give a folder saved from an "
+                         f"AutoModelForSequenceClassification (num_labels=1)")
+    if config.num_labels != 1:
+        raise ValueError(f"reward model {str(folder)!r} has num_labels={config.num_labels}; a reward model gives one "
+                         f"score per sequence: train or save it with num_labels=1")
+    check_tokenizer_files(folder)
 
 
 def encode_for_scoring(tokenizer: Any, prompt: str, completion: str, *, system: str | None = None,

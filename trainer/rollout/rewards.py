@@ -2,7 +2,9 @@
 
 A reward function takes one finished `Sample` and returns its reward: a finite number or a bool, or a mapping
 {"reward": number, "correct": bool} when "correct" is not simply "the reward reached its maximum" (partial
-credit), or an awaitable of either. The sample carries the prompt text (`sample.prompt`), the decoded response
+credit), or an awaitable of either; the mapping may also carry "sources": {name: number}, the parts the reward
+was made of, kept in sample.metadata["reward_sources"] (how [rewards] rule sources report each rule's score:
+trainer/rollout/reward_sources.py). The sample carries the prompt text (`sample.prompt`), the decoded response
 (`sample.response`), its tokens, and in `sample.metadata` the data row: the reference answer under "answer"
 (whatever [data] answer_key named in the file) and every other field of the row. A function that raises marks its
 sample FAILED (left out of the loss, counted); the first time each distinct error happens, its traceback and the
@@ -231,26 +233,51 @@ def load_reward_fn(spec: str | RewardFn) -> RewardFn:
 
 
 # ----------------------------------------------------------------------------------------------- applying
-def _finish(sample: Sample, value: Any) -> Sample:
+def reward_value(value: Any) -> tuple[float, bool | None]:
+    """(reward, correct) of what a reward function returned (the module docstring's forms); a TypeError or
+    ValueError that says what was wrong with it otherwise."""
     correct = None
     if isinstance(value, Mapping):
         if "reward" not in value:
-            return _failed(sample, TypeError(f"reward function returned a mapping without 'reward' "
-                                             f"(keys {sorted(value)}); return {{'reward': x, 'correct': bool}}"))
+            raise TypeError(f"reward function returned a mapping without 'reward' (keys {sorted(value)}); return "
+                            f"{{'reward': x, 'correct': bool}}")
         correct, value = value.get("correct"), value["reward"]
         if correct is not None and not isinstance(correct, bool):
-            return _failed(sample, TypeError(f"reward function returned correct={correct!r}; give a bool or None"))
+            raise TypeError(f"reward function returned correct={correct!r}; give a bool or None")
     if isinstance(value, str) or not isinstance(value, numbers.Real):
-        return _failed(sample, TypeError(f"reward function returned {type(value).__name__} {value!r:.40}, expected "
-                                         f"a number or a bool (a tensor: return .item())"))
+        raise TypeError(f"reward function returned {type(value).__name__} {value!r:.40}, expected a number or a bool "
+                        f"(a tensor: return .item())")
     reward = float(value)
     if not math.isfinite(reward):
-        return _failed(sample, ValueError(f"reward function returned a non-finite value {reward}"))
+        raise ValueError(f"reward function returned a non-finite value {reward}")
     if abs(reward) > MAX_ABS_REWARD:
-        return _failed(sample, ValueError(f"reward function returned {reward:g}, beyond +-{MAX_ABS_REWARD:g} "
-                                          f"(MAX_ABS_REWARD): the advantages' float32 group statistics would "
-                                          f"overflow or lose every other reward; scale the reward down"))
-    return dataclasses.replace(sample, reward=reward, correct=correct)
+        raise ValueError(f"reward function returned {reward:g}, beyond +-{MAX_ABS_REWARD:g} (MAX_ABS_REWARD): the "
+                         f"advantages' float32 group statistics would overflow or lose every other reward; scale the "
+                         f"reward down")
+    return reward, correct
+
+
+def _finish(sample: Sample, value: Any) -> Sample:
+    try:
+        reward, correct = reward_value(value)
+        sources = _sources(value.get("sources")) if isinstance(value, Mapping) else None
+    except (TypeError, ValueError) as e:  # the result's fault, not the function's: no traceback to show
+        return _failed(sample, e.with_traceback(None))
+    if sources is None:
+        return dataclasses.replace(sample, reward=reward, correct=correct)
+    return dataclasses.replace(sample, reward=reward, correct=correct,
+                               metadata={**sample.metadata, "reward_sources": sources})
+
+
+def _sources(value: Any) -> dict[str, float] | None:
+    """A reward's optional "sources" entry: {name: finite number}, the parts it was made of (None: none given)."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, numbers.Real)
+                                                 and not isinstance(v, bool) and math.isfinite(v)
+                                                 for k, v in value.items()):
+        raise TypeError(f"reward function returned sources={value!r:.80}; give {{name: finite number}} or leave it out")
+    return {k: float(v) for k, v in value.items()}
 
 
 # The distinct errors already printed (type and message): each is shown once per process, with its traceback and
@@ -268,6 +295,12 @@ def describe_failure(sample: Sample) -> str:
             f"                 response={sample.response[:200]!r}\n"
             f"                 metadata={shown} (the data row's fields; the reference answer is 'answer')\n"
             f"{sample.metadata.get('reward_traceback', '')}")
+
+
+def mark_failed(sample: Sample, err: BaseException) -> Sample:
+    """`sample` FAILED by `err`, as a failing reward function leaves it (reward 0.0, metadata["reward_error"] and
+    ["reward_traceback"]; the first time each distinct error happens it is printed with the sample)."""
+    return _failed(sample, err)
 
 
 def _failed(sample: Sample, err: BaseException) -> Sample:
