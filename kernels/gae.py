@@ -24,6 +24,7 @@ Shapes and layouts:
                                                     unpacks to [S, max_len], runs `gae`, packs back, so the
                                                     recursion never crosses a sequence boundary
     whiten(x, mask)                                 masked (x − mean) / std, optional on the advantages
+    masked_mean_std, explained_variance             statistics of a step's tokens (metrics)
     value_loss(values, old_values, returns, mask)   PPO's clipped value loss, any matching shape ([B, T] or [N])
 
 Math runs in float32 whatever the input dtype; the advantages and returns are float32 and carry no gradient (they
@@ -37,9 +38,13 @@ tensors.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kernels.packing import host_lengths, pack, unpack
+
+SumAcross = Callable[[torch.Tensor], torch.Tensor]  # sums a tensor over the processes holding the other tokens
 
 VALUE_LOSS_AGGS = ("token-mean", "seq-mean-token-mean")
 
@@ -122,44 +127,73 @@ def gae_packed(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, 
     return pack(adv, lens, total=N), pack(ret, lens, total=N)
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+def _masked_moments(x: torch.Tensor, keep: torch.Tensor, sum_across: SumAcross | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(n, mean, Σ (x − mean)²) over the kept elements, 0-d float32 tensors, two passes (no cancellation).
+
+    sum_across: sums a tensor over the other processes that hold the rest of the elements (called on a [2] and a
+    0-d tensor, returns the sum); None: this call's elements are all of them.
+    """
+    xf = torch.where(keep, x.float(), 0.0)
+    n_sum = torch.stack([keep.sum().float(), xf.sum()])  # [2]: one collective for both
+    if sum_across is not None:
+        n_sum = sum_across(n_sum)
+    n, total = n_sum.unbind(0)
+    mean = total / n.clamp(min=1.0)
+    sq = torch.where(keep, (xf - mean) ** 2, 0.0).sum()
+    if sum_across is not None:
+        sq = sum_across(sq)
+    return n, mean, sq
+
+
+def masked_mean_std(x: torch.Tensor, mask: torch.Tensor, *,
+                    sum_across: SumAcross | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, unbiased std) of x over the tokens where mask is nonzero: 0-d float32 tensors, no host sync.
+
+    sum_across: see `whiten` (the statistics of tokens spread over micro-batches and ranks)."""
+    if mask.shape != x.shape:
+        raise ValueError(f"mask has shape {tuple(mask.shape)} but x {tuple(x.shape)}; give one entry per element")
+    n, mean, sq = _masked_moments(x, mask.bool(), sum_across)
+    return mean, (sq / (n - 1.0).clamp(min=1.0)).sqrt()
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True, eps: float = 1e-8,
+           sum_across: SumAcross | None = None) -> torch.Tensor:
     """(x − mean) / sqrt(var + eps) over the tokens where mask is nonzero, 0 elsewhere; float32, any shape.
 
     mean and the unbiased variance (Bessel's n − 1, as verl's masked_whiten) are over the masked tokens of this
-    call: whiten a whole step's advantages at once, not micro-batch by micro-batch. shift_mean=False keeps the
-    mean (scales only). A single masked token whitens to 0 (its variance divides by max(n − 1, 1)).
+    call: whiten a whole step's advantages at once, not micro-batch by micro-batch. With `sum_across` (a function
+    that sums a tensor over the processes holding the rest of the step's tokens, e.g. an all_reduce on the
+    trainer's process group) they are over the tokens of every process: each passes its own x and mask, and the
+    statistics are global (two collectives). shift_mean=False keeps the mean (scales only). A single masked token
+    whitens to 0 (its variance divides by max(n − 1, 1)).
     """
     if mask.shape != x.shape:
         raise ValueError(f"mask has shape {tuple(mask.shape)} but x {tuple(x.shape)}; give one entry per element")
     keep = mask.bool()
-    xf = torch.where(keep, x.float(), 0.0)
-    n = keep.sum().float()
-    mean = xf.sum() / n.clamp(min=1.0)
-    centered = torch.where(keep, xf - mean, 0.0)
-    var = (centered * centered).sum() / (n - 1.0).clamp(min=1.0)
+    n, mean, sq = _masked_moments(x, keep, sum_across)
+    var = sq / (n - 1.0).clamp(min=1.0)
+    centered = torch.where(keep, x.float() - mean, 0.0)
     out = centered * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
     return torch.where(keep, out, 0.0)
 
 
-def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, *,
+                       sum_across: SumAcross | None = None) -> torch.Tensor:
     """1 − Var(R − V) / Var(R) over the masked tokens (population variances), a 0-d float32 tensor, no host sync.
 
     1: the value model predicts the returns exactly; 0: no better than their mean; NaN when the returns do not
-    vary (or no token is masked). Compute it on a whole step's tokens: it does not combine across micro-batches.
+    vary (or no token is masked). Compute it on a whole step's tokens: it does not combine across micro-batches
+    (concatenate them; `sum_across` as in `whiten` adds the other ranks' tokens).
     """
     keep = mask.bool()
-    n = keep.sum().float().clamp(min=1.0)
-
-    def var(x: torch.Tensor) -> torch.Tensor:
-        x = torch.where(keep, x.float(), 0.0)
-        mean = x.sum() / n
-        return torch.where(keep, (x - mean) ** 2, 0.0).sum() / n
-
     v, r = values.detach().float(), returns.detach().float()
-    var_r = var(r)
-    return torch.where(var_r > 0, 1.0 - var(r - v) / var_r, float("nan"))
+    n, _, sq_r = _masked_moments(r, keep, sum_across)
+    _, _, sq_d = _masked_moments(r - v, keep, sum_across)
+    var_r = sq_r / n.clamp(min=1.0)
+    return torch.where(var_r > 0, 1.0 - (sq_d / n.clamp(min=1.0)) / var_r, float("nan"))
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, *,
