@@ -27,7 +27,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from engines.tiny import tiny_model_config
 from kernels import PolicyLossConfig, use_backend
-from trainer.backend.steps import build_components, compute_logprobs, forward_backward, optim_step, trainer_config_from
+from trainer.backend.steps import (
+    build_components,
+    compute_logprobs,
+    compute_values,
+    forward_backward,
+    optim_step,
+    trainer_config_from,
+)
 from trainer.batching.micro_batches import attach_logprobs, build_micro_batches
 from trainer.config import OptimConfig, RLTrainingConfig, RolloutConfig
 from trainer.types import Sample, TrainingState
@@ -38,7 +45,7 @@ SYNC_OPS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero", "a
 # Tensor methods that copy device data to the host (on CPU tensors they dispatch no aten op, so catch them here).
 HOST_READS = {"tolist", "item", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__"}
 TRAINER_STEP_CODE = {"trainer/backend/steps.py", "trainer/batching/micro_batches.py", "trainer/backend/futures.py",
-                     "trainer/rl.py"}
+                     "trainer/rl.py", "trainer/critic.py", "trainer/backend/models.py"}
 CPU_ONLY_PATHS = ("kernels/",)  # host reads free on CPU by design (module docstring)
 
 
@@ -137,6 +144,42 @@ def test_three_rl_steps_issue_no_host_sync_outside_the_future(torch_path):
     assert any(e[2] and e[0] == "aten::_local_scalar_dense" for e in dispatch.events)
 
 
+def test_three_gae_steps_with_a_critic_issue_no_host_sync_outside_the_future(torch_path):
+    """PPO with a separate critic: the critic's values, GAE and whitening over the step (trainer.critic), then the
+    policy's and the critic's forward_backward and optim_step. The rewards are placed on the host beforehand (from
+    the host micro-batches, as train_on_batch does before any device work)."""
+    from trainer.critic import attach_gae, build_critic, token_rewards
+
+    rl_cfg = RLTrainingConfig(advantage_estimator="gae", rollout=RolloutConfig(apply_chat_template=False),
+                              optim=OptimConfig(lr=1e-3), token_budget=64, micro_batch_buckets=32)
+    cfg = trainer_config_from(rl_cfg, compile=False)
+    policy = build_components(tiny_model_config(), cfg)
+    critic = build_critic(policy, cfg)
+    steps = []
+    for k in range(3):
+        samples, rewards = _samples(k)
+        mbs = build_micro_batches(samples, token_budget=64, bucket_size=32)
+        steps.append((mbs, [token_rewards(mb, rewards) for mb in mbs]))
+    state, results = TrainingState(), []
+    dispatch = SyncRecorder()
+    with dispatch, HostReadRecorder(dispatch.events):
+        for mbs, rewards in steps:
+            mbs, stats = attach_gae(mbs, compute_values(critic, mbs), rewards, gamma=1.0, lam=0.95,
+                                    whiten_advantages=True)
+            fut = forward_backward(policy, mbs)
+            opt_fut, state = optim_step(policy, state, num_tokens=fut.num_tokens)
+            c_fut = forward_backward(critic, mbs)
+            c_opt, _ = optim_step(critic, state, num_tokens=c_fut.num_tokens)
+            results.append({**fut.result(), **opt_fut.result(), **c_fut.result(), **stats})
+            c_opt.result()
+    assert state.step == 3 and all("critic/value_clip_frac" in r for r in results)
+    outside = [e for e in dispatch.events if not e[2]]
+    in_trainer = [e for e in outside if e[1].split(":")[0] in TRAINER_STEP_CODE]
+    assert not in_trainer, f"host syncs in the trainer's step code: {sorted(set(in_trainer))}"
+    elsewhere = [e for e in outside if not e[1].startswith(CPU_ONLY_PATHS)]
+    assert not elsewhere, f"host syncs outside the CPU-only paths: {sorted(set(elsewhere))}"
+
+
 def test_the_detector_sees_what_it_looks_for():
     events: list = []
     x = torch.arange(4.0)
@@ -168,3 +211,36 @@ def test_three_rl_steps_on_cuda_under_sync_debug_mode_error():
         torch.cuda.set_sync_debug_mode(0)
     results = [{**f.result(), **o.result()} for f, o in futures]
     assert state.step == 3 and all(r["grad_norm"] > 0 and "mismatch/kl_k3" in r for r in results)
+
+
+@pytest.mark.gpu
+def test_three_gae_steps_on_cuda_under_sync_debug_mode_error():
+    """The critic's values, GAE, whitening and both models' steps queued under `set_sync_debug_mode("error")`."""
+    from trainer.critic import attach_gae, build_critic, token_rewards
+
+    rl_cfg = RLTrainingConfig(advantage_estimator="gae", rollout=RolloutConfig(apply_chat_template=False),
+                              optim=OptimConfig(lr=1e-3), token_budget=64, micro_batch_buckets=32)
+    cfg = trainer_config_from(rl_cfg, compile=False)
+    policy = build_components(tiny_model_config(), cfg)
+    critic = build_critic(policy, cfg)
+    steps = []
+    for k in range(3):
+        samples, rewards = _samples(k)
+        mbs = build_micro_batches(samples, token_budget=64, bucket_size=32)
+        steps.append((mbs, [token_rewards(mb, rewards) for mb in mbs]))
+    state, futures = TrainingState(), []
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for mbs, rewards in steps:
+            mbs, stats = attach_gae(mbs, compute_values(critic, mbs), rewards, gamma=1.0, lam=0.95,
+                                    whiten_advantages=True)
+            fut = forward_backward(policy, mbs)
+            opt_fut, state = optim_step(policy, state, num_tokens=fut.num_tokens)
+            c_fut = forward_backward(critic, mbs)
+            c_opt, _ = optim_step(critic, state, num_tokens=c_fut.num_tokens)
+            futures.append((fut, opt_fut, c_fut, c_opt, stats))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    results = [{**f.result(), **o.result(), **c.result(), **co.result()} for f, o, c, co, _ in futures]
+    assert state.step == 3 and all(r["grad_norm"] > 0 and "critic/value_clip_frac" in r for r in results)

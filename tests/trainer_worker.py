@@ -4,6 +4,7 @@
     python tests/trainer_worker.py fsdp_sync <out.pt> <world_size>          # the same, with and without
                                                                             # defer_grad_sync, counting reduce-scatters
     python tests/trainer_worker.py train  <out.pt> <output_dir> <steps> <save_at> [resume]
+    python tests/trainer_worker.py gae    <out.pt> <world_size>             # PPO steps with a separate critic
 
 Both train the tiny llama on a deterministic synthetic batch per step (a function of the step index only), on
 the CPU torch path of the kernels, and write the per-step losses (and full parameters) to <out.pt>.
@@ -120,9 +121,59 @@ def _fsdp_sync_rank(rank: int, world: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
+def gae_config():
+    """PPO with a separate critic on the synthetic batches (trainer.critic): the RL phase and its TrainerConfig."""
+    from trainer.backend.steps import trainer_config_from
+    from trainer.config import OptimConfig, RLTrainingConfig, RolloutConfig
+
+    rl = RLTrainingConfig(advantage_estimator="gae", optim=OptimConfig(lr=3e-3), token_budget=BUDGET,
+                          micro_batch_buckets=BUCKET, loss={"loss_agg": "token-mean"}, output_dir="runs/test",
+                          rollout=RolloutConfig(apply_chat_template=False, max_new_tokens=64),
+                          critic={"optim": {"lr": 3e-3}})
+    return rl, trainer_config_from(rl, compile=False)
+
+
+def gae_steps(policy, critic, steps: range) -> list[dict]:
+    """train_on_batch's metrics of each step on step_samples(step, 12), each sample rewarded by its index."""
+    import dataclasses
+
+    from trainer.rl import train_on_batch
+    from trainer.types import RolloutBatch
+
+    rl, tcfg = gae_config()
+    state, out = TrainingState(), []
+    for step in steps:
+        samples = [dataclasses.replace(s, reward=float((i * 7 + step) % 5) / 4)
+                   for i, s in enumerate(step_samples(step, 12))]
+        metrics, state = train_on_batch(policy, state, RolloutBatch(samples), rl, tcfg, pad_id=0, critic=critic)
+        out.append(metrics)
+    return out
+
+
+def _gae_rank(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from engines.tiny import tiny_model_config
+    from kernels import use_backend
+    from trainer.backend.steps import build_components, init_distributed
+    from trainer.critic import build_critic
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    with use_backend("torch"):
+        _, tcfg = gae_config()
+        policy = build_components(tiny_model_config(), tcfg, mesh=init_distributed("cpu"))
+        critic = build_critic(policy, tcfg)
+        metrics = gae_steps(policy, critic, range(2))
+        params = {"policy": full_params(policy), "critic": full_params(critic)}
+    if rank == 0:
+        torch.save({"metrics": metrics, "params": params}, out)
+    dist.destroy_process_group()
+
+
 def main(argv: list[str]) -> None:
     mode, out = argv[0], argv[1]
-    if mode in ("fsdp", "fsdp_sync"):
+    if mode in ("fsdp", "fsdp_sync", "gae"):
         import socket
 
         import torch.multiprocessing as mp
@@ -131,7 +182,8 @@ def main(argv: list[str]) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        mp.spawn(_fsdp_rank if mode == "fsdp" else _fsdp_sync_rank, args=(world, port, out), nprocs=world, join=True)
+        rank_fn = {"fsdp": _fsdp_rank, "fsdp_sync": _fsdp_sync_rank, "gae": _gae_rank}[mode]
+        mp.spawn(rank_fn, args=(world, port, out), nprocs=world, join=True)
     elif mode == "train":
         from engines.tiny import tiny_model_config
         from kernels import use_backend

@@ -609,6 +609,9 @@ def _rl_phase(r: _Run, engines: Sequence[InferenceEngine], sft_components: Any, 
     data, rl_cfg, tcfg = r.cfg.data, r.phases.rl, r.phases.rl_trainer
     comp = build_components(sft_components.root if sft_components is not None else str(r.model_folder), tcfg)
     rewards = _reward_sources(r, engines, device=str(comp.device))
+    if sender is not None and comp.model is not sft_components.model:  # a copy: the policy gained a value head
+        sender.close()
+        sender = None
     if sender is None:
         sender = build_sender(r.cfg, comp.model, engines)
         sender.init_group()
@@ -635,7 +638,7 @@ def _rl_phase(r: _Run, engines: Sequence[InferenceEngine], sft_components: Any, 
     r.summary.update(rl_steps=state.step, rl_final_reward_mean=hist[-1]["reward_mean"] if hist else None)
     if r.is_main:
         plot_metrics(Path(rl_cfg.output_dir) / "metrics.jsonl", Path(r.cfg.output_dir) / "rl.png",
-                     title=f"{r.cfg.name} GRPO")
+                     title=f"{r.cfg.name} {'PPO with a critic' if rl_cfg.critic is not None else 'GRPO'}")
 
 
 def _reward_sources(r: _Run, engines: Sequence[InferenceEngine], *, device: str) -> Any:

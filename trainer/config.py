@@ -170,6 +170,49 @@ def resolve_loss(loss: Any, rollout: RolloutConfig, *, off_policy: bool) -> Any:
         values.setdefault("max_seq_len", rollout.max_new_tokens)
     return config_from_dict(PolicyLossConfig, values, "rl.loss")
 
+CRITIC_KINDS = ("model", "head")
+GAE = "gae"  # the advantage estimator with a value model (per token; not one of kernels.advantages' per-sample ones)
+
+
+@dataclasses.dataclass(frozen=True)
+class CriticConfig:
+    """[rl.critic]: the value model of advantage_estimator = "gae" (PPO with a critic; trainer.critic).
+
+    kind "model": a separate critic, the policy's weights at the start of RL (or the causal LM at `path`, which
+    must share the policy's tokenizer) with a fresh scalar value head on the last hidden state; sharded, compiled
+    and checkpointed like the policy, trained by its own optimiser ([rl.critic.optim]) on the value loss alone.
+    kind "head": a value head on the policy's own trunk, trained through the policy's loss
+    (loss + value_loss_coef x value loss) by [rl.optim]. Unclipped value loss: value_clip = inf (None in Python).
+    """
+
+    kind: str = "model"  # "model" (a separate critic) or "head" (a value head on the policy's trunk)
+    path: str | None = None  # kind "model": the critic's starting causal LM folder (None: the policy's start weights)
+    value_clip: float | None = 0.2  # PPO value clip around the rollout's values (inf or None: unclipped)
+    value_loss_coef: float = 0.5  # kind "head": the value loss's weight in the policy's loss
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)  # kind "model": the [rl.critic.optim] table
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "optim", _optim(self.optim))
+        _check(self.kind in CRITIC_KINDS, "kind", f"{self.kind!r}: choose \"model\" (a separate critic) or \"head\" "
+               f"(a value head on the policy)")
+        if self.value_clip is None:
+            object.__setattr__(self, "value_clip", float("inf"))  # one spelling, which a TOML file can write back
+        _check(self.value_clip > 0, "value_clip", f"must be > 0 (inf: unclipped), got {self.value_clip}")
+        _non_negative(self, "value_loss_coef")
+        if self.kind == "head":
+            _check(self.path is None, "path", "a value head lives on the policy's trunk (kind = \"head\"): remove "
+                   "path, or set kind = \"model\" for a separate critic loaded from it")
+            _check(self.optim == OptimConfig(), "optim", "kind = \"head\" trains the value head with the policy's "
+                   "optimiser ([rl.optim]): remove [rl.critic.optim], or set kind = \"model\"")
+            _check(self.value_loss_coef > 0, "value_loss_coef", "must be > 0 with kind = \"head\" (the value head "
+                   "learns through it)")
+
+    @property
+    def clip(self) -> float | None:
+        """value_clip for kernels.gae.value_loss: None when unclipped."""
+        return None if self.value_clip == float("inf") else self.value_clip
+
+
 @dataclasses.dataclass(frozen=True)
 class RLTrainingConfig(_PhaseConfig):
     """GRPO/PPO training: the loss ([rl.loss]), the advantages, weight sync and the rollout schedule.
@@ -180,7 +223,11 @@ class RLTrainingConfig(_PhaseConfig):
     sample with it and the trainer computes its log-probs with it.
     """
 
-    advantage_estimator: str = "grpo"  # a name registered in kernels.advantages
+    advantage_estimator: str = "grpo"  # a name registered in kernels.advantages, or "gae" (PPO with [rl.critic])
+    gamma: float = 1.0  # "gae": the discount per trained token
+    lam: float = 0.95  # "gae": GAE's lambda (1: Monte Carlo returns minus the value; 0: one-step TD)
+    whiten_advantages: bool = True  # "gae": advantages to zero mean, unit variance over the step's trained tokens
+    critic: Any = None  # "gae": the [rl.critic] table (CriticConfig; absent: its defaults); other estimators: none
     loss: Any = None  # kernels.PolicyLossConfig (a dict of its keys is resolved in __post_init__)
     ppo_epochs: int = 1  # optimizer steps per rollout batch (>1 makes old != current policy)
     sync_every: int = 1  # weight sync to engines every N steps (>1: the engines lag the trainer)
@@ -202,13 +249,16 @@ class RLTrainingConfig(_PhaseConfig):
         _check(not self.deterministic or self.rollout.over_sampling_factor == 1.0, "deterministic",
                f"needs rollout.over_sampling_factor = 1.0 (got {self.rollout.over_sampling_factor}): groups cut "
                f"when the batch fills depend on timing; set it to 1.0 or deterministic = false")
-        _check(self.advantage_estimator in ADVANTAGE_ESTIMATORS, "advantage_estimator",
-               f"unknown {self.advantage_estimator!r}; choose one of {tuple(ADVANTAGE_ESTIMATORS)}")
+        _check(self.advantage_estimator in ADVANTAGE_ESTIMATORS or self.advantage_estimator == GAE,
+               "advantage_estimator", f"unknown {self.advantage_estimator!r}; choose one of "
+                                      f"{(*ADVANTAGE_ESTIMATORS, GAE)}")
+        self._resolve_critic()
         # A group estimator's baseline is the other samples of the group: a group of one has none, and every sample
         # would be left out of the loss (trainer.rl.trained_samples), failing the first step after its rollout.
+        # "gae"'s baseline is the critic's value: any group size works.
         n = self.rollout.n_samples_per_prompt
-        ungrouped = tuple(k for k, e in ADVANTAGE_ESTIMATORS.items() if not e.needs_groups)
-        _check(n >= 2 or not ADVANTAGE_ESTIMATORS[self.advantage_estimator].needs_groups, "advantage_estimator",
+        ungrouped = (*(k for k, e in ADVANTAGE_ESTIMATORS.items() if not e.needs_groups), GAE)
+        _check(n >= 2 or not self.needs_groups, "advantage_estimator",
                f"{self.advantage_estimator!r} takes each sample's baseline from its group, so it needs [rl.rollout] "
                f"n_samples_per_prompt >= 2 (got {n}); raise it, or choose an estimator without groups: {ungrouped}")
         # One sequence is a prompt (at least one token) and up to max_new_tokens generated ones; a micro-batch must
@@ -224,6 +274,32 @@ class RLTrainingConfig(_PhaseConfig):
     def off_policy(self) -> bool:
         """The engines may sample with weights older than the ones being trained."""
         return self.async_rollout or self.sync_every > 1
+
+    @property
+    def needs_groups(self) -> bool:
+        """The advantage estimator's baseline is the sample's group (a group needs two scored samples)."""
+        return self.advantage_estimator != GAE and ADVANTAGE_ESTIMATORS[self.advantage_estimator].needs_groups
+
+    def _resolve_critic(self) -> None:
+        """`critic` as a CriticConfig for "gae" (from its table, or the defaults), None otherwise; the GAE keys are
+        refused with another estimator (they would be ignored)."""
+        if self.advantage_estimator != GAE:
+            _check(self.critic is None, "critic", f"[rl.critic] configures the value model of advantage_estimator = "
+                   f"\"gae\", but it is {self.advantage_estimator!r}: remove the table or set advantage_estimator = "
+                   f"\"gae\"")
+            for name in ("gamma", "lam", "whiten_advantages"):
+                default = next(f.default for f in dataclasses.fields(self) if f.name == name)
+                _check(getattr(self, name) == default, name, f"is read by advantage_estimator = \"gae\" only (this "
+                       f"run's is {self.advantage_estimator!r}): remove it or set advantage_estimator = \"gae\"")
+            return
+        critic = CriticConfig() if self.critic is None else self.critic
+        if isinstance(critic, Mapping):
+            critic = config_from_dict(CriticConfig, critic, "rl.critic")
+        _check(isinstance(critic, CriticConfig), "critic", f"expected a CriticConfig or a table of its keys, got "
+                                                           f"{type(critic).__name__}")
+        object.__setattr__(self, "critic", critic)
+        _check(0.0 <= self.gamma <= 1.0, "gamma", f"must be in [0, 1], got {self.gamma}")
+        _check(0.0 <= self.lam <= 1.0, "lam", f"must be in [0, 1], got {self.lam}")
 
 
 @dataclasses.dataclass(frozen=True)

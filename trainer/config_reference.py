@@ -25,10 +25,19 @@ from typing import Any
 
 from engines.registry import EngineSpec
 from kernels import PolicyLossConfig
-from trainer.config import EvalSetConfig, RewardSourceConfig, RLTrainingConfig, RunConfig, _hints, _section
+from trainer.config import (
+    CriticConfig,
+    EvalSetConfig,
+    RewardSourceConfig,
+    RLTrainingConfig,
+    RunConfig,
+    _hints,
+    _section,
+)
 
 # Tables whose field is typed loosely (it also takes a ready-made object) but whose keys are another class's.
-SUBTABLES: dict[tuple[type, str], type] = {(RLTrainingConfig, "loss"): PolicyLossConfig}
+SUBTABLES: dict[tuple[type, str], type] = {(RLTrainingConfig, "loss"): PolicyLossConfig,
+                                           (RLTrainingConfig, "critic"): CriticConfig}
 # Arrays of tables: [[engines.fleet]] entries are EngineSpecs, [[eval.sets]] entries EvalSetConfigs, [rewards]
 # sources entries RewardSourceConfigs.
 ARRAY_TABLES: dict[str, type] = {"engines.fleet": EngineSpec, "eval.sets": EvalSetConfig,

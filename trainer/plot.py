@@ -16,6 +16,8 @@ PANELS = (
     ("clip_frac_high", "clip fraction (high)"),
     ("grad_norm", "grad norm"),
     ("response_length_mean", "response length"),
+    ("critic/value_loss", "value loss (critic)"),  # PPO with a value model ([rl] advantage_estimator = "gae")
+    ("critic/explained_variance", "explained variance (critic)"),
 )
 
 

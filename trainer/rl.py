@@ -33,18 +33,21 @@ from engines.weight_sync.wire import WeightSyncError
 from kernels.advantages import advantage_estimator
 from trainer.backend.attention import supports_shared_prompts
 from trainer.backend.checkpoint import Checkpointer, load_latest
+from trainer.backend.futures import TrainFuture
 from trainer.backend.steps import (
     TrainerConfig,
     TrainingComponents,
     build_components,
     compute_logprobs,
+    compute_values,
     forward_backward,
     optim_step,
     trainer_config_from,
 )
 from trainer.batching.micro_batches import attach_logprobs, build_micro_batches
 from trainer.batching.shared_prompt import build_shared_micro_batches
-from trainer.config import DataConfig, RLTrainingConfig
+from trainer.config import GAE, DataConfig, RLTrainingConfig
+from trainer.critic import attach_gae, build_critic, sum_across_ranks, token_rewards
 from trainer.evaluation import Evaluation
 from trainer.metrics import MetricsLogger, open_logger, progress
 from trainer.rollout.dumps import RolloutDumps, rollout_rows, sample_logprobs, table_rows, write_rollouts
@@ -63,12 +66,15 @@ def _group_ids(samples: Sequence[Sample]) -> list[Any]:
     return [s.metadata.get("group_uid", s.group_index) for s in samples]
 
 
-def compute_advantages(samples: Sequence[Sample], estimator: str) -> list[float]:
+def compute_advantages(samples: Sequence[Sample], estimator: str) -> list[float | None]:
     """One advantage per sample from its reward and its group (samples of one prompt share metadata group_uid).
 
     A FAILED sample has no reward: it gets advantage 0 and stays out of its group's mean and std. `estimator`
-    names an entry of kernels.advantages.ADVANTAGE_ESTIMATORS.
+    names an entry of kernels.advantages.ADVANTAGE_ESTIMATORS; for "gae" a sample has no one advantage (they are
+    per token, from the critic's values, computed in the step: trainer.critic), so each is None.
     """
+    if estimator == GAE:
+        return [None] * len(samples)
     est = advantage_estimator(estimator)
     scored = [i for i, s in enumerate(samples) if s.status != Status.FAILED]
     out = [0.0] * len(samples)
@@ -94,9 +100,9 @@ def trained_samples(samples: Sequence[Sample], estimator: str, *,
     there is no reward to learn from), for group estimators every sample of a group left with fewer than two
     scored samples (no baseline), and with `mask_truncated` every TRUNCATED sample (it still counts in its group's
     baseline: compute_advantages sees it). Left-out samples are not packed at all, so they count in neither the
-    token nor the sequence normaliser of the loss. A warning names the first error.
+    token nor the sequence normaliser of the loss. A warning names the first error. "gae" has no groups.
     """
-    needs_groups = advantage_estimator(estimator).needs_groups
+    needs_groups = estimator != GAE and advantage_estimator(estimator).needs_groups
     failed = [s for s in samples if s.status == Status.FAILED]
     if failed:
         first = next((s.metadata.get("reward_error") or s.metadata["env_error"] for s in failed
@@ -135,12 +141,23 @@ def _batch_metrics(batch: RolloutBatch) -> dict[str, float]:
 
 def train_on_batch(components: TrainingComponents, state: TrainingState, batch: RolloutBatch,
                    config: RLTrainingConfig, tcfg: TrainerConfig, *, pad_id: int,
-                   ref_components: TrainingComponents | None = None) -> tuple[dict, TrainingState]:
+                   ref_components: TrainingComponents | None = None,
+                   critic: TrainingComponents | None = None) -> tuple[dict, TrainingState]:
     """advantages -> pack -> (old/ref log-probs) -> ppo_epochs x (forward_backward -> optim_step); returns metrics.
 
     The engine's log-probs ride along whenever the engine returned them: the loss then reports the
     engine-vs-trainer mismatch metrics, and applies the off-policy correction when one is configured.
+    "gae": the per-token advantages come after packing, from the values of the critic (`critic`, built by
+    trainer.critic.build_critic for [rl.critic] kind = "model"; the policy's own head for kind = "head") before the
+    update; each epoch then also trains the critic (its forward_backward and optim_step), and the metrics gain
+    critic/* (trainer.critic).
     """
+    gae = config.advantage_estimator == GAE
+    assert gae or critic is None, "a critic is for advantage_estimator = \"gae\" only"
+    if gae and (critic is None) != (config.critic.kind == "head"):
+        need = ("the separate critic: pass critic=trainer.critic.build_critic(components, tcfg)" if critic is None
+                else "no separate critic (the value head is the policy's own)")
+        raise ValueError(f"advantage_estimator = \"gae\" with [rl.critic] kind = {config.critic.kind!r} needs {need}")
     samples = list(batch.samples)
     keep, metrics = trained_samples(samples, config.advantage_estimator, mask_truncated=config.rollout.mask_truncated)
     if not keep:
@@ -150,7 +167,8 @@ def train_on_batch(components: TrainingComponents, state: TrainingState, batch: 
         raise RuntimeError(f"no sample of this batch can be trained on ({len(samples)} samples, {masked} truncated and "
                            f"masked ([rl.rollout] mask_truncated), the others failed or in groups with fewer than two "
                            f"scored samples); first error: {errors[0] if errors else None}")
-    advantages = compute_advantages(samples, config.advantage_estimator)
+    # "gae": 0 for now, per token once the values are known (attach_gae below).
+    advantages = [0.0] * len(samples) if gae else compute_advantages(samples, config.advantage_estimator)
     samples, advantages = [samples[i] for i in keep], [advantages[i] for i in keep]
     correction = config.loss.rollout_correction
     if correction != "none" and any(s.rollout_logprobs is None for s in samples):
@@ -162,21 +180,51 @@ def train_on_batch(components: TrainingComponents, state: TrainingState, batch: 
         else build_micro_batches
     mbs = build(samples, token_budget=tcfg.token_budget, bucket_size=tcfg.micro_batch_buckets, advantages=advantages,
                 pad_id=pad_id, num_ranks=components.world_size, rank=components.rank)
+    rewards = [token_rewards(mb, [s.reward for s in samples]) for mb in mbs] if gae else None  # host, [L] per mb
     if needs_old_logprobs(config):
         mbs = attach_logprobs(mbs, compute_logprobs(components, mbs), "old_logprobs")
     if ref_components is not None:
         mbs = attach_logprobs(mbs, compute_logprobs(ref_components, mbs), "ref_logprobs")
+    gae_stats = None
+    if gae:  # the values before the update -> per-token advantages and returns
+        mbs, stats = attach_gae(mbs, compute_values(critic or components, mbs), rewards,
+                                gamma=config.gamma, lam=config.lam, whiten_advantages=config.whiten_advantages,
+                                sum_across=sum_across_ranks(components))
+        gae_stats = TrainFuture.record(stats, components.device)
     futures = []
     for _ in range(config.ppo_epochs):
         fut = forward_backward(components, mbs, tcfg)
         opt_fut, state = optim_step(components, state, tcfg, num_tokens=fut.num_tokens)
         futures.append((fut, opt_fut))
+        if critic is not None:
+            c_fut = forward_backward(critic, mbs)
+            c_opt, _ = optim_step(critic, state, num_tokens=c_fut.num_tokens)  # the run's state is the policy's
+            futures.append((_CriticNames(c_fut), _CriticNames(c_opt)))
     # Reading the futures is the step's only host sync; every epoch's are read so that a deferred input error
     # of any epoch is raised. The metrics are the last epoch's.
     for fut, opt_fut in futures:
         metrics.update(fut.result())
         metrics.update(opt_fut.result())
+    if gae_stats is not None:
+        metrics.update(gae_stats.result())
     return {k: float(v) for k, v in metrics.items()}, state
+
+
+class _CriticNames:
+    """A separate critic's future read under critic/ names: its loss is critic/value_loss, its grad_norm and lr
+    critic/grad_norm and critic/lr (its own metrics are critic/* already; num_tokens is the policy's)."""
+
+    def __init__(self, fut: Any) -> None:
+        self.fut = fut
+
+    def result(self) -> dict:
+        out = {}
+        for k, v in self.fut.result().items():
+            if k == "loss":
+                out["critic/value_loss"] = v
+            elif k != "num_tokens":
+                out[k if k.startswith("critic/") else f"critic/{k}"] = v
+        return out
 
 
 def describe_objective(config: RLTrainingConfig) -> str:
@@ -230,6 +278,7 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
     tcfg = trainer_config or trainer_config_from(config)
     comp = components or build_components(model, tcfg)
     ref = _reference_components(comp, tcfg) if config.loss.kl_coef > 0 else None  # frozen starting weights
+    critic = build_critic(comp, tcfg)  # "gae" with a separate critic: from the starting weights; else None
     if rewards is not None:  # [rewards] sources: rules score in the rollout, models and judges per batch after it
         if reward_fn is not None:
             raise ValueError("give reward_fn or rewards (whose rule sources replace reward_fn), not both")
@@ -239,11 +288,12 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
     manager = AsyncRolloutManager(engines, config.rollout, tokenizer=tokenizer, reward_fn=reward_fn,
                                   deterministic=config.deterministic)
     resumable = {"data_buffer": data_buffer, "rollout_manager": manager}  # restored with the weights on resume
-    state = _resume(comp, tcfg.output_dir, resumable) if resume else TrainingState()
+    state = _resume(comp, tcfg.output_dir, resumable, critic=critic) if resume else TrainingState()
     # A checkpoint of step n holds the data position and rollout state of when batch n was drawn, not the live
     # ones (batch n+1 may be drawn already): the resumed run draws exactly the batches an uninterrupted one would.
     points = ResumePoints(resumable, step=state.step)
-    ckpt = Checkpointer(comp, lambda: state, lambda: points.at(state.step), save_every=tcfg.save_every)
+    ckpt = Checkpointer(comp, lambda: state, lambda: points.at(state.step), save_every=tcfg.save_every,
+                        critic=critic)
     pad_id = pad_token_id(tokenizer)  # what packed rows pad with
     logger = open_logger(logger, Path(tcfg.output_dir) / "metrics.jsonl", enabled=comp.rank == 0,
                          keep_through=state.step)
@@ -262,7 +312,7 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
             trained_from = state.weight_version  # the batch's staleness is measured against these weights
             seen = _inspect(comp, batch, tcfg, pad_id) if dumps is not None and dumps.due(state.step + 1) else None
             (metrics, state), train_s = _timed(train_on_batch, comp, state, batch, config, tcfg, pad_id=pad_id,
-                                               ref_components=ref)
+                                               ref_components=ref, critic=critic)
             metrics = step_metrics(metrics, batch, state, trained_from=trained_from, time_generate_s=gen_s,
                                    time_train_s=train_s, time_sync_s=sync_s)
             metrics.update(batch.metadata.get("reward_metrics", {}))  # [rewards] sources: reward/<label>_mean, judge/*
@@ -365,9 +415,10 @@ def step_metrics(train: dict[str, float], batch: RolloutBatch, state: TrainingSt
             "train_tokens_per_s": tokens / max(time_train_s, 1e-9)}
 
 
-def _resume(components: TrainingComponents, output_dir: str, resumable: dict[str, Any]) -> TrainingState:
-    """Load the newest checkpoint (if any) into the trainer and the objects that resume with it."""
-    state, saved = load_latest(components, output_dir)
+def _resume(components: TrainingComponents, output_dir: str, resumable: dict[str, Any], *,
+            critic: TrainingComponents | None = None) -> TrainingState:
+    """Load the newest checkpoint (if any) into the trainer (and its critic) and the objects that resume with it."""
+    state, saved = load_latest(components, output_dir, critic=critic)
     if saved:
         for name, part in resumable.items():
             part.load_state_dict(saved[name])

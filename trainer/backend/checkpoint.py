@@ -1,7 +1,9 @@
 """Checkpoints: sharded model + optimizer (torch.distributed.checkpoint), JSON state, RNG, config fingerprint.
 
 Layout of `<output_dir>/checkpoints/step_00000012/`:
-    *.distcp, .metadata     DCP shards of {"model": ..., "optim": ...} (each rank writes its own shards)
+    *.distcp, .metadata     DCP shards of {"model": ..., "optim": ...} (each rank writes its own shards), and of
+                            {"critic_model": ..., "critic_optim": ...} for a run with a separate critic (PPO's value
+                            model, trainer.critic): saved and resumed with the policy, in the same step
     rng_rank{r}.pt          torch / CUDA / python / numpy RNG states of rank r, as tensors, numbers and lists only:
                             read with torch.load(weights_only=True), so a crafted file cannot run code
     state.json              TrainingState, the caller's `extra` (data position, ...), scheduler state,
@@ -148,12 +150,22 @@ def _collect_checksums(folder: Path) -> dict[str, str]:
     return sums
 
 
+def _state_dicts(components: TrainingComponents, critic: TrainingComponents | None) -> dict[str, Any]:
+    """The DCP state of a checkpoint: the model and optimizer of the policy, and of the critic when there is one."""
+    model_sd, optim_sd = get_state_dict(components.root, components.optimizer)
+    out = {"model": model_sd, "optim": optim_sd}
+    if critic is not None:
+        out["critic_model"], out["critic_optim"] = get_state_dict(critic.root, critic.optimizer)
+    return out
+
+
 def save_checkpoint(components: TrainingComponents, state: TrainingState,
-                    extra: dict[str, Any] | None = None) -> TrainingState:
+                    extra: dict[str, Any] | None = None, *, critic: TrainingComponents | None = None) -> TrainingState:
     """Write a complete checkpoint of step `state.step` (collective: every rank calls it); returns `state`.
 
-    `extra` is JSON data the caller needs to resume (e.g. {"data_position": 96}). Keeps the newest
-    `config.keep_last` complete checkpoints.
+    `extra` is JSON data the caller needs to resume (e.g. {"data_position": 96}). `critic`: a separate value
+    model (trainer.critic.build_critic), saved in the same step folder (its model, optimizer and schedule). Keeps
+    the newest `config.keep_last` complete checkpoints.
     """
     cfg = components.config
     root = checkpoints_root(cfg.output_dir)
@@ -165,8 +177,7 @@ def save_checkpoint(components: TrainingComponents, state: TrainingState,
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    model_sd, optim_sd = get_state_dict(components.root, components.optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    dcp.save(_state_dicts(components, critic), checkpoint_id=str(tmp))
     torch.save(_rng_state(), tmp / f"rng_rank{_rank()}.pt")
     _write_own_checksums(tmp, _rank())
     _barrier()
@@ -181,6 +192,8 @@ def save_checkpoint(components: TrainingComponents, state: TrainingState,
             "world_size": components.world_size,
             "sha256": _collect_checksums(tmp),  # what a resume verifies before it loads anything
         }
+        if critic is not None:
+            meta["critic_scheduler"] = critic.scheduler.state_dict()
         (tmp / "state.json").write_text(json.dumps(meta, indent=1, default=repr))
         if final.exists():  # re-saving the same step (e.g. Ctrl-C right after a periodic save)
             shutil.rmtree(final)
@@ -273,13 +286,15 @@ def _verify_on_rank0(path: Path) -> None:
         raise CorruptCheckpointError(error)
 
 
-def load_checkpoint(components: TrainingComponents, path: str | os.PathLike) -> tuple[TrainingState, dict]:
+def load_checkpoint(components: TrainingComponents, path: str | os.PathLike, *,
+                    critic: TrainingComponents | None = None) -> tuple[TrainingState, dict]:
     """Restore model, optimizer, scheduler and RNG from `path` (a step folder, or an output_dir: its newest).
 
     Returns (TrainingState, extra). Raises CorruptCheckpointError (a ValueError) naming the file when a file
     differs from its recorded checksum, and ValueError when `path` is not a complete checkpoint or when it was
     written with other settings of the run's math (a resume must not silently change the run), naming the fields;
     a larger num_steps is allowed (it extends the run). `load_latest` falls back to an earlier checkpoint instead.
+    `critic`: the run's separate critic, restored from the same checkpoint (which must hold one).
     """
     p = Path(path)
     if not _STEP_RE.match(p.name):
@@ -292,21 +307,30 @@ def load_checkpoint(components: TrainingComponents, path: str | os.PathLike) -> 
         raise ValueError(f"{p}: not a complete checkpoint (state.json or .metadata missing: an interrupted save?); "
                          f"pass the output_dir to resume from the newest complete one")
     _verify_on_rank0(p)
-    return _load_verified(components, p)
+    return _load_verified(components, p, critic)
 
 
-def _load_verified(components: TrainingComponents, p: Path) -> tuple[TrainingState, dict]:
+def _load_verified(components: TrainingComponents, p: Path,
+                   critic: TrainingComponents | None = None) -> tuple[TrainingState, dict]:
     meta = _read_meta(p)
+    if (critic is not None) != ("critic_scheduler" in meta):  # before the fingerprint: the one difference to name
+        raise ValueError(f"{p}: {'holds no critic' if critic is not None else 'holds a critic'} but this run "
+                         f"{'has one' if critic is not None else 'has none'}; resume with the checkpoint's "
+                         f"[rl] advantage_estimator and [rl.critic]")
     _check_resumable(p, meta, components.config)
-    model_sd, optim_sd = get_state_dict(components.root, components.optimizer)
+    sds = _state_dicts(components, critic)
     try:
-        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(p))
+        dcp.load(sds, checkpoint_id=str(p))
     except (CheckpointException, OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
         # A checkpoint from before checksums, or of another model: say which folder.
         raise ValueError(f"{p}: its model/optimizer shards did not load into this model ({type(e).__name__}: "
                          f"{e}); the files are damaged or the checkpoint is of another model") from e
-    set_state_dict(components.root, components.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    set_state_dict(components.root, components.optimizer, model_state_dict=sds["model"], optim_state_dict=sds["optim"])
     components.scheduler.load_state_dict(meta["scheduler"])
+    if critic is not None:
+        set_state_dict(critic.root, critic.optimizer, model_state_dict=sds["critic_model"],
+                       optim_state_dict=sds["critic_optim"])
+        critic.scheduler.load_state_dict(meta["critic_scheduler"])
     rng_file = p / f"rng_rank{_rank()}.pt"
     if meta["world_size"] == components.world_size and rng_file.is_file():
         _set_rng_state(read_rng_file(rng_file))
@@ -343,12 +367,14 @@ def _newest_intact(output_dir: str | os.PathLike) -> tuple[str | None, str | Non
     return None, None
 
 
-def load_latest(components: TrainingComponents, output_dir: str | os.PathLike) -> tuple[TrainingState, dict]:
+def load_latest(components: TrainingComponents, output_dir: str | os.PathLike, *,
+                critic: TrainingComponents | None = None) -> tuple[TrainingState, dict]:
     """Resume: the newest intact checkpoint under output_dir loaded into `components`, as (state, extra). A newer
     checkpoint whose files fail their checksums is set aside (renamed *.corrupt) with a warning naming the bad file,
     and the previous complete one is loaded; an error when every checkpoint is damaged. A fresh
     (TrainingState(), {}) when there is none yet (the first run of a resumable job), with a warning: a user who
-    asked to resume must see that nothing was resumed. Collective: rank 0 verifies, every rank loads its choice."""
+    asked to resume must see that nothing was resumed. Collective: rank 0 verifies, every rank loads its choice.
+    `critic`: the run's separate critic, loaded from the same checkpoint."""
     found, error = _newest_intact(output_dir) if _rank() == 0 else (None, None)
     found, error = broadcast_from_rank0((found, error))
     if error is not None:
@@ -358,7 +384,7 @@ def load_latest(components: TrainingComponents, output_dir: str | os.PathLike) -
             print(f"warning: resume: no complete checkpoint under {checkpoints_root(output_dir)}; starting from "
                   f"step 0", file=sys.stderr, flush=True)
         return TrainingState(), {}
-    return _load_verified(components, Path(found))
+    return _load_verified(components, Path(found), critic)
 
 
 def is_interrupt(e: BaseException) -> bool:
@@ -384,9 +410,10 @@ class Checkpointer:
     state: Callable[[], TrainingState]
     extra: Callable[[], dict[str, Any]] = dict
     save_every: int = 0
+    critic: TrainingComponents | None = None  # a separate critic, saved in the same checkpoints
 
     def save(self) -> None:
-        save_checkpoint(self.components, self.state(), self.extra())
+        save_checkpoint(self.components, self.state(), self.extra(), critic=self.critic)
 
     def maybe_save(self) -> None:
         if self.save_every and self.state().step % self.save_every == 0:
@@ -415,8 +442,11 @@ def export_hf(components: TrainingComponents, path: str | os.PathLike, *, tokeni
     if _rank() != 0:
         _barrier()
         return None
+    from trainer.backend.models import is_value_head
+
     lm = components.model
-    sd = {k.removeprefix(ROOT_PREFIX): v for k, v in full.items()}
+    # A value head (a policy with [rl.critic] kind = "head") is the trainer's: the exported LM is the stock model.
+    sd = {k.removeprefix(ROOT_PREFIX): v for k, v in full.items() if not is_value_head(k)}
     if getattr(lm.config, "tie_word_embeddings", False):
         sd.pop("lm_head.weight", None)  # tied to model.embed_tokens.weight; loaders re-tie
     sd = {k: (v.to(dtype) if dtype is not None else v).contiguous() for k, v in sd.items()}

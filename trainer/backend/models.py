@@ -1,4 +1,12 @@
-"""Model construction: `load_hf_model` (meta build -> FSDP2 -> weights). The tiny preset lives in engines/tiny.py."""
+"""Model construction: `load_hf_model` (meta build -> FSDP2 -> weights). The tiny preset lives in engines/tiny.py.
+
+A value model (PPO's critic, trainer.critic) is the same causal LM with one more module, `value_head`: a
+Linear(H, 1) on the last hidden state (after the final norm), the one a sequence/token classifier puts there.
+`load_hf_model(value_head=True)` adds it before sharding, so it lives in the FSDP root's group with the
+embeddings and the lm_head (unsharded inside the root's forward, where the loss reads it), and gives it a fresh
+seeded init whatever the folder holds. It is the trainer's only: weight sync and exports leave it out
+(`is_value_head`).
+"""
 
 from __future__ import annotations
 
@@ -15,6 +23,46 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from trainer.backend.attention import default_attn_implementation
 from trainer.backend.parallel import ROOT_PREFIX, ParallelConfig, compute_dtype, decoder_layers, parallelize
+
+VALUE_HEAD = "value_head"  # the attribute of the causal LM that holds a value model's head
+
+
+def is_value_head(name: str) -> bool:
+    """Whether a parameter / state-dict name (of the LM, or of the FSDP root: "lm." first) is the value head's."""
+    return name.removeprefix(ROOT_PREFIX).startswith(VALUE_HEAD + ".")
+
+
+def has_value_head(model: nn.Module) -> bool:
+    return isinstance(getattr(model, VALUE_HEAD, None), nn.Linear)
+
+
+def _add_value_head(model: nn.Module) -> None:
+    """A Linear(H, 1) with bias as `model.value_head`, on the device the model is on (meta while building)."""
+    hidden = model.config.hidden_size
+    device = next(model.parameters()).device
+    setattr(model, VALUE_HEAD, nn.Linear(hidden, 1, bias=True, device=device))
+
+
+def value_head_init(config: PretrainedConfig, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A fresh value head's weights (state-dict names of the LM): weight ~ N(0, initializer_range²), bias 0.
+
+    Small weights make the first values ~0 (the first advantages are then about the returns themselves) while
+    the gradient w.r.t. the weight, Σ (V − R) h, is not 0: the head learns from step one. The initializer range is
+    the architecture's (0.02 by default), what its sequence classifiers' heads get; seeded, so every rank and every
+    world size builds the same head.
+    """
+    g = torch.Generator().manual_seed(seed + 7919)  # not the trunk's stream: adding a head changes no other weight
+    std = float(getattr(config, "initializer_range", 0.02))
+    weight = torch.randn(1, config.hidden_size, generator=g, dtype=torch.float64) * std
+    return {f"{VALUE_HEAD}.weight": weight.to(dtype), f"{VALUE_HEAD}.bias": torch.zeros(1, dtype=dtype)}
+
+
+def token_values(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """[n] float32 values of hidden states [n, H] through the model's value head (read inside the FSDP root's
+    forward, where its weights are unsharded). The head runs in float32 whatever the compute dtype: it is one dot
+    product per token, and the regression target's scale is the reward's."""
+    head = getattr(model, VALUE_HEAD)
+    return torch.nn.functional.linear(hidden.float(), head.weight.float(), head.bias.float()).squeeze(-1)
 
 # ---------------------------------------------------------------------------------------------------------
 # Loading: meta-device build -> parallelise -> materialise -> load safetensors into the (sharded) model
@@ -56,16 +104,19 @@ def _build_meta(config: PretrainedConfig, attn_implementation: str) -> nn.Module
 
 def _full_state_dict(config: PretrainedConfig, folder: Path | None, model: nn.Module, seed: int,
                      dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The complete (unsharded) weights on the CPU: from the folder's safetensors, or a seeded random init."""
+    """The complete (unsharded) weights on the CPU: from the folder's safetensors, or a seeded random init; a
+    value head (when the model has one) freshly initialised either way."""
+    head = value_head_init(config, seed, dtype) if has_value_head(model) else {}
     if folder is None:
         # Random init, identical on every rank and every world size (built in full, then sharded).
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             ref = AutoModelForCausalLM.from_config(config)
-        return {k: v.to(dtype) for k, v in ref.state_dict().items()}
+        return {**{k: v.to(dtype) for k, v in ref.state_dict().items()}, **head}
     sd: dict[str, torch.Tensor] = {}
     for f in _safetensors_files(folder):
         sd.update({k: v.to(dtype) for k, v in load_file(str(f)).items()})
+    sd.update(head)
     expected = set(model.state_dict().keys())
     tied = bool(getattr(config, "tie_word_embeddings", False))
     if tied and "lm_head.weight" in expected and "lm_head.weight" not in sd:
@@ -79,14 +130,14 @@ def _full_state_dict(config: PretrainedConfig, folder: Path | None, model: nn.Mo
 
 def load_hf_model(path_or_config: str | os.PathLike | PretrainedConfig, *, dtype: torch.dtype = torch.float32,
                   device: torch.device | str = "cpu", mesh: DeviceMesh | None = None,
-                  parallel: ParallelConfig | None = None, seed: int = 0) -> nn.Module:
+                  parallel: ParallelConfig | None = None, seed: int = 0, value_head: bool = False) -> nn.Module:
     """Any HF causal LM from a local folder (safetensors) or from a config (seeded random weights).
 
     Without `mesh`: the plain HF model on `device` in `dtype` (for engines, exports and references).
     With `mesh`: built on the meta device, parallelised (`trainer.backend.parallel.parallelize`: Liger on CUDA, AC,
     per-block compile, FSDP2), materialised on `device`, and the full weights loaded into the shards; returns the
     FSDP root (`TrainModule`, the HF model is `.lm`). `dtype` is the storage (master) dtype of the parameters;
-    compute may be bf16 through the mixed-precision policy.
+    compute may be bf16 through the mixed-precision policy. `value_head`: add a fresh value head (a critic's).
     """
     config, folder = _read_config(path_or_config)
     device = torch.device(device)
@@ -95,6 +146,8 @@ def load_hf_model(path_or_config: str | os.PathLike | PretrainedConfig, *, dtype
     # rejects fp32 inputs, so an fp32 run takes another path).
     impl = default_attn_implementation(device, dtype if mesh is None else compute_dtype(device.type, parallel))
     model = _build_meta(config, impl)
+    if value_head:
+        _add_value_head(model)
     decoder_layers(model)  # fail early, with a clear message, on a layout we cannot parallelise
     if folder is not None:
         _safetensors_files(folder)  # a folder without weights fails before any work

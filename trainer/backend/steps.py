@@ -36,16 +36,18 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from kernels import PolicyLossConfig, linear_policy_loss, linear_token_logprobs, raise_on_input_errors
+from kernels.gae import value_loss
 from kernels.objective import merge_metrics
 from trainer.backend.attention import packed_hidden_states
 from trainer.backend.futures import DeviceStreams, TrainFuture
 from trainer.backend.parallel import ParallelConfig, TrainModule
 from trainer.batching.micro_batches import MicroBatch
-from trainer.config import BackendConfig, RLTrainingConfig, SFTTrainingConfig
+from trainer.config import BackendConfig, CriticConfig, RLTrainingConfig, SFTTrainingConfig
 from trainer.types import TrainingState
 
 # The loss each phase trains: its config's class -> the loss function's name in _LOSS_FNS.
 LOSSES = {SFTTrainingConfig: "nll", RLTrainingConfig: "policy"}
+ROLES = ("policy", "critic")  # what a TrainerConfig's model is: the trained LM, or PPO's separate value model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,15 +59,26 @@ class TrainerConfig:
     temperature). backend: the [trainer] table (trainer.config.BackendConfig; also the ParallelConfig of the model).
     The attributes below read the phase's or the backend's own fields, so there is no copy to drift; build one
     with `trainer_config_from(phase, compile=False, ...)`.
+
+    role "critic" (`for_critic()`): the separate value model of an RL phase with [rl.critic] kind = "model": the
+    loss "value" (kernels.gae.value_loss), the optimiser [rl.critic.optim]; everything else is the phase's and
+    the backend's, so the critic is sharded, compiled and scheduled like the policy.
     """
 
     phase: Any = dataclasses.field(default_factory=RLTrainingConfig)  # SFTTrainingConfig | RLTrainingConfig
     backend: BackendConfig = dataclasses.field(default_factory=BackendConfig)  # [trainer]
+    role: str = "policy"  # "policy" or "critic"
 
     def __post_init__(self) -> None:
         if type(self.phase) not in LOSSES:
             raise ValueError(f"TrainerConfig.phase: expected one of {[c.__name__ for c in LOSSES]} (it decides the "
                              f"loss: SFT trains the NLL, RL the policy loss), got {type(self.phase).__name__}")
+        if self.role not in ROLES:
+            raise ValueError(f"TrainerConfig.role: expected one of {ROLES}, got {self.role!r}")
+        if self.role == "critic" and (self.critic is None or self.critic.kind != "model"):
+            raise ValueError("TrainerConfig.role = \"critic\" is the separate value model of an RL phase with "
+                             "advantage_estimator = \"gae\" and [rl.critic] kind = \"model\"; this phase has "
+                             f"{'no critic' if self.critic is None else 'kind = ' + repr(self.critic.kind)}")
         if not isinstance(self.backend, BackendConfig):
             raise ValueError(f"TrainerConfig.backend: expected a trainer.config.BackendConfig (the [trainer] table), "
                              f"got {type(self.backend).__name__}")
@@ -73,8 +86,8 @@ class TrainerConfig:
             raise ValueError(f"TrainerConfig.token_budget: must be >= micro_batch_buckets={self.micro_batch_buckets} "
                              f"(a packed row is padded to a multiple of it), got {self.token_budget}")
 
-    # The phase's fields.
-    optim = property(lambda self: self.phase.optim)
+    # The phase's fields (the critic's own optimiser).
+    optim = property(lambda self: self.critic.optim if self.role == "critic" else self.phase.optim)
     num_steps = property(lambda self: self.phase.num_steps)  # also the length of the LR schedule
     token_budget = property(lambda self: self.phase.token_budget)
     micro_batch_buckets = property(lambda self: self.phase.micro_batch_buckets)
@@ -93,8 +106,22 @@ class TrainerConfig:
 
     @property
     def loss(self) -> str:
-        """"policy" (RL) or "nll" (SFT)."""
-        return LOSSES[type(self.phase)]
+        """"policy" (RL), "nll" (SFT) or "value" (the critic)."""
+        return "value" if self.role == "critic" else LOSSES[type(self.phase)]
+
+    @property
+    def critic(self) -> CriticConfig | None:
+        """RL with advantage_estimator = "gae": its [rl.critic]; otherwise None."""
+        return getattr(self.phase, "critic", None)
+
+    @property
+    def value_head(self) -> bool:
+        """Whether this model carries a value head: the critic, or a policy with [rl.critic] kind = "head"."""
+        return self.role == "critic" or (self.critic is not None and self.critic.kind == "head")
+
+    def for_critic(self) -> TrainerConfig:
+        """The separate critic's config (role "critic") of this RL phase."""
+        return dataclasses.replace(self, role="critic")
 
     @property
     def policy_loss(self) -> PolicyLossConfig:
@@ -120,7 +147,8 @@ class TrainerConfig:
                              f"({type(self.phase).__name__}) nor the backend (BackendConfig)")
         return TrainerConfig(
             phase=dataclasses.replace(self.phase, **{k: v for k, v in changes.items() if k in phase}),
-            backend=dataclasses.replace(self.backend, **{k: v for k, v in changes.items() if k in backend}))
+            backend=dataclasses.replace(self.backend, **{k: v for k, v in changes.items() if k in backend}),
+            role=self.role)
 
     def fingerprint_fields(self) -> dict[str, Any]:
         """The settings that change the math of a run, as JSON data (a checkpoint stores them, so that a resume
@@ -134,6 +162,9 @@ class TrainerConfig:
              "activation_checkpointing": self.backend.activation_checkpointing,
              "param_dtype": self.backend.param_dtype, "token_budget": self.token_budget,
              "bucket_size": self.micro_batch_buckets, "seed": self.seed}
+        if self.critic is not None:  # "gae" only, so that the other runs' fingerprints stay what they were
+            d["gae"] = {"gamma": self.phase.gamma, "lam": self.phase.lam,
+                        "whiten_advantages": self.phase.whiten_advantages, "critic": dataclasses.asdict(self.critic)}
         return json.loads(json.dumps(d, sort_keys=True, default=repr))
 
     def fingerprint(self) -> str:
@@ -214,18 +245,23 @@ def build_components(model: str | os.PathLike | Any, config: TrainerConfig, *,
     """Load + parallelise the model (a folder, an HF config, or a TrainModule already built) and its optimizer.
 
     AdamW is fused on every device (one kernel, and no host read of its step count); the schedule is
-    warmup + cosine (`warmup_cosine`).
+    warmup + cosine (`warmup_cosine`). A value model (`config.value_head`: the critic, or a policy with a value
+    head) gets a fresh value head (trainer.backend.models). A TrainModule is used as it is, except where it would
+    be shared or lacks the head: a critic built from the policy's root, or a policy with a head from a root without
+    one, gets its own parameters with the root's weights copied in (`_copy_of`).
     """
-    from trainer.backend.models import load_hf_model
+    from trainer.backend.models import has_value_head, load_hf_model
 
     mesh = mesh if mesh is not None else init_distributed()
     device = mesh_device(mesh.device_type)
     torch.manual_seed(config.seed)
-    if isinstance(model, TrainModule):
+    if isinstance(model, TrainModule) and (config.role == "critic" or has_value_head(model.lm) != config.value_head):
+        root = _copy_of(model, config, mesh, device)
+    elif isinstance(model, TrainModule):
         root = model
     else:
         root = load_hf_model(model, dtype=torch.float32, device=device, mesh=mesh, parallel=config.parallel(),
-                             seed=config.seed)
+                             seed=config.seed, value_head=config.value_head)
     root.train()
     cuda = device.type == "cuda"
     opt = config.optim
@@ -236,6 +272,24 @@ def build_components(model: str | os.PathLike | Any, config: TrainerConfig, *,
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lam)
     return TrainingComponents(model=root.lm, root=root, optimizer=optimizer, scheduler=scheduler, mesh=mesh,
                               device=device, config=config, streams=DeviceStreams(device) if cuda else None)
+
+
+def _copy_of(source: TrainModule, config: TrainerConfig, mesh: DeviceMesh, device: torch.device) -> TrainModule:
+    """A new root built like `config` says (value head or not) holding `source`'s weights: every tensor of the
+    trunk copied shard by shard, the value head fresh when the source has none (and dropped when the new model
+    has none)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    from trainer.backend.models import is_value_head, load_hf_model
+
+    root = load_hf_model(source.lm.config, dtype=torch.float32, device=device, mesh=mesh, parallel=config.parallel(),
+                         seed=config.seed, value_head=config.value_head)
+    own = get_model_state_dict(root)
+    given = {k: v for k, v in get_model_state_dict(source).items() if k in own}
+    missing = sorted(k for k in own if k not in given and not is_value_head(k))
+    assert not missing, f"the source model lacks {missing[:3]}: not the same architecture"
+    set_model_state_dict(root, given, options=StateDictOptions(strict=False))
+    return root
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -250,10 +304,39 @@ def _loss_hidden_states(lm: nn.Module, mb: MicroBatch) -> torch.Tensor:
 
 
 def _policy_loss(lm: nn.Module, mb: MicroBatch, config: TrainerConfig) -> tuple[torch.Tensor, dict]:
+    """The policy loss; with a value head on the policy ([rl.critic] kind = "head") plus value_loss_coef x the
+    value loss on the same hidden states (one forward, one backward for both)."""
     hidden = _loss_hidden_states(lm, mb)
     weight = lm.get_output_embeddings().weight  # [V, H], unsharded inside the root's forward
-    return linear_policy_loss(hidden, weight, mb.loss_inputs(), config=config.policy_loss,
-                              temperature=config.temperature, chunk_tokens=config.logprob_chunk_tokens)
+    loss, metrics = linear_policy_loss(hidden, weight, mb.loss_inputs(), config=config.policy_loss,
+                                       temperature=config.temperature, chunk_tokens=config.logprob_chunk_tokens)
+    if not config.value_head:
+        return loss, metrics
+    v_loss, v_metrics = _value_terms(lm, hidden, mb, config)
+    return loss + config.critic.value_loss_coef * v_loss, {**metrics, **v_metrics}
+
+
+def _value_terms(lm: nn.Module, hidden: torch.Tensor, mb: MicroBatch,
+                 config: TrainerConfig) -> tuple[torch.Tensor, dict]:
+    """PPO's clipped value loss of the value head on hidden [L, H] against the micro-batch's returns, a token mean
+    over the step's global loss tokens (so micro-batches and ranks sum to the step's mean, as the policy loss).
+
+    Metrics: critic/value_loss, critic/value_clip_frac and critic/value_mean (each a share of the global token
+    mean: they sum like the policy's). The explained variance needs the whole step's tokens at once: trainer.critic
+    computes it from the values before the update."""
+    from trainer.backend.models import token_values
+
+    assert mb.returns is not None and mb.old_values is not None, \
+        "a value loss needs the micro-batch's returns and old values (trainer.critic.attach_gae)"
+    values = token_values(lm, hidden)  # [L] float32
+    loss, metrics = value_loss(values, mb.old_values, mb.returns, mb.loss_mask, clip=config.critic.clip,
+                               num_tokens=max(mb.num_tokens, 1))
+    metrics.pop("critic/explained_variance")  # one micro-batch's: not a share of the step's
+    return loss, {**metrics, "critic/value_loss": loss.detach()}
+
+
+def _value_loss(lm: nn.Module, mb: MicroBatch, config: TrainerConfig) -> tuple[torch.Tensor, dict]:
+    return _value_terms(lm, _loss_hidden_states(lm, mb), mb, config)
 
 
 def _nll_loss(lm: nn.Module, mb: MicroBatch, config: TrainerConfig) -> tuple[torch.Tensor, dict]:
@@ -266,7 +349,7 @@ def _nll_loss(lm: nn.Module, mb: MicroBatch, config: TrainerConfig) -> tuple[tor
 
 
 _LOSS_FNS: dict[str, Callable[[nn.Module, MicroBatch, TrainerConfig], tuple[torch.Tensor, dict]]] = {
-    "policy": _policy_loss, "nll": _nll_loss}
+    "policy": _policy_loss, "nll": _nll_loss, "value": _value_loss}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -434,6 +517,24 @@ def compute_logprobs(components: TrainingComponents, micro_batches: Sequence[Mic
     with _on_compute_stream(components):
         for mb in _device_batches(components, micro_batches):
             out.append(components.root(lambda lm, mb=mb: fn(lm, mb)).float())
+    return out
+
+
+@torch.no_grad()
+def compute_values(components: TrainingComponents, micro_batches: Sequence[MicroBatch]) -> list[torch.Tensor]:
+    """No-grad values [L] float32 per micro-batch, on the device: a value model's (the critic, or a policy with a
+    value head) prediction for each label, read from the hidden state that predicts it, so values line up with
+    labels, loss_mask and the log-probs ([N] in the plain layout, [M] loss rows in the shared-prompt layout).
+    Off the loss mask they are whatever the head says there; kernels.gae never reads them."""
+    from trainer.backend.models import token_values
+
+    if not components.config.value_head:
+        raise ValueError("compute_values: this model has no value head; build the critic with "
+                         "trainer.critic.build_critic, or the policy with [rl.critic] kind = \"head\"")
+    out = []
+    with _on_compute_stream(components):
+        for mb in _device_batches(components, micro_batches):
+            out.append(components.root(lambda lm, mb=mb: token_values(lm, _loss_hidden_states(lm, mb))))
     return out
 
 

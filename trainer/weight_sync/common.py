@@ -16,8 +16,11 @@ from engines.weight_sync.wire import WeightSyncError
 
 def named_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """(name, parameter) in a fixed order; FSDP2 keeps the HF names; torch.compile's `_orig_mod.` is stripped.
-    Tied weights appear once (named_parameters de-duplicates), as HF's load_state_dict expects."""
-    return [(n.replace("_orig_mod.", ""), p) for n, p in model.named_parameters()]
+    Tied weights appear once (named_parameters de-duplicates), as HF's load_state_dict expects. A value head (PPO
+    with [rl.critic] kind = "head": trainer.backend.models) is the trainer's only: the engines never see it."""
+    from trainer.backend.models import is_value_head
+
+    return [(n.replace("_orig_mod.", ""), p) for n, p in model.named_parameters() if not is_value_head(n)]
 
 
 def full_tensor(p: torch.Tensor) -> torch.Tensor:
