@@ -41,6 +41,9 @@ class EngineSpec:
     model: str | None = None  # vLLM's served model name (None: the model folder)
     api_key: str | None = dataclasses.field(default=None, repr=False)  # this engine's key (None: [engines].api_key)
     device: str | None = None  # where an "embedded" engine the run starts runs ("cuda:1", "cpu"; None: placed by it)
+    # The CPU cores an "embedded" engine the run starts is pinned to, one torch thread each (None: not pinned). With
+    # [trainer] cpus on other cores, engines and trainer stop competing for cores: a stand-in for separate GPUs.
+    cpus: tuple[int, ...] | None = None
 
     def __post_init__(self):
         entry = ENGINE_KINDS.get(self.kind) if isinstance(self.kind, str) else None
@@ -66,6 +69,13 @@ class EngineSpec:
         if self.device is not None and not (isinstance(self.device, str)
                                             and (self.device == "cpu" or self.device.startswith("cuda"))):
             raise ValueError(f"device = {self.device!r}: give \"cpu\" or \"cuda:N\"")
+        if self.cpus is not None:
+            object.__setattr__(self, "cpus", tuple(self.cpus))
+            if self.kind != "embedded" or self.url is not None:
+                raise ValueError(f"cpus = {list(self.cpus)}: only an \"embedded\" engine the run starts (no url) is "
+                                 f"pinned by the run")
+            if not self.cpus or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in self.cpus):
+                raise ValueError(f"cpus = {list(self.cpus)}: give a non-empty list of core numbers, e.g. [0]")
         if self.api_key is not None and not (isinstance(self.api_key, str) and self.api_key):
             raise ValueError("api_key: give this engine's key as a non-empty string (or leave it out to use "
                              "[engines].api_key)")

@@ -88,7 +88,7 @@ def test_grpo_run_raises_reward_with_verified_sync(engine, tmp_path):
 
 
 def test_async_mode_overlaps_generation_and_stays_within_staleness(engine, tmp_path):
-    cfg = _config(tmp_path, async_rollout=True, rollout={"max_staleness": 1})
+    cfg = _config(tmp_path, async_rollout=True, max_staleness=1)
     assert cfg.loss.rollout_correction == "tis" and cfg.loss.tis_cap == 2.0  # async mode's default
     _, state, history = _run(engine, cfg)
     assert all(0 < m["mismatch/tis_weight_mean"] and m["mismatch/logprob_abs_diff_max"] > 0 for m in history)
@@ -138,10 +138,9 @@ def test_kl_to_a_frozen_reference_and_entropy_are_logged(engine, tmp_path):
     assert all(0 < m["entropy"] < math.log(TOK.vocab_size + 64) for m in history)
 
 
-def test_async_without_staleness_budget_is_rejected(engine, tmp_path):
-    cfg = _config(tmp_path, async_rollout=True, rollout={"max_staleness": 0})
+def test_async_without_staleness_budget_is_rejected(tmp_path):
     with pytest.raises(ValueError, match="max_staleness"):
-        _run(engine, cfg)
+        _config(tmp_path, async_rollout=True, max_staleness=0)
 
 
 def test_trainer_config_is_threaded_from_rl_config(tmp_path):

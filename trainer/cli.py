@@ -125,7 +125,7 @@ def load_run_config(path: str | Path, overrides: Sequence[str] = (), mode: str |
     try:
         cfg = config_from_dict(RunConfig, table, "")
         phase_configs(cfg)  # the step functions' own checks (token_budget >= micro_batch_buckets)
-        _check_engines(cfg.engines)
+        _check_engines(cfg.engines, cfg.rl)
         _check_tracking(cfg)
         if mode is not None:
             _check_inputs(cfg, mode)
@@ -146,8 +146,13 @@ def _check_tracking(cfg: RunConfig) -> None:
                          f"{sync}; make every a multiple of {sync}")
 
 
-def _check_engines(engines: EnginesConfig) -> None:
-    """What [engines] needs of this process (EnginesConfig checked the rest)."""
+def _check_engines(engines: EnginesConfig, rl: RLTrainingConfig | None = None) -> None:
+    """What [engines] needs of this process (EnginesConfig checked the rest), and of the RL loop's engines."""
+    other = [s.kind for s in engines.fleet if s.kind not in ("embedded", "local")]
+    if rl is not None and rl.update_in_flight and other:
+        raise ValueError(f"[rl] update_in_flight = true needs engines that report which weights made which token "
+                         f"(kind \"embedded\" or \"local\"); the fleet has {sorted(set(other))}: set it to false (the "
+                         f"sync then waits for the batch being generated)")
     if any(s.kind == "local" for s in engines.fleet) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError("[engines].in_process = true needs a single-process trainer (it lives in rank 0's "
                          "process); under torchrun start embedded engines (in_process = false) or give URLs")
@@ -357,9 +362,10 @@ def engines_for(cfg: RunConfig, model_folder: Path, *, is_main: bool, device: st
     places = engine_devices([fleet[i].device for i in to_start], trainer_device=device,
                             world_size=int(os.environ.get("WORLD_SIZE", "1")),
                             cuda_count=torch.cuda.device_count() if torch.cuda.is_available() else 0)
-    procs = [EngineProcess(str(model_folder), api_key=key, seed=cfg.seed, threads=e.threads,
-                           start_timeout_s=e.start_timeout_s, device=place)
-             for place in places]
+    pins = [fleet[i].cpus for i in to_start]  # pinned engines run one thread per core they are given
+    procs = [EngineProcess(str(model_folder), api_key=key, seed=cfg.seed, threads=len(cpus) if cpus else e.threads,
+                           start_timeout_s=e.start_timeout_s, device=place, cpus=cpus)
+             for place, cpus in zip(places, pins)]
     started: list[Any] = []
     try:
         for p in procs:
@@ -370,7 +376,8 @@ def engines_for(cfg: RunConfig, model_folder: Path, *, is_main: bool, device: st
         for p in procs:
             p.wait_healthy()
         for i, p in zip(to_start, procs):
-            fleet[i] = dataclasses.replace(fleet[i], url=p.url, api_key=key)
+            # Started: the spec is now a server at a URL (its device and cores were the process's to take).
+            fleet[i] = dataclasses.replace(fleet[i], url=p.url, api_key=key, device=None, cpus=None)
         yield fleet
     finally:
         for eng in started:
@@ -424,6 +431,15 @@ def served_dtype(cfg: RunConfig, model: Any) -> torch.dtype:
     return compute_dtype(next(model.parameters()).device.type, cfg.trainer)
 
 
+def pin_trainer(cfg: RunConfig) -> None:
+    """[trainer] cpus: this process on those cores, one torch thread each (engines it starts later set their own
+    cores: a child may leave its parent's)."""
+    cpus = cfg.trainer.cpus
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+        torch.set_num_threads(len(cpus))
+
+
 @contextlib.contextmanager
 def cores_left_to_trainer(cfg: RunConfig):
     """On CPU, while embedded engines generate beside the trainer's steps on this host (async rollouts), give the
@@ -437,7 +453,8 @@ def cores_left_to_trainer(cfg: RunConfig):
     (the user's choice wins)."""
     engine_cores = cfg.engines.started_here * cfg.engines.threads
     overlapped = cfg.rl.async_rollout
-    if torch.cuda.is_available() or engine_cores == 0 or not overlapped or "OMP_NUM_THREADS" in os.environ:
+    if (torch.cuda.is_available() or engine_cores == 0 or not overlapped or "OMP_NUM_THREADS" in os.environ
+            or cfg.trainer.cpus):  # pinned: the config placed every side
         yield
         return
     before = torch.get_num_threads()
@@ -501,6 +518,7 @@ def run(mode: str, cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
 
     t_start = time.time()
     out = Path(cfg.output_dir)
+    pin_trainer(cfg)
     mesh = init_distributed()
     is_main = mesh.get_rank() == 0
     if is_main and not resume:

@@ -52,7 +52,7 @@ class RolloutConfig:
     request_timeout_s: float = 120.0  # one generate request's limit
     max_retries: int = 3  # retries of a failed request (engine errors that are not the request's fault)
     dynamic_filters: tuple[str, ...] = ()  # names of trainer.rollout.samples filters, e.g. "check_reward_nonzero_std"
-    max_staleness: int = 1  # async mode: a sample may lag the trainer by this many weight versions
+    max_staleness: int = 1  # set from [rl] max_staleness: cached partial samples past it restart from the prompt
     seed: int = 0  # per-request sampling seeds derive from it (from a run file: [rl] seed, else the run's)
     apply_chat_template: bool = True  # prompts are user turns of the chat template (a run file: [data].format)
     connect_timeout_s: float = 5.0  # an engine that does not accept a connection within this is "not answering"
@@ -213,6 +213,9 @@ class CriticConfig:
         return None if self.value_clip == float("inf") else self.value_clip
 
 
+STALE_POLICIES = ("regenerate", "drop")
+
+
 @dataclasses.dataclass(frozen=True)
 class RLTrainingConfig(_PhaseConfig):
     """GRPO/PPO training: the loss ([rl.loss]), the advantages, weight sync and the rollout schedule.
@@ -231,7 +234,15 @@ class RLTrainingConfig(_PhaseConfig):
     loss: Any = None  # kernels.PolicyLossConfig (a dict of its keys is resolved in __post_init__)
     ppo_epochs: int = 1  # optimizer steps per rollout batch (>1 makes old != current policy)
     sync_every: int = 1  # weight sync to engines every N steps (>1: the engines lag the trainer)
-    async_rollout: bool = False  # generate step n+1 while step n trains
+    async_rollout: bool = False  # generate the next max_staleness steps' batches while a step trains
+    # The staleness bound k: no sample trains whose oldest token came from weights more than k versions older than
+    # the trainer's (0: on-policy only; async mode generates k steps ahead and needs k >= 1).
+    max_staleness: int = 1
+    stale_policy: str = "regenerate"  # a sample past the bound: "regenerate" (its group again, later) or "drop"
+    # Sync the engines' weights while their requests run: the engines pause at a decode step, load, and go on
+    # (tokens after the load come from the new weights; each token's version is kept). False: the sync waits until
+    # the batch being generated is done. Embedded engines only (they report which version made which token).
+    update_in_flight: bool = False
     verify_sync: bool = False  # after each sync, compare the engines' weights with the trainer's (a metric)
     # Reproducible from the seeds whatever the arrival order of requests: each engine runs one request (one
     # group) at a time, so its batch composition is fixed; costs the batching across groups (docs/results.md has
@@ -268,7 +279,28 @@ class RLTrainingConfig(_PhaseConfig):
                f"{self.token_budget} cannot hold one sequence (a prompt + [rl.rollout] max_new_tokens = {m} tokens); "
                f"raise [rl] token_budget or lower max_new_tokens")
         _positive(self, "ppo_epochs", "sync_every")
+        _non_negative(self, "max_staleness")
+        _check(self.stale_policy in STALE_POLICIES, "stale_policy",
+               f"{self.stale_policy!r}; choose one of {STALE_POLICIES}")
+        # Fresh tokens must fit the bound by construction: engines lag the trainer by up to sync_every - 1 versions,
+        # and async generation adds the steps it runs ahead (generation_ahead = k - (sync_every - 1) >= 1).
+        s, k = self.sync_every, self.max_staleness
+        _check(not self.async_rollout or k >= s, "max_staleness",
+               f"async_rollout generates at least one step ahead of training with engines up to sync_every - 1 = "
+               f"{s - 1} versions behind, so samples are up to {s} versions old; set max_staleness >= {s} (got {k}), "
+               f"or async_rollout = false")
+        _check(self.async_rollout or k >= s - 1, "max_staleness",
+               f"with sync_every = {s} the engines sample with weights up to {s - 1} versions old; set max_staleness "
+               f">= {s - 1} (got {k}) or lower sync_every")
+        # The rollout manager restarts cached partial samples past the same bound (one key, [rl] max_staleness).
+        object.__setattr__(self, "rollout", dataclasses.replace(self.rollout, max_staleness=self.max_staleness))
         object.__setattr__(self, "loss", resolve_loss(self.loss, self.rollout, off_policy=self.off_policy))
+
+    @property
+    def generation_ahead(self) -> int:
+        """Steps the rollouts run ahead of training: 0 synchronous; async, as many as the staleness bound leaves once
+        the engines' own lag (sync_every - 1) is counted."""
+        return self.max_staleness - (self.sync_every - 1) if self.async_rollout else 0
 
     @property
     def off_policy(self) -> bool:
@@ -468,9 +500,15 @@ class BackendConfig(ParallelConfig):
     # gradients: one collective per step instead of one per micro-batch, at the memory of one unsharded gradient).
     # False: after every micro-batch (the least memory).
     defer_grad_sync: bool = True
+    # CPU: pin the trainer's process to these cores, one torch thread each (None: not pinned). With the embedded
+    # engines pinned elsewhere ([engines] fleet entries' cpus), a stand-in for a trainer on its own GPUs.
+    cpus: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _check(self.cpus is None or (len(self.cpus) > 0 and all(isinstance(c, int) and not isinstance(c, bool)
+                                                                 and c >= 0 for c in self.cpus)),
+               "cpus", f"{self.cpus!r}: give a non-empty list of core numbers, e.g. [1]")
         _check(self.logprob_chunk_tokens is None or self.logprob_chunk_tokens > 0, "logprob_chunk_tokens",
                f"must be > 0 or unset, got {self.logprob_chunk_tokens!r}")
 
@@ -727,6 +765,7 @@ MOVED: dict[str, str] = {
     "trainer.policy_loss": "[rl.loss]",
     "trainer.lr": "[sft.optim] / [rl.optim] lr",
     "trainer.eps": "[sft.optim] / [rl.optim] eps",
+    "rl.rollout.max_staleness": "[rl] max_staleness (the one staleness bound: async depth and cached samples)",
 }
 # Fields a nested table takes from its enclosing table when it does not set them: the run's seed reaches [sft],
 # [rl] and through [rl] (or its own seed) [rl.rollout].
@@ -796,7 +835,7 @@ def config_from_dict(cls: type, values: Mapping[str, Any], where: str | None = N
     names = [f.name for f in dataclasses.fields(cls) if f.init]
     for key in values:
         path = f"{where}.{key}" if where else key
-        if key not in names and path in MOVED:
+        if path in MOVED:  # a key that moved (one may remain a field: set from its new place, never from here)
             raise ConfigError(f"{path} moved to {MOVED[path]}")
     unknown = sorted(set(values) - set(names))
     if unknown:

@@ -26,6 +26,7 @@ from typing import Any
 from engines.registry import EngineSpec
 from kernels import PolicyLossConfig
 from trainer.config import (
+    MOVED,
     CriticConfig,
     EvalSetConfig,
     RewardSourceConfig,
@@ -120,7 +121,7 @@ def _table(path: str, cls: type) -> list[str]:
     out = [f"## {title}", "", f"`{cls.__module__}.{cls.__name__}`: {doc}", "", "| key | type | default | meaning |",
            "|---|---|---|---|"]
     for f in dataclasses.fields(cls):
-        if not f.init or section_class(cls, f.name) is not None:
+        if not f.init or section_class(cls, f.name) is not None or f"{path}.{f.name}" in MOVED:
             continue
         out.append(f"| `{f.name}` | {_type(cls, f.name)} | `{_default(f)}` | "
                    f"{field_help(cls, f.name).replace('|', '/')} |")
@@ -190,10 +191,10 @@ def to_toml(cfg: Any, path: str = "") -> str:
     saves as <output_dir>/config.toml, which `--config` runs again. Unset keys are comments (TOML has no null)."""
     lines, tables = [], []
     for f in dataclasses.fields(cfg):
-        if not f.init:
+        name = f"{path}.{f.name}" if path else f.name
+        if not f.init or name in MOVED:  # a moved key is written at its new place
             continue
         value = getattr(cfg, f.name)
-        name = f"{path}.{f.name}" if path else f.name
         if dataclasses.is_dataclass(value) and name not in ARRAY_TABLES:
             tables.append(to_toml(value, name))
         elif value is None:

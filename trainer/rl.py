@@ -273,8 +273,6 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
     """
     from trainer.rollout.manager import AsyncRolloutManager
 
-    if config.async_rollout and config.rollout.max_staleness < 1:
-        raise ValueError("rollout.max_staleness: async_rollout trains on batches one version old; set it >= 1")
     tcfg = trainer_config or trainer_config_from(config)
     comp = components or build_components(model, tcfg)
     ref = _reference_components(comp, tcfg) if config.loss.kl_coef > 0 else None  # frozen starting weights
@@ -291,7 +289,7 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
     state = _resume(comp, tcfg.output_dir, resumable, critic=critic) if resume else TrainingState()
     # A checkpoint of step n holds the data position and rollout state of when batch n was drawn, not the live
     # ones (batch n+1 may be drawn already): the resumed run draws exactly the batches an uninterrupted one would.
-    points = ResumePoints(resumable, step=state.step)
+    points = ResumePoints(resumable, step=state.step, keep=config.generation_ahead + 2)
     ckpt = Checkpointer(comp, lambda: state, lambda: points.at(state.step), save_every=tcfg.save_every,
                         critic=critic)
     pad_id = pad_token_id(tokenizer)  # what packed rows pad with
@@ -310,22 +308,27 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
         while state.step < config.num_steps:
             batch, gen_s = _timed(source.next, state.step + 1)
             trained_from = state.weight_version  # the batch's staleness is measured against these weights
+            batch, stale = within_staleness(batch, trained_from, config, requeue=manager.requeue)
             seen = _inspect(comp, batch, tcfg, pad_id) if dumps is not None and dumps.due(state.step + 1) else None
             (metrics, state), train_s = _timed(train_on_batch, comp, state, batch, config, tcfg, pad_id=pad_id,
                                                ref_components=ref, critic=critic)
             metrics = step_metrics(metrics, batch, state, trained_from=trained_from, time_generate_s=gen_s,
-                                   time_train_s=train_s, time_sync_s=sync_s)
+                                   time_train_s=train_s, time_sync_s=sync_s) | stale
             metrics.update(batch.metadata.get("reward_metrics", {}))  # [rewards] sources: reward/<label>_mean, judge/*
             # The step has trained (a checkpoint now holds it): its row is logged even when Ctrl-C stops the sync.
             with _reported(state.step, metrics, logger=logger, history=history, bar=bar, on_step=on_step):
                 if state.step % config.sync_every == 0 or state.step == config.num_steps:
-                    source.wait_idle()  # the engine must not change weights mid-request
-                    sync_s = metrics["time_sync_s"] = _sync(sender, state.weight_version, on_failure=ckpt.save)
-                if config.verify_sync and state.step % config.sync_every == 0:
-                    metrics["verify_sync_max_abs_diff"] = _verify_sync(comp, engines, sender, state.step,
-                                                                       probe_prompts or _default_probes(batch))
-                if comp.rank == 0 and evaluation is not None and evaluation.due(state.step, config.num_steps):
-                    metrics.update(evaluation.run(state.step))  # the engines serve this step's weights
+                    # Between two batches, or (update_in_flight) with the engines paused in place mid-request.
+                    in_flight = config.update_in_flight
+                    with contextlib.nullcontext() if in_flight else source.paused():
+                        with _paused_in_place(engines, comp.rank, enabled=in_flight):
+                            sync_s = metrics["time_sync_s"] = _sync(sender, state.weight_version,
+                                                                    on_failure=ckpt.save)
+                        if config.verify_sync and state.step % config.sync_every == 0:
+                            metrics["verify_sync_max_abs_diff"] = _verify_sync(
+                                comp, engines, sender, state.step, probe_prompts or _default_probes(batch))
+                        if comp.rank == 0 and evaluation is not None and evaluation.due(state.step, config.num_steps):
+                            metrics.update(evaluation.run(state.step))  # the engines serve this step's weights
             if seen is not None and comp.rank == 0:
                 _write_rollouts(dumps, state.step, batch, seen, config, logger=logger, tokenizer=tokenizer)
             ckpt.maybe_save()
@@ -335,18 +338,81 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
 def _rollout_source(data_buffer: Any, config: RLTrainingConfig, manager: AsyncRolloutManager, sender: WeightSync,
                     rank: int, *, on_failure: Callable[[], None], on_drawn: Callable[[int], None],
                     rewards: RewardSources | None = None) -> RolloutSource:
-    """Rank 0 drives the rollouts (each batch generated for the sender's current weight version); the source hands
-    every batch, or its failure, to the other ranks, and in async mode generates the next batch ahead. Reward
-    models and judges (`rewards`) score each batch right after its generation, in the same (worker) thread."""
+    """Rank 0 drives the rollouts; the source hands every batch, or its failure, to the other ranks, and in async
+    mode generates config.generation_ahead batches ahead. Reward models and judges (`rewards`) score each batch
+    right after its generation, in the same (worker) thread.
+
+    The manager restarts cached partial samples against the version their batch will train at, at the latest:
+    the engines' version plus the steps it may wait (generation_ahead) plus the engines' own lag (sync_every - 1),
+    which is the staleness bound k in async mode by construction (RLTrainingConfig)."""
     from trainer.rollout.manager import generate_rollout_batches
     from trainer.rollout.reward_sources import scored_batches
 
+    lag = config.generation_ahead + config.sync_every - 1
     batches = generate_rollout_batches(data_buffer, config.rollout, manager=manager,
-                                       weight_version=lambda: sender.weight_version) if rank == 0 else None
+                                       weight_version=lambda: sender.weight_version + lag) if rank == 0 else None
     if batches is not None and rewards is not None:
         batches = scored_batches(batches, rewards)
-    return RolloutSource(batches, num_steps=config.num_steps, prefetch=config.async_rollout, on_failure=on_failure,
+    return RolloutSource(batches, num_steps=config.num_steps, ahead=config.generation_ahead, on_failure=on_failure,
                          on_drawn=on_drawn)
+
+
+@contextlib.contextmanager
+def _paused_in_place(engines: Sequence[InferenceEngine], rank: int, *, enabled: bool = True) -> Iterator[None]:
+    """The engines stop at their next decode step boundary, their running requests kept in place with their KV
+    cache, for the block (a weight load); then they go on, the tokens after it from the new weights (rank 0: the
+    one that talks to the engines). Not `enabled`: the block runs as it is."""
+    import trio
+
+    if not enabled:
+        yield
+        return
+
+    async def each(method: str) -> None:
+        async with trio.open_nursery() as nursery:
+            for engine in engines:
+                nursery.start_soon(getattr(engine, method))
+
+    if rank == 0:
+        trio.run(each, "pause_generation")
+    try:
+        yield
+    finally:
+        if rank == 0:
+            trio.run(each, "continue_generation")
+
+
+def within_staleness(batch: RolloutBatch, version: int, config: RLTrainingConfig, *,
+                     requeue: Callable[[list[list[Sample]]], None]) -> tuple[RolloutBatch, dict[str, float]]:
+    """The batch without the samples past the staleness bound (their oldest token generated more than
+    config.max_staleness versions before `version`, the trainer's), and the staleness metrics.
+
+    The rollouts are built so that this does not happen (RLTrainingConfig, _rollout_source): this is the guarantee,
+    counted. [rl] stale_policy "drop" leaves the stale samples out (their groups' baselines are the rest);
+    "regenerate" takes their whole groups out and hands them back to the rollout manager (`requeue`), which
+    generates them again, from their prompts, first in a later batch. A batch left empty is an error."""
+    lags = [version - s.weight_version for s in batch.samples]
+    k = config.max_staleness
+    stale = {i for i, lag in enumerate(lags) if lag > k}
+    if stale and config.stale_policy == "regenerate":
+        uids = {_group_ids(batch.samples)[i] for i in stale}
+        groups: dict[Any, list[Sample]] = {}
+        for uid, s in zip(_group_ids(batch.samples), batch.samples):
+            if uid in uids:
+                groups.setdefault(uid, []).append(s)
+        requeue(list(groups.values()))
+        stale = {i for i, uid in enumerate(_group_ids(batch.samples)) if uid in uids}
+    n = len(batch.samples)
+    metrics = {f"staleness/frac_{j}": sum(lag == j for lag in lags) / n for j in range(k + 1)}
+    metrics |= {"staleness/max": float(max(lags)), "staleness/past_bound": sum(lag > k for lag in lags) / n,
+                f"staleness/{'regenerated' if config.stale_policy == 'regenerate' else 'dropped'}": len(stale) / n}
+    if not stale:
+        return batch, metrics
+    kept = tuple(s for i, s in enumerate(batch.samples) if i not in stale)
+    if not kept:
+        raise RuntimeError(f"every sample of this batch is past [rl] max_staleness = {k} (lags {sorted(set(lags))}); "
+                           f"raise max_staleness or lower sync_every")
+    return RolloutBatch(samples=kept, metadata=batch.metadata), metrics
 
 
 def _inspect(components: TrainingComponents, batch: RolloutBatch, tcfg: TrainerConfig,

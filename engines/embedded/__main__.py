@@ -54,6 +54,17 @@ def check_exposure(host: str, api_key: str | None, allow_no_key: bool) -> None:
                          f"--allow-no-key to serve it open on purpose")
 
 
+def parse_cpus(text: str) -> list[int]:
+    """"0,2" -> [0, 2]; an error naming the flag otherwise."""
+    try:
+        cpus = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        cpus = []
+    if not cpus or min(cpus) < 0:
+        raise SystemExit(f"--cpus {text!r}: give core numbers separated by commas, e.g. --cpus 0 or --cpus 0,2")
+    return cpus
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m engines.embedded", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -71,8 +82,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-batch-rows", type=int, default=256, help="rows merged into one generation batch")
     ap.add_argument("--no-compile", action="store_true", help="do not torch.compile the decode step on CUDA")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    ap.add_argument("--cpus", default=None, help="pin the engine to these CPU cores, e.g. 0 or 0,2 (one thread each "
+                                                 "unless --threads says otherwise)")
     die_with_parent(os.environ.pop(PARENT_ENV, None))  # started by a trainer: end with it, even on kill -9
     args = ap.parse_args(argv)
+    if args.cpus:  # before torch starts its thread pools: they size themselves from the affinity
+        cpus = parse_cpus(args.cpus)
+        os.sched_setaffinity(0, cpus)
+        args.threads = args.threads or len(cpus)
     api_key = resolve_api_key(args.api_key, args.api_key_file, dict(os.environ))
     os.environ.pop(API_KEY_ENV, None)  # not inherited by anything this process starts (compile workers)
     check_exposure(args.host, api_key, args.allow_no_key)  # before the slow imports and the model load

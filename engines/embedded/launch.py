@@ -99,10 +99,11 @@ class EngineProcess:
 
     def __init__(self, model: str = "tiny", *, port: int | None = None, api_key: str | None = None, seed: int = 0,
                  extra_args: tuple[str, ...] = (), start_timeout_s: float = 120.0, threads: int = 1,
-                 device: str | None = None):
+                 device: str | None = None, cpus: tuple[int, ...] | None = None):
         self.model, self.port, self.api_key, self.seed = model, port or free_port(), api_key, seed
         self.extra_args, self.start_timeout_s, self.threads = extra_args, start_timeout_s, threads
         self.device = device  # None: the engine's default (cuda when available, else cpu)
+        self.cpus = cpus  # None: not pinned; else the cores it runs on (its threads: their number)
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -116,7 +117,8 @@ class EngineProcess:
         """Spawn without waiting (start several engines in parallel, then wait_healthy() each)."""
         cmd = [sys.executable, "-m", "engines.embedded", "--model", self.model, "--port", str(self.port),
                "--seed", str(self.seed), "--threads", str(self.threads),
-               *(("--device", self.device) if self.device else ()), *self.extra_args]
+               *(("--device", self.device) if self.device else ()),
+               *(("--cpus", ",".join(map(str, self.cpus))) if self.cpus else ()), *self.extra_args]
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = {**engine_env(self.api_key, root, dict(os.environ)), PARENT_ENV: parent_tag()}
         # stderr goes to a file, not a pipe: nobody reads a pipe while the engine runs, and a full one (64 KiB of

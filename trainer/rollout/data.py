@@ -18,12 +18,14 @@ prompt from a seeded stream, so the order depends only on (seed, number drawn) a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import threading
 import warnings
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -547,6 +549,27 @@ class DataBuffer:
         self.positions = [[0, 0] for _ in self.sets]  # per set: [epoch_id, sample_offset]
         self._orders = [epoch_permutation(len(s), self.seed, 0, self.shuffle) for s in self.sets]
         self._block: tuple[int, np.ndarray] | None = None
+        # Async rollouts draw in a worker thread while the trainer's thread checkpoints: the position must never be
+        # read and advanced at once (ResumePoints snapshots it in the drawing thread). A second reader is a bug,
+        # raised at once rather than a checkpoint of a torn position.
+        self._reading = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:  # copies and pickles (a process pool) get their own lock
+        return {k: v for k, v in self.__dict__.items() if k != "_reading"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reading = threading.Lock()
+
+    @contextlib.contextmanager
+    def _exclusive(self, what: str) -> Iterator[None]:
+        if not self._reading.acquire(blocking=False):
+            raise RuntimeError(f"DataBuffer.{what}: another thread is reading or advancing this buffer; its position "
+                               f"must be read where it is drawn (trainer.rollout.source.ResumePoints)")
+        try:
+            yield
+        finally:
+            self._reading.release()
 
     @property
     def prompts(self) -> Sequence[Prompt]:
@@ -587,6 +610,10 @@ class DataBuffer:
     def get_prompts(self, n: int) -> list[Prompt]:
         if n < 0:
             raise ValueError(f"n: must be >= 0, got {n}")
+        with self._exclusive("get_prompts"):
+            return self._get_prompts(n)
+
+    def _get_prompts(self, n: int) -> list[Prompt]:
         picks = [self._choice(self.draws + k) for k in range(n)]
         out: list[Prompt | None] = [None] * n
         for s in sorted(set(picks)):
@@ -602,6 +629,10 @@ class DataBuffer:
         return out  # type: ignore[return-value]
 
     def state_dict(self) -> dict[str, Any]:
+        with self._exclusive("state_dict"):
+            return self._state_dict()
+
+    def _state_dict(self) -> dict[str, Any]:
         return {"epoch_id": self.epoch_id, "sample_offset": self.sample_offset, "seed": self.seed,
                 "shuffle": self.shuffle, "num_prompts": len(self), "draws": self.draws,
                 "sets": [{"epoch_id": e, "sample_offset": o, "num_prompts": len(s)}

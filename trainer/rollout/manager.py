@@ -24,6 +24,7 @@ Structured concurrency means nothing outlives `generate_batch`: no stray tasks, 
 from __future__ import annotations
 
 import builtins
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -109,6 +110,9 @@ class AsyncRolloutManager:
         self.turn_end_ids = frozenset(stop_token_ids(tokenizer, chat=True, generation_config=generation_config))
         self.weight_version = 0
         self.partial_groups: list[list[Sample]] = []  # groups cut by the last batch, resumed first by the next
+        # Groups the trainer sent back (past the staleness bound, [rl] stale_policy = "regenerate"): from the
+        # trainer's thread while this one generates in the worker; a deque's append / popleft are atomic.
+        self._requeued: collections.deque[list[Sample]] = collections.deque()
         self._group_uid = 0  # monotonically increasing id of each group drawn from the buffer (seeds, order)
         self._in_flight: dict[str, InferenceEngine] = {}  # rid -> engine, for requests currently running
         self._orphaned: dict[int, InferenceEngine] = {}  # engines with requests we stopped waiting for
@@ -153,6 +157,11 @@ class AsyncRolloutManager:
         self.weight_version = int(state["weight_version"])
         self._group_uid = int(state["group_uid"])
         self.partial_groups = [[sample_from_dict(d) for d in g] for g in state["partial_groups"]]
+
+    def requeue(self, groups: Sequence[Sequence[Sample]]) -> None:
+        """Generate these groups again, from their prompts, first in line in a later batch (thread-safe)."""
+        for g in groups:
+            self._requeued.append([restart_sample(s) for s in g])
 
     def set_weight_version(self, version: int) -> None:
         """The trainer's current weight version (drives the staleness bound of cached partial samples)."""
@@ -276,8 +285,8 @@ class AsyncRolloutManager:
             return
         for j, s, out in zip(js, samples, outs):
             groups[slot][j] = extend_sample(s, out.output_ids, out.logprobs, status=_STATUS[out.finish_reason],
-                                            weight_version=out.weight_version, tokenizer=self.tokenizer,
-                                            max_new_tokens=c.max_new_tokens)
+                                            weight_version=out.oldest_version, spans=out.weight_versions,
+                                            tokenizer=self.tokenizer, max_new_tokens=c.max_new_tokens)
 
     async def _run_group(self, slot: int, groups: dict[int, list[Sample]], engine: InferenceEngine,
                          done: trio.MemorySendChannel) -> None:
@@ -336,7 +345,10 @@ class AsyncRolloutManager:
 
     async def _generate_batch(self, data_buffer: Any) -> RolloutBatch:
         t0 = time.monotonic()
-        cached, self.partial_groups = self.partial_groups, []
+        requeued = []
+        while self._requeued:
+            requeued.append(self._requeued.popleft())
+        cached, self.partial_groups = requeued + self.partial_groups, []
         n_cached = len(cached)
         counters = {"groups_submitted": 0, "groups_filtered": 0, "groups_resumed": 0,
                     "samples_restarted_stale": 0, "reward_failed": 0, "groups_cached": 0, "samples_aborted": 0}

@@ -6,14 +6,17 @@ starving the batch, ...), the other ranks are waiting in that hand-off: they get
 of a batch, every rank runs the caller's `on_failure` (a collective checkpoint), and every rank raises.
 
 `ResumePoints` keeps what a checkpoint of step n resumes rollouts from: the data position and the rollout manager's
-state as they were when batch n was drawn, before batch n+1 was (async prefetch draws it while step n trains).
+state as they were when batch n was drawn, before batch n+1 was (async generation draws batches n+1 .. n+k while
+step n trains).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
-from collections.abc import Callable, Generator, Mapping
+import threading
+from collections.abc import Callable, Generator, Iterator, Mapping
 from typing import Any
 
 from trainer.backend.steps import broadcast_from_rank0
@@ -29,17 +32,20 @@ class RolloutFailed:
 
 class ResumePoints:
     """The resumable state of the rollout side (data buffer, rollout manager: anything with state_dict) at the
-    last step boundaries; `at(step)` is what a checkpoint of `step` must hold so that a resumed run draws exactly
-    the batches an uninterrupted one would.
+    step boundaries; `at(step)` is what a checkpoint of `step` must hold so that a resumed run draws exactly the
+    batches an uninterrupted one would.
 
-    The live objects are no good for that: while step n trains, batch n+1 may already be drawn (async prefetch, or
-    a Ctrl-C after the draw), so their position is one batch ahead of the weights, and in async mode a worker
-    thread may be changing them while the checkpoint reads. `record(step)` runs when batch `step` was handed out
-    and before batch step+1 is drawn, when nothing changes them. Mutable (the snapshots): why this is a class.
+    The live objects are no good for that: while step n trains, batches n+1 .. n+k may already be drawn (async
+    generation k steps ahead, or a Ctrl-C after the draw), so their position is ahead of the weights, and a worker
+    thread may be changing them while the checkpoint reads. `record(step)` runs when batch `step` was drawn and
+    before batch step+1 is (in the thread that draws: nothing changes them then). Mutable (the snapshots): why
+    this is a class.
     """
 
-    def __init__(self, parts: Mapping[str, Any], *, step: int) -> None:
+    def __init__(self, parts: Mapping[str, Any], *, step: int, keep: int = 2) -> None:
         self._parts = dict(parts)
+        self._keep = keep  # snapshots kept: the steps a checkpoint may be of, plus the ones drawn ahead
+        self._lock = threading.Lock()  # record (the drawing thread) against at (the trainer's)
         self._at = {step: self._snapshot()}  # before the first batch: the state just built or resumed
 
     def _snapshot(self) -> dict[str, Any]:
@@ -47,45 +53,60 @@ class ResumePoints:
         return {name: part.state_dict() for name, part in self._parts.items()}
 
     def record(self, step: int) -> None:
-        """Batch `step` was just handed out and batch step+1 not drawn yet: this is the state after step `step`."""
-        self._at[step] = self._snapshot()
-        for old in [s for s in self._at if s < step - 1]:  # a checkpoint is of step-1 (mid-step) or step
-            del self._at[old]
+        """Batch `step` was just drawn and batch step+1 not yet: this is the state after step `step`."""
+        snap = self._snapshot()
+        with self._lock:
+            self._at[step] = snap
+            for old in sorted(self._at)[:-self._keep]:
+                del self._at[old]
 
     def at(self, step: int) -> dict[str, Any]:
-        if step not in self._at:
-            raise RuntimeError(f"no resumable state recorded for step {step} (recorded: {sorted(self._at)}); "
-                               f"record(step) must run when batch `step` is handed out")
-        return self._at[step]
+        with self._lock:
+            if step not in self._at:
+                raise RuntimeError(f"no resumable state recorded for step {step} (recorded: {sorted(self._at)}); "
+                                   f"record(step) must run when batch `step` is drawn")
+            return self._at[step]
 
 
 class RolloutSource:
     """`next(step)` gives the batch of training step `step` on every rank; a context manager that closes it.
 
-    batches: rank 0's batch generator (None on the other ranks). prefetch (async mode): as soon as the batch of
-    step n is taken, the batch of step n+1 is generated in a worker thread, with the engine weights of that
-    moment, while step n trains; the engines are separate processes, so generation really runs in parallel and
-    the thread only waits on HTTP. No batch is generated past `num_steps`. `on_drawn(step)` runs on every rank
-    once batch `step` is handed out, before batch step+1 is drawn (ResumePoints.record). Mutable state (the
-    generator, the pending future) is why this is a class.
+    batches: rank 0's batch generator (None on the other ranks). ahead = k >= 1 (async mode): batches are
+    generated in one worker thread up to k steps ahead of training — when the batch of step n is taken, the
+    batches of steps n+1 .. n+k are queued — with the engine weights of the moment each starts; the engines are
+    separate processes (or release the GIL), so generation really runs beside training and the thread mostly
+    waits on them. ahead = 0: each batch is generated when asked for. No batch is generated past `num_steps`.
+    `on_drawn(step)` runs once batch `step` is drawn, before batch step+1 is (ResumePoints.record): in the worker
+    on rank 0, in `next` on the other ranks. `paused()` holds the worker between two batches (a weight sync, an
+    evaluation: an engine must not change weights mid-request). Mutable state (the generator, the queued futures,
+    the pause lock) is why this is a class.
     """
 
-    def __init__(self, batches: Generator[RolloutBatch, None, None] | None, *, num_steps: int,
-                 prefetch: bool = False, on_failure: Callable[[], None] = lambda: None,
+    def __init__(self, batches: Generator[RolloutBatch, None, None] | None, *, num_steps: int, ahead: int = 0,
+                 on_failure: Callable[[], None] = lambda: None,
                  on_drawn: Callable[[int], None] = lambda step: None) -> None:
+        assert ahead >= 0, ahead
         self._batches = batches
         self._num_steps = num_steps
+        self._ahead = ahead
         self._on_failure = on_failure
         self._on_drawn = on_drawn
         self._pool = (concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
-                      if prefetch and batches is not None else None)
-        self._pending: concurrent.futures.Future | None = None
+                      if ahead and batches is not None else None)
+        self._pending: dict[int, concurrent.futures.Future] = {}  # step -> its batch, generated in order
+        self._engines = threading.Lock()  # held by the worker while it generates, by paused() while held
+
+    def _generate(self, step: int) -> RolloutBatch:
+        with self._engines:
+            batch = next(self._batches)
+            self._on_drawn(step)
+        return batch
 
     def next(self, step: int) -> RolloutBatch:
         """The batch of training step `step` (1-based), the same on every rank. Collective: every rank calls it."""
         failure: Exception | None = None
         try:
-            batch = self._take() if self._batches is not None else None
+            batch = self._take(step) if self._batches is not None else None
         except Exception as e:
             failure, batch = e, RolloutFailed(f"{type(e).__name__}: {e}")
         batch = broadcast_from_rank0(batch)
@@ -96,27 +117,30 @@ class RolloutSource:
             if failure is not None:
                 raise failure
             raise RuntimeError(f"the rollout on rank 0 failed at step {step}: {batch.error}")
-        self._on_drawn(step)
-        if self._pool is not None and step < self._num_steps:
-            self._pending = self._pool.submit(next, self._batches)  # step + 1 generates while `step` trains
+        if self._batches is None:
+            self._on_drawn(step)  # the other ranks: their (unused) copies are what rank 0's were
+        if self._pool is not None:  # steps step+1 .. step+k generate while `step` trains
+            for ahead in range(step + 1, min(step + self._ahead, self._num_steps) + 1):
+                if ahead not in self._pending:
+                    self._pending[ahead] = self._pool.submit(self._generate, ahead)
         return batch
 
-    def _take(self) -> RolloutBatch:
+    def _take(self, step: int) -> RolloutBatch:
         if self._pool is None:
-            return next(self._batches)
-        fut = self._pending or self._pool.submit(next, self._batches)  # the first batch has none pending
-        self._pending = None
+            return self._generate(step)
+        fut = self._pending.pop(step, None) or self._pool.submit(self._generate, step)  # the first has none queued
         return fut.result()
 
-    def wait_idle(self) -> None:
-        """Block until the batch in flight is generated (it stays queued for `next`): the engines are idle after,
-        so their weights may change (an engine must not change weights mid-request)."""
-        if self._pending is not None:
-            concurrent.futures.wait([self._pending])
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """The engines are idle inside: the batch being generated finishes first (it stays queued for `next`), and
+        no other starts until the block ends."""
+        with self._engines:
+            yield
 
     def close(self) -> None:
-        if self._pending is not None:
-            self._pending.cancel()
+        for fut in self._pending.values():
+            fut.cancel()
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
         if self._batches is not None:
