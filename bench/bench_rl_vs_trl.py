@@ -65,10 +65,15 @@ if __package__ in (None, ""):  # `python bench/bench_rl_vs_trl.py`: the reposito
 from _proc import run_with_peak_rss  # noqa: E402  (bench/ is on the path: script or pytest)
 
 ROOT = Path(__file__).resolve().parent.parent
-SIDES = ("trl", "ours-sync", "ours-sync-http", "ours-async")
+SIDES = ("trl", "ours-sync", "ours-sync-http", "ours-async", "ours-sync-disaggregated", "ours-async-disaggregated")
 # Our sides: (async_rollout, engines.in_process). None keeps the config's choice (the demo: one in-process engine);
-# "ours-sync-http" runs the same work through the embedded engine as its own process behind HTTP.
-OURS = {"ours-sync": (False, None), "ours-sync-http": (False, False), "ours-async": (True, None)}
+# "ours-sync-http" runs the same work through the embedded engine as its own process behind HTTP. The
+# "-disaggregated" sides give the engine process and the trainer a core each (DISAGGREGATED: config only), a
+# stand-in for engines and trainer on separate GPUs; their async side runs [rl] max_staleness (--max-staleness) steps
+# ahead.
+OURS = {"ours-sync": (False, None), "ours-sync-http": (False, False), "ours-async": (True, None),
+        "ours-sync-disaggregated": (False, False), "ours-async-disaggregated": (True, False)}
+DISAGGREGATED = ("engines.fleet=[{kind = \"embedded\", cpus = [0]}]", "trainer.cpus=[1]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +91,8 @@ class BenchConfig:
     seed: int = 0
     eval_limit: int = 0  # 0: the whole [data].eval set
     model: str = ""  # a Hugging Face folder both sides start from ([model].path); "": the config's model
+    max_staleness: int = 1  # ours, async: [rl] max_staleness (generation runs this many steps ahead)
+    update_in_flight: bool = False  # ours, async: [rl] update_in_flight (syncs land while a batch generates)
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens"):
@@ -98,7 +105,7 @@ class BenchConfig:
 
 
 def run_config(bc: BenchConfig, output_dir: str | Path, *, async_rollout: bool = False,
-               in_process: bool | None = None) -> Any:
+               in_process: bool | None = None, disaggregated: bool = False) -> Any:
     """The demo's run config (a trainer.config.RunConfig) with the bench's GRPO work set through --set overrides
     (validated like the CLI)."""
     from trainer.cli import load_run_config
@@ -117,6 +124,11 @@ def run_config(bc: BenchConfig, output_dir: str | Path, *, async_rollout: bool =
         over.append(f"engines.in_process={'true' if in_process else 'false'}")
     if bc.model:
         over.append(f"model.path={json.dumps(str(Path(bc.model).resolve()))}")
+    if async_rollout:
+        over += [f"rl.max_staleness={bc.max_staleness}",
+                 f"rl.update_in_flight={'true' if bc.update_in_flight else 'false'}"]
+    if disaggregated:
+        over.extend(DISAGGREGATED)
     return load_run_config(bc.config, over, mode="rl")
 
 
@@ -129,21 +141,24 @@ def loop_figures(step_seconds: list[float], samples_per_step: list[float]) -> di
 
 
 # ----------------------------------------------------------------------------------------------- ours
-def run_ours(bc: BenchConfig, out: Path, *, async_rollout: bool, in_process: bool | None = None) -> dict[str, Any]:
+def run_ours(bc: BenchConfig, out: Path, *, async_rollout: bool, in_process: bool | None = None,
+             disaggregated: bool = False) -> dict[str, Any]:
     """`python -m trainer rl` on the bench config; figures from its summary and metrics.jsonl."""
     from trainer.cli import run
     from trainer.metrics import read_jsonl
 
-    cfg = run_config(bc, out, async_rollout=async_rollout, in_process=in_process)
+    cfg = run_config(bc, out, async_rollout=async_rollout, in_process=in_process, disaggregated=disaggregated)
     t0 = time.perf_counter()
     summary = run("rl", cfg)
     wall = time.perf_counter() - t0
-    rows = read_jsonl(out / "rl" / "metrics.jsonl")
+    rows = [r for r in read_jsonl(out / "rl" / "metrics.jsonl") if "loss" in r]  # not the step-0 evaluation
     # One step = its (possibly prefetched) generate wait + train + the weight sync after it.
     parts = {k: [float(r.get(k, 0.0)) for r in rows] for k in ("time_generate_s", "time_train_s", "time_sync_s")}
     steps = [sum(p) for p in zip(*parts.values())]
     res = loop_figures(steps, [float(r["num_samples"]) for r in rows])
     res.update(wall_s=wall, steps=len(rows), accuracy=summary.get("accuracy_after_rl"),
+               trainer_cpus=sorted(os.sched_getaffinity(0)), max_staleness=cfg.rl.max_staleness,
+               staleness_mean=statistics.mean(float(r["train_staleness_mean"]) for r in rows) if rows else 0.0,
                in_process=any(spec.kind == "local" for spec in cfg.engines.fleet),
                accuracy_initial=summary.get("accuracy_before_rl"),
                reward_mean_last=rows[-1].get("reward_mean") if rows else None,
@@ -418,6 +433,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="", help="a Hugging Face folder both sides start from, e.g. the demo's SFT "
                     "model from `python -m trainer export` (default: the config's random initial model)")
     ap.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated subset of {SIDES}")
+    ap.add_argument("--max-staleness", type=int, default=1, help="our async sides' [rl] max_staleness (steps ahead)")
+    ap.add_argument("--update-in-flight", action="store_true", help="our async sides: [rl] update_in_flight")
     ap.add_argument("--json", action="store_true", help="print one JSON object (default: a readable table)")
     ap.add_argument("--out", default=None, help="also write the JSON object to this file")
     ap.add_argument("--workdir", default=None, help="keep each side's outputs (logs, metrics.jsonl) here")
@@ -432,11 +449,13 @@ def main(argv: list[str] | None = None) -> None:
             res = run_trl(bc, out)
         else:
             async_rollout, in_process = OURS[args.worker]
-            res = run_ours(bc, out, async_rollout=async_rollout, in_process=in_process)
+            res = run_ours(bc, out, async_rollout=async_rollout, in_process=in_process,
+                           disaggregated=args.worker.endswith("-disaggregated"))
         (out / "result.json").write_text(json.dumps(res))
         return
     bc = BenchConfig(steps=args.steps, prompts_per_step=args.prompts_per_step, group_size=args.group_size,
-                     eval_limit=args.eval_limit, model=args.model)
+                     eval_limit=args.eval_limit, model=args.model, max_staleness=args.max_staleness,
+                     update_in_flight=args.update_in_flight)
     sides = tuple(s.strip() for s in args.sides.split(",") if s.strip())
     if args.seeds < 1:
         ap.error("--seeds must be >= 1")

@@ -134,3 +134,15 @@ def test_seeds_aggregate_over_every_loop_and_average_accuracy():
     assert got["accuracy"] == pytest.approx(0.3) and got["accuracy_per_seed"] == [0.2, 0.4]
     assert got["peak_rss_mb"] == 700.0 and got["s_per_step"] == 2.0 and got["per_seed"] == runs
     assert bench.aggregate(runs[:1]) is runs[0]
+
+
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0) & {0, 1}) < 2, reason="needs cores 0 and 1")
+def test_the_disaggregated_async_side_pins_engine_and_trainer_to_their_cores(tmp_path):
+    """ours-async-disaggregated through its worker subprocess: the trainer ran on core 1 (the engine, started by
+    the run with cpus = [0], on core 0: tests/test_staleness.py checks an engine's pinning), two steps ahead."""
+    bc = dataclasses.replace(TOY, steps=3, max_staleness=2)
+    res = bench.measure("ours-async-disaggregated", bc, tmp_path)
+    assert res["steps"] == 3 and res["samples"] == 3 * 16 and res["trainer_cpus"] == [1]
+    assert res["max_staleness"] == 2 and 0.0 <= res["staleness_mean"] <= 2.0
+    cfg = bench.run_config(bc, tmp_path / "cfg", async_rollout=True, in_process=False, disaggregated=True)
+    assert [s.cpus for s in cfg.engines.fleet] == [(0,)] and cfg.trainer.cpus == (1,) and cfg.rl.generation_ahead == 2
