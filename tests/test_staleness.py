@@ -161,6 +161,29 @@ def test_requeued_groups_restart_from_their_prompts_first_in_the_next_batch():
     assert buffer.state_dict()["draws"] == 2 + 1  # the requeued group took one of the second batch's two places
 
 
+def _run_async(out, rollout: RolloutConfig, *, num_steps: int, token_budget: int, **kw) -> tuple:
+    """An async GRPO run of the tiny model against an in-process engine: (final state, per-step metrics)."""
+    eng = LocalEngine("tiny", seed=1)
+    cfg = RLTrainingConfig(optim=OptimConfig(lr=1e-2, warmup_steps=0, min_lr_ratio=1.0), num_steps=num_steps,
+                           token_budget=token_budget, micro_batch_buckets=32, loss={"loss_agg": "token-mean"},
+                           output_dir=str(out), rollout=rollout, async_rollout=True, **kw)
+    tcfg = trainer_config_from(cfg, compile=False)
+    try:
+        with use_backend("torch"):
+            comp = build_components(tiny_model_config("llama"), tcfg)
+            sender = WeightSyncSender(comp.model, [eng], timeout_s=60)
+            sender.init_group()
+            try:
+                _, state, history = rl.run_rl_training(
+                    None, DataBuffer(load_jsonl("data/arithmetic_train.jsonl"), seed=0), cfg, engines=[eng],
+                    sender=sender, tokenizer=TOK, reward_fn=digit_fraction, trainer_config=tcfg, components=comp)
+            finally:
+                sender.close()
+    finally:
+        eng.close()
+    return state, history
+
+
 def test_an_async_run_k_ahead_trains_nothing_past_the_bound(tmp_path, monkeypatch):
     """GRPO with async_rollout and max_staleness = 2: some batches really are two versions old (generation ran two
     steps ahead), none older; the staleness metrics are logged. Training is slowed down (a sleep in the step) so
@@ -172,26 +195,9 @@ def test_an_async_run_k_ahead_trains_nothing_past_the_bound(tmp_path, monkeypatc
         return step(*args, **kw)
 
     monkeypatch.setattr(rl, "train_on_batch", slow_step)
-    eng = LocalEngine("tiny", seed=1)
     rollout = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2, max_new_tokens=4, temperature=1.0, seed=5,
                             apply_chat_template=False)
-    cfg = RLTrainingConfig(optim=OptimConfig(lr=1e-2, warmup_steps=0, min_lr_ratio=1.0), num_steps=6,
-                           token_budget=128, micro_batch_buckets=32, loss={"loss_agg": "token-mean"},
-                           output_dir=str(tmp_path), rollout=rollout, async_rollout=True, max_staleness=2)
-    tcfg = trainer_config_from(cfg, compile=False)
-    try:
-        with use_backend("torch"):
-            comp = build_components(tiny_model_config("llama"), tcfg)
-            sender = WeightSyncSender(comp.model, [eng], timeout_s=60)
-            sender.init_group()
-            try:
-                _, _, history = rl.run_rl_training(None, DataBuffer(load_jsonl("data/arithmetic_train.jsonl"), seed=0),
-                                                   cfg, engines=[eng], sender=sender, tokenizer=TOK,
-                                                   reward_fn=digit_fraction, trainer_config=tcfg, components=comp)
-            finally:
-                sender.close()
-    finally:
-        eng.close()
+    _, history = _run_async(tmp_path, rollout, num_steps=6, token_budget=128, max_staleness=2)
     lags = [h["train_staleness_max"] for h in history]
     assert max(lags) == 2 and all(h["staleness/past_bound"] == 0.0 for h in history), lags
     assert all(abs(sum(h[f"staleness/frac_{j}"] for j in range(3)) - 1.0) < 1e-9 for h in history)
@@ -298,27 +304,10 @@ def test_an_async_run_updates_the_engines_in_flight(tmp_path, monkeypatch):
 
     monkeypatch.setattr(rl, "train_on_batch", recorded_step)
     monkeypatch.setattr(generation.DecodeBatch, "step", slow_decode)
-    eng = LocalEngine("tiny", seed=1)
     rollout = RolloutConfig(rollout_batch_size=4, n_samples_per_prompt=2, max_new_tokens=24, temperature=1.0,
                             seed=5, apply_chat_template=False, stop_token_ids=())
-    cfg = RLTrainingConfig(optim=OptimConfig(lr=1e-2, warmup_steps=0, min_lr_ratio=1.0), num_steps=5,
-                           token_budget=256, micro_batch_buckets=32, loss={"loss_agg": "token-mean"},
-                           output_dir=str(tmp_path), rollout=rollout, async_rollout=True, max_staleness=1,
-                           update_in_flight=True)
-    tcfg = trainer_config_from(cfg, compile=False)
-    try:
-        with use_backend("torch"):
-            comp = build_components(tiny_model_config("llama"), tcfg)
-            sender = WeightSyncSender(comp.model, [eng], timeout_s=60)
-            sender.init_group()
-            try:
-                _, state, history = rl.run_rl_training(
-                    None, DataBuffer(load_jsonl("data/arithmetic_train.jsonl"), seed=0), cfg, engines=[eng],
-                    sender=sender, tokenizer=TOK, reward_fn=digit_fraction, trainer_config=tcfg, components=comp)
-            finally:
-                sender.close()
-    finally:
-        eng.close()
+    state, history = _run_async(tmp_path, rollout, num_steps=5, token_budget=256, max_staleness=1,
+                                update_in_flight=True)
     assert state.step == 5 and all(h["staleness/past_bound"] == 0.0 for h in history)
     split = [s for s in seen if len({v for _, v in s.metadata["token_versions"]}) > 1]
     assert split, "no sample saw an update in flight"

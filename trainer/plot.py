@@ -58,7 +58,14 @@ def plot_metrics(metrics_path: str | Path, png_path: str | Path, *, title: str =
         ax.set_title(label, fontsize=10)
         ax.set_xlabel("step", fontsize=8)
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(series):]:
+    return _save(fig, axes, len(series), title, png_path)
+
+
+def _save(fig, axes, used: int, title: str, png_path: str | Path) -> Path:
+    """The unused panels blanked, the title set, the figure written to png_path (and closed)."""
+    import matplotlib.pyplot as plt
+
+    for ax in list(axes.flat)[used:]:
         ax.axis("off")
     if title:
         fig.suptitle(title)
@@ -93,13 +100,4 @@ def plot_tensorboard(log_dir: str | Path, png_path: str | Path, *, tags: tuple[s
         ax.set_title(tag, fontsize=9, loc="left")
         ax.set_xlabel("step", fontsize=8)
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(tags):]:
-        ax.axis("off")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    out = Path(png_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, axes, len(tags), title, png_path)
