@@ -73,7 +73,7 @@ SIDES = ("trl", "ours-sync", "ours-sync-http", "ours-async", "ours-sync-disaggre
 # ahead.
 OURS = {"ours-sync": (False, None), "ours-sync-http": (False, False), "ours-async": (True, None),
         "ours-sync-disaggregated": (False, False), "ours-async-disaggregated": (True, False)}
-DISAGGREGATED = ("engines.fleet=[{kind = \"embedded\", cpus = [0]}]", "trainer.cpus=[1]")
+DISAGGREGATED = ("engines.fleet=[{kind = \"embedded\", cpus = [0]}]", "trainer.cpus=[1]", "trainer.rollout_cpus=[0]")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -315,3 +315,21 @@ def test_an_async_run_updates_the_engines_in_flight(tmp_path, monkeypatch):
         runs = s.metadata["token_versions"]
         assert [o for o, _ in runs] == sorted(o for o, _ in runs) and runs[0][0] == 0
         assert s.weight_version == min(v for _, v in runs)  # the bound reads the oldest token
+
+
+def test_the_rollout_worker_runs_on_its_own_cores():
+    """[trainer] rollout_cpus: the async worker thread (requests, responses, rewards) pins itself, not the trainer."""
+    import os
+
+    seen = []
+
+    def batches():
+        while True:
+            seen.append(os.sched_getaffinity(0))
+            yield _batch(len(seen))
+
+    mine = os.sched_getaffinity(0)
+    with RolloutSource(batches(), num_steps=2, ahead=1, worker_cpus=(min(mine),)) as source:
+        source.next(1)
+        source.next(2)
+    assert seen == [{min(mine)}, {min(mine)}] and os.sched_getaffinity(0) == mine

@@ -503,12 +503,17 @@ class BackendConfig(ParallelConfig):
     # CPU: pin the trainer's process to these cores, one torch thread each (None: not pinned). With the embedded
     # engines pinned elsewhere ([engines] fleet entries' cpus), a stand-in for a trainer on its own GPUs.
     cpus: tuple[int, ...] | None = None
+    # CPU: the cores of the async rollout worker thread (the client side of generation: requests, responses, rewards,
+    # beside the step in the trainer's process); None: the trainer's. With engines pinned apart, give it theirs.
+    rollout_cpus: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check(self.cpus is None or (len(self.cpus) > 0 and all(isinstance(c, int) and not isinstance(c, bool)
-                                                                 and c >= 0 for c in self.cpus)),
-               "cpus", f"{self.cpus!r}: give a non-empty list of core numbers, e.g. [1]")
+        for name in ("cpus", "rollout_cpus"):
+            v = getattr(self, name)
+            _check(v is None or (len(v) > 0 and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0
+                                                    for c in v)),
+                   name, f"{v!r}: give a non-empty list of core numbers, e.g. [1]")
         _check(self.logprob_chunk_tokens is None or self.logprob_chunk_tokens > 0, "logprob_chunk_tokens",
                f"must be > 0 or unset, got {self.logprob_chunk_tokens!r}")
 

@@ -301,7 +301,8 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
     with (contextlib.closing(logger), progress(config.num_steps, initial=state.step, desc="rl",
                                                enabled=comp.rank == 0) as bar,
           _rollout_source(data_buffer, config, manager, sender, comp.rank, on_failure=ckpt.save,
-                          on_drawn=points.record, rewards=rewards) as source, ckpt):
+                          on_drawn=points.record, rewards=rewards, worker_cpus=tcfg.backend.rollout_cpus) as source,
+          ckpt):
         sync_s = _sync(sender, state.weight_version)  # engines serve exactly the weights being trained
         if comp.rank == 0 and evaluation is not None and evaluation.at_start and state.step == 0:
             logger.log(0, evaluation.run(0))
@@ -337,7 +338,7 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
 
 def _rollout_source(data_buffer: Any, config: RLTrainingConfig, manager: AsyncRolloutManager, sender: WeightSync,
                     rank: int, *, on_failure: Callable[[], None], on_drawn: Callable[[int], None],
-                    rewards: RewardSources | None = None) -> RolloutSource:
+                    rewards: RewardSources | None = None, worker_cpus: tuple[int, ...] | None = None) -> RolloutSource:
     """Rank 0 drives the rollouts; the source hands every batch, or its failure, to the other ranks, and in async
     mode generates config.generation_ahead batches ahead. Reward models and judges (`rewards`) score each batch
     right after its generation, in the same (worker) thread.
@@ -354,7 +355,7 @@ def _rollout_source(data_buffer: Any, config: RLTrainingConfig, manager: AsyncRo
     if batches is not None and rewards is not None:
         batches = scored_batches(batches, rewards)
     return RolloutSource(batches, num_steps=config.num_steps, ahead=config.generation_ahead, on_failure=on_failure,
-                         on_drawn=on_drawn)
+                         on_drawn=on_drawn, worker_cpus=worker_cpus)
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import os
 import threading
 from collections.abc import Callable, Generator, Iterator, Mapping
 from typing import Any
@@ -84,14 +85,19 @@ class RolloutSource:
 
     def __init__(self, batches: Generator[RolloutBatch, None, None] | None, *, num_steps: int, ahead: int = 0,
                  on_failure: Callable[[], None] = lambda: None,
-                 on_drawn: Callable[[int], None] = lambda step: None) -> None:
+                 on_drawn: Callable[[int], None] = lambda step: None,
+                 worker_cpus: tuple[int, ...] | None = None) -> None:
         assert ahead >= 0, ahead
         self._batches = batches
         self._num_steps = num_steps
         self._ahead = ahead
         self._on_failure = on_failure
         self._on_drawn = on_drawn
-        self._pool = (concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
+        # worker_cpus: the worker thread's own cores (Linux affinity is per thread): its Python (requests, parsing,
+        # rewards) then stops taking the trainer's core from the step.
+        pin = (lambda: os.sched_setaffinity(0, worker_cpus)) if worker_cpus else None
+        self._pool = (concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout",
+                                                            initializer=pin)
                       if ahead and batches is not None else None)
         self._pending: dict[int, concurrent.futures.Future] = {}  # step -> its batch, generated in order
         self._engines = threading.Lock()  # held by the worker while it generates, by paused() while held
