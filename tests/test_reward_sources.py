@@ -399,3 +399,21 @@ def test_a_short_rl_run_trains_on_a_reward_model_and_logs_its_mean(judge_engine,
         assert metrics["reward/model0_failed"] == 0.0
         for s, w in zip(batch.samples, want):
             assert abs(s.reward - w) <= 1e-5
+
+
+def test_the_recipe_script_writes_a_reward_model_the_sources_load(tmp_path):
+    """examples/train_reward_model.py as a user runs it (a fresh process, a few steps): its folder loads as a model
+    source and its figures are written."""
+    import json
+
+    out = tmp_path / "rm"
+    proc = subprocess.run([sys.executable, str(ROOT / "examples/train_reward_model.py"), "--out", str(out),
+                           "--steps", "3", "--lm-steps", "2", "--batch", "8"], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figures = json.loads((out / "rm_metrics.json").read_text())
+    assert figures["held_out"]["n"] == 200 * 7 and set(figures["held_out"]["wrong_answers_by_kind"]) == {
+        "near", "tens", "swap", "drop", "repeat", "other"}
+    rewards = model_rewards(out, path=str(out))
+    [s] = score_batch(RolloutBatch(samples=tuple(finished_samples(["2+2="], ["4"]))), rewards).samples
+    assert s.status == Status.COMPLETED and math.isfinite(s.reward)
