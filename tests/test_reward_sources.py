@@ -2,11 +2,13 @@
 server, trainer/rollout/reward_server.py) and LLM judges combined into the RL reward, their failures, their
 metrics, their config errors, and a short RL run that trains on a reward model."""
 
+import dataclasses
 import math
 import os
 import random
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -366,7 +368,9 @@ class NoSync:
         self.weight_version = weight_version
 
 
-def test_a_short_rl_run_trains_on_a_reward_model_and_logs_its_mean(judge_engine, rm_folder, tmp_path):
+@pytest.mark.parametrize("async_rollout", [False, True])
+def test_a_short_rl_run_trains_on_a_reward_model_and_logs_its_mean(judge_engine, rm_folder, tmp_path, async_rollout):
+    """The model scores each batch in the rollout worker (in async mode: while the previous step trains)."""
     from engines.tiny import tiny_model_config
     from kernels import use_backend
     from trainer.backend.steps import build_components, trainer_config_from
@@ -374,13 +378,22 @@ def test_a_short_rl_run_trains_on_a_reward_model_and_logs_its_mean(judge_engine,
     from trainer.rl import run_rl_training
     from trainer.rollout.data import DataBuffer, load_jsonl
     from trainer.rollout.dumps import RolloutDumps, read_rollouts
+
     cfg = RLTrainingConfig(optim=OptimConfig(lr=1e-3), num_steps=2, token_budget=256, micro_batch_buckets=64,
                            loss={"loss_agg": "token-mean"}, output_dir=str(tmp_path / "rl"),
+                           async_rollout=async_rollout,
                            rollout=RolloutConfig(rollout_batch_size=3, n_samples_per_prompt=2, max_new_tokens=5,
                                                  seed=1))
     tcfg = trainer_config_from(cfg, compile=False)
     rewards = build_reward_sources(RewardsConfig(sources=[{"kind": "model", "path": str(rm_folder)}]),
                                    default_rule=None, engines=[judge_engine], tokenizer=TOK)
+    threads = []  # where each batch was scored
+
+    def scored_here(samples, score=rewards.sources[0].score):
+        threads.append(threading.current_thread().name)
+        return score(samples)
+
+    rewards = dataclasses.replace(rewards, sources=(dataclasses.replace(rewards.sources[0], score=scored_here),))
     with use_backend("torch"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         comp = build_components(tiny_model_config("llama"), tcfg)
@@ -389,6 +402,8 @@ def test_a_short_rl_run_trains_on_a_reward_model_and_logs_its_mean(judge_engine,
                                             tokenizer=TOK, reward_fn=None, rewards=rewards, trainer_config=tcfg,
                                             components=comp, dumps=RolloutDumps(every=1, folder=tmp_path / "dumps"))
     assert state.step == 2 and len(history) == 2
+    # Async: in the rollout worker, while the previous step trains; synchronous: in the loop's own thread.
+    assert all(t.startswith("rollout") == async_rollout for t in threads) and len(threads) == 2
     for step, metrics in enumerate(history, start=1):
         _, batch = read_rollouts(tmp_path / "dumps" / f"step_{step:06d}.jsonl")
         want = plain_scores(rm_folder, [s.prompt for s in batch.samples],
