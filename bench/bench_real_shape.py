@@ -146,7 +146,9 @@ def run_phase(args: Sequence[str], *, env: dict, timeout_s: float, log: Path) ->
 
 
 def _rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The training steps' rows (not the evaluation-only row of step 0)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if "loss" in r]
 
 
 def run_pipeline(out: str | os.PathLike, *, config: Path = CONFIG, overrides: Sequence[str] = (),

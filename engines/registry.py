@@ -92,6 +92,7 @@ class BuildOptions:
     device: str = "cpu"
     connect_timeout_s: float = 10.0
     max_connections: int = 64
+    timeout_s: float = 300.0  # one request's limit (HTTP kinds)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +109,7 @@ def _sglang(spec: EngineSpec, opts: BuildOptions) -> InferenceEngine:
     from engines.sglang import SGLangEngine
 
     return SGLangEngine(spec.url, api_key=opts.api_key, tp_size=spec.tp_size, connect_timeout_s=opts.connect_timeout_s,
-                        max_connections=opts.max_connections)
+                        max_connections=opts.max_connections, timeout_s=opts.timeout_s)
 
 
 def _vllm(spec: EngineSpec, opts: BuildOptions) -> InferenceEngine:
@@ -132,7 +133,8 @@ ENGINE_KINDS: dict[str, EngineKind] = {
 
 
 def build_engine(spec: EngineSpec, *, model_folder: str | Path, api_key: str | None = None, seed: int = 0,
-                 connect_timeout_s: float = 10.0, max_connections: int = 64, device: str = "cpu") -> InferenceEngine:
+                 connect_timeout_s: float = 10.0, max_connections: int = 64, device: str = "cpu",
+                 timeout_s: float = 300.0) -> InferenceEngine:
     """The engine object for `spec` (its kind's builder). An "embedded" spec must carry the URL of the started
     engine by now; a "local" engine is started here, in this process, on `device` (give the trainer's: an engine
     on another device than the trainer cannot take its weights by handle; close it with `close()`). The spec's own
@@ -142,5 +144,6 @@ def build_engine(spec: EngineSpec, *, model_folder: str | Path, api_key: str | N
         raise ValueError(f"kind {spec.kind!r} without a url: start the engine first (trainer.cli.engines_for "
                          f"starts one per such entry) and build it from EngineSpec(kind, url=<its URL>)")
     opts = BuildOptions(model_folder=str(model_folder), api_key=spec.api_key or api_key, seed=seed,
-                        connect_timeout_s=connect_timeout_s, max_connections=max_connections, device=str(device))
+                        connect_timeout_s=connect_timeout_s, max_connections=max_connections, device=str(device),
+                        timeout_s=timeout_s)
     return entry.build(spec, opts)

@@ -138,7 +138,8 @@ def test_parse_generate_groups_prompt_major_and_checks_logprobs():
                                                  "weight_version": "default"}} for k in range(4)]
     groups = parse_generate(out, [[1], [2]], 2, fallback_version=9)
     assert [[c.output_ids for c in g] for g in groups] == [[[5], [6]], [[7], [8]]]
-    assert groups[1][1] == Completion([8], [pytest.approx(-0.3)], "stop", 9, [2])
+    # A server that does not say which version made which token (stock SGLang): every token gets the request's.
+    assert groups[1][1] == Completion([8], [pytest.approx(-0.3)], "stop", 9, [2], weight_versions=((0, 9),))
     out[3]["meta_info"]["output_token_logprobs"] = []
     with pytest.raises(EngineError, match="log-probs"):
         parse_generate(out, [[1], [2]], 2)

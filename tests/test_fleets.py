@@ -104,6 +104,7 @@ threads = 1
         info = trio.run(SGLangEngine(remote.url).get_server_info)
     out = tmp_path / name
     rows = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "loss" in r]  # the training step (step 0 holds the evaluation before RL)
     assert json.loads((out / "summary.json").read_text())["rl_steps"] == 1 and len(rows) == 1
     assert rows[0]["verify_sync_max_abs_diff"] <= 1e-5  # both engines serve the trainer's weights after the sync
     assert info["weight_version"] == str(rows[0]["weight_version"]) == "1"  # the URL engine got the sync
@@ -149,6 +150,7 @@ threads = 1
     finally:
         stop_server(proc)
     rows = [json.loads(line) for line in (tmp_path / "fleet_vllm" / "rl" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "loss" in r]  # the training step (step 0 holds the evaluation before RL)
     assert len(rows) == 1 and rows[0]["verify_sync_max_abs_diff"] <= 1e-5
     assert version == rows[0]["weight_version"] == 1  # vLLM got the sync
 

@@ -14,7 +14,6 @@ file after the checkpoint's reproduces the logged step's loss and gradient norm 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,23 +29,20 @@ def replay(cfg: RunConfig, model_folder: Path, rollouts: str | Path, *, checkpoi
     rl/metrics.jsonl has that step)."""
     from trainer.backend.checkpoint import latest_checkpoint, load_checkpoint
     from trainer.backend.export import resolve_checkpoint
-    from trainer.backend.steps import build_components
-    from trainer.cli import phase_configs
+    from trainer.backend.steps import TrainerConfig, build_components
     from trainer.metrics import JSONLLogger, read_jsonl
     from trainer.rl import _reference_components, train_on_batch
     from trainer.rollout.dumps import read_rollouts, rollout_files
     from trainer.rollout.samples import pad_token_id
     from trainer.types import TrainingState
 
-    phases = phase_configs(cfg)
-    rl_cfg, tcfg = phases.rl, phases.rl_trainer
+    rl_cfg, tcfg = cfg.rl, TrainerConfig(phase=cfg.rl, backend=cfg.trainer)  # what trainer.cli.phase_configs gives
     sft_end = latest_checkpoint(Path(cfg.output_dir) / "sft")
     comp = build_components(str(model_folder), tcfg)
     ref = None
     if rl_cfg.loss.kl_coef > 0:  # the RL phase's starting weights: SFT's last checkpoint, else the start model
         if sft_end is not None:
-            load_checkpoint(build_components(str(model_folder), phases.sft_trainer), sft_end)  # shape/config check
-            start = build_components(str(model_folder), dataclasses.replace(tcfg, phase=phases.sft))
+            start = build_components(str(model_folder), TrainerConfig(phase=cfg.sft, backend=cfg.trainer))
             load_checkpoint(start, sft_end)
             ref = _reference_components(start, tcfg)
         else:

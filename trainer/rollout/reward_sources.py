@@ -350,11 +350,12 @@ def _judge_engine(c: Any, index: int, engines: Sequence[Any], tokenizer: Any) ->
     """(engine, JudgeConfig, tokenizer) of a judge source."""
     from engines.tokenizer import load_tokenizer
 
-    if c.engine is not None:
-        from engines.sglang import SGLangEngine
+    if c.engine is not None:  # an SGLang-protocol server (a real SGLang, or an embedded engine over HTTP)
+        from engines.registry import EngineSpec, build_engine
         from trainer.rollout.reward_server import read_api_key
 
-        engine = SGLangEngine(c.engine, api_key=read_api_key(c.api_key_file), timeout_s=c.timeout_s)
+        engine = build_engine(EngineSpec(kind="sglang", url=c.engine), model_folder=c.path or "",
+                              api_key=read_api_key(c.api_key_file), timeout_s=c.timeout_s)
     elif engines:
         engine = engines[0]
     else:
