@@ -247,8 +247,11 @@ def test_sigint_writes_a_checkpoint_and_resume_finishes_the_run(tmp_path):
             "--set", "rl.rollout.rollout_batch_size=2", "--set", "rl.rollout.n_samples_per_prompt=2",
             "--set", "eval.limit=4"]
     env = {"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
+    # The run gets Ctrl-C's default disposition whatever pytest was started with: a shell that starts a background
+    # job without job control (`make test &` in a script) ignores SIGINT for it, and exec keeps that.
     proc = subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     metrics = out / "rl" / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
