@@ -144,11 +144,10 @@ def test_three_rl_steps_issue_no_host_sync_outside_the_future(torch_path):
     assert any(e[2] and e[0] == "aten::_local_scalar_dense" for e in dispatch.events)
 
 
-def test_three_gae_steps_with_a_critic_issue_no_host_sync_outside_the_future(torch_path):
-    """PPO with a separate critic: the critic's values, GAE and whitening over the step (trainer.critic), then the
-    policy's and the critic's forward_backward and optim_step. The rewards are placed on the host beforehand (from
-    the host micro-batches, as train_on_batch does before any device work)."""
-    from trainer.critic import attach_gae, build_critic, token_rewards
+def _gae_setup() -> tuple:
+    """PPO with a separate critic on the tiny model: (trainer config, policy, critic, three steps' micro-batches
+    with their per-token rewards, placed on the host beforehand as train_on_batch does)."""
+    from trainer.critic import build_critic, token_rewards
 
     rl_cfg = RLTrainingConfig(advantage_estimator="gae", rollout=RolloutConfig(apply_chat_template=False),
                               optim=OptimConfig(lr=1e-3), token_budget=64, micro_batch_buckets=32)
@@ -160,6 +159,16 @@ def test_three_gae_steps_with_a_critic_issue_no_host_sync_outside_the_future(tor
         samples, rewards = _samples(k)
         mbs = build_micro_batches(samples, token_budget=64, bucket_size=32)
         steps.append((mbs, [token_rewards(mb, rewards) for mb in mbs]))
+    return cfg, policy, critic, steps
+
+
+def test_three_gae_steps_with_a_critic_issue_no_host_sync_outside_the_future(torch_path):
+    """PPO with a separate critic: the critic's values, GAE and whitening over the step (trainer.critic), then the
+    policy's and the critic's forward_backward and optim_step. The rewards are placed on the host beforehand (from
+    the host micro-batches, as train_on_batch does before any device work)."""
+    from trainer.critic import attach_gae
+
+    cfg, policy, critic, steps = _gae_setup()
     state, results = TrainingState(), []
     dispatch = SyncRecorder()
     with dispatch, HostReadRecorder(dispatch.events):
@@ -216,18 +225,9 @@ def test_three_rl_steps_on_cuda_under_sync_debug_mode_error():
 @pytest.mark.gpu
 def test_three_gae_steps_on_cuda_under_sync_debug_mode_error():
     """The critic's values, GAE, whitening and both models' steps queued under `set_sync_debug_mode("error")`."""
-    from trainer.critic import attach_gae, build_critic, token_rewards
+    from trainer.critic import attach_gae
 
-    rl_cfg = RLTrainingConfig(advantage_estimator="gae", rollout=RolloutConfig(apply_chat_template=False),
-                              optim=OptimConfig(lr=1e-3), token_budget=64, micro_batch_buckets=32)
-    cfg = trainer_config_from(rl_cfg, compile=False)
-    policy = build_components(tiny_model_config(), cfg)
-    critic = build_critic(policy, cfg)
-    steps = []
-    for k in range(3):
-        samples, rewards = _samples(k)
-        mbs = build_micro_batches(samples, token_budget=64, bucket_size=32)
-        steps.append((mbs, [token_rewards(mb, rewards) for mb in mbs]))
+    cfg, policy, critic, steps = _gae_setup()
     state, futures = TrainingState(), []
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
