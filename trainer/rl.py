@@ -396,13 +396,14 @@ def within_staleness(batch: RolloutBatch, version: int, config: RLTrainingConfig
     k = config.max_staleness
     stale = {i for i, lag in enumerate(lags) if lag > k}
     if stale and config.stale_policy == "regenerate":
-        uids = {_group_ids(batch.samples)[i] for i in stale}
+        ids = _group_ids(batch.samples)
+        uids = {ids[i] for i in stale}
         groups: dict[Any, list[Sample]] = {}
-        for uid, s in zip(_group_ids(batch.samples), batch.samples):
+        for uid, s in zip(ids, batch.samples):
             if uid in uids:
                 groups.setdefault(uid, []).append(s)
         requeue(list(groups.values()))
-        stale = {i for i, uid in enumerate(_group_ids(batch.samples)) if uid in uids}
+        stale = {i for i, uid in enumerate(ids) if uid in uids}
     n = len(batch.samples)
     metrics = {f"staleness/frac_{j}": sum(lag == j for lag in lags) / n for j in range(k + 1)}
     metrics |= {"staleness/max": float(max(lags)), "staleness/past_bound": sum(lag > k for lag in lags) / n,
