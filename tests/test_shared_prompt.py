@@ -186,10 +186,11 @@ def test_shared_prompt_hidden_states_equal_each_samples_own_forward(arch, attn):
             torch.testing.assert_close(h, ref, atol=2e-5, rtol=1e-5)
 
 
-def test_flash_attention_has_no_tree_mask_and_says_how_to_fix_it():
+def test_an_attention_without_a_tree_path_says_how_to_fix_it():
+    # flash-attn 2/3 have one (tests/test_shared_prompt_flash.py); transformers' flash_attention_4 has none here.
     model = load_hf_model(tiny_model_config(), dtype=torch.float32)
     mbs = build_shared_micro_batches(grouped_samples(2), token_budget=64, bucket_size=16)
-    model.config._attn_implementation = "flash_attention_2"
+    model.config._attn_implementation = "flash_attention_4"
     assert not supports_shared_prompts(model)
     with pytest.raises(ValueError, match="share_prompts = false"):
         packed_attention_kwargs(model, mbs[0].row, mbs[0].trees)

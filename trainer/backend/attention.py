@@ -24,6 +24,10 @@ batch [S, H, Lmax, D] and run through SDPA with is_causal, so a row costs O(S * 
 O(N^2) (bench_train_step measured the dense mask at ~0.95x the padded reference). Without the packing kwargs it is
 plain sdpa (same mask function), so per-sequence calls, generation and references still work on such a model.
 
+The shared-prompt (tree) layout (trainer.batching.shared_prompt) has a path on each: a dense tree mask for sdpa /
+eager, a tree mask_mod for flex_attention, and for packed_sdpa and flash-attn the gathered per-branch layout (each
+branch attends its own copy of the prompt, so the kernel stays a plain causal one); see tree_flash_attention.
+
 Mask semantics (all paths): query i attends key j iff j <= i and seq_index[i] == seq_index[j]. The padding tail
 (seq_index -1) is one more causal block, so no softmax row is empty (an all-masked SDPA row is NaN, and NaN
 times a zero loss mask is still NaN in the backward); packed_sdpa skips it instead (its attention output is 0).
@@ -37,8 +41,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.flash_attention import flash_attention_forward
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kernels.packing import PackedBatch
 from trainer.batching.micro_batches import PromptTrees
@@ -67,8 +73,9 @@ def choose_attn_implementation(device: torch.device | str,
     if dtype not in FLASH_DTYPES:
         return "flex_attention", (f"flash-attn takes float16/bfloat16 inputs only and this model computes in "
                                   f"{dtype}: FlexAttention instead (compute in bfloat16 to use flash-attn)")
-    # Not verified free of host syncs: transformers' packed-sequence detection reads position_ids when the mask
-    # is None (packed_attention_kwargs says more); only a GPU with flash-attn can check it.
+    # Not verified free of host syncs: in the plain layout transformers' packed-sequence detection reads
+    # position_ids when the mask is None (packed_attention_kwargs says more; the shared-prompt layout passes the
+    # placeholder mask instead); only a GPU with flash-attn can check it.
     return "flash_attention_2", f"flash-attn's varlen kernel on {dtype} inputs"
 
 
@@ -306,6 +313,106 @@ AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
 AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)  # plain calls (no packing kwargs) build sdpa's masks
 
 
+def tree_varlen_indices(trees: tuple[tuple[int, tuple[int, ...]], ...], padded_len: int,
+                        device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Shared-prompt row -> (cu_seqlens [S+1], gather [T], scatter [N], max_len) for flash-attn's varlen kernel.
+
+    trees: (prompt length P, branch lengths) of each tree in row order (PromptTrees.trees); S = number of branches.
+    Segment s is branch s's own sequence, its tree's prompt positions then its branch positions (P + R_s tokens),
+    laid end to end: gather[t] is the row position of token t of that layout (T = sum over branches of P + R_s),
+    cu_seqlens the segments' offsets in it and max_len the longest (a host int, as flash-attn takes it). scatter[n]
+    is where row token n's output is read: a branch token from its own segment, a prompt token from its tree's first
+    branch (every branch's copy of the prompt sees the same keys, so the copies are equal), the padding tail from
+    the zero row T (never computed: loss mask 0, and no real token attends it).
+
+    Built on the host from the host tree structure and moved in one copy (one int32 buffer; the three tensors are
+    views of it), non-blocking from page-locked memory on CUDA: no device value is read and the copy does not wait
+    for the queued work.
+    """
+    cu, gather, scatter = [0], [], []
+    o = 0  # row offset of the current tree
+    for p, lens in trees:
+        if not lens:
+            raise ValueError(f"trees={trees}: a tree has at least one branch; pass the row's own PromptTrees.trees")
+        first = len(gather)  # the first branch's segment starts here: its prompt copy feeds the prompt's outputs
+        scatter += range(first, first + p)
+        b = o + p  # row offset of the current branch
+        for r in lens:
+            start = len(gather)
+            gather += range(o, o + p)
+            gather += range(b, b + r)
+            scatter += range(start + p, start + p + r)
+            cu.append(len(gather))
+            b += r
+        o = b
+    lengths = [hi - lo for lo, hi in zip(cu, cu[1:])]
+    if not lengths or min(lengths) == 0 or o > padded_len:
+        raise ValueError(f"trees={trees}: need at least one branch, non-empty sequences and at most "
+                         f"padded_len={padded_len} tokens; pass the row's own PromptTrees.trees")
+    scatter += [len(gather)] * (padded_len - o)
+    host = torch.tensor(cu + gather + scatter, dtype=torch.int32)  # [S+1 + T + N]: cu first (flash reads it as is)
+    device = torch.device(device)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    buf = host.to(device, non_blocking=True)
+    s, t = len(cu), len(gather)
+    return buf[:s], buf[s:s + t], buf[s + t:], max(lengths)
+
+
+def tree_flash_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: torch.Tensor | None, *, tree_gather_index: torch.Tensor | None = None,
+                         tree_scatter_index: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers attention function for "flash_attention_2" / "flash_attention_3", registered over transformers'
+    own: the shared-prompt layout on flash-attn's varlen kernel, as the gathered per-branch layout.
+
+    query [1, H, N, D], key/value [1, Hkv, N, D] -> ([1, N, H, D], None). With tree_gather_index [T] and
+    tree_scatter_index [N] (tree_varlen_indices; cu_seq_lens_q/k and max_length_q/k over the gathered layout in
+    kwargs), q/k/v are gathered into the T tokens of the per-branch segments (one index op each), attended by
+    transformers' flash_attention_forward on its varlen path (flash-attn's causal varlen kernel, GQA native) and
+    scattered back to the row, the padding tail as zeros. The gather's backward (an index_add) sums each prompt
+    token's K/V gradient over its branches: the gradient of the plain layout, where every sample has its own copy.
+    Work: T tokens of causal varlen attention (the plain layout's attention), while everything else in the model
+    runs on the N row tokens.
+
+    Without the tree kwargs this is transformers' flash_attention_forward, call for call (the placeholder mask, if
+    given, is no mask), so a model loaded with flash-attn anywhere in the process behaves as before.
+
+    Proven on CPU with the kernel replaced by a float64 reference (tests/test_shared_prompt_flash.py): the indices,
+    the routing of cu_seq_lens / max_length through transformers to the kernel call, forward and gradients against
+    the dense tree mask and the model against the plain layout. Only a GPU with flash-attn can check the real
+    kernel on these inputs (bf16 numerics, the int32 cu_seqlens view, no host sync in the call).
+    """
+    placeholder = is_packed_placeholder(attention_mask)
+    if tree_gather_index is None:
+        mask = None if placeholder else attention_mask
+        return flash_attention_forward(module, query, key, value, mask, **kwargs)
+    if (query.shape[0] != 1 or not (attention_mask is None or placeholder) or tree_scatter_index is None
+            or kwargs.get("cu_seq_lens_q") is None or kwargs.get("max_length_q") is None):
+        raise ValueError(
+            f"the shared-prompt flash path expects one row (batch 1, got {query.shape[0]}), no attention mask or "
+            f"packed_placeholder_mask's (got {None if attention_mask is None else tuple(attention_mask.shape)}), "
+            "tree_scatter_index and the varlen kwargs; build the call with "
+            "trainer.backend.attention.packed_attention_kwargs"
+        )
+    if not getattr(module, "is_causal", True):
+        raise ValueError("the shared-prompt flash path is causal only; this attention module is not causal")
+    # position_ids describe the row, not the gathered layout: the varlen kwargs say where segments start.
+    kwargs.pop("position_ids", None)
+
+    def gather(x: torch.Tensor) -> torch.Tensor:
+        # [1, h, N, D] -> [1, h, T, D], read through its [1, N, h, D] view: the result is [1, T, h, D] in memory,
+        # the layout flash_attention_forward transposes to, so its reshape to [T, h, D] copies nothing.
+        return x.transpose(1, 2).index_select(1, tree_gather_index).transpose(1, 2)
+
+    out, _ = flash_attention_forward(module, gather(query), gather(key), gather(value), None, **kwargs)  # [1, T, H, D]
+    out = F.pad(out[0], (0, 0, 0, 0, 0, 1))  # [T + 1, H, D]: + the padding tail's zero row
+    return out.index_select(0, tree_scatter_index)[None], None  # [1, N, H, D]
+
+
+for _name in _FLASH:  # the same function as transformers' until the tree kwargs are passed
+    AttentionInterface.register(_name, tree_flash_attention)
+
+
 def _attn_implementation(model) -> str:
     config = getattr(model, "config", model)
     impl = getattr(config, "_attn_implementation", None) or "eager"
@@ -319,14 +426,15 @@ def _model_dtype(model) -> torch.dtype:
     return next(model.parameters()).dtype
 
 
-SHARED_PROMPT_IMPLS = (PACKED_SDPA, "sdpa", "eager", "flex_attention")  # paths with a shared-prompt (tree) mask
+SHARED_PROMPT_IMPLS = (PACKED_SDPA, "sdpa", "eager", "flex_attention", *_FLASH)  # paths with a tree layout
 
 
 def supports_shared_prompts(model) -> bool:
     """Whether the model's attn_implementation can run the shared-prompt layout (trainer.batching.shared_prompt).
 
-    flash-attn's varlen kernel has no per-branch mask: it trains with the plain layout. flex_attention takes the
-    tree as a mask_mod with tile tables (flex_tree_block_mask).
+    packed_sdpa and flash-attn run it as the gathered per-branch layout (tree_segment_indices, tree_varlen_indices),
+    sdpa / eager with the dense tree mask, flex_attention with a tree mask_mod and tile tables
+    (flex_tree_block_mask).
     """
     return _attn_implementation(model) in SHARED_PROMPT_IMPLS
 
@@ -341,6 +449,19 @@ def _tree_attention_kwargs(impl: str, model, batch: PackedBatch, trees: PromptTr
         return {"attention_mask": tree_causal_mask(batch.seq_index, trees.branch, dtype)}
     if impl == "flex_attention":
         return {"attention_mask": flex_tree_block_mask(batch.seq_index, trees.branch)}
+    if impl in _FLASH:
+        if ALL_ATTENTION_FUNCTIONS.get(impl) is not tree_flash_attention:
+            # Another function under this name would ignore the tree kwargs and attend the row as one sequence.
+            raise ValueError(f"attn_implementation={impl!r} is registered to another function than "
+                             "trainer.backend.attention.tree_flash_attention (re-registered after this module was "
+                             "imported?); register it back or set [trainer] share_prompts = false")
+        # The placeholder mask, as for packed_sdpa: transformers returns it untouched, so its mask code reads
+        # neither a mask nor the position_ids (attention_mask=None would make it scan position_ids on the host).
+        dev = batch.input_ids.device
+        cu, gather, scatter, max_len = tree_varlen_indices(trees.trees, batch.padded_len, dev)
+        return {"attention_mask": packed_placeholder_mask(dev), "cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
+                "max_length_q": max_len, "max_length_k": max_len,
+                "tree_gather_index": gather, "tree_scatter_index": scatter}
     raise ValueError(f"attn_implementation={impl!r} has no shared-prompt (tree) mask; load the model with one of "
                      f"{SHARED_PROMPT_IMPLS} or set [trainer] share_prompts = false")
 
