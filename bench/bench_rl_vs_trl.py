@@ -93,6 +93,7 @@ class BenchConfig:
     model: str = ""  # a Hugging Face folder both sides start from ([model].path); "": the config's model
     max_staleness: int = 1  # ours, async: [rl] max_staleness (generation runs this many steps ahead)
     update_in_flight: bool = False  # ours, async: [rl] update_in_flight (syncs land while a batch generates)
+    rollout_worker: str = "thread"  # ours, engines behind HTTP: [rl] rollout_worker ("thread" | "process")
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens"):
@@ -127,6 +128,8 @@ def run_config(bc: BenchConfig, output_dir: str | Path, *, async_rollout: bool =
     if async_rollout:
         over += [f"rl.max_staleness={bc.max_staleness}",
                  f"rl.update_in_flight={'true' if bc.update_in_flight else 'false'}"]
+    if in_process is False:  # engines behind HTTP: the client side may run in a process of its own
+        over.append(f"rl.rollout_worker={json.dumps(bc.rollout_worker)}")
     if disaggregated:
         over.extend(DISAGGREGATED)
     return load_run_config(bc.config, over, mode="rl")
@@ -152,9 +155,11 @@ def run_ours(bc: BenchConfig, out: Path, *, async_rollout: bool, in_process: boo
     summary = run("rl", cfg)
     wall = time.perf_counter() - t0
     rows = [r for r in read_jsonl(out / "rl" / "metrics.jsonl") if "loss" in r]  # not the step-0 evaluation
-    # One step = its (possibly prefetched) generate wait + train + the weight sync after it.
+    # One step = its wall time up to its weights landing on the engines (time_step_s): the wait for its batch, the
+    # training, and the sync after it with any wait for the batch being generated (async: the sync lands between
+    # two batches). The parts are reported beside it.
     parts = {k: [float(r.get(k, 0.0)) for r in rows] for k in ("time_generate_s", "time_train_s", "time_sync_s")}
-    steps = [sum(p) for p in zip(*parts.values())]
+    steps = [float(r["time_step_s"]) for r in rows]
     res = loop_figures(steps, [float(r["num_samples"]) for r in rows])
     res.update(wall_s=wall, steps=len(rows), accuracy=summary.get("accuracy_after_rl"),
                trainer_cpus=sorted(os.sched_getaffinity(0)), max_staleness=cfg.rl.max_staleness,
@@ -435,6 +440,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated subset of {SIDES}")
     ap.add_argument("--max-staleness", type=int, default=1, help="our async sides' [rl] max_staleness (steps ahead)")
     ap.add_argument("--update-in-flight", action="store_true", help="our async sides: [rl] update_in_flight")
+    ap.add_argument("--rollout-worker", choices=("thread", "process"), default="thread",
+                    help="our sides with engines behind HTTP: [rl] rollout_worker")
     ap.add_argument("--json", action="store_true", help="print one JSON object (default: a readable table)")
     ap.add_argument("--out", default=None, help="also write the JSON object to this file")
     ap.add_argument("--workdir", default=None, help="keep each side's outputs (logs, metrics.jsonl) here")
@@ -455,7 +462,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     bc = BenchConfig(steps=args.steps, prompts_per_step=args.prompts_per_step, group_size=args.group_size,
                      eval_limit=args.eval_limit, model=args.model, max_staleness=args.max_staleness,
-                     update_in_flight=args.update_in_flight)
+                     update_in_flight=args.update_in_flight, rollout_worker=args.rollout_worker)
     sides = tuple(s.strip() for s in args.sides.split(",") if s.strip())
     if args.seeds < 1:
         ap.error("--seeds must be >= 1")

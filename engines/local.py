@@ -77,6 +77,10 @@ class LocalEngine(SGLangEngine):
     def __repr__(self) -> str:
         return f"LocalEngine({self.server.model_path!r})"
 
+    def __getstate__(self) -> dict:
+        raise TypeError(f"{self!r} lives in this process (its model, thread and event loop) and cannot be copied to "
+                        f"another: start the engine as a server (kind \"embedded\") to reach it from elsewhere")
+
     async def _call(self, method: str, route: str, body: dict | None = None, timeout_s: float | None = None):
         """The route's handler on the server's loop; its errors become the same EngineError /
         EngineUnavailableError, with the same `status`, that the HTTP client raises for the answer the HTTP server

@@ -165,6 +165,18 @@ class SGLangEngine:
     def __repr__(self):
         return f"SGLangEngine({self.url!r})"
 
+    def __getstate__(self) -> dict:
+        """A copy for another process (a rollout process): the address and settings, without this process's
+        pooled connections, lock or in-flight bookkeeping."""
+        drop = ("_clients", "_expanded", "_lock")
+        return {k: v for k, v in self.__dict__.items() if k not in drop}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._clients = weakref.WeakKeyDictionary()
+        self._expanded = {}
+        self._lock = threading.Lock()
+
     def _client(self) -> httpx.AsyncClient:
         key = _loop_key()
         with self._lock:

@@ -126,6 +126,10 @@ def load_run_config(path: str | Path, overrides: Sequence[str] = (), mode: str |
         cfg = config_from_dict(RunConfig, table, "")
         phase_configs(cfg)  # the step functions' own checks (token_budget >= micro_batch_buckets)
         _check_engines(cfg.engines, cfg.rl)
+        if cfg.rl.rollout_worker == "process" and cfg.rewards.sources:
+            raise ValueError("[rl] rollout_worker = \"process\" does not run [rewards] sources yet (reward models "
+                             "and judges score in the trainer's process): use rollout_worker = \"thread\", or a "
+                             "[data] reward alone")
         _check_tracking(cfg)
         if mode is not None:
             _check_inputs(cfg, mode)
@@ -153,6 +157,10 @@ def _check_engines(engines: EnginesConfig, rl: RLTrainingConfig | None = None) -
         raise ValueError(f"[rl] update_in_flight = true needs engines that report which weights made which token "
                          f"(kind \"embedded\" or \"local\"); the fleet has {sorted(set(other))}: set it to false (the "
                          f"sync then waits for the batch being generated)")
+    if rl is not None and rl.rollout_worker == "process" and any(s.kind == "local" for s in engines.fleet):
+        raise ValueError("[rl] rollout_worker = \"process\" reaches the engines from another process, and an engine "
+                         "with [engines] in_process = true (kind \"local\") lives in this one: set in_process = false "
+                         "(embedded engines as servers) or rollout_worker = \"thread\"")
     if any(s.kind == "local" for s in engines.fleet) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError("[engines].in_process = true needs a single-process trainer (it lives in rank 0's "
                          "process); under torchrun start embedded engines (in_process = false) or give URLs")

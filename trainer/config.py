@@ -214,6 +214,7 @@ class CriticConfig:
 
 
 STALE_POLICIES = ("regenerate", "drop")
+ROLLOUT_WORKERS = ("thread", "process")  # [rl] rollout_worker
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,6 +244,12 @@ class RLTrainingConfig(_PhaseConfig):
     # (tokens after the load come from the new weights; each token's version is kept). False: the sync waits until
     # the batch being generated is done. Embedded engines only (they report which version made which token).
     update_in_flight: bool = False
+    # Where the rollout's client side (requests, responses into samples, rewards) runs: "thread", a worker thread in
+    # the trainer's process (async mode; synchronous mode generates in the step's own thread); "process", a process
+    # of its own, with its own interpreter lock and long-lived connections (engines reached over HTTP only: not
+    # kind "local"; [rewards] sources not yet). Where engines and trainer have separate cores or GPUs, the process
+    # keeps the client's Python from taking turns with the step's (README, "Throughput").
+    rollout_worker: str = "thread"
     verify_sync: bool = False  # after each sync, compare the engines' weights with the trainer's (a metric)
     # Reproducible from the seeds whatever the arrival order of requests: each engine runs one request (one
     # group) at a time, so its batch composition is fixed; costs the batching across groups (docs/results.md has
@@ -282,6 +289,8 @@ class RLTrainingConfig(_PhaseConfig):
         _non_negative(self, "max_staleness")
         _check(self.stale_policy in STALE_POLICIES, "stale_policy",
                f"{self.stale_policy!r}; choose one of {STALE_POLICIES}")
+        _check(self.rollout_worker in ROLLOUT_WORKERS, "rollout_worker",
+               f"{self.rollout_worker!r}; choose one of {ROLLOUT_WORKERS}")
         # Fresh tokens must fit the bound by construction: engines lag the trainer by up to sync_every - 1 versions,
         # and async generation adds the steps it runs ahead (generation_ahead = k - (sync_every - 1) >= 1).
         s, k = self.sync_every, self.max_staleness

@@ -281,7 +281,8 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
         if reward_fn is not None:
             raise ValueError("give reward_fn or rewards (whose rule sources replace reward_fn), not both")
         reward_fn = rewards.rule_reward()
-    elif reward_fn is not None:
+    reward_spec = reward_fn  # as given (a name or a function): what a rollout process loads for itself
+    if rewards is None and reward_fn is not None:
         reward_fn = with_timeout(load_reward_fn(reward_fn), reward_timeout_s)
     manager = AsyncRolloutManager(engines, config.rollout, tokenizer=tokenizer, reward_fn=reward_fn,
                                   deterministic=config.deterministic)
@@ -301,15 +302,17 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
     with (contextlib.closing(logger), progress(config.num_steps, initial=state.step, desc="rl",
                                                enabled=comp.rank == 0) as bar,
           _rollout_source(data_buffer, config, manager, sender, comp.rank, on_failure=ckpt.save,
-                          on_drawn=points.record, rewards=rewards, worker_cpus=tcfg.backend.rollout_cpus) as source,
+                          on_drawn=points.record, rewards=rewards, worker_cpus=tcfg.backend.rollout_cpus,
+                          reward=(reward_spec, reward_timeout_s), first_step=state.step + 1) as source,
           ckpt):
         sync_s = _sync(sender, state.weight_version)  # engines serve exactly the weights being trained
         if comp.rank == 0 and evaluation is not None and evaluation.at_start and state.step == 0:
             logger.log(0, evaluation.run(0))
         while state.step < config.num_steps:
+            t_step = time.perf_counter()  # time_step_s: the wall time of this step, waits included
             batch, gen_s = _timed(source.next, state.step + 1)
             trained_from = state.weight_version  # the batch's staleness is measured against these weights
-            batch, stale = within_staleness(batch, trained_from, config, requeue=manager.requeue)
+            batch, stale = within_staleness(batch, trained_from, config, requeue=source.requeue)
             seen = _inspect(comp, batch, tcfg, pad_id) if dumps is not None and dumps.due(state.step + 1) else None
             (metrics, state), train_s = _timed(train_on_batch, comp, state, batch, config, tcfg, pad_id=pad_id,
                                                ref_components=ref, critic=critic)
@@ -318,6 +321,7 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
             metrics.update(batch.metadata.get("reward_metrics", {}))  # [rewards] sources: reward/<label>_mean, judge/*
             # The step has trained (a checkpoint now holds it): its row is logged even when Ctrl-C stops the sync.
             with _reported(state.step, metrics, logger=logger, history=history, bar=bar, on_step=on_step):
+                metrics["time_step_s"] = time.perf_counter() - t_step
                 if state.step % config.sync_every == 0 or state.step == config.num_steps:
                     # Between two batches, or (update_in_flight) with the engines paused in place mid-request.
                     in_flight = config.update_in_flight
@@ -325,6 +329,8 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
                         with _paused_in_place(engines, comp.rank, enabled=in_flight):
                             sync_s = metrics["time_sync_s"] = _sync(sender, state.weight_version,
                                                                     on_failure=ckpt.save)
+                        # Up to the weights landing: with the sync, the wait for the batch being generated.
+                        metrics["time_step_s"] = time.perf_counter() - t_step
                         if config.verify_sync and state.step % config.sync_every == 0:
                             metrics["verify_sync_max_abs_diff"] = _verify_sync(
                                 comp, engines, sender, state.step, probe_prompts or _default_probes(batch))
@@ -337,8 +343,9 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
 
 
 def _rollout_source(data_buffer: Any, config: RLTrainingConfig, manager: AsyncRolloutManager, sender: WeightSync,
-                    rank: int, *, on_failure: Callable[[], None], on_drawn: Callable[[int], None],
-                    rewards: RewardSources | None = None, worker_cpus: tuple[int, ...] | None = None) -> RolloutSource:
+                    rank: int, *, on_failure: Callable[[], None], on_drawn: Callable[..., None],
+                    rewards: RewardSources | None = None, worker_cpus: tuple[int, ...] | None = None,
+                    reward: tuple[Any, float | None] = (None, None), first_step: int = 1) -> RolloutSource:
     """Rank 0 drives the rollouts; the source hands every batch, or its failure, to the other ranks, and in async
     mode generates config.generation_ahead batches ahead. Reward models and judges (`rewards`) score each batch
     right after its generation, in the same (worker) thread.
@@ -350,12 +357,36 @@ def _rollout_source(data_buffer: Any, config: RLTrainingConfig, manager: AsyncRo
     from trainer.rollout.reward_sources import scored_batches
 
     lag = config.generation_ahead + config.sync_every - 1
+    if config.rollout_worker == "process" and rank == 0:
+        return _process_source(data_buffer, config, manager, lambda: sender.weight_version + lag, on_failure=on_failure,
+                               on_drawn=on_drawn, rewards=rewards, worker_cpus=worker_cpus, reward=reward,
+                               first_step=first_step)
     batches = generate_rollout_batches(data_buffer, config.rollout, manager=manager,
                                        weight_version=lambda: sender.weight_version + lag) if rank == 0 else None
     if batches is not None and rewards is not None:
         batches = scored_batches(batches, rewards)
     return RolloutSource(batches, num_steps=config.num_steps, ahead=config.generation_ahead, on_failure=on_failure,
-                         on_drawn=on_drawn, worker_cpus=worker_cpus)
+                         on_drawn=on_drawn, worker_cpus=worker_cpus, requeue=manager.requeue)
+
+
+def _process_source(data_buffer: Any, config: RLTrainingConfig, manager: AsyncRolloutManager,
+                    version: Callable[[], int], *, on_failure: Callable[[], None], on_drawn: Callable[..., None],
+                    rewards: RewardSources | None, worker_cpus: tuple[int, ...] | None,
+                    reward: tuple[Any, float | None], first_step: int) -> RolloutSource:
+    """[rl] rollout_worker = "process" (rank 0): the same rollouts, generated by a process of its own from the
+    buffer's and manager's state as they are now (trainer.rollout.process_worker)."""
+    from trainer.rollout.process_worker import RolloutProcess, RolloutRecipe
+    from trainer.rollout.source import ProcessRolloutSource
+
+    if rewards is not None:
+        raise ValueError("[rl] rollout_worker = \"process\" does not run [rewards] sources yet: use \"thread\"")
+    recipe = RolloutRecipe(data_buffer=data_buffer, rollout=config.rollout, engines=tuple(manager.engines),
+                           tokenizer=manager.tokenizer, reward_fn=reward[0], reward_timeout_s=reward[1],
+                           deterministic=config.deterministic, manager_state=manager.state_dict(),
+                           num_steps=config.num_steps, ahead=config.generation_ahead, first_step=first_step,
+                           cpus=worker_cpus)
+    return ProcessRolloutSource(RolloutProcess(recipe), num_steps=config.num_steps, version=version,
+                                on_failure=on_failure, on_drawn=on_drawn)
 
 
 @contextlib.contextmanager

@@ -53,9 +53,10 @@ class ResumePoints:
         # state_dict() returns new containers (JSON data, not views of the live state): safe to keep as is.
         return {name: part.state_dict() for name, part in self._parts.items()}
 
-    def record(self, step: int) -> None:
-        """Batch `step` was just drawn and batch step+1 not yet: this is the state after step `step`."""
-        snap = self._snapshot()
+    def record(self, step: int, snapshot: dict[str, Any] | None = None) -> None:
+        """Batch `step` was just drawn and batch step+1 not yet: this is the state after step `step` (`snapshot`:
+        that state taken elsewhere, e.g. by the rollout process, in place of the parts' own)."""
+        snap = self._snapshot() if snapshot is None else snapshot
         with self._lock:
             self._at[step] = snap
             for old in sorted(self._at)[:-self._keep]:
@@ -86,13 +87,15 @@ class RolloutSource:
     def __init__(self, batches: Generator[RolloutBatch, None, None] | None, *, num_steps: int, ahead: int = 0,
                  on_failure: Callable[[], None] = lambda: None,
                  on_drawn: Callable[[int], None] = lambda step: None,
-                 worker_cpus: tuple[int, ...] | None = None) -> None:
+                 worker_cpus: tuple[int, ...] | None = None,
+                 requeue: Callable[[list[list[Any]]], None] | None = None) -> None:
         assert ahead >= 0, ahead
         self._batches = batches
         self._num_steps = num_steps
         self._ahead = ahead
         self._on_failure = on_failure
         self._on_drawn = on_drawn
+        self._requeue = requeue
         # worker_cpus: the worker thread's own cores (Linux affinity is per thread): its Python (requests, parsing,
         # rewards) then stops taking the trainer's core from the step.
         pin = (lambda: os.sched_setaffinity(0, worker_cpus)) if worker_cpus else None
@@ -112,7 +115,7 @@ class RolloutSource:
         """The batch of training step `step` (1-based), the same on every rank. Collective: every rank calls it."""
         failure: Exception | None = None
         try:
-            batch = self._take(step) if self._batches is not None else None
+            batch = self._take(step) if self._leads else None
         except Exception as e:
             failure, batch = e, RolloutFailed(f"{type(e).__name__}: {e}")
         batch = broadcast_from_rank0(batch)
@@ -123,13 +126,27 @@ class RolloutSource:
             if failure is not None:
                 raise failure
             raise RuntimeError(f"the rollout on rank 0 failed at step {step}: {batch.error}")
-        if self._batches is None:
+        if not self._leads:
             self._on_drawn(step)  # the other ranks: their (unused) copies are what rank 0's were
+        self._prefetch(step)
+        return batch
+
+    @property
+    def _leads(self) -> bool:
+        """Whether this rank generates (rank 0) rather than receives the batches."""
+        return self._batches is not None
+
+    def _prefetch(self, step: int) -> None:
         if self._pool is not None:  # steps step+1 .. step+k generate while `step` trains
             for ahead in range(step + 1, min(step + self._ahead, self._num_steps) + 1):
                 if ahead not in self._pending:
                     self._pending[ahead] = self._pool.submit(self._generate, ahead)
-        return batch
+
+    def requeue(self, groups: list[list[Any]]) -> None:
+        """Hand groups back to the rollout side (past the staleness bound: generated again, later)."""
+        if self._requeue is None:
+            raise RuntimeError("this RolloutSource was built without requeue=")
+        self._requeue(groups)
 
     def _take(self, step: int) -> RolloutBatch:
         if self._pool is None:
@@ -157,3 +174,39 @@ class RolloutSource:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class ProcessRolloutSource(RolloutSource):
+    """RolloutSource whose batches come from a rollout process (trainer.rollout.process_worker.RolloutProcess,
+    [rl] rollout_worker = "process"), on rank 0: the child generates up to `ahead` steps past the one taken, with
+    the weight version `version()` read at each take and after each pause; the rollout state it sends with each
+    batch is what `on_drawn(step, snapshot)` records. The hand-off to the other ranks and the failure path are
+    RolloutSource's."""
+
+    def __init__(self, process: Any, *, num_steps: int, version: Callable[[], int],
+                 on_failure: Callable[[], None] = lambda: None,
+                 on_drawn: Callable[..., None] = lambda step, snapshot=None: None) -> None:
+        super().__init__(None, num_steps=num_steps, on_failure=on_failure, on_drawn=on_drawn,
+                         requeue=process.requeue)
+        self._process = process
+        self._version = version
+
+    @property
+    def _leads(self) -> bool:
+        return True
+
+    def _take(self, step: int) -> RolloutBatch:
+        batch, snapshot = self._process.take(step, self._version())
+        self._on_drawn(step, snapshot)
+        return batch
+
+    def _prefetch(self, step: int) -> None:
+        pass  # the take told the child how far it may run ahead
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        with self._process.paused(self._version):
+            yield
+
+    def close(self) -> None:
+        self._process.close()

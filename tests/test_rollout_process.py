@@ -1,0 +1,236 @@
+"""[rl] rollout_worker = "process" (trainer.rollout.process_worker): the rollout's client side in a process of its
+own draws exactly the batches, and records exactly the resumable state, of the thread worker; its failures reach
+the trainer as the same exceptions, and a child that dies is an error, not a hang. Against the real embedded
+engine over HTTP (the shared `engine` fixture)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from engine_support import digit_fraction
+
+import trainer.rl as rl
+from engines.local import LocalEngine
+from engines.protocol import EngineUnavailableError
+from engines.sglang import SGLangEngine
+from engines.tiny import build_tokenizer, tiny_model_config
+from kernels import use_backend
+from trainer.backend.steps import build_components, trainer_config_from
+from trainer.config import ConfigError, OptimConfig, RLTrainingConfig, RolloutConfig, RunConfig, config_from_dict
+from trainer.rollout.data import DataBuffer, load_jsonl
+from trainer.rollout.manager import AsyncRolloutManager, generate_rollout_batches
+from trainer.rollout.process_worker import RolloutProcess, RolloutRecipe, check_picklable
+from trainer.rollout.source import ProcessRolloutSource, ResumePoints, RolloutSource
+from trainer.weight_sync import WeightSyncSender
+
+ENGINE_SEED = 2  # the shared `engine` fixture (tests/conftest.py)
+TOK = build_tokenizer()
+
+
+def _rollout(**kw) -> RolloutConfig:
+    base = dict(rollout_batch_size=3, n_samples_per_prompt=2, max_new_tokens=4, temperature=1.0, seed=11,
+                apply_chat_template=False, max_retries=0, retry_backoff_s=0.0)
+    return RolloutConfig(**(base | kw))
+
+
+def _parts(url: str, rollout: RolloutConfig, *, buffer_seed: int = 3) -> tuple[DataBuffer, AsyncRolloutManager]:
+    buffer = DataBuffer(load_jsonl("data/arithmetic_train.jsonl"), seed=buffer_seed)
+    # deterministic: one request at a time per engine, so the tokens do not depend on arrival order
+    manager = AsyncRolloutManager([SGLangEngine(url)], rollout, tokenizer=TOK, reward_fn=digit_fraction,
+                                  deterministic=True)
+    return buffer, manager
+
+
+def _recipe(buffer, manager, rollout, *, num_steps: int, ahead: int, first_step: int = 1, **kw) -> RolloutRecipe:
+    return RolloutRecipe(**({"data_buffer": buffer, "rollout": rollout, "engines": tuple(manager.engines),
+                             "tokenizer": TOK, "reward_fn": digit_fraction, "reward_timeout_s": 30.0,
+                             "deterministic": True, "manager_state": manager.state_dict(), "num_steps": num_steps,
+                             "ahead": ahead, "first_step": first_step} | kw))
+
+
+def _view(batch) -> list[tuple]:
+    """What a batch trains on: per sample its prompt, tokens, mask, engine log-probs, reward, group and status."""
+    return [(s.prompt, s.tokens, s.loss_mask, s.rollout_logprobs, s.reward, s.metadata["group_uid"], s.status)
+            for s in batch.samples]
+
+
+def _thread_run(url, rollout, steps, ahead):
+    buffer, manager = _parts(url, rollout)
+    points = ResumePoints({"data_buffer": buffer, "rollout_manager": manager}, step=0, keep=steps + 1)
+    batches = generate_rollout_batches(buffer, rollout, manager=manager, weight_version=lambda: 0)
+    with RolloutSource(batches, num_steps=steps, ahead=ahead, on_drawn=points.record) as source:
+        got = [_view(source.next(s)) for s in range(1, steps + 1)]
+    return got, [points.at(s) for s in range(1, steps + 1)]
+
+
+def _process_run(url, rollout, steps, ahead, *, first_step: int = 1, state=None):
+    buffer, manager = _parts(url, rollout)
+    if state is not None:  # a resumed run: the state a checkpoint of step first_step - 1 holds
+        buffer.load_state_dict(state["data_buffer"])
+        manager.load_state_dict(state["rollout_manager"])
+    points = ResumePoints({"data_buffer": buffer, "rollout_manager": manager}, step=first_step - 1, keep=steps + 1)
+    proc = RolloutProcess(_recipe(buffer, manager, rollout, num_steps=steps, ahead=ahead, first_step=first_step))
+    with ProcessRolloutSource(proc, num_steps=steps, version=lambda: 0, on_drawn=points.record) as source:
+        got = [_view(source.next(s)) for s in range(first_step, steps + 1)]
+    return got, [points.at(s) for s in range(first_step, steps + 1)]
+
+
+def test_the_process_draws_the_thread_workers_batches_and_resumable_state(engine):
+    """Three steps, generation one step ahead: the same samples token for token (prompts, tokens, engine log-probs,
+    rewards, groups) and, at every step, the same data position and rollout state for a checkpoint; then a run
+    resumed from the step-1 state draws the uninterrupted run's steps 2 and 3."""
+    rollout = _rollout()
+    thread_batches, thread_states = _thread_run(engine.url, rollout, 3, 1)
+    proc_batches, proc_states = _process_run(engine.url, rollout, 3, 1)
+    assert len(thread_batches) == 3 and all(len(b) == 3 * 2 for b in thread_batches)
+    assert len({b[0][0] for b in thread_batches}) == 3  # three different first prompts: the buffer moved
+    assert proc_batches == thread_batches
+    assert proc_states == thread_states
+    resumed_batches, _ = _process_run(engine.url, rollout, 3, 1, first_step=2, state=thread_states[0])
+    assert resumed_batches == thread_batches[1:]
+
+
+def test_requeued_groups_reach_the_process_and_come_back_from_their_prompts(engine):
+    rollout = _rollout(rollout_batch_size=2)
+    buffer, manager = _parts(engine.url, rollout)
+    proc = RolloutProcess(_recipe(buffer, manager, rollout, num_steps=3, ahead=0))
+    with ProcessRolloutSource(proc, num_steps=3, version=lambda: 0) as source:
+        first = source.next(1)
+        group = [s for s in first.samples if s.metadata["group_uid"] == first.samples[0].metadata["group_uid"]]
+        source.requeue([group])
+        second = source.next(2)
+    again = [s for s in second.samples if s.prompt == group[0].prompt]
+    assert len(again) == len(group) and all(s.metadata["weight_versions"] == [0] for s in again)
+    # The requeued group took one of the second batch's two places: one new prompt was drawn, not two.
+    assert len({s.metadata["group_uid"] for s in second.samples}) == 2
+
+
+def test_paused_waits_for_the_batch_in_flight_and_holds_the_next(engine):
+    """Generation two steps ahead: inside paused() no batch is being generated (the engine is idle) and none is
+    started until the block ends; the batches started after it carry the version given at resume (the manager's
+    weight version, recorded with each batch's state)."""
+    import httpx
+
+    rollout = _rollout()
+    buffer, manager = _parts(engine.url, rollout)
+    points = ResumePoints({"data_buffer": buffer, "rollout_manager": manager}, step=0, keep=5)
+    version = [0]
+    proc = RolloutProcess(_recipe(buffer, manager, rollout, num_steps=4, ahead=2))
+    with ProcessRolloutSource(proc, num_steps=4, version=lambda: version[0], on_drawn=points.record) as source:
+        source.next(1)
+        with source.paused():
+            for _ in range(3):  # the engine runs nothing while paused
+                info = httpx.get(engine.url + "/get_server_info", timeout=30).json()
+                assert info["num_running_rows"] == 0 and info["num_waiting_rows"] == 0, info
+                time.sleep(0.2)
+            version[0] = 5
+        for step in (2, 3, 4):
+            source.next(step)
+    drawn_with = [points.at(step)["rollout_manager"]["weight_version"] for step in (1, 2, 3, 4)]
+    # Steps 2 (and maybe 3) were generating before the pause, with version 0; step 4 could only start after it.
+    assert drawn_with[0] == 0 and drawn_with[-1] == 5, drawn_with
+
+
+def test_a_failure_in_the_process_is_raised_as_itself(tmp_path):
+    """An engine that does not answer: the rollout's own EngineUnavailableError reaches the trainer, at once."""
+    rollout = _rollout(connect_timeout_s=2.0)
+    dead = f"http://127.0.0.1:{_closed_port()}"
+    buffer, manager = _parts(dead, rollout)
+    proc = RolloutProcess(_recipe(buffer, manager, rollout, num_steps=2, ahead=1))
+    t0 = time.perf_counter()
+    with ProcessRolloutSource(proc, num_steps=2, version=lambda: 0) as source:
+        with pytest.raises(EngineUnavailableError, match="127.0.0.1"):
+            source.next(1)
+    assert time.perf_counter() - t0 < 120
+
+
+def test_a_process_that_dies_is_an_error_not_a_hang(engine):
+    rollout = _rollout()
+    buffer, manager = _parts(engine.url, rollout)
+    proc = RolloutProcess(_recipe(buffer, manager, rollout, num_steps=5, ahead=1), poll_s=0.2)
+    with ProcessRolloutSource(proc, num_steps=5, version=lambda: 0) as source:
+        source.next(1)
+        os.kill(proc._proc.pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match="rollout process .* exited with code -9"):
+            for step in range(2, 6):
+                source.next(step)
+
+
+def test_what_cannot_travel_to_the_process_is_named():
+    rollout = _rollout()
+    buffer = DataBuffer(load_jsonl("data/arithmetic_train.jsonl"), seed=0)
+    local = LocalEngine("tiny", seed=0)
+    try:
+        manager = AsyncRolloutManager([local], rollout, tokenizer=TOK, reward_fn=digit_fraction, check_health=False)
+        with pytest.raises(ValueError, match="engines .*in_process = false"):
+            check_picklable(_recipe(buffer, manager, rollout, num_steps=1, ahead=1))
+    finally:
+        local.close()
+    manager = AsyncRolloutManager([SGLangEngine("http://127.0.0.1:1")], rollout, tokenizer=TOK,
+                                  reward_fn=digit_fraction, check_health=False)
+    with pytest.raises(ValueError, match="reward_fn .*not a lambda"):
+        check_picklable(_recipe(buffer, manager, rollout, num_steps=1, ahead=1, reward_fn=lambda s: 1.0))
+
+
+def test_the_config_refuses_a_process_worker_it_cannot_run():
+    with pytest.raises(ConfigError, match="rollout_worker"):
+        config_from_dict(RunConfig, {"rl": {"rollout_worker": "fork"}}, "")
+    from trainer.cli import load_run_config
+
+    with pytest.raises(ConfigError, match="in_process = false"):
+        load_run_config("configs/demo.toml", ["rl.rollout_worker=\"process\"", "engines.in_process=true"])
+    with pytest.raises(ConfigError, match="does not run \\[rewards\\] sources"):
+        rule = "{kind = \"rule\", name = \"trainer.rollout.rewards:arithmetic_reward\"}"
+        load_run_config("configs/demo.toml", ["rl.rollout_worker=\"process\"", "engines.in_process=false",
+                                              f"rewards.sources=[{rule}]"])
+
+
+def _closed_port() -> int:
+    from engines.embedded.launch import free_port
+
+    return free_port()  # nothing listens there
+
+
+# ----------------------------------------------------------------------------------------------- a whole run
+def _async_run(out, url: str, worker: str) -> list[tuple]:
+    """Three async GRPO steps of the tiny model against the HTTP engine, its weights synced from the trainer (the
+    same starting weights each run): what each step trained on and its loss."""
+    rollout = _rollout(rollout_batch_size=2)
+    cfg = RLTrainingConfig(optim=OptimConfig(lr=1e-2, warmup_steps=0, min_lr_ratio=1.0), num_steps=3,
+                           token_budget=128, micro_batch_buckets=32, loss={"loss_agg": "token-mean"},
+                           output_dir=str(out), rollout=rollout, async_rollout=True, deterministic=True,
+                           rollout_worker=worker)
+    tcfg = trainer_config_from(cfg, compile=False)
+    seen: list[tuple] = []
+    step = rl.train_on_batch
+
+    def recording(components, state, batch, *args, **kw):
+        metrics, new_state = step(components, state, batch, *args, **kw)
+        seen.append((_view(batch), metrics["loss"]))
+        return metrics, new_state
+
+    eng = SGLangEngine(url)
+    with use_backend("torch"), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rl, "train_on_batch", recording)
+        comp = build_components(tiny_model_config("llama"), tcfg)
+        sender = WeightSyncSender(comp.model, [eng], timeout_s=60)
+        sender.init_group()
+        try:
+            rl.run_rl_training(None, DataBuffer(load_jsonl("data/arithmetic_train.jsonl"), seed=0), cfg,
+                               engines=[eng], sender=sender, tokenizer=TOK, reward_fn=digit_fraction,
+                               trainer_config=tcfg, components=comp)
+        finally:
+            sender.close()
+    return seen
+
+
+def test_an_async_run_trains_the_same_steps_with_either_worker(engine, tmp_path):
+    thread = _async_run(tmp_path / "thread", engine.url, "thread")
+    process = _async_run(tmp_path / "process", engine.url, "process")
+    assert len(thread) == len(process) == 3
+    assert [v for v, _ in process] == [v for v, _ in thread]  # the same samples, token for token
+    for (_, a), (_, b) in zip(process, thread):
+        assert a == pytest.approx(b, rel=1e-6, abs=1e-9)

@@ -1,0 +1,244 @@
+"""The async rollout's client side in a process of its own ([rl] rollout_worker = "process").
+
+Why a process: the client side of generation is Python — building requests, parsing responses into Samples,
+scoring rewards, the connection pool — about 0.25 s of CPU per batch of 512 short samples on the 2-core machine
+(measured with the embedded engine behind HTTP). In the trainer's process (the "thread" worker) it holds the same
+GIL as the training step, whose own Python (module calls, optimizer, bookkeeping) is most of a small model's step:
+the two serialize, and generation ahead of training gains ~10 % instead of hiding generation. Here the child has
+its own interpreter, and one long-lived event loop, so its pooled connections to the engines live across batches.
+
+The child generates exactly what the thread worker would, with the same code (AsyncRolloutManager over the same
+data buffer, engines and rewards, rebuilt from a pickled `RolloutRecipe`); only the state lives in the child:
+
+    parent (rank 0)                                   child
+    take(step, version)  ──("take", step, version)──►  may generate batches up to step + ahead (and num_steps)
+                         ◄─("batch", step, batch, snapshot)  snapshot: {part: state_dict()} right after drawing it
+    paused(version)      ──("pause",)──►               finishes the batch it is on, then answers
+                         ◄─("paused",)                  and starts no other until
+                         ──("resume", version)──►
+    requeue(groups)      ──("requeue", groups)──►      (stale groups: generated again, first in a later batch)
+    close()              ──("close",)──►               cancels what it is doing and exits
+                         ◄─("error", exception)        a failure: raised by the parent's next take()
+
+The snapshots are what `ResumePoints` records for checkpoints (the parent's own buffer and manager are only the
+starting state). The child ignores SIGINT (the parent handles Ctrl-C and closes it) and exits when the parent's end
+of the pipe closes. Every wait of the parent polls the child's liveness: a child that dies is an error, not a hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import multiprocessing
+import os
+import pickle
+import signal
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from trainer.types import RolloutBatch, Sample
+
+PARTS = ("data_buffer", "rollout_manager")  # the names ResumePoints keeps them under (trainer.rl)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutRecipe:
+    """Everything the child builds its rollout side from (pickled once, at start).
+
+    data_buffer: the DataBuffer at its current position; manager_state: AsyncRolloutManager.state_dict(); engines:
+    HTTP engine clients (they pickle without their connections); reward_fn: a name or a module-level function (it
+    is wrapped with `reward_timeout_s` in the child); cpus: the child's cores (None: the parent's)."""
+
+    data_buffer: Any
+    rollout: Any  # trainer.config.RolloutConfig
+    engines: tuple[Any, ...]
+    tokenizer: Any
+    reward_fn: Any
+    reward_timeout_s: float | None
+    deterministic: bool
+    manager_state: dict[str, Any]
+    num_steps: int
+    ahead: int
+    first_step: int  # the first step the child generates (state.step + 1 on resume)
+    cpus: tuple[int, ...] | None = None
+
+
+def check_picklable(recipe: RolloutRecipe) -> None:
+    """Fail before the child starts, naming the part that cannot travel to it."""
+    for field in dataclasses.fields(recipe):
+        try:
+            pickle.dumps(getattr(recipe, field.name))
+        except Exception as e:
+            hint = {"engines": "engines living in this process (kind \"local\", [engines] in_process = true) cannot "
+                               "move to another process: start them as servers (in_process = false) or give URLs",
+                    "reward_fn": "give the reward as a name (\"module:function\") or a module-level function, not a "
+                                 "lambda or closure"}.get(field.name, "")
+            hint = hint or 'use [rl] rollout_worker = "thread"'
+            raise ValueError(f"[rl] rollout_worker = \"process\": the rollout's {field.name} cannot be sent to the "
+                             f"rollout process ({type(e).__name__}: {e}); {hint}") from e
+
+
+class RolloutProcess:
+    """The parent's handle on the child (see the module docstring). Mutable: the pipe, the child, the batches
+    received before they were asked for."""
+
+    def __init__(self, recipe: RolloutRecipe, *, poll_s: float = 1.0) -> None:
+        check_picklable(recipe)
+        ctx = multiprocessing.get_context("spawn")  # never fork a process with torch's and our threads running
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_child_main, args=(child, recipe), name="rollout", daemon=True)
+        self._proc.start()
+        child.close()
+        self._poll_s = poll_s
+        self._ready: dict[int, tuple[RolloutBatch, dict[str, Any]]] = {}  # step -> (batch, snapshot)
+        self._paused = False
+        self._closed = False
+
+    def _send(self, *msg: Any) -> None:
+        try:
+            self._conn.send(msg)
+        except (BrokenPipeError, ConnectionResetError, EOFError, OSError) as e:
+            raise self._died() from e
+
+    def _died(self) -> RuntimeError:
+        self._proc.join(timeout=5)
+        return RuntimeError(f"the rollout process ([rl] rollout_worker = \"process\") exited with code "
+                            f"{self._proc.exitcode} without a word; its output above says why")
+
+    def _receive(self) -> tuple:
+        """The child's next message; its error raised here. Polls so that a dead child is an error, not a hang."""
+        while not self._conn.poll(self._poll_s):
+            if not self._proc.is_alive() and not self._conn.poll(0):
+                raise self._died()
+        try:
+            msg = self._conn.recv()
+        except (EOFError, OSError) as e:  # the child's end closed (it exited) or was reset (it was killed)
+            raise self._died() from e
+        if msg[0] == "error":
+            raise msg[1]
+        if msg[0] == "batch":
+            self._ready[msg[1]] = (msg[2], msg[3])
+        return msg
+
+    def take(self, step: int, version: int) -> tuple[RolloutBatch, dict[str, Any]]:
+        """The batch of `step` and the rollout state right after it was drawn; lets the child run ahead of it."""
+        self._send("take", step, version)
+        while step not in self._ready:
+            self._receive()
+        return self._ready.pop(step)
+
+    def requeue(self, groups: Sequence[Sequence[Sample]]) -> None:
+        self._send("requeue", [list(g) for g in groups])
+
+    @contextlib.contextmanager
+    def paused(self, version: Any) -> Iterator[None]:
+        """The engines idle inside (the child's batch in progress finishes first); `version()` after the block is
+        the weight version the next batches start from."""
+        self._send("pause")
+        while self._receive()[0] != "paused":
+            pass
+        try:
+            yield
+        finally:
+            if not self._closed:
+                self._send("resume", version())
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            self._conn.send(("close",))
+        self._proc.join(timeout=10)
+        if self._proc.is_alive():  # stuck past its cancellation: no rollout state is lost (the parent has it)
+            self._proc.terminate()
+            self._proc.join(timeout=5)
+        self._conn.close()
+
+
+# ------------------------------------------------------------------------------------------------------ child
+def _child_main(conn: Any, recipe: RolloutRecipe) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it checkpoints, then closes us
+    try:
+        import torch
+        import trio
+
+        if recipe.cpus:
+            os.sched_setaffinity(0, recipe.cpus)
+        torch.set_num_threads(len(recipe.cpus) if recipe.cpus else 1)  # tokenizers and rewards: no intra-op pool
+        trio.run(_serve, conn, recipe)
+    except BaseException as e:  # noqa: BLE001 - every failure goes to the parent, which raises it
+        while isinstance(e, BaseExceptionGroup):  # the nursery's wrapping: the real error, as the thread worker's
+            e = e.exceptions[0]
+        with contextlib.suppress(Exception):
+            try:
+                conn.send(("error", e))
+            except Exception:  # an exception that does not pickle: its text
+                conn.send(("error", RuntimeError(f"the rollout process failed: {type(e).__name__}: {e}")))
+    finally:
+        conn.close()
+
+
+async def _serve(conn: Any, recipe: RolloutRecipe) -> None:
+    import trio
+
+    from trainer.rollout.manager import AsyncRolloutManager
+    from trainer.rollout.rewards import load_reward_fn, with_timeout
+
+    reward = recipe.reward_fn
+    reward = with_timeout(load_reward_fn(reward), recipe.reward_timeout_s) if reward is not None else None
+    manager = AsyncRolloutManager(list(recipe.engines), recipe.rollout, tokenizer=recipe.tokenizer, reward_fn=reward,
+                                  deterministic=recipe.deterministic)
+    manager.load_state_dict(recipe.manager_state)
+    buffer = recipe.data_buffer
+    inbox_send, inbox = trio.open_memory_channel(math.inf)
+    ctl = {"limit": 0, "version": manager.weight_version, "paused": False}
+
+    def apply(msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "take":
+            ctl["limit"], ctl["version"] = max(ctl["limit"], msg[1] + recipe.ahead), msg[2]
+        elif kind == "requeue":
+            manager.requeue(msg[1])
+        elif kind == "pause":
+            ctl["paused"] = True
+            conn.send(("paused",))
+        elif kind == "resume":
+            ctl["paused"], ctl["version"] = False, msg[1]
+        else:
+            raise RuntimeError(f"rollout process: unknown message {kind!r}")
+
+    async def read(cancel: trio.CancelScope) -> None:
+        # The pipe's blocking recv in a worker thread; "close" (or the parent gone) cancels everything at once.
+        while True:
+            try:
+                msg = await trio.to_thread.run_sync(conn.recv, abandon_on_cancel=True)
+            except (EOFError, OSError):
+                msg = ("close",)
+            if msg[0] == "close":
+                cancel.cancel()
+                return
+            await inbox_send.send(msg)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read, nursery.cancel_scope)
+        async with manager:  # one event loop for the whole run: connections pooled across batches
+            step = recipe.first_step
+            while step <= recipe.num_steps:
+                while True:  # every message that arrived, then wait while there is nothing to do
+                    try:
+                        apply(inbox.receive_nowait())
+                        continue
+                    except trio.WouldBlock:
+                        pass
+                    if not ctl["paused"] and step <= ctl["limit"]:
+                        break
+                    apply(await inbox.receive())
+                manager.set_weight_version(ctl["version"])
+                batch = await manager.generate_batch(buffer)
+                snapshot = {"data_buffer": buffer.state_dict(), "rollout_manager": manager.state_dict()}
+                conn.send(("batch", step, batch, snapshot))
+                step += 1
+            while True:  # all batches made: still answer pauses until the parent closes
+                apply(await inbox.receive())
