@@ -65,13 +65,16 @@ if __package__ in (None, ""):  # `python bench/bench_rl_vs_trl.py`: the reposito
 from _proc import run_with_peak_rss  # noqa: E402  (bench/ is on the path: script or pytest)
 
 ROOT = Path(__file__).resolve().parent.parent
-SIDES = ("trl", "ours-sync", "ours-sync-http", "ours-async", "ours-sync-disaggregated", "ours-async-disaggregated")
+SIDES = ("trl", "ours-sync", "ours-sync-http", "ours-async", "ours-async-http", "ours-sync-disaggregated",
+         "ours-async-disaggregated")
 # Our sides: (async_rollout, engines.in_process). None keeps the config's choice (the demo: one in-process engine);
-# "ours-sync-http" runs the same work through the embedded engine as its own process behind HTTP. The
+# "ours-sync-http" / "ours-async-http" run the same work through the embedded engine as its own process behind
+# HTTP (on the shared cores; --rollout-worker picks where the client side runs). The
 # "-disaggregated" sides give the engine process and the trainer a core each (DISAGGREGATED: config only), a
 # stand-in for engines and trainer on separate GPUs; their async side runs [rl] max_staleness (--max-staleness) steps
 # ahead.
 OURS = {"ours-sync": (False, None), "ours-sync-http": (False, False), "ours-async": (True, None),
+        "ours-async-http": (True, False),
         "ours-sync-disaggregated": (False, False), "ours-async-disaggregated": (True, False)}
 DISAGGREGATED = ("engines.fleet=[{kind = \"embedded\", cpus = [0]}]", "trainer.cpus=[1]", "trainer.rollout_cpus=[0]")
 

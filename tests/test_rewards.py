@@ -227,6 +227,42 @@ def test_a_reward_past_its_timeout_fails_its_sample_without_stalling_the_step():
         DataConfig(reward_timeout_s=0)
 
 
+def test_the_regex_built_ins_score_inline_and_give_what_the_thread_hop_gave():
+    """arithmetic and gsm8k (one linear regex scan) skip the worker thread; the others keep their time limit."""
+    import trio
+
+    from trainer.rollout.rewards import (
+        INLINE_REWARDS,
+        acompute_reward,
+        arithmetic_reward,
+        countdown_reward,
+        gsm8k_reward,
+        math_reward,
+        with_timeout,
+    )
+
+    assert with_timeout(arithmetic_reward, 1.0) is arithmetic_reward and with_timeout(gsm8k_reward, 1.0) is gsm8k_reward
+    assert all(with_timeout(fn, 1.0) is not fn for fn in (countdown_reward, math_reward))
+    responses = ["12", "the answer is 7", "-3", "", "no number", "1 2 3 <|im_end|> 9"]
+
+    async def score(fn):
+        return [await acompute_reward(_sample(r, answer="7"), fn) for r in responses]
+
+    for fn in INLINE_REWARDS:
+        inline, hopped = trio.run(score, with_timeout(fn, 1.0)), trio.run(score, _thread_hop(fn))
+        assert [(s.reward, s.status) for s in inline] == [(s.reward, s.status) for s in hopped]
+        assert inline[1].reward == 1.0 and inline[0].reward == 0.0
+
+
+def _thread_hop(fn):
+    import trio
+
+    async def hop(sample):
+        return await trio.to_thread.run_sync(fn, sample)
+
+    return hop
+
+
 def test_evaluation_bounds_each_reward_call_and_names_the_error_when_all_fail():
     import threading
     import time
