@@ -10,6 +10,12 @@ changes nothing but the mask) and the token it sampled last. One `step(new_rows)
      tokens depend on its seed, not on which other rows share the batch;
   5. retire finished rows (stop token, length, or abort) and drop mask columns no row still attends to.
 
+Sampling draws exactly the token `torch.multinomial(probs[i], 1, generator=g_i)` draws: ATen samples one token as
+argmax(p / q) with q = empty_like(p).exponential_(1, generator) (the exponential race, i.e. the Gumbel-max trick,
+Distributions.cpp). Here each sampled row fills its row of one [B, V] buffer from its own generator, and one
+division and one argmax serve all rows; greedy rows (temperature 0) take the argmax of the logits and leave their
+generator untouched. Without multinomial's per-call validity checks, sampling issues no host sync.
+
 Log-probs: for each sampled token, `log_softmax(logits / T)[token]` at the row's temperature T (temperature 0,
 greedy: `log_softmax(logits)`), before top-k/top-p: the distribution the token was sampled from before the
 filters, which is what the trainer recomputes at the same temperature.
@@ -18,7 +24,7 @@ filters, which is what the trainer recomputes at the same temperature.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +75,32 @@ class _Active:
         return RowResult(self.out_ids, self.out_lp, finish_reason, tuple(self.spans))
 
 
+# ---------------------------------------------------------------------------------------------------- sampling
+@dataclass(frozen=True)
+class SamplingTensors:
+    """Each row's sampling parameters as tensors [B] (batch order)."""
+
+    temperature: torch.Tensor  # fp32; 0: greedy
+    top_k: torch.Tensor  # int64; <= 0: off
+    top_p: torch.Tensor  # fp32; 1: off
+
+    @staticmethod
+    def of(rows: Sequence[Row]) -> SamplingTensors:
+        """The rows' parameters as CPU tensors."""
+        return SamplingTensors(torch.tensor([r.temperature for r in rows], dtype=torch.float32),
+                               torch.tensor([r.top_k for r in rows], dtype=torch.long),
+                               torch.tensor([r.top_p for r in rows], dtype=torch.float32))
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.temperature, self.top_k, self.top_p
+
+    def select(self, idx: torch.Tensor) -> SamplingTensors:
+        return SamplingTensors(*(t.index_select(0, idx) for t in self.tensors()))
+
+    def cat(self, other: SamplingTensors) -> SamplingTensors:
+        return SamplingTensors(*(torch.cat([a, b]) for a, b in zip(self.tensors(), other.tensors())))
+
+
 def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                   top_p: torch.Tensor) -> torch.Tensor:
     """Temperature-scale and top-k/top-p-mask logits [B, V] (rows with temperature 0 are left for argmax).
@@ -89,28 +121,34 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return torch.empty_like(scaled).scatter_(-1, sorted_idx, masked_sorted)
 
 
-def sample_with_logprobs(logits: torch.Tensor, rows: list[Row],
-                         gens: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(next token [B] int64, its log-prob [B] fp32 at the row's temperature) from fp32 logits [B, V]."""
-    device = logits.device
-    temperature = torch.tensor([r.temperature for r in rows], device=device, dtype=torch.float32)
+def sample_with_logprobs(logits: torch.Tensor, params: SamplingTensors, rows: Sequence[Row],
+                         gens: Sequence[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(next token [B] int64, its log-prob [B] fp32 at the row's temperature) from fp32 logits [B, V].
+
+    params: the rows' parameters on the device; rows: the same on the host (which rows sample, whether any
+    filters); gens[i]: row i's generator, advanced only when the row samples (temperature > 0)."""
+    temperature = params.temperature
     # temperature 0 (greedy) reports temperature-1 log-probs
     logprobs = (logits / torch.where(temperature > 0, temperature, 1.0)[:, None]).log_softmax(-1)
     tok = logits.argmax(-1)
     sampled = [i for i, r in enumerate(rows) if r.temperature > 0]
     if sampled:
         probs = logprobs.exp()  # rows without top-k/top-p sample the scaled distribution itself
-        filtered = [i for i in sampled if rows[i].top_k > 0 or rows[i].top_p < 1]
-        if filtered:  # per row, so a row's probabilities never depend on its batch neighbours
-            idx = torch.tensor(filtered, device=device)
-            top_k = torch.tensor([rows[i].top_k for i in filtered], device=device)
-            top_p = torch.tensor([rows[i].top_p for i in filtered], device=device, dtype=torch.float32)
-            probs[idx] = filter_logits(logits[idx], temperature[idx], top_k, top_p).softmax(-1)
-        for i in sampled:  # per-row generator: a row's draw depends only on its own seed
-            tok[i] = torch.multinomial(probs[i], 1, generator=gens[i])[0]
+        if any(rows[i].top_k > 0 or rows[i].top_p < 1 for i in sampled):
+            # every row through the filters (row-wise ops: a row's values do not depend on its neighbours), kept
+            # where the row asks for a filter
+            filtered = (params.top_k > 0) | (params.top_p < 1)
+            probs = torch.where(filtered[:, None],
+                                filter_logits(logits, temperature, params.top_k, params.top_p).softmax(-1), probs)
+        race = torch.empty_like(probs)  # [B, V]: q ~ Exp(1) in each sampled row, from the row's own generator
+        for i in sampled:
+            race[i].exponential_(1, generator=gens[i])
+        drawn = torch.div(probs, race, out=race).argmax(-1)  # = torch.multinomial(probs[i], 1, generator=gens[i])
+        tok = torch.where(temperature > 0, drawn, tok)
     return tok, logprobs.gather(-1, tok[:, None])[:, 0]
 
 
+# ---------------------------------------------------------------------------------------------------- the batch
 def _left_pad(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
     """Left-pad x with zeros along dim up to `length`."""
     missing = length - x.shape[dim]
@@ -234,7 +272,9 @@ class DecodeBatch:
             logits.append(new_logits)
         if not self.rows:
             return done
-        tok, lp = sample_with_logprobs(torch.cat(logits), [a.row for a in self.rows], [a.gen for a in self.rows])
+        rows = [a.row for a in self.rows]
+        params = SamplingTensors(*(t.to(self.device) for t in SamplingTensors.of(rows).tensors()))
+        tok, lp = sample_with_logprobs(torch.cat(logits), params, rows, [a.gen for a in self.rows])
         self.last = tok
         # One host sync per step: the finished-row bookkeeping needs the tokens on the host.
         keep = []
