@@ -1,17 +1,42 @@
 """The embedded engine's decode loop (engines/embedded/generation.py; issue 26 item 7).
 
-Batched sampling (one exponential race per row from the row's generator, one divide and argmax for the batch) draws
-the token `torch.multinomial(probs[i], 1, generator=g_i)` draws, with the same log-prob, and leaves every generator
-in the state multinomial leaves it in (greedy rows: untouched), over many fresh seeds and several consecutive steps.
+- Batched sampling (one exponential race per row from the row's generator, one divide and argmax for the batch)
+  draws the token `torch.multinomial(probs[i], 1, generator=g_i)` draws, with the same log-prob, and leaves every
+  generator in the state multinomial leaves it in (greedy rows: untouched), over many fresh seeds and several
+  consecutive steps.
+- A DecodeBatch (preallocated KV cache, rows left-padded to a common column) gives, for every row, the logits and
+  log-probs of a plain forward of prompt + generated tokens without a cache, and the tokens of per-row multinomial
+  sampling from those logits, while rows join and leave at different steps, rows are aborted, stop tokens end rows,
+  a group shares one prefill and the cache grows past its first capacity. The cache's in-place joins, moved rows,
+  rebuilds and growth all happen in the run (asserted, so the comparison covers them).
+- A decode step reads the host once (tokens and log-probs in one transfer); an abort reads it never.
+- A compiled decode (torch.compile, dynamic shapes) traces the cache without graph breaks or per-step recompiles.
 """
 
 from __future__ import annotations
 
 import collections
+import os
+import traceback
+from pathlib import Path
 
+import pytest
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from engines.embedded.generation import Row, SamplingTensors, filter_logits, sample_with_logprobs
+from engines.embedded import generation
+from engines.embedded.generation import (
+    DecodeBatch,
+    KVCache,
+    Row,
+    SamplingTensors,
+    filter_logits,
+    sample_with_logprobs,
+)
+from engines.embedded.presets import build_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 # ------------------------------------------------------------------------------------------------ references
@@ -76,3 +101,284 @@ def test_batched_sampling_draws_what_per_row_multinomial_draws():
                 seen[kind] += 1
                 seen["not argmax"] += ref_tok != int(logits[i].argmax())
     assert min(seen.values()) > 50, seen  # every kind of row, and draws that are not the argmax
+
+
+def test_host_inputs_cross_in_one_copy_exactly():
+    """The packing `_to_device` uses on an accelerator: float64 holds int64 ids < 2^53 and float32 values exactly,
+    and each part keeps its shape and dtype."""
+    g = torch.Generator().manual_seed(7)
+    parts = [torch.randint(0, 2**53 - 1, (3, 5), generator=g), torch.randint(0, 2, (4,), generator=g),
+             torch.randn(6, generator=g), torch.randint(-(2**40), 2**40, (2, 2, 2), generator=g),
+             torch.zeros(0, dtype=torch.long)]
+    flat = generation._pack(parts)
+    assert flat.dtype == torch.float64 and flat.numel() == sum(p.numel() for p in parts)
+    for got, want in zip(generation._unpack(flat, parts), parts):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+# ------------------------------------------------------------------------------------------------ the batch
+class _Spy:
+    """Records the cache operations of each step (and the cache's capacity after it)."""
+
+    def __init__(self, monkeypatch):
+        self.steps: list[list[str]] = [[]]
+        for name in ("allocate", "rebuilt", "append_rows", "move_rows"):
+            self._wrap(monkeypatch, name)
+
+    def _wrap(self, monkeypatch, name):
+        original = KVCache.__dict__[name]
+        fn = original.__func__ if isinstance(original, staticmethod) else original
+
+        def spied(*args, **kwargs):
+            self.steps[-1].append(name)
+            return fn(*args, **kwargs)
+
+        monkeypatch.setattr(KVCache, name, staticmethod(spied) if isinstance(original, staticmethod) else spied)
+
+    def next_step(self):
+        self.steps.append([])
+
+
+def _rows_and_schedule(g: torch.Generator) -> tuple[list[Row], dict[int, list[int]], dict[int, set[str]]]:
+    """Rows, which join at which step, and which rids are aborted before which step.
+
+    Prompts of 1-12 tokens (one of 30: longer than the batch's filled length when it joins, so the cache is
+    rebuilt), a group of three sharing one prompt (one prefill row), stop sets that end some rows early, and
+    rows of up to 60 new tokens (past the cache's first capacity)."""
+    def prompt(n):
+        return tuple(torch.randint(6, 200, (n,), generator=g).tolist())
+
+    def row(i, p, max_new, stops=()):
+        return _random_row(g, 1000, prompt=p, max_new_tokens=max_new, rid=f"r{i}",
+                           stop_ids=frozenset(stops))
+
+    common = frozenset(range(6, 60))  # ~ a quarter of the likely ids: rows with it stop early
+    group = prompt(5)
+    rows = [row(0, prompt(3), 60), row(1, prompt(9), 25), row(2, prompt(1), 8, common),
+            row(3, prompt(12), 40), row(4, group, 30), row(5, group, 30, common), row(6, group, 30),
+            row(7, prompt(30), 20), row(8, prompt(2), 6, common), row(9, prompt(7), 45), row(10, prompt(4), 3),
+            row(11, prompt(6), 50, common)]
+    joins = {0: [0, 1, 2], 1: [3], 3: [4, 5, 6], 5: [7], 12: [8, 9], 14: [10], 30: [11]}
+    aborts = {7: {"r1"}, 13: {"r9"}, 16: {"r6"}}
+    return rows, joins, aborts
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_decode_batch_matches_a_full_forward_without_a_cache(arch, monkeypatch):
+    g = torch.Generator().manual_seed(31 if arch == "llama" else 32)
+    model = build_tiny_model(int(torch.randint(0, 1000, (), generator=g)), arch=arch)
+    rows, joins, aborts = _rows_and_schedule(g)
+    spy = _Spy(monkeypatch)
+    batch = DecodeBatch(model, pad_id=0)
+    seen_logits: dict[tuple[int, int], torch.Tensor] = {}  # (row, token index) -> decode logits [V]
+
+    def decode(**kw):  # the batch's decode forward, recording each row's logits
+        out = model(**kw)
+        for a, logits in zip(batch.rows, out.logits[:, -1].float()):
+            seen_logits[(a.handle, len(a.out_ids))] = logits.clone()
+        return out
+
+    batch.decode_fn = decode
+    results, capacities, step = {}, [], 0
+    while step <= max(joins) or len(batch):
+        if step in aborts:
+            results.update(batch.abort(aborts[step]))
+        results.update(batch.step([(rows[i], i) for i in joins.get(step, [])]))
+        capacities.append(batch.cache.capacity if batch.cache is not None else 0)
+        spy.next_step()
+        step += 1
+
+    # The run covered what the cache does: joins in place and by a rebuild, rows moved into the places of
+    # finished ones, growth past the first capacity.
+    in_place = [ops for ops in spy.steps if "append_rows" in ops and "rebuilt" not in ops and "allocate" not in ops]
+    rebuilt_for_join = [ops for ops in spy.steps if "rebuilt" in ops and "append_rows" in ops]
+    assert in_place and rebuilt_for_join and any("move_rows" in ops for ops in spy.steps), spy.steps
+    assert max(capacities) > capacities[0] and sum(1 for ops in spy.steps if "rebuilt" in ops) >= 3
+    reasons = collections.Counter(r.finish_reason for r in results.values())
+    assert set(results) == set(range(len(rows))) and reasons["stop"] and reasons["abort"] == 3, reasons
+
+    checked = 0
+    for i, row in enumerate(rows):
+        res = results[i]
+        P = len(row.prompt)
+        seq = torch.tensor([list(row.prompt) + res.output_ids])
+        with torch.no_grad():
+            ref_logits = model(input_ids=seq).logits[0].float()  # [P + n, V], no cache, no padding
+        gen = torch.Generator().manual_seed(row.seed)
+        for j, tok in enumerate(res.output_ids):
+            ref_tok, ref_lp = _reference_sample(ref_logits[P - 1 + j], row, gen)
+            assert tok == ref_tok, (i, j)
+            assert abs(res.logprobs[j] - ref_lp) < 1e-5, (i, j, res.logprobs[j], ref_lp)
+            if j > 0:
+                torch.testing.assert_close(seen_logits[(i, j)], ref_logits[P - 1 + j], atol=1e-5, rtol=0)
+                checked += 1
+        stopped = [j for j, t in enumerate(res.output_ids) if t in row.stop_ids]
+        if res.finish_reason == "stop":
+            assert stopped == [len(res.output_ids) - 1]
+        else:
+            assert not stopped
+            assert (len(res.output_ids) == row.max_new_tokens) == (res.finish_reason == "length")
+        assert res.versions == ((0, 0),)
+    assert checked > 150
+    # the group shared one prefill row yet drew its own tokens
+    assert len({tuple(results[i].output_ids) for i in (4, 5, 6)}) == 3
+
+
+# ------------------------------------------------------------------------------------------------ host reads
+SYNC_OPS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero", "aten::equal", "aten::item"}
+HOST_READS = {"tolist", "item", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__"}
+
+
+def _origin(stack: list[traceback.FrameSummary]) -> str:
+    """The innermost frame outside torch: project file:function, or 'transformers:<file>'."""
+    for f in reversed(stack):
+        path = os.path.relpath(f.filename, ROOT)
+        if "/transformers/" in f.filename:
+            return f"transformers:{Path(f.filename).name}"
+        if not path.startswith(("..", ".venv", "tests/")):
+            return f"{path}:{f.name}"
+    return "?"
+
+
+class _HostReads(TorchDispatchMode):
+    """Every op that would synchronise with a CUDA device (scalar reads, data-dependent sizes) and every
+    Python-level device-to-host read, with where it comes from (CPU tensors dispatch no aten op for `.tolist()`,
+    so a function mode catches those)."""
+
+    def __init__(self):
+        super().__init__()
+        self.events: list[tuple[str, str]] = []
+        recorder = self
+
+        class _Reads(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                if getattr(func, "__name__", "") in HOST_READS:
+                    recorder.events.append((f"Tensor.{func.__name__}", _origin(traceback.extract_stack()[:-1])))
+                return func(*args, **(kwargs or {}))
+
+        self.reads = _Reads()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name in SYNC_OPS:
+            self.events.append((func._schema.name, _origin(traceback.extract_stack()[:-1])))
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        super().__enter__()
+        self.reads.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.reads.__exit__(*exc)
+        return super().__exit__(*exc)
+
+
+def test_a_decode_step_reads_the_host_once():
+    g = torch.Generator().manual_seed(9)
+    model = build_tiny_model(4, arch="qwen2")
+    rows = [_random_row(g, 1000, prompt=tuple(torch.randint(6, 200, (n,), generator=g).tolist()),
+                        max_new_tokens=m, rid=f"r{k}")
+            for k, (n, m) in enumerate([(3, 12), (7, 4), (1, 12), (5, 7), (2, 12), (4, 12)])]
+    rows[0] = Row(rows[0].prompt, 0.0, 1.0, -1, 12, frozenset(), 1, "r0")  # greedy, filtered and plain rows
+    rows[1] = Row(rows[1].prompt, 0.9, 0.8, 20, 4, frozenset(), 2, "r1")
+    rows[2] = Row(rows[2].prompt, 1.2, 1.0, -1, 12, frozenset(), 3, "r2")
+    batch = DecodeBatch(model, pad_id=0)
+    batch.step([(r, k) for k, r in enumerate(rows[:5])])
+    ours = ("Tensor.tolist", "engines/embedded/generation.py:step")
+    left_in_a_decode_step = False
+    for step in range(1, 9):
+        admit = [(rows[5], 5)] if step == 3 else []
+        before = len(batch)
+        with _HostReads() as rec:
+            batch.step(admit)
+        if admit:  # the prefill's padding mask is read by transformers (sdpa's causal-skip check); rows join only
+            assert rec.events.count(ours) == 1
+            assert {e for e in rec.events if e != ours} <= {("aten::is_nonzero", "transformers:masking_utils.py"),
+                                                            ("Tensor.__bool__", "transformers:masking_utils.py")}
+        else:
+            assert rec.events == [ours], (step, rec.events)
+            left_in_a_decode_step |= len(batch) < before  # rows left (moved into the freed places): still once
+        if step == 5:
+            with _HostReads() as rec:
+                batch.abort({"r2"})
+            assert rec.events == [] and "r2" not in {a.row.rid for a in batch.rows}
+    assert left_in_a_decode_step
+
+
+def test_the_reference_recorder_sees_host_reads():
+    """The recorder above is not blind: a multinomial draw, an item() and a tolist() are all seen."""
+    with _HostReads() as rec:
+        p = torch.rand(5)
+        float(p.sum())
+        p.tolist()
+        p.nonzero()
+    kinds = {name for name, _ in rec.events}
+    assert {"Tensor.__float__", "Tensor.tolist", "aten::nonzero"} <= kinds, rec.events
+
+
+# ------------------------------------------------------------------------------------------------ compiled decode
+def test_a_compiled_decode_traces_the_cache_without_recompiling_per_step():
+    """torch.compile(dynamic=True) over the model's forward (the server's CUDA decode; aot_eager here: dynamo and
+    AOT autograd, which is where in-place cache writes can break): the same tokens as eager while rows join and
+    leave, and a handful of graphs for ~30 steps (first call, then dynamic sizes, and batch size 1)."""
+    from torch._dynamo.utils import counters
+
+    g = torch.Generator().manual_seed(12)
+    model = build_tiny_model(6, arch="llama")
+    rows = [_random_row(g, 1000, prompt=tuple(torch.randint(6, 200, (int(n),), generator=g).tolist()),
+                        max_new_tokens=int(m))
+            for n, m in zip(torch.randint(1, 9, (6,), generator=g), torch.randint(4, 30, (6,), generator=g))]
+
+    def run(decode_fn):
+        batch, out, pending, step = DecodeBatch(model, pad_id=0, decode_fn=decode_fn), {}, list(enumerate(rows)), 0
+        while pending or len(batch):
+            admit = [(r, i) for i, r in pending[:2]]
+            pending = pending[2:]
+            out.update(batch.step(admit))
+            step += 1
+        return out, step
+
+    eager, _ = run(None)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, steps = run(torch.compile(model.forward, dynamic=True, backend="aot_eager"))
+    assert steps > 25
+    assert counters["stats"]["unique_graphs"] <= 3 and not counters["graph_break"], dict(counters)
+    for i in range(len(rows)):
+        assert compiled[i].output_ids == eager[i].output_ids
+        torch.testing.assert_close(torch.tensor(compiled[i].logprobs), torch.tensor(eager[i].logprobs),
+                                   atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------------ on a GPU
+@pytest.mark.gpu
+def test_decode_steps_on_cuda_issue_no_host_sync_but_the_read():
+    """On CUDA: a decode forward, the batched sampling and rows leaving (moved rows, host index in one pinned
+    copy) run under sync debug mode "error"; then tokens equal per-row multinomial on the device."""
+    model = build_tiny_model(3, arch="qwen2").cuda()
+    g = torch.Generator().manual_seed(1)
+    rows = [_random_row(g, 1000, prompt=tuple(torch.randint(6, 200, (int(n),), generator=g).tolist()),
+                        max_new_tokens=20) for n in torch.randint(1, 12, (8,), generator=g)]
+    batch = DecodeBatch(model, pad_id=0)
+    batch.step([(r, i) for i, r in enumerate(rows)])
+    with torch.inference_mode():
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            logits = batch._decode()
+            tok, lp = sample_with_logprobs(logits, batch.params, [a.row for a in batch.rows],
+                                           [a.gen for a in batch.rows])
+            batch.last = tok
+            batch._keep([0, 2, 3, 5])
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert len(batch) == 4 and batch.cache.rows == 4
+    # the exponential race on the device draws what multinomial draws on the device
+    V = 5003
+    logits = torch.randn(6, V, device="cuda") * 4
+    rows = [_random_row(g, V) for _ in range(6)]
+    ours = [torch.Generator(device="cuda").manual_seed(r.seed) for r in rows]
+    theirs = [torch.Generator(device="cuda").manual_seed(r.seed) for r in rows]
+    params = SamplingTensors(*(t.cuda() for t in _params(rows).tensors()))
+    tok, _ = sample_with_logprobs(logits, params, rows, ours)
+    for i, row in enumerate(rows):
+        assert int(tok[i]) == _reference_sample(logits[i], row, theirs[i])[0]

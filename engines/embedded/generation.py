@@ -1,20 +1,34 @@
 """Continuous-batching sampling with a KV cache: rows join and leave the batch between decode steps.
 
-`DecodeBatch` holds the rows being generated: one left-padded KV cache [B, heads, L, head_dim] per layer, the
-attention mask [B, L] (1 = a real token), each row's next position id (counting real tokens only, so padding
-changes nothing but the mask) and the token it sampled last. One `step(new_rows)`:
-  1. decode: feed every running row its last token (one forward of [B, 1]);
-  2. prefill: the admitted rows, left-padded into one [b, L'] forward;
-  3. merge: both caches and masks, left-padded to a common length, concatenated along the batch;
-  4. sample one token per row, each with its own `torch.Generator` (seeded from the row's seed), so a row's
+`DecodeBatch` holds the rows being generated: their KV cache (`KVCache`, preallocated, see below), each row's
+next position id (counting real tokens only, so padding changes nothing but the mask), the token it sampled last,
+and its sampling parameters (`SamplingTensors`) — all [B] device tensors that change only when rows join or leave
+(and, for the first two, by one increment per step). One `step(new_rows)`:
+  1. decode: feed every running row its last token (one forward of [B, 1]); each layer writes the new key/value
+     in place at the cache's next column;
+  2. prefill: the admitted rows, left-padded into one [b, L'] forward (built on the host, moved in one copy);
+     rows with the same prompt (the n samples of a group) share one prefill row;
+  3. join: the new rows take the next rows of the cache, right-aligned at the batch's length;
+  4. sample one token per row, each from its own `torch.Generator` (seeded from the row's seed), so a row's
      tokens depend on its seed, not on which other rows share the batch;
-  5. retire finished rows (stop token, length, or abort) and drop mask columns no row still attends to.
+  5. read the tokens and log-probs on the host (the step's one device-to-host read; in a step where rows join,
+     transformers also reads the prefill's padding mask), retire finished rows (stop token, length, or abort).
+
+The cache: per layer, keys and values buffers [rows_capacity, H, capacity, D]. Rows are left-padded so every running
+row appends its next key/value at the same column `length`; attention reads the views [B, H, length, D] of the
+filled prefix. Row i's real tokens are its last n_i columns (n_i = its position id), so the attention mask is
+derived from the positions and no mask is stored. Rows join into the next free rows of the buffers, right-aligned
+at `length`, and leave by moving the last rows into their places (a copy of the moved rows only; the order of
+`DecodeBatch.rows` changes accordingly). New buffers are built only when a decode step needs a column past the
+capacity (twice the attended length: geometric growth, at most what the rows can still generate), when joining
+rows do not fit (more rows than the buffers hold, or a prompt longer than `length`), or when at least half the
+columns are ones no running row attends to any more; they keep only the attended columns.
 
 Sampling draws exactly the token `torch.multinomial(probs[i], 1, generator=g_i)` draws: ATen samples one token as
 argmax(p / q) with q = empty_like(p).exponential_(1, generator) (the exponential race, i.e. the Gumbel-max trick,
 Distributions.cpp). Here each sampled row fills its row of one [B, V] buffer from its own generator, and one
 division and one argmax serve all rows; greedy rows (temperature 0) take the argmax of the logits and leave their
-generator untouched. Without multinomial's per-call validity checks, sampling issues no host sync.
+generator untouched. Without multinomial's per-call validity checks, a step samples without a host sync.
 
 Log-probs: for each sampled token, `log_softmax(logits / T)[token]` at the row's temperature T (temperature 0,
 greedy: `log_softmax(logits)`), before top-k/top-p: the distribution the token was sampled from before the
@@ -30,6 +44,7 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 # transformers 5.24 renames the forward's `past_key_values` to `cache` and warns on every decode step; the versions
 # this project runs on (5.17 on the GPU image, < 5.20 beside vLLM) know only the old name, so the old name stays and
@@ -67,9 +82,15 @@ class _Active:
     row: Row
     handle: Any  # the caller's tag, returned with the result
     gen: torch.Generator
+    cached: int  # tokens of this row in the cache (its prompt, then one more per decode step)
     out_ids: list[int] = field(default_factory=list)
     out_lp: list[float] = field(default_factory=list)
     spans: list[tuple[int, int]] = field(default_factory=list)  # (first token index, version): RowResult.versions
+
+    @property
+    def to_append(self) -> int:
+        """Columns this row may still append to the cache: every token it may still sample but its last."""
+        return self.row.max_new_tokens - max(len(self.out_ids), 1)
 
     def result(self, finish_reason: str) -> RowResult:
         return RowResult(self.out_ids, self.out_lp, finish_reason, tuple(self.spans))
@@ -78,7 +99,8 @@ class _Active:
 # ---------------------------------------------------------------------------------------------------- sampling
 @dataclass(frozen=True)
 class SamplingTensors:
-    """Each row's sampling parameters as tensors [B] (batch order)."""
+    """Each row's sampling parameters as device tensors [B] (batch order): built when rows join, selected when rows
+    leave, so a step reads them without a host-to-device copy."""
 
     temperature: torch.Tensor  # fp32; 0: greedy
     top_k: torch.Tensor  # int64; <= 0: off
@@ -86,7 +108,7 @@ class SamplingTensors:
 
     @staticmethod
     def of(rows: Sequence[Row]) -> SamplingTensors:
-        """The rows' parameters as CPU tensors."""
+        """The rows' parameters as CPU tensors (the caller moves them with the step's other inputs)."""
         return SamplingTensors(torch.tensor([r.temperature for r in rows], dtype=torch.float32),
                                torch.tensor([r.top_k for r in rows], dtype=torch.long),
                                torch.tensor([r.top_p for r in rows], dtype=torch.float32))
@@ -148,19 +170,188 @@ def sample_with_logprobs(logits: torch.Tensor, params: SamplingTensors, rows: Se
     return tok, logprobs.gather(-1, tok[:, None])[:, 0]
 
 
-# ---------------------------------------------------------------------------------------------------- the batch
-def _left_pad(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
-    """Left-pad x with zeros along dim up to `length`."""
-    missing = length - x.shape[dim]
-    if missing == 0:
-        return x
-    shape = list(x.shape)
-    shape[dim] = missing
-    return torch.cat([x.new_zeros(shape), x], dim=dim)
+# ---------------------------------------------------------------------------------------------------- KV cache
+class _BufferLayer(CacheLayerMixin):
+    """One layer's keys and values: buffers [rows_capacity, H, capacity, D] whose rows [0, rows) and columns
+    [0, length) are the batch's (`keys`, `values`: views of them, what attention reads). `update` writes the new
+    columns after the filled ones, in place.
+
+    Under torch.compile: `length` is a plain int (dynamo makes it a symbol, so one graph serves every length) and
+    `update` reads no view of the buffers it writes (an input aliasing a mutated one makes AOT autograd build a
+    synthetic base, which fails on symbolic storage sizes). is_compileable: also tells transformers' mask code not to
+    read the 2D padding mask on the host to skip the causal mask at q_length 1 (masking_utils, 5.17 to 5.24), so a
+    decode step's forward issues no host sync."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, rows: int, length: int):
+        super().__init__()
+        self.key_buffer, self.value_buffer = key_buffer, value_buffer
+        self.device, self.dtype = key_buffer.device, key_buffer.dtype
+        self.is_initialized = True
+        self.view(rows, length)
+
+    def view(self, rows: int, length: int) -> None:
+        self.rows, self.length = rows, length
+        self.keys = self.key_buffer[:rows, :, :length]
+        self.values = self.value_buffer[:rows, :, :length]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass  # built with its buffers
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write key/value states [rows, H, q, D] at columns [length, length + q)."""
+        rows, n, q = key_states.shape[0], self.length, key_states.shape[2]
+        if n + q > self.key_buffer.shape[2]:  # DecodeBatch reserves before its forwards; other callers grow here
+            self.grow(max(n + q, 2 * self.key_buffer.shape[2]))
+        self.key_buffer[:rows, :, n:n + q].copy_(key_states)
+        self.value_buffer[:rows, :, n:n + q].copy_(value_states)
+        self.view(rows, n + q)
+        return self.keys, self.values
+
+    def grow(self, capacity: int) -> None:
+        for name in ("key_buffer", "value_buffer"):
+            old = getattr(self, name)
+            new = old.new_zeros(*old.shape[:2], capacity, old.shape[3])
+            new[:, :, :self.length] = old[:, :, :self.length]
+            setattr(self, name, new)
+        self.view(self.rows, self.length)
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0  # (kv_length, kv_offset), as DynamicLayer
+
+    def get_max_length(self) -> int:
+        return -1  # grows
 
 
-def _cache_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(layer.keys, layer.values) for layer in cache.layers]
+class KVCache(Cache):
+    """The batch's preallocated KV cache (the module docstring gives the layout): a transformers `Cache` of one
+    `_BufferLayer` per model layer, all with the same rows, length and capacities."""
+
+    def __init__(self, buffers: list[tuple[torch.Tensor, torch.Tensor]], rows: int, length: int):
+        super().__init__(layers=[_BufferLayer(k, v, rows, length) for k, v in buffers])
+
+    @staticmethod
+    def allocate(like: list[tuple[torch.Tensor, torch.Tensor]], rows_capacity: int, capacity: int) -> KVCache:
+        """An empty cache (0 rows, length 0) with zeroed buffers shaped like the per-layer (keys, values) `like`
+        [*, H, *, D]. Zeros: a column a row does not attend to is masked, never NaN."""
+        def zeros(t):
+            return t.new_zeros(rows_capacity, t.shape[1], capacity, t.shape[3])
+        return KVCache([(zeros(k), zeros(v)) for k, v in like], 0, 0)
+
+    @property
+    def rows(self) -> int:
+        return self.layers[0].rows
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length
+
+    @property
+    def rows_capacity(self) -> int:
+        return self.layers[0].key_buffer.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.layers[0].key_buffer.shape[2]
+
+    def view(self, rows: int, length: int) -> None:
+        for layer in self.layers:
+            layer.view(rows, length)
+
+    def rebuilt(self, rows_capacity: int, first: int, length: int, capacity: int) -> KVCache:
+        """A new cache with the same rows, their columns [first, self.length) moved to end at column `length`
+        (>= self.length - first), in new buffers [rows_capacity, H, capacity, D]."""
+        width = self.length - first
+        new = KVCache.allocate([(layer.keys, layer.values) for layer in self.layers], rows_capacity, capacity)
+        for old, layer in zip(self.layers, new.layers):
+            layer.key_buffer[:self.rows, :, length - width:length] = old.keys[:, :, first:]
+            layer.value_buffer[:self.rows, :, length - width:length] = old.values[:, :, first:]
+        new.view(self.rows, length)
+        return new
+
+    def append_rows(self, kv: list[tuple[torch.Tensor, torch.Tensor]], where: torch.Tensor | None, count: int) -> None:
+        """Add `count` rows after the batch's, right-aligned at column `length`: per layer (keys, values)
+        [u, H, l, D] (l <= length), row j taking kv row where[j] (None: row j). Needs rows + count <= rows_capacity.
+        Columns left of a new row's l are old values, masked for it."""
+        rows, length = self.rows, self.length
+        for (k, v), layer in zip(kv, self.layers):
+            if where is not None:
+                k, v = k.index_select(0, where), v.index_select(0, where)
+            layer.key_buffer[rows:rows + count, :, length - k.shape[2]:length] = k
+            layer.value_buffer[rows:rows + count, :, length - v.shape[2]:length] = v
+        self.view(rows + count, length)
+
+    def move_rows(self, dst: torch.Tensor, src: torch.Tensor, rows: int) -> None:
+        """Copy rows src into rows dst (all columns of the filled length), then keep the first `rows` rows."""
+        length = self.length
+        for layer in self.layers:
+            for buf in (layer.key_buffer, layer.value_buffer):
+                filled = buf[:, :, :length]
+                filled.index_copy_(0, dst, filled.index_select(0, src))
+        self.view(rows, length)
+
+
+def _capacity(length: int, limit: int) -> int:
+    """Columns to allocate for `length` filled ones: twice that (geometric growth), at most `limit` (the most the
+    rows can still need), and at least two free columns (the decode's view never spans the whole buffer, so a
+    compiled decode does not specialise on the view being contiguous)."""
+    return max(min(2 * length, limit), length + 2)
+
+
+def _pack(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Tensors as one flat float64 tensor: exact for float32 values and for integers below 2^53 (token ids,
+    indices, lengths)."""
+    return torch.cat([p.reshape(-1).to(torch.float64) for p in parts])
+
+
+def _unpack(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """`_pack`'s inverse: each part with the shape and dtype of its counterpart in `like`."""
+    out, at = [], 0
+    for p in like:
+        out.append(flat[at:at + p.numel()].view(p.shape).to(p.dtype))
+        at += p.numel()
+    return out
+
+
+def _to_device(parts: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """CPU tensors on `device` in one host-to-device copy (pinned memory and non_blocking on CUDA, so the host
+    does not wait for the device); on the CPU, the tensors themselves."""
+    if device.type == "cpu":
+        return list(parts)
+    flat = _pack(parts)
+    if device.type == "cuda":
+        flat = flat.pin_memory()
+    return _unpack(flat.to(device, non_blocking=True), parts)
+
+
+def _swap_remove(n: int, keep: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """Keep rows `keep` (ascending indices into n rows) as the first len(keep) rows, filling the places of the
+    removed ones with the kept rows from the end: (order: old index of each new row, dst, src: rows copied)."""
+    m, kept = len(keep), set(keep)
+    holes = [i for i in range(m) if i not in kept]
+    movers = [i for i in keep if i >= m]
+    order = list(range(m))
+    for d, s in zip(holes, movers):
+        order[d] = s
+    return order, holes, movers
+
+
+# ------------------------------------------------------------------------------------------------- the batch
+@dataclass(frozen=True)
+class _Prefill:
+    """The prefill of rows joining the batch, on the device."""
+
+    logits: torch.Tensor  # [b, V] fp32, one per row
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values) [u, H, L', D], one per distinct prompt
+    where: torch.Tensor | None  # [b]: the distinct prompt of each row; None: row j is prompt j
+    pos: torch.Tensor  # [b] next position id (the prompt's length)
+    params: SamplingTensors
 
 
 class DecodeBatch:
@@ -171,79 +362,104 @@ class DecodeBatch:
         self.model, self.pad_id = model, pad_id
         self.decode_fn = decode_fn or model.forward
         self.device = next(model.parameters()).device
+        self.version = 0  # the weight version of the model's weights now (the server sets it after a load)
+        self._clear()
+
+    def _clear(self) -> None:
         self.rows: list[_Active] = []
-        self.cache: DynamicCache | None = None  # per layer: keys, values [B, H, L, D]
-        self.mask = torch.zeros((0, 0), dtype=torch.long, device=self.device)  # [B, L]
+        self.cache: KVCache | None = None  # per layer: keys, values [B, H, length, D] (views of the buffers)
         self.pos = torch.zeros((0,), dtype=torch.long, device=self.device)  # [B] next position id
         self.last = torch.zeros((0,), dtype=torch.long, device=self.device)  # [B] token not yet fed
-        self.version = 0  # the weight version of the model's weights now (the server sets it after a load)
+        self.params = SamplingTensors(*(t.to(self.device) for t in SamplingTensors.of([]).tensors()))
 
     def __len__(self) -> int:
         return len(self.rows)
 
+    def _limit(self, length: int, new: Sequence[Row] = ()) -> int:
+        """The most columns the cache can need from filled `length` on: the longest the rows may still append."""
+        return length + max([a.to_append for a in self.rows] + [r.max_new_tokens - 1 for r in new])
+
+    def _compact(self, rows_capacity: int, length: int | None = None, new: Sequence[Row] = ()) -> None:
+        """Rebuild the cache without the leading columns no running row attends to, filled up to `length` (default:
+        just the attended columns), with room for `rows_capacity` rows."""
+        first = self.cache.length - max(a.cached for a in self.rows)
+        length = self.cache.length - first if length is None else length
+        self.cache = self.cache.rebuilt(rows_capacity, first, length, _capacity(length, self._limit(length, new)))
+
     def _decode(self) -> torch.Tensor:
         """Feed each running row its last token; logits [B, V] fp32."""
-        self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.rows), 1))], dim=1)
-        logits = self.decode_fn(input_ids=self.last[:, None], attention_mask=self.mask,
+        if self.cache.length + 2 > self.cache.capacity:  # room for this column and one spare (see _capacity)
+            self._compact(self.cache.rows_capacity)
+        length = self.cache.length
+        # Row i's real tokens are its last pos_i columns, and the one it is fed now: mask [B, length + 1].
+        columns = torch.arange(length + 1, device=self.device)
+        mask = columns[None, :] >= (length - self.pos)[:, None]
+        logits = self.decode_fn(input_ids=self.last[:, None], attention_mask=mask,
                                 position_ids=self.pos[:, None], past_key_values=self.cache,
                                 use_cache=True).logits[:, -1].float()
         self.pos = self.pos + 1
+        for a in self.rows:
+            a.cached += 1
         return logits
 
-    def _prefill(self, rows: list[Row]) -> tuple[torch.Tensor, DynamicCache, torch.Tensor, torch.Tensor]:
-        """Left-padded prefill of new rows: (logits [b, V], cache, mask [b, L'], next positions [b]). Rows with
-        the same prompt (the n samples of a group) share one prefill: its cache rows are repeated."""
+    def _prefill(self, rows: list[Row]) -> _Prefill:
+        """Left-padded prefill of new rows, one row per distinct prompt (the n samples of a group share one). Its
+        inputs are built on the host and moved in one copy."""
         unique = list(dict.fromkeys(r.prompt for r in rows))
-        b, L = len(unique), max(len(p) for p in unique)
-        ids = torch.full((b, L), self.pad_id, dtype=torch.long, device=self.device)
-        mask = torch.zeros((b, L), dtype=torch.long, device=self.device)
-        for i, p in enumerate(unique):
-            ids[i, L - len(p):] = torch.tensor(p, device=self.device)
-            mask[i, L - len(p):] = 1
+        u, L = len(unique), max(len(p) for p in unique)
+        ids = torch.tensor([[self.pad_id] * (L - len(p)) + list(p) for p in unique], dtype=torch.long)
+        mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in unique], dtype=torch.long)
+        index = {p: i for i, p in enumerate(unique)}
+        where = torch.tensor([index[r.prompt] for r in rows], dtype=torch.long)
+        pos = torch.tensor([len(r.prompt) for r in rows], dtype=torch.long)
+        ids, mask, where, pos, *params = _to_device([ids, mask, where, pos, *SamplingTensors.of(rows).tensors()],
+                                                    self.device)
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
         cache = DynamicCache()
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                             use_cache=True, logits_to_keep=1).logits[:, -1].float()
-        if b < len(rows):
-            where = {p: i for i, p in enumerate(unique)}
-            idx = torch.tensor([where[r.prompt] for r in rows], device=self.device)
-            cache = DynamicCache(ddp_cache_data=[(k.index_select(0, idx), v.index_select(0, idx))
-                                                 for k, v in _cache_tensors(cache)])
-            logits, mask = logits.index_select(0, idx), mask.index_select(0, idx)
-            positions = positions.index_select(0, idx)
-        return logits, cache, mask, positions[:, -1] + 1
+        shared = u < len(rows)
+        return _Prefill(logits.index_select(0, where) if shared else logits,
+                        [(layer.keys, layer.values) for layer in cache.layers], where if shared else None, pos,
+                        SamplingTensors(*params))
 
-    def _merge(self, cache: DynamicCache, mask: torch.Tensor, pos: torch.Tensor) -> None:
-        """Append prefilled rows: both caches left-padded to a common length, concatenated along the batch."""
-        if not self.rows:
-            self.cache, self.mask, self.pos = cache, mask, pos
-            return
-        L = max(self.mask.shape[1], mask.shape[1])
-        self.cache = DynamicCache(ddp_cache_data=[
-            (torch.cat([_left_pad(k0, L, 2), _left_pad(k1, L, 2)]),
-             torch.cat([_left_pad(v0, L, 2), _left_pad(v1, L, 2)]))
-            for (k0, v0), (k1, v1) in zip(_cache_tensors(self.cache), _cache_tensors(cache))])
-        self.mask = torch.cat([_left_pad(self.mask, L, 1), _left_pad(mask, L, 1)])
-        self.pos = torch.cat([self.pos, pos])
+    def _join(self, new: list[tuple[Row, Any]], pre: _Prefill) -> None:
+        """Append the prefilled rows: their cache after the running rows', right-aligned at the batch's length (a
+        new cache when they do not fit: more rows than the buffers hold, or a prompt longer than the filled
+        length), their positions and parameters after the running rows'."""
+        rows, prompt_len = [r for r, _ in new], pre.kv[0][0].shape[2]
+        if self.cache is None:
+            self.cache = KVCache.allocate(pre.kv, len(rows), _capacity(prompt_len, self._limit(prompt_len, rows)))
+            self.cache.view(0, prompt_len)
+        elif self.cache.rows + len(rows) > self.cache.rows_capacity or prompt_len > self.cache.length:
+            live = max(a.cached for a in self.rows)
+            self._compact(max(self.cache.rows_capacity, self.cache.rows + len(rows)), max(live, prompt_len), rows)
+        self.cache.append_rows(pre.kv, pre.where, len(rows))
+        self.pos, self.params = torch.cat([self.pos, pre.pos]), self.params.cat(pre.params)
+        self.rows += [_Active(r, h, _generator(r.seed, self.device), len(r.prompt)) for r, h in new]
 
     def _keep(self, keep: list[int]) -> None:
-        """Keep only rows `keep` (indices), and drop leading mask columns no kept row attends to."""
+        """Keep only rows `keep` (ascending indices): the last kept rows move into the places of removed ones."""
         if len(keep) == len(self.rows):
             return
-        self.rows = [self.rows[i] for i in keep]
         if not keep:
-            self.cache, self.mask = None, self.mask[:0, :0]
-            self.pos, self.last = self.pos[:0], self.last[:0]
+            self._clear()
             return
-        idx = torch.tensor(keep, device=self.device)
-        mask = self.mask.index_select(0, idx)
-        first = int(mask.any(0).nonzero()[0, 0])  # host sync: only when rows leave
-        self.mask = mask[:, first:]
-        self.cache = DynamicCache(ddp_cache_data=[
-            (k.index_select(0, idx)[:, :, first:], v.index_select(0, idx)[:, :, first:])
-            for k, v in _cache_tensors(self.cache)])
-        self.pos, self.last = self.pos.index_select(0, idx), self.last.index_select(0, idx)
+        order, dst, src = _swap_remove(len(self.rows), keep)
+        self.rows = [self.rows[i] for i in order]
+        order_t, dst_t, src_t = _to_device([torch.tensor(x, dtype=torch.long) for x in (order, dst, src)],
+                                           self.device)
+        self.pos, self.last = self.pos.index_select(0, order_t), self.last.index_select(0, order_t)
+        self.params = self.params.select(order_t)
+        if dst:
+            self.cache.move_rows(dst_t, src_t, len(keep))
+        else:
+            self.cache.view(len(keep), self.cache.length)
+        # Leading columns no kept row attends to: dropped once they are half the cache (a rebuild).
+        if 2 * max(a.cached for a in self.rows) <= self.cache.length:
+            self._compact(self.cache.rows_capacity)
 
+    @torch.inference_mode()  # the cache's buffers are inference tensors, updated in place
     def abort(self, rids: Collection[str] | None) -> list[tuple[Any, RowResult]]:
         """Retire rows named in `rids` (None: all) with what they have, finish reason "abort"."""
         cut = [i for i, a in enumerate(self.rows) if rids is None or a.row.rid in rids]
@@ -265,20 +481,19 @@ class DecodeBatch:
                 raise ValueError("a prompt is empty: give at least one input token (e.g. the bos id)")
         logits = [self._decode()] if self.rows else []
         if new:
-            rows = [r for r, _ in new]
-            new_logits, cache, mask, pos = self._prefill(rows)
-            self._merge(cache, mask, pos)
-            self.rows += [_Active(r, h, _generator(r.seed, self.device)) for r, h in new]
-            logits.append(new_logits)
+            pre = self._prefill([r for r, _ in new])
+            self._join(new, pre)
+            logits.append(pre.logits)
         if not self.rows:
             return done
-        rows = [a.row for a in self.rows]
-        params = SamplingTensors(*(t.to(self.device) for t in SamplingTensors.of(rows).tensors()))
-        tok, lp = sample_with_logprobs(torch.cat(logits), params, rows, [a.gen for a in self.rows])
+        tok, lp = sample_with_logprobs(torch.cat(logits), self.params, [a.row for a in self.rows],
+                                       [a.gen for a in self.rows])
         self.last = tok
-        # One host sync per step: the finished-row bookkeeping needs the tokens on the host.
+        # The step's one host read: tokens (exact in float64, ids < 2^53) and log-probs in one transfer.
+        host_tok, host_lp = torch.stack([tok.to(torch.float64), lp.to(torch.float64)]).tolist()
         keep = []
-        for i, (a, t, p) in enumerate(zip(self.rows, tok.tolist(), lp.tolist())):
+        for i, (a, t, p) in enumerate(zip(self.rows, host_tok, host_lp)):
+            t = int(t)
             if not a.spans or a.spans[-1][1] != self.version:  # this step's forward ran on these weights
                 a.spans.append((len(a.out_ids), self.version))
             a.out_ids.append(t)
