@@ -305,6 +305,23 @@ def test_a_decode_step_reads_the_host_once():
     assert left_in_a_decode_step
 
 
+def test_non_finite_logits_are_an_error_not_a_silent_token():
+    """torch.multinomial raised on NaN probabilities; the batched draw would pick some token, so the step checks the
+    log-probs it reads anyway and names the rows, before any row takes the token."""
+    g = torch.Generator().manual_seed(4)
+    model = build_tiny_model(4, arch="qwen2")
+    rows = [_random_row(g, 1000, prompt=(5, 6, 7), max_new_tokens=5, rid=f"r{k}", temperature=t)
+            for k, t in enumerate([0.0, 1.0, 0.7])]
+    batch = DecodeBatch(model, pad_id=0)
+    batch.step([(r, k) for k, r in enumerate(rows)])
+    with torch.no_grad():
+        model.lm_head.weight[3].fill_(float("nan"))  # one vocabulary row: every row's softmax turns NaN
+    out_before = [list(a.out_ids) for a in batch.rows]
+    with pytest.raises(RuntimeError, match=r"not finite \(NaN log-probs\) for rows \['r0', 'r1', 'r2'\]"):
+        batch.step()
+    assert [list(a.out_ids) for a in batch.rows] == out_before
+
+
 def test_the_reference_recorder_sees_host_reads():
     """The recorder above is not blind: a multinomial draw, an item() and a tolist() are all seen."""
     with _HostReads() as rec:

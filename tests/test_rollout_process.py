@@ -234,3 +234,31 @@ def test_an_async_run_trains_the_same_steps_with_either_worker(engine, tmp_path)
     assert [v for v, _ in process] == [v for v, _ in thread]  # the same samples, token for token
     for (_, a), (_, b) in zip(process, thread):
         assert a == pytest.approx(b, rel=1e-6, abs=1e-9)
+
+
+# ----------------------------------------------------------------------------------------------- the HTTP client
+def test_the_engine_client_spreads_requests_over_small_pools():
+    """SGLangEngine keeps ceil(max_connections / 8) pooled clients per event loop (httpcore's pool scans every
+    connection per waiting request per event: quadratic in one large pool) and gives each request the least busy
+    one; together they still allow max_connections connections."""
+    import contextlib
+
+    import trio
+
+    from engines.sglang import SHARD_CONNECTIONS
+
+    eng = SGLangEngine("http://127.0.0.1:1", max_connections=20)
+
+    async def hold(n: int) -> list[int]:
+        with contextlib.ExitStack() as stack:
+            for _ in range(n):
+                stack.enter_context(eng._client())
+            loads = [load for _, load in eng._shards()]
+        assert all(load == 0 for _, load in eng._shards())  # released
+        limits = [c._transport._pool._max_connections for c, _ in eng._shards()]
+        await eng.aclose()
+        return loads, limits
+
+    loads, limits = trio.run(hold, 20)
+    assert len(loads) == 3 and sum(loads) == 20 and max(loads) - min(loads) <= 1
+    assert all(lim <= SHARD_CONNECTIONS for lim in limits) and sum(limits) >= 20
