@@ -159,6 +159,26 @@ def test_a_process_that_dies_is_an_error_not_a_hang(engine):
                 source.next(step)
 
 
+def test_a_warmed_up_process_is_the_one_the_next_run_takes_and_a_spare_left_alone_exits(engine):
+    from trainer.rollout import process_worker
+
+    process_worker.warm_up()
+    process_worker.warm_up()  # idempotent: one spare
+    assert len(process_worker._spare) == 1
+    spare_pid = process_worker._spare[0][0].pid
+    rollout = _rollout()
+    buffer, manager = _parts(engine.url, rollout)
+    proc = RolloutProcess(_recipe(buffer, manager, rollout, num_steps=1, ahead=0))
+    with ProcessRolloutSource(proc, num_steps=1, version=lambda: 0) as source:
+        assert proc._proc.pid == spare_pid and not process_worker._spare
+        assert len(source.next(1).samples) == 3 * 2
+    process_worker.warm_up()
+    child, conn = process_worker._take_spare()
+    conn.close()  # the parent's end gone: the waiting child exits on its own
+    child.join(timeout=60)
+    assert child.exitcode == 0
+
+
 def test_what_cannot_travel_to_the_process_is_named():
     rollout = _rollout()
     buffer = DataBuffer(load_jsonl("data/arithmetic_train.jsonl"), seed=0)

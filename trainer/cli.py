@@ -529,6 +529,10 @@ def run(mode: str, cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     pin_trainer(cfg)
     mesh = init_distributed()
     is_main = mesh.get_rank() == 0
+    if is_main and mode in ("rl", "sft+rl", "demo") and cfg.rl.rollout_worker == "process":
+        from trainer.rollout.process_worker import warm_up
+
+        warm_up()  # its imports (~3 s) overlap the engines' start, the model's build and the first evaluation
     if is_main and not resume:
         fresh_start(out, mode)
     if is_main:  # what this run ran: every key, defaults filled in (`--config` it to run it again)

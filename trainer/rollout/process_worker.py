@@ -34,6 +34,7 @@ import multiprocessing
 import os
 import pickle
 import signal
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -85,12 +86,9 @@ class RolloutProcess:
 
     def __init__(self, recipe: RolloutRecipe, *, poll_s: float = 1.0) -> None:
         check_picklable(recipe)
-        ctx = multiprocessing.get_context("spawn")  # never fork a process with torch's and our threads running
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_child_main, args=(child, recipe), name="rollout", daemon=True)
-        self._proc.start()
-        child.close()
+        self._proc, self._conn = _take_spare() or _spawn()
         self._poll_s = poll_s
+        self._send("recipe", recipe)
         self._ready: dict[int, tuple[RolloutBatch, dict[str, Any]]] = {}  # step -> (batch, snapshot)
         self._paused = False
         self._closed = False
@@ -157,13 +155,54 @@ class RolloutProcess:
         self._conn.close()
 
 
+# ------------------------------------------------------------------------------------------------------ spares
+# A new interpreter takes ~3 s to import torch, transformers and the rollout code: `warm_up()` starts one early
+# (the CLI does, before it builds the model and evaluates), waiting for its recipe, and the next RolloutProcess takes
+# it. A spare nobody takes exits with the parent (daemon; and its pipe's end of file).
+_spare: list[tuple[Any, Any]] = []
+_spare_lock = threading.Lock()
+
+
+def _spawn() -> tuple[Any, Any]:
+    ctx = multiprocessing.get_context("spawn")  # never fork a process with torch's and our threads running
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_child_main, args=(child,), name="rollout", daemon=True)
+    proc.start()
+    child.close()
+    return proc, conn
+
+
+def warm_up() -> None:
+    """Start a rollout process now, for the next RolloutProcess to take (its imports overlap the caller's work)."""
+    with _spare_lock:
+        if not _spare:
+            _spare.append(_spawn())
+
+
+def _take_spare() -> tuple[Any, Any] | None:
+    with _spare_lock:
+        while _spare:
+            proc, conn = _spare.pop()
+            if proc.is_alive():
+                return proc, conn
+            conn.close()
+    return None
+
+
 # ------------------------------------------------------------------------------------------------------ child
-def _child_main(conn: Any, recipe: RolloutRecipe) -> None:
+def _child_main(conn: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it checkpoints, then closes us
     try:
         import torch
         import trio
 
+        import trainer.rollout.manager  # noqa: F401 - the slow imports, before the recipe arrives
+
+        try:
+            kind, recipe = conn.recv()
+        except EOFError:  # a spare nobody took: the parent is done
+            return
+        assert kind == "recipe", kind
         if recipe.cpus:
             os.sched_setaffinity(0, recipe.cpus)
         torch.set_num_threads(len(recipe.cpus) if recipe.cpus else 1)  # tokenizers and rewards: no intra-op pool
