@@ -96,7 +96,7 @@ class BenchConfig:
     model: str = ""  # a Hugging Face folder both sides start from ([model].path); "": the config's model
     max_staleness: int = 1  # ours, async: [rl] max_staleness (generation runs this many steps ahead)
     update_in_flight: bool = False  # ours, async: [rl] update_in_flight (syncs land while a batch generates)
-    rollout_worker: str = "thread"  # ours, engines behind HTTP: [rl] rollout_worker ("thread" | "process")
+    rollout_worker: str = "thread"  # ours, async, engines behind HTTP: [rl] rollout_worker ("thread" | "process")
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens"):
@@ -131,8 +131,8 @@ def run_config(bc: BenchConfig, output_dir: str | Path, *, async_rollout: bool =
     if async_rollout:
         over += [f"rl.max_staleness={bc.max_staleness}",
                  f"rl.update_in_flight={'true' if bc.update_in_flight else 'false'}"]
-    if in_process is False:  # engines behind HTTP: the client side may run in a process of its own
-        over.append(f"rl.rollout_worker={json.dumps(bc.rollout_worker)}")
+    if in_process is False and async_rollout:  # engines behind HTTP: the client side may run in its own process
+        over.append(f"rl.rollout_worker={json.dumps(bc.rollout_worker)}")  # (synchronous: in the step's thread)
     if disaggregated:
         over.extend(DISAGGREGATED)
     return load_run_config(bc.config, over, mode="rl")
@@ -444,7 +444,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-staleness", type=int, default=1, help="our async sides' [rl] max_staleness (steps ahead)")
     ap.add_argument("--update-in-flight", action="store_true", help="our async sides: [rl] update_in_flight")
     ap.add_argument("--rollout-worker", choices=("thread", "process"), default="thread",
-                    help="our sides with engines behind HTTP: [rl] rollout_worker")
+                    help="our async sides with engines behind HTTP: [rl] rollout_worker")
     ap.add_argument("--json", action="store_true", help="print one JSON object (default: a readable table)")
     ap.add_argument("--out", default=None, help="also write the JSON object to this file")
     ap.add_argument("--workdir", default=None, help="keep each side's outputs (logs, metrics.jsonl) here")
