@@ -80,7 +80,7 @@ def _fsdp_rank(rank: int, world: int, port: int, out: str) -> None:
         params = full_params(comp)
     if rank == 0:
         torch.save({"losses": losses, "params": params}, out)
-    dist.destroy_process_group()
+    _close_group(dist)
 
 
 def _fsdp_sync_rank(rank: int, world: int, port: int, out: str) -> None:
@@ -118,6 +118,14 @@ def _fsdp_sync_rank(rank: int, world: int, port: int, out: str) -> None:
                                                            bucket_size=BUCKET, num_ranks=world, rank=rank))
                                    for s in range(3)]
         torch.save(result, out)
+    _close_group(dist)
+
+
+def _close_group(dist) -> None:
+    """Both ranks reach the teardown together: a rank that tears its gloo pairs down while the other is still
+    writing results (rank 0 saves) can abort with "terminate called without an active exception" (seen once in a
+    full-suite run under load)."""
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -168,7 +176,7 @@ def _gae_rank(rank: int, world: int, port: int, out: str) -> None:
         params = {"policy": full_params(policy), "critic": full_params(critic)}
     if rank == 0:
         torch.save({"metrics": metrics, "params": params}, out)
-    dist.destroy_process_group()
+    _close_group(dist)
 
 
 def main(argv: list[str]) -> None:
