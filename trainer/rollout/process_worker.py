@@ -193,10 +193,12 @@ def _take_spare() -> tuple[Any, Any] | None:
 def _child_main(conn: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it checkpoints, then closes us
     try:
+        # The slow imports, before the recipe arrives: unpickling its tokenizer needs transformers' tokenizer backend.
         import torch
+        import transformers.tokenization_utils_tokenizers  # noqa: F401
         import trio
 
-        import trainer.rollout.manager  # noqa: F401 - the slow imports, before the recipe arrives
+        import trainer.rollout.manager  # noqa: F401
 
         try:
             kind, recipe = conn.recv()
