@@ -237,15 +237,21 @@ def test_torchrun_two_ranks_share_rollouts_and_sync_from_rank0(tmp_path):
     assert proc.stdout.count("| after RL |") == 1
 
 
-def test_sigint_writes_a_checkpoint_and_resume_finishes_the_run(tmp_path):
-    """A real Ctrl-C (SIGINT) mid-GRPO: exit code 130 with a checkpoint; `--resume` then completes the run."""
+ASYNC_PROCESS = ("--set", "rl.async_rollout=true", "--set", "engines.in_process=false",
+                 "--set", "rl.rollout_worker=\"process\"")
+
+
+@pytest.mark.parametrize("extra", [(), ASYNC_PROCESS], ids=["sync", "async-rollout-process"])
+def test_sigint_writes_a_checkpoint_and_resume_finishes_the_run(tmp_path, extra):
+    """A real Ctrl-C (SIGINT) mid-GRPO: exit code 130 with a checkpoint; `--resume` then completes the run. Also
+    with async generation from a rollout process (which ignores SIGINT: the trainer checkpoints, then closes it)."""
     import signal
     import time
 
     out = tmp_path / "run"
     args = ["rl", "--config", "configs/demo.toml", "--set", f"output_dir=\"{out}\"", "--set", "rl.num_steps=40",
             "--set", "rl.rollout.rollout_batch_size=2", "--set", "rl.rollout.n_samples_per_prompt=2",
-            "--set", "eval.limit=4"]
+            "--set", "eval.limit=4", *extra]
     env = {"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
     # The run gets Ctrl-C's default disposition whatever pytest was started with: a shell that starts a background
     # job without job control (`make test &` in a script) ignores SIGINT for it, and exec keeps that.
