@@ -51,6 +51,7 @@ from engines.protocol import (
 
 SHARD_CONNECTIONS = 8  # connections per pooled client (SGLangEngine._shards says why)
 
+
 def _sampling_dict(params: SamplingParams, *, n: int, seed: int | None) -> dict:
     sp = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
           "max_new_tokens": params.max_new_tokens, "stop_token_ids": list(params.stop_token_ids), "n": n,

@@ -1,10 +1,11 @@
 """The async rollout's client side in a process of its own ([rl] rollout_worker = "process").
 
 Why a process: the client side of generation is Python — building requests, parsing responses into Samples,
-scoring rewards, the connection pool — about 0.25 s of CPU per batch of 512 short samples on the 2-core machine
-(measured with the embedded engine behind HTTP). In the trainer's process (the "thread" worker) it holds the same
-GIL as the training step, whose own Python (module calls, optimizer, bookkeeping) is most of a small model's step:
-the two serialize, and generation ahead of training gains ~10 % instead of hiding generation. Here the child has
+scoring rewards, the connection pool — about 0.1 s of CPU per batch of 512 short samples on the 2-core machine
+(0.4 s before the engine client's pools were split; measured with the embedded engine behind HTTP). In the
+trainer's process (the "thread" worker) it holds the same GIL as the training step, whose own Python (module
+calls, optimizer, bookkeeping) is most of a small model's step: the two serialize, and async generation on separate
+cores measured 0.94x sync with the thread worker, 1.16x with this process (docs/results.md). Here the child has
 its own interpreter, and one long-lived event loop, so its pooled connections to the engines live across batches.
 
 The child generates exactly what the thread worker would, with the same code (AsyncRolloutManager over the same
@@ -39,8 +40,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from trainer.types import RolloutBatch, Sample
-
-PARTS = ("data_buffer", "rollout_manager")  # the names ResumePoints keeps them under (trainer.rl)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +89,6 @@ class RolloutProcess:
         self._poll_s = poll_s
         self._send("recipe", recipe)
         self._ready: dict[int, tuple[RolloutBatch, dict[str, Any]]] = {}  # step -> (batch, snapshot)
-        self._paused = False
         self._closed = False
 
     def _send(self, *msg: Any) -> None:
@@ -278,6 +276,7 @@ async def _serve(conn: Any, recipe: RolloutRecipe) -> None:
                     apply(await inbox.receive())
                 manager.set_weight_version(ctl["version"])
                 batch = await manager.generate_batch(buffer)
+                # under the names trainer.rl's ResumePoints keeps them by
                 snapshot = {"data_buffer": buffer.state_dict(), "rollout_manager": manager.state_dict()}
                 conn.send(("batch", step, batch, snapshot))
                 step += 1
