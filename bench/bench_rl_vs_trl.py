@@ -70,13 +70,21 @@ SIDES = ("trl", "ours-sync", "ours-sync-http", "ours-async", "ours-async-http", 
 # Our sides: (async_rollout, engines.in_process). None keeps the config's choice (the demo: one in-process engine);
 # "ours-sync-http" / "ours-async-http" run the same work through the embedded engine as its own process behind
 # HTTP (on the shared cores; --rollout-worker picks where the client side runs). The
-# "-disaggregated" sides give the engine process and the trainer a core each (DISAGGREGATED: config only), a
-# stand-in for engines and trainer on separate GPUs; their async side runs [rl] max_staleness (--max-staleness) steps
-# ahead.
+# "-disaggregated" sides give the engine process and the trainer their own cores (`disaggregated_overrides`: config
+# only; --engine-cpus / --trainer-cpus, cores 0 and 1 by default), a stand-in for engines and trainer on separate
+# GPUs; their async side runs [rl] max_staleness (--max-staleness) steps ahead.
 OURS = {"ours-sync": (False, None), "ours-sync-http": (False, False), "ours-async": (True, None),
         "ours-async-http": (True, False),
         "ours-sync-disaggregated": (False, False), "ours-async-disaggregated": (True, False)}
-DISAGGREGATED = ("engines.fleet=[{kind = \"embedded\", cpus = [0]}]", "trainer.cpus=[1]", "trainer.rollout_cpus=[0]")
+
+
+def disaggregated_overrides(engine_cpus: tuple[int, ...], trainer_cpus: tuple[int, ...]) -> tuple[str, ...]:
+    """The --set overrides that pin the engine process (and the rollout client beside it) to `engine_cpus` and the
+    trainer to `trainer_cpus`."""
+    assert engine_cpus and trainer_cpus and not set(engine_cpus) & set(trainer_cpus), (engine_cpus, trainer_cpus)
+    eng = ", ".join(map(str, engine_cpus))
+    return (f"engines.fleet=[{{kind = \"embedded\", cpus = [{eng}]}}]",
+            f"trainer.cpus=[{', '.join(map(str, trainer_cpus))}]", f"trainer.rollout_cpus=[{eng}]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +105,8 @@ class BenchConfig:
     max_staleness: int = 1  # ours, async: [rl] max_staleness (generation runs this many steps ahead)
     update_in_flight: bool = False  # ours, async: [rl] update_in_flight (syncs land while a batch generates)
     rollout_worker: str = "thread"  # ours, async, engines behind HTTP: [rl] rollout_worker ("thread" | "process")
+    engine_cpus: tuple[int, ...] = (0,)  # the "-disaggregated" sides: the engine process's cores
+    trainer_cpus: tuple[int, ...] = (1,)  # ... and the trainer's
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens"):
@@ -134,7 +144,7 @@ def run_config(bc: BenchConfig, output_dir: str | Path, *, async_rollout: bool =
     if in_process is False and async_rollout:  # engines behind HTTP: the client side may run in its own process
         over.append(f"rl.rollout_worker={json.dumps(bc.rollout_worker)}")  # (synchronous: in the step's thread)
     if disaggregated:
-        over.extend(DISAGGREGATED)
+        over.extend(disaggregated_overrides(tuple(bc.engine_cpus), tuple(bc.trainer_cpus)))
     return load_run_config(bc.config, over, mode="rl")
 
 
@@ -431,6 +441,11 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def cpu_list(text: str) -> tuple[int, ...]:
+    """"0,8" -> (0, 8)."""
+    return tuple(int(c) for c in text.split(",") if c.strip())
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=BenchConfig.steps)
@@ -445,6 +460,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--update-in-flight", action="store_true", help="our async sides: [rl] update_in_flight")
     ap.add_argument("--rollout-worker", choices=("thread", "process"), default="thread",
                     help="our async sides with engines behind HTTP: [rl] rollout_worker")
+    ap.add_argument("--engine-cpus", default="0", help="the disaggregated sides: the engine's cores, e.g. 0 or 0,8")
+    ap.add_argument("--trainer-cpus", default="1", help="the disaggregated sides: the trainer's cores")
     ap.add_argument("--json", action="store_true", help="print one JSON object (default: a readable table)")
     ap.add_argument("--out", default=None, help="also write the JSON object to this file")
     ap.add_argument("--workdir", default=None, help="keep each side's outputs (logs, metrics.jsonl) here")
@@ -465,7 +482,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     bc = BenchConfig(steps=args.steps, prompts_per_step=args.prompts_per_step, group_size=args.group_size,
                      eval_limit=args.eval_limit, model=args.model, max_staleness=args.max_staleness,
-                     update_in_flight=args.update_in_flight, rollout_worker=args.rollout_worker)
+                     update_in_flight=args.update_in_flight, rollout_worker=args.rollout_worker,
+                     engine_cpus=cpu_list(args.engine_cpus), trainer_cpus=cpu_list(args.trainer_cpus))
     sides = tuple(s.strip() for s in args.sides.split(",") if s.strip())
     if args.seeds < 1:
         ap.error("--seeds must be >= 1")
