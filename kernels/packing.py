@@ -138,7 +138,18 @@ def cu_seqlens_from_lengths(lengths: Lengths, device: torch.device | str | None 
         cu.append(cu[-1] + n)
     if cu[-1] >= 2**31:
         raise ValueError(f"sum(lengths) = {cu[-1]} does not fit int32 cu_seqlens; pack fewer tokens per row")
-    return torch.tensor(cu, dtype=torch.int32, device=device)
+    return host_ints_to(cu, device)
+
+
+def host_ints_to(values: Sequence[int], device: torch.device | str | None,
+                 dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """A host list of ints as a tensor on `device`, without a host sync: `torch.tensor(values, device="cuda")` is a
+    blocking copy from pageable memory (it trips `set_sync_debug_mode("error")`); from pinned memory the copy is
+    queued on the current stream and the caching host allocator keeps the pinned block until it has run."""
+    host = torch.tensor(values, dtype=dtype)
+    if device is None or torch.device(device).type != "cuda":
+        return host if device is None else host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _kernel_view(t: torch.Tensor) -> torch.Tensor:
@@ -199,7 +210,7 @@ def _pack_fwd(padded: torch.Tensor, lens: list[int], total: int, fill: float) ->
         return flat
     if backend_for(padded) == "triton":
         D = int(torch.Size(padded.shape[2:]).numel())
-        len_t = torch.tensor(lens, dtype=torch.int32, device=padded.device)
+        len_t = host_ints_to(lens, padded.device)
         cu = cu_seqlens_from_lengths(lens, padded.device)
         BLOCK_T, BLOCK_D, warps = _copy_tiles(D)
         _pack_kernel[(B, triton.cdiv(L, BLOCK_T))](
@@ -207,7 +218,7 @@ def _pack_fwd(padded: torch.Tensor, lens: list[int], total: int, fill: float) ->
             num_warps=warps,
         )
     else:
-        keep = torch.arange(L, device=padded.device)[None, :] < torch.tensor(lens, device=padded.device)[:, None]
+        keep = torch.arange(L, device=padded.device)[None, :] < host_ints_to(lens, padded.device, torch.int64)[:, None]
         flat[:T] = padded[keep]
     return flat
 
@@ -219,7 +230,7 @@ def _unpack_fwd(flat: torch.Tensor, lens: list[int], max_len: int, fill: float) 
         return padded
     if backend_for(flat) == "triton":
         D = int(torch.Size(flat.shape[1:]).numel())
-        len_t = torch.tensor(lens, dtype=torch.int32, device=flat.device)
+        len_t = host_ints_to(lens, flat.device)
         cu = cu_seqlens_from_lengths(lens, flat.device)
         BLOCK_T, BLOCK_D, warps = _copy_tiles(D)
         _unpack_kernel[(B, triton.cdiv(max_len, BLOCK_T))](
@@ -229,7 +240,8 @@ def _unpack_fwd(flat: torch.Tensor, lens: list[int], max_len: int, fill: float) 
         )
     else:
         padded.fill_(_fill_for(flat.dtype, fill))
-        keep = torch.arange(max_len, device=flat.device)[None, :] < torch.tensor(lens, device=flat.device)[:, None]
+        lens_t = host_ints_to(lens, flat.device, torch.int64)
+        keep = torch.arange(max_len, device=flat.device)[None, :] < lens_t[:, None]
         padded[keep] = flat[: sum(lens)]
     return padded
 

@@ -10,7 +10,9 @@ import torch
 
 from engines.embedded.launch import EngineProcess
 from engines.embedded.presets import build_tiny_model
+from engines.local import LocalEngine
 from engines.sglang import SGLangEngine
+from engines.weight_sync import wire as wire_mod
 from engines.weight_sync.wire import WeightSyncError, create_slots, device_identity, is_colocated, open_slots
 from trainer.weight_sync import WeightSyncSender, verify_sync
 
@@ -136,3 +138,36 @@ def test_colocated_sync_on_one_gpu_uses_cuda_ipc_slots():
             res = verify_sync(trainer, [eng], PROBES, expected_version=step + 1)
             assert res.ok, res
         sender.close()
+
+
+@pytest.mark.gpu
+def test_colocated_sync_on_one_gpu_with_an_in_process_engine():
+    """The demo's one-GPU layout: the engine in the trainer's process on the same GPU. CUDA cannot open an IPC handle
+    in the process that made it, so the engine takes the trainer's own slot tensors and events (the first GPU demo
+    failed at this attach with "invalid device context")."""
+    trainer = build_tiny_model(SEED).cuda()
+    eng = LocalEngine("tiny", seed=SEED, device="cuda", dtype=torch.float32)
+    try:
+        sender = WeightSyncSender(trainer, [eng], timeout_s=120, bucket_bytes=20 << 10)
+        sender.init_group()
+        assert sender.colocated == [0] and sender._events is not None
+        for step in range(2):
+            train_step(trainer, seed=step)
+            assert sender.sync() == step + 1
+            res = verify_sync(trainer, [eng], PROBES, expected_version=step + 1)
+            assert res.ok, res
+        sender.close()
+    finally:
+        eng.close()
+
+
+def test_handles_made_here_give_back_the_object_and_a_dropped_one_is_an_error():
+    """What the in-process engine relies on, on the CPU: a handle from this process yields the very object; one from
+    another process yields None (the IPC path opens it); a handle whose object the trainer dropped names the fix."""
+    t = torch.randn(7)
+    key = wire_mod._share_here(t)
+    assert wire_mod._shared_here({"pid": os.getpid()}, key, "CUDA tensor") is t
+    assert wire_mod._shared_here({"pid": os.getpid() + 1}, key, "CUDA tensor") is None
+    gone = wire_mod._share_here(torch.randn(3))  # no reference kept: the weak entry is gone
+    with pytest.raises(ValueError, match="re-run init_group"):
+        wire_mod._shared_here({"pid": os.getpid()}, gone, "CUDA tensor")

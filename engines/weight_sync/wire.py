@@ -36,6 +36,7 @@ import struct
 import tempfile
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -58,6 +59,28 @@ ALIGN = 64  # every tensor starts at a 64-byte offset in its bucket, so byte vie
 # Python (and the group is aborted) before NCCL's watchdog would tear the whole trainer process down.
 NCCL_TIMEOUT_MARGIN_S = 120.0
 SHM_DIR = "/dev/shm"
+# CUDA tensors and IPC events this process shared (ipc_handle_to_wire, create_slots), by a random key in their
+# handles. An engine in the trainer's own process (engines.local) takes them from here: CUDA cannot open an IPC
+# handle in the process that created it (cudaIpcOpenMemHandle fails with "invalid device context"), and there is
+# nothing to open: the objects are at hand. Weak: an entry lives as long as the trainer holds the tensor or event.
+_SHARED_HERE: weakref.WeakValueDictionary[str, object] = weakref.WeakValueDictionary()
+
+
+def _share_here(obj: object) -> str:
+    key = uuid.uuid4().hex
+    _SHARED_HERE[key] = obj
+    return key
+
+
+def _shared_here(wire: dict, key: str | None, what: str) -> object | None:
+    """The object behind a handle made by this very process, or None for another process's handle."""
+    if wire.get("pid") != os.getpid() or key is None:
+        return None
+    obj = _SHARED_HERE.get(key)
+    if obj is None:
+        raise ValueError(f"{what}: the handle names a {what} of this process that no longer exists (the trainer "
+                         f"dropped its slots); re-run init_group()")
+    return obj
 
 
 class WeightSyncError(RuntimeError):
@@ -335,7 +358,8 @@ def create_slots(nbytes: int, device: torch.device, n: int = 2) -> tuple[list[to
         slots = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(n)]
         events = [[torch.cuda.Event(interprocess=True) for _ in range(2)] for _ in range(n)]
         wire = {"kind": "cuda_ipc", "nbytes": nbytes, "slots": [ipc_handle_to_wire(s) for s in slots],
-                "events": [[base64.b64encode(e.ipc_handle()).decode() for e in pair] for pair in events]}
+                "events": [[base64.b64encode(e.ipc_handle()).decode() for e in pair] for pair in events],
+                "pid": os.getpid(), "event_keys": [[_share_here(e) for e in pair] for pair in events]}
         return slots, [], {"wire": wire, "events": events}
     if not os.path.isdir(SHM_DIR):
         raise WeightSyncError(f"colocated CPU sync needs {SHM_DIR}; use transport='broadcast'")
@@ -367,8 +391,11 @@ def open_slots(wire: dict, device: torch.device) -> tuple[list[torch.Tensor], li
         if device.type != "cuda":
             raise ValueError("CUDA IPC slots need a CUDA engine; this engine runs on CPU")
         slots = [ipc_handle_from_wire(h) for h in wire["slots"]]
-        events = [tuple(torch.cuda.Event.from_ipc_handle(device, base64.b64decode(e)) for e in pair)
-                  for pair in wire["events"]]
+        if wire.get("pid") == os.getpid():  # an engine in the trainer's process: its own event objects
+            events = [tuple(_shared_here(wire, k, "CUDA event") for k in pair) for pair in wire["event_keys"]]
+        else:
+            events = [tuple(torch.cuda.Event.from_ipc_handle(device, base64.b64decode(e)) for e in pair)
+                      for pair in wire["events"]]
         return slots, events
     raise ValueError(f"slots kind={kind!r}: expected 'shm' (CPU) or 'cuda_ipc' (GPU)")
 
@@ -488,11 +515,15 @@ def ipc_handle_to_wire(tensor: torch.Tensor) -> dict:
             enc.append({"tuple": list(a)})
         else:
             enc.append(a)
-    return {"args": enc}
+    return {"args": enc, "pid": os.getpid(), "key": _share_here(tensor)}
 
 
 def ipc_handle_from_wire(wire: dict) -> torch.Tensor:
-    """Inverse of ipc_handle_to_wire, in the engine process (same GPU). Only torch classes are resolved."""
+    """Inverse of ipc_handle_to_wire, in the engine process (same GPU), or the tensor itself when that process is
+    this one (an in-process engine). Only torch classes are resolved."""
+    mine = _shared_here(wire, wire.get("key"), "CUDA tensor")
+    if mine is not None:
+        return mine
     args = []
     for a in wire["args"]:
         if isinstance(a, dict) and "b64" in a:
