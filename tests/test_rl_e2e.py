@@ -223,9 +223,11 @@ def test_train_on_batch_trains_exactly_on_the_scored_samples():
     assert grads[0] == pytest.approx(grads[1], rel=1e-6) and grads[0] > 0
 
 
-def test_lagging_engines_get_recomputed_old_logprobs(monkeypatch):
-    """sync_every > 1: the samples come from weights older than the trainer's, so the step recomputes old
-    log-probs (and the correction defaults to TIS); a synchronous on-policy step does not."""
+def test_old_logprobs_take_a_forward_of_their_own_only_with_several_epochs(monkeypatch):
+    """pi_old is the weights at the start of the step. With one epoch (one optimizer step per batch) those are the
+    update's own forward, also when the engines lag (sync_every > 1: the correction defaults to TIS): no separate
+    forward, and the step's numbers equal those of a step that does recompute them (forced here) to float32
+    rounding. ppo_epochs = 2 moves the policy between epochs, so it recomputes."""
     import trainer.rl as rl
 
     calls = []
@@ -234,13 +236,34 @@ def test_lagging_engines_get_recomputed_old_logprobs(monkeypatch):
     g = torch.Generator().manual_seed(1)
     samples = [dataclasses.replace(s, rollout_logprobs=(-torch.rand(2, generator=g)).tolist())
                for s in _scored_group(0, [0.0, 1.0, 0.5, 0.2])]
-    for sync_every, recomputed in ((1, False), (2, True)):
+
+    def step(cfg, force_old=None):
+        if force_old is not None:
+            monkeypatch.setattr(rl, "needs_old_logprobs", lambda c: force_old)
         calls.clear()
-        cfg = _config("/tmp/unused", sync_every=sync_every)
         tcfg = trainer_config_from(cfg, compile=False)
+        torch.manual_seed(3)  # the same initial weights on every call
         comp = build_components(tiny_model_config("llama"), tcfg)
         metrics, _ = rl.train_on_batch(comp, rl.TrainingState(), RolloutBatch(samples=samples), cfg, tcfg,
                                        pad_id=TOK.pad_token_id)
-        assert bool(calls) == recomputed, sync_every
-        assert ("mismatch/tis_weight_mean" in metrics) == recomputed  # "tis" only off-policy
+        monkeypatch.setattr(rl, "needs_old_logprobs", real_needs)
+        weights = [p.detach() for p in comp.model.parameters()]  # FSDP2: DTensors
+        weights = [w.full_tensor() if hasattr(w, "full_tensor") else w for w in weights]
+        return metrics, bool(calls), torch.cat([w.flatten() for w in weights])
+
+    real_needs = rl.needs_old_logprobs
+    for sync_every in (1, 2):
+        metrics, recomputed, _ = step(_config("/tmp/unused", sync_every=sync_every))
+        assert not recomputed, sync_every
+        assert ("mismatch/tis_weight_mean" in metrics) == (sync_every > 1)  # "tis" only off-policy
         assert "mismatch/logprob_abs_diff_mean" in metrics  # logged every step: the engine returned log-probs
+    lagging = _config("/tmp/unused", sync_every=2)
+    fast, _, w_fast = step(lagging)
+    slow, recomputed, w_slow = step(lagging, force_old=True)
+    assert recomputed
+    for key in ("loss", "grad_norm", "mismatch/tis_weight_mean", "mismatch/tis_clip_frac", "mismatch/kl_k3",
+                "mismatch/logprob_abs_diff_mean"):
+        assert fast[key] == pytest.approx(slow[key], rel=1e-5, abs=1e-6), key
+    assert torch.allclose(w_fast, w_slow, rtol=0, atol=1e-6)  # the same update
+    _, recomputed, _ = step(_config("/tmp/unused", ppo_epochs=2))
+    assert recomputed

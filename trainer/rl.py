@@ -10,8 +10,10 @@ new weights every `sync_every` steps by broadcast or shared memory (engines.weig
 only when the caller passes a trainer.weight_sync.DiskWeightSync as `sender` (the CLI's opt-in [engines] sync =
 "disk"). In async mode the batch of step n+1 is generated (in a worker thread, by the engine processes) while step n
 trains; the weights that generated it lag by at most `rollout.max_staleness` versions. Whenever the engines may lag
-(async, or sync_every > 1) the trainer recomputes old log-probs (`compute_logprobs`) and the loss's off-policy
-correction ([rl.loss] rollout_correction, "tis" by default there) weights each token by the engine-vs-trainer ratio.
+(async, or sync_every > 1) the loss's off-policy correction ([rl.loss] rollout_correction, "tis" by default there)
+weights each token by the engine-vs-trainer ratio; the trainer side of that ratio is pi_old, the weights at the start
+of the step, which with one optimizer step per batch are the weights of the update's own forward (old log-probs are
+recomputed by a separate forward only for ppo_epochs > 1).
 The engine-vs-trainer mismatch metrics (mismatch/*) are logged on every step where the engine returned its
 log-probs.
 """
@@ -119,14 +121,16 @@ def trained_samples(samples: Sequence[Sample], estimator: str, *,
 
 
 def needs_old_logprobs(config: RLTrainingConfig) -> bool:
-    """Whether the trainer recomputes old log-probs before the update.
+    """Whether the trainer recomputes old log-probs (pi_old: the weights at the start of this step) in a forward
+    of their own before the update.
 
-    With ppo_epochs > 1 the policy moves between the epochs, and when the engines lag (async rollouts,
-    sync_every > 1) the samples come from older weights: the loss's ratio and the engine-vs-trainer metrics then
-    take pi_old from the weights at the start of this step. Otherwise old = the current log-probs, detached,
-    inside the loss (one forward fewer, the same numbers).
+    Only with ppo_epochs > 1, where the policy moves between the epochs. With one epoch the batch's one optimizer
+    step comes after every micro-batch's forward, so pi_old is the update's own forward: the loss takes old = the
+    current log-probs, detached (one forward fewer, the same numbers, as TRL does for num_iterations = 1). That holds
+    when the engines lag too (async rollouts, sync_every > 1): the samples come from older weights, and the loss's
+    rollout correction and the engine-vs-trainer metrics compare the engine's log-probs with pi_old all the same.
     """
-    return config.ppo_epochs > 1 or config.off_policy
+    return config.ppo_epochs > 1
 
 
 def _batch_metrics(batch: RolloutBatch) -> dict[str, float]:
