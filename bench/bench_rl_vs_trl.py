@@ -484,6 +484,9 @@ def main(argv: list[str] | None = None) -> None:
                      eval_limit=args.eval_limit, model=args.model, max_staleness=args.max_staleness,
                      update_in_flight=args.update_in_flight, rollout_worker=args.rollout_worker,
                      engine_cpus=cpu_list(args.engine_cpus), trainer_cpus=cpu_list(args.trainer_cpus))
+    if not bc.engine_cpus or not bc.trainer_cpus or set(bc.engine_cpus) & set(bc.trainer_cpus):
+        ap.error(f"--engine-cpus {args.engine_cpus} --trainer-cpus {args.trainer_cpus}: give each side at least one "
+                 f"core, and no core to both")
     sides = tuple(s.strip() for s in args.sides.split(",") if s.strip())
     if args.seeds < 1:
         ap.error("--seeds must be >= 1")

@@ -165,9 +165,11 @@ def test_handles_made_here_give_back_the_object_and_a_dropped_one_is_an_error():
     """What the in-process engine relies on, on the CPU: a handle from this process yields the very object; one from
     another process yields None (the IPC path opens it); a handle whose object the trainer dropped names the fix."""
     t = torch.randn(7)
-    key = wire_mod._share_here(t)
-    assert wire_mod._shared_here({"pid": os.getpid()}, key, "CUDA tensor") is t
-    assert wire_mod._shared_here({"pid": os.getpid() + 1}, key, "CUDA tensor") is None
+    key, here = wire_mod._share_here(t), {"process": wire_mod._PROCESS, "pid": os.getpid()}
+    assert wire_mod._shared_here(here, key, "CUDA tensor") is t
+    # another process, even one with our pid (another PID namespace): None, the IPC path opens it
+    assert wire_mod._shared_here({"process": "another", "pid": os.getpid()}, key, "CUDA tensor") is None
+    assert wire_mod._shared_here({}, key, "CUDA tensor") is None  # an older trainer's handle
     gone = wire_mod._share_here(torch.randn(3))  # no reference kept: the weak entry is gone
     with pytest.raises(ValueError, match="re-run init_group"):
-        wire_mod._shared_here({"pid": os.getpid()}, gone, "CUDA tensor")
+        wire_mod._shared_here(here, gone, "CUDA tensor")

@@ -223,11 +223,13 @@ def test_train_on_batch_trains_exactly_on_the_scored_samples():
     assert grads[0] == pytest.approx(grads[1], rel=1e-6) and grads[0] > 0
 
 
-def test_old_logprobs_take_a_forward_of_their_own_only_with_several_epochs(monkeypatch):
+@pytest.mark.parametrize("objective,correction", [("ppo", None), ("gspo", "mis"), ("cispo", "tis")])
+def test_old_logprobs_take_a_forward_of_their_own_only_with_several_epochs(monkeypatch, objective, correction):
     """pi_old is the weights at the start of the step. With one epoch (one optimizer step per batch) those are the
     update's own forward, also when the engines lag (sync_every > 1: the correction defaults to TIS): no separate
     forward, and the step's numbers equal those of a step that does recompute them (forced here) to float32
-    rounding. ppo_epochs = 2 moves the policy between epochs, so it recomputes."""
+    rounding, over several micro-batches, for each objective and correction. ppo_epochs = 2 moves the policy
+    between epochs, so it recomputes."""
     import trainer.rl as rl
 
     calls = []
@@ -235,7 +237,11 @@ def test_old_logprobs_take_a_forward_of_their_own_only_with_several_epochs(monke
     monkeypatch.setattr(rl, "compute_logprobs", lambda comp, mbs: calls.append(len(mbs)) or real(comp, mbs))
     g = torch.Generator().manual_seed(1)
     samples = [dataclasses.replace(s, rollout_logprobs=(-torch.rand(2, generator=g)).tolist())
-               for s in _scored_group(0, [0.0, 1.0, 0.5, 0.2])]
+               for s in _scored_group(0, [0.0, 1.0, 0.5, 0.2]) + _scored_group(1, [0.3, 0.9, 0.1, 0.6])]
+    loss = {"objective": objective, **({"rollout_correction": correction} if correction else {})}
+
+    def config(**kw):  # 8-token micro-batches: the step's two groups take several
+        return _config("/tmp/unused", loss=loss, token_budget=8, micro_batch_buckets=4, **kw)
 
     def step(cfg, force_old=None):
         if force_old is not None:
@@ -253,17 +259,20 @@ def test_old_logprobs_take_a_forward_of_their_own_only_with_several_epochs(monke
 
     real_needs = rl.needs_old_logprobs
     for sync_every in (1, 2):
-        metrics, recomputed, _ = step(_config("/tmp/unused", sync_every=sync_every))
+        metrics, recomputed, _ = step(config(sync_every=sync_every))
         assert not recomputed, sync_every
-        assert ("mismatch/tis_weight_mean" in metrics) == (sync_every > 1)  # "tis" only off-policy
+        corrected = correction is not None or sync_every > 1  # unset: "tis" only off-policy
+        assert ("mismatch/tis_weight_mean" in metrics) == corrected
         assert "mismatch/logprob_abs_diff_mean" in metrics  # logged every step: the engine returned log-probs
-    lagging = _config("/tmp/unused", sync_every=2)
+    lagging = config(sync_every=2)
     fast, _, w_fast = step(lagging)
+    n_calls = len(calls)
     slow, recomputed, w_slow = step(lagging, force_old=True)
-    assert recomputed
-    for key in ("loss", "grad_norm", "mismatch/tis_weight_mean", "mismatch/tis_clip_frac", "mismatch/kl_k3",
-                "mismatch/logprob_abs_diff_mean"):
+    assert recomputed and n_calls == 0 and calls[0] >= 2, calls  # several micro-batches
+    keys = [k for k in slow if k in ("loss", "grad_norm") or k.startswith("mismatch/")]
+    assert {"loss", "grad_norm", "mismatch/tis_weight_mean", "mismatch/kl_k3"} <= set(keys) and set(keys) <= set(fast)
+    for key in keys:
         assert fast[key] == pytest.approx(slow[key], rel=1e-5, abs=1e-6), key
     assert torch.allclose(w_fast, w_slow, rtol=0, atol=1e-6)  # the same update
-    _, recomputed, _ = step(_config("/tmp/unused", ppo_epochs=2))
+    _, recomputed, _ = step(config(ppo_epochs=2))
     assert recomputed

@@ -63,7 +63,19 @@ SHM_DIR = "/dev/shm"
 # handles. An engine in the trainer's own process (engines.local) takes them from here: CUDA cannot open an IPC
 # handle in the process that created it (cudaIpcOpenMemHandle fails with "invalid device context"), and there is
 # nothing to open: the objects are at hand. Weak: an entry lives as long as the trainer holds the tensor or event.
+# "This process" is a random token, not the pid: pids repeat across PID namespaces (an engine in another container
+# on the same GPU can have the trainer's pid), and a forked child gets a token of its own.
 _SHARED_HERE: weakref.WeakValueDictionary[str, object] = weakref.WeakValueDictionary()
+_PROCESS = uuid.uuid4().hex
+
+
+def _new_process_token() -> None:
+    global _PROCESS
+    _PROCESS = uuid.uuid4().hex
+    _SHARED_HERE.clear()  # the parent's objects are not this child's
+
+
+os.register_at_fork(after_in_child=_new_process_token)
 
 
 def _share_here(obj: object) -> str:
@@ -74,7 +86,7 @@ def _share_here(obj: object) -> str:
 
 def _shared_here(wire: dict, key: str | None, what: str) -> object | None:
     """The object behind a handle made by this very process, or None for another process's handle."""
-    if wire.get("pid") != os.getpid() or key is None:
+    if wire.get("process") != _PROCESS or key is None:
         return None
     obj = _SHARED_HERE.get(key)
     if obj is None:
@@ -359,7 +371,7 @@ def create_slots(nbytes: int, device: torch.device, n: int = 2) -> tuple[list[to
         events = [[torch.cuda.Event(interprocess=True) for _ in range(2)] for _ in range(n)]
         wire = {"kind": "cuda_ipc", "nbytes": nbytes, "slots": [ipc_handle_to_wire(s) for s in slots],
                 "events": [[base64.b64encode(e.ipc_handle()).decode() for e in pair] for pair in events],
-                "pid": os.getpid(), "event_keys": [[_share_here(e) for e in pair] for pair in events]}
+                "process": _PROCESS, "event_keys": [[_share_here(e) for e in pair] for pair in events]}
         return slots, [], {"wire": wire, "events": events}
     if not os.path.isdir(SHM_DIR):
         raise WeightSyncError(f"colocated CPU sync needs {SHM_DIR}; use transport='broadcast'")
@@ -391,7 +403,7 @@ def open_slots(wire: dict, device: torch.device) -> tuple[list[torch.Tensor], li
         if device.type != "cuda":
             raise ValueError("CUDA IPC slots need a CUDA engine; this engine runs on CPU")
         slots = [ipc_handle_from_wire(h) for h in wire["slots"]]
-        if wire.get("pid") == os.getpid():  # an engine in the trainer's process: its own event objects
+        if wire.get("process") == _PROCESS:  # an engine in the trainer's process: its own event objects
             events = [tuple(_shared_here(wire, k, "CUDA event") for k in pair) for pair in wire["event_keys"]]
         else:
             events = [tuple(torch.cuda.Event.from_ipc_handle(device, base64.b64decode(e)) for e in pair)
@@ -515,7 +527,7 @@ def ipc_handle_to_wire(tensor: torch.Tensor) -> dict:
             enc.append({"tuple": list(a)})
         else:
             enc.append(a)
-    return {"args": enc, "pid": os.getpid(), "key": _share_here(tensor)}
+    return {"args": enc, "process": _PROCESS, "key": _share_here(tensor)}
 
 
 def ipc_handle_from_wire(wire: dict) -> torch.Tensor:
