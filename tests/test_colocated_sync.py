@@ -124,20 +124,25 @@ def test_two_colocated_engines_share_the_slots():
         sender.close()
 
 
+def _two_colocated_cuda_syncs(trainer, eng) -> None:
+    """Two train steps, each synced through the colocated CUDA slots and verified on the engine."""
+    sender = WeightSyncSender(trainer, [eng], timeout_s=120, bucket_bytes=20 << 10)
+    sender.init_group()
+    assert sender.colocated == [0] and sender._events is not None  # same GPU UUID: CUDA slots and events
+    for step in range(2):
+        train_step(trainer, seed=step)
+        assert sender.sync() == step + 1
+        res = verify_sync(trainer, [eng], PROBES, expected_version=step + 1)
+        assert res.ok, res
+    sender.close()
+
+
 @pytest.mark.gpu
 def test_colocated_sync_on_one_gpu_uses_cuda_ipc_slots():
     trainer = build_tiny_model(SEED).cuda()
     with EngineProcess("tiny", seed=SEED, extra_args=("--device", "cuda", "--dtype", "float32")) as proc:
         eng = SGLangEngine(proc.url, timeout_s=120)
-        sender = WeightSyncSender(trainer, [eng], timeout_s=120, bucket_bytes=20 << 10)
-        sender.init_group()
-        assert sender.colocated == [0] and sender._events is not None  # same GPU UUID: IPC handles and events
-        for step in range(2):
-            train_step(trainer, seed=step)
-            assert sender.sync() == step + 1
-            res = verify_sync(trainer, [eng], PROBES, expected_version=step + 1)
-            assert res.ok, res
-        sender.close()
+        _two_colocated_cuda_syncs(trainer, eng)
 
 
 @pytest.mark.gpu
@@ -148,15 +153,7 @@ def test_colocated_sync_on_one_gpu_with_an_in_process_engine():
     trainer = build_tiny_model(SEED).cuda()
     eng = LocalEngine("tiny", seed=SEED, device="cuda", dtype=torch.float32)
     try:
-        sender = WeightSyncSender(trainer, [eng], timeout_s=120, bucket_bytes=20 << 10)
-        sender.init_group()
-        assert sender.colocated == [0] and sender._events is not None
-        for step in range(2):
-            train_step(trainer, seed=step)
-            assert sender.sync() == step + 1
-            res = verify_sync(trainer, [eng], PROBES, expected_version=step + 1)
-            assert res.ok, res
-        sender.close()
+        _two_colocated_cuda_syncs(trainer, eng)
     finally:
         eng.close()
 

@@ -201,17 +201,24 @@ def test_the_detector_sees_what_it_looks_for():
     assert {"aten::_local_scalar_dense", "aten::nonzero", "Tensor.__bool__", "Tensor.tolist"} <= names
 
 
-def _warm_up(run) -> None:
-    """Run the steps once on fresh models before the measured run, and wait for them. The first run compiles
-    (flex attention under torch.compile): inductor's one-time lazy init builds its pattern tables from CUDA tensors,
-    a host sync once per process that is no part of a step (the first H200 run passed only because earlier tests
-    had compiled it, and failed there when this file ran alone)."""
-    _, futures = run()
+def _queued_under_sync_debug(setup, queue_steps) -> tuple:
+    """queue_steps(*setup()[1:]) under `set_sync_debug_mode("error")`, after a warm-up run of the same steps on fresh
+    models (setup() builds them), waited for. The first run compiles (flex attention under torch.compile):
+    inductor's one-time lazy init builds its pattern tables from CUDA tensors, a host sync once per process that is
+    no part of a step (the first H200 run passed only because earlier tests had compiled it, and failed there when
+    this file ran alone). Returns queue_steps' (state, futures) of the measured run."""
+    _, futures = queue_steps(*setup()[1:])
     for group in futures:
         for f in group:
             if hasattr(f, "result"):
                 f.result()
     torch.cuda.synchronize()
+    parts = setup()[1:]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return queue_steps(*parts)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
 
 
 @pytest.mark.gpu
@@ -228,13 +235,7 @@ def test_three_rl_steps_on_cuda_under_sync_debug_mode_error():
             futures.append((fut, opt_fut))
         return state, futures
 
-    _warm_up(lambda: queue_steps(*_three_step_setup()[1:]))
-    cfg, policy, ref, batches = _three_step_setup()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        state, futures = queue_steps(policy, ref, batches)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    state, futures = _queued_under_sync_debug(_three_step_setup, queue_steps)
     results = [{**f.result(), **o.result()} for f, o in futures]
     assert state.step == 3 and all(r["grad_norm"] > 0 and "mismatch/kl_k3" in r for r in results)
 
@@ -256,12 +257,6 @@ def test_three_gae_steps_on_cuda_under_sync_debug_mode_error():
             futures.append((fut, opt_fut, c_fut, c_opt, stats))
         return state, futures
 
-    _warm_up(lambda: queue_steps(*_gae_setup()[1:]))
-    cfg, policy, critic, steps = _gae_setup()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        state, futures = queue_steps(policy, critic, steps)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    state, futures = _queued_under_sync_debug(_gae_setup, queue_steps)
     results = [{**f.result(), **o.result(), **c.result(), **co.result()} for f, o, c, co, _ in futures]
     assert state.step == 3 and all(r["grad_norm"] > 0 and "critic/value_clip_frac" in r for r in results)
