@@ -195,6 +195,45 @@ def test_what_cannot_travel_to_the_process_is_named():
         check_picklable(_recipe(buffer, manager, rollout, num_steps=1, ahead=1, reward_fn=lambda s: 1.0))
 
 
+def test_reward_sources_score_in_the_process_as_in_the_thread_worker(engine, tmp_path):
+    """[rewards] sources (a rule and a reward model, batch-normalised) with the rollout process: the child builds
+    them from their recipe, loads the reward model itself and scores exactly what the thread worker scores (samples,
+    each source's raw score, the combined rewards, the batch's reward metrics). The trainer's process, built as
+    the CLI builds it for this worker, loads no reward model: scoring with its copy raises."""
+    from test_reward_model import write_reward_model
+
+    from trainer.config import RewardsConfig
+    from trainer.rollout.reward_sources import RewardSourceError, build_reward_sources, scored_batches
+
+    rm = write_reward_model(tmp_path / "rm", seed=5)
+    config = RewardsConfig(sources=[{"kind": "rule", "weight": 1.0}, {"kind": "model", "path": str(rm),
+                                                                      "weight": 0.5}], normalize="batch")
+    rollout, steps = _rollout(), 2
+
+    def view(batch):
+        return ([(*v, s.metadata["reward_sources"]) for v, s in zip(_view(batch), batch.samples)],
+                batch.metadata["reward_metrics"], batch.metadata["reward_mean"])
+
+    rewards = build_reward_sources(config, default_rule=digit_fraction, engines=[], tokenizer=TOK)
+    buffer, manager = _parts(engine.url, rollout)
+    manager.reward_fn = rewards.rule_reward()
+    batches = scored_batches(generate_rollout_batches(buffer, rollout, manager=manager, weight_version=lambda: 0),
+                             rewards)
+    with RolloutSource(batches, num_steps=steps, ahead=1) as source:
+        thread = [view(source.next(s)) for s in range(1, steps + 1)]
+
+    light = build_reward_sources(config, default_rule=digit_fraction, engines=[], tokenizer=TOK, load_models=False)
+    with pytest.raises(RewardSourceError, match="not loaded in this process"):
+        light.sources[1].score([])
+    buffer, manager = _parts(engine.url, rollout)
+    proc = RolloutProcess(_recipe(buffer, manager, rollout, num_steps=steps, ahead=1, reward_fn=None,
+                                  rewards=light.recipe))
+    with ProcessRolloutSource(proc, num_steps=steps, version=lambda: 0) as source:
+        process = [view(source.next(s)) for s in range(1, steps + 1)]
+    assert all(len(samples) == 6 and set(samples[0][-1]) == {"digit_fraction", "model1"} for samples, _, _ in thread)
+    assert process == thread
+
+
 def test_the_config_refuses_a_process_worker_it_cannot_run():
     with pytest.raises(ConfigError, match="rollout_worker"):
         config_from_dict(RunConfig, {"rl": {"rollout_worker": "fork"}}, "")
@@ -202,10 +241,10 @@ def test_the_config_refuses_a_process_worker_it_cannot_run():
 
     with pytest.raises(ConfigError, match="in_process = false"):
         load_run_config("configs/demo.toml", ["rl.rollout_worker=\"process\"", "engines.in_process=true"])
-    with pytest.raises(ConfigError, match="does not run \\[rewards\\] sources"):
-        rule = "{kind = \"rule\", name = \"trainer.rollout.rewards:arithmetic_reward\"}"
-        load_run_config("configs/demo.toml", ["rl.rollout_worker=\"process\"", "engines.in_process=false",
-                                              f"rewards.sources=[{rule}]"])
+    rule = "{kind = \"rule\", name = \"trainer.rollout.rewards:arithmetic_reward\"}"  # [rewards] sources: built there
+    cfg = load_run_config("configs/demo.toml", ["rl.rollout_worker=\"process\"", "engines.in_process=false",
+                                                f"rewards.sources=[{rule}]"])
+    assert cfg.rl.rollout_worker == "process" and len(cfg.rewards.sources) == 1
 
 
 def _closed_port() -> int:
@@ -282,3 +321,35 @@ def test_the_engine_client_spreads_requests_over_small_pools():
     loads, limits = trio.run(hold, 20)
     assert len(loads) == 3 and sum(loads) == 20 and max(loads) - min(loads) <= 1
     assert all(lim <= SHARD_CONNECTIONS for lim in limits) and sum(limits) >= 20
+
+
+def test_a_cli_run_scores_with_a_reward_model_in_the_rollout_process(tmp_path):
+    """`python -m trainer rl` with async generation from a rollout process and [rewards] sources (a rule and a
+    reward model): the run finishes, and every step logs both sources' means and a reward that combines them."""
+    import json
+    import math
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from test_reward_model import write_reward_model
+
+    root = Path(__file__).resolve().parents[1]
+    rm = write_reward_model(tmp_path / "rm", seed=4)
+    out = tmp_path / "run"
+    sources = ('[{kind = "rule", name = "trainer.rollout.rewards:arithmetic_reward"}, '
+               f'{{kind = "model", path = "{rm}", weight = 0.5}}]')
+    cmd = [sys.executable, "-m", "trainer", "rl", "--config", "configs/demo.toml", "--set", f"output_dir=\"{out}\"",
+           "--set", "rl.num_steps=2", "--set", "rl.rollout.rollout_batch_size=4", "--set", "eval.limit=4",
+           "--set", "rl.async_rollout=true", "--set", "engines.in_process=false",
+           "--set", "rl.rollout_worker=\"process\"", "--set", f"rewards.sources={sources}"]
+    env = {"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        rule, model = r["reward/arithmetic_reward_mean"], r["reward/model1_mean"]
+        assert math.isfinite(model) and 0.0 <= rule <= 1.0 and r["reward/model1_failed"] == 0.0
+        assert r["reward_mean"] == pytest.approx(rule + 0.5 * model, abs=1e-5)  # weights 1 and 0.5, no normalising

@@ -126,10 +126,6 @@ def load_run_config(path: str | Path, overrides: Sequence[str] = (), mode: str |
         cfg = config_from_dict(RunConfig, table, "")
         phase_configs(cfg)  # the step functions' own checks (token_budget >= micro_batch_buckets)
         _check_engines(cfg.engines, cfg.rl)
-        if cfg.rl.rollout_worker == "process" and cfg.rewards.sources:
-            raise ValueError("[rl] rollout_worker = \"process\" does not run [rewards] sources yet (reward models "
-                             "and judges score in the trainer's process): use rollout_worker = \"thread\", or a "
-                             "[data] reward alone")
         _check_tracking(cfg)
         if mode is not None:
             _check_inputs(cfg, mode)
@@ -679,8 +675,11 @@ def _reward_sources(r: _Run, engines: Sequence[InferenceEngine], *, device: str)
     if not r.cfg.rewards.sources or not r.is_main:
         return None
     print(describe_rewards(r.cfg.rewards, r.cfg.data.reward), flush=True)
+    # A rollout process scores the batches with sources of its own (its reward models loaded there): the trainer's
+    # process loads none.
+    in_child = r.cfg.rl.rollout_worker == "process"
     return build_reward_sources(r.cfg.rewards, default_rule=r.cfg.data.reward, engines=engines, tokenizer=r.tokenizer,
-                                device=device, timeout_s=r.cfg.data.reward_timeout_s)
+                                device=device, timeout_s=r.cfg.data.reward_timeout_s, load_models=not in_child)
 
 
 def debug_mode(mode: str, cfg: RunConfig, *, rollouts: str | None, checkpoint: str | None) -> int:

@@ -247,8 +247,9 @@ class RLTrainingConfig(_PhaseConfig):
     # Where the rollout's client side (requests, responses into samples, rewards) runs: "thread", a worker thread in
     # the trainer's process (async mode; synchronous mode generates in the step's own thread); "process", a process
     # of its own, with its own interpreter lock and long-lived connections (engines reached over HTTP only: not
-    # kind "local"; [rewards] sources not yet). Where engines and trainer have separate cores or GPUs, the process
-    # keeps the client's Python from taking turns with the step's (README, "Throughput").
+    # kind "local"; [rewards] sources are built there, their reward models loaded there). Where engines and trainer
+    # have separate cores or GPUs, the process keeps the client's Python from taking turns with the step's (README,
+    # "Throughput").
     rollout_worker: str = "thread"
     verify_sync: bool = False  # after each sync, compare the engines' weights with the trainer's (a metric)
     # Reproducible from the seeds whatever the arrival order of requests: each engine runs one request (one

@@ -382,13 +382,15 @@ def _process_source(data_buffer: Any, config: RLTrainingConfig, manager: AsyncRo
     from trainer.rollout.process_worker import RolloutProcess, RolloutRecipe
     from trainer.rollout.source import ProcessRolloutSource
 
-    if rewards is not None:
-        raise ValueError("[rl] rollout_worker = \"process\" does not run [rewards] sources yet: use \"thread\"")
+    if rewards is not None and rewards.recipe is None:
+        raise ValueError("[rl] rollout_worker = \"process\" rebuilds the [rewards] sources in the rollout process: "
+                         "build them with trainer.rollout.reward_sources.build_reward_sources (it records the recipe)")
     recipe = RolloutRecipe(data_buffer=data_buffer, rollout=config.rollout, engines=tuple(manager.engines),
-                           tokenizer=manager.tokenizer, reward_fn=reward[0], reward_timeout_s=reward[1],
-                           deterministic=config.deterministic, manager_state=manager.state_dict(),
-                           num_steps=config.num_steps, ahead=config.generation_ahead, first_step=first_step,
-                           cpus=worker_cpus)
+                           tokenizer=manager.tokenizer, reward_fn=None if rewards is not None else reward[0],
+                           reward_timeout_s=reward[1], deterministic=config.deterministic,
+                           manager_state=manager.state_dict(), num_steps=config.num_steps,
+                           ahead=config.generation_ahead, first_step=first_step, cpus=worker_cpus,
+                           rewards=rewards.recipe if rewards is not None else None)
     return ProcessRolloutSource(RolloutProcess(recipe), num_steps=config.num_steps, version=version,
                                 on_failure=on_failure, on_drawn=on_drawn)
 

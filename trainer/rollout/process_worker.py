@@ -48,7 +48,10 @@ class RolloutRecipe:
 
     data_buffer: the DataBuffer at its current position; manager_state: AsyncRolloutManager.state_dict(); engines:
     HTTP engine clients (they pickle without their connections); reward_fn: a name or a module-level function (it
-    is wrapped with `reward_timeout_s` in the child); cpus: the child's cores (None: the parent's)."""
+    is wrapped with `reward_timeout_s` in the child); rewards: the [rewards] sources' RewardsRecipe
+    (trainer.rollout.reward_sources), which replaces reward_fn: the child builds the sources (reward models loaded
+    there, judges on its engine clients), its rules score in the rollout and its models and judges each batch, as
+    the thread worker does; cpus: the child's cores (None: the parent's)."""
 
     data_buffer: Any
     rollout: Any  # trainer.config.RolloutConfig
@@ -62,6 +65,7 @@ class RolloutRecipe:
     ahead: int
     first_step: int  # the first step the child generates (state.step + 1 on resume)
     cpus: tuple[int, ...] | None = None
+    rewards: Any = None  # trainer.rollout.reward_sources.RewardsRecipe: [rewards] sources in place of reward_fn
 
 
 def check_picklable(recipe: RolloutRecipe) -> None:
@@ -73,7 +77,9 @@ def check_picklable(recipe: RolloutRecipe) -> None:
             hint = {"engines": "engines living in this process (kind \"local\", [engines] in_process = true) cannot "
                                "move to another process: start them as servers (in_process = false) or give URLs",
                     "reward_fn": "give the reward as a name (\"module:function\") or a module-level function, not a "
-                                 "lambda or closure"}.get(field.name, "")
+                                 "lambda or closure",
+                    "rewards": "give [data] reward (a rule source's default) as a name (\"module:function\") or a "
+                               "module-level function"}.get(field.name, "")
             hint = hint or 'use [rl] rollout_worker = "thread"'
             raise ValueError(f"[rl] rollout_worker = \"process\": the rollout's {field.name} cannot be sent to the "
                              f"rollout process ({type(e).__name__}: {e}); {hint}") from e
@@ -228,10 +234,15 @@ async def _serve(conn: Any, recipe: RolloutRecipe) -> None:
     import trio
 
     from trainer.rollout.manager import AsyncRolloutManager
+    from trainer.rollout.reward_sources import score_batch
     from trainer.rollout.rewards import load_reward_fn, with_timeout
 
-    reward = recipe.reward_fn
-    reward = with_timeout(load_reward_fn(reward), recipe.reward_timeout_s) if reward is not None else None
+    sources = recipe.rewards.build(engines=recipe.engines, tokenizer=recipe.tokenizer) if recipe.rewards else None
+    if sources is not None:  # [rewards] sources: their rules in the rollout, models and judges after each batch
+        reward = sources.rule_reward()
+    else:
+        reward = recipe.reward_fn
+        reward = with_timeout(load_reward_fn(reward), recipe.reward_timeout_s) if reward is not None else None
     manager = AsyncRolloutManager(list(recipe.engines), recipe.rollout, tokenizer=recipe.tokenizer, reward_fn=reward,
                                   deterministic=recipe.deterministic)
     manager.load_state_dict(recipe.manager_state)
@@ -281,6 +292,8 @@ async def _serve(conn: Any, recipe: RolloutRecipe) -> None:
                     apply(await inbox.receive())
                 manager.set_weight_version(ctl["version"])
                 batch = await manager.generate_batch(buffer)
+                if sources is not None:  # synchronous (judges run an event loop of their own): in a worker thread
+                    batch = await trio.to_thread.run_sync(score_batch, batch, sources)
                 # under the names trainer.rl's ResumePoints keeps them by
                 snapshot = {"data_buffer": buffer.state_dict(), "rollout_manager": manager.state_dict()}
                 conn.send(("batch", step, batch, snapshot))

@@ -78,11 +78,29 @@ class Source:
 
 
 @dataclasses.dataclass(frozen=True)
+class RewardsRecipe:
+    """What `build_reward_sources` was given, but the engines and tokenizer: a rollout process ([rl] rollout_worker =
+    "process") builds the same sources from it with its own engine clients (`build`). Picklable when the default
+    rule is a name or a module-level function."""
+
+    config: Any  # trainer.config.RewardsConfig
+    default_rule: Any
+    device: str = "cpu"
+    timeout_s: float | None = None
+
+    def build(self, *, engines: Sequence[Any], tokenizer: Any) -> RewardSources | None:
+        return build_reward_sources(self.config, default_rule=self.default_rule, engines=engines, tokenizer=tokenizer,
+                                    device=self.device, timeout_s=self.timeout_s)
+
+
+@dataclasses.dataclass(frozen=True)
 class RewardSources:
-    """The sources of a run, built once (reward models loaded, judge engines chosen), and how they combine."""
+    """The sources of a run, built once (reward models loaded, judge engines chosen), and how they combine; `recipe`
+    rebuilds them in another process."""
 
     sources: tuple[Source, ...]
     normalize: str = "none"
+    recipe: RewardsRecipe | None = None
 
     def __post_init__(self) -> None:
         labels = [s.label for s in self.sources]
@@ -321,14 +339,18 @@ def judge_runner(engine: Any, judge_config: Any, tokenizer: Any) -> Callable[[Se
 
 
 def build_reward_sources(config: Any, *, default_rule: Any, engines: Sequence[Any], tokenizer: Any,
-                         device: str = "cpu", timeout_s: float | None = None) -> RewardSources | None:
+                         device: str = "cpu", timeout_s: float | None = None,
+                         load_models: bool = True) -> RewardSources | None:
     """The run's RewardSources from a trainer.config.RewardsConfig (None when it has no sources: [data].reward alone).
 
     default_rule: the reward function a rule source without `name` runs ([data].reward). engines: the run's (a
     judge without `engine` is served by the first). tokenizer: the run's model's (a judge without `path` uses it).
-    device: where in-process reward models run (the trainer's). timeout_s: each rule call's limit."""
+    device: where in-process reward models run (the trainer's). timeout_s: each rule call's limit. load_models=False:
+    in-process reward models are not loaded here (a rollout process loads its own from `recipe`); scoring with one
+    raises."""
     if not config.sources:
         return None
+    recipe = RewardsRecipe(config=config, default_rule=default_rule, device=device, timeout_s=timeout_s)
     labels = source_labels(config.sources, default_rule)
     built = []
     for i, (c, label) in enumerate(zip(config.sources, labels)):
@@ -339,11 +361,19 @@ def build_reward_sources(config: Any, *, default_rule: Any, engines: Sequence[An
                                  f"give the rule a name (e.g. name = \"arithmetic\") or set [data].reward")
             score = with_timeout(load_reward_fn(spec), timeout_s)
         elif c.kind == "model":
-            score = model_scorer(c, device=device)
+            score = model_scorer(c, device=device) if load_models or c.url is not None else _not_loaded(label)
         else:
             score = judge_runner(*_judge_engine(c, i, engines, tokenizer))
         built.append(Source(label=label, kind=c.kind, weight=float(c.weight), score=score))
-    return RewardSources(sources=tuple(built), normalize=config.normalize)
+    return RewardSources(sources=tuple(built), normalize=config.normalize, recipe=recipe)
+
+
+def _not_loaded(label: str) -> Callable[[Sequence[Sample]], list[float]]:
+    def score(samples: Sequence[Sample]) -> list[float]:
+        raise RewardSourceError(f"reward source {label!r}: its model was not loaded in this process (the rollout "
+                                f"process scores it, [rl] rollout_worker = \"process\")")
+
+    return score
 
 
 def _judge_engine(c: Any, index: int, engines: Sequence[Any], tokenizer: Any) -> tuple[Any, Any, Any]:
