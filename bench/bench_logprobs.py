@@ -268,6 +268,19 @@ def test_logprobs_from_logits(benchmark, request, provider, mode, size):
             benchmark.extra_info["GB_per_s_vs_copy"] = gbps / _COPY_GB_PER_S[(mode, size)]
 
 
+def _skip_on_liger_compile_failure(run) -> None:
+    """Run Liger's compiled GRPO loss once; a failure inside torch.compile is Liger's or torch's (on the H200, torch
+    2.11 raised an internal dynamo IndexError at T16384 V32000 forward), so the case is skipped naming it, instead of
+    failing the suite. Errors outside dynamo still fail."""
+    import torch._dynamo.exc
+
+    try:
+        run()
+    except torch._dynamo.exc.TorchDynamoException as e:
+        pytest.skip(f"Liger's torch.compile'd GRPO loss failed inside dynamo at this shape (Liger/torch, not this "
+                    f"project): {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+
+
 @pytest.mark.parametrize("size", list(HIDDEN_SIZES))
 @pytest.mark.parametrize("mode", ["fwd", "full"])
 @pytest.mark.parametrize("provider", HIDDEN_PROVIDERS)
@@ -283,6 +296,8 @@ def test_logprobs_from_hidden(benchmark, request, provider, mode, size):
     weight = (torch.randn(V, H, device=device) * H**-0.5).to(dtype).requires_grad_(mode == "full")
     with _backend_ctx(device, small):
         run = _run_mode(hidden_call(provider, hidden, weight, labels, mask), mode, grads, leaves=(hidden, weight))
+        if provider == "liger-grpo" and hidden.is_cuda:
+            _skip_on_liger_compile_failure(run)
         benchmark.pedantic(run, rounds=1 if small else 3, iterations=1, warmup_rounds=1)
         _record_memory(benchmark, run)
     # GEMM work a materialising implementation needs: logits (fwd), + dhidden and dweight (bwd).
