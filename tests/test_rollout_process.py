@@ -57,24 +57,34 @@ def _view(batch) -> list[tuple]:
             for s in batch.samples]
 
 
-def _thread_run(url, rollout, steps, ahead):
+def _thread_run(url, rollout, steps, ahead, *, rewards=None, view=_view):
+    """rewards: [rewards] sources (trainer.rollout.reward_sources), scored as the thread worker scores them."""
+    from trainer.rollout.reward_sources import scored_batches
+
     buffer, manager = _parts(url, rollout)
+    if rewards is not None:
+        manager.reward_fn = rewards.rule_reward()
     points = ResumePoints({"data_buffer": buffer, "rollout_manager": manager}, step=0, keep=steps + 1)
     batches = generate_rollout_batches(buffer, rollout, manager=manager, weight_version=lambda: 0)
+    if rewards is not None:
+        batches = scored_batches(batches, rewards)
     with RolloutSource(batches, num_steps=steps, ahead=ahead, on_drawn=points.record) as source:
-        got = [_view(source.next(s)) for s in range(1, steps + 1)]
+        got = [view(source.next(s)) for s in range(1, steps + 1)]
     return got, [points.at(s) for s in range(1, steps + 1)]
 
 
-def _process_run(url, rollout, steps, ahead, *, first_step: int = 1, state=None):
+def _process_run(url, rollout, steps, ahead, *, first_step: int = 1, state=None, rewards=None, view=_view):
+    """rewards: the [rewards] sources' RewardsRecipe, rebuilt in the child in place of the recipe's reward_fn."""
     buffer, manager = _parts(url, rollout)
     if state is not None:  # a resumed run: the state a checkpoint of step first_step - 1 holds
         buffer.load_state_dict(state["data_buffer"])
         manager.load_state_dict(state["rollout_manager"])
     points = ResumePoints({"data_buffer": buffer, "rollout_manager": manager}, step=first_step - 1, keep=steps + 1)
-    proc = RolloutProcess(_recipe(buffer, manager, rollout, num_steps=steps, ahead=ahead, first_step=first_step))
+    reward = {} if rewards is None else {"reward_fn": None, "rewards": rewards}
+    proc = RolloutProcess(_recipe(buffer, manager, rollout, num_steps=steps, ahead=ahead, first_step=first_step,
+                                  **reward))
     with ProcessRolloutSource(proc, num_steps=steps, version=lambda: 0, on_drawn=points.record) as source:
-        got = [_view(source.next(s)) for s in range(first_step, steps + 1)]
+        got = [view(source.next(s)) for s in range(first_step, steps + 1)]
     return got, [points.at(s) for s in range(first_step, steps + 1)]
 
 
@@ -203,7 +213,7 @@ def test_reward_sources_score_in_the_process_as_in_the_thread_worker(engine, tmp
     from test_reward_model import write_reward_model
 
     from trainer.config import RewardsConfig
-    from trainer.rollout.reward_sources import RewardSourceError, build_reward_sources, scored_batches
+    from trainer.rollout.reward_sources import RewardSourceError, build_reward_sources
 
     rm = write_reward_model(tmp_path / "rm", seed=5)
     config = RewardsConfig(sources=[{"kind": "rule", "weight": 1.0}, {"kind": "model", "path": str(rm),
@@ -215,21 +225,12 @@ def test_reward_sources_score_in_the_process_as_in_the_thread_worker(engine, tmp
                 batch.metadata["reward_metrics"], batch.metadata["reward_mean"])
 
     rewards = build_reward_sources(config, default_rule=digit_fraction, engines=[], tokenizer=TOK)
-    buffer, manager = _parts(engine.url, rollout)
-    manager.reward_fn = rewards.rule_reward()
-    batches = scored_batches(generate_rollout_batches(buffer, rollout, manager=manager, weight_version=lambda: 0),
-                             rewards)
-    with RolloutSource(batches, num_steps=steps, ahead=1) as source:
-        thread = [view(source.next(s)) for s in range(1, steps + 1)]
-
+    thread, thread_states = _thread_run(engine.url, rollout, steps, 1, rewards=rewards, view=view)
     light = build_reward_sources(config, default_rule=digit_fraction, engines=[], tokenizer=TOK, load_models=False)
     with pytest.raises(RewardSourceError, match="not loaded in this process"):
         light.sources[1].score([])
-    buffer, manager = _parts(engine.url, rollout)
-    proc = RolloutProcess(_recipe(buffer, manager, rollout, num_steps=steps, ahead=1, reward_fn=None,
-                                  rewards=light.recipe))
-    with ProcessRolloutSource(proc, num_steps=steps, version=lambda: 0) as source:
-        process = [view(source.next(s)) for s in range(1, steps + 1)]
+    process, process_states = _process_run(engine.url, rollout, steps, 1, rewards=light.recipe, view=view)
+    assert process_states == thread_states
     assert all(len(samples) == 6 and set(samples[0][-1]) == {"digit_fraction", "model1"} for samples, _, _ in thread)
     assert process == thread
 

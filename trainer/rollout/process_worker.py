@@ -5,7 +5,8 @@ scoring rewards, the connection pool — about 0.1 s of CPU per batch of 512 sho
 (0.4 s before the engine client's pools were split; measured with the embedded engine behind HTTP). In the
 trainer's process (the "thread" worker) it holds the same GIL as the training step, whose own Python (module
 calls, optimizer, bookkeeping) is most of a small model's step: the two serialize, and async generation on separate
-cores measured 0.94x sync with the thread worker, 1.16x with this process (docs/results.md). Here the child has
+cores measured 0.94x sync with the thread worker, 1.16x with this process, 1.49x once the async step stopped
+recomputing old log-probs (docs/results.md). Here the child has
 its own interpreter, and one long-lived event loop, so its pooled connections to the engines live across batches.
 
 The child generates exactly what the thread worker would, with the same code (AsyncRolloutManager over the same
