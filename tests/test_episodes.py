@@ -355,7 +355,11 @@ def test_an_abort_stops_episodes_mid_way_and_they_start_again_next_batch():
     assert first.metadata["samples_aborted"] == 2 and len(manager.partial_groups) == 1
     cut = manager.partial_groups[0]
     assert all(s.status == Status.ABORTED and s.prompt == "1+2=" and s.metadata["turns"] == 1 for s in cut)
-    # Only the cached group runs next (no over-sampling: no new prompt races it); eng.aborted stays set: no holds.
+    # Only the cached group runs next (no over-sampling: no new prompt races it), with no holds. The first batch
+    # sent the engine an abort only if a held request was in flight when it filled; if the episodes were between
+    # turns then, their next request was never sent (the manager was stopping) and no abort was needed, so the
+    # stand-in's hold would still be armed and the restarted episode would wait out every retry (seen once in 2).
+    eng.aborted = True
     manager.config = dataclasses.replace(cfg, over_sampling_factor=1.0)
     second, _ = one_batch([eng], cfg, buffer, manager=manager)
     s = second.samples[0]
