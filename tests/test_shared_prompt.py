@@ -15,6 +15,8 @@ from trainer.backend.attention import (
     packed_attention_kwargs,
     packed_hidden_states,
     supports_shared_prompts,
+    tree_block_indices,
+    tree_block_layout,
     tree_causal_mask,
 )
 from trainer.backend.models import load_hf_model
@@ -29,6 +31,13 @@ from trainer.types import Sample
 def _torch_path():
     with use_backend("torch"):
         yield
+
+
+@pytest.fixture(params=["tree", "branch"])
+def packed_sdpa_layout(request, monkeypatch):
+    """packed_sdpa's shared-prompt layout forced to one of its two (tree_block_layout picks by cost)."""
+    monkeypatch.setattr("trainer.backend.attention.tree_block_layout", lambda trees: request.param)
+    return request.param
 
 
 def grouped_samples(seed: int, groups: int = 6, vocab: int = 90) -> list[Sample]:
@@ -163,7 +172,7 @@ def test_flex_tree_block_mask_equals_the_dense_tree_mask(block_size):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("attn", [PACKED_SDPA, "sdpa", "eager"])
-def test_shared_prompt_hidden_states_equal_each_samples_own_forward(arch, attn):
+def test_shared_prompt_hidden_states_equal_each_samples_own_forward(arch, attn, packed_sdpa_layout):
     model = load_hf_model(tiny_model_config(arch), dtype=torch.float32, seed=1)
     model.set_attn_implementation(attn)
     samples = grouped_samples(1)
@@ -184,6 +193,46 @@ def test_shared_prompt_hidden_states_equal_each_samples_own_forward(arch, attn):
         for i, h in zip(order, got["rows"]):
             ref = model.model(input_ids=torch.tensor(samples[i].tokens)[None]).last_hidden_state[0]
             torch.testing.assert_close(h, ref, atol=2e-5, rtol=1e-5)
+
+
+def test_tree_block_layout_picks_the_fewer_score_elements():
+    # 64 trees of 24 + 8 x 3 tokens (the demo): 64 * 48^2 < 512 * 27^2; long answers: 1 * 8100^2 > 8 * 1100^2.
+    assert tree_block_layout(((24, (3,) * 8),) * 64) == "tree"
+    assert tree_block_layout(((100, (1000,) * 8),)) == "branch"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_tree_block_attention_equals_dense_tree_mask_sdpa(seed, kv_heads):
+    """packed_sdpa's tree layout (one padded sequence per tree, the tree mask) against SDPA over the whole row with
+    the dense tree mask, output and q/k/v gradients under a random upstream gradient, on real shared-prompt rows
+    (groups of 1-5, empty responses, an empty prompt, a padding tail)."""
+    from trainer.backend.attention import packed_sdpa_attention
+
+    class _Attn(torch.nn.Module):
+        is_causal = True
+
+    g = torch.Generator().manual_seed(seed)
+    mb = build_shared_micro_batches(grouped_samples(seed), token_budget=256, bucket_size=16)[0]
+    row, trees = mb.row, mb.trees
+    n, h, d = row.padded_len, 4, 8
+    q = torch.randn(1, h, n, d, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(1, kv_heads, n, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    gather, scatter, mask = tree_block_indices(row.seq_index, trees.branch, trees.trees)
+    assert gather.shape[0] == len(trees.trees) and mask.shape == (len(trees.trees), 1, *gather.shape[1:] * 2)
+    out, _ = packed_sdpa_attention(_Attn(), q, k, v, None, scaling=0.3, packed_gather_index=gather,
+                                   packed_scatter_index=scatter, packed_block_mask=mask)  # [1, N, H, D]
+    dense = tree_causal_mask(row.seq_index, trees.branch)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, scale=0.3,
+                                          enable_gqa=kv_heads != h).transpose(1, 2)
+    real = row.num_tokens  # the padding tail: zeros from packed_sdpa, its own causal block in the dense mask
+    torch.testing.assert_close(out[:, :real], want[:, :real], atol=1e-12, rtol=0)
+    assert bool((out[:, real:] == 0).all())
+    up = torch.randn(out[:, :real].shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad((out[:, :real] * up).sum(), (q, k, v))
+    ref = torch.autograd.grad((want[:, :real] * up).sum(), (q, k, v))
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
 
 
 def test_an_attention_without_a_tree_path_says_how_to_fix_it():
@@ -222,7 +271,7 @@ def test_shared_prompt_logprobs_match_the_float64_reference(seed):
 
 
 @pytest.mark.parametrize("seed", [6, 7])
-def test_shared_prompt_loss_metrics_and_gradients_equal_the_plain_layout(seed):
+def test_shared_prompt_loss_metrics_and_gradients_equal_the_plain_layout(seed, packed_sdpa_layout):
     """The whole policy step (KL to a reference, TIS, entropy, per-sequence aggregation) in both layouts."""
     samples = grouped_samples(seed)
     g = torch.Generator().manual_seed(seed)

@@ -25,8 +25,10 @@ O(N^2) (bench_train_step measured the dense mask at ~0.95x the padded reference)
 plain sdpa (same mask function), so per-sequence calls, generation and references still work on such a model.
 
 The shared-prompt (tree) layout (trainer.batching.shared_prompt) has a path on each: a dense tree mask for sdpa /
-eager, a tree mask_mod for flex_attention, and for packed_sdpa and flash-attn the gathered per-branch layout (each
-branch attends its own copy of the prompt, so the kernel stays a plain causal one); see tree_flash_attention.
+eager, a tree mask_mod for flex_attention, for flash-attn the gathered per-branch layout (each branch attends its
+own copy of the prompt, so the kernel stays a plain causal one; see tree_flash_attention), and for packed_sdpa either
+one padded sequence per tree under the tree mask (the prompt once) or that per-branch layout, whichever computes
+fewer score elements (tree_block_layout).
 
 Mask semantics (all paths): query i attends key j iff j <= i and seq_index[i] == seq_index[j]. The padding tail
 (seq_index -1) is one more causal block, so no softmax row is empty (an all-masked SDPA row is NaN, and NaN
@@ -224,8 +226,43 @@ def tree_causal_mask(seq_index: torch.Tensor, branch: torch.Tensor, dtype: torch
     return _as_mask(allowed, dtype)
 
 
-def tree_segment_indices(trees: tuple[tuple[int, tuple[int, ...]], ...], padded_len: int,
-                         device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def tree_block_layout(trees: tuple[tuple[int, tuple[int, ...]], ...]) -> str:
+    """Which packed_sdpa layout costs less for a shared-prompt row: "tree" (one padded sequence per tree, its
+    prompt once, a tree mask) or "branch" (one padded sequence per branch, each with its own copy of the prompt,
+    plain causal).
+
+    The score elements each computes: T * Lt^2 against S * Lb^2 (Lt, Lb the longest tree and branch sequence).
+    GRPO groups with short answers favour trees (the demo's 64 trees of ~24 + 8 x 3 tokens: 246k against 492k
+    elements, and SDPA's per-(sequence, head) cost on the CPU makes the gap 3x: 3.7 vs 11.4 ms a layer); long
+    answers favour branches (P = 100, 8 x R = 1000: 66M against 9.7M)."""
+    t = len(trees)
+    lt = max(p + sum(lens) for p, lens in trees)
+    s = sum(len(lens) for _, lens in trees)
+    lb = max(p + r for p, lens in trees for r in lens)
+    return "tree" if t * lt * lt <= s * lb * lb else "branch"
+
+
+def tree_block_indices(seq_index: torch.Tensor, branch: torch.Tensor,
+                       trees: tuple[tuple[int, tuple[int, ...]], ...]
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Shared-prompt row -> (gather [T, Lt], scatter [N], mask [T, 1, Lt, Lt] bool) for packed_sdpa, T = trees.
+
+    Each tree is one padded sequence of the batch (packed_segment_indices over the tree ids seq_index [N]), so
+    a prompt runs once in attention too; mask is tree_causal_mask's rule inside each tree: query i attends key j
+    iff j <= i and j is a prompt token (branch -1) or in i's branch. A tree's pad slots repeat its last token,
+    after every real token (no real query sees them) and each sees itself (no empty softmax row); their outputs
+    are never scattered back. Device ops on seq_index and branch [N], sizes from the host's trees: no sync.
+    """
+    gather, scatter = packed_segment_indices(seq_index, tuple(p + sum(lens) for p, lens in trees))
+    lab = branch[gather]  # [T, Lt] branch of each slot, -1 on prompts
+    lt = gather.shape[1]
+    causal = torch.ones(lt, lt, dtype=torch.bool, device=gather.device).tril()
+    mask = causal & ((lab[:, None, :] < 0) | (lab[:, None, :] == lab[:, :, None]))  # [T, Lt q, Lt kv]
+    return gather, scatter, mask[:, None]
+
+
+def tree_branch_indices(trees: tuple[tuple[int, tuple[int, ...]], ...], padded_len: int,
+                        device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """Shared-prompt row -> (gather [S, Lmax], scatter [N]) for packed_sdpa, S = number of branches.
 
     trees: (prompt length P, branch lengths) of each tree in row order (PromptTrees.trees). Segment s is branch
@@ -272,15 +309,18 @@ def is_packed_placeholder(mask) -> bool:
 def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                           packed_gather_index: torch.Tensor | None = None,
-                          packed_scatter_index: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                          packed_scatter_index: torch.Tensor | None = None,
+                          packed_block_mask: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers attention function "packed_sdpa": causal SDPA per segment of a packed row.
 
     query [1, H, N, D], key/value [1, Hkv, N, D] -> ([1, N, H, D], None). With packed_gather_index [S, Lmax] and
     packed_scatter_index [N] (packed_attention_kwargs builds them), the row is gathered into a padded batch
     [S, H, Lmax, D], attended with is_causal (a sequence's pad slots sit after its real tokens, so the causal mask
     already hides them from real queries) and scattered back, the padding tail as zeros: O(S * Lmax^2) work, and
-    both index ops are differentiable. Without them this is transformers' sdpa (mask from the sdpa mask function),
-    or, given the placeholder mask, one causal sequence (sdpa's is_causal, no mask tensor).
+    both index ops are differentiable. packed_block_mask [S, 1, Lmax, Lmax] bool (True = attend) replaces
+    is_causal where a segment is a shared-prompt tree (tree_block_indices). Without them this is transformers'
+    sdpa (mask from the sdpa mask function), or, given the placeholder mask, one causal sequence (sdpa's is_causal,
+    no mask tensor).
     """
     placeholder = is_packed_placeholder(attention_mask)
     if packed_gather_index is None:
@@ -302,8 +342,9 @@ def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     q, k, v = gather(query), gather(key), gather(value)
     # GQA natively (query head h reads kv head h // (H / Hkv), transformers' repeat_kv order); no repeated copies.
     gqa = q.shape[1] != k.shape[1]
-    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling,
-                                         enable_gqa=gqa)  # [S, H, Lmax, D]
+    causal = packed_block_mask is None
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=packed_block_mask, dropout_p=dropout, is_causal=causal,
+                                         scale=scaling, enable_gqa=gqa)  # [S, H, Lmax, D]
     flat = out.transpose(1, 2).reshape(s * lmax, q.shape[1], q.shape[3])  # [S * Lmax, H, D]
     flat = torch.cat([flat, flat.new_zeros(1, q.shape[1], q.shape[3])])  # + the padding tail's zero row
     return flat[packed_scatter_index][None], None  # [1, N, H, D]
@@ -432,18 +473,22 @@ SHARED_PROMPT_IMPLS = (PACKED_SDPA, "sdpa", "eager", "flex_attention", *_FLASH) 
 def supports_shared_prompts(model) -> bool:
     """Whether the model's attn_implementation can run the shared-prompt layout (trainer.batching.shared_prompt).
 
-    packed_sdpa and flash-attn run it as the gathered per-branch layout (tree_segment_indices, tree_varlen_indices),
-    sdpa / eager with the dense tree mask, flex_attention with a tree mask_mod and tile tables
-    (flex_tree_block_mask).
+    packed_sdpa runs one padded sequence per tree with the tree mask, or one per branch where that costs less
+    (tree_block_layout), flash-attn the gathered per-branch layout (tree_varlen_indices), sdpa / eager the dense
+    tree mask, flex_attention a tree mask_mod and tile tables (flex_tree_block_mask).
     """
     return _attn_implementation(model) in SHARED_PROMPT_IMPLS
 
 
 def _tree_attention_kwargs(impl: str, model, batch: PackedBatch, trees: PromptTrees) -> dict:
     if impl == PACKED_SDPA:
-        gather, scatter = tree_segment_indices(trees.trees, batch.padded_len, batch.input_ids.device)
-        return {"attention_mask": packed_placeholder_mask(batch.input_ids.device),
-                "packed_gather_index": gather, "packed_scatter_index": scatter}
+        dev = batch.input_ids.device
+        kw = {"attention_mask": packed_placeholder_mask(dev)}
+        if tree_block_layout(trees.trees) == "tree":
+            gather, scatter, mask = tree_block_indices(batch.seq_index, trees.branch, trees.trees)
+            return {**kw, "packed_gather_index": gather, "packed_scatter_index": scatter, "packed_block_mask": mask}
+        gather, scatter = tree_branch_indices(trees.trees, batch.padded_len, dev)
+        return {**kw, "packed_gather_index": gather, "packed_scatter_index": scatter}
     if impl in ("sdpa", "eager"):
         dtype = torch.bool if impl == "sdpa" else _model_dtype(model)
         return {"attention_mask": tree_causal_mask(batch.seq_index, trees.branch, dtype)}
