@@ -10,6 +10,10 @@ next-token loss over every sample:
     padded   batches of 16 in order, each padded to its longest sample, 2D attention mask (the usual trainer)
     packed   planner micro-batches, rows bucketed to multiples of 256, block-diagonal causal mask
 Tokens/s counts real tokens only, so the ratio is the useful work per second.
+
+test_shared_prompt_attention: packed_sdpa forward + backward on one layer of a shared-prompt row shaped like the
+demo's GRPO step (64 groups of 8, prompts of ~24 tokens, answers of 1-6), one padded sequence per tree (tree mask)
+against one per branch (causal).
 """
 
 from __future__ import annotations
@@ -197,6 +201,58 @@ def test_pack_unpack_bandwidth(benchmark, request, provider, op):
     moved = 2 * sum(lengths) * D * 4 + (B * L - sum(lengths)) * D * 4 * (op == "unpack")  # read + write bytes
     if benchmark.stats is not None:
         benchmark.extra_info["GB_per_s"] = moved / benchmark.stats.stats.median / 1e9
+
+
+def shared_prompt_attention_inputs(n_trees: int, device: str, seed: int = 0):
+    """One layer's q [1, 4, N, 32] and k/v [1, 2, N, 32] (fp32, requiring grad) over a shared-prompt row shaped like
+    the demo's GRPO step: n_trees groups of 8, prompts of 23-25 tokens, answers of 1-6; and the row's tree kwargs
+    for both packed_sdpa layouts."""
+    from trainer.backend.attention import tree_block_indices, tree_branch_indices
+    from trainer.batching.shared_prompt import build_shared_micro_batches
+    from trainer.types import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for t in range(n_trees):
+        prompt = torch.randint(6, V, (int(torch.randint(23, 26, (), generator=g)),), generator=g).tolist()
+        for _ in range(8):
+            r = int(torch.randint(1, 7, (), generator=g))
+            samples.append(Sample(prompt="", tokens=prompt + torch.randint(6, V, (r,), generator=g).tolist(),
+                                  response_length=r, group_index=t))
+    mb = build_shared_micro_batches(samples, token_budget=64 * n_trees, bucket_size=64)[0]
+    row, trees = mb.row, mb.trees
+    gather, scatter, mask = tree_block_indices(row.seq_index.to(device), trees.branch.to(device), trees.trees)
+    layouts = {"tree": dict(packed_gather_index=gather, packed_scatter_index=scatter, packed_block_mask=mask)}
+    gather, scatter = tree_branch_indices(trees.trees, row.padded_len, device)
+    layouts["branch"] = dict(packed_gather_index=gather, packed_scatter_index=scatter)
+    n = row.padded_len
+    q = torch.randn(1, 4, n, 32, device=device, requires_grad=True)
+    k, v = (torch.randn(1, 2, n, 32, device=device, requires_grad=True) for _ in range(2))
+    return (q, k, v), layouts
+
+
+class _CausalAttention(torch.nn.Module):
+    is_causal = True
+
+
+@pytest.mark.parametrize("layout", ["tree", "branch"])
+def test_shared_prompt_attention(benchmark, request, layout):
+    """packed_sdpa forward + backward on one layer of a shared-prompt row, in each of its two layouts (the trainer
+    picks the one with fewer score elements: trainer.backend.attention.tree_block_layout)."""
+    from trainer.backend.attention import packed_sdpa_attention
+
+    (q, k, v), layouts = shared_prompt_attention_inputs(8 if request.config.getoption("benchmark_disable") else 64,
+                                                        _device())
+    up = torch.randn(1, q.shape[2], 4, 32, device=q.device)
+
+    def run():
+        out, _ = packed_sdpa_attention(_CausalAttention(), q, k, v, None, **layouts[layout])
+        torch.autograd.grad((out * up).sum(), (q, k, v))
+        _sync()
+
+    benchmark.pedantic(run, rounds=10, iterations=1, warmup_rounds=2)
+    benchmark.extra_info["score_elements"] = int(layouts[layout]["packed_gather_index"].shape[0]
+                                                 * layouts[layout]["packed_gather_index"].shape[1] ** 2)
 
 
 def _best_time(fn, arg) -> float:
