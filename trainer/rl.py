@@ -36,6 +36,7 @@ from kernels.advantages import advantage_estimator
 from trainer.backend.attention import supports_shared_prompts
 from trainer.backend.checkpoint import Checkpointer, load_latest
 from trainer.backend.futures import TrainFuture
+from trainer.backend.heap import frozen_heap
 from trainer.backend.steps import (
     TrainerConfig,
     TrainingComponents,
@@ -308,7 +309,7 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
           _rollout_source(data_buffer, config, manager, sender, comp.rank, on_failure=ckpt.save,
                           on_drawn=points.record, rewards=rewards, worker_cpus=tcfg.backend.rollout_cpus,
                           reward=(reward_spec, reward_timeout_s), first_step=state.step + 1) as source,
-          ckpt):
+          ckpt, frozen_heap()):
         sync_s = _sync(sender, state.weight_version)  # engines serve exactly the weights being trained
         if comp.rank == 0 and evaluation is not None and evaluation.at_start and state.step == 0:
             logger.log(0, evaluation.run(0))

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from trainer.backend.checkpoint import Checkpointer, load_latest
+from trainer.backend.heap import frozen_heap
 from trainer.backend.steps import (
     TrainerConfig,
     TrainingComponents,
@@ -124,7 +125,8 @@ def run_sft_training(model: Any, conversations: Sequence[Conversation], config: 
     history: list[dict] = []
     pad_id = pad_token_id(tokenizer)
     with (contextlib.closing(logger),
-          progress(config.num_steps, initial=state.step, desc="sft", enabled=comp.rank == 0) as bar, ckpt):
+          progress(config.num_steps, initial=state.step, desc="sft", enabled=comp.rank == 0) as bar, ckpt,
+          frozen_heap()):
         if evaluation is not None and evaluation.at_start and state.step == 0:
             logger.log(0, evaluation.run(0))
         while state.step < config.num_steps:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import math
 import multiprocessing
 import os
@@ -248,6 +249,7 @@ async def _serve(conn: Any, recipe: RolloutRecipe) -> None:
                                   deterministic=recipe.deterministic)
     manager.load_state_dict(recipe.manager_state)
     buffer = recipe.data_buffer
+    gc.freeze()  # what this process keeps for its life, out of the collector's full passes (trainer/backend/heap.py)
     inbox_send, inbox = trio.open_memory_channel(math.inf)
     ctl = {"limit": 0, "version": manager.weight_version, "paused": False}
 
