@@ -93,6 +93,7 @@ class BuildOptions:
     connect_timeout_s: float = 10.0
     max_connections: int = 64
     timeout_s: float = 300.0  # one request's limit (HTTP kinds)
+    threads: int | None = None  # an in-process engine's model thread: its torch threads (None: the process's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +122,7 @@ def _vllm(spec: EngineSpec, opts: BuildOptions) -> InferenceEngine:
 def _local(spec: EngineSpec, opts: BuildOptions) -> InferenceEngine:
     from engines.local import LocalEngine
 
-    return LocalEngine(opts.model_folder, seed=opts.seed, device=opts.device)
+    return LocalEngine(opts.model_folder, seed=opts.seed, device=opts.device, threads=opts.threads)
 
 
 ENGINE_KINDS: dict[str, EngineKind] = {
@@ -134,7 +135,7 @@ ENGINE_KINDS: dict[str, EngineKind] = {
 
 def build_engine(spec: EngineSpec, *, model_folder: str | Path, api_key: str | None = None, seed: int = 0,
                  connect_timeout_s: float = 10.0, max_connections: int = 64, device: str = "cpu",
-                 timeout_s: float = 300.0) -> InferenceEngine:
+                 timeout_s: float = 300.0, threads: int | None = None) -> InferenceEngine:
     """The engine object for `spec` (its kind's builder). An "embedded" spec must carry the URL of the started
     engine by now; a "local" engine is started here, in this process, on `device` (give the trainer's: an engine
     on another device than the trainer cannot take its weights by handle; close it with `close()`). The spec's own
@@ -145,5 +146,5 @@ def build_engine(spec: EngineSpec, *, model_folder: str | Path, api_key: str | N
                          f"starts one per such entry) and build it from EngineSpec(kind, url=<its URL>)")
     opts = BuildOptions(model_folder=str(model_folder), api_key=spec.api_key or api_key, seed=seed,
                         connect_timeout_s=connect_timeout_s, max_connections=max_connections, device=str(device),
-                        timeout_s=timeout_s)
+                        timeout_s=timeout_s, threads=threads)
     return entry.build(spec, opts)

@@ -1,6 +1,7 @@
 """The in-process engine (engines/local.py): the HTTP path's answers without HTTP, the same errors, aborts and
 weight sync, and an RL run through the CLI with [engines] in_process = true."""
 
+import concurrent.futures
 import json
 import math
 
@@ -49,6 +50,35 @@ def test_local_answers_equal_the_http_engine_process(local, engine):
     # The samples of a seeded group differ from each other (seed + j per sample), as over HTTP.
     ours, _ = trio.run(both, SamplingParams(temperature=1.0, max_new_tokens=12, n=4, seed=5))
     assert len({tuple(c.output_ids) for c in ours[0]}) > 1
+
+
+def test_the_model_thread_decodes_on_its_own_thread_count():
+    """[engines] threads reaches the in-process engine's model thread (registry -> LocalEngine -> EngineServer):
+    it decodes on that many torch threads while the caller keeps its own (OpenMP's count is per thread), and its
+    answers are the engine's."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        eng = build_engine(EngineSpec(kind="local"), model_folder="tiny", seed=ENGINE_SEED, threads=1)
+        ref = build_engine(EngineSpec(kind="local"), model_folder="tiny", seed=ENGINE_SEED)  # the process's pool
+        try:
+            params = SamplingParams(temperature=0.7, max_new_tokens=6, n=2, seed=4)
+            got = trio.run(eng.generate, PROMPTS, params)
+            want = trio.run(ref.generate, PROMPTS, params)
+            assert eng.server.model_thread.submit(torch.get_num_threads).result(timeout=30) == 1
+            assert ref.server.model_thread.submit(torch.get_num_threads).result(timeout=30) == 2
+            assert torch.get_num_threads() == 2  # the caller's count is untouched, and so is a new thread's
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                assert pool.submit(torch.get_num_threads).result(timeout=30) == 2
+            for g_got, g_want in zip(got, want):
+                for a, b in zip(g_got, g_want):
+                    assert a.output_ids == b.output_ids
+                    assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-5
+        finally:
+            eng.close()
+            ref.close()
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_local_engine_also_runs_under_asyncio(local):

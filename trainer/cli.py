@@ -375,7 +375,8 @@ def engines_for(cfg: RunConfig, model_folder: Path, *, is_main: bool, device: st
         for p in procs:
             p.launch()
         for i in local:
-            started.append(build_engine(fleet[i], model_folder=model_folder, seed=cfg.seed, device=device))
+            started.append(build_engine(fleet[i], model_folder=model_folder, seed=cfg.seed, device=device,
+                                        threads=e.threads))
             fleet[i] = {"engine": started[-1]}
         for p in procs:
             p.wait_healthy()

@@ -428,7 +428,7 @@ class EnginesConfig:
     embedded: int | None = None  # older form: embedded engine processes the run starts (None: 1 if nothing else)
     in_process: bool = False  # one embedded engine inside the trainer's process, no HTTP (single process only)
     api_key: str | None = None  # the engines' key ("" = None: each engine the run starts gets a random one)
-    threads: int = 1  # CPU threads of each embedded engine process the run starts
+    threads: int = 1  # CPU threads of each embedded engine the run starts (its process, or in process its model thread)
     start_timeout_s: float = 180.0  # wait this long for a started engine to answer /health
     sync: str = "group"  # weight sync: "group" (broadcast / shared memory) or "disk" (safetensors, opt-in fallback)
     sync_folder: str | None = None  # disk sync: the run makes its private folder here (None: /dev/shm or temp dir)

@@ -90,6 +90,27 @@ class _Request:
             self.future.set_result((self.results, version))
 
 
+def _model_thread(threads: int | None) -> ThreadPoolExecutor:
+    """The one thread that runs the model, started now, on `threads` torch threads (None: the process's count).
+
+    torch.set_num_threads sets the calling thread's OpenMP count and also the process-wide count that every thread
+    adopts on its first parallel op. So the thread first adopts it (get_num_threads), then sets its own, and the
+    process-wide count is put back: the trainer's threads, and any thread started later, keep theirs."""
+    assert threads is None or threads >= 1, f"threads={threads}: give a count >= 1, or None (the process's)"
+    if threads is None:
+        return ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+
+    def own_count() -> None:
+        torch.get_num_threads()  # this thread's one-time adoption of the process-wide count, before setting its own
+        torch.set_num_threads(threads)
+
+    before = torch.get_num_threads()
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model", initializer=own_count)
+    pool.submit(lambda: None).result()  # start it now: the initializer runs in the new thread
+    torch.set_num_threads(before)
+    return pool
+
+
 class EngineServer:
     """The engine's mutable state: the model, its weight version, the running batch, the queue, the weight groups.
 
@@ -97,10 +118,13 @@ class EngineServer:
     model thread, admitting queued rows between steps (up to `max_batch_rows` running). Aborts are applied before
     the next step. A weight update holds admission, waits until no row is running, loads, then lets rows in, so
     every completion comes from one weight version.
+
+    threads: the model thread's torch intra-op threads (None: the process's). OpenMP's thread count is per calling
+    thread, so an engine inside the trainer's process can decode on fewer threads than the trainer steps with.
     """
 
     def __init__(self, model, tokenizer, *, model_path: str, seed: int = 0, max_batch_rows: int = 256,
-                 compile_decode: bool | None = None):
+                 compile_decode: bool | None = None, threads: int | None = None):
         self.model, self.tokenizer, self.model_path = model, tokenizer, model_path
         self.device = next(model.parameters()).device
         self.pad_id = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
@@ -110,7 +134,7 @@ class EngineServer:
         self.max_batch_rows = max_batch_rows
         self.rng = random.Random(seed)
         self.receiver = WeightReceiver(model, self.device)
-        self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self.model_thread = _model_thread(threads)
         if compile_decode is None:
             compile_decode = self.device.type == "cuda"
         # Decode is the hot loop (one token per row per call): compiled on CUDA only, CPU stays eager.
