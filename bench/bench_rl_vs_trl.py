@@ -43,6 +43,9 @@ whole process (model build, engine start, evaluations), peak RSS, and greedy hel
 after the last step (ours: `trainer.cli.evaluate` through the engine; TRL: `hf_greedy_accuracy`, transformers'
 greedy `generate` with the same prompt ids, stop ids, max_new_tokens and reward). Both also evaluate the initial
 model: the two figures must be equal (same weights, same greedy decoding), a check that the evaluations agree.
+Each run also keeps its training reward per step (`reward_per_step`: the batch's mean reward, TRL's logged
+"reward"), and each side its mean over the second half of the steps (`reward_mean_second_half`): how well the
+policy does on the training prompts as it samples, a steadier signal than one greedy evaluation of 200 problems.
 """
 
 from __future__ import annotations
@@ -180,6 +183,7 @@ def run_ours(bc: BenchConfig, out: Path, *, async_rollout: bool, in_process: boo
                in_process=any(spec.kind == "local" for spec in cfg.engines.fleet),
                accuracy_initial=summary.get("accuracy_before_rl"),
                reward_mean_last=rows[-1].get("reward_mean") if rows else None,
+               reward_per_step=[round(float(r["reward_mean"]), 4) for r in rows],
                generate_s_per_step=[round(x, 3) for x in parts["time_generate_s"]],
                train_s_per_step=[round(x, 3) for x in parts["time_train_s"]],
                sync_s_per_step=[round(x, 3) for x in parts["time_sync_s"]],
@@ -335,7 +339,9 @@ def run_trl(bc: BenchConfig, out: Path) -> dict[str, Any]:
     n = bc.prompts_per_step * bc.group_size
     res = loop_figures(times.seconds, [n] * len(times.seconds))
     res.update(wall_s=time.perf_counter() - t0, steps=len(times.seconds), accuracy=acc, accuracy_initial=acc_initial,
-               reward_mean_last=logs[-1]["reward"] if logs else None, step_s=[round(x, 3) for x in times.seconds],
+               reward_mean_last=logs[-1]["reward"] if logs else None,
+               reward_per_step=[round(float(h["reward"]), 4) for h in logs],
+               step_s=[round(x, 3) for x in times.seconds],
                generate_score_s_per_step=[round(x, 3) for x in gen_seconds],
                optim=str(trainer.args.optim), trl_version=trl.__version__)
     return res
@@ -372,8 +378,17 @@ def machine_info() -> dict[str, Any]:
             "commit": commit, "load_1_5_15": [round(x, 2) for x in os.getloadavg()]}
 
 
+def second_half_reward(run: dict[str, Any]) -> float | None:
+    """The mean training reward over the second half of a run's steps (11-20 of 20): how well the policy samples
+    on the training prompts, a steadier learning signal than one greedy evaluation of 200 held-out problems."""
+    r = run.get("reward_per_step") or []
+    return statistics.mean(r[len(r) // 2:]) if r else None
+
+
 def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One side over several seeds: samples/s over all their loops, mean accuracy, each seed's figures kept."""
+    for r in runs:
+        r["reward_mean_second_half"] = second_half_reward(r)
     if len(runs) == 1:
         return runs[0]
     loop = sum(r["loop_s"] for r in runs)
@@ -384,6 +399,8 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "accuracy": statistics.mean(r["accuracy"] for r in runs),
             "accuracy_initial": statistics.mean(r["accuracy_initial"] for r in runs),
             "accuracy_per_seed": [r["accuracy"] for r in runs],
+            "reward_mean_second_half": statistics.mean(r["reward_mean_second_half"] or 0.0 for r in runs),
+            "reward_second_half_per_seed": [r["reward_mean_second_half"] for r in runs],
             "samples_per_s_per_seed": [r["samples_per_s"] for r in runs], "per_seed": runs}
 
 

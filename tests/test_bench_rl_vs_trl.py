@@ -84,7 +84,7 @@ def test_model_option_points_both_sides_at_one_folder(tmp_path):
 
 def test_ours_one_toy_step(tmp_path):
     res = bench.run_ours(TOY, tmp_path, async_rollout=False)
-    assert res["steps"] == 1 and res["samples"] == 16
+    assert res["steps"] == 1 and res["samples"] == 16 and len(res["reward_per_step"]) == 1
     assert res["samples_per_s"] > 0 and res["s_per_step"] > 0
     assert 0.0 <= res["accuracy"] <= 1.0 and 0.0 <= res["accuracy_initial"] <= 1.0
     assert len(res["generate_s_per_step"]) == len(res["train_s_per_step"]) == 1
@@ -96,6 +96,7 @@ def test_trl_one_toy_step_same_initial_model_as_ours(tmp_path):
 
     res = bench.run_trl(TOY, tmp_path)
     assert res["steps"] == 1 and res["samples"] == 16 and res["samples_per_s"] > 0
+    assert len(res["reward_per_step"]) == 1 and 0.0 <= res["reward_per_step"][0] <= 1.0
     assert 0.0 <= res["accuracy"] <= 1.0
     # The TRL side started from the demo's seeded initial model, bit for bit.
     m = bench.run_config(TOY, tmp_path).model
@@ -128,8 +129,12 @@ def test_seeds_aggregate_over_every_loop_and_average_accuracy():
     runs = [{"samples_per_s": 100.0, "s_per_step": 1.0, "loop_s": 10.0, "samples": 1000, "wall_s": 20.0,
              "peak_rss_mb": 500.0, "accuracy": 0.2, "accuracy_initial": 0.1},
             {"samples_per_s": 25.0, "s_per_step": 3.0, "loop_s": 40.0, "samples": 1000, "wall_s": 50.0,
-             "peak_rss_mb": 700.0, "accuracy": 0.4, "accuracy_initial": 0.1}]
+             "peak_rss_mb": 700.0, "accuracy": 0.4, "accuracy_initial": 0.1,
+             "reward_per_step": [0.0, 0.1, 0.2, 0.4, 0.5]}]
     got = bench.aggregate(runs)
+    # The second half of each run's training rewards (steps 3-5 of 5 here); a run without them has none.
+    assert runs[1]["reward_mean_second_half"] == pytest.approx(1.1 / 3) and runs[0]["reward_mean_second_half"] is None
+    assert got["reward_second_half_per_seed"] == [None, runs[1]["reward_mean_second_half"]]
     assert got["samples_per_s"] == 40.0 and got["loop_s"] == 50.0  # 2000 samples over 50 s, not mean(100, 25)
     assert got["accuracy"] == pytest.approx(0.3) and got["accuracy_per_seed"] == [0.2, 0.4]
     assert got["peak_rss_mb"] == 700.0 and got["s_per_step"] == 2.0 and got["per_seed"] == runs
