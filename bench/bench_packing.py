@@ -221,7 +221,8 @@ def shared_prompt_attention_inputs(n_trees: int, device: str, seed: int = 0):
                                   response_length=r, group_index=t))
     mb = build_shared_micro_batches(samples, token_budget=64 * n_trees, bucket_size=64)[0]
     row, trees = mb.row, mb.trees
-    gather, scatter, mask = tree_block_indices(row.seq_index.to(device), trees.branch.to(device), trees.trees)
+    gather, scatter, allowed = tree_block_indices(row.seq_index.to(device), trees.branch.to(device), trees.trees)
+    mask = torch.where(allowed, torch.zeros((), device=device), torch.finfo(torch.float32).min)  # as the trainer's
     layouts = {"tree": dict(packed_gather_index=gather, packed_scatter_index=scatter, packed_block_mask=mask)}
     gather, scatter = tree_branch_indices(trees.trees, row.padded_len, device)
     layouts["branch"] = dict(packed_gather_index=gather, packed_scatter_index=scatter)

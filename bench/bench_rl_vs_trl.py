@@ -385,6 +385,11 @@ def second_half_reward(run: dict[str, Any]) -> float | None:
     return statistics.mean(r[len(r) // 2:]) if r else None
 
 
+def _mean_of_known(values: Any) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.mean(known) if known else None
+
+
 def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One side over several seeds: samples/s over all their loops, mean accuracy, each seed's figures kept."""
     for r in runs:
@@ -399,7 +404,7 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "accuracy": statistics.mean(r["accuracy"] for r in runs),
             "accuracy_initial": statistics.mean(r["accuracy_initial"] for r in runs),
             "accuracy_per_seed": [r["accuracy"] for r in runs],
-            "reward_mean_second_half": statistics.mean(r["reward_mean_second_half"] or 0.0 for r in runs),
+            "reward_mean_second_half": _mean_of_known(r["reward_mean_second_half"] for r in runs),
             "reward_second_half_per_seed": [r["reward_mean_second_half"] for r in runs],
             "samples_per_s_per_seed": [r["samples_per_s"] for r in runs], "per_seed": runs}
 

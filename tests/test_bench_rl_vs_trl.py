@@ -135,6 +135,7 @@ def test_seeds_aggregate_over_every_loop_and_average_accuracy():
     # The second half of each run's training rewards (steps 3-5 of 5 here); a run without them has none.
     assert runs[1]["reward_mean_second_half"] == pytest.approx(1.1 / 3) and runs[0]["reward_mean_second_half"] is None
     assert got["reward_second_half_per_seed"] == [None, runs[1]["reward_mean_second_half"]]
+    assert got["reward_mean_second_half"] == pytest.approx(1.1 / 3)  # the mean of the runs that have one
     assert got["samples_per_s"] == 40.0 and got["loop_s"] == 50.0  # 2000 samples over 50 s, not mean(100, 25)
     assert got["accuracy"] == pytest.approx(0.3) and got["accuracy_per_seed"] == [0.2, 0.4]
     assert got["peak_rss_mb"] == 700.0 and got["s_per_step"] == 2.0 and got["per_seed"] == runs

@@ -117,6 +117,7 @@ def test_plain_sft_examples_train_on_answer_and_eos_only():
     ("engines.urls=[\"localhost:1\"]", "urls"),
     ("rl.rollout.nope=1", "'nope'"),
     ("engines.port=1", "port"),
+    ("engines.threads=1.5", r"engines\.threads = 1\.5: expected an integer"),
     ("bogus=1", "bogus"),
     ("data.format=\"xml\"", "format"),
 ])

@@ -33,10 +33,15 @@ def _torch_path():
         yield
 
 
+def force_layout(monkeypatch, layout: str | None) -> None:
+    """packed_sdpa's shared-prompt layout forced to "tree" or "branch" (tree_block_layout picks by cost)."""
+    if layout is not None:
+        monkeypatch.setattr("trainer.backend.attention.tree_block_layout", lambda trees: layout)
+
+
 @pytest.fixture(params=["tree", "branch"])
 def packed_sdpa_layout(request, monkeypatch):
-    """packed_sdpa's shared-prompt layout forced to one of its two (tree_block_layout picks by cost)."""
-    monkeypatch.setattr("trainer.backend.attention.tree_block_layout", lambda trees: request.param)
+    force_layout(monkeypatch, request.param)
     return request.param
 
 
@@ -171,8 +176,10 @@ def test_flex_tree_block_mask_equals_the_dense_tree_mask(block_size):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("attn", [PACKED_SDPA, "sdpa", "eager"])
-def test_shared_prompt_hidden_states_equal_each_samples_own_forward(arch, attn, packed_sdpa_layout):
+@pytest.mark.parametrize("attn, layout", [(PACKED_SDPA, "tree"), (PACKED_SDPA, "branch"), ("sdpa", None),
+                                          ("eager", None)])
+def test_shared_prompt_hidden_states_equal_each_samples_own_forward(arch, attn, layout, monkeypatch):
+    force_layout(monkeypatch, layout)
     model = load_hf_model(tiny_model_config(arch), dtype=torch.float32, seed=1)
     model.set_attn_implementation(attn)
     samples = grouped_samples(1)
@@ -196,14 +203,23 @@ def test_shared_prompt_hidden_states_equal_each_samples_own_forward(arch, attn, 
 
 
 def test_tree_block_layout_picks_the_fewer_score_elements():
-    # 64 trees of 24 + 8 x 3 tokens (the demo): 64 * 48^2 < 512 * 27^2; long answers: 1 * 8100^2 > 8 * 1100^2.
+    # 64 trees of 24 + 8 x 3 tokens (the demo): 64 * 48^2 < 512 * 27^2; long answers: 1 * 8100^2 > 8 * 1100^2 / 2.
     assert tree_block_layout(((24, (3,) * 8),) * 64) == "tree"
     assert tree_block_layout(((100, (1000,) * 8),)) == "branch"
+    # At the tie: one tree of 8 + 4 x 4 (24^2 = 576) against 4 branches of 12 (4 * 144 = 576) -> tree; one token
+    # more per answer tips it: 28^2 = 784 against 4 * 13^2 = 676.
+    assert tree_block_layout(((8, (4, 4, 4, 4)),)) == "tree"
+    assert tree_block_layout(((8, (5, 5, 5, 5)),)) == "branch"
+    # Branches of 512 tokens or more count half (causal block skipping): 624^2 = 389k against 2 * 512^2 / 2 = 262k
+    # -> branch; two tokens shorter, 622^2 = 387k against the full 2 * 510^2 = 520k -> tree.
+    assert tree_block_layout(((400, (112, 112)),)) == "branch"
+    assert tree_block_layout(((398, (112, 112)),)) == "tree"
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])
-def test_tree_block_attention_equals_dense_tree_mask_sdpa(seed, kv_heads):
+@pytest.mark.parametrize("additive", [False, True])
+def test_tree_block_attention_equals_dense_tree_mask_sdpa(seed, kv_heads, additive):
     """packed_sdpa's tree layout (one padded sequence per tree, the tree mask) against SDPA over the whole row with
     the dense tree mask, output and q/k/v gradients under a random upstream gradient, on real shared-prompt rows
     (groups of 1-5, empty responses, an empty prompt, a padding tail)."""
@@ -220,6 +236,10 @@ def test_tree_block_attention_equals_dense_tree_mask_sdpa(seed, kv_heads):
     k, v = (torch.randn(1, kv_heads, n, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
     gather, scatter, mask = tree_block_indices(row.seq_index, trees.branch, trees.trees)
     assert gather.shape[0] == len(trees.trees) and mask.shape == (len(trees.trees), 1, *gather.shape[1:] * 2)
+    if additive:  # the form packed_attention_kwargs passes: 0 / the dtype's min, made once for every layer
+        # (kv_heads 1: a float32 mask under float64 q/k/v, a compute dtype other than the model's: converted)
+        dt = torch.float32 if kv_heads == 1 else torch.float64
+        mask = torch.where(mask, torch.zeros((), dtype=dt), torch.finfo(dt).min)
     out, _ = packed_sdpa_attention(_Attn(), q, k, v, None, scaling=0.3, packed_gather_index=gather,
                                    packed_scatter_index=scatter, packed_block_mask=mask)  # [1, N, H, D]
     dense = tree_causal_mask(row.seq_index, trees.branch)

@@ -485,9 +485,11 @@ class EnginesConfig:
                "float32, bfloat16 or float16 (what the engines serve), or unset")
         _check(isinstance(self.master_address, str), "master_address",
                "a host name or IP address (string) the engines can reach")
-        for name in ("threads", "start_timeout_s"):
-            v = getattr(self, name)
-            _check(not isinstance(v, bool) and isinstance(v, int | float) and v > 0, f"{name} = {v!r}", "must be > 0")
+        t = self.threads
+        _check(not isinstance(t, bool) and isinstance(t, int) and t > 0, f"threads = {t!r}", "a whole number >= 1")
+        v = self.start_timeout_s
+        _check(not isinstance(v, bool) and isinstance(v, int | float) and v > 0, f"start_timeout_s = {v!r}",
+               "must be > 0")
 
     @property
     def started_here(self) -> int:

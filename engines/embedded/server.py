@@ -95,7 +95,9 @@ def _model_thread(threads: int | None) -> ThreadPoolExecutor:
 
     torch.set_num_threads sets the calling thread's OpenMP count and also the process-wide count that every thread
     adopts on its first parallel op. So the thread first adopts it (get_num_threads), then sets its own, and the
-    process-wide count is put back: the trainer's threads, and any thread started later, keep theirs."""
+    process-wide count is set back to the calling thread's: the trainer's threads, and any thread started later,
+    keep theirs. (A thread making its first parallel op in the moment between the two would adopt `threads`; engines
+    are built on the main thread before the training threads exist.)"""
     assert threads is None or threads >= 1, f"threads={threads}: give a count >= 1, or None (the process's)"
     if threads is None:
         return ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")

@@ -87,12 +87,17 @@ def default_attn_implementation(device: torch.device | str, dtype: torch.dtype =
     return choose_attn_implementation(device, dtype)[0]
 
 
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool (True = attend) -> additive float of the same shape: 0 where allowed, dtype's min elsewhere."""
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)
+
+
 def _as_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[N, N] bool (True = attend) -> [1, 1, N, N] bool, or additive float (0 / dtype min) for eager attention."""
     if dtype == torch.bool:
         return allowed[None, None]
-    zero = torch.zeros((), dtype=dtype, device=allowed.device)
-    return torch.where(allowed, zero, torch.finfo(dtype).min)[None, None]
+    return _additive(allowed, dtype)[None, None]
 
 
 def block_causal_mask(seq_index: torch.Tensor, dtype: torch.dtype = torch.bool) -> torch.Tensor:
@@ -231,15 +236,19 @@ def tree_block_layout(trees: tuple[tuple[int, tuple[int, ...]], ...]) -> str:
     prompt once, a tree mask) or "branch" (one padded sequence per branch, each with its own copy of the prompt,
     plain causal).
 
-    The score elements each computes: T * Lt^2 against S * Lb^2 (Lt, Lb the longest tree and branch sequence).
-    GRPO groups with short answers favour trees (the demo's 64 trees of ~24 + 8 x 3 tokens: 246k against 492k
-    elements, and SDPA's per-(sequence, head) cost on the CPU makes the gap 3x: 3.7 vs 11.4 ms a layer); long
-    answers favour branches (P = 100, 8 x R = 1000: 66M against 9.7M)."""
+    The score elements each computes: T * Lt^2 against S * Lb^2 (Lt, Lb the longest tree and branch sequence,
+    every sequence padded to it), halved for branches of 512 tokens or more: from there the CPU flash kernel's
+    causal path skips the key blocks above the diagonal, which it does not under a mask. GRPO groups with short
+    answers favour trees (the demo's rows, 64 prompts of 23-25 tokens and 8 answers of 1-6 each: 64 * 62^2 = 246k
+    against 512 * 31^2 = 492k elements, and SDPA's per-(sequence, head) cost on the CPU makes the gap 3x: 3.7 vs
+    11.4 ms a layer); long answers favour branches (P = 100, 8 x R = 1000: 66M against 4.8M). Memory is not
+    modelled: the tree layout also holds its [T, 1, Lt, Lt] mask, once per row (packed_attention_kwargs)."""
     t = len(trees)
     lt = max(p + sum(lens) for p, lens in trees)
     s = sum(len(lens) for _, lens in trees)
     lb = max(p + r for p, lens in trees for r in lens)
-    return "tree" if t * lt * lt <= s * lb * lb else "branch"
+    branch_cost = s * lb * lb / (2 if lb >= 512 else 1)
+    return "tree" if t * lt * lt <= branch_cost else "branch"
 
 
 def tree_block_indices(seq_index: torch.Tensor, branch: torch.Tensor,
@@ -317,10 +326,10 @@ def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     packed_scatter_index [N] (packed_attention_kwargs builds them), the row is gathered into a padded batch
     [S, H, Lmax, D], attended with is_causal (a sequence's pad slots sit after its real tokens, so the causal mask
     already hides them from real queries) and scattered back, the padding tail as zeros: O(S * Lmax^2) work, and
-    both index ops are differentiable. packed_block_mask [S, 1, Lmax, Lmax] bool (True = attend) replaces
-    is_causal where a segment is a shared-prompt tree (tree_block_indices). Without them this is transformers'
-    sdpa (mask from the sdpa mask function), or, given the placeholder mask, one causal sequence (sdpa's is_causal,
-    no mask tensor).
+    both index ops are differentiable. packed_block_mask [S, 1, Lmax, Lmax] (bool, True = attend, or additive
+    float) replaces is_causal where a segment is a shared-prompt tree (tree_block_indices). Without them this is
+    transformers' sdpa (mask from the sdpa mask function), or, given the placeholder mask, one causal sequence
+    (sdpa's is_causal, no mask tensor).
     """
     placeholder = is_packed_placeholder(attention_mask)
     if packed_gather_index is None:
@@ -342,8 +351,10 @@ def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     q, k, v = gather(query), gather(key), gather(value)
     # GQA natively (query head h reads kv head h // (H / Hkv), transformers' repeat_kv order); no repeated copies.
     gqa = q.shape[1] != k.shape[1]
-    causal = packed_block_mask is None
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=packed_block_mask, dropout_p=dropout, is_causal=causal,
+    mask = packed_block_mask
+    if mask is not None and mask.dtype not in (torch.bool, q.dtype):  # computing in another dtype (mixed precision)
+        mask = mask.to(q.dtype)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
                                          scale=scaling, enable_gqa=gqa)  # [S, H, Lmax, D]
     flat = out.transpose(1, 2).reshape(s * lmax, q.shape[1], q.shape[3])  # [S * Lmax, H, D]
     flat = torch.cat([flat, flat.new_zeros(1, q.shape[1], q.shape[3])])  # + the padding tail's zero row
@@ -485,7 +496,10 @@ def _tree_attention_kwargs(impl: str, model, batch: PackedBatch, trees: PromptTr
         dev = batch.input_ids.device
         kw = {"attention_mask": packed_placeholder_mask(dev)}
         if tree_block_layout(trees.trees) == "tree":
-            gather, scatter, mask = tree_block_indices(batch.seq_index, trees.branch, trees.trees)
+            gather, scatter, allowed = tree_block_indices(batch.seq_index, trees.branch, trees.trees)
+            # Additive, in the model's dtype, made once for every layer: SDPA turns a bool mask into a new float
+            # tensor in each call, and the CPU flash backward keeps each copy (L x T x Lt^2 x 4 bytes in fp32).
+            mask = _additive(allowed, _model_dtype(model))
             return {**kw, "packed_gather_index": gather, "packed_scatter_index": scatter, "packed_block_mask": mask}
         gather, scatter = tree_branch_indices(trees.trees, batch.padded_len, dev)
         return {**kw, "packed_gather_index": gather, "packed_scatter_index": scatter}

@@ -18,7 +18,15 @@ from collections.abc import Iterator
 
 @contextlib.contextmanager
 def frozen_heap() -> Iterator[None]:
-    """Freeze the objects alive now for the block (a training loop); unfreeze them after it."""
+    """Freeze the objects alive now for the block (a training loop); unfreeze them after it.
+
+    Freezing is process-wide: where something else already froze the heap (a process that froze for its life, an
+    enclosing loop), the block leaves it as it is, so leaving the block does not undo their freeze. No collection
+    runs first (0.2 s): cyclic garbage alive at the start stays until the end (66 objects, no tensor, after building
+    the demo's engine)."""
+    if gc.get_freeze_count() > 0:
+        yield
+        return
     gc.freeze()
     try:
         yield

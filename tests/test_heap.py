@@ -1,0 +1,33 @@
+"""trainer.backend.heap.frozen_heap: the loop's startup objects frozen for the block, and nothing frozen after it,
+however the block ends; a heap someone else froze stays frozen."""
+
+import gc
+
+import pytest
+
+from trainer.backend.heap import frozen_heap
+
+
+def test_the_block_freezes_what_is_alive_and_unfreezes_after_it():
+    assert gc.get_freeze_count() == 0
+    with frozen_heap():
+        frozen = gc.get_freeze_count()
+        assert frozen > 1000  # the interpreter's and the test session's objects
+        made_inside = [object() for _ in range(10)]
+        assert gc.get_freeze_count() == frozen  # objects made in the block are collected as usual
+    assert gc.get_freeze_count() == 0 and made_inside
+    with pytest.raises(RuntimeError, match="boom"), frozen_heap():
+        raise RuntimeError("boom")
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_heap_frozen_by_someone_else_stays_frozen():
+    gc.freeze()
+    try:
+        before = gc.get_freeze_count()
+        with frozen_heap():
+            pass
+        assert gc.get_freeze_count() == before  # leaving the block did not undo the outer freeze
+    finally:
+        gc.unfreeze()
+    assert gc.get_freeze_count() == 0
