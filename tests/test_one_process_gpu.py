@@ -82,7 +82,7 @@ def test_the_in_process_engine_is_built_on_the_trainers_device(monkeypatch, tmp_
     monkeypatch.setattr(engines.local, "LocalEngine", _RecordedEngine)
     _RecordedEngine.built = []
     build_engine(EngineSpec(kind="local"), model_folder="tiny", seed=3, device="cuda:0")
-    assert _RecordedEngine.built[-1] == {"model": "tiny", "seed": 3, "device": "cuda:0"}
+    assert _RecordedEngine.built[-1] == {"model": "tiny", "seed": 3, "device": "cuda:0", "threads": None}
     build_engine(EngineSpec(kind="local"), model_folder="tiny")  # CPU callers (tests, examples) are unchanged
     assert _RecordedEngine.built[-1]["device"] == "cpu"
 
@@ -91,6 +91,7 @@ def test_the_in_process_engine_is_built_on_the_trainers_device(monkeypatch, tmp_
     with engines_for(cfg, Path("tiny"), is_main=True, device="cuda:0") as fleet:
         assert any(isinstance(t, dict) and isinstance(t.get("engine"), _RecordedEngine) for t in fleet)
     assert _RecordedEngine.built[-1]["device"] == "cuda:0"
+    assert _RecordedEngine.built[-1]["threads"] == cfg.engines.threads == 1  # [engines] threads: its model thread
 
 
 def test_the_cli_run_gives_the_engine_the_meshs_device(monkeypatch, tmp_path):
