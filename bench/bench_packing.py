@@ -207,7 +207,7 @@ def shared_prompt_attention_inputs(n_trees: int, device: str, seed: int = 0):
     """One layer's q [1, 4, N, 32] and k/v [1, 2, N, 32] (fp32, requiring grad) over a shared-prompt row shaped like
     the demo's GRPO step: n_trees groups of 8, prompts of 23-25 tokens, answers of 1-6; and the row's tree kwargs
     for both packed_sdpa layouts."""
-    from trainer.backend.attention import tree_block_indices, tree_branch_indices
+    from trainer.backend.attention import tree_block_kwargs, tree_branch_indices
     from trainer.batching.shared_prompt import build_shared_micro_batches
     from trainer.types import Sample
 
@@ -221,9 +221,8 @@ def shared_prompt_attention_inputs(n_trees: int, device: str, seed: int = 0):
                                   response_length=r, group_index=t))
     mb = build_shared_micro_batches(samples, token_budget=64 * n_trees, bucket_size=64)[0]
     row, trees = mb.row, mb.trees
-    gather, scatter, allowed = tree_block_indices(row.seq_index.to(device), trees.branch.to(device), trees.trees)
-    mask = torch.where(allowed, torch.zeros((), device=device), torch.finfo(torch.float32).min)  # as the trainer's
-    layouts = {"tree": dict(packed_gather_index=gather, packed_scatter_index=scatter, packed_block_mask=mask)}
+    layouts = {"tree": tree_block_kwargs(row.seq_index.to(device), trees.branch.to(device), trees.trees,
+                                         torch.float32)}  # what the trainer passes
     gather, scatter = tree_branch_indices(trees.trees, row.padded_len, device)
     layouts["branch"] = dict(packed_gather_index=gather, packed_scatter_index=scatter)
     n = row.padded_len

@@ -16,6 +16,7 @@ from trainer.backend.attention import (
     packed_hidden_states,
     supports_shared_prompts,
     tree_block_indices,
+    tree_block_kwargs,
     tree_block_layout,
     tree_causal_mask,
 )
@@ -236,10 +237,13 @@ def test_tree_block_attention_equals_dense_tree_mask_sdpa(seed, kv_heads, additi
     k, v = (torch.randn(1, kv_heads, n, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
     gather, scatter, mask = tree_block_indices(row.seq_index, trees.branch, trees.trees)
     assert gather.shape[0] == len(trees.trees) and mask.shape == (len(trees.trees), 1, *gather.shape[1:] * 2)
-    if additive:  # the form packed_attention_kwargs passes: 0 / the dtype's min, made once for every layer
+    if additive:  # what packed_attention_kwargs passes: 0 / the dtype's min, made once for every layer
         # (kv_heads 1: a float32 mask under float64 q/k/v, a compute dtype other than the model's: converted)
         dt = torch.float32 if kv_heads == 1 else torch.float64
-        mask = torch.where(mask, torch.zeros((), dtype=dt), torch.finfo(dt).min)
+        kw = tree_block_kwargs(row.seq_index, trees.branch, trees.trees, dt)
+        assert kw["packed_gather_index"].equal(gather) and kw["packed_scatter_index"].equal(scatter)
+        mask = kw["packed_block_mask"]
+        assert mask.dtype == dt and mask.shape == (len(trees.trees), 1, *gather.shape[1:] * 2)
     out, _ = packed_sdpa_attention(_Attn(), q, k, v, None, scaling=0.3, packed_gather_index=gather,
                                    packed_scatter_index=scatter, packed_block_mask=mask)  # [1, N, H, D]
     dense = tree_causal_mask(row.seq_index, trees.branch)

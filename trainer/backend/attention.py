@@ -270,6 +270,16 @@ def tree_block_indices(seq_index: torch.Tensor, branch: torch.Tensor,
     return gather, scatter, mask[:, None]
 
 
+def tree_block_kwargs(seq_index: torch.Tensor, branch: torch.Tensor, trees: tuple[tuple[int, tuple[int, ...]], ...],
+                      dtype: torch.dtype) -> dict:
+    """packed_sdpa's keyword arguments for a shared-prompt row in the tree layout: tree_block_indices' gather and
+    scatter, and its mask additive in `dtype` (the model's), made once for every layer: SDPA turns a bool mask into a
+    new float tensor in each call, and the CPU flash backward keeps each copy (L x T x Lt^2 x 4 bytes in fp32)."""
+    gather, scatter, allowed = tree_block_indices(seq_index, branch, trees)
+    return {"packed_gather_index": gather, "packed_scatter_index": scatter,
+            "packed_block_mask": _additive(allowed, dtype)}
+
+
 def tree_branch_indices(trees: tuple[tuple[int, tuple[int, ...]], ...], padded_len: int,
                         device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """Shared-prompt row -> (gather [S, Lmax], scatter [N]) for packed_sdpa, S = number of branches.
@@ -496,11 +506,7 @@ def _tree_attention_kwargs(impl: str, model, batch: PackedBatch, trees: PromptTr
         dev = batch.input_ids.device
         kw = {"attention_mask": packed_placeholder_mask(dev)}
         if tree_block_layout(trees.trees) == "tree":
-            gather, scatter, allowed = tree_block_indices(batch.seq_index, trees.branch, trees.trees)
-            # Additive, in the model's dtype, made once for every layer: SDPA turns a bool mask into a new float
-            # tensor in each call, and the CPU flash backward keeps each copy (L x T x Lt^2 x 4 bytes in fp32).
-            mask = _additive(allowed, _model_dtype(model))
-            return {**kw, "packed_gather_index": gather, "packed_scatter_index": scatter, "packed_block_mask": mask}
+            return {**kw, **tree_block_kwargs(batch.seq_index, trees.branch, trees.trees, _model_dtype(model))}
         gather, scatter = tree_branch_indices(trees.trees, batch.padded_len, dev)
         return {**kw, "packed_gather_index": gather, "packed_scatter_index": scatter}
     if impl in ("sdpa", "eager"):
