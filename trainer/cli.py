@@ -13,8 +13,10 @@ and the preset's weights (an [sft] / [rl] / [rl.rollout] `seed` overrides it for
 [data].format is "chat" (prompts are user turns of the chat template) or "plain" (the prompt text itself, the
 answer follows it directly): it applies to SFT, rollouts and evaluation alike. `--set rl.optim.lr=3e-4`
 overrides any key (the value is parsed as TOML, so strings need quotes only when they would parse as something
-else). The whole config is validated before any work starts; unknown keys are errors that name the key, and a
-key that moved names its new table. Configuration errors print `error: ...` and exit 2.
+else; one value for a list key is a one-element list). The whole config is validated before any work starts, and
+every function it names is loaded then (before a fresh start removes a previous run's outputs); unknown keys are
+errors that name the key, and a key that moved names its new table. Configuration errors print `error: ...` and
+exit 2.
 
 Multi-GPU: launch with `torchrun --nproc-per-node N -m trainer rl --config ...`; rank 0 starts the embedded
 engines (or talks to the given URLs) and every rank trains its FSDP2 shard.
@@ -48,7 +50,7 @@ from trainer.config import (
     SFTTrainingConfig,
     config_from_dict,
 )
-from trainer.config_reference import check_key_path, to_toml
+from trainer.config_reference import override_value, to_toml
 from trainer.evaluation import evaluate  # noqa: F401  (trainer.cli.evaluate: where callers have found it)
 
 if TYPE_CHECKING:
@@ -58,8 +60,10 @@ MODES = ("sft", "rl", "sft+rl", "demo", "export", "generate", "replay")
 
 
 # ----------------------------------------------------------------------------------------------- config
-def parse_overrides(pairs: Sequence[str]) -> dict[str, Any]:
-    """["rl.lr=3e-4", "name=x"] -> nested dict; values parsed as TOML scalars/arrays, else kept as strings."""
+def parse_overrides(pairs: Sequence[str], convert: Callable[[str, Any], Any] | None = None) -> dict[str, Any]:
+    """["rl.lr=3e-4", "name=x"] -> nested dict; values parsed as TOML scalars/arrays, else kept as strings.
+    `convert(key, value)`, when given, checks each value against its key and returns the value to use
+    (trainer.config_reference.override_value)."""
     out: dict[str, Any] = {}
     for pair in pairs:
         if "=" not in pair:
@@ -69,6 +73,8 @@ def parse_overrides(pairs: Sequence[str]) -> dict[str, Any]:
             value = tomllib.loads(f"v = {raw}")["v"]
         except tomllib.TOMLDecodeError:
             value = raw
+        if convert is not None:
+            value = convert(key.strip(), value)
         node = out
         *parents, leaf = key.strip().split(".")
         for p in parents:
@@ -114,12 +120,10 @@ def load_run_config(path: str | Path, overrides: Sequence[str] = (), mode: str |
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from e
-    try:
-        over = parse_overrides(overrides)
+    try:  # each --set key and value checked here, so that its errors name --set, not the file
+        over = parse_overrides(overrides, convert=override_value)
     except ValueError as e:
         raise ConfigError(str(e)) from e
-    for pair in overrides:
-        check_key_path(pair.split("=", 1)[0].strip())
     table = merge(raw, over)
     table.setdefault("name", path.stem)
     try:
@@ -187,25 +191,51 @@ def _check_inputs(cfg: RunConfig, mode: str) -> None:
         for spec in data_specs(getattr(data, key), data.mapping(), where=f"[data].{key}"):
             if not Path(spec.path).exists():
                 raise FileNotFoundError(f"[data].{key}: {spec.path!r}: no such file or folder")
-    # RL rollouts score with [data].reward unless [rewards] sources are given; evaluation always does.
+    rollout, rolls_out = cfg.rl.rollout, mode != "sft"  # rl, sft+rl, demo and generate generate rollouts
+    if rolls_out or has_eval_sets(cfg):  # evaluation runs the same episodes as the rollouts
+        _check_rollout_functions(rollout, filters=rolls_out)
+    # RL rollouts score with [data].reward unless [rewards] sources are given; evaluation always does. An env or a
+    # rollout_fn may return each episode's reward instead, in training and in evaluation alike (an episode that gets
+    # a reward from neither is FAILED: trainer.rollout.rewards.no_reward). The tool environment never gives one.
     sourced = mode in ("rl", "sft+rl", "demo") and bool(cfg.rewards.sources)
-    if (mode != "sft" and not sourced) or data.eval is not None:
-        if data.reward is None:
-            raise ValueError(f"[data].reward: mode {mode!r} scores samples; name the reward function, e.g. "
-                             f"reward = \"arithmetic\" or reward = \"my_package.rewards:score\"")
+    own = bool(rollout.env or rollout.rollout_fn)
+    alternative = ("; or give [rl.rollout] env (or rollout_fn) that returns each episode's reward"
+                   + (" ([rl.rollout] tools' episodes get none from the tool environment)" if rollout.tools else ""))
+    if data.reward is not None:
         load_reward_fn(data.reward)
+    elif ((rolls_out and not sourced) or data.eval is not None) and not own:
+        raise ValueError(f"[data].reward: mode {mode!r} scores samples; name the reward function, e.g. reward = "
+                         f"\"arithmetic\" or reward = \"my_package.rewards:score\"{alternative}")
     if sourced:
         from trainer.rollout.reward_sources import check_reward_sources
 
-        check_reward_sources(cfg.rewards, default_rule=data.reward, dynamic_filters=cfg.rl.rollout.dynamic_filters)
+        check_reward_sources(cfg.rewards, default_rule=data.reward, dynamic_filters=rollout.dynamic_filters)
     for s in cfg.eval.sets:  # [[eval.sets]]: their files and rewards ([data]'s when unset)
         for spec in data_specs(s.path, s.mapping(data), where=f"[[eval.sets]] {s.name!r}"):
             if not Path(spec.path).exists():
                 raise FileNotFoundError(f"[[eval.sets]] {s.name!r}: {spec.path!r}: no such file or folder")
-        if (s.reward or data.reward) is None:
-            raise ValueError(f"[[eval.sets]] {s.name!r}: no reward; set its reward or [data].reward")
-        load_reward_fn(s.reward or data.reward)
+        if (s.reward or data.reward) is not None:
+            load_reward_fn(s.reward or data.reward)
+        elif not own:
+            raise ValueError(f"[[eval.sets]] {s.name!r}: no reward; set its reward or [data].reward{alternative}")
     _check_data(cfg, mode)
+
+
+def _check_rollout_functions(rollout: Any, *, filters: bool) -> None:
+    """Every function [rl.rollout] names (env, tools, rollout_fn, tool_parser, and with `filters` the dynamic
+    filters) loads now, through the loaders the rollouts themselves use: a typo is a configuration error before the
+    run's fresh start removes the previous run's outputs, not a traceback after it."""
+    from trainer.rollout.episodes import build_driver
+    from trainer.rollout.samples import resolve_filters
+    from trainer.rollout.tools import load_tool_parser
+
+    build_driver(rollout)
+    load_tool_parser(rollout.tool_parser)
+    if filters:
+        try:
+            resolve_filters(rollout.dynamic_filters)
+        except ValueError as e:  # its messages start at "dynamic_filters:"; the table is named here
+            raise ValueError(f"[rl.rollout] {e}") from e
 
 
 def data_roles(mode: str, data: DataConfig) -> dict[str, Any]:

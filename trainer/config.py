@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import types
 import typing
 from collections.abc import Mapping
@@ -389,7 +390,9 @@ class DataConfig:
     train: Any = None  # the RL prompts (and SFT's when `sft` is unset); required by every mode but export
     eval: Any = None  # held-out prompts: greedy accuracy before / between / after the phases (None: no evaluation)
     sft: Any = None  # the SFT examples (prompt + answer, or full conversations); None: `train`
-    reward: str | None = None  # "module:function" or a built-in name ("arithmetic", "gsm8k", ...); rl and eval need one
+    # "module:function" or a built-in name ("arithmetic", "gsm8k", ...); rl and eval need one, unless [rl.rollout] env
+    # or rollout_fn returns each episode's reward (an episode given none is FAILED)
+    reward: str | None = None
     reward_timeout_s: float = 60.0  # one reward call's limit (s); past it the sample is FAILED, the step goes on
     format: str = "chat"  # "chat": prompts are user turns of the chat template; "plain": the prompt text itself
     prompt_key: str = "prompt"  # the prompt's field in the data set
@@ -836,6 +839,35 @@ def _check_scalar(tp: Any, value: Any, path: str) -> None:
     raise ConfigError(f"{path} = {value!r}: expected {' or '.join(_SCALARS[a] for a in scalars)}")
 
 
+def _check_array(tp: Any, value: Any, path: str) -> None:
+    """A TOML value against a tuple-typed field (`tuple[int, ...]`, `tuple[str, ...] | None`): an array, and each
+    element of the element type where that is a scalar. Without this, `stop_token_ids = 5` was a TypeError mid-run
+    and `backends = "jsonl"` became the string's characters (tuple("jsonl"))."""
+    if not _is_tuple(tp):
+        return
+    args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+    if value is None and type(None) in args:
+        return
+    if not isinstance(value, list | tuple):
+        example = f", e.g. {path.rsplit('.', 1)[-1]} = [{json.dumps(value)}]" if isinstance(
+            value, str | int | float) else ""
+        raise ConfigError(f"{path} = {value!r}: expected an array{example}")
+    items = typing.get_args(next(a for a in args if _is_tuple(a)))  # (X, ...) or (X, Y) or () for a bare tuple
+    if not items:
+        return
+    if items[-1] is not Ellipsis and len(value) != len(items):
+        raise ConfigError(f"{path} = {list(value)!r}: expected an array of {len(items)} values")
+    for i, v in enumerate(value):
+        _check_scalar(items[0] if items[-1] is Ellipsis else items[i], v, f"{path}[{i}]")
+
+
+def check_value(tp: Any, value: Any, path: str) -> None:
+    """A TOML value against a field's type hint `tp` (scalars and arrays of scalars; tables and Any are checked where
+    they are built); a ConfigError names `path` otherwise."""
+    _check_scalar(tp, value, path)
+    _check_array(tp, value, path)
+
+
 def config_from_dict(cls: type, values: Mapping[str, Any], where: str | None = None, *,
                      inherited: Mapping[str, Any] | None = None) -> Any:
     """Build a config dataclass (any node of the RunConfig tree) from a TOML table.
@@ -860,7 +892,7 @@ def config_from_dict(cls: type, values: Mapping[str, Any], where: str | None = N
                           f"known: {sorted(names)}")
     hints = _hints(cls)
     for key, value in values.items():
-        _check_scalar(hints[key], value, f"{where}.{key}" if where else key)
+        check_value(hints[key], value, f"{where}.{key}" if where else key)
     kwargs = dict(values)
     for name in INHERITED:
         if name in names and name not in kwargs and inherited and name in inherited:

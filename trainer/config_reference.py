@@ -145,9 +145,10 @@ if __name__ == "__main__":
 
 
 # ----------------------------------------------------------------------------------------------- --set keys
-def check_key_path(key: str) -> None:
+def check_key_path(key: str) -> tuple[type, str] | None:
     """A dotted `--set` key names a key of the run file (a table is allowed: its value is an inline table), or a
-    ConfigError says it came from --set, and what the table knows."""
+    ConfigError says it came from --set, and what the table knows. Returns (the config class, the field) of a key,
+    None for a table."""
     from trainer.config import MOVED, ConfigError
 
     cls, where = RunConfig, ""
@@ -165,8 +166,29 @@ def check_key_path(key: str) -> None:
         if sub is None:
             if i < len(parts) - 1:
                 raise ConfigError(f"--set {key}: {path} is a key, not a table")
-            return
+            return cls, part
         cls, where = sub, path
+    return None
+
+
+def override_value(key: str, value: Any) -> Any:
+    """The value of `--set key=value` (already parsed as TOML) checked against the key's type before it meets the
+    config file, so that an error names --set, not the file. A scalar where the key takes an array becomes a
+    one-element array: `--set logging.backends=jsonl` or `rl.rollout.tools=mod:fn` (the shell ate any brackets and
+    quotes; a string taken as its characters was never what was meant). Inline tables are checked when built."""
+    from trainer.config import ConfigError, _is_tuple, check_value
+
+    leaf = check_key_path(key)
+    if leaf is None:
+        return value
+    hint = _hints(leaf[0])[leaf[1]]
+    if _is_tuple(hint) and not isinstance(value, list):
+        value = [value]
+    try:
+        check_value(hint, value, key)
+    except ConfigError as e:
+        raise ConfigError(f"--set {e} (the value given with --set, not the config file's)") from None
+    return value
 
 
 # ----------------------------------------------------------------------------------------------- resolved config

@@ -61,16 +61,18 @@ def evaluate(engines: Sequence[InferenceEngine], prompts: Sequence[Any], *, toke
 
     Samples whose reward function raised, or outlasted `reward_timeout_s`, count as wrong with reward 0 (their
     errors are printed as they happen). With a `rollout` config that names an env, tools or a rollout_fn, each
-    answer is one multi-turn episode of it (trainer.rollout.episodes), scored as in training.
+    answer is one multi-turn episode of it (trainer.rollout.episodes), scored as in training (reward_fn None: by
+    the environment's or rollout_fn's own reward; an episode given none is FAILED and counts as wrong).
     """
-    from trainer.rollout.rewards import describe_failure, load_reward_fn, with_timeout
+    from trainer.rollout.rewards import describe_failure, load_reward_fn, no_reward, with_timeout
     from trainer.rollout.samples import prompt_token_ids
 
     if not engines or isinstance(engines[0], str):
         raise TypeError(f"evaluate: engines = {list(engines)[:1]!r}: give engine objects (engines.registry.build_engine"
                         f" or trainer.cli.build_engines), not URLs")
     ids = [prompt_token_ids(tokenizer, p.prompt, chat=chat, system=p.system) for p in prompts]
-    score = with_timeout(load_reward_fn(reward_fn), reward_timeout_s)
+    # No reward function: each episode's environment or rollout_fn gives its reward; one given none is FAILED.
+    score = with_timeout(load_reward_fn(no_reward if reward_fn is None else reward_fn), reward_timeout_s)
     answer = _Answerer(engines[0], prompts, ids, tokenizer=tokenizer, chat=chat, score=score,
                        max_new_tokens=max_new_tokens, rollout=rollout)
     greedy = trio.run(answer.greedy)

@@ -82,10 +82,11 @@ def generate(cfg: RunConfig, engines: Sequence[Any], *, tokenizer: Any, folder: 
     from trainer.rollout.data import config_buffer
     from trainer.rollout.dumps import rollout_rows, write_rollouts
     from trainer.rollout.manager import AsyncRolloutManager, generate_rollout_batches
-    from trainer.rollout.rewards import load_reward_fn, with_timeout
+    from trainer.rollout.rewards import load_reward_fn, no_reward, with_timeout
 
     data, rl_cfg = cfg.data, cfg.rl
-    reward = with_timeout(load_reward_fn(data.reward), data.reward_timeout_s)
+    # No [data].reward: the episodes' environment or rollout_fn gives each reward (the CLI checked there is one).
+    reward = with_timeout(load_reward_fn(no_reward if data.reward is None else data.reward), data.reward_timeout_s)
     manager = AsyncRolloutManager(engines, rl_cfg.rollout, tokenizer=tokenizer, reward_fn=reward,
                                   deterministic=rl_cfg.deterministic)
     buffer = config_buffer(data.train, data.mapping(), where="[data].train", seed=cfg.seed)

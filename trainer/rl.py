@@ -54,7 +54,7 @@ from trainer.critic import attach_gae, build_critic, sum_across_ranks, token_rew
 from trainer.evaluation import Evaluation
 from trainer.metrics import MetricsLogger, open_logger, progress
 from trainer.rollout.dumps import RolloutDumps, rollout_rows, sample_logprobs, table_rows, write_rollouts
-from trainer.rollout.rewards import load_reward_fn, with_timeout
+from trainer.rollout.rewards import load_reward_fn, no_reward, with_timeout
 from trainer.rollout.samples import build_batch_metadata, pad_token_id
 from trainer.rollout.source import ResumePoints, RolloutSource
 from trainer.types import RolloutBatch, Sample, Status, TrainingState
@@ -266,7 +266,9 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
     trainer.weight_sync sender (WeightSyncSender, or DiskWeightSync) to those engines whose group is already up;
     the caller owns it (init_group before, close after). tokenizer: the model's (prompts, stop tokens, the pad
     id). reward_fn: a function of a Sample or a name trainer.rollout.rewards.load_reward_fn resolves; a call
-    longer than `reward_timeout_s` (None: no limit) marks its sample FAILED instead of stalling the step.
+    longer than `reward_timeout_s` (None: no limit) marks its sample FAILED instead of stalling the step. None:
+    the episodes' environment or rollout_fn gives each reward ([rl.rollout] env / rollout_fn); an episode given
+    none is FAILED (trainer.rollout.rewards.no_reward).
     Writes metrics.jsonl and checkpoints under config.output_dir (`logger`: where the metrics go instead, e.g.
     trainer.tracking.build_logger's); resume=True continues from the newest complete checkpoint there (data
     position and partial-rollout cache included). Ctrl-C writes a checkpoint first. `evaluation`
@@ -286,6 +288,8 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
         if reward_fn is not None:
             raise ValueError("give reward_fn or rewards (whose rule sources replace reward_fn), not both")
         reward_fn = rewards.rule_reward()
+    if rewards is None and reward_fn is None:  # the episodes' own rewards: one without any fails, never scores 0
+        reward_fn = no_reward
     reward_spec = reward_fn  # as given (a name or a function): what a rollout process loads for itself
     if rewards is None and reward_fn is not None:
         reward_fn = with_timeout(load_reward_fn(reward_fn), reward_timeout_s)

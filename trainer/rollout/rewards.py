@@ -216,12 +216,22 @@ def math_reward(sample: Sample) -> float:
     return 1.0 if verify(ref, got, timeout_seconds=_math_timeout()) else 0.0
 
 
+def no_reward(sample: Sample) -> float:
+    """The reward function of a run that names none ([data].reward unset, no [rewards] sources) because its
+    environment or agent ([rl.rollout] env / rollout_fn) returns each episode's reward: it is called only for an
+    episode that returned none, and fails it (FAILED, out of the loss, counted), where a missing reward would
+    otherwise have counted as 0."""
+    raise LookupError("no reward for this sample: the run has no reward function ([data].reward unset) and no "
+                      "environment or rollout_fn gave its episode one (every step's reward was None); return a reward "
+                      "from the environment's step (or the rollout_fn), or set [data].reward to score such episodes")
+
+
 # ----------------------------------------------------------------------------------------------- loading
 BUILTIN_REWARDS: dict[str, RewardFn] = {"arithmetic": arithmetic_reward, "countdown": countdown_reward,
                                         "gsm8k": gsm8k_reward, "math": math_reward}
 # Built-ins whose work is one linear regex scan of the response: with_timeout calls them inline. A worker-thread hop
 # per sample costs more than they do (~50 us, 512 a step on the demo, in the rollout's Python) and they cannot hang.
-INLINE_REWARDS = (arithmetic_reward, gsm8k_reward)
+INLINE_REWARDS = (arithmetic_reward, gsm8k_reward, no_reward)
 
 
 def load_reward_fn(spec: str | RewardFn) -> RewardFn:

@@ -1,0 +1,253 @@
+"""Nothing lost, round 2 (issue 44): everything a run file or `--set` names is checked before the run touches its
+output folder, and a reward is never made up.
+
+- A user-named function, module or filter of [rl.rollout] (env, tools, rollout_fn, tool_parser, dynamic_filters)
+  that does not load is `error:` + exit 2 before the fresh start: the previous run's files stay byte for byte.
+- `--set` values are checked against their keys' types: a scalar for an array key is a one-element array, a wrong
+  type is an error that names --set (not the config file).
+- An environment (or rollout_fn) that returns rewards replaces [data].reward; an episode that gets a reward from
+  neither is FAILED, never scored 0.
+
+The previous run's folder is made by hand: the fresh start only looks at what is in it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import trio
+from episode_support import arithmetic_buffer
+
+from engines.protocol import Completion
+from engines.tiny import IM_END, SPECIAL_TOKENS, build_tokenizer
+from trainer.cli import ConfigError, load_run_config, main
+from trainer.config import RolloutConfig
+from trainer.rl import compute_advantages, trained_samples
+from trainer.rollout.data import Prompt
+from trainer.types import Status
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "configs" / "demo.toml"
+TOK = build_tokenizer()
+IM_END_ID = SPECIAL_TOKENS.index(IM_END)
+
+
+@pytest.fixture(autouse=True)
+def in_repo(monkeypatch):
+    monkeypatch.chdir(ROOT)  # the demo config's data paths are relative to the repository
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def finished_run(out: Path) -> dict[str, bytes]:
+    """What a finished `rl` run leaves in its output folder (the files the fresh start would remove or overwrite)."""
+    (out / "rl" / "checkpoints" / "step_00000002").mkdir(parents=True)
+    (out / "rl" / "checkpoints" / "step_00000002" / "state.json").write_text('{"step": 2}\n')
+    (out / "rl" / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.25}\n')
+    (out / "rl.png").write_bytes(b"\x89PNG\r\n\x1a\nnot really")
+    (out / "summary.json").write_text('{"rl_steps": 2}\n')
+    (out / "config.toml").write_text("# the resolved config of `rl`\n")
+    return files_of(out)
+
+
+@pytest.mark.parametrize("override, named", [
+    ('rl.rollout.env="no_such_module.py:Guess"', "[rl.rollout] env 'no_such_module.py:Guess': cannot import"),
+    ("rl.rollout.tools=no_such_module:calc", "[rl.rollout] tools: 'no_such_module:calc': cannot import"),
+    ('rl.rollout.rollout_fn="no_such_module:agent"', "[rl.rollout] rollout_fn 'no_such_module:agent': cannot import"),
+    ('rl.rollout.rollout_fn="trainer.rollout.rewards:arithmetic_reward"', "must be an async function"),
+    ('rl.rollout.dynamic_filters=["check_reward_nonzero_stdd"]',
+     "[rl.rollout] dynamic_filters: unknown filter 'check_reward_nonzero_stdd'"),
+    ('rl.rollout.dynamic_filters=["no_such_module:keep"]', "dynamic_filters: 'no_such_module:keep': cannot import"),
+    ('rl.rollout.tool_parser="no_such_module:parse"', "tool_parser (built-in: ['hermes']) 'no_such_module:parse'"),
+], ids=["env", "tools", "rollout_fn", "sync-rollout_fn", "filter", "filter-module", "tool_parser"])
+def test_a_typo_in_a_rollout_function_leaves_the_previous_run_as_it_was(tmp_path, capsys, monkeypatch, override,
+                                                                        named):
+    import trainer.cli as cli
+
+    def started(*a, **k):  # past the fresh start: the check came too late (and the test stays cheap)
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(cli, "prepare_model_folder", started)
+    out = tmp_path / "run"
+    before = finished_run(out)
+    rc = main(["rl", "--config", str(DEMO), "--set", f"output_dir={json.dumps(str(out))}", "--set", override])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: ") and named in err and "Traceback" not in err, err
+    assert files_of(out) == before
+
+
+def test_set_gives_a_scalar_to_an_array_key_as_a_one_element_array():
+    cfg = load_run_config(DEMO, ["logging.backends=jsonl", "rl.rollout.stop_token_ids=5", "rl.rollout.tools=mod:fn",
+                                 "trainer.cpus=0"])
+    assert cfg.logging.backends == ("jsonl",)  # was ('j', 's', 'o', 'n', 'l')
+    assert cfg.rl.rollout.stop_token_ids == (5,)  # was a TypeError from tuple(5)
+    assert cfg.rl.rollout.tools == ("mod:fn",)  # was ('m', 'o', 'd', ...)
+    assert cfg.trainer.cpus == (0,)
+    with pytest.raises(ConfigError, match=r"\[rl\.rollout\] tools: 'mod:fn': cannot import 'mod'"):
+        load_run_config(DEMO, ["rl.rollout.tools=mod:fn"], mode="rl")  # named whole, before any engine starts
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rl.num_steps=abc", "--set rl.num_steps = 'abc': expected an integer"),
+    ('rl.rollout.stop_token_ids=["a"]', "--set rl.rollout.stop_token_ids[0] = 'a': expected an integer"),
+    ("rl.optim.betas=0.9", "--set rl.optim.betas = [0.9]: expected an array of 2 values"),
+    ("logging.backends=[1]", "--set logging.backends[0] = 1: expected a string"),
+])
+def test_a_set_type_error_names_set_not_the_config_file(capsys, override, message):
+    with pytest.raises(ConfigError) as e:
+        load_run_config(DEMO, [override])
+    assert str(e.value) == f"{message} (the value given with --set, not the config file's)"
+    assert main(["rl", "--config", str(DEMO), "--set", override]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and str(DEMO) not in err
+
+
+@pytest.mark.parametrize("line, message", [
+    ("stop_token_ids = 5", "rl.rollout.stop_token_ids = 5: expected an array, e.g. stop_token_ids = [5]"),
+    ('dynamic_filters = "check_min_reward"', "rl.rollout.dynamic_filters = 'check_min_reward': expected an array, "
+                                             'e.g. dynamic_filters = ["check_min_reward"]'),
+])
+def test_a_scalar_for_an_array_key_in_the_file_is_named(tmp_path, line, message):
+    path = tmp_path / "run.toml"
+    path.write_text(DEMO.read_text().replace("dynamic_filters = []", line))
+    with pytest.raises(ConfigError) as e:
+        load_run_config(path)
+    assert str(e.value) == f"{path}: {message}"
+
+
+# ----------------------------------------------------------------------------------------------- [data].reward
+GUESS_ENV = '''
+class Guess:
+    """Rewards the answer itself: no reward function needed."""
+
+    def reset(self, prompt, metadata):
+        self.answer = str(metadata["answer"])
+        return [{"role": "user", "content": prompt}]
+
+    def step(self, message):
+        return {"messages": [], "reward": float(message["content"].strip() == self.answer), "done": True}
+'''
+
+TOOL = '''
+def calc(expression: str) -> str:
+    """Evaluate an expression.
+
+    Args:
+        expression: the expression
+    """
+    return expression
+'''
+
+
+@pytest.fixture
+def no_reward_config(tmp_path) -> Path:
+    """The demo config without its [data].reward, and a user's environment and tool in tmp_path."""
+    (tmp_path / "guess_env.py").write_text(GUESS_ENV)
+    (tmp_path / "tool.py").write_text(TOOL)
+    path = tmp_path / "no_reward.toml"
+    path.write_text(DEMO.read_text().replace('reward = "trainer.rollout.rewards:arithmetic_reward"', ""))
+    return path
+
+
+def test_an_environment_that_gives_rewards_needs_no_reward_function(no_reward_config, tmp_path):
+    env = f"rl.rollout.env={json.dumps(str(tmp_path / 'guess_env.py') + ':Guess')}"
+    eval_set = f"eval.sets=[{{name = \"more\", path = {json.dumps(str(ROOT / 'data/arithmetic_test.jsonl'))}}}]"
+    for mode in ("rl", "sft+rl", "sft"):  # the RL rollouts, and the evaluation (it runs the same episodes)
+        cfg = load_run_config(no_reward_config, [env, eval_set], mode=mode)
+        assert cfg.data.reward is None and cfg.rl.rollout.env.endswith("guess_env.py:Guess")
+
+
+def test_without_a_reward_the_error_names_the_environment_alternative(no_reward_config, tmp_path):
+    alternative = "or give [rl.rollout] env (or rollout_fn) that returns each episode's reward"
+    with pytest.raises(ConfigError) as e:
+        load_run_config(no_reward_config, [], mode="rl")
+    assert "[data].reward: mode 'rl' scores samples" in str(e.value) and alternative in str(e.value)
+    # The tool environment gives no reward: tools still need a reward function, and the error says why.
+    tools = f"rl.rollout.tools={json.dumps(str(tmp_path / 'tool.py') + ':calc')}"
+    with pytest.raises(ConfigError) as e:
+        load_run_config(no_reward_config, [tools], mode="rl")
+    assert alternative in str(e.value) and "tools' episodes get none from the tool environment" in str(e.value)
+    no_eval = tmp_path / "no_eval.toml"  # SFT alone, with an [[eval.sets]] entry that nothing scores
+    no_eval.write_text(no_reward_config.read_text().replace('eval = "data/arithmetic_test.jsonl"', ""))
+    with pytest.raises(ConfigError) as e:
+        load_run_config(no_eval, ['eval.sets=[{name = "more", path = "data/arithmetic_test.jsonl"}]'], mode="sft")
+    assert "[[eval.sets]] 'more': no reward; set its reward or [data].reward; " + alternative in str(e.value)
+
+
+class Echo:
+    """An engine stand-in that answers every turn with "7" and the end-of-turn token (finish "stop")."""
+
+    url = "echo://"
+
+    async def generate(self, prompts, params, *, rids=None):
+        ids = TOK.encode("7") + [IM_END_ID]
+        return [[Completion(ids, [-0.5] * len(ids), "stop", 0, list(p))] * params.n for p in prompts]
+
+    async def abort(self, rids=None):
+        pass
+
+
+class RewardsZeroOnly:
+    """Gives a reward to the episodes of prompts that start with "0" only; the others end with reward None."""
+
+    def reset(self, prompt, metadata):
+        self.prompt = prompt
+        return [{"role": "user", "content": prompt}]
+
+    def step(self, message):
+        return {"messages": [], "reward": 1.0 if self.prompt.startswith("0") else None, "done": True}
+
+
+def test_evaluation_without_a_reward_function_fails_the_episodes_given_none():
+    from trainer.evaluation import evaluate
+
+    prompts = [Prompt("0+1=", "1"), Prompt("1+2=", "3")]
+    got = evaluate([Echo()], prompts, tokenizer=TOK, reward_fn=None, max_new_tokens=4,
+                   rollout=RolloutConfig(env=RewardsZeroOnly, max_turns=1))
+    assert got == {"reward_mean": 0.5, "accuracy": 0.5, "n": 2, "failed": 1}
+
+
+def test_the_rl_rollouts_fail_an_episode_given_no_reward_instead_of_scoring_0(monkeypatch):
+    """run_rl_training without a reward function (the environment gives them): its rollout manager fails the
+    episodes whose environment returned no reward; they are out of the loss and of their group's baseline."""
+    import trainer.rollout.manager as manager_module
+    from engines.tiny import tiny_model_config
+    from trainer.backend.steps import trainer_config_from
+    from trainer.config import RLTrainingConfig
+    from trainer.rl import run_rl_training
+
+    built = {}
+
+    class Captured(manager_module.AsyncRolloutManager):
+        def __init__(self, *a, **kw):
+            built["reward_fn"] = kw["reward_fn"]
+            raise InterruptedError("captured")  # the manager the loop would use: enough to see its reward
+
+    monkeypatch.setattr(manager_module, "AsyncRolloutManager", Captured)
+    rollout = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2, max_new_tokens=4, env=RewardsZeroOnly,
+                            max_turns=1)
+    cfg = RLTrainingConfig(num_steps=1, token_budget=128, micro_batch_buckets=32, rollout=rollout)
+    with pytest.raises(InterruptedError, match="captured"):
+        run_rl_training(tiny_model_config("llama"), arithmetic_buffer(2), cfg, engines=[Echo()], sender=None,
+                        tokenizer=TOK, reward_fn=None, trainer_config=trainer_config_from(cfg, compile=False))
+    monkeypatch.undo()
+    manager = manager_module.AsyncRolloutManager([Echo()], rollout, tokenizer=TOK, reward_fn=built["reward_fn"],
+                                                 check_health=False)
+
+    async def one_batch():
+        async with manager:
+            return await manager.generate_batch(arithmetic_buffer(2))
+
+    samples = trio.run(one_batch).samples
+    by_prompt = {p: [s for s in samples if s.prompt == p] for p in ("0+1=", "1+2=")}
+    assert [(s.status, s.reward) for s in by_prompt["0+1="]] == [(Status.COMPLETED, 1.0)] * 2
+    for s in by_prompt["1+2="]:  # was COMPLETED with reward None, trained as 0
+        assert s.status == Status.FAILED and "no reward for this sample" in s.metadata["reward_error"]
+    with pytest.warns(UserWarning, match="2 of 4 samples FAILED.*no reward for this sample"):
+        keep, metrics = trained_samples(samples, "grpo")
+    assert [samples[i].prompt for i in keep] == ["0+1=", "0+1="] and metrics["rollout/failed_fraction"] == 0.5
+    assert [a for s, a in zip(samples, compute_advantages(samples, "grpo")) if s.prompt == "1+2="] == [0.0, 0.0]
