@@ -179,13 +179,18 @@ def test_without_a_reward_the_error_names_the_environment_alternative(no_reward_
 
 
 class Echo:
-    """An engine stand-in that answers every turn with "7" and the end-of-turn token (finish "stop")."""
+    """An engine stand-in that answers every turn with "7" and the end-of-turn token (finish "stop"), except on
+    "2+3=", where its turn is cut by the length limit (finish "length")."""
 
     url = "echo://"
 
     async def generate(self, prompts, params, *, rids=None):
-        ids = TOK.encode("7") + [IM_END_ID]
-        return [[Completion(ids, [-0.5] * len(ids), "stop", 0, list(p))] * params.n for p in prompts]
+        out = []
+        for p in prompts:
+            cut = "2+3=" in TOK.decode(list(p))
+            ids = TOK.encode("77") if cut else TOK.encode("7") + [IM_END_ID]
+            out.append([Completion(ids, [-0.5] * len(ids), "length" if cut else "stop", 0, list(p))] * params.n)
+        return out
 
     async def abort(self, rids=None):
         pass
@@ -205,15 +210,16 @@ class RewardsZeroOnly:
 def test_evaluation_without_a_reward_function_fails_the_episodes_given_none():
     from trainer.evaluation import evaluate
 
-    prompts = [Prompt("0+1=", "1"), Prompt("1+2=", "3")]
+    prompts = [Prompt("0+1=", "1"), Prompt("1+2=", "3"), Prompt("2+3=", "5")]  # rewarded, given none, cut
     got = evaluate([Echo()], prompts, tokenizer=TOK, reward_fn=None, max_new_tokens=4,
                    rollout=RolloutConfig(env=RewardsZeroOnly, max_turns=1))
-    assert got == {"reward_mean": 0.5, "accuracy": 0.5, "n": 2, "failed": 1}
+    assert got == {"reward_mean": 1 / 3, "accuracy": 1 / 3, "n": 3, "failed": 2}
 
 
 def test_the_rl_rollouts_fail_an_episode_given_no_reward_instead_of_scoring_0(monkeypatch):
     """run_rl_training without a reward function (the environment gives them): its rollout manager fails the
-    episodes whose environment returned no reward; they are out of the loss and of their group's baseline."""
+    episodes whose environment returned no reward, and those cut by a limit before the environment judged them;
+    they are out of the loss and of their group's baseline."""
     import trainer.rollout.manager as manager_module
     from engines.tiny import tiny_model_config
     from trainer.backend.steps import trainer_config_from
@@ -228,11 +234,11 @@ def test_the_rl_rollouts_fail_an_episode_given_no_reward_instead_of_scoring_0(mo
             raise InterruptedError("captured")  # the manager the loop would use: enough to see its reward
 
     monkeypatch.setattr(manager_module, "AsyncRolloutManager", Captured)
-    rollout = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2, max_new_tokens=4, env=RewardsZeroOnly,
+    rollout = RolloutConfig(rollout_batch_size=3, n_samples_per_prompt=2, max_new_tokens=4, env=RewardsZeroOnly,
                             max_turns=1)
     cfg = RLTrainingConfig(num_steps=1, token_budget=128, micro_batch_buckets=32, rollout=rollout)
     with pytest.raises(InterruptedError, match="captured"):
-        run_rl_training(tiny_model_config("llama"), arithmetic_buffer(2), cfg, engines=[Echo()], sender=None,
+        run_rl_training(tiny_model_config("llama"), arithmetic_buffer(3), cfg, engines=[Echo()], sender=None,
                         tokenizer=TOK, reward_fn=None, trainer_config=trainer_config_from(cfg, compile=False))
     monkeypatch.undo()
     manager = manager_module.AsyncRolloutManager([Echo()], rollout, tokenizer=TOK, reward_fn=built["reward_fn"],
@@ -240,14 +246,18 @@ def test_the_rl_rollouts_fail_an_episode_given_no_reward_instead_of_scoring_0(mo
 
     async def one_batch():
         async with manager:
-            return await manager.generate_batch(arithmetic_buffer(2))
+            return await manager.generate_batch(arithmetic_buffer(3))
 
     samples = trio.run(one_batch).samples
-    by_prompt = {p: [s for s in samples if s.prompt == p] for p in ("0+1=", "1+2=")}
+    by_prompt = {p: [s for s in samples if s.prompt == p] for p in ("0+1=", "1+2=", "2+3=")}
     assert [(s.status, s.reward) for s in by_prompt["0+1="]] == [(Status.COMPLETED, 1.0)] * 2
     for s in by_prompt["1+2="]:  # was COMPLETED with reward None, trained as 0
-        assert s.status == Status.FAILED and "no reward for this sample" in s.metadata["reward_error"]
-    with pytest.warns(UserWarning, match="2 of 4 samples FAILED.*no reward for this sample"):
+        assert s.status == Status.FAILED and s.metadata["reward_error"].startswith(
+            "LookupError: no reward for this sample: its environment or rollout_fn gave none")
+    for s in by_prompt["2+3="]:  # was TRUNCATED with reward None, trained as 0
+        assert s.status == Status.FAILED and s.metadata["reward_error"].startswith(
+            "LookupError: no reward for this sample: its episode was cut (by 'length') before the environment")
+    with pytest.warns(UserWarning, match="4 of 6 samples FAILED.*no reward for this sample"):
         keep, metrics = trained_samples(samples, "grpo")
-    assert [samples[i].prompt for i in keep] == ["0+1=", "0+1="] and metrics["rollout/failed_fraction"] == 0.5
-    assert [a for s, a in zip(samples, compute_advantages(samples, "grpo")) if s.prompt == "1+2="] == [0.0, 0.0]
+    assert [samples[i].prompt for i in keep] == ["0+1=", "0+1="] and metrics["rollout/failed_fraction"] == 4 / 6
+    assert [a for s, a in zip(samples, compute_advantages(samples, "grpo")) if s.prompt != "0+1="] == [0.0] * 4

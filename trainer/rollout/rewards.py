@@ -218,12 +218,18 @@ def math_reward(sample: Sample) -> float:
 
 def no_reward(sample: Sample) -> float:
     """The reward function of a run that names none ([data].reward unset, no [rewards] sources) because its
-    environment or agent ([rl.rollout] env / rollout_fn) returns each episode's reward: it is called only for an
-    episode that returned none, and fails it (FAILED, out of the loss, counted), where a missing reward would
-    otherwise have counted as 0."""
-    raise LookupError("no reward for this sample: the run has no reward function ([data].reward unset) and no "
-                      "environment or rollout_fn gave its episode one (every step's reward was None); return a reward "
-                      "from the environment's step (or the rollout_fn), or set [data].reward to score such episodes")
+    environment or agent ([rl.rollout] env / rollout_fn) returns each episode's reward: it is called only for a
+    sample given none, and fails it (FAILED, out of the loss, counted), where a missing reward would otherwise have
+    counted as 0. An episode cut by a limit before its environment judged it is one of these."""
+    cut = sample.metadata.get("truncated_by")
+    if cut:
+        why = f"its episode was cut (by {cut!r}) before the environment or rollout_fn gave a reward"
+        fix = "raise [rl.rollout] max_new_tokens / max_turns / max_context_tokens so that episodes finish"
+    else:
+        why = "its environment or rollout_fn gave none (every step's reward was None)"
+        fix = "return a reward from the environment's step (or the rollout_fn)"
+    raise LookupError(f"no reward for this sample: {why}, and the run has no reward function ([data].reward unset); "
+                      f"{fix}, or set [data].reward to score such samples")
 
 
 # ----------------------------------------------------------------------------------------------- loading
