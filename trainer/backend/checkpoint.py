@@ -10,9 +10,14 @@ Layout of `<output_dir>/checkpoints/step_00000012/`:
                             config fingerprint, world size, the sha256 of every other file; written LAST
 
 Everything is written into `.tmp_step_00000012/` and renamed when complete, so a crash mid-save leaves only a
-hidden temporary folder that `latest_checkpoint` ignores. A resume verifies the checksums first (`verify_checkpoint`):
-a damaged newest checkpoint is set aside (renamed `step_00000012.corrupt`) with a warning naming the bad file, and the
-run resumes from the previous complete one (`load_latest`). `export_hf` writes a consolidated Hugging Face folder
+hidden temporary folder that no listing sees. A step folder is therefore claimed complete, and `verify_checkpoint`
+is the one check of that claim before anything of it is loaded: state.json and .metadata present, state.json JSON,
+every file against its recorded sha256, the DCP metadata readable (through trainer.backend.safe_dcp's allow-list:
+a crafted pickle runs nothing) and every shard it names present. A resume (`load_latest`) sets a newest checkpoint
+that fails it aside (renamed `step_00000012.corrupt`), whatever the damage, with a warning naming the folder and
+the bad file, and resumes from the previous intact one; a load of an output_dir (`pick_checkpoint`: export, replay,
+`[model] checkpoint`) skips it with the same warning but leaves it in place (a reader does not rename a run's
+files). Every load prints the folder and step it loaded. `export_hf` writes a consolidated Hugging Face folder
 (config.json + model.safetensors [+ tokenizer]) that `load_hf_model` and the inference engines read.
 `Checkpointer` is the schedule both training loops (RL, SFT) save on: every save_every steps, at the end, on Ctrl-C.
 """
@@ -46,6 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from trainer.backend.parallel import ROOT_PREFIX
+from trainer.backend.safe_dcp import CorruptCheckpointError, load_dcp, read_dcp_metadata, shard_names
 from trainer.backend.steps import TrainingComponents, broadcast_from_rank0
 from trainer.types import TrainingState
 
@@ -66,23 +72,39 @@ def checkpoints_root(output_dir: str | os.PathLike) -> Path:
     return Path(output_dir) / "checkpoints"
 
 
+# The files every save writes; state.json last, so a folder without it was never completely written.
+_REQUIRED = (".metadata", "state.json")
+
+
+def _first_missing(path: Path) -> str | None:
+    return next((name for name in _REQUIRED if not (path / name).is_file()), None)
+
+
 def is_complete(path: str | os.PathLike) -> bool:
-    """A renamed step folder with its state.json (the last file written)."""
+    """A renamed step folder holding the files every save writes: the quick test a listing uses (no file is read);
+    verify_checkpoint checks the same and the files' contents before anything is loaded."""
     p = Path(path)
-    return bool(_STEP_RE.match(p.name)) and (p / "state.json").is_file() and (p / ".metadata").is_file()
+    return bool(_STEP_RE.match(p.name)) and _first_missing(p) is None
 
 
-def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints under output_dir, oldest first."""
+def step_folders(output_dir: str | os.PathLike) -> list[Path]:
+    """Every step_NNNNNNNN folder under output_dir, complete or not, oldest first: the folders a save renamed into
+    place, each claimed complete (a damaged one is found by verify_checkpoint, not by leaving it out)."""
     root = checkpoints_root(output_dir)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and is_complete(p)]
+    found = [p for p in root.iterdir() if p.is_dir() and _STEP_RE.match(p.name)]
     return sorted(found, key=lambda p: int(_STEP_RE.match(p.name).group(1)))
 
 
+def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints under output_dir (is_complete), oldest first: what keep_last counts."""
+    return [p for p in step_folders(output_dir) if is_complete(p)]
+
+
 def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint, or None."""
+    """The newest complete checkpoint, or None (not verified: to load one, use pick_checkpoint or load_latest, which
+    verify it and say which newer one they skipped)."""
     ckpts = list_checkpoints(output_dir)
     return ckpts[-1] if ckpts else None
 
@@ -119,10 +141,6 @@ def read_rng_file(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path}: refused to load: it holds objects other than tensors and plain data (a crafted "
                          f"file, or an RNG file from an older version); delete it to resume without restoring the "
                          f"RNG states ({str(e).splitlines()[0]})") from e
-
-
-class CorruptCheckpointError(ValueError):
-    """A checkpoint's file is missing, unreadable or differs from the checksum recorded when it was written."""
 
 
 def _sha256(path: Path) -> str:
@@ -249,19 +267,34 @@ def _check_resumable(path: Path, meta: dict[str, Any], config: Any) -> None:
 def _read_meta(path: Path) -> dict[str, Any]:
     f = path / "state.json"
     try:
-        return json.loads(f.read_text())
+        meta = json.loads(f.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CorruptCheckpointError(f"{f}: unreadable ({type(e).__name__}: {e}); the checkpoint is damaged: "
                                      f"resume from an earlier one (pass the output_dir: the newest intact one is "
                                      f"used)") from e
+    if not isinstance(meta, dict) or not isinstance(meta.get("state"), dict) \
+            or not isinstance(meta["state"].get("step"), int):
+        raise CorruptCheckpointError(f"{f}: no state.step in it; the checkpoint is damaged: resume from an earlier "
+                                     f"one (pass the output_dir: the newest intact one is used)")
+    return meta
 
 
-def verify_checkpoint(path: str | os.PathLike) -> None:
-    """Check every file of the checkpoint at `path` against the sha256 recorded when it was written; raises
-    CorruptCheckpointError naming the first missing or differing file. A checkpoint written before checksums were
-    recorded has nothing to check against and passes."""
+def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """The one check of a checkpoint before anything of it is loaded; returns its state.json. Raises
+    CorruptCheckpointError naming the first problem: state.json or .metadata missing (an interrupted save, or
+    damage), state.json not JSON, a file missing or differing from the sha256 recorded when it was written, the DCP
+    metadata unreadable or naming code to run (read through safe_dcp's allow-list, so nothing of it runs), or a shard
+    it names missing (a checkpoint written before checksums were recorded is checked by this last test alone)."""
     p = Path(path)
-    for name, want in sorted(_read_meta(p).get("sha256", {}).items()):
+    missing = _first_missing(p)
+    if missing is not None:
+        raise CorruptCheckpointError(f"{p}: not a complete checkpoint: {missing} is missing (an interrupted save, or "
+                                     f"damage)")
+    meta = _read_meta(p)
+    sums = meta.get("sha256", {})  # none in a checkpoint written before checksums were recorded
+    if not isinstance(sums, dict):
+        raise CorruptCheckpointError(f"{p / 'state.json'}: its sha256 entry is not a table; the checkpoint is damaged")
+    for name, want in sorted(sums.items()):
         f = p / name
         try:
             got = _sha256(f)
@@ -271,47 +304,99 @@ def verify_checkpoint(path: str | os.PathLike) -> None:
         if got != want:
             raise CorruptCheckpointError(f"{f}: sha256 {got[:16]}... differs from {want[:16]}..., recorded when the "
                                          f"checkpoint was written: the file changed or is damaged")
+    absent = sorted(n for n in shard_names(read_dcp_metadata(p / ".metadata")) if not (p / n).is_file())
+    if absent:
+        raise CorruptCheckpointError(f"{p / absent[0]}: missing (named by {p / '.metadata'}); the checkpoint is "
+                                     f"incomplete or damaged")
+    return meta
 
 
-def _verify_on_rank0(path: Path) -> None:
-    """verify_checkpoint read once (rank 0); every rank raises its verdict (collective)."""
-    error = None
+def _agreed(pick: Callable[[], Path | None]) -> Path | None:
+    """Rank 0 runs `pick` (it reads and verifies files, may set a checkpoint aside); every rank returns its choice
+    or raises its error, of the same type (collective)."""
+    found, error, corrupt = None, None, False
     if _rank() == 0:
         try:
-            verify_checkpoint(path)
-        except CorruptCheckpointError as e:
-            error = str(e)
-    error = broadcast_from_rank0(error)
+            found = pick()
+        except ValueError as e:  # CorruptCheckpointError included
+            error, corrupt = str(e), isinstance(e, CorruptCheckpointError)
+    found, error, corrupt = broadcast_from_rank0((None if found is None else str(found), error, corrupt))
     if error is not None:
-        raise CorruptCheckpointError(error)
+        raise CorruptCheckpointError(error) if corrupt else ValueError(error)
+    return None if found is None else Path(found)
+
+
+def _set_aside(path: Path) -> Path:
+    """Rename a damaged checkpoint out of the step_NNNNNNNN namespace (kept for inspection, never loaded, never
+    counted by keep_last, never overwritten by a later save of the same step)."""
+    dest, k = path.with_name(f"{path.name}.corrupt"), 1
+    while dest.exists():  # set aside before: keep both
+        dest, k = path.with_name(f"{path.name}.corrupt{k}"), k + 1
+    os.replace(path, dest)
+    return dest
+
+
+def _newest_intact(output_dir: str | os.PathLike, *, set_aside: bool) -> tuple[Path | None, str | None]:
+    """(the newest step folder that passes verify_checkpoint, None), after a warning naming each newer one and
+    what is wrong with it; `set_aside`: a resume, which owns the run's folder, also renames each one *.corrupt (a
+    reader such as an export leaves it in place). (None, an error) when there are step folders but none verifies;
+    (None, None) when there are none."""
+    bad: list[str] = []
+    for p in reversed(step_folders(output_dir)):
+        try:
+            verify_checkpoint(p)
+            return p, None
+        except CorruptCheckpointError as e:
+            bad.append(str(e))
+            if set_aside:
+                print(f"warning: resume: checkpoint {p} is damaged ({e}); set aside as {_set_aside(p)}, resuming "
+                      f"from the previous complete checkpoint", file=sys.stderr, flush=True)
+            else:
+                print(f"warning: checkpoint {p} is damaged ({e}); skipped (left in place), loading the previous "
+                      f"complete checkpoint", file=sys.stderr, flush=True)
+    if not bad:
+        return None, None
+    fix = ("each was set aside as *.corrupt; start a new run without --resume" if set_aside
+           else "name an intact step folder, or start from another run")
+    return None, f"no intact checkpoint under {checkpoints_root(output_dir)} ({fix}): {'; '.join(bad)}"
+
+
+def pick_checkpoint(path: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint `path` names, verified, with its state.json: a step folder itself (CorruptCheckpointError
+    naming the problem when it fails verify_checkpoint), or the newest intact one of an output_dir or of its
+    checkpoints folder, each damaged newer one skipped with a warning and left in place. Reads files only (rank 0's
+    part of a load)."""
+    p = Path(path)
+    if _STEP_RE.match(p.name):
+        return p, verify_checkpoint(p)
+    output_dir = p.parent if p.name == "checkpoints" else p
+    found, error = _newest_intact(output_dir, set_aside=False)
+    if error is not None:
+        raise CorruptCheckpointError(f"{p}: {error}")
+    if found is None:
+        raise ValueError(f"{p}: no complete checkpoint (step_NNNNNNNN with state.json) under "
+                         f"{checkpoints_root(output_dir)}")
+    return found, _read_meta(found)
 
 
 def load_checkpoint(components: TrainingComponents, path: str | os.PathLike, *,
                     critic: TrainingComponents | None = None) -> tuple[TrainingState, dict]:
-    """Restore model, optimizer, scheduler and RNG from `path` (a step folder, or an output_dir: its newest).
+    """Restore model, optimizer, scheduler and RNG from `path` (a step folder, or an output_dir: its newest intact
+    one, see pick_checkpoint); prints the folder and step it loaded.
 
-    Returns (TrainingState, extra). Raises CorruptCheckpointError (a ValueError) naming the file when a file
-    differs from its recorded checksum, and ValueError when `path` is not a complete checkpoint or when it was
-    written with other settings of the run's math (a resume must not silently change the run), naming the fields;
-    a larger num_steps is allowed (it extends the run). `load_latest` falls back to an earlier checkpoint instead.
-    `critic`: the run's separate critic, restored from the same checkpoint (which must hold one).
+    Returns (TrainingState, extra). Raises CorruptCheckpointError (a ValueError) naming the file when `path` is a
+    step folder that fails verify_checkpoint (`load_latest` falls back to an earlier checkpoint instead), and
+    ValueError when there is no checkpoint or when it was written with other settings of the run's math (a resume
+    must not silently change the run), naming the fields; a larger num_steps is allowed (it extends the run).
+    `critic`: the run's separate critic, restored from the same checkpoint (which must hold one). Collective.
     """
-    p = Path(path)
-    if not _STEP_RE.match(p.name):
-        newest = latest_checkpoint(p)
-        if newest is None:
-            raise ValueError(f"{p}: no complete checkpoint (step_NNNNNNNN with state.json) under "
-                             f"{checkpoints_root(p)}")
-        p = newest
-    if not is_complete(p):
-        raise ValueError(f"{p}: not a complete checkpoint (state.json or .metadata missing: an interrupted save?); "
-                         f"pass the output_dir to resume from the newest complete one")
-    _verify_on_rank0(p)
-    return _load_verified(components, p, critic)
+    p = _agreed(lambda: pick_checkpoint(path)[0])
+    return _load_verified(components, p, critic, told="loading checkpoint")
 
 
-def _load_verified(components: TrainingComponents, p: Path,
-                   critic: TrainingComponents | None = None) -> tuple[TrainingState, dict]:
+def _load_verified(components: TrainingComponents, p: Path, critic: TrainingComponents | None = None, *,
+                   told: str) -> tuple[TrainingState, dict]:
+    """Load the checkpoint `p` (verify_checkpoint passed); rank 0 prints `told`, the folder and the step."""
     meta = _read_meta(p)
     if (critic is not None) != ("critic_scheduler" in meta):  # before the fingerprint: the one difference to name
         raise ValueError(f"{p}: {'holds no critic' if critic is not None else 'holds a critic'} but this run "
@@ -320,9 +405,11 @@ def _load_verified(components: TrainingComponents, p: Path,
     _check_resumable(p, meta, components.config)
     sds = _state_dicts(components, critic)
     try:
-        dcp.load(sds, checkpoint_id=str(p))
+        load_dcp(sds, p)
+    except CorruptCheckpointError:
+        raise
     except (CheckpointException, OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
-        # A checkpoint from before checksums, or of another model: say which folder.
+        # Shards of another model (or damaged ones no checksum covers): say which folder.
         raise ValueError(f"{p}: its model/optimizer shards did not load into this model ({type(e).__name__}: "
                          f"{e}); the files are damaged or the checkpoint is of another model") from e
     set_state_dict(components.root, components.optimizer, model_state_dict=sds["model"], optim_state_dict=sds["optim"])
@@ -334,57 +421,34 @@ def _load_verified(components: TrainingComponents, p: Path,
     rng_file = p / f"rng_rank{_rank()}.pt"
     if meta["world_size"] == components.world_size and rng_file.is_file():
         _set_rng_state(read_rng_file(rng_file))
-    return TrainingState(**meta["state"]), meta["extra"]
-
-
-def _set_aside(path: Path) -> Path:
-    """Rename a damaged checkpoint out of the step_NNNNNNNN namespace (kept for inspection, never loaded, never
-    counted by keep_last)."""
-    dest, k = path.with_name(f"{path.name}.corrupt"), 1
-    while dest.exists():  # set aside before: keep both
-        dest, k = path.with_name(f"{path.name}.corrupt{k}"), k + 1
-    os.replace(path, dest)
-    return dest
-
-
-def _newest_intact(output_dir: str | os.PathLike) -> tuple[str | None, str | None]:
-    """Rank 0: (the newest checkpoint that verifies, None) after setting each damaged newer one aside with a
-    warning naming its bad file; (None, an error) when there are checkpoints but none verifies; (None, None) when
-    there are none."""
-    bad: list[str] = []
-    for p in reversed(list_checkpoints(output_dir)):
-        try:
-            verify_checkpoint(p)
-            return str(p), None
-        except CorruptCheckpointError as e:
-            moved = _set_aside(p)
-            bad.append(str(e))
-            print(f"warning: resume: checkpoint {p} is damaged ({e}); set aside as {moved}, resuming from the "
-                  f"previous complete checkpoint", file=sys.stderr, flush=True)
-    if bad:
-        return None, (f"resume: no intact checkpoint under {checkpoints_root(output_dir)} (each was set aside as "
-                      f"*.corrupt): {'; '.join(bad)}; start a new run without --resume")
-    return None, None
+    state = TrainingState(**meta["state"])
+    if _rank() == 0:
+        print(f"{told} {p} (step {state.step})", flush=True)
+    return state, meta["extra"]
 
 
 def load_latest(components: TrainingComponents, output_dir: str | os.PathLike, *,
                 critic: TrainingComponents | None = None) -> tuple[TrainingState, dict]:
-    """Resume: the newest intact checkpoint under output_dir loaded into `components`, as (state, extra). A newer
-    checkpoint whose files fail their checksums is set aside (renamed *.corrupt) with a warning naming the bad file,
-    and the previous complete one is loaded; an error when every checkpoint is damaged. A fresh
-    (TrainingState(), {}) when there is none yet (the first run of a resumable job), with a warning: a user who
-    asked to resume must see that nothing was resumed. Collective: rank 0 verifies, every rank loads its choice.
-    `critic`: the run's separate critic, loaded from the same checkpoint."""
-    found, error = _newest_intact(output_dir) if _rank() == 0 else (None, None)
-    found, error = broadcast_from_rank0((found, error))
-    if error is not None:
-        raise CorruptCheckpointError(error)
+    """Resume: the newest intact checkpoint under output_dir loaded into `components`, as (state, extra), printing
+    the folder and step. A newer one that fails verify_checkpoint (a file missing, changed or unreadable, whatever
+    it is) is set aside (renamed *.corrupt) with a warning naming the folder and the problem, and the previous
+    complete one is loaded; an error when every checkpoint is damaged. A fresh (TrainingState(), {}) when there is
+    none yet (the first run of a resumable job), with a warning: a user who asked to resume must see that nothing
+    was resumed. Collective: rank 0 verifies, every rank loads its choice. `critic`: the run's separate critic,
+    loaded from the same checkpoint."""
+    def newest() -> Path | None:
+        found, error = _newest_intact(output_dir, set_aside=True)
+        if error is not None:
+            raise CorruptCheckpointError(f"resume: {error}")
+        return found
+
+    found = _agreed(newest)
     if found is None:
         if _rank() == 0:
             print(f"warning: resume: no complete checkpoint under {checkpoints_root(output_dir)}; starting from "
                   f"step 0", file=sys.stderr, flush=True)
         return TrainingState(), {}
-    return _load_verified(components, Path(found), critic)
+    return _load_verified(components, found, critic, told="resume: resuming from")
 
 
 def is_interrupt(e: BaseException) -> bool:

@@ -21,13 +21,13 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from engines.tokenizer import load_tokenizer
-from trainer.backend.checkpoint import is_complete, latest_checkpoint, verify_checkpoint
+from trainer.backend.checkpoint import pick_checkpoint, step_folders, verify_checkpoint
 from trainer.backend.parallel import ROOT_PREFIX, TrainModule
+from trainer.backend.safe_dcp import load_dcp, read_dcp_metadata
 from trainer.config import RunConfig
 
 _MODEL = "model."  # the checkpoint's top-level key of the model entries ({"model": ..., "optim": ...})
@@ -42,18 +42,17 @@ class _Exportable:
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """A complete step folder, given itself or as an output_dir / checkpoints folder (its newest)."""
+    """A verified step folder, given itself or as an output_dir / checkpoints folder (its newest intact one: each
+    damaged newer one is skipped with a warning naming it, see trainer.backend.checkpoint.pick_checkpoint)."""
+    return _resolve(path)[0]
+
+
+def _resolve(path: str | os.PathLike) -> tuple[Path, dict]:
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"checkpoint {p}: does not exist (give a step_NNNNNNNN folder or a phase's "
                                 f"output_dir such as runs/<name>/sft)")
-    if is_complete(p):
-        return p
-    newest = latest_checkpoint(p.parent if p.name == "checkpoints" else p)
-    if newest is None:
-        raise ValueError(f"checkpoint {p}: no complete checkpoint (step_NNNNNNNN with state.json) in it or under "
-                         f"{p / 'checkpoints'}")
-    return newest
+    return pick_checkpoint(p)
 
 
 def _plain_model(model_folder: Path) -> nn.Module:
@@ -71,7 +70,13 @@ def load_checkpoint_weights(model: nn.Module, checkpoint: Path) -> None:
     the checksums recorded when it was written (a damaged shard is an error naming it, never a silently wrong
     export); names every missing tensor."""
     verify_checkpoint(checkpoint)
-    saved = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    _fill(model, checkpoint)
+
+
+def _fill(model: nn.Module, checkpoint: Path) -> None:
+    """load_checkpoint_weights of a checkpoint verify_checkpoint passed. Its metadata and entries are read through
+    trainer.backend.safe_dcp: a crafted pickle runs nothing."""
+    saved = read_dcp_metadata(checkpoint / ".metadata").state_dict_metadata
     names = {k.removeprefix(_MODEL + ROOT_PREFIX) for k in saved if k.startswith(_MODEL + ROOT_PREFIX)}
     params = dict(model.named_parameters())  # a tied lm_head appears once, under its embedding's name
     missing = sorted(set(params) - names)
@@ -82,7 +87,7 @@ def load_checkpoint_weights(model: nn.Module, checkpoint: Path) -> None:
     target = {_MODEL[:-1]: {ROOT_PREFIX + n: p.data for n, p in params.items()}}
     with warnings.catch_warnings():  # no_dist: this read is one process's, whatever the process group says
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(target, checkpoint_id=str(checkpoint), no_dist=True)
+        load_dcp(target, checkpoint, no_dist=True)
     for buf_owner in model.modules():  # RoPE tables are buffers, not in the checkpoint: rebuild them
         if "Rotary" in type(buf_owner).__name__ and hasattr(buf_owner, "config"):
             fresh = type(buf_owner)(buf_owner.config)
@@ -91,18 +96,20 @@ def load_checkpoint_weights(model: nn.Module, checkpoint: Path) -> None:
 
 
 def export_checkpoint(checkpoint: str | os.PathLike, model_folder: str | os.PathLike, out: str | os.PathLike, *,
-                      dtype: torch.dtype | None = None) -> Path:
-    """Write the HF folder `out` from `checkpoint` with the architecture, tokenizer and generation config of
-    `model_folder`. dtype None keeps the training (float32) weights."""
+                      dtype: torch.dtype | None = None, told: str = "exporting checkpoint") -> Path:
+    """Write the HF folder `out` from `checkpoint` (see resolve_checkpoint) with the architecture, tokenizer and
+    generation config of `model_folder`, printing `told`, the checkpoint's folder and its step. dtype None keeps the
+    training (float32) weights."""
     from trainer.backend.checkpoint import export_hf
 
-    ckpt = resolve_checkpoint(checkpoint)
     folder = Path(model_folder)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder}: not a Hugging Face model folder (no config.json); it gives the "
                                 f"checkpoint's architecture and tokenizer")
+    ckpt, meta = _resolve(checkpoint)
     model = _plain_model(folder)
-    load_checkpoint_weights(model, ckpt)
+    _fill(model, ckpt)
+    print(f"{told} {ckpt} (step {meta['state']['step']})", flush=True)
     tokenizer = load_tokenizer(folder) if (folder / "tokenizer_config.json").is_file() else None
     root = TrainModule(model)
     path = export_hf(_Exportable(root=root, model=model), out, tokenizer=tokenizer, dtype=dtype)
@@ -120,12 +127,12 @@ def export_run(cfg: RunConfig, model_folder: str | os.PathLike, *, checkpoint: s
     """`python -m trainer export`: the run's newest checkpoint (RL if it has one, else SFT) or `checkpoint`, written
     to `out` (default <output_dir>/export) with the architecture and tokenizer of the run's model folder."""
     run_dir = Path(cfg.output_dir)
-    if checkpoint is None:
-        found = [latest_checkpoint(run_dir / phase) for phase in ("rl", "sft")]
-        if not any(found):
+    if checkpoint is None:  # the last phase that saved anything: a damaged RL checkpoint never passes over to SFT's
+        found = [run_dir / phase for phase in ("rl", "sft") if step_folders(run_dir / phase)]
+        if not found:
             raise FileNotFoundError(f"{run_dir}: no checkpoint under rl/ or sft/ (run a phase first, or pass "
                                     f"--checkpoint)")
-        checkpoint = str(next(c for c in found if c is not None))
+        checkpoint = str(found[0])
     return export_checkpoint(checkpoint, model_folder, Path(out or run_dir / "export"),
                              dtype=_DTYPES[dtype] if dtype else None)
 
@@ -136,4 +143,5 @@ def start_folder(cfg: RunConfig, model_folder: Path) -> Path:
     ckpt = cfg.model.checkpoint
     if not ckpt:
         return model_folder
-    return export_checkpoint(ckpt, model_folder, Path(cfg.output_dir) / "start_model")
+    return export_checkpoint(ckpt, model_folder, Path(cfg.output_dir) / "start_model",
+                             told="loading [model] checkpoint")
