@@ -27,8 +27,7 @@ def replay(cfg: RunConfig, model_folder: Path, rollouts: str | Path, *, checkpoi
     """Train on every step file under `rollouts` whose step is past the checkpoint's, in order; returns each
     step's metrics (also written to <output_dir>/replay/metrics.jsonl, the original's beside them when the run's
     rl/metrics.jsonl has that step)."""
-    from trainer.backend.checkpoint import latest_checkpoint, load_checkpoint
-    from trainer.backend.export import resolve_checkpoint
+    from trainer.backend.checkpoint import load_checkpoint, step_folders
     from trainer.backend.steps import TrainerConfig, build_components
     from trainer.metrics import JSONLLogger, read_jsonl
     from trainer.rl import _reference_components, train_on_batch
@@ -37,19 +36,22 @@ def replay(cfg: RunConfig, model_folder: Path, rollouts: str | Path, *, checkpoi
     from trainer.types import TrainingState
 
     rl_cfg, tcfg = cfg.rl, TrainerConfig(phase=cfg.rl, backend=cfg.trainer)  # what trainer.cli.phase_configs gives
-    sft_end = latest_checkpoint(Path(cfg.output_dir) / "sft")
+    sft_dir = Path(cfg.output_dir) / "sft"
     comp = build_components(str(model_folder), tcfg)
     ref = None
     if rl_cfg.loss.kl_coef > 0:  # the RL phase's starting weights: SFT's last checkpoint, else the start model
-        if sft_end is not None:
+        if step_folders(sft_dir):  # its newest intact checkpoint (a damaged newer one: a warning, or the error)
             start = build_components(str(model_folder), TrainerConfig(phase=cfg.sft, backend=cfg.trainer))
-            load_checkpoint(start, sft_end)
+            load_checkpoint(start, sft_dir)
             ref = _reference_components(start, tcfg)
         else:
             ref = _reference_components(comp, tcfg)
     state = TrainingState()
     if checkpoint is not None:
-        state, _ = load_checkpoint(comp, resolve_checkpoint(checkpoint))
+        if not Path(checkpoint).exists():
+            raise FileNotFoundError(f"--checkpoint {checkpoint}: does not exist (give a step_NNNNNNNN folder or a "
+                                    f"phase's output_dir such as runs/<name>/rl)")
+        state, _ = load_checkpoint(comp, checkpoint)  # verified; a crafted pickle in it runs nothing
     logged = Path(rl_cfg.output_dir) / "metrics.jsonl"
     original = {r["step"]: r for r in read_jsonl(logged) if "loss" in r} if logged.is_file() else {}
     out_dir = Path(cfg.output_dir) / "replay"
