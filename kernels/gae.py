@@ -244,8 +244,14 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
         clipped_wins = keep & (clipped > unclipped)
     per_token = torch.where(keep, per_token, 0.0)
     w = keep.float()
-    n_tok = w.sum().clamp(min=1.0) if num_tokens is None else torch.as_tensor(num_tokens, dtype=torch.float32,
-                                                                                device=w.device)
+    # A host number becomes a device scalar by a fill kernel (new_full), not an H2D copy from pageable memory:
+    # torch.as_tensor(int, device="cuda") is a synchronizing copy (the H100 run's sync-debug test caught it).
+    if num_tokens is None:
+        n_tok = w.sum().clamp(min=1.0)
+    elif isinstance(num_tokens, torch.Tensor):
+        n_tok = num_tokens.to(device=w.device, dtype=torch.float32)
+    else:
+        n_tok = w.new_full((), float(num_tokens))
     if agg == "token-mean":
         loss = per_token.sum() / n_tok
     else:

@@ -146,7 +146,12 @@ def host_ints_to(values: Sequence[int], device: torch.device | str | None,
     """A host list of ints as a tensor on `device`, without a host sync: `torch.tensor(values, device="cuda")` is a
     blocking copy from pageable memory (it trips `set_sync_debug_mode("error")`); from pinned memory the copy is
     queued on the current stream and the caching host allocator keeps the pinned block until it has run."""
-    host = torch.tensor(values, dtype=dtype)
+    return host_to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def host_to_device(host: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:
+    """A host tensor on `device` without a host sync: to CUDA through pinned memory (a `non_blocking` copy from
+    pageable memory is still synchronous), elsewhere a plain `.to` (None: left where it is)."""
     if device is None or torch.device(device).type != "cuda":
         return host if device is None else host.to(device)
     return host.pin_memory().to(device, non_blocking=True)

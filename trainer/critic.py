@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from kernels.gae import SumAcross, explained_variance, gae_packed, masked_mean_std, whiten
+from kernels.packing import host_to_device
 from trainer.backend.steps import TrainerConfig, TrainingComponents, build_components
 from trainer.batching.micro_batches import MicroBatch
 
@@ -111,9 +112,9 @@ def attach_gae(micro_batches: Sequence[MicroBatch], values: Sequence[torch.Tenso
     advs, rets, masks = [], [], []
     for mb, v, r in zip(micro_batches, values, rewards):
         dev = v.device
-        mask = mb.loss_mask.to(dev, non_blocking=True)
+        mask = host_to_device(mb.loss_mask, dev)  # pinned: a non_blocking copy from pageable memory still syncs
         # segments stays on the host: gae_packed reads the sequence lengths from it
-        adv, ret = gae_packed(r.to(dev, non_blocking=True), v, mask, mb.segments, gamma=gamma, lam=lam)
+        adv, ret = gae_packed(host_to_device(r, dev), v, mask, mb.segments, gamma=gamma, lam=lam)
         advs.append(adv)
         rets.append(ret)
         masks.append(mask)
