@@ -122,3 +122,13 @@ def test_the_cli_run_gives_the_engine_the_meshs_device(monkeypatch, tmp_path):
         cli.run("demo", cfg)
     assert seen == ["cuda:0"]
     assert mesh_device("cpu") == torch.device("cpu")
+
+
+def test_liger_only_in_eager_blocks_on_cuda():
+    """Liger's modules go into eager CUDA blocks only: inside inductor-compiled blocks the H100 run's SFT step hit an
+    illegal memory access (bench/results/nvidia-h100.md), and inductor fuses the norms and SwiGLU itself."""
+    from trainer.backend.parallel import ParallelConfig, uses_liger
+
+    got = {(dev, liger, compiled): uses_liger(dev, ParallelConfig(compile=compiled, liger=liger))
+           for dev in ("cuda", "cpu") for liger in (True, False) for compiled in (True, False)}
+    assert [k for k, v in got.items() if v] == [("cuda", True, False)]

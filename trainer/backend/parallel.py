@@ -1,6 +1,7 @@
 """FSDP2 + torch.compile: free functions applied to a (meta-device) Hugging Face causal LM in a fixed order.
 
     apply_liger            CUDA only: Liger's RMSNorm / SwiGLU on this model's modules, where Liger supports it
+                           (eager blocks only: uses_liger)
     apply_ac               optional activation checkpointing of every decoder block (HF's non-reentrant path)
     compile_blocks         per-decoder-block torch.compile (small graphs, one per block class; fast to build)
     fully_shard            each block, then the root (a TrainModule wrapping the LM), one MixedPrecisionPolicy
@@ -37,7 +38,7 @@ class ParallelConfig:
     compile_dynamic: bool | None = None  # None: dynamo's default (static first, dynamic after a shape change)
     activation_checkpointing: bool = False  # recompute each block's activations in the backward (less memory)
     param_dtype: str | None = None  # "float32" | "bfloat16" | None
-    liger: bool = True  # CUDA only
+    liger: bool = True  # Liger's RMSNorm / SwiGLU: CUDA only, in eager blocks only (compile = false)
 
     def __post_init__(self) -> None:
         if self.param_dtype not in (None, "float32", "bfloat16"):
@@ -116,6 +117,16 @@ def apply_liger(model: nn.Module) -> bool:
     return True
 
 
+def uses_liger(device_type: str, config: ParallelConfig) -> bool:
+    """Whether `parallelize` swaps in Liger's RMSNorm / SwiGLU: on CUDA, with [trainer] liger, in eager blocks only.
+
+    Compiled blocks keep transformers' modules: inside an inductor-compiled block, torch 2.11 / triton 3.6 cannot
+    trace Liger's RMSNorm kernel (identify_mutated_tensors fails on its `offset.to`), assumes every input mutated,
+    and the H100 run's compiled SFT step died with an illegal memory access; with Liger off the same compiled step
+    ran (bench/results/nvidia-h100.md). Inductor fuses the norms and SwiGLU itself there."""
+    return device_type == "cuda" and config.liger and not config.compile
+
+
 def apply_ac(model: nn.Module) -> None:
     """Non-reentrant activation checkpointing of every decoder block (keeps parameter names unchanged)."""
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -145,7 +156,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, config: ParallelConfig) -> T
     Works on a meta-device model (call `root.to_empty(device=...)` and load weights afterwards).
     """
     layers = decoder_layers(model)
-    if mesh.device_type == "cuda" and config.liger:
+    if uses_liger(mesh.device_type, config):
         apply_liger(model)
     if config.activation_checkpointing:
         apply_ac(model)
