@@ -16,6 +16,10 @@ commands, timeout, or why it is skipped; every benchmark case with its planned p
 would not fit `--memory-gb`, 80 by default, as the run skips it) and runs nothing, on any machine; `--gpus N` plans
 for N GPUs.
 
+A stage is judged by what it produced, not by its exit status alone: a pytest stage by its JUnit XML (tests ran, none
+failed or errored), the weight sync by the JSON figures it printed. A process that crashes after that (a segfault at
+interpreter exit, as CUDA processes sometimes do) keeps its pass, with its exit status recorded as `exit_after_pass`.
+
 Exit status: 0 all passed, 1 something failed (the report says what), 2 no CUDA device (nothing is run).
 """
 
@@ -154,8 +158,13 @@ def benchmark_memory_plan(memory_bytes: float) -> dict[str, list[dict] | str]:
 
 
 def benchmark_cmd(file: str, js: Path) -> list[str]:
+    """One suite at its CUDA sizes: figures to `js`, the verdict to the JUnit XML beside it (benchmark_xml)."""
     return [sys.executable, "-m", "pytest", file, "-q", "-p", "no:cacheprovider", "--benchmark-only",
-            f"--benchmark-json={js}"]
+            f"--benchmark-json={js}", f"--junitxml={benchmark_xml(js)}"]
+
+
+def benchmark_xml(js: Path) -> Path:
+    return js.with_suffix(".xml")
 
 
 def weight_sync_cmd() -> list[str]:
@@ -199,17 +208,40 @@ def plan(work: Path, gpus: int, timeout_s: float, memory_gb: float = 80.0) -> di
     return out
 
 
-def _pytest_stage(cmd: list[str], xml: Path, log: Path, timeout_s: float) -> dict:
-    """Run a pytest command; counts and failed test ids from its JUnit XML."""
-    rc, secs = _run(cmd, log, timeout_s)
-    out = {"returncode": rc, "seconds": round(secs, 1), "log": str(log)}
-    if xml.exists():
+def junit_counts(xml: Path) -> dict | None:
+    """tests, failures, errors, skipped and the failed test ids from a pytest JUnit XML file; None when there is no
+    readable one (pytest died or was killed before its session finished, or the file is cut short)."""
+    try:
         root = ET.parse(xml).getroot()
-        suite = root if root.tag == "testsuite" else root.find("testsuite")
-        out.update({k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")})
-        out["failed"] = [f"{c.get('classname')}::{c.get('name')}" for c in suite.iter("testcase")
-                         if c.find("failure") is not None or c.find("error") is not None]
+    except (OSError, ET.ParseError):
+        return None
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    if suite is None:
+        return None
+    out: dict = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    out["failed"] = [f"{c.get('classname')}::{c.get('name')}" for c in suite.iter("testcase")
+                     if c.find("failure") is not None or c.find("error") is not None]
     return out
+
+
+def judge(rc: int, produced: bool, missing: str) -> dict:
+    """A stage's verdict from its exit status and whether it produced its results (`produced`): returncode 0 when it
+    did, whatever the exit status, which is kept as exit_after_pass when it is not 0 (a crash at exit after the
+    results were written); otherwise the exit status (1 for an exit 0), with `missing` as the error."""
+    if produced:
+        return {"returncode": 0, **({"exit_after_pass": rc} if rc != 0 else {})}
+    return {"returncode": rc or 1, "error": missing}
+
+
+def _pytest_stage(cmd: list[str], xml: Path, log: Path, timeout_s: float) -> dict:
+    """Run a pytest command; judged by its JUnit XML: passed when tests ran and none failed or errored."""
+    xml.unlink(missing_ok=True)  # a previous run's results must not pass for this one's
+    rc, secs = _run(cmd, log, timeout_s)
+    counts = junit_counts(xml)
+    clean = counts is not None and counts["tests"] > 0 and counts["failures"] + counts["errors"] == 0
+    missing = ("wrote no JUnit XML" if counts is None else "no test ran" if counts["tests"] == 0 else
+               f"{counts['failures']} failed, {counts['errors']} errors")
+    return {**judge(rc, clean, missing), "seconds": round(secs, 1), "log": str(log), **(counts or {})}
 
 
 def gpu_tests(work: Path, timeout_s: float) -> dict:
@@ -256,7 +288,8 @@ def _benchmark_results(js: Path) -> list[dict]:
 def benchmarks(work: Path, timeout_s: float, progress: Callable[[dict], None] = lambda out: None) -> dict:
     """The pytest-benchmark suites at their CUDA sizes (weight sync separately, below), each in its own pytest
     process with its own JSON, `timeout_s` for the whole stage: a suite that fails or runs out of time loses only
-    its own figures, and `progress(out)` after each suite lets the caller write what finished."""
+    its own figures, and `progress(out)` after each suite lets the caller write what finished. Each suite is judged
+    by its JUnit XML, as the test stages are."""
     files = benchmark_files()
     deadline = time.monotonic() + timeout_s
     out: dict = {"returncode": 0, "seconds": 0.0, "files": files, "suites": {}, "results": []}
@@ -269,23 +302,46 @@ def benchmarks(work: Path, timeout_s: float, progress: Callable[[dict], None] = 
         stem = Path(f).stem
         js = work / f"benchmarks-{stem}.json"
         js.unlink(missing_ok=True)  # a previous run's figures must not pass for this one's
-        rc, secs = _run(benchmark_cmd(f, js), work / f"benchmarks-{stem}.log", left)
-        out["suites"][f] = {"returncode": rc, "seconds": round(secs, 1)}
+        suite = _pytest_stage(benchmark_cmd(f, js), benchmark_xml(js), work / f"benchmarks-{stem}.log", left)
+        out["suites"][f] = {k: v for k, v in suite.items() if k != "log"}
         out["results"] += _benchmark_results(js)
-        out["seconds"] = round(out["seconds"] + secs, 1)
-        out["returncode"] = out["returncode"] or rc
+        out["seconds"] = round(out["seconds"] + suite["seconds"], 1)
+        out["returncode"] = out["returncode"] or suite["returncode"]
         progress(out)
     return out
 
 
+WEIGHT_SYNC_FIGURE = "colocated_ms"  # printed by every run of bench_weight_sync.py --json (broadcast may be skipped)
+
+
+def weight_sync_figures(log: Path) -> dict | None:
+    """The JSON object bench_weight_sync.py --json printed (its last line that is one), None when it printed none
+    with its figures."""
+    for line in reversed(log.read_text(errors="replace").splitlines() if log.exists() else []):
+        if line.startswith("{"):
+            try:
+                got = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(got, dict) and WEIGHT_SYNC_FIGURE in got:
+                return got
+    return None
+
+
 def weight_sync(work: Path, timeout_s: float) -> dict:
+    """bench_weight_sync.py --json; judged by the figures it printed, not by its exit status alone."""
     log = work / "weight_sync.log"
     rc, secs = _run(weight_sync_cmd(), log, timeout_s)
-    out = {"returncode": rc, "seconds": round(secs, 1)}
-    lines = [ln for ln in log.read_text().splitlines() if ln.startswith("{")]
-    if rc == 0 and lines:
-        out.update(json.loads(lines[-1]))
-    return out
+    figures = weight_sync_figures(log)
+    return {**(figures or {}), **judge(rc, figures is not None, f"printed no JSON with {WEIGHT_SYNC_FIGURE}"),
+            "seconds": round(secs, 1), "log": str(log)}
+
+
+def _verdict_note(stage: dict) -> str:
+    """What the Markdown adds to a stage's line: a crash after it passed, or why it failed."""
+    notes = [f"passed, then its process exited {stage['exit_after_pass']}"] if "exit_after_pass" in stage else []
+    notes += [stage["error"]] if "error" in stage else []
+    return f" ({'; '.join(notes)})" if notes else ""
 
 
 def markdown(report: dict) -> str:
@@ -295,16 +351,18 @@ def markdown(report: dict) -> str:
              "| component | version |", "|---|---|", *[f"| {k} | {val} |" for k, val in v.items()], "",
              f"Preflight (compiled Triton kernel vs torch): {report.get('preflight', 'not run')}", "",
              f"GPU tests: {t.get('tests', '?')} run, {t.get('failures', '?')} failed, {t.get('errors', '?')} errors, "
-             f"{t.get('skipped', '?')} skipped ({t.get('seconds', '?')} s).",
+             f"{t.get('skipped', '?')} skipped ({t.get('seconds', '?')} s){_verdict_note(t)}.",
              *[f"- failed: `{n}`" for n in t.get("failed", [])]]
     d, dm = report.get("distributed", {}), report.get("demo", {})
     lines += ["", "Distributed tests: " + (d["skipped"] if "skipped" in d else
                                            f"{d.get('tests', '?')} run, {d.get('failures', '?')} failed, "
-                                           f"{d.get('errors', '?')} errors ({d.get('seconds', '?')} s)"),
+                                           f"{d.get('errors', '?')} errors ({d.get('seconds', '?')} s)"
+                                           f"{_verdict_note(d)}"),
               *[f"- failed: `{n}`" for n in d.get("failed", [])],
               "", f"Demo: exit {dm.get('returncode', '?')}, job {dm.get('wall_seconds', '?')} s, " + ", ".join(
                   f"{k} {v}" for k, v in dm.items() if k.startswith("accuracy_")),
-              "", "## Weight sync (Qwen2.5-0.5B-shaped, fp32)", ""]
+              "", "## Weight sync (Qwen2.5-0.5B-shaped, fp32)", "",
+              *([f"- exit {ws['returncode']}{_verdict_note(ws)}"] if "returncode" in ws else [])]
     for key in ("colocated_ms", "colocated_gbps", "broadcast_ms", "broadcast_gbps", "broadcast_skipped",
                 "memcpy_gbps"):
         if key in ws:

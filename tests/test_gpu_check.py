@@ -139,10 +139,12 @@ def test_gpu_check_writes_each_stage_as_it_finishes(tmp_path, monkeypatch):
 
     def fake_run(cmd, log, timeout_s):  # the first suite finishes and writes its JSON, the second times out
         js = next(a.split("=", 1)[1] for a in cmd if a.startswith("--benchmark-json="))
+        xml = next(a.split("=", 1)[1] for a in cmd if a.startswith("--junitxml="))
         suites.append(cmd[3])
         if len(suites) == 1:
             Path(js).write_text(_json.dumps({"benchmarks": [{"fullname": f"{cmd[3]}::t", "stats": {"median": 0.002},
                                                              "extra_info": {"gbps": 1.0}}]}))
+            Path(xml).write_text(PASSED_XML)
             return 0, 1.0
         return 124, timeout_s
 
@@ -298,3 +300,83 @@ def test_dry_run_sizes_every_benchmark_case_against_the_device_memory(tmp_path, 
         bu.skip_unless_fits(case_bytes("logits", "torch", "full", (16384, 151936, torch.bfloat16)))
     bu.skip_unless_fits(case_bytes("logits", "ours", "full", (4096, 32000, torch.bfloat16)))  # fits: no skip
     assert "bench/bench_rl_vs_trl.py" not in gc.benchmark_files()  # no test in it: pytest would exit 5
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A stage is judged by what it produced, not by a crash at exit (issue 42 item 4)
+# ---------------------------------------------------------------------------------------------------------
+PASSED_XML = ('<?xml version="1.0" encoding="utf-8"?><testsuites name="pytest tests"><testsuite name="pytest" '
+              'errors="0" failures="0" skipped="0" tests="1" time="0.1"><testcase classname="bench_x" name="test_y" '
+              'time="0.1" /></testsuite></testsuites>')
+
+# What pytest and the weight-sync bench did on the H100: finish, write their results, then die of SIGSEGV at exit.
+SEGFAULT = "import os, signal, sys; sys.stdout.flush(); os.kill(os.getpid(), signal.SIGSEGV)"
+
+
+def _pytest_then_segfault(tmp_path: Path, body: str) -> list[str]:
+    """A command that runs real pytest on a test file holding `body` (its JUnit XML goes where `--junitxml=` says),
+    then kills itself with SIGSEGV. pytest runs in tmp_path as its root, so the project's conftest is not loaded."""
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "test_probe.py").write_text(body)
+    return [sys.executable, "-c", f"import pytest, sys; pytest.main(sys.argv[1:]); {SEGFAULT}", "-q", "-p",
+            "no:cacheprovider", "--rootdir", str(tmp_path), "-c", str(tmp_path / "pytest.ini"),
+            str(tmp_path / "test_probe.py")]
+
+
+def test_pytest_stage_passes_on_a_clean_junit_xml_despite_a_segfault_at_exit(tmp_path):
+    import bench.gpu_check as gc
+
+    xml, log = tmp_path / "gpu_tests.xml", tmp_path / "gpu_tests.log"
+    cmd = _pytest_then_segfault(tmp_path, "def test_a():\n    pass\n\ndef test_b():\n    assert 1 + 1 == 2\n")
+    got = gc._pytest_stage([*cmd, f"--junitxml={xml}"], xml, log, 120.0)
+    assert got["returncode"] == 0 and got["exit_after_pass"] == -11  # passed; the crash is recorded
+    assert (got["tests"], got["failures"], got["errors"], got["failed"]) == (2, 0, 0, [])
+    assert "2 passed" in log.read_text()
+    report = {"date": "d", "versions": {"gpu": "H100"}, "preflight": {"ok": True}}
+    assert gc.run_stages(report, {"gpu_tests": lambda: got}, lambda r: None) == []
+    assert "(passed, then its process exited -11)" in gc.markdown({**report, "status": "passed"})
+
+
+def test_pytest_stage_fails_on_failures_or_without_its_junit_xml(tmp_path):
+    import bench.gpu_check as gc
+
+    xml, log = tmp_path / "t.xml", tmp_path / "t.log"
+    cmd = _pytest_then_segfault(tmp_path, "def test_a():\n    pass\n\ndef test_b():\n    assert 1 + 1 == 3\n")
+    got = gc._pytest_stage([*cmd, f"--junitxml={xml}"], xml, log, 120.0)
+    assert got["returncode"] == -11 and "exit_after_pass" not in got
+    assert (got["tests"], got["failures"], got["failed"]) == (2, 1, ["test_probe::test_b"])
+    assert got["error"] == "1 failed, 0 errors"
+
+    xml.write_text(PASSED_XML)  # a previous run's clean XML: removed before the run, so it cannot pass this one
+    got = gc._pytest_stage([sys.executable, "-c", f"print('collected 3 items'); {SEGFAULT}"], xml, log, 60.0)
+    assert got == {"returncode": -11, "error": "wrote no JUnit XML", "seconds": got["seconds"], "log": str(log)}
+    assert not xml.exists()
+
+    empty = PASSED_XML.replace('tests="1"', 'tests="0"').replace('<testcase classname="bench_x" name="test_y" '
+                                                                 'time="0.1" />', "")
+    write = f"import pathlib; pathlib.Path({str(xml)!r}).write_text({empty!r})"
+    got = gc._pytest_stage([sys.executable, "-c", write], xml, log, 60.0)  # exit 0, nothing ran: not a pass
+    assert (got["returncode"], got["error"], got["tests"]) == (1, "no test ran", 0)
+    assert gc.run_stages({}, {"distributed": lambda: got}, lambda r: None) == ["distributed"]
+
+
+def test_weight_sync_stage_is_judged_by_the_figures_it_printed(tmp_path, monkeypatch):
+    import json as _json
+
+    import bench.gpu_check as gc
+
+    figures = {"memcpy_gbps": 1452.1, "colocated_ms": 20.26, "colocated_gbps": 97.5,
+               "broadcast_skipped": "one GPU: NCCL cannot broadcast to an engine on the trainer's own device"}
+    prints = f"print('loading'); print({_json.dumps(figures)!r}); {SEGFAULT}"
+    monkeypatch.setattr(gc, "weight_sync_cmd", lambda: [sys.executable, "-c", prints])
+    got = gc.weight_sync(tmp_path, 60.0)
+    assert got["returncode"] == 0 and got["exit_after_pass"] == -11
+    assert got["colocated_ms"] == 20.26 and got["broadcast_skipped"].startswith("one GPU")
+    md = gc.markdown({"date": "d", "status": "passed", "versions": {"gpu": "H100"}, "weight_sync": got})
+    assert "- exit 0 (passed, then its process exited -11)" in md and "- colocated_ms: 20.260" in md
+
+    monkeypatch.setattr(gc, "weight_sync_cmd", lambda: [sys.executable, "-c", f"print('{{\"x\": 1}}'); {SEGFAULT}"])
+    got = gc.weight_sync(tmp_path, 60.0)  # crashed before its figures: a JSON line without them is not a pass
+    assert (got["returncode"], got["error"]) == (-11, "printed no JSON with colocated_ms")
+    monkeypatch.setattr(gc, "weight_sync_cmd", lambda: [sys.executable, "-c", "print('done')"])
+    assert gc.weight_sync(tmp_path, 60.0)["returncode"] == 1  # exit 0 without figures fails too
