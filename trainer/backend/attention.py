@@ -164,26 +164,77 @@ def flex_block_mask(seq_index: torch.Tensor, block_size: int = 128):
     return _block_mask(partial, full, document_causal, seq_index.shape[0], block_size)
 
 
+def _tile_min(x: torch.Tensor, fill: int, nb: int, block_size: int) -> torch.Tensor:
+    """[N] int64 per-token values -> [nb] their minimum over each tile's tokens (slots past N hold `fill`)."""
+    pad = x.new_full((nb * block_size - x.shape[0],), fill)
+    return torch.cat([x, pad]).view(nb, block_size).amin(dim=1)
+
+
+def flex_tree_block_tiles(seq_index: torch.Tensor, branch: torch.Tensor,
+                          block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N] tree ids and [N] branch ids (-1 on prompts) -> (partial, full) [nb, nb] bool tile tables of
+    tree_causal_mask's rule, nb = ceil(N / bs): a tile is listed iff it holds an allowed pair, full iff all its pairs
+    are allowed.
+
+    The document tables of the trees (flex_block_tiles) list every causal tile of a tree, so a branch's queries also
+    visit the key tiles of all earlier branches of its tree, where mask_mod is false everywhere: with a prompt of P
+    and B branches of R tokens, ~(P + B R)^2 / 2 scores where ~P^2 / 2 + B R (P + R / 2) are needed (P = 200,
+    8 x R = 500, bs = 128: 561 causal tiles, 164 of them hold an allowed pair). An allowed pair (q, k) is either
+      (a) same run: k <= q in one run of equal (tree, branch), the prompt being a run: flex_block_tiles over the
+          run ids gives these tiles (and the full ones among them);
+      (b) prompt key, branch query: k in the prompt of q's tree, q in one of its branches (so k < q).
+    For (b), the trees whose branch tokens lie in q tile i are contiguous in row order and every one but the first
+    starts inside tile i, so its prompt (before its branches) lies in tile i too, whose diagonal (a) lists anyway;
+    the first one's prompt spans the key tiles [plo_i, phi_i], the minima over the tile's branch tokens of their
+    tree's first and last prompt tile (both grow with the tree). So the listed tiles are exactly (a) | (b).
+    Full: the tiles lie in one tree (document-full: complete, kv tile before q tile) and every key is a prompt
+    token or in the one branch all the queries are in. Every op runs on the device with sizes the host knows (no
+    sync): cumsum / cummax / cummin over [N], minima over [nb, bs], [nb, nb] comparisons.
+    """
+    n, dev = seq_index.shape[0], seq_index.device
+    nb = -(-n // block_size)
+    pos = torch.arange(n, device=dev)
+    tree_change = seq_index[1:] != seq_index[:-1]  # [N-1]: token p+1 starts a new tree
+    run_change = tree_change | (branch[1:] != branch[:-1])  # [N-1]: ... or a new branch / the prompt's end
+    run = torch.zeros(n, dtype=torch.int64, device=dev)
+    run[1:] = torch.cumsum(run_change, 0)  # [N] run ids, one per (tree, branch) run
+    same_run_partial, same_run_full = flex_block_tiles(run, block_size)  # (a)
+    _, doc_full = flex_block_tiles(seq_index, block_size)
+
+    # (b): each token's tree start and the last token of its tree's first run (the prompt when branch < 0 there).
+    edge = torch.ones(1, dtype=torch.bool, device=dev)  # the row's first token starts, its last ends, a run
+    tree_start = torch.cummax(torch.where(torch.cat([edge, tree_change]), pos, 0), 0).values  # [N]
+    run_end = torch.where(torch.cat([run_change, edge]), pos, n).flip(0).cummin(0).values.flip(0)  # [N]
+    prompt_last = run_end[tree_start]  # [N]
+    has_prompt_key = (branch >= 0) & (branch[tree_start] < 0)  # [N] branch token of a tree with a prompt
+    plo = _tile_min(torch.where(has_prompt_key, tree_start // block_size, nb), nb, nb, block_size)  # [nb]
+    phi = _tile_min(torch.where(has_prompt_key, prompt_last // block_size, nb), nb, nb, block_size)  # [nb]
+    t = torch.arange(nb, device=dev)
+    prompt_keys = (plo[:, None] <= t[None, :]) & (t[None, :] <= phi[:, None])  # [nb q, nb kv]
+
+    # Full: kv tile j holds no branch token, or its branch tokens and all of q tile i's tokens are one branch b.
+    big = torch.iinfo(torch.int64).max
+    b64 = branch.to(torch.int64)
+    kmin = _tile_min(torch.where(branch >= 0, b64, big), big, nb, block_size)  # [nb] least branch among keys
+    kmax = -_tile_min(torch.where(branch >= 0, -b64, 1), 1, nb, block_size)  # [nb] greatest (-1: none)
+    qmin, qmax = _tile_min(b64, big, nb, block_size), -_tile_min(-b64, 1, nb, block_size)  # [nb] over all tokens
+    one_branch = (kmin[None, :] == kmax[None, :]) & (qmin[:, None] == kmax[None, :]) & (qmax[:, None] == kmax[None, :])
+    full = doc_full & ((kmax[None, :] < 0) | one_branch)
+    listed = same_run_partial | same_run_full | prompt_keys
+    return listed & ~full, full
+
+
 def flex_tree_block_mask(seq_index: torch.Tensor, branch: torch.Tensor, block_size: int = 128):
     """BlockMask for FlexAttention in the shared-prompt layout: tree_causal_mask's rule over [N] tree ids and [N]
-    branch ids (-1 on prompts), as a mask_mod.
-
-    Tiles: the tree mask allows a subset of the document-causal pairs (the trees are the documents), so a tile the
-    document tables skip is skipped here too. A document-full tile stays full only when its key tile holds prompt
-    tokens only (every later query of the same tree sees the whole prompt); otherwise it is partial, and mask_mod
-    drops the keys of other branches. Everything runs on the device with sizes the host knows (no sync)."""
+    branch ids (-1 on prompts), as a mask_mod, over flex_tree_block_tiles' tables (only the tiles holding an
+    allowed pair; mask_mod skipped on the full ones). Everything runs on the device with sizes the host knows."""
 
     def tree_causal(b, h, q_idx, kv_idx):
         return ((seq_index[q_idx] == seq_index[kv_idx]) & (kv_idx <= q_idx)
                 & ((branch[kv_idx] < 0) | (branch[kv_idx] == branch[q_idx])))
 
-    n = seq_index.shape[0]
-    partial, full = flex_block_tiles(seq_index, block_size)
-    nb = partial.shape[0]
-    pad = torch.zeros(nb * block_size - n, dtype=torch.bool, device=branch.device)
-    prompt_only = torch.cat([branch < 0, ~pad]).view(nb, block_size).all(dim=1)  # [nb] kv tiles of prompt tokens
-    keep_full = full & prompt_only[None, :]
-    return _block_mask(partial | (full & ~keep_full), keep_full, tree_causal, n, block_size)
+    partial, full = flex_tree_block_tiles(seq_index, branch, block_size)
+    return _block_mask(partial, full, tree_causal, seq_index.shape[0], block_size)
 
 
 def packed_segment_indices(seq_index: torch.Tensor, lengths: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
