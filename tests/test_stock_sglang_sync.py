@@ -1,11 +1,16 @@
 """Stock SGLang protocol against the embedded engine: a client that speaks stock SGLang only (no colocated probe,
 no bucketed extension, no `timeout_s`) syncs one broadcast per tensor with exactly SGLang's request fields, and the
 engine's log-probs then equal the trainer's; the sender negotiates the format per engine from /get_server_info,
-and a stock engine beside a colocated one gets per-tensor broadcasts while the other reads the shared slots."""
+and a stock engine beside a colocated one gets per-tensor broadcasts while the other reads the shared slots.
+
+The embedded engine is our code on both sides of the group, so it cannot prove that a stock SGLang joins it:
+`test_the_trainer_joins_a_group_built_by_sglangs_own_helper` puts a stand-in on the other side that builds the
+group the way SGLang 0.5's `init_custom_process_group` does (tests/sglang_standin.py)."""
 
 import pytest
 import torch
 import trio
+from sglang_standin import StockSGLangStandIn
 
 from engines.embedded.launch import EngineProcess
 from engines.embedded.presets import build_tiny_model
@@ -108,3 +113,44 @@ def test_negotiation_per_engine_with_a_stock_and_a_colocated_engine(engines):
     assert sender.sync() == 8
     assert verify_sync(trainer, [ours], PROBES, expected_version=8).ok
     sender.close()
+
+
+def test_the_trainer_joins_a_group_built_by_sglangs_own_helper():
+    """Two processes over gloo: the trainer's WeightSyncSender (rank 0, hosting the store) and a stand-in that builds
+    its side with SGLang 0.5's init_custom_process_group (PrefixStore(group_name) + torch's group helper). Every
+    tensor's bytes must arrive; with the store keys of the two sides apart, the group never forms (the timeout)."""
+    trainer = build_tiny_model(SEED)
+    perturb(trainer, 4)
+    stock = StockSGLangStandIn(timeout_s=10)
+    try:
+        sender = WeightSyncSender(trainer, [stock], timeout_s=10, weight_version=2)
+        sender.init_group()
+        assert sender.per_tensor and sender.broadcast_to == [0] and sender.backend == "gloo"
+        assert sender.sync() == 3
+        params = dict(trainer.named_parameters())
+        assert list(stock.received) == list(params) and len(params) > 5
+        for name, p in params.items():
+            assert stock.received[name].dtype == p.dtype and torch.equal(stock.received[name], p.detach()), name
+        init = [b for r, b in stock.bodies if r == "/init_weights_update_group"]
+        assert init[0]["rank_offset"] == 1 and init[0]["world_size"] == 2 and init[0]["backend"] == "gloo"
+        update = [b for r, b in stock.bodies if r == "/update_weights_from_distributed"]
+        assert update[0]["group_name"] == init[0]["group_name"] and update[0]["weight_version"] == "3"
+        sender.close()
+    finally:
+        stock.close()
+
+
+def test_group_store_keys_are_those_of_torchs_group_helper():
+    """The device prefix of group_store is the one torch's _new_process_group_helper picks for each backend (the
+    first device of Backend.backend_capability): a torch that changes it fails here, not on a GPU box."""
+    import torch.distributed as dist
+
+    from engines.weight_sync.wire import GROUP_STORE_DEVICE, group_store
+
+    assert {b: dist.Backend.backend_capability[b][0] for b in GROUP_STORE_DEVICE} == GROUP_STORE_DEVICE
+    base = dist.HashStore()
+    group_store(base, "G", "gloo").set("0/1", b"x")
+    group_store(base, "G", "nccl").set("0", b"y")
+    assert base.get("G/G//cpu//0/1") == b"x" and base.get("G/G//cuda//0") == b"y"
+    with pytest.raises(ValueError, match="empty"):
+        group_store(base, "", "gloo")

@@ -7,8 +7,9 @@ chunks), announced by a JSON `WeightMeta` (names, dtypes, shapes, offsets, bucke
 weight_version) sent over HTTP, and staged through two alternating bucket buffers ("slots").
 
 broadcast (engines on other devices or hosts): a dedicated process group [trainer rank 0, engine 0, engine 1, ...]
-built from a TCPStore the trainer hosts (gloo on CPU, NCCL on GPU; never the trainer's default group); bucket k is
-one broadcast of slot k % 2.
+built from a TCPStore the trainer hosts (gloo on CPU, NCCL on GPU; never the trainer's default group), under the
+store keys SGLang's own helper uses (`group_store`), so a stock SGLang server joins it; bucket k is one broadcast of
+slot k % 2.
 
 colocated (an engine on the trainer's own device: same GPU UUID, or on CPU the same host and /dev/shm): no copy on
 the wire. The trainer's two slots are shared once per group (`create_slots` / `open_slots`: a /dev/shm file on
@@ -283,28 +284,51 @@ def _bound_port(fd: int) -> int:
         sock.detach()  # the descriptor stays open for the store
 
 
+# The device prefix torch's `_new_process_group_helper` keys a one-backend group's store under: the first device
+# that backend serves (`dist.Backend.backend_capability`; the helper builds one backend object for all of them).
+GROUP_STORE_DEVICE = {"gloo": "cpu", "nccl": "cuda"}
+
+
+def group_store(store: dist.Store, group_name: str, backend: str) -> dist.Store:
+    """The store as the group's backend sees it, keyed exactly like a group SGLang builds, so a stock SGLang server
+    (and anything else that uses its helper: slime, OpenRLHF) meets ours in the same keys.
+
+    SGLang's `init_custom_process_group` (python/sglang/srt/utils/common.py, 0.5) wraps its rendezvous store in
+    `PrefixStore(group_name)` and hands it to torch's `_new_process_group_helper`, which adds `{group_name}/` and then
+    `{device}/` itself: a gloo group named G waits on keys `G/G//cpu//...`. The helper itself is not called here: it
+    registers the group in torch's global state (a name can then be used once per process) and, in a trainer whose
+    default group is bound to a GPU, splits the new communicator from that group, which the engines are not in."""
+    if backend not in GROUP_STORE_DEVICE:
+        raise ValueError(f"backend={backend!r}: use 'gloo' (CPU tensors) or 'nccl' (CUDA tensors)")
+    if not group_name:
+        raise ValueError("group_name is empty; SGLang refuses an empty name: give the weight-update group a name")
+    helper_store = dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store))
+    return dist.PrefixStore(f"{GROUP_STORE_DEVICE[backend]}/", helper_store)
+
+
 def build_group(store: dist.Store, *, rank: int, world_size: int, group_name: str, backend: str,
                 timeout_s: float, device: torch.device | None = None) -> dist.ProcessGroup:
-    """A standalone process group (no init_process_group, no default group touched), keyed `{group_name}/`
-    in the store like torch's own named groups. Blocks until all `world_size` ranks joined.
+    """A standalone process group (no init_process_group, no default group touched) over `group_store`'s keys,
+    the ones SGLang's own helper uses. Blocks until all `world_size` ranks joined.
 
     NCCL: the communicator is created here, eagerly and non-blocking (a lazy one would be created inside the first
     broadcast, where a dead peer hangs ncclCommInitRank with no deadline); run this in a thread with a deadline.
     NCCL's timeout is NCCL_TIMEOUT_MARGIN_S above `timeout_s` so Python's deadline (wait_work) always fires first."""
-    prefix = dist.PrefixStore(f"{group_name}/", store)
+    prefix = group_store(store, group_name, backend)
     if backend == "gloo":
-        return dist.ProcessGroupGloo(prefix, rank, world_size, datetime.timedelta(seconds=timeout_s))
-    if backend == "nccl":
-        if device is None or device.type != "cuda":
-            raise ValueError(f"backend='nccl' needs the CUDA device of this rank, got device={device}")
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = datetime.timedelta(seconds=timeout_s + NCCL_TIMEOUT_MARGIN_S)
-        if hasattr(opts, "config") and hasattr(opts.config, "blocking"):
-            opts.config.blocking = 0  # init polls (and gives up at the timeout) instead of blocking in NCCL
-        pg = dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
-        pg.eager_connect_single_device(device)
+        pg = dist.ProcessGroupGloo(prefix, rank, world_size, datetime.timedelta(seconds=timeout_s))
+        pg._set_sequence_number_for_group()  # as torch's helper does (older torch versions read it from the store)
         return pg
-    raise ValueError(f"backend={backend!r}: use 'gloo' (CPU tensors) or 'nccl' (CUDA tensors)")
+    if device is None or device.type != "cuda":
+        raise ValueError(f"backend='nccl' needs the CUDA device of this rank, got device={device}")
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = datetime.timedelta(seconds=timeout_s + NCCL_TIMEOUT_MARGIN_S)
+    if hasattr(opts, "config") and hasattr(opts.config, "blocking"):
+        opts.config.blocking = 0  # init polls (and gives up at the timeout) instead of blocking in NCCL
+    pg = dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
+    pg._set_sequence_number_for_group()
+    pg.eager_connect_single_device(device)
+    return pg
 
 
 def shutdown_group(pg, *, broken: bool) -> None:
