@@ -47,12 +47,18 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     return _resolve(path)[0]
 
 
-def _resolve(path: str | os.PathLike) -> tuple[Path, dict]:
+def check_checkpoint_exists(path: str | os.PathLike) -> Path:
+    """`path` as a Path when it exists; the error naming it and what to give otherwise. The CLI's preflight checks
+    [model] checkpoint with this before any work: verifying a checkpoint reads every shard, which the load does."""
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"checkpoint {p}: does not exist (give a step_NNNNNNNN folder or a phase's "
                                 f"output_dir such as runs/<name>/sft)")
-    return pick_checkpoint(p)
+    return p
+
+
+def _resolve(path: str | os.PathLike) -> tuple[Path, dict]:
+    return pick_checkpoint(check_checkpoint_exists(path))
 
 
 def _plain_model(model_folder: Path) -> nn.Module:

@@ -128,6 +128,16 @@ def _full_state_dict(config: PretrainedConfig, folder: Path | None, model: nn.Mo
     return sd
 
 
+def check_model_folder(path: str | os.PathLike) -> None:
+    """What load_hf_model refuses of a folder, found without reading a weight (the CLI's preflight, before a run
+    removes or writes anything): no config.json, an architecture AutoModelForCausalLM cannot build on the meta
+    device or whose blocks we cannot parallelise, no *.safetensors. The attention implementation is left at
+    "eager": which one a run picks depends on its device, and every architecture builds with eager."""
+    config, folder = _read_config(path)
+    decoder_layers(_build_meta(config, "eager"))
+    _safetensors_files(folder)
+
+
 def load_hf_model(path_or_config: str | os.PathLike | PretrainedConfig, *, dtype: torch.dtype = torch.float32,
                   device: torch.device | str = "cpu", mesh: DeviceMesh | None = None,
                   parallel: ParallelConfig | None = None, seed: int = 0, value_head: bool = False) -> nn.Module:

@@ -35,3 +35,12 @@ def load_callable(spec: str | Callable[..., Any], what: str) -> Callable[..., An
     if fn is None or not callable(fn):
         raise ValueError(f"{what} {spec!r}: module {mod_name!r} has no callable {fn_name!r}")
     return fn
+
+
+def callable_file(spec: Any) -> str | None:
+    """The file that load_callable imports for a "path/to/file.py:name" spec; None for a module name, a built-in
+    name or a callable (nothing on disk the config names)."""
+    if not isinstance(spec, str) or ":" not in spec:
+        return None
+    mod_name = spec.rsplit(":", 1)[0]
+    return mod_name if mod_name.endswith(".py") else None
