@@ -155,20 +155,35 @@ threads = 1
     assert version == rows[0]["weight_version"] == 1  # vLLM got the sync
 
 
+def test_engine_placement_counts_the_ranks_of_this_host():
+    """Two nodes of 8 GPUs, 4 ranks each (torchrun: WORLD_SIZE=8, LOCAL_WORLD_SIZE=4): an engine started on a node
+    goes to that node's cuda:4, where WORLD_SIZE would count 8 ranks on it and find no free GPU."""
+    from trainer.cli import engine_devices, trainer_ranks_here
+
+    env = {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "0"}
+    assert trainer_ranks_here(env) == 4
+    assert engine_devices([None, None], trainer_device="cuda:0", local_world_size=trainer_ranks_here(env),
+                          cuda_count=8) == ["cuda:4", "cuda:5"]
+    assert trainer_ranks_here({"WORLD_SIZE": "3"}) == 3  # a launcher without LOCAL_WORLD_SIZE: one node assumed
+    assert trainer_ranks_here({}) == 1
+    with pytest.raises(ConfigError, match="LOCAL_WORLD_SIZE='four'"):
+        trainer_ranks_here({"LOCAL_WORLD_SIZE": "four"})
+
+
 def test_engines_the_run_starts_are_placed_by_device():
-    """One process shares its GPU with its engines; torchrun ranks leave the GPUs past world_size to the engines
-    (round robin); a fleet entry's device wins; no free GPU is an error naming the fix; no CUDA: the CPU."""
+    """One process shares its GPU with its engines; torchrun ranks leave the GPUs past this host's ranks to the
+    engines (round robin); a fleet entry's device wins; no free GPU is an error naming the fix; no CUDA: the CPU."""
     from trainer.cli import engine_devices
 
-    assert engine_devices([None, None], trainer_device="cpu", world_size=1, cuda_count=0) == ["cpu", "cpu"]
-    assert engine_devices([None], trainer_device="cuda:0", world_size=1, cuda_count=8) == ["cuda:0"]
-    assert engine_devices([None, None, None], trainer_device="cuda:0", world_size=6, cuda_count=8) == [
+    assert engine_devices([None, None], trainer_device="cpu", local_world_size=1, cuda_count=0) == ["cpu", "cpu"]
+    assert engine_devices([None], trainer_device="cuda:0", local_world_size=1, cuda_count=8) == ["cuda:0"]
+    assert engine_devices([None, None, None], trainer_device="cuda:0", local_world_size=6, cuda_count=8) == [
         "cuda:6", "cuda:7", "cuda:6"]
-    assert engine_devices([None, "cuda:3"], trainer_device="cuda:0", world_size=4, cuda_count=8) == [
+    assert engine_devices([None, "cuda:3"], trainer_device="cuda:0", local_world_size=4, cuda_count=8) == [
         "cuda:4", "cuda:3"]
-    assert engine_devices(["cuda:1"], trainer_device="cuda:0", world_size=8, cuda_count=8) == ["cuda:1"]
+    assert engine_devices(["cuda:1"], trainer_device="cuda:0", local_world_size=8, cuda_count=8) == ["cuda:1"]
     with pytest.raises(ConfigError, match="torchrun --nproc-per-node 7"):
-        engine_devices([None], trainer_device="cuda:0", world_size=8, cuda_count=8)
+        engine_devices([None], trainer_device="cuda:0", local_world_size=8, cuda_count=8)
     with pytest.raises(ValueError, match="only an \"embedded\" engine the run starts"):
         EngineSpec("sglang", url="http://127.0.0.1:1", device="cuda:1")
     with pytest.raises(ValueError, match="cuda:N"):

@@ -33,7 +33,7 @@ import sys
 import time
 import tomllib
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -351,22 +351,38 @@ def fresh_start(out: Path, mode: str) -> None:
               f"(pass --resume to continue a run instead)", flush=True)
 
 
-def engine_devices(given: Sequence[str | None], *, trainer_device: str, world_size: int, cuda_count: int) -> list[str]:
+def trainer_ranks_here(environ: Mapping[str, str]) -> int:
+    """How many trainer ranks run on this host, so on this host's GPUs: torchrun's LOCAL_WORLD_SIZE. WORLD_SIZE
+    counts every node's ranks (on two nodes of 8 GPUs it is 16, and no GPU would look free); it stands in only
+    for a launcher that sets no LOCAL_WORLD_SIZE, where an over-count makes placement refuse, never share a GPU."""
+    for name in ("LOCAL_WORLD_SIZE", "WORLD_SIZE"):
+        value = environ.get(name)
+        if value is None:
+            continue
+        if not value.strip().isdigit() or int(value) < 1:
+            raise ConfigError(f"environment variable {name}={value!r} is not a rank count (an int >= 1); launch with "
+                              f"torchrun, which sets it, or unset it for one process")
+        return int(value)
+    return 1
+
+
+def engine_devices(given: Sequence[str | None], *, trainer_device: str, local_world_size: int,
+                   cuda_count: int) -> list[str]:
     """Where each engine the run starts runs: its fleet entry's `device` when set; else the CPU without CUDA; a
     one-process run's engines share the trainer's GPU (colocated: the weight sync goes through shared memory); a
-    multi-process run's (torchrun) go, round robin, to the GPUs its ranks leave free (ranks take cuda:0 ..
-    cuda:world_size-1), because an engine beside rank 0 would take memory and compute from one rank only and stall
-    the others. No free GPU is an error naming the fix."""
+    multi-process run's (torchrun) go, round robin, to the GPUs this host's ranks leave free (its ranks take cuda:0
+    .. cuda:local_world_size-1, by LOCAL_RANK), because an engine beside rank 0 would take memory and compute from
+    one rank only and stall the others. No free GPU is an error naming the fix."""
     if cuda_count == 0:
         return [d or "cpu" for d in given]
-    if world_size <= 1:
+    if local_world_size <= 1:
         return [d or trainer_device for d in given]
-    free = [f"cuda:{i}" for i in range(world_size, cuda_count)]
+    free = [f"cuda:{i}" for i in range(local_world_size, cuda_count)]
     if not free and any(d is None for d in given):
-        raise ConfigError(f"[engines]: {world_size} trainer ranks use every one of the {cuda_count} GPUs, and the "
-                          f"engines the run starts would crowd rank 0's; run fewer ranks (torchrun --nproc-per-node "
-                          f"{cuda_count - 1}) or place each engine with fleet = [{{kind = \"embedded\", device = "
-                          f"\"cuda:N\"}}]")
+        raise ConfigError(f"[engines]: {local_world_size} trainer ranks use every one of this host's {cuda_count} "
+                          f"GPUs, and the engines the run starts would crowd rank 0's; run fewer ranks (torchrun "
+                          f"--nproc-per-node {cuda_count - 1}) or place each engine with fleet = [{{kind = "
+                          f"\"embedded\", device = \"cuda:N\"}}]")
     auto = iter(free * len(given))
     return [d or next(auto) for d in given]
 
@@ -394,7 +410,7 @@ def engines_for(cfg: RunConfig, model_folder: Path, *, is_main: bool, device: st
 
     key = e.api_key or new_api_key()
     places = engine_devices([fleet[i].device for i in to_start], trainer_device=device,
-                            world_size=int(os.environ.get("WORLD_SIZE", "1")),
+                            local_world_size=trainer_ranks_here(os.environ),
                             cuda_count=torch.cuda.device_count() if torch.cuda.is_available() else 0)
     pins = [fleet[i].cpus for i in to_start]  # pinned engines run one thread per core they are given
     procs = [EngineProcess(str(model_folder), api_key=key, seed=cfg.seed, threads=len(cpus) if cpus else e.threads,
