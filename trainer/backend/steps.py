@@ -40,6 +40,7 @@ from kernels.gae import value_loss
 from kernels.objective import merge_metrics
 from trainer.backend.attention import packed_hidden_states
 from trainer.backend.futures import DeviceStreams, TrainFuture
+from trainer.backend.listeners import sealed_new_listeners
 from trainer.backend.parallel import ParallelConfig, TrainModule
 from trainer.batching.micro_batches import MicroBatch
 from trainer.config import BackendConfig, CriticConfig, RLTrainingConfig, SFTTrainingConfig
@@ -213,7 +214,11 @@ def init_distributed(device_type: str | None = None) -> DeviceMesh:
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend, **bind)
         else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **bind)
+            # One process: gloo's listener for peers that never come is closed to everyone (trainer.backend.
+            # listeners). Not on CUDA, where NCCL's own sockets open alongside and may still be needed.
+            sealed = sealed_new_listeners() if device_type == "cpu" else contextlib.nullcontext()
+            with sealed:
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **bind)
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 

@@ -11,12 +11,19 @@ then lives on its own device or machine (a large one beside the trainer's GPUs, 
 the way verl and slime place theirs; a [rewards] model source with `url` scores through it.
 
 Requests are scored one at a time on a worker thread (the event loop keeps answering /health). A bad body is a 400
-with {"error": why}; a failing forward a 500 with the exception. With an API key (RLKERNELS_ENGINE_API_KEY in the
-environment, or --api-key-file: a file only its owner can read), every route needs `Authorization: Bearer KEY`; a
-non-loopback --host without a key is refused unless --allow-no-key (as for the embedded engine).
+with {"error": why}; a failing forward a 500 with the exception. A body over --max-body-mb (16 MiB by default) is a
+413 naming the limit, refused by its Content-Length before anything is read, or as soon as a streamed body passes
+it: a body is read whole and parsed before scoring (its bytes, then what they parse into), so its size is what
+bounds the server's memory. A sample that renders to more tokens than the reward model's context
+(max_position_embeddings) is scored past the positions the model was trained on: the first such request gets a
+warning on stderr naming --max-length (which keeps the last N tokens of a longer rendering); later ones are not
+checked again. With an API key (RLKERNELS_ENGINE_API_KEY in the environment, or --api-key-file: a file only its
+owner can read), every route needs `Authorization: Bearer KEY`; a non-loopback --host without a key is refused
+unless --allow-no-key (as for the embedded engine).
 
-The client, `score_remote`, posts one request with a timeout and raises RewardServerError naming the server (and
-its message) on any failure: no answer, an HTTP error, or an answer of the wrong shape.
+The client, `score_remote`, posts the samples in requests of at most MAX_REQUEST_BYTES of JSON each (well under the
+server's default limit), each with a timeout, and raises RewardServerError naming the server (and its message) on
+any failure: no answer, an HTTP error, or an answer of the wrong shape.
 """
 
 from __future__ import annotations
@@ -26,12 +33,16 @@ import json
 import math
 import os
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
 
 ScoreFn = Callable[[list[str], list[str], list[str | None]], list[float]]
+
+MAX_BODY_BYTES = 16 * 2**20  # the server's default limit on a /score body (--max-body-mb)
+MAX_REQUEST_BYTES = 4 * 2**20  # the client's requests: several of these per batch rather than one over the limit
 
 
 class RewardServerError(RuntimeError):
@@ -42,14 +53,42 @@ class RewardServerError(RuntimeError):
 def score_remote(url: str, prompts: Sequence[str], completions: Sequence[str],
                  systems: Sequence[str | None] | None = None, *, api_key: str | None = None,
                  timeout_s: float = 120.0) -> list[float]:
-    """The server's score of each (prompt, completion), in the input order; RewardServerError otherwise."""
-    body = {"prompts": list(prompts), "completions": list(completions),
-            "systems": list(systems) if systems is not None else [None] * len(prompts)}
+    """The server's score of each (prompt, completion), in the input order; RewardServerError otherwise. The samples
+    go in requests of at most MAX_REQUEST_BYTES each (request_bodies), one after the other."""
+    systems = list(systems) if systems is not None else [None] * len(prompts)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     where = f"reward server {url.rstrip('/')}/score"
+    with httpx.Client(timeout=timeout_s, headers=headers) as client:
+        return [x for body in request_bodies(prompts, completions, systems, MAX_REQUEST_BYTES)
+                for x in _post_scores(client, url, body, where=where, timeout_s=timeout_s)]
+
+
+def request_bodies(prompts: Sequence[str], completions: Sequence[str], systems: Sequence[str | None],
+                   limit: int) -> list[dict[str, list]]:
+    """The samples, in order, cut into /score bodies of at most about `limit` bytes of JSON each (a sample larger
+    than that goes alone, and a server whose limit it passes refuses it, naming the limit). Lists of unequal
+    lengths go as one body, for the server to say what is wrong with them."""
+    if not len(prompts) == len(completions) == len(systems):
+        return [{"prompts": list(prompts), "completions": list(completions), "systems": list(systems)}]
+    bodies: list[dict[str, list]] = []
+    body: dict[str, list] = {"prompts": [], "completions": [], "systems": []}
+    size = 0
+    for sample in zip(prompts, completions, systems):
+        n = len(json.dumps(sample).encode())  # its share of the body, give or take the keys' few bytes
+        if body["prompts"] and size + n > limit:
+            bodies.append(body)
+            body, size = {"prompts": [], "completions": [], "systems": []}, 0
+        for key, value in zip(("prompts", "completions", "systems"), sample):
+            body[key].append(value)
+        size += n
+    return [*bodies, body]
+
+
+def _post_scores(client: httpx.Client, url: str, body: dict[str, list], *, where: str,
+                 timeout_s: float) -> list[float]:
+    """One /score request: its scores, checked."""
     try:
-        with httpx.Client(timeout=timeout_s, headers=headers) as client:
-            resp = client.post(url.rstrip("/") + "/score", json=body)
+        resp = client.post(url.rstrip("/") + "/score", json=body)
     except httpx.TimeoutException as e:
         raise RewardServerError(f"{where}: no answer within {timeout_s:g} s ({type(e).__name__}); is it overloaded? "
                                 f"raise the source's timeout_s") from e
@@ -106,8 +145,55 @@ def parse_request(body: Any) -> tuple[list[str], list[str], list[str | None]]:
     return prompts, completions, systems
 
 
-def build_app(score: ScoreFn, *, model: str = "", api_key: str | None = None) -> Any:
-    """The starlette app serving `score(prompts, completions, systems) -> scores` at /score, and /health."""
+class BodyTooLarge(ValueError):
+    """A request body over the server's limit."""
+
+
+async def read_capped(request: Any, limit: int) -> bytes:
+    """The body of a starlette `request`, read in chunks; BodyTooLarge as soon as it passes `limit` bytes, by its
+    Content-Length before anything is read (a client may still lie about it: the count of what arrives decides)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(f"a body of {int(declared)} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"a body of more than {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def warn_past_context(score: ScoreFn, tokenizer: Any, *, context: int | None, chat: bool) -> ScoreFn:
+    """`score`, which also warns, once, when a request holds a sample that renders (encode_for_scoring) to more
+    than `context` tokens (the reward model's max_position_embeddings; None: no check). Only requests up to that
+    warning are tokenized a second time for the check (the forward costs far more)."""
+    from trainer.rollout.reward_model import encode_for_scoring
+
+    warned = threading.Event()
+
+    def checked(prompts: list[str], completions: list[str], systems: list[str | None]) -> list[float]:
+        if context is not None and not warned.is_set():
+            lengths = [len(encode_for_scoring(tokenizer, p, c, system=s, chat=chat))
+                       for p, c, s in zip(prompts, completions, systems)]
+            longer = [n for n in lengths if n > context]
+            if longer:
+                warned.set()
+                warnings.warn(f"reward server: {len(longer)} of {len(lengths)} samples of a request render to more "
+                              f"tokens than the reward model's context ({max(longer)} > {context}, its "
+                              f"max_position_embeddings): they are scored past the positions it was trained on, "
+                              f"so their scores mean little (or its forward fails); start the server with "
+                              f"--max-length {context} to keep the last {context} tokens of such samples. Warned "
+                              f"once: later requests are not checked", stacklevel=2)
+        return score(prompts, completions, systems)
+
+    return checked
+
+
+def build_app(score: ScoreFn, *, model: str = "", api_key: str | None = None,
+              max_body_bytes: int = MAX_BODY_BYTES) -> Any:
+    """The starlette app serving `score(prompts, completions, systems) -> scores` at /score, and /health; a /score
+    body over `max_body_bytes` is refused (413)."""
     import anyio
     from starlette.applications import Starlette
     from starlette.requests import Request
@@ -127,7 +213,13 @@ def build_app(score: ScoreFn, *, model: str = "", api_key: str | None = None) ->
 
     async def score_route(request: Request) -> JSONResponse:
         try:
-            parsed = parse_request(json.loads(await request.body() or b"null"))
+            body = await read_capped(request, max_body_bytes)
+        except BodyTooLarge as e:
+            return JSONResponse({"error": f"{e} is over this server's limit of {max_body_bytes} bytes "
+                                          f"({max_body_bytes / 2**20:g} MiB, --max-body-mb); send fewer samples per "
+                                          f"request"}, status_code=413)
+        try:
+            parsed = parse_request(json.loads(body or b"null"))
         except ValueError as e:  # json.JSONDecodeError is a ValueError
             return JSONResponse({"error": f"bad /score request: {e}"}, status_code=400)
         try:
@@ -160,6 +252,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--max-length", type=int, default=None, help="keep the last N tokens of a longer rendering")
     ap.add_argument("--no-chat", action="store_true", help="score the plain text prompt + completion")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    ap.add_argument("--max-body-mb", type=float, default=MAX_BODY_BYTES / 2**20,
+                    help="refuse a /score body larger than this (413); the body is held in memory while it is scored")
     die_with_parent(os.environ.pop(PARENT_ENV, None))  # started by a test or a run: end with it
     args = ap.parse_args(argv)
     api_key = resolve_api_key(None, args.api_key_file, dict(os.environ))
@@ -181,7 +275,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         return score_samples(model, tokenizer, prompts, completions, system=systems, batch_size=args.batch_size,
                              max_length=args.max_length, chat=not args.no_chat)
 
-    app = build_app(score, model=args.model, api_key=api_key)
+    context = model.config.get_text_config().max_position_embeddings
+    if args.max_length is not None and context is not None and args.max_length <= context:
+        context = None  # --max-length already keeps every rendering within it
+    app = build_app(warn_past_context(score, tokenizer, context=context, chat=not args.no_chat), model=args.model,
+                    api_key=api_key, max_body_bytes=int(args.max_body_mb * 2**20))
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=1)
 
 
