@@ -117,7 +117,7 @@ def test_rollout_failure_on_rank0_reaches_every_rank_and_checkpoints(tmp_path):
     # Step 2's requests (3 and 4) run concurrently and both fail; rank 0 raises the first it sees.
     first = re.search(r"EngineError: fake://flaky: the engine process died \(request [34]\)", errors[0])
     assert first, errors[0][-2000:]
-    assert f"RuntimeError: the rollout on rank 0 failed at step 2: {first.group(0)}" in errors[1]
+    assert f"RunStopped: the rollout on rank 0 failed at step 2: {first.group(0)}" in errors[1]
     assert "exitcode" in log and "the engine process died" in log
     # A complete checkpoint of step 1 (the last trained step), with both ranks' shards, that loads back.
     ckpt = out / "checkpoints" / "step_00000001"

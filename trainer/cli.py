@@ -18,6 +18,11 @@ every function it names is loaded then (before a fresh start removes a previous 
 errors that name the key, and a key that moved names its new table. Configuration errors print `error: ...` and
 exit 2.
 
+A run-time stop whose message says what to do (trainer.stops: every sample of a batch failed, a changed config on
+resume, an engine that died, a damaged checkpoint) prints `error: ...` and exits 1, its traceback only with
+RLKERNELS_DEBUG=1. Ctrl-C and SIGTERM (what Slurm, Kubernetes and torchrun send) write a checkpoint of the trained
+steps, stop the engines the run started, say where to --resume from and exit 130 and 143.
+
 Multi-GPU: launch with `torchrun --nproc-per-node N -m trainer rl --config ...`; rank 0 starts the embedded
 engines (or talks to the given URLs) and every rank trains its FSDP2 shard.
 """
@@ -52,6 +57,7 @@ from trainer.config import (
 )
 from trainer.config_reference import override_value, to_toml
 from trainer.evaluation import evaluate  # noqa: F401  (trainer.cli.evaluate: where callers have found it)
+from trainer.stops import SIGINT_EXIT, SIGTERM_EXIT, RunStopped, debug_enabled, sigterm_as_interrupt, stop_note
 
 if TYPE_CHECKING:
     from trainer.weight_sync import WeightSync
@@ -809,16 +815,58 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         print(f"exported {folder}", flush=True)
         return 0
-    if args.mode in ("generate", "replay"):
-        return debug_mode(args.mode, cfg, rollouts=args.rollouts, checkpoint=args.checkpoint)
-    try:
-        summary = run(args.mode, cfg, resume=args.resume)
-    except KeyboardInterrupt:
-        print("interrupted: a checkpoint was written; continue with --resume", file=sys.stderr)
-        return 130
+    since = time.time()  # what checkpoint_note tells this session's checkpoints by
+    with sigterm_as_interrupt() as terminated:
+        try:
+            if args.mode in ("generate", "replay"):
+                return debug_mode(args.mode, cfg, rollouts=args.rollouts, checkpoint=args.checkpoint)
+            summary = run(args.mode, cfg, resume=args.resume)
+        except BaseException as e:  # noqa: BLE001 - a stop is reported; anything else is re-raised as it is
+            return report_stop(e, trained_phases(args.mode, cfg), since=since, terminated=terminated.is_set())
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 reports
         print_table(summary)
     return 0
+
+
+def trained_phases(mode: str, cfg: RunConfig) -> list[tuple[str, str]]:
+    """(phase, output_dir) of each phase `mode` trains and checkpoints (none for export, generate, replay)."""
+    phases = {"sft": ("sft",), "rl": ("rl",), "sft+rl": ("sft", "rl"), "demo": ("sft", "rl")}.get(mode, ())
+    return [(phase, getattr(cfg, phase).output_dir) for phase in phases]
+
+
+def run_stop(e: BaseException) -> BaseException | None:
+    """`e` when it is a run-time stop (trainer.stops: a RunStopped, or one of the engines' errors, which name the
+    engine and the way on, or a damaged checkpoint), the first stop in it when it is an exception group of stops
+    only (trio's nurseries wrap what their tasks raise); None for anything else (a bug keeps its traceback)."""
+    from engines.protocol import EngineError
+    from engines.weight_sync.wire import WeightSyncError
+    from trainer.backend.checkpoint import CorruptCheckpointError
+
+    stops = (RunStopped, EngineError, WeightSyncError, CorruptCheckpointError)
+    if isinstance(e, BaseExceptionGroup):
+        found, others = e.split(stops)
+        while isinstance(found, BaseExceptionGroup):
+            found = found.exceptions[0]
+        return found if others is None else None
+    return e if isinstance(e, stops) else None
+
+
+def report_stop(e: BaseException, phases: Sequence[tuple[str, str]], *, since: float, terminated: bool) -> int:
+    """The exit status of a run that raised `e`, after one line on stderr: Ctrl-C (130) or SIGTERM (143) with the
+    checkpoint to resume from (rank 0 says it, for every rank), a run-time stop as `error: <message>` (1). Anything
+    else, and a stop with RLKERNELS_DEBUG=1, is re-raised with its traceback."""
+    from trainer.backend.checkpoint import is_interrupt
+
+    if is_interrupt(e):
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(stop_note(phases, since=since, terminated=terminated), file=sys.stderr, flush=True)
+        return SIGTERM_EXIT if terminated else SIGINT_EXIT
+    stop = run_stop(e)
+    if stop is None or debug_enabled():
+        raise e
+    print(f"error: {stop}", file=sys.stderr, flush=True)
+    return 1
+
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ from trainer.rollout.dumps import RolloutDumps, rollout_rows, sample_logprobs, t
 from trainer.rollout.rewards import load_reward_fn, no_reward, with_timeout
 from trainer.rollout.samples import build_batch_metadata, pad_token_id
 from trainer.rollout.source import ResumePoints, RolloutSource
+from trainer.stops import RunStopped
 from trainer.types import RolloutBatch, Sample, Status, TrainingState
 
 if TYPE_CHECKING:
@@ -169,9 +170,9 @@ def train_on_batch(components: TrainingComponents, state: TrainingState, batch: 
         errors = [s.metadata.get("reward_error") or s.metadata["env_error"] for s in samples
                   if "reward_error" in s.metadata or "env_error" in s.metadata]
         masked = sum(s.status == Status.TRUNCATED for s in samples) if config.rollout.mask_truncated else 0
-        raise RuntimeError(f"no sample of this batch can be trained on ({len(samples)} samples, {masked} truncated and "
-                           f"masked ([rl.rollout] mask_truncated), the others failed or in groups with fewer than two "
-                           f"scored samples); first error: {errors[0] if errors else None}")
+        raise RunStopped(f"no sample of this batch can be trained on ({len(samples)} samples, {masked} truncated and "
+                         f"masked ([rl.rollout] mask_truncated), the others failed or in groups with fewer than two "
+                         f"scored samples); first error: {errors[0] if errors else None}")
     # "gae": 0 for now, per token once the values are known (attach_gae below).
     advantages = [0.0] * len(samples) if gae else compute_advantages(samples, config.advantage_estimator)
     samples, advantages = [samples[i] for i in keep], [advantages[i] for i in keep]
@@ -454,8 +455,8 @@ def within_staleness(batch: RolloutBatch, version: int, config: RLTrainingConfig
         return batch, metrics
     kept = tuple(s for i, s in enumerate(batch.samples) if i not in stale)
     if not kept:
-        raise RuntimeError(f"every sample of this batch is past [rl] max_staleness = {k} (lags {sorted(set(lags))}); "
-                           f"raise max_staleness or lower sync_every")
+        raise RunStopped(f"every sample of this batch is past [rl] max_staleness = {k} (lags {sorted(set(lags))}); "
+                         f"raise max_staleness or lower sync_every")
     return RolloutBatch(samples=kept, metadata=batch.metadata), metrics
 
 

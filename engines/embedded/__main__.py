@@ -8,8 +8,10 @@ An engine on an address other than loopback without a key is refused unless `--a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import os
+import signal
 import stat
 import sys
 
@@ -84,7 +86,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     ap.add_argument("--cpus", default=None, help="pin the engine to these CPU cores, e.g. 0 or 0,2 (one thread each "
                                                  "unless --threads says otherwise)")
-    die_with_parent(os.environ.pop(PARENT_ENV, None))  # started by a trainer: end with it, even on kill -9
+    parent = os.environ.pop(PARENT_ENV, None)
+    die_with_parent(parent)  # started by a trainer: end with it, even on kill -9
+    if parent is not None:  # and leave Ctrl-C and SIGTERM to it (serve's docstring), from the model's load on
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
     args = ap.parse_args(argv)
     if args.cpus:  # before torch starts its thread pools: they size themselves from the affinity
         cpus = parse_cpus(args.cpus)
@@ -96,10 +102,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.api_key:
         print(f"warning: --api-key shows in `ps` to every local user; use {API_KEY_ENV} or --api-key-file",
               file=sys.stderr)
-    serve(args, api_key)
+    serve(args, api_key, owned=parent is not None)
 
 
-def serve(args: argparse.Namespace, api_key: str | None) -> None:
+def serve(args: argparse.Namespace, api_key: str | None, *, owned: bool = False) -> None:
+    """Load the model and serve it until stopped. `owned` (a trainer started this engine): uvicorn does not install
+    its SIGINT / SIGTERM handlers, which shut the server down (main ignores both signals then). A terminal's Ctrl-C
+    and a scheduler's SIGTERM (Slurm, Kubernetes) reach the whole process group, and the engine must not shut down
+    under the trainer, which checkpoints on them and then kills it (die_with_parent ends it should the trainer die
+    instead)."""
     import gc
 
     import torch
@@ -119,7 +130,11 @@ def serve(args: argparse.Namespace, api_key: str | None) -> None:
     # The heap is what serving keeps for its whole life: out of the collector's full passes (~0.2 s each over the
     # ~400k objects of torch, transformers and the model; trainer/backend/heap.py has the measurement).
     gc.freeze()
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=1)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=1)
+    server = uvicorn.Server(config)
+    if owned:
+        server.capture_signals = contextlib.nullcontext  # where uvicorn (>= 0.29) installs its shutdown handlers
+    server.run()
 
 
 if __name__ == "__main__":

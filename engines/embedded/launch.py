@@ -4,7 +4,9 @@ The API key reaches the engine in its environment (API_KEY_ENV), never on its co
 another's argv (`ps`), only the owner can read /proc/<pid>/environ.
 
 An engine started here dies with the process that started it, even on kill -9 (no orphan keeps the port and the
-memory): the launcher names itself in PARENT_ENV and the engine calls `die_with_parent` first thing.
+memory): the launcher names itself in PARENT_ENV and the engine calls `die_with_parent` first thing. Such an engine
+ignores SIGINT and SIGTERM, which a terminal or a scheduler sends to the whole process group: stopping it is the
+launcher's part (a trainer checkpoints first, then kills it).
 """
 
 from __future__ import annotations

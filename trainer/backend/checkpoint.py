@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
 from trainer.backend.parallel import ROOT_PREFIX
 from trainer.backend.safe_dcp import CorruptCheckpointError, load_dcp, read_dcp_metadata, shard_names
 from trainer.backend.steps import TrainingComponents, broadcast_from_rank0
+from trainer.stops import RunStopped
 from trainer.types import TrainingState
 
 FORMAT_VERSION = 1
@@ -243,25 +244,31 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> dict[s
             if a.get(k) != b.get(k) and k not in RESUMABLE_CHANGES}
 
 
+class CheckpointMismatch(RunStopped, ValueError):
+    """A checkpoint this run cannot continue from as configured: a fingerprinted setting differs, num_steps is below
+    its step, a critic on one side only, shards that do not fit this model. The message names the field and the fix;
+    a ValueError as well, for callers that catch bad values."""
+
+
 def _check_resumable(path: Path, meta: dict[str, Any], config: Any) -> None:
     """Refuse a resume that would silently change the run's math, naming each field that differs."""
     saved = meta.get("fingerprint_fields")
     if saved is None:  # written before the fields were stored: only the hash can be compared
         if meta["fingerprint"] != config.fingerprint():
-            raise ValueError(f"{path}: config fingerprint {meta['fingerprint']} differs from this run's "
-                             f"{config.fingerprint()} (the checkpoint predates per-field records, so the field "
-                             f"cannot be named); resume with the same TrainerConfig")
+            raise CheckpointMismatch(f"{path}: config fingerprint {meta['fingerprint']} differs from this run's "
+                                     f"{config.fingerprint()} (the checkpoint predates per-field records, so the "
+                                     f"field cannot be named); resume with the same TrainerConfig")
         return
     diff = config_differences(saved, config.fingerprint_fields())
     if diff:
         fields = "; ".join(f"{k} was {old!r}, now {new!r}" for k, (old, new) in diff.items())
-        raise ValueError(f"{path}: this run's config differs from the checkpoint's in {', '.join(diff)} ({fields}); "
-                         f"resume with the checkpoint's values (num_steps may change to extend a run, and "
-                         f"output_dir/keep_last/save_every/compile may change) or start a new run")
+        raise CheckpointMismatch(f"{path}: this run's config differs from the checkpoint's in {', '.join(diff)} "
+                                 f"({fields}); resume with the checkpoint's values (num_steps may change to extend a "
+                                 f"run, and output_dir/keep_last/save_every/compile may change) or start a new run")
     step = meta["state"]["step"]
     if config.num_steps < step:
-        raise ValueError(f"{path}: num_steps = {config.num_steps} is below the checkpoint's step {step}; a resume "
-                         f"may extend a run, not shorten it: set num_steps >= {step}")
+        raise CheckpointMismatch(f"{path}: num_steps = {config.num_steps} is below the checkpoint's step {step}; a "
+                                 f"resume may extend a run, not shorten it: set num_steps >= {step}")
 
 
 def _read_meta(path: Path) -> dict[str, Any]:
@@ -399,9 +406,9 @@ def _load_verified(components: TrainingComponents, p: Path, critic: TrainingComp
     """Load the checkpoint `p` (verify_checkpoint passed); rank 0 prints `told`, the folder and the step."""
     meta = _read_meta(p)
     if (critic is not None) != ("critic_scheduler" in meta):  # before the fingerprint: the one difference to name
-        raise ValueError(f"{p}: {'holds no critic' if critic is not None else 'holds a critic'} but this run "
-                         f"{'has one' if critic is not None else 'has none'}; resume with the checkpoint's "
-                         f"[rl] advantage_estimator and [rl.critic]")
+        raise CheckpointMismatch(f"{p}: {'holds no critic' if critic is not None else 'holds a critic'} but this run "
+                                 f"{'has one' if critic is not None else 'has none'}; resume with the checkpoint's "
+                                 f"[rl] advantage_estimator and [rl.critic]")
     _check_resumable(p, meta, components.config)
     sds = _state_dicts(components, critic)
     try:
@@ -410,8 +417,9 @@ def _load_verified(components: TrainingComponents, p: Path, critic: TrainingComp
         raise
     except (CheckpointException, OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
         # Shards of another model (or damaged ones no checksum covers): say which folder.
-        raise ValueError(f"{p}: its model/optimizer shards did not load into this model ({type(e).__name__}: "
-                         f"{e}); the files are damaged or the checkpoint is of another model") from e
+        raise CheckpointMismatch(f"{p}: its model/optimizer shards did not load into this model "
+                                 f"({type(e).__name__}: {e}); the files are damaged or the checkpoint is of another "
+                                 f"model") from e
     set_state_dict(components.root, components.optimizer, model_state_dict=sds["model"], optim_state_dict=sds["optim"])
     components.scheduler.load_state_dict(meta["scheduler"])
     if critic is not None:

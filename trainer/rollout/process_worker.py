@@ -23,8 +23,9 @@ data buffer, engines and rewards, rebuilt from a pickled `RolloutRecipe`); only 
                          ◄─("error", exception)        a failure: raised by the parent's next take()
 
 The snapshots are what `ResumePoints` records for checkpoints (the parent's own buffer and manager are only the
-starting state). The child ignores SIGINT (the parent handles Ctrl-C and closes it) and exits when the parent's end
-of the pipe closes. Every wait of the parent polls the child's liveness: a child that dies is an error, not a hang.
+starting state). The child ignores SIGINT and SIGTERM (the parent handles Ctrl-C and SIGTERM and closes it) and
+exits when the parent's end of the pipe closes. Every wait of the parent polls the child's liveness: a child that
+dies is an error, not a hang.
 """
 
 from __future__ import annotations
@@ -197,7 +198,10 @@ def _take_spare() -> tuple[Any, Any] | None:
 
 # ------------------------------------------------------------------------------------------------------ child
 def _child_main(conn: Any) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it checkpoints, then closes us
+    # Ctrl-C and SIGTERM are the parent's (a terminal's Ctrl-C, and Slurm's SIGTERM, reach the whole process group):
+    # it checkpoints, then closes us. Should the parent die instead, its end of the pipe closes and we exit.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     try:
         # The slow imports, before the recipe arrives. Unpickling it imports the modules of what it holds: the data
         # buffer's (datasets, 0.7 s), the tokenizer's (transformers' backend, and its model package index, 0.5 s)

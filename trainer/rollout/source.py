@@ -21,6 +21,7 @@ from collections.abc import Callable, Generator, Iterator, Mapping
 from typing import Any
 
 from trainer.backend.steps import broadcast_from_rank0
+from trainer.stops import RunStopped
 from trainer.types import RolloutBatch
 
 
@@ -125,7 +126,7 @@ class RolloutSource:
             self._on_failure()
             if failure is not None:
                 raise failure
-            raise RuntimeError(f"the rollout on rank 0 failed at step {step}: {batch.error}")
+            raise RunStopped(f"the rollout on rank 0 failed at step {step}: {batch.error}")
         if not self._leads:
             self._on_drawn(step)  # the other ranks: their (unused) copies are what rank 0's were
         self._prefetch(step)

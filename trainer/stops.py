@@ -1,0 +1,107 @@
+"""How a run stops: on an error that explains itself, on Ctrl-C, on SIGTERM.
+
+`RunStopped` is a run-time stop whose message says what happened and what to do next: every sample of a batch
+failed, a resume whose config differs from the checkpoint's, the rollout failing on another rank. The training code
+raises it where it knows the cause (a subclass may add a built-in base, e.g. `class X(RunStopped, ValueError)`, so
+that callers catching that base keep working). `python -m trainer` prints such a stop as one line, `error: <the
+message>`, and exits 1; the traceback is for bugs, and for a stop only with RLKERNELS_DEBUG=1 in the environment.
+Errors of the engines' layer (engines.protocol.EngineError, engines.weight_sync.wire.WeightSyncError) cannot derive
+from it (engines/ does not import trainer/); trainer.cli counts them as stops too.
+
+SIGTERM is what stops a job under a scheduler: Slurm (scancel, the time limit), Kubernetes (a pod deleted or
+evicted) and torchrun's agent (which forwards it to every rank) send it, then SIGKILL after a grace period (Slurm's
+KillWait, 30 s by default; Kubernetes' terminationGracePeriodSeconds, 30 s). `sigterm_as_interrupt` makes it do
+what Ctrl-C does: KeyboardInterrupt in the main thread, so the one path that checkpoints on Ctrl-C
+(trainer.backend.checkpoint.Checkpointer, also through trio's nurseries) checkpoints on SIGTERM, and the engines
+the run started are stopped on the way out. The command line says which signal it was and exits 143 (128 + 15,
+the status a shell reports for SIGTERM), 130 for Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+
+DEBUG_ENV = "RLKERNELS_DEBUG"  # set to 1: a run-time stop prints its traceback too
+SIGTERM_EXIT = 128 + signal.SIGTERM  # 143
+SIGINT_EXIT = 128 + signal.SIGINT  # 130
+
+
+class RunStopped(RuntimeError):
+    """The run cannot go on, for the reason (and with the way on) its message gives; not a bug."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C's KeyboardInterrupt would be (a KeyboardInterrupt: every Ctrl-C path takes it)."""
+
+
+def debug_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether RLKERNELS_DEBUG asks for tracebacks of run-time stops (any value but empty and "0")."""
+    return environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[threading.Event]:
+    """Within the block, SIGTERM interrupts the main thread as Ctrl-C does; yields an Event that is set once it has
+    (how the caller tells the two apart: trio turns its own Ctrl-C handling into a plain KeyboardInterrupt).
+
+    Where Ctrl-C has a handler of its own installed (trio's, while trio.run is on the main thread), SIGTERM goes
+    through it: trio then delivers the interrupt at a safe point of its loop instead of inside its bookkeeping.
+    Otherwise (Python's default, or Ctrl-C ignored: a background job without job control) it raises Terminated.
+    Only the first SIGTERM interrupts: a second one would break off the checkpoint being written, and the
+    scheduler's SIGKILL after its grace period is the hard stop anyway. Outside the main thread, where Python cannot
+    set signal handlers, nothing changes."""
+    received = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        if received.is_set():
+            return
+        received.set()
+        ctrl_c = signal.getsignal(signal.SIGINT)
+        if callable(ctrl_c) and ctrl_c is not signal.default_int_handler:
+            ctrl_c(signal.SIGINT, frame)
+            return
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def checkpoint_note(output_dirs: Sequence[tuple[str, str | os.PathLike]], *, since: float) -> str:
+    """What a stopped run tells its user about its checkpoints. output_dirs: (phase, output_dir) of the phases the
+    run trains ("sft", "rl"); since: when it started (time.time()). Names the checkpoint written since then (the
+    newest, when the run wrote several), else the newest from before (a resumed run stopped before its first
+    checkpoint), else says there is none."""
+    from trainer.backend.checkpoint import latest_checkpoint
+
+    if not output_dirs:
+        return "this mode keeps no checkpoint; run it again"
+    found = []
+    for phase, out in output_dirs:
+        ckpt = latest_checkpoint(out)
+        if ckpt is not None:
+            found.append(((ckpt / "state.json").stat().st_mtime, phase, ckpt))  # state.json: written last
+    if not found:
+        return "no step had trained, so there is no checkpoint; start the run again"
+    written, phase, ckpt = max(found)
+    step = int(ckpt.name.removeprefix("step_"))
+    if written >= since:
+        return f"a checkpoint was written at {phase} step {step} ({ckpt}); continue with --resume"
+    return (f"no checkpoint was written in this session; the newest is {phase} step {step} ({ckpt}): continue "
+            f"from it with --resume")
+
+
+def stop_note(output_dirs: Sequence[tuple[str, str | os.PathLike]], *, since: float, terminated: bool) -> str:
+    """The line a run stopped by a signal prints: which signal, and its checkpoint (checkpoint_note)."""
+    how = "terminated (SIGTERM)" if terminated else "interrupted (Ctrl-C)"
+    return f"{how}: {checkpoint_note(output_dirs, since=since)}"
+
