@@ -23,7 +23,9 @@ PROBES = [[1, 20, 21, 22], [1, 40], [1, 7, 8, 9, 10, 11]]
 
 @pytest.fixture(scope="module")
 def engines():
-    a, b = EngineProcess("tiny", seed=SEED), EngineProcess("tiny", seed=SEED)
+    # On the CPU on every machine, as the trainers here are: on a CUDA machine an engine would default to the GPU in
+    # bf16, which the colocated transport cannot reach from a CPU trainer and float32's tolerance does not cover.
+    a, b = EngineProcess("tiny", seed=SEED, device="cpu"), EngineProcess("tiny", seed=SEED, device="cpu")
     try:
         a.launch(), b.launch()  # both load in parallel
         a.wait_healthy(), b.wait_healthy()
@@ -31,6 +33,11 @@ def engines():
     finally:
         a.kill()
         b.kill()
+
+
+def served_dtype(url: str) -> torch.dtype:
+    """The dtype the engine at `url` computes in (its /get_model_info): verify_sync's tolerance takes both sides'."""
+    return getattr(torch, trio.run(SGLangEngine(url).get_model_info)["dtype"])
 
 
 def train_step(model, seed=0, lr=0.5):
@@ -48,15 +55,17 @@ def test_sync_one_then_two_engines_after_a_training_step(engines):
     a, b = engines
     trainer = build_tiny_model(SEED)
     ea = SGLangEngine(a.url, timeout_s=60)
-    assert verify_sync(trainer, [ea], PROBES, expected_version=0).ok  # same seeded initial weights
+    dtype = served_dtype(a.url)
+    first = verify_sync(trainer, [ea], PROBES, expected_version=0, engine_dtype=dtype)
+    assert first.ok and first.tol == 1e-5  # same seeded initial weights; float32 on both sides
     train_step(trainer)
-    stale = verify_sync(trainer, [ea], PROBES, expected_version=0)
+    stale = verify_sync(trainer, [ea], PROBES, expected_version=0, engine_dtype=dtype)
     assert not stale.ok and stale.max_abs_diff[0] > 1e-3  # the check can fail
 
     sender = WeightSyncSender(trainer, [ea], timeout_s=60, bucket_bytes=64 << 10, transport="broadcast")
     sender.init_group()
     assert sender.sync() == 1
-    res = verify_sync(trainer, [ea], PROBES, expected_version=1)
+    res = verify_sync(trainer, [ea], PROBES, expected_version=1, engine_dtype=dtype)
     assert res.ok, res
     assert trio.run(ea.get_weight_version) == 1
     sender.close()
@@ -67,7 +76,7 @@ def test_sync_one_then_two_engines_after_a_training_step(engines):
     sender2 = WeightSyncSender(trainer, [ea, eb], timeout_s=60, weight_version=1, transport="broadcast")
     sender2.init_group()
     assert sender2.sync() == 2
-    res = verify_sync(trainer, [ea, eb], PROBES, expected_version=2)
+    res = verify_sync(trainer, [ea, eb], PROBES, expected_version=2, engine_dtype=served_dtype(b.url))
     assert res.ok and len(res.max_abs_diff) == 2, res
     sender2.close()
 
@@ -100,7 +109,7 @@ def test_engine_killed_mid_sync_then_restarted(engines, transport):
     a.start()  # same port: the trainer's client needs no change
     sender.init_group()
     assert sender.sync() == 11
-    assert verify_sync(trainer, [ea], PROBES, expected_version=11).ok
+    assert verify_sync(trainer, [ea], PROBES, expected_version=11, engine_dtype=served_dtype(a.url)).ok
 
 
 @pytest.mark.parametrize("transport", ["broadcast", "colocated"])
@@ -147,7 +156,8 @@ def _fsdp_rank(rank: int, port: int, url: str, out):
         sender = WeightSyncSender(model, [SGLangEngine(url, timeout_s=60)], timeout_s=60, bucket_bytes=32 << 10)
         sender.init_group()
         version = sender.sync()
-        res = verify_sync(model, [SGLangEngine(url, timeout_s=60)], PROBES, expected_version=version)
+        res = verify_sync(model, [SGLangEngine(url, timeout_s=60)], PROBES, expected_version=version,
+                          engine_dtype=served_dtype(url))
 
         def boom(k, n):  # called on rank 0 only
             raise RuntimeError("boom on rank 0")
@@ -159,7 +169,7 @@ def _fsdp_rank(rank: int, port: int, url: str, out):
             failure = f"WeightSyncError: {e}"
         except RuntimeError as e:
             failure = str(e)
-        out.put((rank, version, res.ok, res.max_abs_diff, res.versions, failure))
+        out.put((rank, version, res.ok, res.max_abs_diff, res.versions, failure, res.tol))
     except BaseException as e:  # noqa: BLE001
         out.put((rank, repr(e)))
         raise
@@ -183,10 +193,10 @@ def test_sync_from_two_fsdp2_ranks(engines):
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    assert all(len(r) == 6 for r in results), results
-    for rank, version, ok, diffs, versions, _ in results:
+    assert all(len(r) == 7 for r in results), results
+    for rank, version, ok, diffs, versions, _, tol in results:
         assert ok, (rank, diffs, versions)
-        assert version == 1 and versions == (1,)
+        assert version == 1 and versions == (1,) and tol == 1e-5  # float32 ranks and engine
     assert results[0][5] == "boom on rank 0"
     assert results[1][5].startswith("WeightSyncError: the weight sync failed on trainer rank 0"), results[1][5]
     assert trio.run(SGLangEngine(b.url).get_weight_version) == 1
