@@ -2,15 +2,21 @@
 
 `Recording` wraps a real engine and records every generate call (prompt tokens and completions), so a test can
 check a sample's tokens against what the engine really returned, independently of the code that built the sample.
-`Talk` is an environment written as a user would write it: no import from the project, dict steps.
+`Talk` is an environment written as a user would write it: no import from the project, dict steps. `Scripted` is an
+engine stand-in that answers with chosen texts.
 """
 
 from __future__ import annotations
 
 import torch
+import trio
 
 from engines.protocol import Completion
+from engines.tiny import IM_END, SPECIAL_TOKENS, build_tokenizer
 from trainer.rollout.data import DataBuffer, Prompt
+
+TOK = build_tokenizer()
+IM_END_ID = SPECIAL_TOKENS.index(IM_END)
 
 # Every character id of the tiny tokenizer stops a turn: a random model's turns then end after one token with
 # finish "stop", so episodes run their full number of turns instead of ending at the length limit.
@@ -36,6 +42,38 @@ class Recording:
         for prompt, group in zip(prompts, out):
             self.calls.extend((tuple(prompt), c) for c in group)
         return out
+
+
+class Scripted:
+    """Engine stand-in: `reply(prompt_text) -> str` chooses each turn's text; it ends with <|im_end|> (finish
+    "stop", or "length" cut at max_new_tokens); log-prob -0.5 per token. `hold(prompt_text)` True makes the request
+    wait until `abort()`, then return nothing with finish "abort"."""
+
+    url = "scripted://"
+
+    def __init__(self, reply, hold=lambda text: False) -> None:
+        self.reply, self.hold = reply, hold
+        self.aborted = False
+        self.prompts: list[str] = []
+
+    async def generate(self, prompts, params, *, rids=None):
+        out = []
+        for p in prompts:
+            text = TOK.decode(list(p))
+            self.prompts.append(text)
+            if self.hold(text) and not self.aborted:
+                while not self.aborted:
+                    await trio.sleep(0.01)
+                out.append([Completion([], [], "abort", 0, list(p))] * params.n)
+                continue
+            ids = TOK.encode(self.reply(text)) + [IM_END_ID]
+            finish = "stop" if len(ids) <= params.max_new_tokens else "length"
+            ids = ids[:params.max_new_tokens]
+            out.append([Completion(ids, [-0.5] * len(ids), finish, 0, list(p))] * params.n)
+        return out
+
+    async def abort(self, rids=None):
+        self.aborted = True
 
 
 class Talk:

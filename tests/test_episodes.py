@@ -19,10 +19,9 @@ from pathlib import Path
 
 import pytest
 import trio
-from episode_support import CHAR_STOPS, AsyncTalk, Recording, Talk, arithmetic_buffer, check_token_exact
+from episode_support import CHAR_STOPS, AsyncTalk, Recording, Scripted, Talk, arithmetic_buffer, check_token_exact
 
 from engines.embedded.presets import build_tiny_model
-from engines.protocol import Completion
 from engines.registry import EngineSpec, build_engine
 from engines.sglang import SGLangEngine
 from engines.tiny import IM_END, SPECIAL_TOKENS, build_tokenizer
@@ -93,38 +92,6 @@ def test_continuation_rendering_is_what_the_template_writes_after_a_turn():
 
 
 # ----------------------------------------------------------------------------------------------- a scripted engine
-class Scripted:
-    """Engine stand-in: `reply(prompt_text) -> str` chooses each turn's text; it ends with <|im_end|> (finish
-    "stop", or "length" cut at max_new_tokens); log-prob -0.5 per token. `hold(prompt_text)` True makes the request
-    wait until `abort()`, then return nothing with finish "abort"."""
-
-    url = "scripted://"
-
-    def __init__(self, reply, hold=lambda text: False) -> None:
-        self.reply, self.hold = reply, hold
-        self.aborted = False
-        self.prompts: list[str] = []
-
-    async def generate(self, prompts, params, *, rids=None):
-        out = []
-        for p in prompts:
-            text = TOK.decode(list(p))
-            self.prompts.append(text)
-            if self.hold(text) and not self.aborted:
-                while not self.aborted:
-                    await trio.sleep(0.01)
-                out.append([Completion([], [], "abort", 0, list(p))] * params.n)
-                continue
-            ids = TOK.encode(self.reply(text)) + [IM_END_ID]
-            finish = "stop" if len(ids) <= params.max_new_tokens else "length"
-            ids = ids[:params.max_new_tokens]
-            out.append([Completion(ids, [-0.5] * len(ids), finish, 0, list(p))] * params.n)
-        return out
-
-    async def abort(self, rids=None):
-        self.aborted = True
-
-
 CALL = '<tool_call>{"name": "%s", "arguments": {"expression": "%s"}}</tool_call>'
 
 

@@ -67,6 +67,7 @@ class RolloutConfig:
     max_turns: int = 4  # assistant turns per episode (an episode still running after them is truncated)
     max_context_tokens: int = 0  # an episode's tokens, prompt and every turn (0: no limit but max_turns)
     tool_timeout_s: float = 10.0  # one tool call's limit; past it the model is answered with an error
+    env_timeout_s: float = 60.0  # one env reset() or step() call's limit; past it the episode is FAILED (env_timeouts)
     tool_parser: str = "hermes"  # reads the model's tool calls: "hermes" (<tool_call>{json}</tool_call>) or "module:fn"
     mask_truncated: bool = False  # truncated samples stay out of the loss (still in their group's baseline)
 
@@ -79,7 +80,7 @@ class RolloutConfig:
                "tool environment, a custom env calls its tools in its own step(), a rollout_fn drives the episode")
         _check(not given or self.apply_chat_template, given[0] if given else "",
                "multi-turn episodes are chat conversations: set [data] format = \"chat\"")
-        _positive(self, "max_turns", "tool_timeout_s")
+        _positive(self, "max_turns", "tool_timeout_s", "env_timeout_s")
         _non_negative(self, "max_context_tokens")
         _positive(self, "rollout_batch_size", "n_samples_per_prompt", "max_new_tokens", "max_concurrency",
                   "request_timeout_s")

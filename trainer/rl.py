@@ -376,7 +376,7 @@ def _rollout_source(data_buffer: Any, config: RLTrainingConfig, manager: AsyncRo
     if batches is not None and rewards is not None:
         batches = scored_batches(batches, rewards)
     return RolloutSource(batches, num_steps=config.num_steps, ahead=config.generation_ahead, on_failure=on_failure,
-                         on_drawn=on_drawn, worker_cpus=worker_cpus, requeue=manager.requeue)
+                         on_drawn=on_drawn, worker_cpus=worker_cpus, requeue=manager.requeue, cancel=manager.cancel)
 
 
 def _process_source(data_buffer: Any, config: RLTrainingConfig, manager: AsyncRolloutManager,

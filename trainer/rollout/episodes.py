@@ -42,6 +42,7 @@ from typing import Any
 import trio
 
 from engines.protocol import Completion, SamplingParams
+from trainer.rollout.blocking import BlockedCallTimeout, run_bounded
 from trainer.rollout.loading import load_callable
 from trainer.rollout.rewards import acompute_reward
 from trainer.rollout.samples import extend_sample, stop_token_ids
@@ -225,20 +226,38 @@ async def _maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
 
-def env_driver(factory: Callable[[], Any]) -> Driver:
-    """The episode loop of an environment: reset, then chat / step until the environment says done."""
+def env_driver(factory: Callable[[], Any], timeout_s: float | None = None) -> Driver:
+    """The episode loop of an environment: reset, then chat / step until the environment says done.
+
+    Each reset and step runs within `timeout_s` ([rl.rollout] env_timeout_s; None: the environment bounds its own
+    calls, as the tool environment does with each tool's timeout): a plain method in a worker thread of the
+    environments' own pool (trainer.rollout.blocking), so a blocking one never stalls the event loop, the other
+    episodes or a Ctrl-C; an async one in the loop. Past the limit the episode fails (BlockedCallTimeout, naming
+    the environment's method) and a plain method's thread is abandoned."""
+
+    async def call(env: Any, method: str, *args: Any) -> Any:
+        fn = getattr(env, method)
+        if timeout_s is None:
+            return await _maybe_await(fn(*args))
+        return await run_bounded(fn, *args, timeout_s=timeout_s, pool="env",
+                                 what=f"environment {type(env).__name__}.{method}",
+                                 hint="make it faster (or async) or raise [rl.rollout] env_timeout_s")
 
     async def drive(episode: Episode, sample: Sample) -> Any:
         env = factory()
         t0 = time.perf_counter()
-        messages = list(await _maybe_await(env.reset(sample.prompt, dict(sample.metadata))))
-        episode.env_seconds += time.perf_counter() - t0
+        try:
+            messages = list(await call(env, "reset", sample.prompt, dict(sample.metadata)))
+        finally:
+            episode.env_seconds += time.perf_counter() - t0
         rewards = []
         while True:
             reply = await episode.chat(messages)
             t0 = time.perf_counter()
-            step = as_env_step(await _maybe_await(env.step(reply)))
-            episode.env_seconds += time.perf_counter() - t0
+            try:
+                step = as_env_step(await call(env, "step", reply))
+            finally:
+                episode.env_seconds += time.perf_counter() - t0
             episode.tool_errors += float(step.info.get("tool_errors", 0))
             if step.reward is not None:
                 rewards.append(float(step.reward))
@@ -266,9 +285,11 @@ def build_driver(config: Any) -> tuple[Driver | None, tuple[Callable, ...]]:
     """From a RolloutConfig: the episode driver (None: single-turn rollouts) and the tools the chat template gets."""
     if config.tools:
         tools = load_tools(config.tools)
+        # No env_timeout_s around the tool environment's step: each of its tool calls has tool_timeout_s, and a step
+        # with several calls may rightly take longer than one.
         return env_driver(lambda: ToolEnv(tools, timeout_s=config.tool_timeout_s)), tuple(tools.values())
     if config.env:
-        return env_driver(load_callable(config.env, "[rl.rollout] env")), ()
+        return env_driver(load_callable(config.env, "[rl.rollout] env"), config.env_timeout_s), ()
     if config.rollout_fn:
         return fn_driver(load_callable(config.rollout_fn, "[rl.rollout] rollout_fn")), ()
     return None, ()
@@ -303,6 +324,8 @@ async def run_episode(sample: Sample, driver: Driver, **episode_kw: Any) -> tupl
     except Exception as e:  # noqa: BLE001 - a failing environment fails its episode, not the run
         status, message = Status.FAILED, f"{type(e).__name__}: {e}"
         extra["env_error"] = message
+        if isinstance(e, BlockedCallTimeout):
+            extra["env_timed_out"] = True  # counted apart in the batch's metrics (env_timeouts)
         if message not in _REPORTED and len(_REPORTED) < 20:
             _REPORTED.add(message)
             print(f"environment failed on prompt {sample.prompt[-200:]!r}:\n{''.join(traceback.format_exception(e))}",

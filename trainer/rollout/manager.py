@@ -37,6 +37,7 @@ import trio
 
 from engines.protocol import Completion, EngineError, EngineUnavailableError, InferenceEngine, SamplingParams
 from trainer.config import RolloutConfig
+from trainer.rollout.blocking import abandoned_threads
 from trainer.rollout.episodes import build_driver, run_episode, score_finished
 from trainer.rollout.rewards import RewardFn, load_reward_fn
 from trainer.rollout.samples import (
@@ -119,6 +120,8 @@ class AsyncRolloutManager:
         self._limiter: trio.CapacityLimiter | None = None
         self._open = False
         self._stopping = False
+        self._cancelled = False  # cancel() was called: no batch any more
+        self._running: tuple[Any, trio.CancelScope] | None = None  # (trio token, scope) of the batch in flight
         self._next_engine = 0
         self.stats: dict[str, int] = {"requests": 0, "retries": 0, "aborts_sent": 0}
 
@@ -338,10 +341,28 @@ class AsyncRolloutManager:
         """Fill one batch of rollout_batch_size groups that pass the filters (see the module docstring)."""
         if not self._open:
             raise RuntimeError("generate_batch needs an open manager: `async with manager: ...`")
-        try:
-            return await self._generate_batch(data_buffer)
-        except _EXC_GROUP as eg:  # surface the real error (e.g. EngineUnavailableError), not a group
-            raise _first_leaf(eg) from eg
+        with trio.CancelScope() as scope:
+            self._running = (trio.lowlevel.current_trio_token(), scope)
+            if self._cancelled:  # read after _running is set: a cancel() in between sees one or the other
+                scope.cancel()
+            try:
+                return await self._generate_batch(data_buffer)
+            except _EXC_GROUP as eg:  # surface the real error (e.g. EngineUnavailableError), not a group
+                raise _first_leaf(eg) from eg
+            finally:
+                self._running = None
+        raise RuntimeError("the rollout manager was cancelled (the run is closing); it generates no more batches")
+
+    def cancel(self) -> None:
+        """Stop generating, from any thread: the batch in flight ends now (its groups are cached, as on any error),
+        and generate_batch refuses every later one. For a run that is closing (Ctrl-C, an error) while a worker
+        thread generates: the worker must not keep the run waiting for a batch nobody will train on."""
+        self._cancelled = True
+        running = self._running
+        if running is not None:
+            token, scope = running
+            with contextlib.suppress(trio.RunFinishedError):  # the batch ended meanwhile
+                token.run_sync_soon(scope.cancel)
 
     async def _generate_batch(self, data_buffer: Any) -> RolloutBatch:
         t0 = time.monotonic()
@@ -373,6 +394,9 @@ class AsyncRolloutManager:
         counters["samples_aborted"] = sum(1 for g in self.partial_groups for s in g if s.status == Status.ABORTED)
         counters.update({f"filtered_{k}": v for k, v in filtered_by.items()})
         counters["rollout_seconds"] = time.monotonic() - t0
+        # Threads of hung tools and environment calls that still run (trainer.rollout.blocking): a number that grows
+        # from batch to batch is a leak of threads (and of what they hold) a user should see.
+        counters["abandoned_threads"] = abandoned_threads()
         # Deterministic order: by the order groups were drawn, not by the order they finished.
         order = sorted(accepted, key=lambda sl: groups[sl][0].metadata["group_uid"])
         return convert_to_batch([groups[sl] for sl in order], current_weight_version=self.weight_version,

@@ -237,6 +237,7 @@ def build_batch_metadata(samples: Sequence[Sample], *, current_weight_version: i
             "tool_calls_mean": _mean([s.metadata["tool_calls"] for s in episodes]),
             "tool_errors": sum(s.metadata["tool_errors"] for s in episodes),
             "env_errors": sum("env_error" in s.metadata for s in episodes),
+            "env_timeouts": sum(bool(s.metadata.get("env_timed_out")) for s in episodes),  # of env_errors
             "env_time_s": sum(s.metadata["env_seconds"] for s in episodes),
         })
     for k, v in (counters or {}).items():

@@ -82,15 +82,18 @@ class RolloutSource:
     `on_drawn(step)` runs once batch `step` is drawn, before batch step+1 is (ResumePoints.record): in the worker
     on rank 0, in `next` on the other ranks. `paused()` holds the worker between two batches (a weight sync, an
     evaluation: an engine must not change weights mid-request). Mutable state (the generator, the queued futures,
-    the pause lock) is why this is a class.
+    the pause lock) is why this is a class. `cancel()` (AsyncRolloutManager.cancel) stops the batch being generated
+    ahead when the source closes.
     """
 
     def __init__(self, batches: Generator[RolloutBatch, None, None] | None, *, num_steps: int, ahead: int = 0,
                  on_failure: Callable[[], None] = lambda: None,
                  on_drawn: Callable[[int], None] = lambda step: None,
                  worker_cpus: tuple[int, ...] | None = None,
-                 requeue: Callable[[list[list[Any]]], None] | None = None) -> None:
+                 requeue: Callable[[list[list[Any]]], None] | None = None,
+                 cancel: Callable[[], None] = lambda: None) -> None:
         assert ahead >= 0, ahead
+        self._cancel = cancel
         self._batches = batches
         self._num_steps = num_steps
         self._ahead = ahead
@@ -166,6 +169,9 @@ class RolloutSource:
         for fut in self._pending.values():
             fut.cancel()
         if self._pool is not None:
+            # The batch the worker may be generating is one nobody will train on: `cancel` ends it now (a Ctrl-C
+            # must not wait out a whole batch, or a hung environment's timeout), then the worker is joined.
+            self._cancel()
             self._pool.shutdown(wait=True, cancel_futures=True)
         if self._batches is not None:
             self._batches.close()

@@ -18,14 +18,13 @@ answered with an error message (the model can recover) and counted in `info["too
 from __future__ import annotations
 
 import dataclasses
-import inspect
+import functools
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import trio
-
+from trainer.rollout.blocking import BlockedCallTimeout, run_bounded
 from trainer.rollout.loading import load_callable
 
 
@@ -106,15 +105,14 @@ def load_tools(specs: Sequence[str | Callable[..., Any]]) -> dict[str, Callable[
     return tools
 
 
-async def call_tool(fn: Callable[..., Any], args: Mapping[str, Any], timeout_s: float) -> str:
-    """Run one tool (an async one in this event loop, a sync one in a worker thread) within `timeout_s`; its result
-    as the text of a tool message (a str as is, anything else as JSON). Raises trio.TooSlowError past the limit."""
-    with trio.fail_after(timeout_s):
-        if inspect.iscoroutinefunction(fn):
-            result = await fn(**args)
-        else:
-            # abandon_on_cancel: past the timeout the thread is left to finish on its own; the episode goes on.
-            result = await trio.to_thread.run_sync(lambda: fn(**args), abandon_on_cancel=True)
+async def call_tool(fn: Callable[..., Any], args: Mapping[str, Any], timeout_s: float, *, name: str = "") -> str:
+    """Run one tool within `timeout_s` (an async one in this event loop, a sync one in a thread of the tools' own pool,
+    trainer.rollout.blocking: a hung tool gives its slot back at its deadline and never starves the reward
+    functions' threads); its result as the text of a tool message (a str as is, anything else as JSON). Raises
+    trainer.rollout.blocking.BlockedCallTimeout, naming the tool, past the limit."""
+    name = name or getattr(fn, "__name__", repr(fn))
+    result = await run_bounded(functools.partial(fn, **args), timeout_s=timeout_s, pool="tools",
+                               what=f"tool {name!r}", hint="make the tool faster or raise [rl.rollout] tool_timeout_s")
     return result if isinstance(result, str) else json.dumps(result)
 
 
@@ -140,8 +138,8 @@ class ToolEnv:
             try:
                 if name not in self.tools:
                     raise LookupError(f"unknown tool {name!r}; the tools are {sorted(self.tools)}")
-                content = await call_tool(self.tools[name], args, self.timeout_s)
-            except trio.TooSlowError:
+                content = await call_tool(self.tools[name], args, self.timeout_s, name=name)
+            except BlockedCallTimeout:
                 content, errors = f"error: {name} timed out after {self.timeout_s:g}s", errors + 1
             except Exception as e:  # noqa: BLE001 - a failing tool is the model's problem to handle, not the run's
                 content, errors = f"error: {type(e).__name__}: {e}", errors + 1
