@@ -140,6 +140,17 @@ def test_sigterm_mid_step_checkpoints_and_the_resumed_run_equals_an_uninterrupte
             assert got[step]["grad_norm"] == pytest.approx(want[step]["grad_norm"], rel=1e-5)
 
 
+def test_an_engine_a_run_started_leaves_sigterm_and_ctrl_c_to_the_run(engine):
+    """A scheduler's SIGTERM and a terminal's Ctrl-C reach the whole process group: an engine the trainer started
+    (EngineProcess, as engines_for starts them) keeps serving through both (uvicorn would shut down within its 1 s
+    grace), so the trainer checkpoints first and stops it after."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        engine.proc.send_signal(sig)
+    with pytest.raises(subprocess.TimeoutExpired):
+        engine.proc.wait(timeout=3)
+    assert httpx.get(engine.url + "/health", timeout=10).status_code == 200
+
+
 def test_only_the_first_sigterm_interrupts_and_the_handler_is_restored():
     """The second SIGTERM arrives while the first one's checkpoint is written: it must not break that off."""
     before = signal.getsignal(signal.SIGTERM)
