@@ -7,6 +7,9 @@ output folder, and a reward is never made up.
   type is an error that names --set (not the config file).
 - An environment (or rollout_fn) that returns rewards replaces [data].reward; an episode that gets a reward from
   neither is FAILED, never scored 0.
+- The fresh start removes everything the phases it runs wrote (and the run-wide summary, preset and start model),
+  and keeps the rest; a file the config names inside what it removes ([model] checkpoint = "<output_dir>/rl", a
+  critic, a data file) is `error:` + exit 2 before anything is removed, and so is a missing critic or checkpoint.
 
 The previous run's folder is made by hand: the fresh start only looks at what is in it.
 """
@@ -261,3 +264,150 @@ def test_the_rl_rollouts_fail_an_episode_given_no_reward_instead_of_scoring_0(mo
         keep, metrics = trained_samples(samples, "grpo")
     assert [samples[i].prompt for i in keep] == ["0+1=", "0+1="] and metrics["rollout/failed_fraction"] == 4 / 6
     assert [a for s, a in zip(samples, compute_advantages(samples, "grpo")) if s.prompt != "0+1="] == [0.0] * 4
+
+
+# ----------------------------------------------------------------------------------------------- the fresh start
+class Started(Exception):
+    """Raised where the run goes on after its fresh start: the tests stop there."""
+
+
+def every_output(out: Path) -> dict[str, bytes]:
+    """A folder holding every kind of file a run and the other modes write (trainer.run_folder's list)."""
+    finished_run(out)
+    for name in ("sft/checkpoints/step_00000004/state.json", "sft/metrics.jsonl", "rl/rollouts/step_000001.jsonl",
+                 "tensorboard/sft/events.out.tfevents.1", "tensorboard/rl/events.out.tfevents.2",
+                 "init_model/config.json", "start_model/model.safetensors", "wandb/offline-run-1/run.wandb",
+                 "export/config.json", "rollouts/step_000001.jsonl", "replay/metrics.jsonl"):
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(f"{name}\n")
+    (out / "sft.png").write_bytes(b"\x89PNG\r\n\x1a\nsft")
+    return files_of(out)
+
+
+@pytest.mark.parametrize("mode, removed, message", [
+    ("rl", ("rl/", "rl.png", "tensorboard/rl/"), "rl/, rl.png, tensorboard/rl/"),
+    ("sft", ("sft/", "sft.png", "tensorboard/sft/"), "sft/, sft.png, tensorboard/sft/"),
+    ("sft+rl", ("sft/", "sft.png", "tensorboard/sft/", "rl/", "rl.png", "tensorboard/rl/"),
+     "sft/, sft.png, tensorboard/sft/, rl/, rl.png, tensorboard/rl/"),
+])
+def test_a_fresh_start_removes_everything_the_phases_it_runs_wrote(tmp_path, capsys, monkeypatch, mode, removed,
+                                                                   message):
+    """Was: rl/ (or sft/) only, so a run that then failed left the previous run's plot, summary and TensorBoard
+    events beside an empty phase folder, and a changed seed still trained the previous preset's weights."""
+    import trainer.backend.steps as steps
+    import trainer.cli as cli
+
+    def started(*a, **k):
+        raise Started
+
+    monkeypatch.setattr(steps, "init_distributed", lambda *a, **k: type("Mesh", (), {"get_rank": lambda self: 0})())
+    monkeypatch.setattr(cli, "prepare_model_folder", started)
+    out = tmp_path / "run"
+    before = every_output(out)
+    with pytest.raises(Started):
+        main([mode, "--config", str(DEMO), "--set", f"output_dir={json.dumps(str(out))}"])
+    gone = (*removed, "summary.json", "init_model/", "start_model/")
+    kept = {k: v for k, v in before.items() if not k.startswith(gone) and k != "config.toml"}
+    after = files_of(out)
+    assert after.pop("config.toml").startswith(f"# the resolved config of `{mode}`".encode())  # this run's
+    assert after == kept and {"wandb/offline-run-1/run.wandb", "export/config.json", "rollouts/step_000001.jsonl",
+                              "replay/metrics.jsonl"} <= set(after)
+    assert (f"starting over in {out}: removed the previous run's {message}, summary.json, init_model/, start_model/ "
+            f"(pass --resume to continue a run instead)") in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------------------------- inputs it would remove
+def in_run(out: Path, name: str, content: str = "x\n") -> Path:
+    path = out / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(content)
+    return path
+
+
+def set_path(key: str, path: Path | str) -> tuple[str, str]:
+    """(--set argument, the path the error names) for a key that takes a path."""
+    return f"{key}={json.dumps(str(path))}", str(path)
+
+
+def reward_model_at(path: Path) -> tuple[str, str]:
+    return f'rewards.sources=[{{kind = "model", path = {json.dumps(str(path))}}}]', str(path)
+
+
+@pytest.mark.parametrize("mode, key, given", [
+    ("rl", "[model] checkpoint", lambda out: set_path("model.checkpoint", out / "rl")),
+    ("rl", "[model] checkpoint", lambda out: set_path("model.checkpoint", out / "rl/checkpoints/step_00000002")),
+    ("rl", "[model] checkpoint", lambda out: set_path("model.checkpoint", out / "rl/../rl")),
+    ("demo", "[model] checkpoint", lambda out: set_path("model.checkpoint", in_run(
+        out, "sft/checkpoints/step_00000004/state.json", '{"step": 4}\n').parents[2])),
+    ("rl", "[model] path", lambda out: set_path("model.path", in_run(out, "init_model/config.json").parent)),
+    ("rl", "[rl.critic] path", lambda out: set_path("rl.critic.path", in_run(out, "rl/critic/config.json").parent)),
+    ("rl", "[data].train", lambda out: set_path("data.train", in_run(
+        out, "rl/train.jsonl", (ROOT / "data/arithmetic_train.jsonl").read_text()))),
+    ("rl", "[rewards] sources[0] path", lambda out: reward_model_at(in_run(out, "start_model/config.json").parent)),
+    ("rl", "[rl.rollout] env", lambda out: (
+        f"rl.rollout.env={json.dumps(str(in_run(out, 'rl/env.py', GUESS_ENV)) + ':Guess')}", str(out / "rl/env.py"))),
+], ids=["checkpoint-phase-folder", "checkpoint-step", "checkpoint-dotdot", "checkpoint-sft-of-demo", "model-init",
+        "critic", "data", "reward-model", "env-file"])
+def test_an_input_inside_what_the_fresh_start_removes_is_refused_before_it_is_removed(tmp_path, capsys, monkeypatch,
+                                                                                      mode, key, given):
+    """Was: the fresh start deleted it, then the run failed to load it (a user's checkpoint gone for good)."""
+    import trainer.cli as cli
+
+    def started(*a, **k):
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(cli, "fresh_start", started)
+    out = tmp_path / "run"
+    finished_run(out)
+    override, named = given(out)
+    sets = [f"output_dir={json.dumps(str(out))}", override]
+    if key == "[rl.critic] path":
+        sets.append('rl.advantage_estimator="gae"')
+    before = files_of(out)
+    rc = main([mode, "--config", str(DEMO)] + [a for s in sets for a in ("--set", s)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith(f"error: {DEMO}: {key} = {named!r} lies in {out}/"), err
+    assert "which a run without --resume removes before it starts" in err and "pass --resume" in err
+    assert "set output_dir to another folder" in err and "Traceback" not in err
+    assert files_of(out) == before
+
+
+def test_with_resume_nothing_is_removed_so_a_checkpoint_inside_the_run_is_fine(tmp_path):
+    out = tmp_path / "run"
+    finished_run(out)
+    over = [f"output_dir={json.dumps(str(out))}", f"model.checkpoint={json.dumps(str(out / 'rl'))}"]
+    assert load_run_config(DEMO, over, mode="rl", resume=True).model.checkpoint == str(out / "rl")
+    assert load_run_config(DEMO, over, mode="sft").model.checkpoint == str(out / "rl")  # sft keeps rl/
+    with pytest.raises(ConfigError, match=r"\[model\] checkpoint = .* lies in "):
+        load_run_config(DEMO, over, mode="rl")
+
+
+# ----------------------------------------------------------------------------------------------- folders it loads
+@pytest.mark.parametrize("key, make, message", [
+    ("rl.critic.path", lambda tmp: tmp / "no_such_critic", "not a Hugging Face model folder (no config.json)"),
+    ("rl.critic.path", lambda tmp: in_run(tmp, "config_only/config.json", json.dumps(
+        {"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+         "intermediate_size": 64, "vocab_size": 100})).parent, "no weights (*.safetensors) in the model folder"),
+    ("model.checkpoint", lambda tmp: tmp / "no_such_checkpoint", "does not exist (give a step_NNNNNNNN folder"),
+], ids=["critic-missing", "critic-no-weights", "checkpoint-missing"])
+def test_a_missing_critic_or_checkpoint_is_an_error_before_the_fresh_start(tmp_path, capsys, monkeypatch, key, make,
+                                                                           message):
+    """Was: found by the load after the fresh start had removed the previous run (the critic's only when the RL
+    phase began, after SFT in a demo run)."""
+    import trainer.cli as cli
+
+    def started(*a, **k):
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(cli, "prepare_model_folder", started)
+    out = tmp_path / "run"
+    before = finished_run(out)
+    folder = make(tmp_path)
+    sets = [f"output_dir={json.dumps(str(out))}", f"{key}={json.dumps(str(folder))}"]
+    if key.startswith("rl.critic"):
+        sets.append('rl.advantage_estimator="gae"')
+    rc = main(["rl", "--config", str(DEMO)] + [a for s in sets for a in ("--set", s)])
+    err = capsys.readouterr().err
+    named = {"rl.critic.path": f"[rl.critic] path = {str(folder)!r}: ", "model.checkpoint": "[model] checkpoint "}
+    assert rc == 2 and err.startswith(f"error: {DEMO}: {named[key]}") and message in err, err
+    assert files_of(out) == before

@@ -15,8 +15,10 @@ answer follows it directly): it applies to SFT, rollouts and evaluation alike. `
 overrides any key (the value is parsed as TOML, so strings need quotes only when they would parse as something
 else; one value for a list key is a one-element list). The whole config is validated before any work starts, and
 every function it names is loaded then (before a fresh start removes a previous run's outputs); unknown keys are
-errors that name the key, and a key that moved names its new table. Configuration errors print `error: ...` and
-exit 2.
+errors that name the key, and a key that moved names its new table. A run without --resume starts over: it removes
+what the previous run of its phases wrote (trainer.run_folder lists what goes and what stays), and a file the
+config names inside that (a [model] checkpoint under rl/, say) is an error before anything is removed.
+Configuration errors print `error: ...` and exit 2.
 
 A run-time stop whose message says what to do (trainer.stops: every sample of a batch failed, a changed config on
 resume, an engine that died, a damaged checkpoint) prints `error: ...` and exits 1, its traceback only with
@@ -57,6 +59,7 @@ from trainer.config import (
 )
 from trainer.config_reference import override_value, to_toml
 from trainer.evaluation import evaluate  # noqa: F401  (trainer.cli.evaluate: where callers have found it)
+from trainer.run_folder import fresh_start
 from trainer.stops import SIGINT_EXIT, SIGTERM_EXIT, RunStopped, debug_enabled, sigterm_as_interrupt, stop_note
 
 if TYPE_CHECKING:
@@ -113,11 +116,13 @@ def phase_configs(cfg: RunConfig) -> PhaseConfigs:
                         rl_trainer=TrainerConfig(phase=cfg.rl, backend=cfg.trainer))
 
 
-def load_run_config(path: str | Path, overrides: Sequence[str] = (), mode: str | None = None) -> RunConfig:
+def load_run_config(path: str | Path, overrides: Sequence[str] = (), mode: str | None = None, *,
+                    resume: bool = False) -> RunConfig:
     """The TOML run config with --set overrides applied, as a trainer.config.RunConfig: parsed and validated
     there as a whole (every section's keys and values, the SFT / RL / loss / rollout configs, the engines). Here:
     the step functions' configs (phase_configs), what [engines] needs of this process, and (given `mode`) the
-    files, model folder and reward function that mode uses. Every problem is a ConfigError, raised before any work
+    files, model folders and functions that mode uses, and (without `resume`) that none of the files the config
+    names lies in what the run's fresh start removes. Every problem is a ConfigError, raised before any work
     starts. `name` defaults to the file's stem."""
     path = Path(path)
     if not path.is_file():
@@ -138,7 +143,7 @@ def load_run_config(path: str | Path, overrides: Sequence[str] = (), mode: str |
         _check_engines(cfg.engines, cfg.rl)
         _check_tracking(cfg)
         if mode is not None:
-            _check_inputs(cfg, mode)
+            _check_inputs(cfg, mode, resume=resume)
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(f"{path}: {e}") from e
     return cfg
@@ -172,25 +177,22 @@ def _check_engines(engines: EnginesConfig, rl: RLTrainingConfig | None = None) -
                          "process); under torchrun start embedded engines (in_process = false) or give URLs")
 
 
-def _check_inputs(cfg: RunConfig, mode: str) -> None:
-    """The files, the model folder and the reward function that `mode` will use exist and load."""
-    from engines.tokenizer import check_tokenizer_files
+def _check_inputs(cfg: RunConfig, mode: str, *, resume: bool = False) -> None:
+    """The files, the model folders and the functions that `mode` will use exist and load; without `resume`, none
+    of the files the config names lies in what the fresh start removes (trainer.run_folder)."""
     from trainer.rollout.data import data_specs
     from trainer.rollout.rewards import load_reward_fn
+    from trainer.run_folder import check_inputs_kept, input_paths, starts_over
 
-    if cfg.model.path is not None and not (Path(cfg.model.path) / "config.json").is_file():
-        raise FileNotFoundError(f"[model].path = {cfg.model.path}: not a Hugging Face model folder (no config.json)")
-    if cfg.model.path is not None:
-        try:
-            check_tokenizer_files(cfg.model.path)
-        except FileNotFoundError as e:
-            raise FileNotFoundError(f"[model].path = {e}") from None
+    needs = ("eval", "train") if mode in ("rl", "generate") else ("eval", "sft", "train")  # [data] sets read
+    if starts_over(mode, resume=resume):  # first: the other checks' errors would not say it would be deleted
+        check_inputs_kept(Path(cfg.output_dir), mode, input_paths(cfg, data_keys=needs))
+    _check_model_inputs(cfg, mode)
     if mode in ("export", "replay"):  # read a checkpoint / written rollouts, no data
         return
     data = cfg.data
     if data.train is None:
         raise ValueError("[data].train: give a prompt data set (JSON/JSONL/parquet file or save_to_disk folder)")
-    needs = ("eval", "train") if mode in ("rl", "generate") else ("eval", "sft", "train")
     for key in needs:
         if getattr(data, key) is None:
             continue
@@ -225,6 +227,35 @@ def _check_inputs(cfg: RunConfig, mode: str) -> None:
         elif not own:
             raise ValueError(f"[[eval.sets]] {s.name!r}: no reward; set its reward or [data].reward{alternative}")
     _check_data(cfg, mode)
+
+
+def _check_model_inputs(cfg: RunConfig, mode: str) -> None:
+    """The model folder, the checkpoint the run starts from and the critic's folder that `mode` loads are there, as
+    their loaders will want them (without reading a weight)."""
+    from engines.tokenizer import check_tokenizer_files
+    from trainer.backend.export import check_checkpoint_exists
+    from trainer.backend.models import check_model_folder
+
+    if cfg.model.path is not None and not (Path(cfg.model.path) / "config.json").is_file():
+        raise FileNotFoundError(f"[model].path = {cfg.model.path}: not a Hugging Face model folder (no config.json)")
+    if cfg.model.path is not None:
+        try:
+            check_tokenizer_files(cfg.model.path)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"[model].path = {e}") from None
+    if cfg.model.checkpoint and mode != "export":  # export reads --checkpoint, not [model] checkpoint
+        try:
+            check_checkpoint_exists(cfg.model.checkpoint)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"[model] {e}") from None
+    critic = cfg.rl.critic
+    if mode in ("rl", "sft+rl", "demo") and critic is not None and critic.path is not None:
+        try:  # what trainer.critic.build_critic's load refuses
+            check_model_folder(critic.path)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"[rl.critic] path = {critic.path!r}: {e}") from None
+        except (ValueError, OSError) as e:  # a config.json transformers cannot read, an architecture it cannot build
+            raise ValueError(f"[rl.critic] path = {critic.path!r}: {e}") from None
 
 
 def _check_rollout_functions(rollout: Any, *, filters: bool) -> None:
@@ -341,20 +372,6 @@ def model_tokenizer(folder: Path) -> Any:
     from engines.tokenizer import load_tokenizer
 
     return load_tokenizer(folder)
-
-
-def fresh_start(out: Path, mode: str) -> None:
-    """A run without --resume starts over: the previous outputs of the phases this mode runs would otherwise mix
-    into this run's (metrics.jsonl is appended to; resume logic would see old checkpoints)."""
-    import shutil
-
-    phases = {"sft": ("sft",), "rl": ("rl",)}.get(mode, ("sft", "rl"))
-    old = [out / part for part in phases if (out / part).exists()]
-    for path in old:
-        shutil.rmtree(path)
-    if old:
-        print(f"starting over in {out}: removed the previous run's {', '.join(p.name for p in old)} outputs "
-              f"(pass --resume to continue a run instead)", flush=True)
 
 
 def trainer_ranks_here(environ: Mapping[str, str]) -> int:
@@ -582,7 +599,7 @@ def run(mode: str, cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
         from trainer.rollout.process_worker import warm_up
 
         warm_up()  # its imports (~3 s) overlap the engines' start, the model's build and the first evaluation
-    if is_main and not resume:
+    if is_main and not resume:  # what it removes, and why: trainer.run_folder
         fresh_start(out, mode)
     if is_main:  # what this run ran: every key, defaults filled in (`--config` it to run it again)
         out.mkdir(parents=True, exist_ok=True)
@@ -800,7 +817,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if config is None:
         ap.error(f"{args.mode}: --config is required (e.g. configs/demo.toml)")
     try:
-        cfg = load_run_config(config, args.overrides, mode=args.mode)
+        cfg = load_run_config(config, args.overrides, mode=args.mode, resume=args.resume)
     except ConfigError as e:  # configuration errors only: any other failure keeps its traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
