@@ -165,6 +165,34 @@ def test_only_the_first_sigterm_interrupts_and_the_handler_is_restored():
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_the_stop_line_names_the_checkpoint_written_else_the_newest_else_none(tmp_path):
+    """A run stopped before its first checkpoint must not claim one: the line names a checkpoint written during the
+    run (the newest, over the phases), else the newest from before (a resumed run), else says there is none."""
+    from trainer.stops import stop_note
+
+    def checkpoint(phase: str, step: int, mtime: float) -> Path:
+        folder = tmp_path / phase / "checkpoints" / f"step_{step:08d}"
+        folder.mkdir(parents=True)
+        for name in (".metadata", "state.json"):  # what a complete checkpoint holds (is_complete)
+            (folder / name).write_text("{}")
+        os.utime(folder / "state.json", (mtime, mtime))
+        return folder
+
+    phases = [("sft", tmp_path / "sft"), ("rl", tmp_path / "rl")]
+    assert stop_note(phases, since=100.0, terminated=True) == (
+        "terminated (SIGTERM): no step had trained, so there is no checkpoint; start the run again")
+    old = checkpoint("rl", 3, mtime=50.0)
+    assert stop_note(phases, since=100.0, terminated=False) == (
+        f"interrupted (Ctrl-C): no checkpoint was written in this session; the newest is rl step 3 ({old}): continue "
+        f"from it with --resume")
+    checkpoint("sft", 7, mtime=150.0)
+    new = checkpoint("rl", 5, mtime=160.0)
+    assert stop_note(phases, since=100.0, terminated=True) == (
+        f"terminated (SIGTERM): a checkpoint was written at rl step 5 ({new}); continue with --resume")
+    assert stop_note([], since=100.0, terminated=True) == (
+        "terminated (SIGTERM): this mode keeps no checkpoint; run it again")
+
+
 def test_a_run_time_stop_is_one_error_line_and_exit_1_with_its_traceback_under_the_debug_flag(tmp_path, capsys,
                                                                                               monkeypatch):
     """A resume whose config differs from the checkpoint's (one of the run-time stops): `error: <its message>` on
