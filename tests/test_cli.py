@@ -252,7 +252,10 @@ def test_sigint_writes_a_checkpoint_and_resume_finishes_the_run(tmp_path, extra)
     out = tmp_path / "run"
     args = ["rl", "--config", "configs/demo.toml", "--set", f"output_dir=\"{out}\"", "--set", "rl.num_steps=40",
             "--set", "rl.rollout.rollout_batch_size=2", "--set", "rl.rollout.n_samples_per_prompt=2",
-            "--set", "eval.limit=4", *extra]
+            "--set", "eval.limit=4", *extra,
+            # The random model never ends a sample within 6 tokens and scores 0: a run that stops itself after 3
+            # such steps (trainer.rl.check_finishing), which this test's Ctrl-C and resume must outlast.
+            "--set", "rl.rollout.max_truncated_steps=0"]
     env = {"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
     # The run gets Ctrl-C's default disposition whatever pytest was started with: a shell that starts a background
     # job without job control (`make test &` in a script) ignores SIGINT for it, and exec keeps that.

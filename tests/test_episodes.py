@@ -364,13 +364,18 @@ def test_a_user_environment_runs_through_the_cli(tmp_path, mode):
            "--set", f"output_dir=\"{out}\"", "--set", "rl.num_steps=3", "--set", "rl.rollout.rollout_batch_size=4",
            "--set", "rl.rollout.n_samples_per_prompt=4", "--set", f"rl.rollout.env=\"{tmp_path}/guess_env.py:Guess\"",
            "--set", "rl.rollout.max_turns=2", "--set", "eval.limit=8",
-           "--set", f"rl.async_rollout={str(mode == 'async').lower()}"]
+           "--set", f"rl.async_rollout={str(mode == 'async').lower()}",
+           # A random model rarely ends a turn within the demo's 6 tokens: every episode is truncated, which stops
+           # a run after 3 such steps. Here the environment running is what is tested; the warnings must show.
+           "--set", "rl.rollout.max_truncated_steps=0"]
     env = {"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(x) for x in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "loss" in r]  # the training steps (step 0 holds the evaluation before RL)
     assert len(rows) == 3
+    warned = [r["step"] for r in rows if r["rollout/truncated_fraction"] + r["rollout/failed_fraction"] > 0.5]
+    assert [f"warning: step {step}: " in proc.stderr for step in warned] == [True] * len(warned)
     assert [r["train_staleness_max"] for r in rows] == ([0.0, 1.0, 1.0] if mode == "async" else [0.0] * 3)
     for row in rows:
         assert 1.0 <= row["rollout/turns_mean"] <= 2.0 and row["rollout/env_errors"] == 0

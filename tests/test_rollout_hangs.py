@@ -1,9 +1,12 @@
-"""Nothing lost, round 2 (issue 44, items 2-3): user code that hangs.
+"""Nothing lost, round 2 (issue 44, items 2-4): user code that hangs and runs that cannot finish.
 
 - A sync environment method that blocks fails its own episode at [rl.rollout] env_timeout_s (FAILED, counted), and
   the rest of the batch goes on; a cancelled batch (what Ctrl-C does to the rollout) leaves a blocked method at once.
 - A hung tool gives its thread slot back at its timeout: sync reward functions, which run on trio's default thread
   limiter, still get threads and score.
+- A step where most samples were truncated or failed warns; [rl.rollout] max_truncated_steps steps in a row with
+  nothing to learn from (every sample truncated or failed, equal rewards) stop the run with an error naming the
+  length limits.
 
 Blocking user code waits on a threading.Event that the test sets at its end (with a timeout of its own, so that
 code which waits for it in the event loop ends the test with a failure rather than a hang).
@@ -11,14 +14,19 @@ code which waits for it in the event loop ends the test with a failure rather th
 
 from __future__ import annotations
 
+import dataclasses
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import trio
 from episode_support import TOK, Scripted, arithmetic_buffer
 
 from trainer.config import RolloutConfig
+from trainer.rl import TruncatedRunError, check_finishing
 from trainer.rollout.blocking import abandoned_threads
 from trainer.rollout.data import DataBuffer, Prompt
 from trainer.rollout.manager import AsyncRolloutManager, generate_rollout_batches
@@ -193,3 +201,136 @@ def test_a_hanging_tool_does_not_starve_the_sync_rewards():
     finally:
         HUNG.set()
     assert settled() == 0
+
+
+# --------------------------------------------------------------------------------------- runs that cannot finish
+def samples(*statuses: Status, rewards=None, truncated_by=None) -> list[Sample]:
+    rewards = rewards or [0.0] * len(statuses)
+    meta = {} if truncated_by is None else {"truncated_by": truncated_by}
+    return [Sample(prompt="p", tokens=(1, 2), status=st, reward=r, metadata=dict(meta))
+            for st, r in zip(statuses, rewards)]
+
+
+T, C, F = Status.TRUNCATED, Status.COMPLETED, Status.FAILED
+DEMO_LIKE = RolloutConfig(max_new_tokens=6, env="a:b")  # a multi-turn config with the demo's per-turn limit
+
+
+def test_a_step_with_most_samples_truncated_or_failed_warns():
+    streak, warning = check_finishing(samples(T, T, F, C), 0, DEMO_LIKE, step=7)
+    assert streak == 0  # one sample finished: the step can learn
+    assert warning == ("warning: step 7: 3 of 4 samples (75%) were truncated (2 by max_new_tokens) or failed (1); "
+                       "if the model needs more room, raise [rl.rollout] max_new_tokens = 6 (per turn in multi-turn "
+                       "episodes), max_context_tokens = 0 (0: none), max_turns = 4")
+    assert check_finishing(samples(T, T, C, C), 0, DEMO_LIKE, step=7) == (0, None)  # half: no warning
+
+
+def test_steps_with_nothing_to_learn_from_stop_the_run_naming_the_limits():
+    batch = samples(T, T, T, F, truncated_by="context")
+    streak = 0
+    for step in (1, 2):
+        streak, warning = check_finishing(batch, streak, DEMO_LIKE, step=step)
+        assert streak == step and warning.startswith(f"warning: step {step}: 4 of 4 samples (100%)")
+    with pytest.raises(TruncatedRunError) as err:
+        check_finishing(batch, streak, DEMO_LIKE, step=3)
+    assert str(err.value).startswith(
+        "step 3: 3 steps in a row had nothing to learn from: every sample was truncated (3 by max_context_tokens) "
+        "or failed (1) and the rewards were all 0.0, so every advantage and the loss were 0. The model runs out of "
+        "room before it finishes: raise [rl.rollout] max_new_tokens = 6")
+    assert "max_context_tokens = 0" in str(err.value) and "max_truncated_steps = 0" in str(err.value)
+    # A step whose cut samples score differently trains: the streak starts again.
+    assert check_finishing(samples(T, T, rewards=[0.0, 0.5]), 2, DEMO_LIKE, step=3)[0] == 0
+    # max_truncated_steps = 0: never a stop, still the warning.
+    streak, warning = check_finishing(batch, 99, dataclasses.replace(DEMO_LIKE, max_truncated_steps=0), step=100)
+    assert streak == 100 and warning.startswith("warning: step 100: 4 of 4 samples (100%)")
+
+
+class CutShort:
+    """An engine wrapper whose every row runs to max_new_tokens (no stop token ends it): every sample TRUNCATED."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    async def generate(self, prompts, params, *, rids=None):
+        params = dataclasses.replace(params, ignore_eos=True, stop_token_ids=())
+        return await self._engine.generate(prompts, params, rids=rids)
+
+
+def test_a_run_that_never_finishes_a_sample_warns_then_stops(tmp_path, capsys):
+    """The loop: steps 1 and 2 (every sample cut at max_new_tokens, every reward 0) train and warn; the batch of
+    step 3 stops the run before it trains, with the error naming the limits."""
+    from engines.local import LocalEngine
+    from engines.tiny import tiny_model_config
+    from kernels import use_backend
+    from trainer.backend.steps import build_components, trainer_config_from
+    from trainer.config import OptimConfig, RLTrainingConfig
+    from trainer.metrics import read_jsonl
+    from trainer.rl import run_rl_training
+    from trainer.rollout.data import load_jsonl
+    from trainer.weight_sync import WeightSyncSender
+
+    rollout = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2, max_new_tokens=4, seed=5,
+                            apply_chat_template=False)
+    cfg = RLTrainingConfig(optim=OptimConfig(lr=1e-2), num_steps=5, token_budget=128, micro_batch_buckets=32,
+                           output_dir=str(tmp_path), rollout=rollout, deterministic=True)
+    engine = LocalEngine("tiny", seed=1)
+    with use_backend("torch"):
+        tcfg = trainer_config_from(cfg, compile=False)
+        comp = build_components(tiny_model_config("llama"), tcfg)
+        sender = WeightSyncSender(comp.model, [engine], timeout_s=60)
+        sender.init_group()
+        try:
+            with pytest.raises(TruncatedRunError) as err:
+                run_rl_training(None, DataBuffer(load_jsonl("data/arithmetic_train.jsonl"), seed=0), cfg,
+                                engines=[CutShort(engine)], sender=sender, tokenizer=TOK, reward_fn=lambda s: 0.0,
+                                trainer_config=tcfg, components=comp)
+        finally:
+            sender.close()
+            engine.close()
+    assert str(err.value).startswith("step 3: 3 steps in a row had nothing to learn from: every sample was truncated "
+                                     "(4 by max_new_tokens) or failed (0) and the rewards were all 0.0")
+    assert "raise [rl.rollout] max_new_tokens = 4" in str(err.value)
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2] and all(r["rollout/truncated_fraction"] == 1.0 for r in rows)
+    warned = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: step")]
+    assert [w.split(":")[1] for w in warned] == [" step 1", " step 2"]
+    assert warned[0].startswith("warning: step 1: 4 of 4 samples (100%) were truncated (4 by max_new_tokens)")
+
+
+QUIET_ENV = """
+class Quiet:
+    \"\"\"A user's multi-turn environment: it answers every turn, gives no reward, ends after two.\"\"\"
+
+    def reset(self, prompt, metadata):
+        self.turns = 0
+        return [{"role": "user", "content": prompt}]
+
+    def step(self, message):
+        self.turns += 1
+        return {"messages": [{"role": "user", "content": "go on"}], "reward": None, "done": self.turns == 2}
+"""
+
+
+def test_the_demo_config_with_a_multi_turn_env_stops_with_an_error_naming_max_new_tokens(tmp_path):
+    """The issue's run: configs/demo.toml copied for a multi-turn environment keeps max_new_tokens = 6 per turn, so
+    every episode of the (random) model is cut, scored 0. It used to exit 0 with reward=0.000 loss=0 at every step;
+    now each step warns and the third stops the run: exit 1, one line `error: ...` naming the limits."""
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "quiet_env.py").write_text(QUIET_ENV)
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "trainer", "rl", "--config", "configs/demo.toml", "--set", f"output_dir=\"{out}\"",
+           "--set", "rl.num_steps=5", "--set", "rl.rollout.rollout_batch_size=2", "--set",
+           "rl.rollout.n_samples_per_prompt=2", "--set", f"rl.rollout.env=\"{tmp_path}/quiet_env.py:Quiet\"",
+           "--set", "eval.limit=2"]
+    env = {"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    assert [line.split(":")[1] for line in lines if line.startswith("warning: step")] == [" step 1", " step 2"]
+    assert lines[-1].startswith("error: step 3: 3 steps in a row had nothing to learn from: every sample was "
+                                "truncated (4 by max_new_tokens) or failed (0) and the rewards were all 0.0")
+    assert "raise [rl.rollout] max_new_tokens = 6 (per turn in multi-turn episodes), max_context_tokens = 0" \
+        in lines[-1]
+    assert "Traceback" not in proc.stderr

@@ -70,6 +70,9 @@ class RolloutConfig:
     env_timeout_s: float = 60.0  # one env reset() or step() call's limit; past it the episode is FAILED (env_timeouts)
     tool_parser: str = "hermes"  # reads the model's tool calls: "hermes" (<tool_call>{json}</tool_call>) or "module:fn"
     mask_truncated: bool = False  # truncated samples stay out of the loss (still in their group's baseline)
+    # steps in a row with nothing to learn from (every sample truncated or failed, their rewards all equal) after which
+    # the run stops with an error naming max_new_tokens and max_context_tokens (0: never; trainer.rl.check_finishing)
+    max_truncated_steps: int = 3
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -81,7 +84,7 @@ class RolloutConfig:
         _check(not given or self.apply_chat_template, given[0] if given else "",
                "multi-turn episodes are chat conversations: set [data] format = \"chat\"")
         _positive(self, "max_turns", "tool_timeout_s", "env_timeout_s")
-        _non_negative(self, "max_context_tokens")
+        _non_negative(self, "max_context_tokens", "max_truncated_steps")
         _positive(self, "rollout_batch_size", "n_samples_per_prompt", "max_new_tokens", "max_concurrency",
                   "request_timeout_s")
         _check(self.over_sampling_factor >= 1.0, "over_sampling_factor",

@@ -151,6 +151,13 @@ class StepProgress:
             items = "".join(f" {k}={v}" for k, v in fields.items())
             print(f"{self.desc}: step {self.n}/{self.total}{items} ({rate:.2f} s/step)", file=self.stream, flush=True)
 
+    def warn(self, text: str) -> None:
+        """A line on the progress line's stream (above the bar on a terminal, so the bar is not torn)."""
+        if self._bar is not None:
+            self._bar.write(text, file=self.stream)
+        elif self.enabled:
+            print(text, file=self.stream, flush=True)
+
     def __enter__(self) -> StepProgress:
         return self
 

@@ -49,7 +49,7 @@ from trainer.backend.steps import (
 )
 from trainer.batching.micro_batches import attach_logprobs, build_micro_batches
 from trainer.batching.shared_prompt import build_shared_micro_batches
-from trainer.config import GAE, DataConfig, RLTrainingConfig
+from trainer.config import GAE, DataConfig, RLTrainingConfig, RolloutConfig
 from trainer.critic import attach_gae, build_critic, sum_across_ranks, token_rewards
 from trainer.evaluation import Evaluation
 from trainer.metrics import MetricsLogger, open_logger, progress
@@ -133,6 +133,54 @@ def needs_old_logprobs(config: RLTrainingConfig) -> bool:
     rollout correction and the engine-vs-trainer metrics compare the engine's log-probs with pi_old all the same.
     """
     return config.ppo_epochs > 1
+
+
+# A step warns (stderr, beside the progress line) when more than this fraction of its samples was truncated or failed.
+MOSTLY_UNFINISHED = 0.5
+# What each episode end reason ("truncated_by"; a single-turn sample cut by the engine has none) asks a user to raise.
+_LIMIT_OF = {"length": "max_new_tokens", "context": "max_context_tokens", "max_turns": "max_turns"}
+
+
+class TruncatedRunError(RunStopped):
+    """The run stopped: [rl.rollout] max_truncated_steps steps in a row gave it nothing to learn from (every sample
+    truncated or failed, the rewards all equal). A configuration problem found at run time: `python -m trainer`
+    prints it as `error: <message>` and exits 1."""
+
+
+def _limits(rollout: RolloutConfig) -> str:
+    return (f"[rl.rollout] max_new_tokens = {rollout.max_new_tokens} (per turn in multi-turn episodes), "
+            f"max_context_tokens = {rollout.max_context_tokens} (0: none), max_turns = {rollout.max_turns}")
+
+
+def check_finishing(samples: Sequence[Sample], streak: int, rollout: RolloutConfig, *,
+                    step: int) -> tuple[int, str | None]:
+    """How many steps in a row, this one (`step`) included, had nothing to learn from (every sample TRUNCATED or
+    FAILED, the others' rewards all equal: every advantage is 0, the loss 0), given `streak` before it; and a
+    warning when more than MOSTLY_UNFINISHED of its samples were truncated or failed (None otherwise). Raises
+    TruncatedRunError naming the length limits once that streak reaches rollout.max_truncated_steps (0: never).
+
+    Why "and the rewards all equal": a batch whose cut samples still score differently trains (tests and tasks with
+    short dense rewards do this on purpose); one whose cut samples all score the same trains nothing, not even
+    later (the weights do not move), which a run that exits 0 with loss=0 hid from its user."""
+    n = len(samples)
+    truncated = [s for s in samples if s.status == Status.TRUNCATED]
+    failed = sum(s.status == Status.FAILED for s in samples)
+    scored = {s.reward for s in samples if s.status != Status.FAILED}
+    streak = streak + 1 if n and len(truncated) + failed == n and len(scored) <= 1 else 0
+    by = collections.Counter(_LIMIT_OF.get(s.metadata.get("truncated_by", "length"), "max_new_tokens")
+                             for s in truncated)
+    cut = f"truncated ({', '.join(f'{v} by {k}' for k, v in by.most_common()) or 0}) or failed ({failed})"
+    if rollout.max_truncated_steps and streak >= rollout.max_truncated_steps:
+        raise TruncatedRunError(
+            f"step {step}: {streak} steps in a row had nothing to learn from: every sample was {cut} and the rewards "
+            f"were all {next(iter(scored), None)}, so every advantage and the loss were 0. The model runs out of room "
+            f"before it finishes: raise {_limits(rollout)} (a multi-turn config copied from configs/demo.toml keeps "
+            f"its max_new_tokens = 6), or set [rl.rollout] max_truncated_steps = 0 to train on anyway")
+    unfinished = len(truncated) + failed
+    if n and unfinished / n > MOSTLY_UNFINISHED:
+        return streak, (f"warning: step {step}: {unfinished} of {n} samples ({unfinished / n:.0%}) were {cut}; if "
+                        f"the model needs more room, raise {_limits(rollout)}")
+    return streak, None
 
 
 def _batch_metrics(batch: RolloutBatch) -> dict[str, float]:
@@ -318,9 +366,14 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
         sync_s = _sync(sender, state.weight_version)  # engines serve exactly the weights being trained
         if comp.rank == 0 and evaluation is not None and evaluation.at_start and state.step == 0:
             logger.log(0, evaluation.run(0))
+        unfinished = 0  # steps in a row with nothing to learn from (check_finishing)
         while state.step < config.num_steps:
             t_step = time.perf_counter()  # time_step_s: the wall time of this step, waits included
             batch, gen_s = _timed(source.next, state.step + 1)
+            # Every rank gets the same batch, so every rank stops alike (a collective-safe error).
+            unfinished, warning = check_finishing(batch.samples, unfinished, config.rollout, step=state.step + 1)
+            if warning is not None:
+                bar.warn(warning)
             trained_from = state.weight_version  # the batch's staleness is measured against these weights
             batch, stale = within_staleness(batch, trained_from, config, requeue=source.requeue)
             seen = _inspect(comp, batch, tcfg, pad_id) if dumps is not None and dumps.due(state.step + 1) else None
