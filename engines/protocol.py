@@ -8,7 +8,8 @@ decimal string on the wire, as SGLang sends it.
 
 `InferenceEngine` = generation and control + `WeightSyncEndpoint`, the capability the weight sync calls
 (trainer/weight_sync/): every engine declares all of it, so nothing is probed with hasattr; what an engine
-cannot do is an answer of the declared method (`colocation_info()` -> {}, `weight_formats()` -> ("direct",)).
+cannot do is an answer of the declared method (`colocation_info()` -> {}, `weight_formats()` -> ("direct",),
+`gpu_uuids()` -> None).
 Errors are `EngineError` with the answer's `status` (HTTP, or what the HTTP server would answer), never to be
 recognised by their text.
 
@@ -146,6 +147,13 @@ class WeightSyncEndpoint(Protocol):
 
     async def colocated_weights(self, body: dict) -> dict:
         """The same-device path (`op`: attach, load, detach); called only where colocation_info() was not {}."""
+        ...
+
+    async def gpu_uuids(self) -> tuple[str, ...] | None:
+        """The GPUs its workers run on, as "GPU-<uuid>" (wire.gpu_uuid: a physical GPU, whatever CUDA_VISIBLE_DEVICES
+        numbers it); () on CPU; None where the server does not say (a stock SGLang). NCCL refuses two ranks of one
+        group on one GPU ("Duplicate GPU"), so the sender never broadcasts to an engine that lists the trainer's
+        GPU: it colocates it by handle, or syncs it from disk."""
         ...
 
     async def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,

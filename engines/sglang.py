@@ -357,6 +357,13 @@ class SGLangEngine:
                 return {}
             raise
 
+    async def gpu_uuids(self) -> tuple[str, ...] | None:
+        """The embedded engine's GPUs, from its colocated probe (`gpus`: [] on CPU); None for a stock SGLang (or
+        extensions=False): its /server_info names GPUs by index (base_gpu_id) under its own CUDA_VISIBLE_DEVICES,
+        never by UUID, so nothing there can be compared with the trainer's GPU."""
+        gpus = (await self.colocation_info()).get("gpus")
+        return tuple(str(g) for g in gpus) if isinstance(gpus, list) else None
+
     async def colocated_weights(self, body: dict) -> dict:
         """The embedded engine's same-device weight path (`op`: probe, attach, load, detach; see
         engines/weight_sync/wire.py)."""

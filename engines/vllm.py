@@ -15,6 +15,8 @@ Serve with `vllm_server_command(...)`, i.e. `python -m vllm.entrypoints.openai.a
     POST /init_weight_transfer_engine {init_info}; /start_weight_update; /update_weights {update_info};
          /finish_weight_update {weight_version}
     POST /collective_rpc {method: "reload_weights", kwargs: {weights_path}}   (disk fallback)
+    POST /collective_rpc {method: "rlkernels_gpu_uuids"} -> {results: [[GPU UUID] per worker]}
+         (our worker extension, engines/vllm_ext/worker.py)
 
 Log-probs (the project contract: the sampled-from distribution at the request temperature, before top-k/top-p):
 vLLM's default `raw_logprobs` are taken before temperature; `--logprobs-mode processed_logprobs` returns
@@ -45,7 +47,7 @@ import httpx
 
 from engines.protocol import Completion, EngineError, SamplingParams, tls_context
 from engines.sglang import parse_weight_version
-from engines.vllm_ext import BACKEND_NAME
+from engines.vllm_ext import BACKEND_NAME, GPU_UUIDS_METHOD, WORKER_EXTENSION
 
 VLLM_VERSION = "0.32.0"
 LOGPROBS_MODE = "processed_logprobs"
@@ -58,7 +60,7 @@ def vllm_server_command(python: str, model_dir: str, *, port: int, host: str = "
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", host,
             "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len),
             "--logprobs-mode", LOGPROBS_MODE, "--weight-transfer-config", json.dumps({"backend": BACKEND_NAME}),
-            *extra]
+            "--worker-extension-cls", WORKER_EXTENSION, *extra]
 
 
 def check_params(params: SamplingParams) -> None:
@@ -204,6 +206,23 @@ class VLLMEngine:
     async def colocation_info(self) -> dict:
         """{}: vLLM has no same-device weight path here; the sender broadcasts to it through the plugin."""
         return {}
+
+    async def gpu_uuids(self) -> tuple[str, ...] | None:
+        """Every worker's GPU (tp * pp * dp workers), asked of our worker extension through /collective_rpc; () on
+        CPU. None when the server does not say: started without the extension (vLLM answers with an error) or
+        without VLLM_SERVER_DEV_MODE (404). A vLLM that lists the trainer's own GPU is synced from disk (it has no
+        path for weights by handle here), never put in an NCCL group with the trainer."""
+        try:
+            data = await self._call("POST", "/collective_rpc", {"method": GPU_UUIDS_METHOD})
+        except EngineError as e:
+            if e.status is None:  # no answer at all: the sync cannot work either, say so now
+                raise
+            return None
+        results = data.get("results") if isinstance(data, dict) else None
+        if not isinstance(results, list) or not all(isinstance(r, list) for r in results):
+            raise EngineError(f"{self.url}/collective_rpc {GPU_UUIDS_METHOD}: expected one list of GPU UUIDs per "
+                              f"worker, got {str(data)[:200]}")
+        return tuple(dict.fromkeys(str(g) for r in results for g in r))
 
     async def colocated_weights(self, body: dict) -> dict:
         raise EngineError(f"{self.url}: vLLM has no colocated weight path (colocation_info() is {{}}); sync it by "

@@ -207,6 +207,8 @@ def test_weight_version_round_trip(vllm):
     out = trio.run(fresh.generate, encode(tok, ["v"]), SamplingParams(max_new_tokens=2, ignore_eos=True))
     assert out[0][0].weight_version == 41
     assert trio.run(fresh.world_size) == 1  # one CPU worker: one rank in the weight-update group
+    # our worker extension answers through /collective_rpc: a CPU worker holds no GPU (None would mean no answer)
+    assert trio.run(fresh.gpu_uuids) == ()
 
 
 @pytest.mark.parametrize("mode", ["bucketed", "per_tensor"])

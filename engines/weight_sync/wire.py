@@ -365,9 +365,15 @@ def wait_work(work, *, timeout_s: float, what: str, check: Callable[[], None] | 
 
 
 # ----------------------------------------------------------------------------------------------- colocation
+def gpu_uuid(device: torch.device) -> str:
+    """A CUDA device's physical GPU as nvidia-smi -L names it, "GPU-<uuid>": the same in every process, whatever
+    CUDA_VISIBLE_DEVICES numbers it there."""
+    return f"GPU-{torch.cuda.get_device_properties(device).uuid}"
+
+
 def device_identity(device: torch.device) -> dict:
-    """What decides colocation, as JSON: the host (hostname, boot id, the /dev/shm mount) and the device (the
-    GPU's UUID, which CUDA_VISIBLE_DEVICES cannot renumber; "cpu" for CPU)."""
+    """What decides colocation, as JSON: the host (hostname, boot id, the /dev/shm mount), the device (the GPU's
+    UUID; "cpu" for CPU) and `gpus`, the GPUs in use (engines.protocol's gpu_uuids: [] on CPU)."""
     boot = ""
     if os.path.exists("/proc/sys/kernel/random/boot_id"):
         with open("/proc/sys/kernel/random/boot_id") as f:
@@ -375,8 +381,9 @@ def device_identity(device: torch.device) -> dict:
     shm = os.stat(SHM_DIR).st_dev if os.path.isdir(SHM_DIR) else -1
     host = f"{socket.gethostname()}/{boot}/{shm}"
     if device.type == "cuda":
-        return {"host": host, "device": f"GPU-{torch.cuda.get_device_properties(device).uuid}"}
-    return {"host": host, "device": device.type}
+        gpu = gpu_uuid(device)
+        return {"host": host, "device": gpu, "gpus": [gpu]}
+    return {"host": host, "device": device.type, "gpus": []}
 
 
 def is_colocated(a: dict, b: dict) -> bool:

@@ -57,16 +57,20 @@ class DiskWeightSync:
 
     def write(self, version: int) -> str | None:
         """Gather every parameter (all ranks) and, on rank 0, write folder/v{version} atomically; returns it."""
+        with torch.no_grad():
+            full = {n: full_tensor(p.detach().to(self.dtype)) for n, p in named_weights(self.model)}
+        if self.rank != 0:
+            return None
+        return self.write_tensors(version, full)
+
+    def write_tensors(self, version: int, full: dict[str, torch.Tensor]) -> str:
+        """Rank 0: write `full` (HF name -> full tensor) as folder/v{version}, atomically; returns the folder."""
         import json
         import uuid
 
         from safetensors.torch import save_file
         from transformers import PretrainedConfig
 
-        with torch.no_grad():
-            full = {n: full_tensor(p.detach().to(self.dtype)) for n, p in named_weights(self.model)}
-        if self.rank != 0:
-            return None
         if self.folder is None:
             raise WeightSyncError("the disk sync has no folder: call init_group() first")
         final = os.path.join(self.folder, f"v{version}")
@@ -97,11 +101,7 @@ class DiskWeightSync:
         error = None
         if self.rank == 0:
             try:
-                EngineCalls(self.engines, lambda i, eng: eng.update_weights_from_disk(path, weight_version=version),
-                           "update_weights_from_disk").join(self.timeout_s, "the disk weight update")
-                if self._current is not None and self._current != path:
-                    shutil.rmtree(self._current, ignore_errors=True)
-                self._current = path
+                self.reload(path, version)
             except BaseException as e:  # noqa: BLE001 - re-raised below, after the other ranks heard of it
                 error = e
         if any_rank(error is not None, self.device):
@@ -109,6 +109,14 @@ class DiskWeightSync:
         self.weight_version = version
         self.last_sync_s = time.perf_counter() - t0
         return version
+
+    def reload(self, path: str, version: int) -> None:
+        """Rank 0: every engine reloads folder `path` and reports `version`; the previous version's folder goes."""
+        EngineCalls(self.engines, lambda i, eng: eng.update_weights_from_disk(path, weight_version=version),
+                    "update_weights_from_disk").join(self.timeout_s, "the disk weight update")
+        if self._current is not None and self._current != path:
+            shutil.rmtree(self._current, ignore_errors=True)
+        self._current = path
 
     def close(self) -> None:
         """Remove this run's sync folder (every version in it); a later init_group() makes a new one."""

@@ -10,9 +10,14 @@ slot is reused only once every engine is done with it. Only rank 0 talks to engi
 Transport per engine (`transport="auto"`): an embedded engine that reports the trainer's own device identity (GPU
 UUID; on CPU the host and /dev/shm) is colocated, any other engine (other GPU, other host, a stock SGLang or
 vLLM) is broadcast to. `transport="broadcast"` forces the process group for all; "colocated" requires it for all.
+On GPU the sender also asks each engine's GPUs (`gpu_uuids`): NCCL refuses two ranks of one group on one GPU
+("Duplicate GPU"), so an engine on the trainer's own GPU that cannot take the weights by handle (a vLLM, or any
+engine under mode="per_tensor") is synced from disk instead (a safetensors folder each sync, written from the same
+gathered tensors; DiskWeightSync), with a warning; under transport="broadcast" it is an error, before any group.
 
 Control path: the metadata goes to every engine at once over HTTP (httpx under trio, in a helper thread); the
-request returns when the engine has loaded everything. Nothing touches disk, nothing is pickled on the wire.
+request returns when the engine has loaded everything. Nothing touches disk (but for engines synced from disk,
+above), nothing is pickled on the wire.
 
 Failure handling: every wait polls the transport and the HTTP calls together, so a dead engine (connection reset,
 closed signal socket) or one that rejects the metadata (4xx) fails the sync at once with an error naming the
@@ -26,6 +31,7 @@ import contextlib
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -54,6 +60,7 @@ from engines.weight_sync.wire import (
     wait_work,
 )
 from trainer.weight_sync.common import EngineCalls, any_rank, from_rank0, full_tensor, named_weights, trainer_rank
+from trainer.weight_sync.disk import DiskWeightSync
 
 TRANSPORTS = ("auto", "broadcast", "colocated")
 BUCKETING_MODES = ("auto", "bucketed", "per_tensor")  # WeightSyncSender(mode=...): the broadcast's wire format
@@ -72,15 +79,17 @@ class WeightSyncSender:
     lists it in /get_server_info, else SGLang's stock one broadcast per tensor), "bucketed" or "per_tensor"
     (forced; per_tensor is broadcast only). Colocated engines always read buckets through the shared slots.
     An engine with tensor parallelism takes `await eng.world_size()` ranks (SGLangEngine: its tp_size).
-    transport: "auto" (colocated where the engine shares the trainer's device, else broadcast), "broadcast" or
-    "colocated" (an error for an engine that is not).
+    transport: "auto" (colocated where the engine shares the trainer's device, else broadcast; from disk for an
+    engine on the trainer's GPU that cannot be colocated), "broadcast" or "colocated" (an error for an engine that
+    is not).
+    disk_folder: where the folders for engines synced from disk go (DiskWeightSync's `folder`: default /dev/shm).
     """
 
     def __init__(self, model: nn.Module, engines: Sequence[WeightSyncEndpoint], *, dtype: torch.dtype | None = None,
                  fallback_dtype: torch.dtype | None = None, bucket_bytes: int | None = None,
                  backend: str | None = None, timeout_s: float = 300.0,
                  master_address: str = "127.0.0.1", master_port: int = 0, group_name: str = DEFAULT_GROUP_NAME,
-                 mode: str = "auto", transport: str = "auto", weight_version: int = 0):
+                 mode: str = "auto", transport: str = "auto", weight_version: int = 0, disk_folder: str | None = None):
         if mode not in BUCKETING_MODES:
             raise ValueError(f"mode={mode!r}: use one of {BUCKETING_MODES}")
         if transport not in TRANSPORTS:
@@ -112,6 +121,10 @@ class WeightSyncSender:
         self._generation = 0
         self.broadcast_to: list[int] = []  # engine indices in the process group (rank 1 + position)
         self.colocated: list[int] = []  # engine indices reading the shared slots
+        self.to_disk: list[int] = []  # engine indices on the trainer's GPU without a handle path: synced from disk
+        self.disk_folder = disk_folder
+        self._disk: DiskWeightSync | None = None  # rank 0, when to_disk
+        self._unknown_gpus: list[int] = []  # broadcast engines (NCCL) that do not say which GPU they hold
         self._slots: list[torch.Tensor] = []
         self._events = None  # CUDA: [(written, read)] per slot
         self._channel = None  # listening socket
@@ -145,7 +158,7 @@ class WeightSyncSender:
             shared = from_rank0(None)
         if shared is None:
             raise WeightSyncError("trainer rank 0 could not reach the engines (see its error)")
-        dtype_name, self.broadcast_to, self.colocated, split, self.per_tensor = shared
+        dtype_name, self.broadcast_to, self.colocated, self.to_disk, split, self.per_tensor, self._unknown_gpus = shared
         self.dtype = dtype_from_wire(dtype_name)
         if self._bucket_arg is None:
             self.bucket_bytes = (COLOCATED_BUCKET_BYTES.get(self.device.type, DEFAULT_BUCKET_BYTES) if self.colocated
@@ -159,16 +172,24 @@ class WeightSyncSender:
             self._init_broadcast()
         if self.colocated:
             self._init_colocated()
+        if self.to_disk:
+            self._disk = DiskWeightSync(self.model, [self.engines[i] for i in self.to_disk], folder=self.disk_folder,
+                                        dtype=self.dtype, timeout_s=self.timeout_s)
+            self._disk.init_group()
         self._ready = True
 
-    def _decide(self) -> tuple[str, list[int], list[int], bool, bool]:
-        """(dtype to send, broadcast engine indices, colocated engine indices, whether to split parameters larger
-        than a bucket: only when every engine is one of ours, which reads row_offsets, whether the broadcast goes
-        one tensor at a time) from the engines' probes and the formats they list."""
+    def _decide(self) -> tuple[str, list[int], list[int], list[int], bool, bool, list[int]]:
+        """(dtype to send, broadcast engine indices, colocated engine indices, engine indices synced from disk,
+        whether to split parameters larger than a bucket: only when every engine is one of ours, which reads
+        row_offsets, whether the broadcast goes one tensor at a time, broadcast engines whose GPU is unknown) from
+        the engines' probes, the formats they list and, for NCCL, the GPUs they hold."""
         probes = EngineCalls(self.engines, lambda i, eng: eng.colocation_info(), "the colocation probe").join(
             self.timeout_s, "colocation probe")
         formats = EngineCalls(self.engines, lambda i, eng: eng.weight_formats(), "the format probe").join(
             self.timeout_s, "format probe")
+        # Only an NCCL group refuses two ranks on one GPU; a gloo (CPU) run need not ask.
+        gpus = [None] * len(self.engines) if self.backend != "nccl" else EngineCalls(
+            self.engines, lambda i, eng: eng.gpu_uuids(), "the GPU probe").join(self.timeout_s, "GPU probe")
         ours = device_identity(self.device)
         dtypes = {p["dtype"] for p in probes if p.get("dtype")}
         if self._dtype_arg is not None or not dtypes:
@@ -184,15 +205,34 @@ class WeightSyncSender:
                                   f"{ours}; use transport='auto' or 'broadcast'")
         if self.transport == "broadcast":
             same = [False] * len(self.engines)
-        broadcast = [i for i, s in enumerate(same) if not s]
+        to_disk = [i for i, g in enumerate(gpus) if not same[i] and shares_gpu(ours, g)]
+        if to_disk:
+            self._no_broadcast_on_trainer_gpu(to_disk, ours)
+        broadcast = [i for i, s in enumerate(same) if not s and i not in to_disk]
         stock = [i for i in broadcast if "flattened_bucket" not in formats[i]]
         if self.mode == "bucketed" and stock:
             raise WeightSyncError(f"mode='bucketed' but engines {[self.engines[i].url for i in stock]}"
                                   f" do not list 'flattened_bucket' in /get_server_info (a stock SGLang); use "
                                   f"mode='auto' or 'per_tensor'")
         per_tensor = self.mode == "per_tensor" or bool(stock)
-        return (str(dtype).removeprefix("torch."), broadcast, [i for i, s in enumerate(same) if s],
-                all(probes) and not per_tensor, per_tensor)
+        unknown = [i for i in broadcast if self.backend == "nccl" and gpus[i] is None]
+        return (str(dtype).removeprefix("torch."), broadcast, [i for i, s in enumerate(same) if s], to_disk,
+                all(probes) and not per_tensor, per_tensor, unknown)
+
+    def _no_broadcast_on_trainer_gpu(self, engines: list[int], ours: dict) -> None:
+        """Engines on the trainer's GPU that cannot take weights by handle: refused under transport='broadcast',
+        else synced from disk, said once here (before any NCCL group exists)."""
+        urls = [self.engines[i].url for i in engines]
+        gpu = ", ".join(ours.get("gpus") or [ours.get("device", "?")])
+        if self.transport == "broadcast":
+            raise WeightSyncError(f"engines {urls} run on this trainer's GPU {gpu}: NCCL cannot put two ranks of one "
+                                  f"GPU in the broadcast group ('Duplicate GPU'); use transport='auto' (an embedded "
+                                  f"engine then reads the weights by CUDA IPC handle, any other engine reloads them "
+                                  f"from disk) or give each engine a GPU of its own")
+        warnings.warn(f"weight sync: engines {urls} run on this trainer's GPU {gpu} and cannot take the weights by "
+                      f"handle (only an embedded engine can, and not under mode='per_tensor'); NCCL cannot broadcast "
+                      f"to them ('Duplicate GPU'), so every sync writes a safetensors folder they reload (slower: give "
+                      f"them a GPU of their own to broadcast)", stacklevel=4)  # the caller of init_group
 
     def _init_broadcast(self) -> None:
         # A fresh store (and port) per generation: a restarted engine can never meet a stale half-built group.
@@ -228,8 +268,12 @@ class WeightSyncSender:
             calls.check()
             t.join(0.005)
         if t.is_alive() or "err" in result:
+            unknown = [self.engines[i].url for i in self._unknown_gpus]
+            hint = (f"; engines {unknown} do not say which GPU they use: NCCL cannot put one on this trainer's GPU "
+                    f"in the group ('Duplicate GPU'), so give it a GPU of its own or use [engines] sync = \"disk\""
+                    if unknown else "")
             raise WeightSyncError(f"weight-update group {name!r} did not form with {len(engines)} engine(s) "
-                                  f"within {self.timeout_s:.0f}s: {result.get('err', 'timeout')}")
+                                  f"within {self.timeout_s:.0f}s: {result.get('err', 'timeout')}{hint}")
         calls.join(self.timeout_s, "init_weights_update_group")
         self.group, self._group_name, self._store = result["pg"], name, store
 
@@ -265,6 +309,9 @@ class WeightSyncSender:
         if self._events is not None:
             torch.cuda.current_stream(self.device).synchronize()  # no engine copy may still read a freed slot
         self.group, self._channel, self._socks, self._slots, self._events = None, None, {}, [], None
+        if self._disk is not None:
+            self._disk.close()  # removes its folder
+            self._disk = None
         self._ready = False
 
     # ------------------------------------------------------------------ sync
@@ -316,13 +363,22 @@ class WeightSyncSender:
                 return eng.colocated_weights(colocated_body)
             return eng.update_weights_from_distributed(body)
 
-        calls = EngineCalls(self.engines, call, "the weight update")
+        kept: dict[str, torch.Tensor] = {}  # for the engines synced from disk: every full tensor, on the CPU
+        if self._disk is not None:
+            gathered = _keep_on_cpu(gathered, [n for n, _ in named_weights(self.model)], kept)
+        live = [i for i in range(len(self.engines)) if i not in self.to_disk]
+        calls = EngineCalls([self.engines[i] for i in live], lambda k, eng: call(live[k], eng), "the weight update")
         try:
-            if self.per_tensor and not self._socks:
+            if self.group is None and not self._socks:  # every engine reloads from disk
+                for _ in gathered:
+                    pass
+            elif self.per_tensor and not self._socks:
                 self._send_per_tensor(gathered, calls)
             else:
                 self._send_buckets(gathered, calls, on_bucket)
             calls.join(self.timeout_s, "the weight update")
+            if self._disk is not None:
+                self._disk.reload(self._disk.write_tensors(version, kept), version)
         except (WeightSyncError, OSError) as e:  # OSError: a socket to an engine that died (BrokenPipeError, ...)
             self.close()  # the group may hold a half-done collective, a slot a half-read bucket: force a re-init
             raise self._explain(e, calls) from e
@@ -407,6 +463,19 @@ class WeightSyncSender:
         if on_bucket is not None:
             on_bucket(b, len(self.meta.bucket_nbytes))
         return work
+
+
+def shares_gpu(ours: dict, gpus: Sequence[str] | None) -> bool:
+    """Whether an engine that holds `gpus` (its gpu_uuids(); None: it does not say) is on the trainer's GPU
+    (`ours`: wire.device_identity of the trainer's device)."""
+    return gpus is not None and bool(set(ours.get("gpus") or ()) & set(gpus))
+
+
+def _keep_on_cpu(gathered: Iterator, names: Sequence[str], kept: dict) -> Iterator:
+    """Pass the gathered (index, full tensor) pairs on, keeping each tensor on the CPU under its name."""
+    for i, t in gathered:
+        kept[names[i]] = t.detach().cpu()
+        yield i, t
 
 
 def _unlink(path: str) -> None:
