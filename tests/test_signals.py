@@ -168,7 +168,7 @@ def test_only_the_first_sigterm_interrupts_and_the_handler_is_restored():
 def test_the_stop_line_names_the_checkpoint_written_else_the_newest_else_none(tmp_path):
     """A run stopped before its first checkpoint must not claim one: the line names a checkpoint written during the
     run (the newest, over the phases), else the newest from before (a resumed run), else says there is none."""
-    from trainer.stops import stop_note
+    from trainer.backend.checkpoint import stop_note
 
     def checkpoint(phase: str, step: int, mtime: float) -> Path:
         folder = tmp_path / phase / "checkpoints" / f"step_{step:08d}"

@@ -60,7 +60,7 @@ from trainer.config import (
 from trainer.config_reference import override_value, to_toml
 from trainer.evaluation import evaluate  # noqa: F401  (trainer.cli.evaluate: where callers have found it)
 from trainer.run_folder import fresh_start
-from trainer.stops import SIGINT_EXIT, SIGTERM_EXIT, RunStopped, debug_enabled, sigterm_as_interrupt, stop_note
+from trainer.stops import SIGINT_EXIT, SIGTERM_EXIT, RunStopped, debug_enabled, sigterm_as_interrupt
 
 if TYPE_CHECKING:
     from trainer.weight_sync import WeightSync
@@ -872,7 +872,7 @@ def report_stop(e: BaseException, phases: Sequence[tuple[str, str]], *, since: f
     """The exit status of a run that raised `e`, after one line on stderr: Ctrl-C (130) or SIGTERM (143) with the
     checkpoint to resume from (rank 0 says it, for every rank), a run-time stop as `error: <message>` (1). Anything
     else, and a stop with RLKERNELS_DEBUG=1, is re-raised with its traceback."""
-    from trainer.backend.checkpoint import is_interrupt
+    from trainer.backend.checkpoint import is_interrupt, stop_note
 
     if is_interrupt(e):
         if int(os.environ.get("RANK", "0")) == 0:
@@ -883,7 +883,6 @@ def report_stop(e: BaseException, phases: Sequence[tuple[str, str]], *, since: f
         raise e
     print(f"error: {stop}", file=sys.stderr, flush=True)
     return 1
-
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import contextlib
 import os
 import signal
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 
 DEBUG_ENV = "RLKERNELS_DEBUG"  # set to 1: a run-time stop prints its traceback too
 SIGTERM_EXIT = 128 + signal.SIGTERM  # 143
@@ -74,34 +74,3 @@ def sigterm_as_interrupt() -> Iterator[threading.Event]:
         yield received
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-def checkpoint_note(output_dirs: Sequence[tuple[str, str | os.PathLike]], *, since: float) -> str:
-    """What a stopped run tells its user about its checkpoints. output_dirs: (phase, output_dir) of the phases the
-    run trains ("sft", "rl"); since: when it started (time.time()). Names the checkpoint written since then (the
-    newest, when the run wrote several), else the newest from before (a resumed run stopped before its first
-    checkpoint), else says there is none."""
-    from trainer.backend.checkpoint import latest_checkpoint
-
-    if not output_dirs:
-        return "this mode keeps no checkpoint; run it again"
-    found = []
-    for phase, out in output_dirs:
-        ckpt = latest_checkpoint(out)
-        if ckpt is not None:
-            found.append(((ckpt / "state.json").stat().st_mtime, phase, ckpt))  # state.json: written last
-    if not found:
-        return "no step had trained, so there is no checkpoint; start the run again"
-    written, phase, ckpt = max(found)
-    step = int(ckpt.name.removeprefix("step_"))
-    if written >= since:
-        return f"a checkpoint was written at {phase} step {step} ({ckpt}); continue with --resume"
-    return (f"no checkpoint was written in this session; the newest is {phase} step {step} ({ckpt}): continue "
-            f"from it with --resume")
-
-
-def stop_note(output_dirs: Sequence[tuple[str, str | os.PathLike]], *, since: float, terminated: bool) -> str:
-    """The line a run stopped by a signal prints: which signal, and its checkpoint (checkpoint_note)."""
-    how = "terminated (SIGTERM)" if terminated else "interrupted (Ctrl-C)"
-    return f"{how}: {checkpoint_note(output_dirs, since=since)}"
-

@@ -33,7 +33,7 @@ import random
 import re
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -535,3 +535,31 @@ def export_hf(components: TrainingComponents, path: str | os.PathLike, *, tokeni
     os.replace(tmp, out)
     _barrier()
     return out
+
+
+def checkpoint_note(output_dirs: Sequence[tuple[str, str | os.PathLike]], *, since: float) -> str:
+    """What a stopped run tells its user about its checkpoints. output_dirs: (phase, output_dir) of the phases the
+    run trains ("sft", "rl"); since: when it started (time.time()). Names the checkpoint written since then (the
+    newest, when the run wrote several), else the newest from before (a resumed run stopped before its first
+    checkpoint), else says there is none."""
+    if not output_dirs:
+        return "this mode keeps no checkpoint; run it again"
+    found = []
+    for phase, out in output_dirs:
+        ckpt = latest_checkpoint(out)
+        if ckpt is not None:
+            found.append(((ckpt / "state.json").stat().st_mtime, phase, ckpt))  # state.json: written last
+    if not found:
+        return "no step had trained, so there is no checkpoint; start the run again"
+    written, phase, ckpt = max(found)
+    step = int(ckpt.name.removeprefix("step_"))
+    if written >= since:
+        return f"a checkpoint was written at {phase} step {step} ({ckpt}); continue with --resume"
+    return (f"no checkpoint was written in this session; the newest is {phase} step {step} ({ckpt}): continue "
+            f"from it with --resume")
+
+
+def stop_note(output_dirs: Sequence[tuple[str, str | os.PathLike]], *, since: float, terminated: bool) -> str:
+    """The line a run stopped by a signal prints: which signal, and its checkpoint (checkpoint_note)."""
+    how = "terminated (SIGTERM)" if terminated else "interrupted (Ctrl-C)"
+    return f"{how}: {checkpoint_note(output_dirs, since=since)}"
