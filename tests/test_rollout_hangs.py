@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from episode_support import TOK, Scripted, arithmetic_buffer
+from episode_support import CHAR_STOPS, TOK, Scripted, arithmetic_buffer
 
 from trainer.config import RolloutConfig
 from trainer.rl import TruncatedRunError, check_finishing
@@ -334,3 +334,63 @@ def test_the_demo_config_with_a_multi_turn_env_stops_with_an_error_naming_max_ne
     assert "raise [rl.rollout] max_new_tokens = 6 (per turn in multi-turn episodes), max_context_tokens = 0" \
         in lines[-1]
     assert "Traceback" not in proc.stderr
+
+
+STUCK_ENV = """
+import threading
+from pathlib import Path
+
+NEVER = threading.Event()
+
+
+class Stuck:
+    # A user's environment whose step blocks for ever in training (evaluation's episodes go through).
+
+    def reset(self, prompt, metadata):
+        self.training = "group_uid" in metadata
+        return [{"role": "user", "content": prompt}]
+
+    def step(self, message):
+        if self.training:
+            Path(__file__).with_name("blocked").touch()
+            NEVER.wait()
+        return {"messages": [], "reward": 1.0, "done": True}
+"""
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_ctrl_c_ends_a_run_blocked_in_an_env_step_with_a_checkpoint(tmp_path, mode):
+    """A real Ctrl-C while every episode of the first batch is blocked in a plain step (env_timeout_s far away):
+    the run exits 130 within seconds, with a checkpoint. It used to hang for good (the step ran on the rollout's
+    event loop; in async mode the worker thread was joined)."""
+    import signal
+
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "stuck_env.py").write_text(STUCK_ENV)
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "trainer", "rl", "--config", "configs/demo.toml", "--set", f"output_dir=\"{out}\"",
+           "--set", "rl.num_steps=3", "--set", "rl.rollout.rollout_batch_size=2", "--set",
+           "rl.rollout.n_samples_per_prompt=2", "--set", f"rl.rollout.env=\"{tmp_path}/stuck_env.py:Stuck\"",
+           "--set", "rl.rollout.env_timeout_s=1000", "--set", "eval.limit=2",
+           # Turns end after one token (a random model's would run to max_new_tokens and never reach step()).
+           "--set", f"rl.rollout.stop_token_ids={list(CHAR_STOPS)}",
+           "--set", f"rl.async_rollout={str(mode == 'async').lower()}"]
+    env = {"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 300
+        while not (tmp_path / "blocked").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None and (tmp_path / "blocked").exists(), proc.stderr.read()[-3000:]
+        time.sleep(0.5)  # every episode of the batch is in its step
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert took < 10, f"{took:.1f} s from Ctrl-C to the exit"
+    assert "continue with --resume" in err
+    assert (out / "rl" / "checkpoints" / "step_00000000" / "state.json").is_file()
