@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from device_support import cpu_child_env
 
 from engines.tiny import build_tokenizer
 from trainer.cli import ConfigError, load_run_config, main, parse_overrides, phase_configs, sft_examples
@@ -195,7 +196,7 @@ def test_sft_plus_rl_end_to_end_through_the_cli(tmp_path):
            "--set", f"output_dir=\"{out}\"", "--set", "sft.num_steps=30", "--set", "rl.num_steps=2",
            "--set", "rl.rollout.rollout_batch_size=4", "--set", "rl.rollout.dynamic_filters=[]",
            "--set", "eval.limit=16"]
-    env = {"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
+    env = cpu_child_env()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -216,26 +217,61 @@ def test_sft_plus_rl_end_to_end_through_the_cli(tmp_path):
     assert len((out / "rl" / "metrics.jsonl").read_text().splitlines()) == 3
 
 
-@pytest.mark.distributed
-def test_torchrun_two_ranks_share_rollouts_and_sync_from_rank0(tmp_path):
-    """2 gloo ranks: rank 0 starts the engine and drives rollouts; both ranks train their FSDP2 shards."""
-    out = tmp_path / "run"
-    torchrun = str(Path(sys.executable).with_name("torchrun"))
+TORCHRUN_SETS = ("sft.num_steps=10", "rl.num_steps=2", "rl.rollout.rollout_batch_size=4",
+                 "rl.rollout.dynamic_filters=[]", "eval.limit=8", "rl.verify_sync=true", "engines.in_process=false")
+
+
+def _torchrun_sft_rl(out: Path, env: dict[str, str], *sets: str) -> list[dict]:
+    """`torchrun --nproc-per-node 2 -m trainer sft+rl` on the demo config with TORCHRUN_SETS and `sets`: checks what
+    every such run shows, returns its RL metrics rows."""
     from engines.embedded.launch import free_port
 
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    sets = (f"output_dir=\"{out}\"", *TORCHRUN_SETS, *sets)
     cmd = [torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "trainer", "sft+rl", "--config",
-           "configs/demo.toml", "--set", f"output_dir=\"{out}\"", "--set", "sft.num_steps=10", "--set",
-           "rl.num_steps=2", "--set", "rl.rollout.rollout_batch_size=4", "--set", "rl.rollout.dynamic_filters=[]",
-           "--set", "eval.limit=8", "--set", "rl.verify_sync=true", "--set", "engines.in_process=false"]
-    env = {"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
+           "configs/demo.toml", *(a for s in sets for a in ("--set", s))]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["sft_steps"] == 10 and summary["rl_steps"] == 2
     rows = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]  # rank 0 logs once per step (step 0: the first evaluation)
-    assert all(r["verify_sync_max_abs_diff"] <= 1e-5 for r in rows[1:])  # engine == 2-rank FSDP2 trainer
     assert proc.stdout.count("| after RL |") == 1
+    return rows
+
+
+def _demo_verify_tolerance(device_type: str) -> float:
+    """verify_sync's tolerance for the demo run on `device_type`, from the dtypes both sides compute in there: the
+    trainer's ([trainer] param_dtype's default) and the engine's (engines.embedded.presets.load_engine_model's)."""
+    from trainer.backend.parallel import compute_dtype
+    from trainer.weight_sync import verify_tolerance
+
+    engine = torch.bfloat16 if device_type == "cuda" else torch.float32
+    return verify_tolerance(compute_dtype(device_type, load_run_config(ROOT / "configs" / "demo.toml").trainer), engine)
+
+
+@pytest.mark.distributed
+def test_torchrun_two_ranks_share_rollouts_and_sync_from_rank0(tmp_path):
+    """2 gloo ranks on the CPU, on every machine (the run sees no GPU): rank 0 starts the engine and drives
+    rollouts; both ranks train their FSDP2 shards; after each sync the engine equals the trainer to float32's
+    tolerance."""
+    rows = _torchrun_sft_rl(tmp_path / "run", cpu_child_env())
+    tol = _demo_verify_tolerance("cpu")
+    assert tol == 1e-5 and all(r["verify_sync_max_abs_diff"] <= tol for r in rows[1:])
+
+
+@pytest.mark.gpu
+@pytest.mark.distributed
+def test_torchrun_two_nccl_ranks_sync_within_the_bf16_tolerance(tmp_path):
+    """The same run on two GPUs: NCCL ranks computing in bf16 (CUDA's default), the engine the run starts placed on
+    cuda:0 beside rank 0 (two ranks take both GPUs of a two-GPU machine, and the run refuses to guess), and the sync
+    verified to bf16's tolerance on both sides."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (one NCCL rank each); gpu-check's distributed stage runs it")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}  # the GPUs stay visible
+    rows = _torchrun_sft_rl(tmp_path / "run", env, 'engines.fleet=[{kind = "embedded", device = "cuda:0"}]')
+    tol = _demo_verify_tolerance("cuda")
+    assert tol == 5e-2 and all(r["verify_sync_max_abs_diff"] <= tol for r in rows[1:])
 
 
 ASYNC_PROCESS = ("--set", "rl.async_rollout=true", "--set", "engines.in_process=false",
@@ -256,7 +292,7 @@ def test_sigint_writes_a_checkpoint_and_resume_finishes_the_run(tmp_path, extra)
             # The random model never ends a sample within 6 tokens and scores 0: a run that stops itself after 3
             # such steps (trainer.rl.check_finishing), which this test's Ctrl-C and resume must outlast.
             "--set", "rl.rollout.max_truncated_steps=0"]
-    env = {"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
+    env = cpu_child_env()
     # The run gets Ctrl-C's default disposition whatever pytest was started with: a shell that starts a background
     # job without job control (`make test &` in a script) ignores SIGINT for it, and exec keeps that.
     proc = subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,

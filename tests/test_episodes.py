@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from device_support import cpu_child_env
 from episode_support import CHAR_STOPS, AsyncTalk, Recording, Scripted, Talk, arithmetic_buffer, check_token_exact
 
 from engines.embedded.presets import build_tiny_model
@@ -368,8 +369,7 @@ def test_a_user_environment_runs_through_the_cli(tmp_path, mode):
            # A random model rarely ends a turn within the demo's 6 tokens: every episode is truncated, which stops
            # a run after 3 such steps. Here the environment running is what is tested; the warnings must show.
            "--set", "rl.rollout.max_truncated_steps=0"]
-    env = {"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=ROOT, env=cpu_child_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(x) for x in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "loss" in r]  # the training steps (step 0 holds the evaluation before RL)

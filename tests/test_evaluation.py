@@ -14,6 +14,7 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
+from device_support import cpu_child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -94,8 +95,7 @@ def test_sampled_evaluation_figures_follow_from_the_scored_answers():
 
 # ----------------------------------------------------------------------------------------------- real runs
 def _cli(args: list[str], out: Path, **env_extra: str) -> subprocess.CompletedProcess:
-    env = {"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS),
-           "HOME": str(out.parent), **env_extra}
+    env = cpu_child_env([str(TESTS)], HOME=str(out.parent), **env_extra)
     proc = subprocess.run([sys.executable, "-m", "trainer", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

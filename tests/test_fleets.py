@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from device_support import cpu_child_env
 
 from engines.embedded.launch import EngineProcess
 from engines.registry import EngineSpec
@@ -27,8 +28,7 @@ def run_one_rl_step(cfg) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "trainer", "rl", "--config", str(cfg), "--set", "rl.num_steps=1",
            "--set", "rl.rollout.rollout_batch_size=4", "--set", "rl.rollout.dynamic_filters=[]",
            "--set", "eval.limit=4", "--set", "rl.verify_sync=true"]
-    env = {"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=ROOT, env=cpu_child_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -94,7 +94,7 @@ def _run_rl(tmp_path, sync: str):
     probe_cfg = load_run_config(config_with_engines(tmp_path, "embedded = 1", name=name))
 
     folder = prepare_model_folder(probe_cfg)  # the run reuses this folder (same output_dir)
-    with EngineProcess(str(folder), seed=0) as remote:
+    with EngineProcess(str(folder), seed=0, device="cpu") as remote:  # float32 on the CPU, as the run's trainer
         cfg = config_with_engines(tmp_path, f'''
 fleet = [{{kind = "embedded"}}, {{url = "{remote.url}", kind = "sglang", tp_size = 1}}]
 sync = "{sync}"

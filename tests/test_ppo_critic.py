@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+from device_support import cpu_child_env
 from engine_support import digit_fraction
 
 import trainer.rl as rl
@@ -23,7 +24,13 @@ from kernels.gae import whiten
 from kernels.reference import gae_reference, value_loss_reference
 from trainer.backend.checkpoint import load_checkpoint, save_checkpoint
 from trainer.backend.models import has_value_head
-from trainer.backend.steps import build_components, compute_values, forward_backward, trainer_config_from
+from trainer.backend.steps import (
+    build_components,
+    compute_values,
+    forward_backward,
+    init_distributed,
+    trainer_config_from,
+)
 from trainer.batching.micro_batches import build_micro_batches
 from trainer.config import ConfigError, CriticConfig, OptimConfig, RLTrainingConfig, RunConfig, config_from_dict
 from trainer.config_reference import check_key_path, to_toml
@@ -384,7 +391,6 @@ def test_two_ranks_whiten_over_the_whole_step_and_match_one_process(tmp_path):
     """2 gloo ranks, each with its share of the samples: the whitening and the critic's statistics are over the
     step's tokens of both ranks (all_reduce sums), so the metrics and the trained policy and critic equal those of
     one process that holds every sample."""
-    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -394,12 +400,12 @@ def test_two_ranks_whiten_over_the_whole_step_and_match_one_process(tmp_path):
     sys.path.insert(0, str(worker.parent))
     import trainer_worker as w
 
-    env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, str(worker), "gae", str(tmp_path / "g2.pt"), "2"], check=True, timeout=300,
-                   env=env, cwd=root)
+                   env=cpu_child_env(), cwd=root)
     two = torch.load(tmp_path / "g2.pt")
     _, tcfg = w.gae_config()
-    policy = build_components(tiny_model_config(), tcfg)
+    # the one process on the CPU as well, in float32 like the gloo ranks (on a CUDA machine the default is the GPU)
+    policy = build_components(tiny_model_config(), tcfg, mesh=init_distributed("cpu"))
     critic = build_critic(policy, tcfg)
     one = w.gae_steps(policy, critic, range(2))
     assert one[0]["critic/advantages_std"] > 0 and one[1]["critic/value_loss"] != one[0]["critic/value_loss"]

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from device_support import cpu_child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM_STEPS, BATCH, N = 4, 2, 2  # steps asked for; groups per step; samples per group
@@ -104,8 +105,7 @@ def test_rollout_failure_on_rank0_reaches_every_rank_and_checkpoints(tmp_path):
     out = tmp_path / "run"
     cmd = [torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()), "--tee", "3",
            "--log-dir", str(tmp_path / "logs"), __file__, str(out), "2"]
-    env = {"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, cwd=ROOT, env=cpu_child_env([str(ROOT)]), capture_output=True, text=True, timeout=240)
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0, log[-3000:]
     # Each rank's own exit status and error (torchrun keeps a log per rank).

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from device_support import cpu_child_env
 from episode_support import CHAR_STOPS, TOK, Scripted, arithmetic_buffer
 
 from trainer.config import RolloutConfig
@@ -324,7 +325,7 @@ def test_the_demo_config_with_a_multi_turn_env_stops_with_an_error_naming_max_ne
            "--set", "rl.num_steps=5", "--set", "rl.rollout.rollout_batch_size=2", "--set",
            "rl.rollout.n_samples_per_prompt=2", "--set", f"rl.rollout.env=\"{tmp_path}/quiet_env.py:Quiet\"",
            "--set", "eval.limit=2"]
-    env = {"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
+    env = cpu_child_env()
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1, proc.stderr[-3000:]
     lines = proc.stderr.splitlines()
@@ -375,7 +376,7 @@ def test_ctrl_c_ends_a_run_blocked_in_an_env_step_with_a_checkpoint(tmp_path, mo
            # Turns end after one token (a random model's would run to max_new_tokens and never reach step()).
            "--set", f"rl.rollout.stop_token_ids={list(CHAR_STOPS)}",
            "--set", f"rl.async_rollout={str(mode == 'async').lower()}"]
-    env = {"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
+    env = cpu_child_env()
     proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:

@@ -10,6 +10,7 @@ import signal
 import time
 
 import pytest
+from device_support import cpu_child_env
 from engine_support import digit_fraction
 
 import trainer.rl as rl
@@ -344,8 +345,7 @@ def test_a_cli_run_scores_with_a_reward_model_in_the_rollout_process(tmp_path):
            "--set", "rl.num_steps=2", "--set", "rl.rollout.rollout_batch_size=4", "--set", "eval.limit=4",
            "--set", "rl.async_rollout=true", "--set", "engines.in_process=false",
            "--set", "rl.rollout_worker=\"process\"", "--set", f"rewards.sources={sources}"]
-    env = {"PATH": "/usr/bin:/bin", "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=root, env=cpu_child_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]

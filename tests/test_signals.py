@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from device_support import cpu_child_env
 from signal_support import SIGTERM_AT_ENV
 from test_nothing_lost import _logged_steps
 
@@ -86,8 +87,7 @@ def _cli(config: Path, out: Path, mode: str, *, sigterm_at: int = 0,
     sets = [f"output_dir=\"{out}\"", *MODES[mode]]
     cmd = [sys.executable, "-m", "trainer", "rl", "--config", str(config), *(a for s in sets for a in ("--set", s)),
            *(["--resume"] if resume else [])]
-    env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "tests"),
-           SIGTERM_AT_ENV: str(sigterm_at)}
+    env = cpu_child_env([str(ROOT / "tests")], **{SIGTERM_AT_ENV: str(sigterm_at)})
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
                           start_new_session=True)
 
