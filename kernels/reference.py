@@ -352,3 +352,36 @@ def value_loss_reference(values: torch.Tensor, old_values: torch.Tensor, returns
     if agg == "seq-mean-token-mean":
         return torch.as_tensor(sum(row_means) / len(row_means), dtype=torch.float64)
     raise ValueError(f"agg={agg!r}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Seeded sampling (kernels/sampling.py)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def philox4x32_reference(counter: tuple[int, int, int, int], key: tuple[int, int]) -> tuple[int, int, int, int]:
+    """Philox4x32-10 in Python integers, as Random123 defines it: ten rounds of two 32 x 32 -> 64-bit products
+    (high words mixed with the other counter words and the key, low words kept), the key bumped by the Weyl
+    constants between rounds."""
+    mask = 0xFFFFFFFF
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for _ in range(10):
+        p0, p1 = 0xD2511F53 * c0, 0xCD9E8D57 * c2
+        c0, c1, c2, c3 = (p1 >> 32) ^ c1 ^ k0, p1 & mask, (p0 >> 32) ^ c3 ^ k1, p0 & mask
+        k0, k1 = (k0 + 0x9E3779B9) & mask, (k1 + 0xBB67AE85) & mask
+    return c0, c1, c2, c3
+
+
+def sample_tokens_reference(probs: torch.Tensor, seeds: list[int], positions: list[int]) -> list[int]:
+    """Row by row: u = the top 52 bits of Philox(counter = (position low, high, 0, 0), key = seed's low, high words)
+    over 2^52, then the first token whose float64 prefix sum exceeds u times the row's sum."""
+    out = []
+    for row, seed, pos in zip(probs.to(torch.float64), seeds, positions):
+        s = seed % (1 << 64)
+        w0, w1, _, _ = philox4x32_reference((pos & 0xFFFFFFFF, pos >> 32, 0, 0), (s & 0xFFFFFFFF, s >> 32))
+        u = ((w0 >> 12) << 32 | w1) / 2.0 ** 52
+        cdf = torch.cumsum(row, 0)
+        target = u * float(cdf[-1])
+        out.append(int((cdf <= target).sum()))
+    return out

@@ -20,6 +20,7 @@ from kernels.logprobs import FLOAT_DTYPES, _block_v, _token_logprobs_bwd_kernel,
 from kernels.packing import (_TOKEN_BLOCK, _broadcast_kernel, _copy_tiles, _layout_kernel, _pack_kernel,
                              _unpack_kernel)
 from kernels.scale import _masked_scale_kernel
+from kernels.sampling import _launch_config, _sample_kernel
 
 f32, i64 = torch.float32, torch.int64
 cuda = torch.device("cuda")
@@ -61,6 +62,13 @@ for dt in (f32, torch.bfloat16, i64):
 for dt in FLOAT_DTYPES:
     launches.append((f"_masked_scale_kernel {dt}", _masked_scale_kernel,
                      dict(x_ptr=dt, m_ptr=torch.bool, y_ptr=f32, n=4099, alpha=0.37), dict(BLOCK=1024), 4))
+
+# kernels/sampling.py: one row a program on CUDA (the engine's decode step; fp32 probabilities).
+for V in (32000, 50257, 151936):
+    rows, block, warps = _launch_config(64, V, cuda)
+    launches.append((f"_sample_kernel V={V} ROWS={rows} BLOCK={block}", _sample_kernel,
+                     dict(p_ptr=f32, key_ptr=i64, pos_ptr=i64, out_ptr=i64, B=64, V=V, stride_row=V),
+                     dict(ROWS=rows, BLOCK=block), warps))
 
 report = []
 for name, fn, args, consts, warps in launches:
