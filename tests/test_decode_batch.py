@@ -1,14 +1,15 @@
 """The embedded engine's decode loop (engines/embedded/generation.py; issue 26 item 7).
 
-- Batched sampling (one exponential race per row from the row's generator, one divide and argmax for the batch)
-  draws the token `torch.multinomial(probs[i], 1, generator=g_i)` draws, with the same log-prob, and leaves every
-  generator in the state multinomial leaves it in (greedy rows: untouched), over many fresh seeds and several
-  consecutive steps.
+- Batched sampling (one kernels.sampling call for the batch, keyed by each row's seed and token position) draws the
+  token the float64 reference draws from the row's own probabilities (softmax(logits / T), top-k/top-p-filtered
+  where the row asks), with its log-prob, over many fresh seeds and positions; a row draws the same token alone or
+  in any batch; only the rows that filter go through the filters' sort; and the draws follow softmax(logits / T)
+  (chi-square over 100k draws with a concrete bound).
 - A DecodeBatch (preallocated KV cache, rows left-padded to a common column) gives, for every row, the logits and
-  log-probs of a plain forward of prompt + generated tokens without a cache, and the tokens of per-row multinomial
-  sampling from those logits, while rows join and leave at different steps, rows are aborted, stop tokens end rows,
-  a group shares one prefill and the cache grows past its first capacity. The cache's in-place joins, moved rows,
-  rebuilds and growth all happen in the run (asserted, so the comparison covers them).
+  log-probs of a plain forward of prompt + generated tokens without a cache, and the tokens the reference draws
+  from those logits at each token's position, while rows join and leave at different steps, rows are aborted,
+  stop tokens end rows, a group shares one prefill and the cache grows past its first capacity. The cache's
+  in-place joins, moved rows, rebuilds and growth all happen in the run (asserted, so the comparison covers them).
 - A decode step reads the host once (tokens and log-probs in one transfer); an abort reads it never.
 - A compiled decode (torch.compile, dynamic shapes) traces the cache without graph breaks or per-step recompiles.
 """
@@ -35,14 +36,17 @@ from engines.embedded.generation import (
     sample_with_logprobs,
 )
 from engines.embedded.presets import build_tiny_model
+from kernels import use_backend
+from kernels.reference import sample_tokens_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 # ------------------------------------------------------------------------------------------------ references
-def _reference_sample(logits: torch.Tensor, row: Row, gen: torch.Generator) -> tuple[int, float]:
+def _reference_sample(logits: torch.Tensor, row: Row, position: int) -> tuple[int, float]:
     """One row, written plainly: log-probs at the row's temperature (1 when greedy), the token by argmax (greedy)
-    or by torch.multinomial on the top-k/top-p-filtered (or plain) probabilities. logits [V] fp32."""
+    or, keyed by (row.seed, position), by the float64 reference of kernels.sampling on the top-k/top-p-filtered (or
+    plain) probabilities. logits [V] fp32."""
     device = logits.device
     temperature = torch.tensor([row.temperature], dtype=torch.float32, device=device)
     logprobs = (logits[None] / (temperature if row.temperature > 0 else 1.0)).log_softmax(-1)[0]
@@ -54,7 +58,7 @@ def _reference_sample(logits: torch.Tensor, row: Row, gen: torch.Generator) -> t
                                   torch.tensor([row.top_p], dtype=torch.float32, device=device)).softmax(-1)[0]
         else:
             probs = logprobs.exp()
-        tok = int(torch.multinomial(probs, 1, generator=gen)[0])
+        tok = sample_tokens_reference(probs[None], [row.seed], [position])[0]
     return tok, float(logprobs[tok])
 
 
@@ -75,32 +79,102 @@ def _params(rows: list[Row]) -> SamplingTensors:
 
 
 # ------------------------------------------------------------------------------------------------ sampling
-def test_batched_sampling_draws_what_per_row_multinomial_draws():
+def _sample(logits: torch.Tensor, rows: list[Row], positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """sample_with_logprobs on CPU inputs: the rows' parameters and the positions their tokens take."""
+    return sample_with_logprobs(logits, _params(rows), rows, torch.tensor(positions, dtype=torch.long))
+
+
+def test_batched_sampling_draws_the_seeded_reference():
+    # Random batches of greedy, plain and filtered rows at random positions (up to 2^40), several consecutive
+    # positions each: every token and log-prob equals the reference's for that row alone, and the batch permuted
+    # (with a row repeated) gives each row the same token: nothing depends on the batch's composition.
     g = torch.Generator().manual_seed(2026)
     seen = collections.Counter()
-    for _ in range(60):
+    for _ in range(30):
         B = int(torch.randint(1, 10, (), generator=g))
         V = [2, 7, 1271, 5003][int(torch.randint(0, 4, (), generator=g))]
         rows = [_random_row(g, V) for _ in range(B)]
-        ours = [torch.Generator().manual_seed(r.seed) for r in rows]
-        theirs = [torch.Generator().manual_seed(r.seed) for r in rows]
-        start = [gen.get_state() for gen in ours]
-        for _step in range(4):  # consecutive draws: the generators must advance alike
+        start = torch.randint(0, 2**40, (B,), generator=g).tolist()
+        for step in range(3):  # consecutive positions: a new draw each
             scale = 0.5 + 7.5 * float(torch.rand((), generator=g))
             logits = torch.randn(B, V, generator=g) * scale
-            tok, lp = sample_with_logprobs(logits, _params(rows), rows, ours)
+            positions = [p + step for p in start]
+            tok, lp = _sample(logits, rows, positions)
             for i, row in enumerate(rows):
-                ref_tok, ref_lp = _reference_sample(logits[i], row, theirs[i])
+                ref_tok, ref_lp = _reference_sample(logits[i], row, positions[i])
                 assert int(tok[i]) == ref_tok, (i, row)
                 assert float(lp[i]) == ref_lp, (i, row)
-                assert torch.equal(ours[i].get_state(), theirs[i].get_state())
-                if row.temperature == 0:
-                    assert torch.equal(ours[i].get_state(), start[i])  # greedy rows leave the generator alone
                 kind = "greedy" if row.temperature == 0 else (
                     "filtered" if row.top_k > 0 or row.top_p < 1 else "plain")
                 seen[kind] += 1
                 seen["not argmax"] += ref_tok != int(logits[i].argmax())
-    assert min(seen.values()) > 50, seen  # every kind of row, and draws that are not the argmax
+            if step == 0:
+                order = torch.randperm(B, generator=g).tolist() + [0]
+                shuffled = [rows[i] for i in order]
+                tok2, _ = _sample(logits[order], shuffled, [positions[i] for i in order])
+                assert tok2.tolist() == [int(tok[i]) for i in order]
+    assert min(seen.values()) > 30, seen  # every kind of row, and draws that are not the argmax
+
+
+def test_only_the_rows_that_filter_are_sorted(monkeypatch):
+    # filter_logits (the full-vocabulary sort) sees exactly the sampled rows with top-k/top-p, in batch order, and
+    # a batch without such rows never calls it; the plain rows' tokens equal the ones they draw in a batch of
+    # plain rows only (the unfiltered path).
+    calls = []
+    real = generation.filter_logits
+
+    def spy(logits, temperature, top_k, top_p):
+        calls.append((logits.clone(), top_k.tolist()))
+        return real(logits, temperature, top_k, top_p)
+
+    monkeypatch.setattr(generation, "filter_logits", spy)
+    g = torch.Generator().manual_seed(77)
+    V = 1271
+    plain = dict(top_k=-1, top_p=1.0)
+    rows = [_random_row(g, V, temperature=0.9, **plain), _random_row(g, V, temperature=0.8, top_k=40, top_p=1.0),
+            _random_row(g, V, temperature=0.0, top_k=5, top_p=1.0),  # greedy: no sort although it names a filter
+            _random_row(g, V, temperature=1.3, **plain), _random_row(g, V, temperature=0.7, top_k=-1, top_p=0.6),
+            _random_row(g, V, temperature=1.1, **plain)]
+    logits = torch.randn(len(rows), V, generator=g) * 3
+    positions = torch.randint(0, 1000, (len(rows),), generator=g).tolist()
+    tok, _ = _sample(logits, rows, positions)
+    assert len(calls) == 1 and calls[0][1] == [40, -1]
+    assert torch.equal(calls[0][0], logits[[1, 4]])
+    for i in (1, 4):
+        assert int(tok[i]) == _reference_sample(logits[i], rows[i], positions[i])[0]
+    calls.clear()
+    only_plain = [0, 3, 5]
+    tok_plain, _ = _sample(logits[only_plain], [rows[i] for i in only_plain], [positions[i] for i in only_plain])
+    assert not calls and tok_plain.tolist() == [int(tok[i]) for i in only_plain]
+
+
+def test_draws_follow_softmax_at_the_temperature():
+    # 100k draws at positions 0..N-1 of one seed, one row of 40 logits at T = 0.7: Pearson's chi-square against
+    # softmax(logits / 0.7) is below the 0.999 quantile of chi-square with 39 degrees of freedom (72.05), and the
+    # same counts against softmax(logits) (T ignored) are far above it. A top-k = 5 row draws only its 5 most
+    # likely tokens, in proportion to their renormalised probabilities (4 degrees of freedom: 18.47).
+    g = torch.Generator().manual_seed(3)
+    V, n = 40, 100_000
+    z = torch.randn(V, generator=g) * 1.5
+
+    def chi_square(counts: torch.Tensor, p: torch.Tensor) -> float:
+        expected = p.double() / p.double().sum() * n
+        return float(((counts.double() - expected) ** 2 / expected).sum())
+
+    def draw(row: Row) -> torch.Tensor:
+        rows = [row] * n
+        with use_backend("torch"):  # the batch of 100k rows on the CPU's path (both paths equal the reference)
+            tok, _ = _sample(z.expand(n, V).contiguous(), rows, list(range(n)))
+        return torch.bincount(tok, minlength=V)
+
+    counts = draw(Row((1,), 0.7, 1.0, -1, 1, frozenset(), 424242))
+    p = torch.softmax(z / 0.7, -1)
+    assert chi_square(counts, p) < 72.05
+    assert chi_square(counts, torch.softmax(z, -1)) > 10 * 72.05
+    counts = draw(Row((1,), 0.7, 1.0, 5, 1, frozenset(), 424243))
+    top = torch.topk(p, 5).indices
+    assert counts[top].sum() == n
+    assert chi_square(counts[top], p[top]) < 18.47
 
 
 def test_host_inputs_cross_in_one_copy_exactly():
@@ -204,9 +278,8 @@ def test_decode_batch_matches_a_full_forward_without_a_cache(arch, monkeypatch):
         seq = torch.tensor([list(row.prompt) + res.output_ids])
         with torch.no_grad():
             ref_logits = model(input_ids=seq).logits[0].float()  # [P + n, V], no cache, no padding
-        gen = torch.Generator().manual_seed(row.seed)
-        for j, tok in enumerate(res.output_ids):
-            ref_tok, ref_lp = _reference_sample(ref_logits[P - 1 + j], row, gen)
+        for j, tok in enumerate(res.output_ids):  # token j takes position P + j
+            ref_tok, ref_lp = _reference_sample(ref_logits[P - 1 + j], row, P + j)
             assert tok == ref_tok, (i, j)
             assert abs(res.logprobs[j] - ref_lp) < 1e-5, (i, j, res.logprobs[j], ref_lp)
             if j > 0:
@@ -371,7 +444,7 @@ def test_a_compiled_decode_traces_the_cache_without_recompiling_per_step():
 @pytest.mark.gpu
 def test_decode_steps_on_cuda_issue_no_host_sync_but_the_read():
     """On CUDA: a decode forward, the batched sampling and rows leaving (moved rows, host index in one pinned
-    copy) run under sync debug mode "error"; then tokens equal per-row multinomial on the device."""
+    copy) run under sync debug mode "error"; then the device's draws (the Triton kernel) equal the reference's."""
     model = build_tiny_model(3, arch="qwen2").cuda()
     g = torch.Generator().manual_seed(1)
     rows = [_random_row(g, 1000, prompt=tuple(torch.randint(6, 200, (int(n),), generator=g).tolist()),
@@ -382,20 +455,18 @@ def test_decode_steps_on_cuda_issue_no_host_sync_but_the_read():
         torch.cuda.set_sync_debug_mode("error")
         try:
             logits = batch._decode()
-            tok, lp = sample_with_logprobs(logits, batch.params, [a.row for a in batch.rows],
-                                           [a.gen for a in batch.rows])
+            tok, lp = sample_with_logprobs(logits, batch.params, [a.row for a in batch.rows], batch.pos)
             batch.last = tok
             batch._keep([0, 2, 3, 5])
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert len(batch) == 4 and batch.cache.rows == 4
-    # the exponential race on the device draws what multinomial draws on the device
-    V = 5003
-    logits = torch.randn(6, V, device="cuda") * 4
-    rows = [_random_row(g, V) for _ in range(6)]
-    ours = [torch.Generator(device="cuda").manual_seed(r.seed) for r in rows]
-    theirs = [torch.Generator(device="cuda").manual_seed(r.seed) for r in rows]
+    # the kernel on the device draws what the float64 reference draws from the same probabilities
+    V = 151936
+    logits = torch.randn(16, V, device="cuda") * 4
+    rows = [_random_row(g, V) for _ in range(16)]
+    positions = torch.randint(0, 2**40, (16,), generator=g).tolist()
     params = SamplingTensors(*(t.cuda() for t in _params(rows).tensors()))
-    tok, _ = sample_with_logprobs(logits, params, rows, ours)
+    tok, _ = sample_with_logprobs(logits, params, rows, torch.tensor(positions, device="cuda"))
     for i, row in enumerate(rows):
-        assert int(tok[i]) == _reference_sample(logits[i], row, theirs[i])[0]
+        assert int(tok[i]) == _reference_sample(logits[i], row, positions[i])[0]

@@ -9,8 +9,8 @@ and its sampling parameters (`SamplingTensors`) — all [B] device tensors that 
   2. prefill: the admitted rows, left-padded into one [b, L'] forward (built on the host, moved in one copy);
      rows with the same prompt (the n samples of a group) share one prefill row;
   3. join: the new rows take the next rows of the cache, right-aligned at the batch's length;
-  4. sample one token per row, each from its own `torch.Generator` (seeded from the row's seed), so a row's
-     tokens depend on its seed, not on which other rows share the batch;
+  4. sample one token per row, keyed by the row's seed and the position the token takes (kernels.sampling), so a
+     row's tokens depend on its seed, not on which other rows share the batch;
   5. read the tokens and log-probs on the host (the step's one device-to-host read; in a step where rows join,
      transformers also reads the prefill's padding mask), retire finished rows (stop token, length, or abort).
 
@@ -24,11 +24,12 @@ capacity (twice the attended length: geometric growth, at most what the rows can
 rows do not fit (more rows than the buffers hold, or a prompt longer than `length`), or when at least half the
 columns are ones no running row attends to any more; they keep only the attended columns.
 
-Sampling draws exactly the token `torch.multinomial(probs[i], 1, generator=g_i)` draws: ATen samples one token as
-argmax(p / q) with q = empty_like(p).exponential_(1, generator) (the exponential race, i.e. the Gumbel-max trick,
-Distributions.cpp). Here each sampled row fills its row of one [B, V] buffer from its own generator, and one
-division and one argmax serve all rows; greedy rows (temperature 0) take the argmax of the logits and leave their
-generator untouched. Without multinomial's per-call validity checks, a step samples without a host sync.
+Sampling: one call for the whole batch (kernels.sampling.sample_tokens: on CUDA one kernel) draws each row's token
+from its probabilities by inverse CDF, with a uniform from Philox keyed by (the row's seed, the position of the
+token): no per-row generator state, so a row draws the same tokens alone or in any batch, and a row resumed at a
+position draws what it would have drawn there. Rows with top-k/top-p are filtered (a full-vocabulary sort) on
+their own, gathered by device indices; rows without filters sample softmax(logits / T) itself. Greedy rows
+(temperature 0) take the argmax of the logits. Nothing is read on the host.
 
 Log-probs: for each sampled token, `log_softmax(logits / T)[token]` at the row's temperature T (temperature 0,
 greedy: `log_softmax(logits)`), before top-k/top-p: the distribution the token was sampled from before the
@@ -46,6 +47,7 @@ import torch
 from transformers import DynamicCache
 
 from engines.embedded.kv_cache import KVCache
+from kernels.sampling import sample_tokens, seed_words
 
 # transformers 5.24 renames the forward's `past_key_values` to `cache` and warns on every decode step; the versions
 # this project runs on (5.17 on the GPU image, < 5.20 beside vLLM) know only the old name, so the old name stays and
@@ -82,7 +84,6 @@ class RowResult:
 class _Active:
     row: Row
     handle: Any  # the caller's tag, returned with the result
-    gen: torch.Generator
     cached: int  # tokens of this row in the cache (its prompt, then one more per decode step)
     out_ids: list[int] = field(default_factory=list)
     out_lp: list[float] = field(default_factory=list)
@@ -106,16 +107,19 @@ class SamplingTensors:
     temperature: torch.Tensor  # fp32; 0: greedy
     top_k: torch.Tensor  # int64; <= 0: off
     top_p: torch.Tensor  # fp32; 1: off
+    key: torch.Tensor  # [B, 2] int64: the seed's Philox key words (kernels.sampling.seed_words), each < 2^32
 
     @staticmethod
     def of(rows: Sequence[Row]) -> SamplingTensors:
-        """The rows' parameters as CPU tensors (the caller moves them with the step's other inputs)."""
+        """The rows' parameters as CPU tensors (the caller moves them with the step's other inputs; every value is
+        exact in the float64 of that one copy)."""
         return SamplingTensors(torch.tensor([r.temperature for r in rows], dtype=torch.float32),
                                torch.tensor([r.top_k for r in rows], dtype=torch.long),
-                               torch.tensor([r.top_p for r in rows], dtype=torch.float32))
+                               torch.tensor([r.top_p for r in rows], dtype=torch.float32),
+                               torch.tensor([seed_words(r.seed) for r in rows], dtype=torch.long).view(-1, 2))
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.temperature, self.top_k, self.top_p
+        return self.temperature, self.top_k, self.top_p, self.key
 
     def select(self, idx: torch.Tensor) -> SamplingTensors:
         return SamplingTensors(*(t.index_select(0, idx) for t in self.tensors()))
@@ -145,29 +149,27 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
 
 
 def sample_with_logprobs(logits: torch.Tensor, params: SamplingTensors, rows: Sequence[Row],
-                         gens: Sequence[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+                         position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(next token [B] int64, its log-prob [B] fp32 at the row's temperature) from fp32 logits [B, V].
 
-    params: the rows' parameters on the device; rows: the same on the host (which rows sample, whether any
-    filters); gens[i]: row i's generator, advanced only when the row samples (temperature > 0)."""
+    params: the rows' parameters on the device; rows: the same on the host (whether any row samples, how many
+    filter); position [B] int64: the position each row's token takes, which with the row's seed keys its draw."""
     temperature = params.temperature
     # temperature 0 (greedy) reports temperature-1 log-probs
     logprobs = (logits / torch.where(temperature > 0, temperature, 1.0)[:, None]).log_softmax(-1)
     tok = logits.argmax(-1)
-    sampled = [i for i, r in enumerate(rows) if r.temperature > 0]
-    if sampled:
-        probs = logprobs.exp()  # rows without top-k/top-p sample the scaled distribution itself
-        if any(rows[i].top_k > 0 or rows[i].top_p < 1 for i in sampled):
-            # every row through the filters (row-wise ops: a row's values do not depend on its neighbours), kept
-            # where the row asks for a filter
-            filtered = (params.top_k > 0) | (params.top_p < 1)
-            probs = torch.where(filtered[:, None],
-                                filter_logits(logits, temperature, params.top_k, params.top_p).softmax(-1), probs)
-        race = torch.empty_like(probs)  # [B, V]: q ~ Exp(1) in each sampled row, from the row's own generator
-        for i in sampled:
-            race[i].exponential_(1, generator=gens[i])
-        drawn = torch.div(probs, race, out=race).argmax(-1)  # = torch.multinomial(probs[i], 1, generator=gens[i])
-        tok = torch.where(temperature > 0, drawn, tok)
+    if any(r.temperature > 0 for r in rows):
+        probs = logprobs.exp()  # [B, V]: rows without top-k/top-p sample the scaled distribution itself
+        m = sum(1 for r in rows if r.temperature > 0 and (r.top_k > 0 or r.top_p < 1))
+        if m:
+            # Only the m rows that ask go through the filters' sort: their indices, ascending, from a stable sort
+            # of the device flags (the host knows m, so nothing is read back).
+            asks = (temperature > 0) & ((params.top_k > 0) | (params.top_p < 1))  # [B]
+            idx = torch.argsort((~asks).to(torch.int32), stable=True)[:m]  # [m]
+            kept = filter_logits(logits.index_select(0, idx), temperature.index_select(0, idx),
+                                 params.top_k.index_select(0, idx), params.top_p.index_select(0, idx))
+            probs = probs.index_copy(0, idx, kept.softmax(-1))
+        tok = torch.where(temperature > 0, sample_tokens(probs, params.key, position), tok)
     return tok, logprobs.gather(-1, tok[:, None])[:, 0]
 
 
@@ -310,7 +312,7 @@ class DecodeBatch:
             self._compact(max(self.cache.rows_capacity, self.cache.rows + len(rows)), max(live, prompt_len), rows)
         self.cache.append_rows(pre.kv, pre.where, len(rows))
         self.pos, self.params = torch.cat([self.pos, pre.pos]), self.params.cat(pre.params)
-        self.rows += [_Active(r, h, _generator(r.seed, self.device), len(r.prompt)) for r, h in new]
+        self.rows += [_Active(r, h, len(r.prompt)) for r, h in new]
 
     def _keep(self, keep: list[int]) -> None:
         """Keep only rows `keep` (ascending indices): the last kept rows move into the places of removed ones."""
@@ -360,8 +362,9 @@ class DecodeBatch:
             logits.append(pre.logits)
         if not self.rows:
             return done
-        tok, lp = sample_with_logprobs(torch.cat(logits), self.params, [a.row for a in self.rows],
-                                       [a.gen for a in self.rows])
+        # self.pos is each row's next position id: the position of the token drawn now (its prompt's length for
+        # a joining row, one past the token just fed for a decoding one).
+        tok, lp = sample_with_logprobs(torch.cat(logits), self.params, [a.row for a in self.rows], self.pos)
         # The step's one host read: tokens (exact in float64, ids < 2^53) and log-probs in one transfer.
         host_tok, host_lp = torch.stack([tok.to(torch.float64), lp.to(torch.float64)]).tolist()
         bad = [a.row.rid or str(i) for i, (a, p) in enumerate(zip(self.rows, host_lp)) if p != p]
@@ -384,12 +387,6 @@ class DecodeBatch:
                 keep.append(i)
         self._keep(keep)
         return done
-
-
-def _generator(seed: int, device: torch.device) -> torch.Generator:
-    g = torch.Generator(device=device)
-    g.manual_seed(seed)
-    return g
 
 
 def generate_rows(model, rows: list[Row], *, pad_id: int, decode_fn: Callable | None = None) -> list[RowResult]:
