@@ -77,9 +77,14 @@ def new_api_key() -> str:
 
 def engine_env(api_key: str | None, root: str, base: dict[str, str]) -> dict[str, str]:
     """The engine process's environment: `base` with the project on PYTHONPATH and the key in API_KEY_ENV (removed
-    when there is no key, so a key in the caller's own environment never opens or locks an engine by accident)."""
+    when there is no key, so a key in the caller's own environment never opens or locks an engine by accident).
+
+    TRITON_INTERPRET is set to 0: the engine's kernel (kernels.sampling) takes the production path of its device,
+    never Triton's interpreter, which the test process turns on for itself (conftest.py) and which costs tens of
+    milliseconds a decode step on the CPU."""
     env = {k: v for k, v in base.items() if k != API_KEY_ENV}
     env["PYTHONPATH"] = root + os.pathsep + base.get("PYTHONPATH", "")
+    env["TRITON_INTERPRET"] = "0"
     if api_key:
         env[API_KEY_ENV] = api_key
     return env
