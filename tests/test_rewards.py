@@ -238,6 +238,7 @@ def test_the_regex_built_ins_score_inline_and_give_what_the_thread_hop_gave():
         countdown_reward,
         gsm8k_reward,
         math_reward,
+        no_reward,
         with_timeout,
     )
 
@@ -248,7 +249,9 @@ def test_the_regex_built_ins_score_inline_and_give_what_the_thread_hop_gave():
     async def score(fn):
         return [await acompute_reward(_sample(r, answer="7"), fn) for r in responses]
 
-    for fn in INLINE_REWARDS:
+    # no_reward (the reward of a run without one) is inline too: it reads the sample's metadata, nothing to scan
+    assert set(INLINE_REWARDS) == {arithmetic_reward, gsm8k_reward, no_reward}
+    for fn in (arithmetic_reward, gsm8k_reward):
         inline, hopped = trio.run(score, with_timeout(fn, 1.0)), trio.run(score, _thread_hop(fn))
         assert [(s.reward, s.status) for s in inline] == [(s.reward, s.status) for s in hopped]
         assert inline[1].reward == 1.0 and inline[0].reward == 0.0
@@ -300,3 +303,50 @@ def test_evaluation_bounds_each_reward_call_and_names_the_error_when_all_fail():
         with pytest.raises(RuntimeError, match="failed on all 3 samples; the first: reward function failed: "
                                                "KeyError: 'no_such_field'"):
             evaluate([Echo()], prompts, tokenizer=tok, reward_fn=broken, max_new_tokens=2, chat=False)
+
+
+def test_hung_sync_rewards_free_their_threads_at_their_deadline():
+    """48 sync rewards that hang, scored concurrently with 16 that answer: on one shared thread limiter (trio's 40)
+    the hung ones held every slot past their deadline and the good ones timed out waiting for a thread; in the
+    "rewards" pool (trainer.rollout.blocking) each hung call gives its slot back at its deadline."""
+    import threading
+    import time
+
+    import trio
+
+    from trainer.rollout.blocking import abandoned_threads
+    from trainer.rollout.rewards import acompute_reward, with_timeout
+
+    release = threading.Event()
+
+    def reward(sample):
+        if sample.response == "hang":
+            release.wait(60)
+        return 1.0
+
+    bounded = with_timeout(reward, 0.5)
+
+    async def score():
+        out = {}
+
+        async def one(i, response):
+            await trio.sleep(0.05 * (response == "ok"))  # the hung calls take their threads first
+            out[i] = await acompute_reward(_sample(response), bounded)
+
+        async with trio.open_nursery() as nursery:
+            for i, r in enumerate(["hang"] * 48 + ["ok"] * 16):
+                nursery.start_soon(one, i, r)
+        return [out[i] for i in range(64)]
+
+    t0 = time.monotonic()
+    try:
+        scored = trio.run(score)
+        hung_threads = abandoned_threads()
+    finally:
+        release.set()
+    assert time.monotonic() - t0 < 10
+    assert [s.reward for s in scored[48:]] == [1.0] * 16
+    assert all(s.status != Status.FAILED for s in scored[48:])
+    assert all(s.status == Status.FAILED and "took longer than 0.5 s" in s.metadata["reward_error"]
+               for s in scored[:48])
+    assert hung_threads == 48

@@ -1,14 +1,15 @@
-"""Blocking user code of an episode (sync tools, a sync environment's reset and step) run in worker threads, with a
-time limit, without starving anything else of threads.
+"""Blocking user code of an episode (sync tools, a sync environment's reset and step, sync reward functions: trainer.
+rollout.rewards.with_timeout) run in worker threads, with a time limit, without starving anything else of threads.
 
 A thread cannot be stopped. `trio.to_thread.run_sync(..., abandon_on_cancel=True)` lets the waiting task leave at
 its deadline, but the thread keeps the limiter slot it ran under until it really ends (trio releases it then, and
-never when it ends after its `trio.run`). On trio's default limiter (40 threads per run, the one sync reward
-functions run on: trainer.rollout.rewards.with_timeout) a few hung tools would hold every slot, and each later
-reward would wait out its own timeout and fail, blamed for a hang that was not its own. So each call here:
+never when it ends after its `trio.run`). On one shared limiter (trio's default: 40 threads per run) a few hung tools
+would hold every slot, and each later reward would wait out its own timeout and fail, blamed for a hang that was not
+its own. So each call here:
 
-  - takes a slot of its pool's own CapacityLimiter (POOL_THREADS per pool and trio run: "tools", "env") in the
-    waiting task, and gives it back when the task leaves, in time or not: a hung call frees its slot at its deadline;
+  - takes a slot of its pool's own CapacityLimiter (POOL_THREADS per pool and trio run: "tools", "env",
+    "rewards") in the waiting task, and gives it back when the task leaves, in time or not: a hung call frees its
+    slot at its deadline;
   - runs its thread under a limiter of its own that nobody else waits on, so an abandoned thread holds nothing;
   - is counted while its thread runs on abandoned (`abandoned_threads()`: the rollout's `abandoned_threads` metric),
     so a run that leaks threads says so.
@@ -33,7 +34,7 @@ from trio.lowlevel import RunVar
 # slot back), so this bounds the working threads, not the hung ones. 32 is about trio's own default (40), which sync
 # user code has always had; a queue beyond it waits at most its share of the calls ahead, each bounded by its timeout.
 POOL_THREADS = 32
-POOLS = ("tools", "env")
+POOLS = ("tools", "env", "rewards")
 _SLOTS: dict[str, RunVar] = {name: RunVar(f"trainer.rollout.blocking.{name}") for name in POOLS}
 
 

@@ -47,8 +47,7 @@ from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 from typing import Any
 
-import trio
-
+from trainer.rollout.blocking import BlockedCallTimeout, run_bounded
 from trainer.rollout.loading import load_callable
 from trainer.types import Sample, Status
 
@@ -360,23 +359,23 @@ def with_timeout(reward_fn: RewardFn, timeout_s: float | None) -> RewardFn:
     """`reward_fn` as an async function that raises TimeoutError after `timeout_s` seconds (None: no limit), for
     `acompute_reward` inside trio: a slow call marks its sample FAILED instead of stalling the whole step.
 
-    A plain function runs in a trio worker thread (so it must be thread-safe, as the built-ins are): a thread
-    cannot be stopped, so one past its limit is abandoned, left to finish in the background, and its result
-    dropped. An async function is cancelled. The INLINE_REWARDS built-ins are returned as they are."""
+    A plain function runs in a worker thread of the "rewards" pool (trainer.rollout.blocking: so it must be
+    thread-safe, as the built-ins are): a thread cannot be stopped, so one past its limit is abandoned, left to
+    finish in the background, its result dropped and its pool slot given back, so hung rewards never starve later
+    ones of threads. An async function is cancelled. The INLINE_REWARDS built-ins are returned as they are."""
     if timeout_s is None or reward_fn in INLINE_REWARDS:
         return reward_fn
+    name = getattr(reward_fn, "__name__", reward_fn)
 
     @functools.wraps(reward_fn)
     async def bounded(sample: Sample) -> Any:
-        with trio.move_on_after(timeout_s):
-            if inspect.iscoroutinefunction(reward_fn):
-                value = await reward_fn(sample)
-            else:
-                value = await trio.to_thread.run_sync(reward_fn, sample, abandon_on_cancel=True)
-            return await value if inspect.isawaitable(value) else value
-        raise TimeoutError(f"reward function {getattr(reward_fn, '__name__', reward_fn)!r} took longer than "
-                           f"{timeout_s:g} s ([data] reward_timeout_s); it was abandoned and the sample left out: "
-                           f"make it faster or raise the limit")
+        try:
+            return await run_bounded(reward_fn, sample, timeout_s=timeout_s, pool="rewards",
+                                     what=f"reward function {name!r}", hint="raise [data] reward_timeout_s")
+        except BlockedCallTimeout:
+            raise TimeoutError(f"reward function {name!r} took longer than {timeout_s:g} s ([data] "
+                               f"reward_timeout_s); it was abandoned and the sample left out: make it faster or "
+                               f"raise the limit") from None
 
     return bounded
 
