@@ -7,11 +7,12 @@ from engines.embedded.launch import EngineProcess
 
 @pytest.fixture(scope="module")
 def engine(request):
-    """One embedded engine subprocess (the tiny preset) per test module, killed when the module is done.
+    """One embedded engine subprocess (the tiny preset) per test module, killed when the module is done; on the CPU
+    on every machine, in float32, like the CPU tests that use it (a CUDA machine's default would be its GPU, in bf16).
 
     A module chooses the engine's seed and API key with module-level constants ENGINE_SEED (default 0) and
     ENGINE_API_KEY (default None: no key)."""
     seed = getattr(request.module, "ENGINE_SEED", 0)
     api_key = getattr(request.module, "ENGINE_API_KEY", None)
-    with EngineProcess("tiny", seed=seed, api_key=api_key) as proc:
+    with EngineProcess("tiny", seed=seed, api_key=api_key, device="cpu") as proc:
         yield proc

@@ -111,7 +111,7 @@ def test_forced_colocated_refuses_an_engine_elsewhere():
 
 def test_two_colocated_engines_share_the_slots():
     trainer = build_tiny_model(SEED)
-    with EngineProcess("tiny", seed=SEED) as a, EngineProcess("tiny", seed=SEED) as b:
+    with EngineProcess("tiny", seed=SEED, device="cpu") as a, EngineProcess("tiny", seed=SEED, device="cpu") as b:
         engines = [SGLangEngine(a.url, timeout_s=60), SGLangEngine(b.url, timeout_s=60)]
         sender = WeightSyncSender(trainer, engines, timeout_s=60, bucket_bytes=24 << 10)
         sender.init_group()

@@ -61,3 +61,22 @@ def test_the_end_of_the_run_releases_the_process_group_and_engine_threads(tmp_pa
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "1 passed" in proc.stdout and "releasing what the tests left" not in proc.stderr
     assert json.loads(out.read_text()) == {"process_group": False, "engine_threads": []}
+
+
+def test_every_engine_a_cpu_test_starts_names_its_device():
+    """An EngineProcess without a device runs on the GPU where there is one, in bf16: outside gpu-marked tests each
+    names its device (the CPU, where the CPU tests' trainers and tolerances are)."""
+    import ast
+
+    unplaced = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        for fn in [n for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)]:
+            if any("mark.gpu" in ast.unparse(d) for d in fn.decorator_list):
+                continue
+            for call in [c for c in ast.walk(fn) if isinstance(c, ast.Call)]:
+                named = getattr(call.func, "id", getattr(call.func, "attr", None)) == "EngineProcess"
+                placed = any(k.arg == "device" for k in call.keywords) or "--device" in [
+                    c.value for c in ast.walk(call) if isinstance(c, ast.Constant)]
+                if named and not placed:
+                    unplaced.append(f"{path.name}:{call.lineno}")
+    assert not unplaced, f"give these engines device=\"cpu\": {unplaced}"

@@ -27,7 +27,7 @@ def perturb(model, seed):
 
 def test_disk_sync_matches_the_trainer(tmp_path):
     trainer = build_tiny_model(SEED)
-    with EngineProcess("tiny", seed=SEED) as proc:
+    with EngineProcess("tiny", seed=SEED, device="cpu") as proc:
         eng = SGLangEngine(proc.url, timeout_s=60)
         perturb(trainer, 1)
         assert verify_sync(trainer, [eng], PROBES, expected_version=0).max_abs_diff[0] > 1e-3

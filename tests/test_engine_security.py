@@ -11,6 +11,7 @@ import httpx
 import pytest
 import torch
 import trio
+from device_support import cpu_child_env
 
 from engines.embedded.launch import API_KEY_ENV, free_port
 from engines.protocol import SamplingParams
@@ -74,8 +75,7 @@ def test_configured_key_is_used_for_the_started_engine():
 
 
 def _engine_cli(*args: str, env_key: str | None = None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
-    env["PYTHONPATH"] = str(ROOT)
+    env = {k: v for k, v in cpu_child_env([str(ROOT)]).items() if k != API_KEY_ENV}  # PYTHONPATH kept, ROOT first
     if env_key:
         env[API_KEY_ENV] = env_key
     return subprocess.run([sys.executable, "-m", "engines.embedded", "--model", "tiny", "--port", str(free_port()),
@@ -135,7 +135,7 @@ def is_gone(pid: int) -> bool:
 
 @pytest.mark.parametrize("launched_from", ["main", "thread"])
 def test_engine_dies_with_its_trainer_on_kill_9(launched_from):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = cpu_child_env([str(ROOT)])  # the parent's engine too sees no GPU
     parent = subprocess.Popen([sys.executable, "-c", PARENT, launched_from], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, text=True)
     try:
@@ -161,7 +161,7 @@ def test_colocated_attach_cannot_create_or_grow_shm_files():
 
     key = "k" * 32
     name = f"/dev/shm/rlkernels-weights-probe-{os.getpid()}"
-    with EngineProcess("tiny", api_key=key) as proc:
+    with EngineProcess("tiny", api_key=key, device="cpu") as proc:
         def attach(nbytes, paths):
             return httpx.post(proc.url + "/colocated_weights", timeout=30, headers={"Authorization": f"Bearer {key}"},
                               json={"op": "attach", "index": 0, "channel": "/nonexistent/signals.sock",
@@ -228,7 +228,7 @@ def test_colocated_sync_leaves_no_channel_or_slot_files(tmp_path):
         for p in trainer.parameters():
             p.mul_(0.5)
     key = "k" * 32
-    with EngineProcess("tiny", seed=3, api_key=key) as proc:
+    with EngineProcess("tiny", seed=3, api_key=key, device="cpu") as proc:
         eng = SGLangEngine(proc.url, api_key=key, timeout_s=60)
         sender = WeightSyncSender(trainer, [eng], timeout_s=60)
         sender.init_group()

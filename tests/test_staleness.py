@@ -219,7 +219,7 @@ def test_an_engine_started_with_cpus_runs_on_those_cores_only():
 
     from engines.embedded.launch import EngineProcess
 
-    with EngineProcess("tiny", cpus=(0,), threads=1, start_timeout_s=120) as proc:
+    with EngineProcess("tiny", cpus=(0,), threads=1, start_timeout_s=120, device="cpu") as proc:
         assert os.sched_getaffinity(proc.proc.pid) == {0}
     with pytest.raises(ValueError, match="only an \"embedded\" engine the run starts"):
         from engines.registry import EngineSpec

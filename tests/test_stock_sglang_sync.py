@@ -41,7 +41,7 @@ class RecordingEngine(SGLangEngine):
 
 @pytest.fixture(scope="module")
 def engines():
-    a, b = EngineProcess("tiny", seed=SEED), EngineProcess("tiny", seed=SEED)
+    a, b = EngineProcess("tiny", seed=SEED, device="cpu"), EngineProcess("tiny", seed=SEED, device="cpu")
     try:
         a.launch(), b.launch()
         a.wait_healthy(), b.wait_healthy()

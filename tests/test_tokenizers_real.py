@@ -78,7 +78,7 @@ def build_folder(style: str, folder) -> tuple[PreTrainedTokenizerFast, list[int]
 def served(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
     tok, gen_eos, eot = build_folder(request.param, folder)
-    with EngineProcess(str(folder)) as eng:
+    with EngineProcess(str(folder), device="cpu") as eng:
         yield request.param, folder, tok, gen_eos, eot, eng
 
 
