@@ -25,11 +25,13 @@ import contextlib
 import functools
 import math
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
 import torch
+from gate import parse_slow_case, settled  # bench/gate.py (bench/ is on sys.path: see conftest.py)
 
 from kernels import (
     LossInputs,
@@ -52,17 +54,25 @@ class Sizes:
     H: int
     dtype: torch.dtype
     pack: tuple[int, int, int]  # padded batch [B, L, D] for the packing cases
-    rounds: int  # per block (see BLOCKS)
-    warmup: int  # rounds before the first block
-    threads: int | None  # torch CPU threads while timing (None: leave as is)
+    blocks: int  # interleaved blocks per case (see pytest_generate_tests)
+    rounds: int  # per block, times the case's multiplier
+    warmup: int  # warm-up rounds (torch then ours) at least, before the first block; at most WARMUP_MAX_ROUNDS
+    threads: int | None  # torch CPU threads while timing, the same for both sides (None: leave as is)
 
 
 SIZES = {
-    "cpu": Sizes(T=512, V=32000, H=256, dtype=torch.float32, pack=(32, 1024, 256), rounds=3, warmup=1, threads=1),
-    "cuda": Sizes(T=8192, V=151936, H=896, dtype=torch.bfloat16, pack=(64, 4096, 896), rounds=10, warmup=3,
-                  threads=None),
-    "smoke": Sizes(T=64, V=1271, H=32, dtype=torch.float32, pack=(4, 32, 8), rounds=1, warmup=0, threads=1),
+    "cpu": Sizes(T=512, V=32000, H=256, dtype=torch.float32, pack=(32, 1024, 256), blocks=15, rounds=1, warmup=3,
+                 threads=1),
+    "cuda": Sizes(T=8192, V=151936, H=896, dtype=torch.bfloat16, pack=(64, 4096, 896), blocks=10, rounds=5,
+                  warmup=3, threads=None),
+    "smoke": Sizes(T=64, V=1271, H=32, dtype=torch.float32, pack=(4, 32, 8), blocks=1, rounds=1, warmup=0,
+                   threads=1),
 }
+# Warm-up: rounds of torch then ours until the last WARMUP_WINDOW ratios agree within WARMUP_TOLERANCE
+# (gate.settled), at most WARMUP_MAX_ROUNDS (a case that never settles is timed anyway; extra_info says so).
+WARMUP_WINDOW = 3
+WARMUP_TOLERANCE = 0.05
+WARMUP_MAX_ROUNDS = 12
 B = 4  # rows of the policy-loss cases
 CONFIG = PolicyLossConfig(loss_agg="token-mean", clip_low=0.2, clip_high=0.2, kl_coef=0.04, kl_type="k3")
 
@@ -245,53 +255,104 @@ def _built(case: str, device: str, smoke: bool):
     return s, full, scale, *build(s, device, full)
 
 
-# Each case alternates torch and ours in BLOCKS short blocks (torch-b0, ours-b0, torch-b1, ...): the gate takes
-# the median over blocks of median(ours) / median(torch), each ratio from two windows a second or so apart, so a
-# shift of the machine's load between blocks cancels.
-BLOCKS = 5
+def _device():
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+# Each case alternates torch and ours in many short blocks (torch-b0, ours-b0, torch-b1, ...): the gate takes the
+# median over blocks of median(ours) / median(torch), each ratio from two windows a fraction of a second apart, so
+# a shift of the machine's load between blocks cancels, and a burst that hits one side of one block is one outlier
+# among many. More, shorter blocks for the same rounds in all: 15 blocks of 1 round (times the case's multiplier)
+# on CPU, 10 of 5 on CUDA, where 5 blocks of 3 and of 10 were.
 def pytest_generate_tests(metafunc):
     # The smoke run (--benchmark-disable) only proves that each case runs: one block.
-    blocks = 1 if metafunc.config.getoption("benchmark_disable") else BLOCKS
+    blocks = 1 if metafunc.config.getoption("benchmark_disable") else SIZES[_device()].blocks
     params = [(c, b, i) for c in CASES for b in range(blocks) for i in ("torch", "ours")]
     metafunc.parametrize(("case", "block", "impl"), params, ids=[f"{c}-b{b}-{i}" for c, b, i in params])
 
 
+def _slow_factor(case: str) -> float:
+    """GATE_SLOW_CASE=<case>[:<factor>] makes our side of that case `factor` times slower (2 without one), to
+    prove the gate catches it; unset in every normal run. A name that is no case is an error, not a silent pass."""
+    slow = parse_slow_case(os.environ.get("GATE_SLOW_CASE"))
+    if slow is None:
+        return 1.0
+    if slow[0] not in CASES:
+        raise ValueError(f"GATE_SLOW_CASE names {slow[0]!r}, which is not a case of this set: one of {list(CASES)}")
+    return slow[1] if slow[0] == case else 1.0
+
+
+def _spin(clock: Callable[[], float], seconds: float):
+    """Busy-wait `seconds` on `clock` (process CPU time on CPU: a sleep would not count)."""
+    end = clock() + seconds
+    while clock() < end:
+        pass
+
+
+@contextlib.contextmanager
+def _timing(s: Sizes, device: str):
+    """What both sides run under, warm-up included: the same torch thread count (one on CPU: on a shared machine a
+    competing process stalls every multi-threaded parallel region, and single-threaded the CPU time that
+    bench/gate.py times by is the work the op does) and, on CPU, the torch path of our ops."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(s.threads or threads)
+    try:
+        with use_backend("torch") if device == "cpu" else contextlib.nullcontext():
+            yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _warm_up(runs: dict[str, Callable[[], None]], clear: Callable[[], None], s: Sizes, device: str):
+    """Rounds of torch then ours, each timed by the gate's clock, until their ratio settles (gate.settled);
+    returns (rounds, settled)."""
+    clock = time.perf_counter if device == "cuda" else time.process_time
+    ratios: list[float] = []
+    for n in range(1, WARMUP_MAX_ROUNDS + 1):
+        took = {}
+        for impl in ("torch", "ours"):
+            clear()
+            t0 = clock()
+            runs[impl]()
+            took[impl] = clock() - t0
+        ratios.append(took["ours"] / max(took["torch"], 1e-12))
+        if n >= s.warmup and settled(ratios, WARMUP_WINDOW, WARMUP_TOLERANCE):
+            return n, True
+    return WARMUP_MAX_ROUNDS, False
+
+
 def test_regress(benchmark, request, case, block, impl):
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = _device()
     smoke = request.config.getoption("benchmark_disable")
     if device == "cuda" and triton_interpret() and not smoke:
         pytest.skip("TRITON_INTERPRET=1 would time the Triton interpreter on CUDA; run `make bench-check`, "
                     "which sets TRITON_INTERPRET=0")
     s, full, scale, fns, leaves = _built(case, device, smoke)
-    fn = fns[impl]
-    # GATE_SLOW_CASE=<case>: our side of that case does its work twice, a real 2x slowdown, to prove the gate
-    # catches one (bench/results/gate_robustness-*.json); unset in every normal run.
-    repeats = 2 if impl == "ours" and os.environ.get("GATE_SLOW_CASE") == case else 1
+    clock = time.perf_counter if device == "cuda" else time.process_time
 
-    def run():
-        for _ in range(repeats):
-            out = fn()
+    def runner(side: str, slow: float = 1.0):
+        def run():
+            t0 = clock()
+            out = fns[side]()
             if full:
                 out.backward()
-        _sync(device)
+            _sync(device)
+            if slow > 1.0:  # the injected slowdown: this round's own time, stretched by the factor
+                _spin(clock, (clock() - t0) * (slow - 1.0))
+        return run
 
     def clear_grads():
         for t in leaves:
             t.grad = None
 
+    run = runner(impl, _slow_factor(case) if impl == "ours" else 1.0)
+
     benchmark.group = case
     benchmark.extra_info.update(case=case, impl=impl, block=block, device=device, threads=s.threads,
                                 dtype=str(s.dtype).removeprefix("torch."),
                                 shape=f"T={s.T} V={s.V} H={s.H} pack={s.pack}")
-    # One thread on CPU: on a shared machine a competing process stalls every multi-threaded parallel region;
-    # single-threaded, the CPU time that bench/gate.py times by is the work the op does.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(s.threads or threads)
-    try:
-        with use_backend("torch") if device == "cpu" else contextlib.nullcontext():
-            benchmark.pedantic(run, setup=clear_grads, rounds=s.rounds * scale, iterations=1,
-                               warmup_rounds=s.warmup if block == 0 else 0)
-    finally:
-        torch.set_num_threads(threads)
+    with _timing(s, device):
+        if block == 0 and impl == "torch" and not smoke:  # the case's first benchmark warms both sides
+            rounds, ok = _warm_up({"torch": runner("torch"), "ours": runner("ours")}, clear_grads, s, device)
+            benchmark.extra_info.update(warmup_rounds=rounds, warmup_settled=ok)
+        benchmark.pedantic(run, setup=clear_grads, rounds=s.rounds * scale, iterations=1)
