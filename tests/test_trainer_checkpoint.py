@@ -4,7 +4,6 @@ never picked; a changed config is refused; keep_last prunes."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
 import subprocess
 import sys
@@ -23,13 +22,14 @@ from trainer.backend.checkpoint import (
     load_latest,
     save_checkpoint,
 )
-from trainer.backend.steps import build_components
+from trainer.backend.steps import build_components, init_distributed
 from trainer.types import TrainingState
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "trainer_worker.py"
 sys.path.insert(0, str(WORKER.parent))
 import trainer_worker as w  # noqa: E402
+from device_support import cpu_child_env  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -43,16 +43,15 @@ def _torch_path():
 
 def test_kill_and_resume_reproduces_steps_exactly(tmp_path):
     out = tmp_path / "run"
-    with use_backend("torch"):
-        comp = build_components(tiny_model_config(), w.config(str(out), compile=False))
+    with use_backend("torch"):  # on the CPU, as the resuming process below is on every machine
+        comp = build_components(tiny_model_config(), w.config(str(out), compile=False), mesh=init_distributed("cpu"))
         state, first = w.train_steps(comp, TrainingState(), range(2))
         save_checkpoint(comp, state, {"next_step": state.step})
         state, rest = w.train_steps(comp, state, range(2, 4))
     assert state.step == 4 and state.tokens_seen > 0
     # A fresh process resumes from the step-2 checkpoint and runs steps 3-4.
-    env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, str(WORKER), "train", str(tmp_path / "r.pt"), str(out), "4", "2", "resume"],
-                   check=True, timeout=240, env=env, cwd=ROOT)
+                   check=True, timeout=240, env=cpu_child_env(), cwd=ROOT)
     resumed = torch.load(tmp_path / "r.pt")
     assert resumed["first_step"] == 2
     assert resumed["losses"] == rest, (resumed["losses"], rest)  # bit-exact

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from device_support import cpu_child_env
 
 from engines.tiny import tiny_model_config
 from kernels import use_backend
@@ -24,6 +24,7 @@ from trainer.backend.steps import (
     build_components,
     compute_logprobs,
     forward_backward,
+    init_distributed,
     optim_step,
     trainer_config_from,
     warmup_cosine,
@@ -209,12 +210,11 @@ def test_two_ranks_match_one_process(tmp_path):
     sys.path.insert(0, str(WORKER.parent))
     import trainer_worker as w
 
-    env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, str(WORKER), "fsdp", str(tmp_path / "w2.pt"), "2"], check=True, timeout=240,
-                   env=env, cwd=ROOT)
+                   env=cpu_child_env(), cwd=ROOT)
     two = torch.load(tmp_path / "w2.pt")
-    with use_backend("torch"):  # the same run in this process: one rank (FSDP over a world of 1)
-        comp = build_components(tiny_model_config(), w.config(compile=False))
+    with use_backend("torch"):  # the same run in this process: one rank (FSDP over a world of 1), on the CPU too
+        comp = build_components(tiny_model_config(), w.config(compile=False), mesh=init_distributed("cpu"))
         _, losses = w.train_steps(comp, TrainingState(), range(3))
         params = w.full_params(comp)
     assert len(losses) == 3 and losses[0] != losses[2]  # it trained
@@ -229,9 +229,8 @@ def test_two_ranks_match_one_process(tmp_path):
 def test_deferred_grad_sync_reduces_once_per_step_with_the_same_result(tmp_path):
     """[trainer] defer_grad_sync (the default): FSDP2 reduce-scatters after the last micro-batch only; the trained
     parameters equal those of a reduce-scatter after every micro-batch (2 gloo ranks, 3 steps)."""
-    env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, str(WORKER), "fsdp_sync", str(tmp_path / "s.pt"), "2"], check=True, timeout=300,
-                   env=env, cwd=ROOT)
+                   env=cpu_child_env(), cwd=ROOT)
     got = torch.load(tmp_path / "s.pt")
     deferred, every, mbs = got[True], got[False], got["micro_batches"]
     assert sum(mbs) > 3, mbs  # some step has several micro-batches: there is something to defer
