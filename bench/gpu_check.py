@@ -13,8 +13,9 @@ the interpreter, and match torch), then the stages, in this order:
 
 Writes bench/results/<gpu-name>.json and .md after every stage. `--dry-run` prints the plan (every stage, its
 commands, timeout, or why it is skipped; every benchmark case with its planned peak device bytes, marked where it
-would not fit `--memory-gb`, 80 by default, as the run skips it) and runs nothing, on any machine; `--gpus N` plans
-for N GPUs.
+would not fit `--memory-gb`, 80 by default, as the run skips it; the memory plans of Qwen2.5-7B RL on 1 x 80 GB
+with LoRA and on 8 x 80 GB in full: each part per rank, the total, the headroom and the verdict) and runs nothing,
+on any machine; `--gpus N` plans for N GPUs.
 
 A stage is judged by what it produced, not by its exit status alone: a pytest stage by its JUnit XML (tests ran, none
 failed or errored), the weight sync by the JSON figures it printed. A process that crashes after that (a segfault at
@@ -155,6 +156,29 @@ def benchmark_memory_plan(memory_bytes: float) -> dict[str, list[dict] | str]:
         sized = getattr(module, "planned_cases", None)
         out[f] = sized(memory_bytes) if sized else "not sized: " + UNSIZED.get(f, "the suite has no planned_cases")
     return out
+
+
+def qwen25_7b_config():
+    """Qwen2.5-7B's transformers config from its published numbers (no download): 7.62B parameters."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
+
+
+def memory_plans() -> dict[str, dict]:
+    """The memory plans (trainer.backend.memory.resolve_plan, the trainer's defaults and decisions) of the 7B
+    targets of issue 42: Qwen2.5-7B RL on 1 x 80 GB with LoRA r=16 on every block Linear and the engine colocated,
+    and on 8 x 80 GB in full with the engine colocated on each GPU; both with a bf16 KL reference where one
+    exists, 2 micro-batches of 8192 tokens a step, an engine KV cache of 32 rows x 4096 tokens. Per rank, in GB."""
+    from trainer.backend.memory import EngineMemory, resolve_plan
+    from trainer.config import BackendConfig, LoRAConfig
+
+    common = dict(trainer=BackendConfig(), device_bytes=80e9, micro_batch_tokens=8192, micro_batches=2,
+                  reference_dtype="bfloat16", engine=EngineMemory(colocated=True, rows=32, context=4096))
+    cases = {"qwen2.5-7b 1x80GB lora r16 all-linear, colocated engine": dict(world_size=1, lora=LoRAConfig(rank=16)),
+             "qwen2.5-7b 8x80GB full, colocated engine": dict(world_size=8, lora=None)}
+    return {name: resolve_plan(qwen25_7b_config(), **common, **case).as_dict() for name, case in cases.items()}
 
 
 def benchmark_cmd(file: str, js: Path) -> list[str]:
@@ -432,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         stages = plan(Path(args.out) / "<gpu-name>-logs", gpus, args.timeout, args.memory_gb)
         for s in skip:
             stages[SKIP_NAMES[s]]["skipped"] = "--skip"
-        print(json.dumps({"gpus": gpus, "stages": stages}, indent=2))
+        print(json.dumps({"gpus": gpus, "stages": stages, "memory_plans": memory_plans()}, indent=2))
         return 0
     if not torch.cuda.is_available():
         print(NO_CUDA, file=sys.stderr)

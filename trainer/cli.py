@@ -695,6 +695,7 @@ def _rl_phase(r: _Run, engines: Sequence[InferenceEngine], sft_components: Any, 
               evaluator: Any) -> None:
     """GRPO from the SFT weights (in memory) or the model folder; the engines are synced to them first (the sender
     SFT used, when it had one: the same model)."""
+    from trainer.backend.memory import release_phase_memory
     from trainer.backend.steps import build_components
     from trainer.evaluation import Evaluation
     from trainer.plot import plot_metrics
@@ -703,6 +704,8 @@ def _rl_phase(r: _Run, engines: Sequence[InferenceEngine], sft_components: Any, 
     from trainer.rollout.dumps import RolloutDumps
 
     data, rl_cfg, tcfg = r.cfg.data, r.phases.rl, r.phases.rl_trainer
+    if sft_components is not None:  # SFT's AdamW state is not RL's: freed (and on CUDA returned) before RL builds
+        release_phase_memory(sft_components)
     comp = build_components(sft_components.root if sft_components is not None else str(r.model_folder), tcfg)
     rewards = _reward_sources(r, engines, device=str(comp.device))
     if sender is not None and comp.model is not sft_components.model:  # a copy: the policy gained a value head

@@ -2,7 +2,8 @@
 
     apply_liger            CUDA only: Liger's RMSNorm / SwiGLU on this model's modules, where Liger supports it
                            (eager blocks only: uses_liger)
-    apply_ac               optional activation checkpointing of every decoder block (HF's non-reentrant path)
+    apply_ac               activation checkpointing of every decoder block (HF's non-reentrant path): as set, or
+                           by default above 1B parameters
     compile_blocks         per-decoder-block torch.compile (small graphs, one per block class; fast to build)
     fully_shard            each block, then the root (a TrainModule wrapping the LM), one MixedPrecisionPolicy
 
@@ -26,6 +27,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from trainer.backend.memory import auto_activation_checkpointing
+
 ROOT_PREFIX = "lm."
 
 
@@ -36,13 +39,18 @@ class ParallelConfig:
     compile: bool = True  # torch.compile each decoder block
     compile_backend: str = "inductor"  # tests on CPU use "aot_eager" (same graphs and recompiles, no C++ build)
     compile_dynamic: bool | None = None  # None: dynamo's default (static first, dynamic after a shape change)
-    activation_checkpointing: bool = False  # recompute each block's activations in the backward (less memory)
+    # Recompute each block's activations in the backward (less memory, one more forward of each block). Unset
+    # (auto): on for models above 1B parameters, whose saved activations outgrow the rest (trainer.backend.memory).
+    activation_checkpointing: bool | None = None
     param_dtype: str | None = None  # "float32" | "bfloat16" | None
     liger: bool = True  # Liger's RMSNorm / SwiGLU: CUDA only, in eager blocks only (compile = false)
 
     def __post_init__(self) -> None:
         if self.param_dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"param_dtype: expected None, 'float32' or 'bfloat16', got {self.param_dtype!r}")
+        if self.activation_checkpointing not in (None, True, False):
+            raise ValueError(f"activation_checkpointing: expected true, false or unset (auto: on above 1B "
+                             f"parameters), got {self.activation_checkpointing!r}")
         if self.compile_backend not in ("inductor", "aot_eager", "eager"):
             raise ValueError(f"compile_backend: expected inductor, aot_eager or eager, got {self.compile_backend!r}")
 
@@ -158,7 +166,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, config: ParallelConfig) -> T
     layers = decoder_layers(model)
     if uses_liger(mesh.device_type, config):
         apply_liger(model)
-    if config.activation_checkpointing:
+    if auto_activation_checkpointing(config.activation_checkpointing, sum(p.numel() for p in model.parameters())):
         apply_ac(model)
     if config.compile:
         compile_blocks(model, config)

@@ -41,6 +41,7 @@ from kernels.objective import merge_metrics
 from trainer.backend.attention import packed_hidden_states
 from trainer.backend.futures import DeviceStreams, TrainFuture
 from trainer.backend.listeners import sealed_new_listeners
+from trainer.backend.memory import step_defers_grad_sync
 from trainer.backend.parallel import ParallelConfig, TrainModule
 from trainer.batching.micro_batches import MicroBatch
 from trainer.config import BackendConfig, CriticConfig, RLTrainingConfig, SFTTrainingConfig
@@ -160,7 +161,8 @@ class TrainerConfig:
         d = {"optim": dataclasses.asdict(self.optim), "num_steps": self.num_steps, "loss": self.loss,
              "policy_loss": dataclasses.asdict(self.policy_loss), "temperature": self.temperature,
              "logprob_chunk_tokens": self.logprob_chunk_tokens,
-             "activation_checkpointing": self.backend.activation_checkpointing,
+             # unset (auto) as false: the fingerprints of runs from before the auto default stay what they were
+             "activation_checkpointing": self.backend.activation_checkpointing or False,
              "param_dtype": self.backend.param_dtype, "token_budget": self.token_budget,
              "bucket_size": self.micro_batch_buckets, "seed": self.seed}
         if self.critic is not None:  # "gae" only, so that the other runs' fingerprints stay what they were
@@ -485,11 +487,13 @@ def forward_backward(components: TrainingComponents, micro_batches: Sequence[Mic
         total_loss = torch.zeros((), device=dev, dtype=torch.float32)
         merged = None
         last = len(micro_batches) - 1
+        # defer_grad_sync, unless the unsharded fp32 gradient it holds does not fit this device (decided once a run)
+        defer = step_defers_grad_sync(components, config.defer_grad_sync, len(micro_batches))
         for i, mb in enumerate(_device_batches(components, micro_batches)):
             # FSDP2 reduce-scatters in this micro-batch's backward only when it is the last one (defer_grad_sync):
             # the earlier ones accumulate unsharded gradients, so a step costs one collective per block, not one
             # per micro-batch. The last micro-batch always syncs, so the flag is True again when the step ends.
-            components.root.set_requires_gradient_sync(i == last or not config.defer_grad_sync)
+            components.root.set_requires_gradient_sync(i == last or not defer)
             loss, metrics = components.root(lambda lm, mb=mb: loss_fn(lm, mb, config))
             (loss * world).backward()
             total_loss += loss.detach().float()
