@@ -5,6 +5,7 @@
                                                                             # defer_grad_sync, counting reduce-scatters
     python tests/trainer_worker.py train  <out.pt> <output_dir> <steps> <save_at> [resume]
     python tests/trainer_worker.py gae    <out.pt> <world_size>             # PPO steps with a separate critic
+    python tests/trainer_worker.py lora   <out.pt> <world_size>             # LoRA steps (adapters only train)
 
 Both train the tiny llama on a deterministic synthetic batch per step (a function of the step index only), on
 the CPU torch path of the kernels, and write the per-step losses (and full parameters) to <out.pt>.
@@ -121,6 +122,54 @@ def _fsdp_sync_rank(rank: int, world: int, port: int, out: str) -> None:
     _close_group(dist)
 
 
+def lora_config(compile: bool = False):
+    """config() with [sft.lora] rank 4 on the q/v/down projections; B starts random (`randomize_adapters`) so
+    every adapter has a gradient from step one."""
+    from trainer.config import LoRAConfig
+
+    return config(compile=compile).replace(lora=LoRAConfig(rank=4, alpha=8.0,
+                                                           target_modules=["q_proj", "v_proj", "down_proj"]))
+
+
+def randomize_adapters(comp, seed: int = 5) -> None:
+    """Every adapter (A and B) drawn from N(0, 0.1^2) by name, the same values on every rank and world size."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from trainer.backend.lora import is_adapter
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(comp.root.named_parameters()):
+            if not is_adapter(name):
+                continue
+            full = torch.randn(p.shape, generator=g) * 0.1
+            if isinstance(p, DTensor):
+                full = distribute_tensor(full, p.device_mesh, p.placements).to_local()
+                p.to_local().copy_(full)
+            else:
+                p.copy_(full)
+
+
+def _lora_rank(rank: int, world: int, port: int, out: str) -> None:
+    """Three LoRA steps (lora_config) on `world` gloo ranks: the losses, grad norms and the adapters after them."""
+    import torch.distributed as dist
+
+    from engines.tiny import tiny_model_config
+    from kernels import use_backend
+    from trainer.backend.steps import build_components, init_distributed
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    with use_backend("torch"):
+        comp = build_components(tiny_model_config(), lora_config(), mesh=init_distributed("cpu"))
+        randomize_adapters(comp)
+        _, losses = train_steps(comp, TrainingState(), range(3))
+        params = full_params(comp)
+    if rank == 0:
+        torch.save({"losses": losses, "params": params}, out)
+    _close_group(dist)
+
+
 def _close_group(dist) -> None:
     """Both ranks reach the teardown together: a rank that tears its gloo pairs down while the other is still
     writing results (rank 0 saves) can abort with "terminate called without an active exception" (seen once in a
@@ -181,7 +230,7 @@ def _gae_rank(rank: int, world: int, port: int, out: str) -> None:
 
 def main(argv: list[str]) -> None:
     mode, out = argv[0], argv[1]
-    if mode in ("fsdp", "fsdp_sync", "gae"):
+    if mode in ("fsdp", "fsdp_sync", "gae", "lora"):
         import socket
 
         import torch.multiprocessing as mp
@@ -190,7 +239,7 @@ def main(argv: list[str]) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        rank_fn = {"fsdp": _fsdp_rank, "fsdp_sync": _fsdp_sync_rank, "gae": _gae_rank}[mode]
+        rank_fn = {"fsdp": _fsdp_rank, "fsdp_sync": _fsdp_sync_rank, "gae": _gae_rank, "lora": _lora_rank}[mode]
         mp.spawn(rank_fn, args=(world, port, out), nprocs=world, join=True)
     elif mode == "train":
         from engines.tiny import tiny_model_config

@@ -248,6 +248,7 @@ def _check_model_inputs(cfg: RunConfig, mode: str) -> None:
             check_checkpoint_exists(cfg.model.checkpoint)
         except FileNotFoundError as e:
             raise FileNotFoundError(f"[model] {e}") from None
+    _check_lora_targets(cfg, mode)
     critic = cfg.rl.critic
     if mode in ("rl", "sft+rl", "demo") and critic is not None and critic.path is not None:
         try:  # what trainer.critic.build_critic's load refuses
@@ -256,6 +257,27 @@ def _check_model_inputs(cfg: RunConfig, mode: str) -> None:
             raise FileNotFoundError(f"[rl.critic] path = {critic.path!r}: {e}") from None
         except (ValueError, OSError) as e:  # a config.json transformers cannot read, an architecture it cannot build
             raise ValueError(f"[rl.critic] path = {critic.path!r}: {e}") from None
+
+
+def _check_lora_targets(cfg: RunConfig, mode: str) -> None:
+    """[sft.lora] / [rl.lora] target_modules that the model's blocks lack are named (with the modules they have)
+    before any work: the model is built from its config on the meta device, no weight read."""
+    phases = [p for p, modes in ((cfg.sft, ("sft", "sft+rl", "demo")), (cfg.rl, ("rl", "sft+rl", "demo")))
+              if mode in modes and p.lora is not None]
+    if not phases:
+        return
+    from trainer.backend.lora import check_targets
+
+    if cfg.model.path is not None:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(cfg.model.path)
+    else:
+        from engines.tiny import tiny_model_config
+
+        config = tiny_model_config(cfg.model.arch, **cfg.model.preset_sizes())
+    for phase in phases:
+        check_targets(config, phase.lora, f"{phase.TABLE}.lora")
 
 
 def _check_rollout_functions(rollout: Any, *, filters: bool) -> None:

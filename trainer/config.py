@@ -122,6 +122,48 @@ def _optim(value: Any) -> OptimConfig:
         return config_from_dict(OptimConfig, value)
     raise ValueError(f"optim: expected an OptimConfig or a table of its keys, got {type(value).__name__}")
 
+LORA_ALL_LINEAR = "all-linear"  # PEFT's name for every Linear of the decoder blocks (not the lm_head)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    """[sft.lora] / [rl.lora]: train low-rank adapters on a frozen base (absent: full fine-tuning).
+
+    Each targeted Linear W [out, in] computes x W^T + (alpha / rank) x A^T B^T with A [rank, in] (Kaiming-uniform
+    from the run's seed) and B [out, rank] (zeros), so the first forward is the base model's; only A and B (and
+    the lm_head with train_unembed) get gradients and optimizer state (trainer.backend.lora, through PEFT).
+    """
+
+    rank: int = 16  # r: the adapters' inner dimension
+    alpha: float = 32.0  # the adapters' output is scaled by alpha / rank
+    dropout: float = 0.0  # dropout on the adapters' input, in [0, 1)
+    # "all-linear" (every Linear of the decoder blocks) or a list of module names, e.g. ["q_proj", "v_proj"]
+    target_modules: str | list[str] = LORA_ALL_LINEAR
+    # also train the lm_head weight itself (in full, not as an adapter: the fused log-prob kernels read it as is)
+    train_unembed: bool = False
+
+    def __post_init__(self) -> None:
+        _positive(self, "rank", "alpha")
+        _check(0.0 <= self.dropout < 1.0, "dropout", f"must be in [0, 1), got {self.dropout!r}")
+        t = self.target_modules
+        if isinstance(t, list | tuple):
+            _check(len(t) > 0 and all(isinstance(m, str) and m for m in t), "target_modules",
+                   f"expected \"{LORA_ALL_LINEAR}\" or a non-empty list of module names, got {list(t)!r}")
+            object.__setattr__(self, "target_modules", tuple(t))  # hashable: the config is frozen
+        else:
+            _check(t == LORA_ALL_LINEAR, "target_modules", f"expected \"{LORA_ALL_LINEAR}\" or a list of module "
+                   f"names such as [\"q_proj\", \"v_proj\"], got {t!r}")
+
+
+def _lora(value: Any, table: str) -> LoRAConfig | None:
+    """A phase's `lora`: None (full fine-tuning), a LoRAConfig, or the [<phase>.lora] table of its keys."""
+    if value is None or isinstance(value, LoRAConfig):
+        return value
+    if isinstance(value, Mapping):
+        return config_from_dict(LoRAConfig, value, table)
+    raise ValueError(f"lora: expected a table of LoRA keys ([{table}] rank, alpha, ...), got {type(value).__name__}")
+
+
 @dataclasses.dataclass(frozen=True)
 class _PhaseConfig:
     """What SFT and RL both need besides the optimiser: length, packing, checkpoints, seed, outputs."""
@@ -134,9 +176,13 @@ class _PhaseConfig:
     keep_last: int = 2  # checkpoints kept (older ones are deleted)
     seed: int = 0  # the trainer's seed (from a run file: the run's seed unless set here)
     output_dir: str = "runs/default"  # checkpoints and metrics (from a run file: <run output_dir>/<phase>)
+    lora: Any = None  # the [<phase>.lora] table (LoRAConfig): train LoRA adapters on a frozen base; absent: full
+
+    TABLE = "phase"  # the phase's table in a run file, for messages ("sft", "rl")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "optim", _optim(self.optim))
+        object.__setattr__(self, "lora", _lora(self.lora, f"{self.TABLE}.lora"))
         _positive(self, "num_steps", "token_budget", "micro_batch_buckets", "keep_last")
         _non_negative(self, "save_every")
         _check(self.token_budget % self.micro_batch_buckets == 0 or self.token_budget < self.micro_batch_buckets,
@@ -146,6 +192,8 @@ class _PhaseConfig:
 @dataclasses.dataclass(frozen=True)
 class SFTTrainingConfig(_PhaseConfig):
     """Supervised fine-tuning on chat conversations (assistant-only loss)."""
+
+    TABLE = "sft"  # [sft]
 
     batch_size: int = 16  # conversations per step
     max_length: int = 512  # tokens per conversation (longer ones are cut)
@@ -262,6 +310,8 @@ class RLTrainingConfig(_PhaseConfig):
     # the cost).
     deterministic: bool = False
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)  # the [rl.rollout] table
+
+    TABLE = "rl"  # [rl]
 
     def __post_init__(self) -> None:
         super().__post_init__()

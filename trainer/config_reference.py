@@ -29,16 +29,20 @@ from trainer.config import (
     MOVED,
     CriticConfig,
     EvalSetConfig,
+    LoRAConfig,
     RewardSourceConfig,
     RLTrainingConfig,
     RunConfig,
+    SFTTrainingConfig,
     _hints,
     _section,
 )
 
 # Tables whose field is typed loosely (it also takes a ready-made object) but whose keys are another class's.
 SUBTABLES: dict[tuple[type, str], type] = {(RLTrainingConfig, "loss"): PolicyLossConfig,
-                                           (RLTrainingConfig, "critic"): CriticConfig}
+                                           (RLTrainingConfig, "critic"): CriticConfig,
+                                           (SFTTrainingConfig, "lora"): LoRAConfig,
+                                           (RLTrainingConfig, "lora"): LoRAConfig}
 # Arrays of tables: [[engines.fleet]] entries are EngineSpecs, [[eval.sets]] entries EvalSetConfigs, [rewards]
 # sources entries RewardSourceConfigs.
 ARRAY_TABLES: dict[str, type] = {"engines.fleet": EngineSpec, "eval.sets": EvalSetConfig,

@@ -37,6 +37,7 @@ from trainer.backend.attention import supports_shared_prompts
 from trainer.backend.checkpoint import Checkpointer, load_latest
 from trainer.backend.futures import TrainFuture
 from trainer.backend.heap import frozen_heap
+from trainer.backend.lora import adapters_disabled, is_lora
 from trainer.backend.steps import (
     TrainerConfig,
     TrainingComponents,
@@ -237,8 +238,9 @@ def train_on_batch(components: TrainingComponents, state: TrainingState, batch: 
     rewards = [token_rewards(mb, [s.reward for s in samples]) for mb in mbs] if gae else None  # host, [L] per mb
     if needs_old_logprobs(config):
         mbs = attach_logprobs(mbs, compute_logprobs(components, mbs), "old_logprobs")
-    if ref_components is not None:
-        mbs = attach_logprobs(mbs, compute_logprobs(ref_components, mbs), "ref_logprobs")
+    if ref_components is not None:  # LoRA: the policy itself, its adapters off (trainer.backend.lora)
+        with adapters_disabled(ref_components.model):
+            mbs = attach_logprobs(mbs, compute_logprobs(ref_components, mbs), "ref_logprobs")
     gae_stats = None
     if gae:  # the values before the update -> per-token advantages and returns
         mbs, stats = attach_gae(mbs, compute_values(critic or components, mbs), rewards,
@@ -644,8 +646,15 @@ def _default_probes(batch: RolloutBatch) -> list[list[int]]:
 
 
 def _reference_components(components: TrainingComponents, tcfg: TrainerConfig) -> TrainingComponents:
-    """A frozen copy of the current policy (the reference for the KL term), sharded like it, built in memory."""
+    """A frozen copy of the current policy (the reference for the KL term), sharded like it, built in memory.
+
+    LoRA ([rl.lora]): the policy itself, whose frozen base is the starting model; its log-probs are computed with
+    the adapters off (`adapters_disabled`), so no second copy of the model exists. With train_unembed the lm_head
+    itself trains, so the base is not the start any more: a copy is made as in a full run."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    if is_lora(components.model) and not tcfg.lora.train_unembed:
+        return components
 
     ref = build_components(components.model.config, tcfg.replace(compile=False))
     set_model_state_dict(ref.root, get_model_state_dict(components.root))

@@ -169,12 +169,22 @@ def _collect_checksums(folder: Path) -> dict[str, str]:
     return sums
 
 
+def _sd_options(components: TrainingComponents) -> StateDictOptions:
+    """A LoRA run ([sft.lora] / [rl.lora]) saves and loads only what trains (the adapters, a value head, the lm_head
+    with train_unembed) and its optimizer state: the frozen base is the model folder's, rebuilt by every start. Its
+    load is not strict (the frozen names are absent by design); the DCP load still fails on any trained tensor the
+    checkpoint lacks."""
+    lora = components.config.lora is not None
+    return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
+
+
 def _state_dicts(components: TrainingComponents, critic: TrainingComponents | None) -> dict[str, Any]:
     """The DCP state of a checkpoint: the model and optimizer of the policy, and of the critic when there is one."""
-    model_sd, optim_sd = get_state_dict(components.root, components.optimizer)
+    model_sd, optim_sd = get_state_dict(components.root, components.optimizer, options=_sd_options(components))
     out = {"model": model_sd, "optim": optim_sd}
     if critic is not None:
-        out["critic_model"], out["critic_optim"] = get_state_dict(critic.root, critic.optimizer)
+        out["critic_model"], out["critic_optim"] = get_state_dict(critic.root, critic.optimizer,
+                                                                  options=_sd_options(critic))
     return out
 
 
@@ -269,6 +279,17 @@ def _check_resumable(path: Path, meta: dict[str, Any], config: Any) -> None:
     if config.num_steps < step:
         raise CheckpointMismatch(f"{path}: num_steps = {config.num_steps} is below the checkpoint's step {step}; a "
                                  f"resume may extend a run, not shorten it: set num_steps >= {step}")
+
+
+def _check_lora(path: Path, meta: dict[str, Any], config: Any) -> None:
+    """A LoRA checkpoint (adapters only) resumed by a full run, or the reverse: named by the phase's LoRA table
+    before the per-field comparison (which would list every LoRA key)."""
+    saved = "lora" in (meta.get("fingerprint_fields") or {})
+    if saved != (config.lora is not None):
+        has, wants = ("LoRA adapters", "full fine-tuning") if saved else ("a full model", "LoRA")
+        raise CheckpointMismatch(f"{path}: the checkpoint holds {has} but this run trains with {wants}; resume with "
+                                 f"the checkpoint's [{config.lora_table}] table ({'set' if saved else 'remove'} it) "
+                                 f"or start a new run")
 
 
 def _read_meta(path: Path) -> dict[str, Any]:
@@ -409,6 +430,7 @@ def _load_verified(components: TrainingComponents, p: Path, critic: TrainingComp
         raise CheckpointMismatch(f"{p}: {'holds no critic' if critic is not None else 'holds a critic'} but this run "
                                  f"{'has one' if critic is not None else 'has none'}; resume with the checkpoint's "
                                  f"[rl] advantage_estimator and [rl.critic]")
+    _check_lora(p, meta, components.config)
     _check_resumable(p, meta, components.config)
     sds = _state_dicts(components, critic)
     try:
@@ -420,11 +442,12 @@ def _load_verified(components: TrainingComponents, p: Path, critic: TrainingComp
         raise CheckpointMismatch(f"{p}: its model/optimizer shards did not load into this model "
                                  f"({type(e).__name__}: {e}); the files are damaged or the checkpoint is of another "
                                  f"model") from e
-    set_state_dict(components.root, components.optimizer, model_state_dict=sds["model"], optim_state_dict=sds["optim"])
+    set_state_dict(components.root, components.optimizer, model_state_dict=sds["model"], optim_state_dict=sds["optim"],
+                   options=_sd_options(components))
     components.scheduler.load_state_dict(meta["scheduler"])
     if critic is not None:
         set_state_dict(critic.root, critic.optimizer, model_state_dict=sds["critic_model"],
-                       optim_state_dict=sds["critic_optim"])
+                       optim_state_dict=sds["critic_optim"], options=_sd_options(critic))
         critic.scheduler.load_state_dict(meta["critic_scheduler"])
     rng_file = p / f"rng_rank{_rank()}.pt"
     if meta["world_size"] == components.world_size and rng_file.is_file():
@@ -510,7 +533,13 @@ def export_hf(components: TrainingComponents, path: str | os.PathLike, *, tokeni
     Collective (every rank gathers its shards); rank 0 writes to `<path>.tmp` and renames. Returns the path on
     rank 0, None elsewhere.
     """
-    full = get_model_state_dict(components.root, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    from trainer.backend.lora import is_lora, merged_state_dict
+
+    if is_lora(components.model):  # the merged weights under the plain names: a stock model folder
+
+        full = {ROOT_PREFIX + k: v.cpu() for k, v in merged_state_dict(components.model)}
+    else:
+        full = get_model_state_dict(components.root, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if _rank() != 0:
         _barrier()
         return None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -117,7 +118,10 @@ def _full_state_dict(config: PretrainedConfig, folder: Path | None, model: nn.Mo
     for f in _safetensors_files(folder):
         sd.update({k: v.to(dtype) for k, v in load_file(str(f)).items()})
     sd.update(head)
-    expected = set(model.state_dict().keys())
+    # A LoRA model (trainer.backend.lora) holds the folder's tensors under ".base_layer." names: compare plain ones.
+    from trainer.backend.lora import hf_name, is_adapter
+
+    expected = {hf_name(k) for k in model.state_dict() if not is_adapter(k)}
     tied = bool(getattr(config, "tie_word_embeddings", False))
     if tied and "lm_head.weight" in expected and "lm_head.weight" not in sd:
         sd["lm_head.weight"] = sd.get("model.embed_tokens.weight")
@@ -140,7 +144,8 @@ def check_model_folder(path: str | os.PathLike) -> None:
 
 def load_hf_model(path_or_config: str | os.PathLike | PretrainedConfig, *, dtype: torch.dtype = torch.float32,
                   device: torch.device | str = "cpu", mesh: DeviceMesh | None = None,
-                  parallel: ParallelConfig | None = None, seed: int = 0, value_head: bool = False) -> nn.Module:
+                  parallel: ParallelConfig | None = None, seed: int = 0, value_head: bool = False,
+                  lora: Any = None, lora_table: str = "lora") -> nn.Module:
     """Any HF causal LM from a local folder (safetensors) or from a config (seeded random weights).
 
     Without `mesh`: the plain HF model on `device` in `dtype` (for engines, exports and references).
@@ -148,6 +153,8 @@ def load_hf_model(path_or_config: str | os.PathLike | PretrainedConfig, *, dtype
     per-block compile, FSDP2), materialised on `device`, and the full weights loaded into the shards; returns the
     FSDP root (`TrainModule`, the HF model is `.lm`). `dtype` is the storage (master) dtype of the parameters;
     compute may be bf16 through the mixed-precision policy. `value_head`: add a fresh value head (a critic's).
+    `lora` (a trainer.config.LoRAConfig; `lora_table` names its table in errors): PEFT adapters injected before
+    sharding, initialised from `seed`, the base frozen (trainer.backend.lora).
     """
     config, folder = _read_config(path_or_config)
     device = torch.device(device)
@@ -159,23 +166,36 @@ def load_hf_model(path_or_config: str | os.PathLike | PretrainedConfig, *, dtype
     if value_head:
         _add_value_head(model)
     decoder_layers(model)  # fail early, with a clear message, on a layout we cannot parallelise
+    if lora is not None:  # before parallelize: the adapters are sharded and compiled with their block
+        from trainer.backend.lora import inject
+
+        inject(model, lora, lora_table)
     if folder is not None:
         _safetensors_files(folder)  # a folder without weights fails before any work
     if mesh is None:
         model = model.to_empty(device=device).to(dtype)
         model.tie_weights()  # to_empty gives tied parameters separate storage; one Parameter again
-        sd = _full_state_dict(config, folder, model, seed, dtype)
+        sd = _lora_names(_full_state_dict(config, folder, model, seed, dtype), model, seed, lora)
         model.load_state_dict(sd, strict=True)
         _init_buffers(model, device)
         return model.eval()
     root = parallelize(model, mesh, parallel)
     root.to_empty(device=device)
-    sd = _full_state_dict(config, folder, model, seed, dtype)
+    sd = _lora_names(_full_state_dict(config, folder, model, seed, dtype), model, seed, lora)
     # Each rank holds the full tensors on the CPU and keeps its own shard (distribute_tensor slices locally).
     set_model_state_dict(root, {ROOT_PREFIX + k: v for k, v in sd.items()},
                          options=StateDictOptions(full_state_dict=True, strict=True))
     _init_buffers(model, device)
     return root
+
+
+def _lora_names(sd: dict[str, torch.Tensor], model: nn.Module, seed: int, lora: Any) -> dict[str, torch.Tensor]:
+    """The plain weights under a LoRA model's names, with its seeded adapters (unchanged without LoRA)."""
+    if lora is None:
+        return sd
+    from trainer.backend.lora import with_adapters
+
+    return with_adapters(sd, model, seed)
 
 
 def _init_buffers(model: nn.Module, device: torch.device) -> None:

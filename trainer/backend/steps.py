@@ -107,6 +107,17 @@ class TrainerConfig:
     param_dtype = property(lambda self: self.backend.param_dtype)
 
     @property
+    def lora(self) -> Any:
+        """The phase's [<phase>.lora] (a trainer.config.LoRAConfig) for the policy; None: full fine-tuning. A
+        separate critic is trained in full."""
+        return None if self.role == "critic" else self.phase.lora
+
+    @property
+    def lora_table(self) -> str:
+        """The phase's LoRA table in a run file, for messages: "sft.lora" or "rl.lora"."""
+        return f"{self.phase.TABLE}.lora"
+
+    @property
     def loss(self) -> str:
         """"policy" (RL), "nll" (SFT) or "value" (the critic)."""
         return "value" if self.role == "critic" else LOSSES[type(self.phase)]
@@ -165,6 +176,8 @@ class TrainerConfig:
              "activation_checkpointing": self.backend.activation_checkpointing or False,
              "param_dtype": self.backend.param_dtype, "token_budget": self.token_budget,
              "bucket_size": self.micro_batch_buckets, "seed": self.seed}
+        if self.lora is not None:  # LoRA runs only, so that the full runs' fingerprints stay what they were
+            d["lora"] = dataclasses.asdict(self.lora)
         if self.critic is not None:  # "gae" only, so that the other runs' fingerprints stay what they were
             d["gae"] = {"gamma": self.phase.gamma, "lam": self.phase.lam,
                         "whiten_advantages": self.phase.whiten_advantages, "critic": dataclasses.asdict(self.critic)}
@@ -257,22 +270,28 @@ def build_components(model: str | os.PathLike | Any, config: TrainerConfig, *,
     be shared or lacks the head: a critic built from the policy's root, or a policy with a head from a root without
     one, gets its own parameters with the root's weights copied in (`_copy_of`).
     """
+    from trainer.backend.lora import is_lora
     from trainer.backend.models import has_value_head, load_hf_model
 
     mesh = mesh if mesh is not None else init_distributed()
     device = mesh_device(mesh.device_type)
     torch.manual_seed(config.seed)
-    if isinstance(model, TrainModule) and (config.role == "critic" or has_value_head(model.lm) != config.value_head):
+    if isinstance(model, TrainModule) and (config.role == "critic" or has_value_head(model.lm) != config.value_head
+                                           or is_lora(model.lm) != (config.lora is not None)):
         root = _copy_of(model, config, mesh, device)
     elif isinstance(model, TrainModule):
         root = model
     else:
         root = load_hf_model(model, dtype=torch.float32, device=device, mesh=mesh, parallel=config.parallel(),
-                             seed=config.seed, value_head=config.value_head)
+                             seed=config.seed, value_head=config.value_head, lora=config.lora,
+                             lora_table=config.lora_table)
     root.train()
     cuda = device.type == "cuda"
     opt = config.optim
-    optimizer = torch.optim.AdamW(root.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps,
+    # Only what trains has gradients and AdamW state: with LoRA the adapters (+ a value head, + the lm_head with
+    # train_unembed); the frozen base costs no optimizer memory.
+    trainable = [p for p in root.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=opt.lr, betas=opt.betas, eps=opt.eps,
                                   weight_decay=opt.weight_decay, fused=True)
     lam = lambda s: warmup_cosine(s, warmup_steps=opt.warmup_steps, num_steps=config.num_steps,
                                   min_lr_ratio=opt.min_lr_ratio)
@@ -282,20 +301,29 @@ def build_components(model: str | os.PathLike | Any, config: TrainerConfig, *,
 
 
 def _copy_of(source: TrainModule, config: TrainerConfig, mesh: DeviceMesh, device: torch.device) -> TrainModule:
-    """A new root built like `config` says (value head or not) holding `source`'s weights: every tensor of the
-    trunk copied shard by shard, the value head fresh when the source has none (and dropped when the new model
-    has none)."""
+    """A new root built like `config` says (value head or not, LoRA or not) holding `source`'s weights: every
+    tensor of the trunk copied shard by shard, the value head fresh when the source has none (and dropped when the
+    new model has none). A LoRA source gives its merged weights (W + (alpha / r) B @ A, gathered in full); a LoRA
+    copy takes the trunk into its frozen base and starts its adapters fresh (B = 0: the same function as the
+    source), e.g. RL with [rl.lora] from the SFT phase's model in memory."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
+    from trainer.backend.lora import hf_name, is_adapter, is_lora, merged_state_dict
     from trainer.backend.models import is_value_head, load_hf_model
+    from trainer.backend.parallel import ROOT_PREFIX
 
     root = load_hf_model(source.lm.config, dtype=torch.float32, device=device, mesh=mesh, parallel=config.parallel(),
-                         seed=config.seed, value_head=config.value_head)
+                         seed=config.seed, value_head=config.value_head, lora=config.lora,
+                         lora_table=config.lora_table)
     own = get_model_state_dict(root)
-    given = {k: v for k, v in get_model_state_dict(source).items() if k in own}
-    missing = sorted(k for k in own if k not in given and not is_value_head(k))
+    merged = is_lora(source.lm)
+    src = ({ROOT_PREFIX + k: v for k, v in merged_state_dict(source.lm)} if merged
+           else get_model_state_dict(source))
+    plain_to_own = {hf_name(k): k for k in own if not is_adapter(k)}  # ".base_layer." names of a LoRA copy
+    given = {plain_to_own[k]: v for k, v in src.items() if k in plain_to_own}
+    missing = sorted(k for k in own if k not in given and not is_value_head(k) and not is_adapter(k))
     assert not missing, f"the source model lacks {missing[:3]}: not the same architecture"
-    set_model_state_dict(root, given, options=StateDictOptions(strict=False))
+    set_model_state_dict(root, given, options=StateDictOptions(strict=False, full_state_dict=merged))
     return root
 
 

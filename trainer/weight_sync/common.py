@@ -4,7 +4,7 @@ full values, the trainer's rank and its agreement helpers, and concurrent calls 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -14,13 +14,31 @@ from engines.protocol import WeightSyncEndpoint
 from engines.weight_sync.wire import WeightSyncError
 
 
+def _engine_weights(model: nn.Module) -> list[tuple[str, torch.Tensor, nn.Module | None]]:
+    """(HF name, parameter, its LoRA layer or None) of every weight an engine holds (trainer.backend.lora)."""
+    from trainer.backend.lora import sync_weights
+    from trainer.backend.models import is_value_head
+
+    return [(n, p, layer) for n, p, layer in sync_weights(model) if not is_value_head(n)]
+
+
 def named_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """(name, parameter) in a fixed order; FSDP2 keeps the HF names; torch.compile's `_orig_mod.` is stripped.
     Tied weights appear once (named_parameters de-duplicates), as HF's load_state_dict expects. A value head (PPO
-    with [rl.critic] kind = "head": trainer.backend.models) is the trainer's only: the engines never see it."""
-    from trainer.backend.models import is_value_head
+    with [rl.critic] kind = "head": trainer.backend.models) is the trainer's only: the engines never see it. A LoRA
+    model's adapters are left out and its adapted weights go by their plain names (".base_layer." dropped): the
+    engines get the merged weights (`gathered_weights`), a stock model's names and shapes."""
+    return [(n, p) for n, p, _ in _engine_weights(model)]
 
-    return [(n.replace("_orig_mod.", ""), p) for n, p in model.named_parameters() if not is_value_head(n)]
+
+def gathered_weights(model: nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor in `dtype`) for every `named_weights` entry, in its order: a collective per weight (every
+    rank iterates it to the end). An adapted weight is merged, W + (alpha / r) B @ A (trainer.backend.lora)."""
+    from trainer.backend.lora import merged_weight
+
+    with torch.no_grad():
+        for name, p, layer in _engine_weights(model):
+            yield name, merged_weight(p, layer, dtype)
 
 
 def full_tensor(p: torch.Tensor) -> torch.Tensor:

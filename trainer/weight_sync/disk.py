@@ -14,7 +14,7 @@ from torch import nn
 
 from engines.protocol import WeightSyncEndpoint
 from engines.weight_sync.wire import SHM_DIR, WeightSyncError
-from trainer.weight_sync.common import EngineCalls, any_rank, full_tensor, named_weights, trainer_rank
+from trainer.weight_sync.common import EngineCalls, any_rank, gathered_weights, named_weights, trainer_rank
 
 
 def _shm_or_tmp() -> str:
@@ -57,8 +57,7 @@ class DiskWeightSync:
 
     def write(self, version: int) -> str | None:
         """Gather every parameter (all ranks) and, on rank 0, write folder/v{version} atomically; returns it."""
-        with torch.no_grad():
-            full = {n: full_tensor(p.detach().to(self.dtype)) for n, p in named_weights(self.model)}
+        full = dict(gathered_weights(self.model, self.dtype))
         if self.rank != 0:
             return None
         return self.write_tensors(version, full)

@@ -59,7 +59,14 @@ from engines.weight_sync.wire import (
     shutdown_group,
     wait_work,
 )
-from trainer.weight_sync.common import EngineCalls, any_rank, from_rank0, full_tensor, named_weights, trainer_rank
+from trainer.weight_sync.common import (
+    EngineCalls,
+    any_rank,
+    from_rank0,
+    gathered_weights,
+    named_weights,
+    trainer_rank,
+)
 from trainer.weight_sync.disk import DiskWeightSync
 
 TRANSPORTS = ("auto", "broadcast", "colocated")
@@ -318,9 +325,8 @@ class WeightSyncSender:
     def _gathered(self) -> Iterator[tuple[int, torch.Tensor]]:
         """(index, full tensor in the sent dtype) for every parameter, all ranks in lockstep. The cast runs on
         the local shard, before the all-gather."""
-        with torch.no_grad():
-            for i, (_, p) in enumerate(named_weights(self.model)):
-                yield i, full_tensor(p.detach().to(self.dtype))
+        for i, (_, full) in enumerate(gathered_weights(self.model, self.dtype)):
+            yield i, full
 
     def sync(self, weight_version: int | None = None,
              on_bucket: Callable[[int, int], None] | None = None) -> int:
