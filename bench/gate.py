@@ -461,13 +461,16 @@ def parse_slow_case(value: str | None) -> tuple[str, float] | None:
 
 
 def settled(ratios: list[float], window: int, tolerance: float) -> bool:
-    """The warm-up's stop rule: the last `window` ours/torch ratios of single rounds agree within `tolerance`
-    (largest / smallest - 1). Until then a cache, an allocator or a lazily compiled kernel is still warming one
-    side more than the other, and a block timed then would not measure the steady ratio."""
-    if len(ratios) < window:
+    """The warm-up's stop rule: the median of the last `window` ours/torch ratios of single rounds is within
+    `tolerance` of the median of the `window` before them. Until then a cache, an allocator or a lazily compiled
+    kernel is still warming one side more than the other (the ratio drifts), and a block timed then would not
+    measure the steady ratio. Medians of windows, not single rounds: one round of a short op on a shared machine
+    varies by more than any drift worth waiting for."""
+    if len(ratios) < 2 * window:
         return False
-    last = ratios[-window:]
-    return max(last) / min(last) - 1.0 <= tolerance
+    last = statistics.median(ratios[-window:])
+    before = statistics.median(ratios[-2 * window:-window])
+    return abs(last / before - 1.0) <= tolerance
 
 
 def main(argv: list[str] | None = None) -> int:

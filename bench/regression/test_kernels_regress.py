@@ -68,8 +68,9 @@ SIZES = {
     "smoke": Sizes(T=64, V=1271, H=32, dtype=torch.float32, pack=(4, 32, 8), blocks=1, rounds=1, warmup=0,
                    threads=1),
 }
-# Warm-up: rounds of torch then ours until the last WARMUP_WINDOW ratios agree within WARMUP_TOLERANCE
-# (gate.settled), at most WARMUP_MAX_ROUNDS (a case that never settles is timed anyway; extra_info says so).
+# Warm-up: rounds of torch then ours until the median ratio of the last WARMUP_WINDOW rounds is within
+# WARMUP_TOLERANCE of the WARMUP_WINDOW before (gate.settled), at most WARMUP_MAX_ROUNDS (a case that never
+# settles is timed anyway; extra_info's warmup_settled says so).
 WARMUP_WINDOW = 3
 WARMUP_TOLERANCE = 0.05
 WARMUP_MAX_ROUNDS = 12
