@@ -165,12 +165,25 @@ def test_two_gloo_ranks_match_one_process(tmp_path):
     w.randomize_adapters(comp)
     _, losses = w.train_steps(comp, TrainingState(), range(3))
     params = w.full_params(comp)
+    merged = w.merged_weights(comp)
     assert losses[0] != losses[2]  # it trained
     for a, b in zip(losses, two["losses"]):
         assert abs(a - b) < 1e-5 * max(1.0, abs(a)), (losses, two["losses"])
     assert params.keys() == two["params"].keys()
     for k, v in params.items():
         assert (v - two["params"][k]).abs().max().item() < 1e-5, k
+    # The sync's merge on FSDP shards (W and B row shards, A gathered) equals the one-process merge and the float64
+    # W + (alpha / r) B @ A of the gathered parameters.
+    assert merged.keys() == two["merged"].keys() and not any(is_adapter(k) or ".base_layer." in k for k in merged)
+    adapted = [k for k in merged if f"lm.{k}" not in params]
+    assert len(adapted) == len(TARGETS) * 2
+    for k, v in merged.items():
+        assert (v - two["merged"][k]).abs().max().item() < 1e-5, k
+        if k in adapted:
+            base = params["lm." + k.replace(".weight", ".base_layer.weight")]
+            a = params["lm." + k.replace(".weight", f".lora_A.{ADAPTER}.weight")].double()
+            b = params["lm." + k.replace(".weight", f".lora_B.{ADAPTER}.weight")].double()
+            assert (v.double() - (base.double() + 2.0 * b @ a)).abs().max().item() < 1e-6, k
 
 
 def _steps(comp, state: TrainingState, steps: range) -> tuple[TrainingState, list[tuple[float, float]]]:
@@ -212,6 +225,14 @@ def test_resume_is_exact_and_the_checkpoint_holds_only_adapters(tmp_path):
     for n, v in _trainer_weights(fresh).items():
         if is_adapter(n):
             assert torch.equal(v, adapters_then[n]), n
+
+    # `python -m trainer export` of it: refused, saying why (it holds no base), nothing written.
+    from trainer.backend.export import export_checkpoint
+
+    load_hf_model(tiny_model_config()).save_pretrained(tmp_path / "base")
+    with pytest.raises(ValueError, match=r"a LoRA checkpoint .* holds the adapters only"):
+        export_checkpoint(tmp_path / "run", tmp_path / "base", tmp_path / "export")
+    assert not (tmp_path / "export").exists()
 
     # A LoRA checkpoint into a full run, and a full checkpoint into a LoRA run: named by the phase's LoRA table.
     full = build_components(tiny_model_config(), w.config(str(tmp_path / "run"), compile=False))
@@ -333,3 +354,33 @@ def test_sft_then_rl_with_lora_through_the_cli(tmp_path):
     keys = list(read_dcp_metadata(latest_checkpoint(tmp_path / "rl") / ".metadata").state_dict_metadata)
     tensors = [k for k in keys if not k.startswith("optim.param_groups.")]  # lr, betas, ...: numbers
     assert tensors and all(is_adapter(k) for k in tensors), [k for k in tensors if not is_adapter(k)][:5]
+
+
+def test_train_unembed_trains_the_lm_head_and_export_writes_the_merged_model(tmp_path):
+    """train_unembed: the lm_head weight itself trains (the fused kernels read it as is), its AdamW state is kept;
+    `export_hf` of a LoRA run writes the merged model, which stock transformers loads with the trainer's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.backend.checkpoint import export_hf
+    from trainer.config import LoRAConfig as Lora
+
+    cfg = w.config(compile=False).replace(lora=Lora(rank=4, alpha=4.0, train_unembed=True))
+    comp = build_components(tiny_model_config(), cfg)
+    trainable = sorted(n for n, p in comp.model.named_parameters() if p.requires_grad)
+    assert "lm_head.weight" in trainable and all(is_adapter(n) or n == "lm_head.weight" for n in trainable)
+    head_before = _full(comp.model.lm_head.weight.detach()).clone()
+    w.randomize_adapters(comp)
+    w.train_steps(comp, TrainingState(), range(2))
+    assert (_full(comp.model.lm_head.weight.detach()) - head_before).abs().max() > 1e-4
+    # The reference of an RL run with train_unembed is a copy (the lm_head moves): not the policy itself.
+    from trainer.rl import _reference_components
+
+    assert _reference_components(comp, cfg) is not comp
+
+    out = export_hf(comp, tmp_path / "export")
+    stock = AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32)
+    ids = torch.tensor([[1, 20, 21, 22, 40, 41, 7]])
+    with torch.no_grad():
+        want = stock(input_ids=ids).logits
+        got = comp.root(lambda lm: lm(input_ids=ids).logits)
+    assert (got - want).abs().max().item() <= 1e-5

@@ -150,6 +150,13 @@ def randomize_adapters(comp, seed: int = 5) -> None:
                 p.copy_(full)
 
 
+def merged_weights(comp) -> dict[str, torch.Tensor]:
+    """The weight sync's full tensors (trainer.weight_sync.common.gathered_weights, float32): collective."""
+    from trainer.weight_sync.common import gathered_weights
+
+    return {n: t.clone() for n, t in gathered_weights(comp.model, torch.float32)}
+
+
 def _lora_rank(rank: int, world: int, port: int, out: str) -> None:
     """Three LoRA steps (lora_config) on `world` gloo ranks: the losses, grad norms and the adapters after them."""
     import torch.distributed as dist
@@ -165,8 +172,9 @@ def _lora_rank(rank: int, world: int, port: int, out: str) -> None:
         randomize_adapters(comp)
         _, losses = train_steps(comp, TrainingState(), range(3))
         params = full_params(comp)
+        merged = merged_weights(comp)  # what a weight sync sends: merged on each rank's shard, then gathered
     if rank == 0:
-        torch.save({"losses": losses, "params": params}, out)
+        torch.save({"losses": losses, "params": params, "merged": merged}, out)
     _close_group(dist)
 
 

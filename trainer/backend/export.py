@@ -113,6 +113,11 @@ def export_checkpoint(checkpoint: str | os.PathLike, model_folder: str | os.Path
         raise FileNotFoundError(f"{folder}: not a Hugging Face model folder (no config.json); it gives the "
                                 f"checkpoint's architecture and tokenizer")
     ckpt, meta = _resolve(checkpoint)
+    if "lora" in (meta.get("fingerprint_fields") or {}):
+        raise ValueError(f"{ckpt}: a LoRA checkpoint ([sft.lora] / [rl.lora]) holds the adapters only, not a model; "
+                         f"exporting one (merged into its base, or as a PEFT adapter folder) is not supported yet "
+                         f"(issue 38, item 5): export the run's last full checkpoint, or use export_hf on the "
+                         f"trained components in Python")
     model = _plain_model(folder)
     _fill(model, ckpt)
     print(f"{told} {ckpt} (step {meta['state']['step']})", flush=True)
