@@ -384,3 +384,40 @@ def test_train_unembed_trains_the_lm_head_and_export_writes_the_merged_model(tmp
         want = stock(input_ids=ids).logits
         got = comp.root(lambda lm: lm(input_ids=ids).logits)
     assert (got - want).abs().max().item() <= 1e-5
+
+
+def test_a_value_head_trains_beside_the_adapters():
+    """PPO with [rl.critic] kind = "head" and [rl.lora]: the fresh value head and the adapters train through the
+    policy's loss, the base stays frozen, and the weights the engines get carry no value head."""
+    import dataclasses
+
+    from trainer.backend.steps import trainer_config_from
+    from trainer.config import OptimConfig, RLTrainingConfig, RolloutConfig
+    from trainer.rl import _reference_components, train_on_batch
+    from trainer.types import RolloutBatch
+    from trainer.weight_sync.common import named_weights
+
+    rl = RLTrainingConfig(advantage_estimator="gae", optim=OptimConfig(lr=3e-3), token_budget=w.BUDGET,
+                          micro_batch_buckets=w.BUCKET, loss={"loss_agg": "token-mean", "kl_coef": 0.01},
+                          rollout=RolloutConfig(apply_chat_template=False, max_new_tokens=64),
+                          critic={"kind": "head"}, lora={"rank": 4, "target_modules": ["q_proj", "v_proj"]})
+    tcfg = trainer_config_from(rl, compile=False)
+    comp = build_components(tiny_model_config(), tcfg)
+    trainable = {n for n, p in comp.model.named_parameters() if p.requires_grad}
+    assert {"value_head.weight", "value_head.bias"} <= trainable
+    assert all(is_adapter(n) or n.startswith("value_head.") for n in trainable)
+    ref = _reference_components(comp, tcfg)
+    assert ref is comp  # no second copy of the model
+    before = _trainer_weights(comp)
+    state, metrics = TrainingState(), []
+    for step in range(2):
+        samples = [dataclasses.replace(s, reward=float((i * 7 + step) % 5) / 4)
+                   for i, s in enumerate(w.step_samples(step, 12))]
+        m, state = train_on_batch(comp, state, RolloutBatch(samples), rl, tcfg, pad_id=0, ref_components=ref)
+        metrics.append(m)
+    assert all(math.isfinite(m["loss"]) and math.isfinite(m["critic/value_loss"]) for m in metrics)
+    assert metrics[1]["kl"] > 0  # the reference is the frozen base (adapters off), the policy moved off it
+    after = _trainer_weights(comp)
+    moved = {n for n in before if not torch.equal(before[n], after[n])}
+    assert moved == trainable  # every adapter (B left 0 after step 1) and the value head; no base tensor
+    assert not any(n.startswith("value_head") for n, _ in named_weights(comp.model))
