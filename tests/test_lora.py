@@ -334,10 +334,13 @@ def test_sft_then_rl_with_lora_through_the_cli(tmp_path):
         f"output_dir={json.dumps(str(tmp_path))}", "engines.in_process=true", "sft.num_steps=4", "rl.num_steps=3",
         "rl.rollout.rollout_batch_size=8", "rl.rollout.n_samples_per_prompt=4", "eval.limit=8",
         "rl.lora={rank = 8, alpha = 16.0}", "rl.optim.lr=1e-2", 'data.reward="test_lora:even_token_reward"',
-        "rl.rollout.max_truncated_steps=0"], mode="sft+rl")
-    assert cfg.rl.lora == LoRAConfig(rank=8, alpha=16.0) and cfg.sft.lora is None
+        "rl.rollout.max_truncated_steps=0", "sft.lora={rank = 4}", "sft.optim.lr=1e-2"], mode="sft+rl")
+    assert cfg.rl.lora == LoRAConfig(rank=8, alpha=16.0) and cfg.sft.lora == LoRAConfig(rank=4)
     summary = run("sft+rl", cfg)
     assert summary["rl_steps"] == 3
+    sft_rows = [json.loads(line) for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
+    sft_losses = [r["loss"] for r in sft_rows if "loss" in r]
+    assert len(sft_losses) == 4 and sft_losses[-1] < sft_losses[0]  # SFT trained its adapters
     rows = [json.loads(line) for line in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "loss" in r]
     assert len(rows) == 3 and all(math.isfinite(r["loss"]) for r in rows)
@@ -345,7 +348,8 @@ def test_sft_then_rl_with_lora_through_the_cli(tmp_path):
     assert max(r["mismatch/logprob_abs_diff_max"] for r in rows) < 1e-4
     assert [r["weight_version"] for r in rows] == [1, 2, 3]
     assert all(r["grad_norm"] > 0 for r in rows) and len({r["loss"] for r in rows}) == 3
-    assert rows[0]["kl"] == 0 < rows[-1]["kl"]  # the reference is the frozen base: the adapters moved off it
+    # RL's base is the SFT model with its adapters merged (fresh RL adapters, B = 0): the KL to it starts at 0.
+    assert rows[0]["kl"] == 0 < rows[-1]["kl"]
     assert rows[-1]["reward_mean"] > rows[0]["reward_mean"]
     # RL trained adapters only: its checkpoint holds them and their AdamW state, no base tensor.
     from trainer.backend.checkpoint import latest_checkpoint

@@ -268,7 +268,9 @@ def build_components(model: str | os.PathLike | Any, config: TrainerConfig, *,
     warmup + cosine (`warmup_cosine`). A value model (`config.value_head`: the critic, or a policy with a value
     head) gets a fresh value head (trainer.backend.models). A TrainModule is used as it is, except where it would
     be shared or lacks the head: a critic built from the policy's root, or a policy with a head from a root without
-    one, gets its own parameters with the root's weights copied in (`_copy_of`).
+    one, gets its own parameters with the root's weights copied in (`_copy_of`). So does a LoRA phase, or any
+    phase after a LoRA one: the copy holds the root's merged weights (as its frozen base, with fresh adapters, when
+    this phase has [<phase>.lora]).
     """
     from trainer.backend.lora import is_lora
     from trainer.backend.models import has_value_head, load_hf_model
@@ -276,8 +278,11 @@ def build_components(model: str | os.PathLike | Any, config: TrainerConfig, *,
     mesh = mesh if mesh is not None else init_distributed()
     device = mesh_device(mesh.device_type)
     torch.manual_seed(config.seed)
+    # A LoRA phase after another phase in memory (SFT -> RL with [rl.lora]) starts fresh adapters on a base that
+    # holds the previous phase's weights, its own adapters merged in: the KL reference (the base) is then the model
+    # RL started from.
     if isinstance(model, TrainModule) and (config.role == "critic" or has_value_head(model.lm) != config.value_head
-                                           or is_lora(model.lm) != (config.lora is not None)):
+                                           or is_lora(model.lm) or config.lora is not None):
         root = _copy_of(model, config, mesh, device)
     elif isinstance(model, TrainModule):
         root = model
