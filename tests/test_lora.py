@@ -425,3 +425,33 @@ def test_a_value_head_trains_beside_the_adapters():
     moved = {n for n in before if not torch.equal(before[n], after[n])}
     assert moved == trainable  # every adapter (B left 0 after step 1) and the value head; no base tensor
     assert not any(n.startswith("value_head") for n, _ in named_weights(comp.model))
+
+
+@pytest.mark.parametrize("train_unembed", [False, True])
+def test_peft_adapter_folder_round_trip(tmp_path, train_unembed):
+    """export_adapter writes a PEFT folder that PeftModel.from_pretrained loads on the stock base unchanged, giving
+    the trainer's logits (float32, 1e-5); with train_unembed the trained lm_head goes in as modules_to_save."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from trainer.backend.export import export_adapter
+
+    cfg = w.config(compile=False).replace(lora=LoRAConfig(rank=4, alpha=8.0, target_modules="all-linear",
+                                                          train_unembed=train_unembed))
+    comp = build_components(tiny_model_config(), cfg)
+    w.randomize_adapters(comp)
+    w.train_steps(comp, TrainingState(), range(1))  # the lm_head moves too with train_unembed
+    base = tmp_path / "base"
+    load_hf_model(tiny_model_config(), seed=cfg.seed).save_pretrained(base)  # the weights the adapters sit on
+    out = export_adapter(comp, tmp_path / "adapter", base=str(base))
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(base) and config["r"] == 4 and config["peft_type"] == "LORA"
+    stock = AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"], torch_dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(stock, out).eval()
+    ids = torch.tensor([[1, 20, 21, 22, 40, 41, 7, 90]])
+    with torch.no_grad():
+        want = comp.root(lambda lm: lm(input_ids=ids).logits)
+        got = peft_model(input_ids=ids).logits
+        plain = AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32)(input_ids=ids).logits
+    assert (got - want).abs().max().item() <= 1e-5
+    assert (plain - want).abs().max().item() > 1e-3  # the adapters (and the head) are in the folder

@@ -19,6 +19,7 @@ import os
 import shutil
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -156,3 +157,59 @@ def start_folder(cfg: RunConfig, model_folder: Path) -> Path:
         return model_folder
     return export_checkpoint(ckpt, model_folder, Path(cfg.output_dir) / "start_model",
                              told="loading [model] checkpoint")
+
+
+# ----------------------------------------------------------------------------------------------- LoRA adapters
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def export_adapter(components: Any, out: str | os.PathLike, *, base: str, tokenizer: Any = None) -> Path | None:
+    """A LoRA run's adapters as a PEFT adapter folder at `out` (adapter_config.json, adapter_model.safetensors, the
+    tokenizer files when given), which `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out)`
+    loads unchanged: `base` is the folder of the weights the adapters were trained on (base_model_name_or_path).
+
+    Tensor names are PEFT's saved ones: "base_model.model.<module>.lora_A.weight" (the adapter's name dropped);
+    with train_unembed the trained lm_head weight goes in as PEFT's `modules_to_save` ("base_model.model.lm_head.
+    weight"). Collective (every rank gathers its shards); rank 0 writes `<out>.tmp` and renames. Returns the path on
+    rank 0, None elsewhere."""
+    from safetensors.torch import save_file
+    from torch.distributed.tensor import DTensor
+
+    from trainer.backend.checkpoint import _barrier, _rank
+    from trainer.backend.lora import is_adapter, peft_config, resolve_targets
+
+    lora, lm = components.config.lora, components.model
+    if lora is None:
+        raise ValueError("export_adapter: this run trains no LoRA adapters (no [sft.lora] / [rl.lora]); export the "
+                         "model with export_hf")
+    tied = bool(getattr(lm.config, "tie_word_embeddings", False))
+    if lora.train_unembed and tied:
+        raise ValueError("export_adapter: train_unembed on a model with tied embeddings trained the input embedding "
+                         "too, which a PEFT adapter folder cannot carry; export the merged model with export_hf")
+    tensors = {}
+    for name, p in lm.named_parameters():  # every rank, in the same order: full_tensor is a collective
+        if is_adapter(name) or (lora.train_unembed and p is lm.get_output_embeddings().weight):
+            full = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
+            key = name.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
+            tensors["base_model.model." + key] = full.float().cpu().contiguous()
+    if _rank() != 0:
+        _barrier()
+        return None
+    config = peft_config(lora, resolve_targets(lm, lora))
+    config.base_model_name_or_path = str(base)
+    config.task_type = "CAUSAL_LM"
+    if lora.train_unembed:
+        config.modules_to_save = ["lm_head"]
+    path = Path(out)
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    config.save_pretrained(str(tmp))
+    save_file(tensors, str(tmp / ADAPTER_FILES[1]), metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+    _barrier()
+    return path
