@@ -297,6 +297,12 @@ def test_config_errors_name_the_key():
             config_from_dict(RunConfig, {"rl": {"lora": table}})
     cfg = config_from_dict(RunConfig, {"sft": {"lora": {"rank": 8, "target_modules": ["q_proj"]}}})
     assert cfg.sft.lora == LoRAConfig(rank=8, target_modules=("q_proj",)) and cfg.rl.lora is None
+    # The run's saved config.toml writes the table back, and it reads again to the same config.
+    import tomllib
+
+    from trainer.config_reference import to_toml
+
+    assert config_from_dict(RunConfig, tomllib.loads(to_toml(cfg)), "") == cfg
     # A module the model's blocks lack: named with the ones it has, before any work.
     from trainer.backend.lora import check_targets
 
