@@ -26,6 +26,7 @@ import trio
 from device_support import cpu_child_env
 from episode_support import CHAR_STOPS, TOK, Scripted, arithmetic_buffer
 
+from trainer.backend.checkpoint import is_interrupt
 from trainer.config import RolloutConfig
 from trainer.rl import TruncatedRunError, check_finishing
 from trainer.rollout.blocking import abandoned_threads
@@ -154,6 +155,43 @@ def test_closing_an_async_source_stops_the_batch_being_generated_ahead(release):
     source.close()
     assert time.monotonic() - t0 < 2.0
     assert abandoned_threads() == 2
+
+
+def test_ctrl_c_ends_a_batch_whose_async_env_steps_block_the_event_loop():
+    """A plain time.sleep in an `async def step` blocks the rollout's event loop: no timeout or cancellation reaches
+    it, only Ctrl-C (trio raises KeyboardInterrupt in it). No other episode then starts its step: before, each episode
+    whose engine reply had arrived went on into its own blocking step after the interrupt (and the run hung for good
+    with steps that never return)."""
+    import os
+    import signal
+
+    started = []
+
+    class LoopBlocker:
+        def reset(self, prompt, metadata):
+            return [{"role": "user", "content": prompt}]
+
+        async def step(self, message):
+            started.append(time.monotonic())
+            time.sleep(1.0)  # the event loop stops with it
+            return {"messages": [], "reward": 1.0, "done": True}
+
+    def ctrl_c():
+        while not started:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    # Three groups: the cancellation reaches each group's nursery in turn.
+    cfg = RolloutConfig(rollout_batch_size=3, n_samples_per_prompt=2, max_new_tokens=8, seed=1, env=LoopBlocker,
+                        env_timeout_s=60.0)
+    threading.Thread(target=ctrl_c, daemon=True).start()
+    t0 = time.monotonic()
+    with pytest.raises(BaseException) as e:  # noqa: PT011 - KeyboardInterrupt, alone or in trio's exception group
+        run_batch(cfg, engine=Scripted(lambda text: "7"), buffer=arithmetic_buffer(3))
+    took = time.monotonic() - t0
+    assert is_interrupt(e.value), repr(e.value)
+    assert len(started) == 1 and took < 2.0, (len(started), took)
 
 
 # ----------------------------------------------------------------------------------------------- tools

@@ -21,10 +21,11 @@ abandoned threads are trio's daemon threads: they never keep the process from ex
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import trio
@@ -107,10 +108,41 @@ async def run_blocking(fn: Callable[..., Any], *args: Any, timeout_s: float, poo
                              f"result dropped): {hint}")
 
 
+# Set in a trio run once a Ctrl-C (KeyboardInterrupt) came out of a user's code in it (`user_code`).
+_INTERRUPTED = RunVar("trainer.rollout.blocking.interrupted", default=False)
+
+
+async def enter_user_code() -> None:
+    """Called before a user's function starts: trio.Cancelled when the calling task is cancelled, KeyboardInterrupt
+    when a Ctrl-C already came out of a user's code in this trio run (`user_code`).
+
+    Why: an async method that blocks the event loop (a plain time.sleep in an `async def step`) cannot be cancelled
+    or timed out, only interrupted by Ctrl-C, which trio raises in it. The cancellation that follows reaches the
+    other episodes' nurseries one by one, and an episode whose engine reply had arrived went on into its own
+    blocking step first: the run hung again after every Ctrl-C."""
+    if _INTERRUPTED.get():
+        raise KeyboardInterrupt
+    await trio.lowlevel.checkpoint_if_cancelled()
+
+
+@contextlib.contextmanager
+def user_code() -> Iterator[None]:
+    """Around a user's async code in a trio run: a KeyboardInterrupt out of it is remembered (`enter_user_code`)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        _INTERRUPTED.set(True)
+        raise
+
+
 async def run_bounded(fn: Callable[..., Any], *args: Any, timeout_s: float, pool: str, what: str, hint: str) -> Any:
     """`fn(*args)` within `timeout_s`: an async `fn` awaited in this event loop (cancelled at the deadline), a plain
     one through `run_blocking` (its result awaited, by the same deadline, when it is an awaitable).
-    BlockedCallTimeout past the deadline, as `run_blocking`'s."""
+    BlockedCallTimeout past the deadline, as `run_blocking`'s.
+
+    A cancelled caller never starts `fn` (`enter_user_code`): an async `fn` that blocks the event loop (a plain
+    time.sleep in an `async def`) cannot be cancelled once it runs, only interrupted by Ctrl-C, which ends one call."""
+    await enter_user_code()
     deadline = trio.current_time() + timeout_s
     if inspect.iscoroutinefunction(fn):
         value = fn(*args)
@@ -118,6 +150,6 @@ async def run_bounded(fn: Callable[..., Any], *args: Any, timeout_s: float, pool
         value = await run_blocking(fn, *args, timeout_s=timeout_s, pool=pool, what=what, hint=hint)
     if not inspect.isawaitable(value):
         return value
-    with trio.move_on_at(deadline):
+    with trio.move_on_at(deadline), user_code():
         return await value
     raise BlockedCallTimeout(f"{what} took longer than {timeout_s:g} s: {hint}")

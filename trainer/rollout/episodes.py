@@ -42,7 +42,7 @@ from typing import Any
 import trio
 
 from engines.protocol import Completion, SamplingParams
-from trainer.rollout.blocking import BlockedCallTimeout, run_bounded
+from trainer.rollout.blocking import BlockedCallTimeout, enter_user_code, run_bounded, user_code
 from trainer.rollout.loading import load_callable
 from trainer.rollout.rewards import acompute_reward
 from trainer.rollout.samples import extend_sample, stop_token_ids
@@ -218,6 +218,7 @@ class Episode:
         reply = turn.message()
         self.tool_calls += len(turn.calls) + len(turn.errors)
         self.messages = messages + [reply]
+        await enter_user_code()  # a cancelled episode (Ctrl-C) goes back into a user's rollout_fn no more
         return dict(reply)
 
 
@@ -238,6 +239,7 @@ def env_driver(factory: Callable[[], Any], timeout_s: float | None = None) -> Dr
     async def call(env: Any, method: str, *args: Any) -> Any:
         fn = getattr(env, method)
         if timeout_s is None:
+            await enter_user_code()
             return await _maybe_await(fn(*args))
         return await run_bounded(fn, *args, timeout_s=timeout_s, pool="env",
                                  what=f"environment {type(env).__name__}.{method}",
@@ -317,7 +319,8 @@ async def run_episode(sample: Sample, driver: Driver, **episode_kw: Any) -> tupl
     episode = Episode(sample, **episode_kw)
     reward, status, extra = None, Status.COMPLETED, {}
     try:
-        reward = await driver(episode, sample)
+        with user_code():
+            reward = await driver(episode, sample)
     except EpisodeEnd as end:
         status = Status.ABORTED if end.reason == "abort" else Status.TRUNCATED
         extra["truncated_by"] = end.reason
