@@ -18,6 +18,7 @@ from trainer.rollout.rewards import (
     load_reward_fn,
     math_reward,
 )
+from trainer.stops import RunStopped
 from trainer.types import Sample, Status
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -300,7 +301,8 @@ def test_evaluation_bounds_each_reward_call_and_names_the_error_when_all_fail():
         raise KeyError("no_such_field")
 
     for _ in range(2):  # the second time nothing is printed above: the error must be in the message
-        with pytest.raises(RuntimeError, match="failed on all 3 samples; the first: reward function failed: "
+        # A run-time stop (one `error:` line from the command line, not a traceback).
+        with pytest.raises(RunStopped, match="failed on all 3 samples; the first: reward function failed: "
                                                "KeyError: 'no_such_field'"):
             evaluate([Echo()], prompts, tokenizer=tok, reward_fn=broken, max_new_tokens=2, chat=False)
 

@@ -26,6 +26,7 @@ import trio
 
 from engines.protocol import InferenceEngine
 from trainer.config import DataConfig, RunConfig
+from trainer.stops import RunStopped
 
 
 # ----------------------------------------------------------------------------------------------- pass@k
@@ -80,8 +81,9 @@ def evaluate(engines: Sequence[InferenceEngine], prompts: Sequence[Any], *, toke
     if greedy and n_failed == len(greedy):
         # The error itself, not "see above": an error printed once per process (an earlier evaluation, the rollouts)
         # is not printed again.
-        raise RuntimeError(f"evaluation: the reward function failed on all {n_failed} samples; the first: "
-                           f"{describe_failure(greedy[0])}")
+        # A run-time stop: `python -m trainer` prints it as one `error:` line (its traceback with RLKERNELS_DEBUG=1).
+        raise RunStopped(f"evaluation: the reward function failed on all {n_failed} samples; the first: "
+                         f"{describe_failure(greedy[0])}")
     n = max(len(greedy), 1)
     out = {"reward_mean": sum(s.reward or 0.0 for s in greedy) / n,
            "accuracy": sum(_correct(s, max_reward) for s in greedy) / n, "n": len(greedy), "failed": n_failed}
