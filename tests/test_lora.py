@@ -304,13 +304,13 @@ def test_config_errors_name_the_key():
 
     assert config_from_dict(RunConfig, tomllib.loads(to_toml(cfg)), "") == cfg
     # A module the model's blocks lack: named with the ones it has, before any work.
-    from trainer.backend.lora import check_targets
+    from trainer.backend.models import check_lora_targets
 
     with pytest.raises(ValueError, match=r"\[rl\.lora\] target_modules: \['qkv'\] .* it has \['down_proj', "
                                          r"'gate_proj', 'k_proj', 'o_proj', 'q_proj', 'up_proj', 'v_proj'\]"):
-        check_targets(tiny_model_config(), LoRAConfig(target_modules=["q_proj", "qkv"]), "rl.lora")
+        check_lora_targets(tiny_model_config(), LoRAConfig(target_modules=["q_proj", "qkv"]), "rl.lora")
     with pytest.raises(ValueError, match="train_unembed"):
-        check_targets(tiny_model_config(), LoRAConfig(target_modules=["lm_head"]), "sft.lora")
+        check_lora_targets(tiny_model_config(), LoRAConfig(target_modules=["lm_head"]), "sft.lora")
 
 
 def test_cli_refuses_a_missing_target_module_before_any_work(tmp_path, capsys):

@@ -266,7 +266,7 @@ def _check_lora_targets(cfg: RunConfig, mode: str) -> None:
               if mode in modes and p.lora is not None]
     if not phases:
         return
-    from trainer.backend.lora import check_targets
+    from trainer.backend.models import check_lora_targets
 
     if cfg.model.path is not None:
         from transformers import AutoConfig
@@ -277,7 +277,7 @@ def _check_lora_targets(cfg: RunConfig, mode: str) -> None:
 
         config = tiny_model_config(cfg.model.arch, **cfg.model.preset_sizes())
     for phase in phases:
-        check_targets(config, phase.lora, f"{phase.TABLE}.lora")
+        check_lora_targets(config, phase.lora, f"{phase.TABLE}.lora")
 
 
 def _check_rollout_functions(rollout: Any, *, filters: bool) -> None:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.backend.parallel import decoder_layers
+from trainer.backend.parallel import decoder_layers, is_value_head
 
 ADAPTER = "default"  # PEFT's adapter name: one adapter per trained model
 _ADAPTER_PARTS = (".lora_A.", ".lora_B.")
@@ -76,13 +76,6 @@ def resolve_targets(model: nn.Module, lora: Any, table: str = "lora") -> tuple[s
     return tuple(lora.target_modules)
 
 
-def check_targets(config: Any, lora: Any, table: str) -> None:
-    """The preflight's check of target_modules against a model config (built on the meta device: no weights)."""
-    from trainer.backend.models import _build_meta
-
-    resolve_targets(_build_meta(config, "eager"), lora, table)
-
-
 def peft_config(lora: Any, targets: Iterable[str]) -> Any:
     """PEFT's LoraConfig: a regex on the blocks' module paths, so a name that also exists outside the blocks (a
     value head, the lm_head) never gets an adapter. PEFT's default init (A Kaiming-uniform, B zero) is
@@ -108,8 +101,6 @@ def inject(model: nn.Module, lora: Any, table: str = "lora") -> None:
 def freeze_base(model: nn.Module, lora: Any) -> None:
     """requires_grad only on the adapters, a value head (fresh: it must learn) and, with train_unembed, the lm_head
     weight (tied models: that is also the input embedding). FSDP2 keeps each flag when it shards the parameter."""
-    from trainer.backend.models import is_value_head
-
     unembed = model.get_output_embeddings().weight if lora.train_unembed else None
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter(name) or is_value_head(name) or p is unembed)

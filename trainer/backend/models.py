@@ -23,14 +23,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from trainer.backend.attention import default_attn_implementation
-from trainer.backend.parallel import ROOT_PREFIX, ParallelConfig, compute_dtype, decoder_layers, parallelize
-
-VALUE_HEAD = "value_head"  # the attribute of the causal LM that holds a value model's head
-
-
-def is_value_head(name: str) -> bool:
-    """Whether a parameter / state-dict name (of the LM, or of the FSDP root: "lm." first) is the value head's."""
-    return name.removeprefix(ROOT_PREFIX).startswith(VALUE_HEAD + ".")
+from trainer.backend.parallel import (  # noqa: F401  (is_value_head: where callers import it)
+    ROOT_PREFIX,
+    VALUE_HEAD,
+    ParallelConfig,
+    compute_dtype,
+    decoder_layers,
+    is_value_head,
+    parallelize,
+)
 
 
 def has_value_head(model: nn.Module) -> bool:
@@ -212,3 +213,11 @@ def _init_buffers(model: nn.Module, device: torch.device) -> None:
                 module._buffers[name] = buf
             if hasattr(fresh, "attention_scaling"):
                 module.attention_scaling = fresh.attention_scaling
+
+
+def check_lora_targets(config: PretrainedConfig, lora: Any, table: str) -> None:
+    """The preflight's check of [<table>] target_modules against a model config, on a meta-device build (no
+    weights): the names trainer.backend.lora.resolve_targets would refuse at load time, refused before any work."""
+    from trainer.backend.lora import resolve_targets
+
+    resolve_targets(_build_meta(config, "eager"), lora, table)

@@ -30,6 +30,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from trainer.backend.memory import auto_activation_checkpointing
 
 ROOT_PREFIX = "lm."
+VALUE_HEAD = "value_head"  # the attribute of the causal LM that holds a value model's head
+
+
+def is_value_head(name: str) -> bool:
+    """Whether a parameter / state-dict name (of the LM, or of the FSDP root: "lm." first) is the value head's."""
+    return name.removeprefix(ROOT_PREFIX).startswith(VALUE_HEAD + ".")
 
 
 @dataclasses.dataclass(frozen=True)
