@@ -902,11 +902,14 @@ def _check_array(tp: Any, value: Any, path: str) -> None:
     args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
     if value is None and type(None) in args:
         return
-    if not isinstance(value, list | tuple):
-        example = f", e.g. {path.rsplit('.', 1)[-1]} = [{json.dumps(value)}]" if isinstance(
-            value, str | int | float) else ""
-        raise ConfigError(f"{path} = {value!r}: expected an array{example}")
     items = typing.get_args(next(a for a in args if _is_tuple(a)))  # (X, ...) or (X, Y) or () for a bare tuple
+    if not isinstance(value, list | tuple):
+        name, scalar = path.rsplit(".", 1)[-1], isinstance(value, str | int | float)
+        if items[:1] == (Any,):  # tables (fleet, sources) or names (tools): the key's own class knows which
+            example = f"; a list of tables (e.g. {name} = [{{...}}]) or of names (e.g. {name} = [...])"
+        else:
+            example = f", e.g. {name} = [{json.dumps(value)}]" if scalar else ""
+        raise ConfigError(f"{path} = {value!r}: expected an array{example}")
     if not items:
         return
     if items[-1] is not Ellipsis and len(value) != len(items):
