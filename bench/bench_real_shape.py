@@ -155,7 +155,9 @@ def run_pipeline(out: str | os.PathLike, *, config: Path = CONFIG, overrides: Se
                  shape: dict | None = None, timeout_s: float = 3600) -> dict:
     """SFT -> export -> RL through three CLI processes; returns the figures (see the module docstring)."""
     out = Path(out)
-    init = out / "init_model"
+    # Not <out>/init_model: that is the preset folder a fresh start removes, and a [model] path inside what a fresh
+    # start removes is refused (trainer.run_folder).
+    init = out / "base_model"
     t0 = time.perf_counter()
     if not (init / "config.json").is_file():
         write_model_folder(init, **(shape or {}))
@@ -201,10 +203,10 @@ if __name__ == "__main__":
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(ROOT / "runs" / "qwen05b_shape"))
-    ap.add_argument("--init", action="store_true", help="only write the model folder <out>/init_model")
+    ap.add_argument("--init", action="store_true", help="only write the model folder <out>/base_model")
     a = ap.parse_args()
     if a.init:
-        print(write_model_folder(Path(a.out) / "init_model"))
+        print(write_model_folder(Path(a.out) / "base_model"))
     else:
         result = run_pipeline(a.out)
         print(json.dumps(result, indent=1))
