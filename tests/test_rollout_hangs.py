@@ -433,3 +433,8 @@ def test_ctrl_c_ends_a_run_blocked_in_an_env_step_with_a_checkpoint(tmp_path, mo
     assert took < 10, f"{took:.1f} s from Ctrl-C to the exit"
     assert "continue with --resume" in err
     assert (out / "rl" / "checkpoints" / "step_00000000" / "state.json").is_file()
+    # Every sample cut but right (a common reward above 0: a converged run cut before its end of turn, as the real
+    # vLLM test's) is not stuck: the streak does not grow, whatever it was.
+    assert check_finishing(samples(T, T, T, rewards=[1.0] * 3), 2, DEMO_LIKE, step=3)[0] == 0
+    with pytest.raises(TruncatedRunError, match="rewards were all -1.0"):  # a penalty for every cut sample: stuck
+        check_finishing(samples(T, T, T, rewards=[-1.0] * 3), 2, DEMO_LIKE, step=3)

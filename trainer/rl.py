@@ -156,8 +156,8 @@ def _limits(rollout: RolloutConfig) -> str:
 def check_finishing(samples: Sequence[Sample], streak: int, rollout: RolloutConfig, *,
                     step: int) -> tuple[int, str | None]:
     """How many steps in a row, this one (`step`) included, had nothing to learn from (every sample TRUNCATED or
-    FAILED, the others' rewards all equal: every advantage is 0, the loss 0), given `streak` before it; and a
-    warning when more than MOSTLY_UNFINISHED of its samples were truncated or failed (None otherwise). Raises
+    FAILED, the others' rewards all equal and not above 0: every advantage is 0, the loss 0), given `streak` before
+    it; and a warning when more than MOSTLY_UNFINISHED of its samples were truncated or failed (None otherwise). Raises
     TruncatedRunError naming the length limits once that streak reaches rollout.max_truncated_steps (0: never).
 
     Why "and the rewards all equal": a batch whose cut samples still score differently trains (tests and tasks with
@@ -167,7 +167,10 @@ def check_finishing(samples: Sequence[Sample], streak: int, rollout: RolloutConf
     truncated = [s for s in samples if s.status == Status.TRUNCATED]
     failed = sum(s.status == Status.FAILED for s in samples)
     scored = {s.reward for s in samples if s.status != Status.FAILED}
-    streak = streak + 1 if n and len(truncated) + failed == n and len(scored) <= 1 else 0
+    # A common reward above 0 is a model that answers right but is cut before its end of turn (a converged run
+    # with a short max_new_tokens, as the real-vLLM test's): nothing to learn, and nothing wrong either.
+    stuck = len(scored) == 0 or (len(scored) == 1 and next(iter(scored)) <= 0)
+    streak = streak + 1 if n and len(truncated) + failed == n and stuck else 0
     by = collections.Counter(_LIMIT_OF.get(s.metadata.get("truncated_by", "length"), "max_new_tokens")
                              for s in truncated)
     cut = f"truncated ({', '.join(f'{v} by {k}' for k, v in by.most_common()) or 0}) or failed ({failed})"
