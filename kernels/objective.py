@@ -139,6 +139,9 @@ class PolicyLossConfig:
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective={self.objective!r} is unknown; choose one of {tuple(OBJECTIVES)}")
+        for name in ("kl_coef", "entropy_coef"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be a finite number")
         if self.loss_agg not in LOSS_AGGS:
             raise ValueError(f"loss_agg={self.loss_agg!r} is unknown; choose one of {LOSS_AGGS}")
         if self.kl_type not in KL_TYPES:

@@ -411,3 +411,18 @@ def test_a_missing_critic_or_checkpoint_is_an_error_before_the_fresh_start(tmp_p
     named = {"rl.critic.path": f"[rl.critic] path = {str(folder)!r}: ", "model.checkpoint": "[model] checkpoint "}
     assert rc == 2 and err.startswith(f"error: {DEMO}: {named[key]}") and message in err, err
     assert files_of(out) == before
+
+
+@pytest.mark.parametrize("override,message", [
+    ("rl.rollout.temperature=inf", r"\[rl.rollout\] temperature: must be > 0 and finite, got inf"),
+    ("eval.temperature=inf", r"\[eval\] temperature: must be > 0 and finite"),
+    ("rl.optim.lr=inf", r"\[rl.optim\] lr: must be finite, got inf"),
+    ("rl.loss.kl_coef=inf", r"kl_coef=inf: must be a finite number"),
+    ("rl.loss.entropy_coef=-inf", r"entropy_coef=-inf: must be a finite number"),
+    ("rl.loss.kl_coef=nan", r"--set rl.loss.kl_coef = nan: expected a number"),
+])
+def test_non_finite_numbers_are_refused_where_no_key_means_them(override, message):
+    """The probe's finds: temperature = inf ran a whole run (exit 0), lr / kl_coef = inf or nan were accepted. NaN is
+    refused for every key; inf where it means nothing (it stays valid for [rl.critic] value_clip: unclipped)."""
+    with pytest.raises(ConfigError, match=message):
+        load_run_config(DEMO, [override])

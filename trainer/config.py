@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -89,7 +90,7 @@ class RolloutConfig:
                   "request_timeout_s")
         _check(self.over_sampling_factor >= 1.0, "over_sampling_factor",
                f"must be >= 1.0 (1.0 = no over-sampling), got {self.over_sampling_factor}")
-        _check(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
+        _check(0 < self.temperature < math.inf, "temperature", f"must be > 0 and finite, got {self.temperature}")
         _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(self.top_k == -1 or self.top_k > 0, "top_k", f"must be -1 (off) or > 0, got {self.top_k}")
         _non_negative(self, "max_retries", "max_staleness", "retry_backoff_s", "abort_grace_s", "max_filtered_groups")
@@ -110,6 +111,7 @@ class OptimConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(self.betas))
         _positive(self, "lr", "eps")
+        _check(math.isfinite(self.lr), "lr", f"must be finite, got {self.lr}")
         _non_negative(self, "warmup_steps", "weight_decay", "max_grad_norm")
         _check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
         _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas",
@@ -639,7 +641,8 @@ class EvalConfig:
         _check(self.max_new_tokens is None or self.max_new_tokens > 0, "max_new_tokens",
                f"must be > 0 or unset, got {self.max_new_tokens!r}")
         _non_negative(self, "limit", "every", "k")
-        _check(self.temperature > 0, "temperature", f"must be > 0 (greedy is always measured), got {self.temperature}")
+        _check(0 < self.temperature < math.inf, "temperature",
+               f"must be > 0 and finite (greedy is always measured), got {self.temperature}")
         sets = tuple(s if isinstance(s, EvalSetConfig) else config_from_dict(EvalSetConfig, s, "eval.sets")
                      for s in self.sets)
         names = [s.name for s in sets]
@@ -881,6 +884,8 @@ def _check_scalar(tp: Any, value: Any, path: str) -> None:
     scalars = [a for a in args if a is not type(None)]
     if not scalars or any(a not in _SCALARS for a in scalars):
         return  # tables, arrays, Any: their own checks
+    if isinstance(value, float) and value != value:  # NaN: no key means anything by it (inf may: value_clip)
+        raise ConfigError(f"{path} = nan: expected a number")
     for a in scalars:
         if a is bool and isinstance(value, bool):
             return
