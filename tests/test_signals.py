@@ -205,8 +205,10 @@ def test_a_run_time_stop_is_one_error_line_and_exit_1_with_its_traceback_under_t
             "--set", "logging.rollouts_every=0"]
     assert main(args) == 0
     capsys.readouterr()
+    ran = (out / "config.toml").read_bytes()
     changed = [*args, "--resume", "--set", "rl.optim.lr=0.5"]
     assert main(changed) == 1
+    assert (out / "config.toml").read_bytes() == ran  # the refused config is not recorded as the run's (the probe)
     err = capsys.readouterr().err
     assert err.splitlines()[-1] == (f"error: {out}/rl/checkpoints/step_00000001: this run's config differs from the "
                                     f"checkpoint's in optim.lr (optim.lr was 0.01, now 0.5); resume with the "

@@ -623,10 +623,8 @@ def run(mode: str, cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
         warm_up()  # its imports (~3 s) overlap the engines' start, the model's build and the first evaluation
     if is_main and not resume:  # what it removes, and why: trainer.run_folder
         fresh_start(out, mode)
-    if is_main:  # what this run ran: every key, defaults filled in (`--config` it to run it again)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.toml").write_text(f"# the resolved config of `{mode}` (every key, defaults filled in)\n"
-                                         + to_toml(cfg))
+    if is_main and not resume:  # a resume writes it once its checkpoint accepted this config (_logger)
+        write_resolved_config(out, mode, cfg)
     model_folder = start_folder(cfg, prepare_model_folder(cfg)) if is_main else None
     model_folder = Path(broadcast_from_rank0(str(model_folder)))
     r = _Run(mode=mode, cfg=cfg, phases=phase_configs(cfg), model_folder=model_folder,
@@ -663,14 +661,29 @@ def has_eval_sets(cfg: RunConfig) -> bool:
     return cfg.data.eval is not None or bool(cfg.eval.sets)
 
 
+def write_resolved_config(out: Path, mode: str, cfg: RunConfig) -> None:
+    """<out>/config.toml: what this run ran, every key with defaults filled in (`--config` it to run it again)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.toml").write_text(f"# the resolved config of `{mode}` (every key, defaults filled in)\n"
+                                     + to_toml(cfg))
+
+
 def _logger(r: _Run, phase: str, phase_dir: str) -> Callable[[int], Any]:
-    """The phase's metrics logger, opened by the loop once it knows the step it starts after (resume)."""
+    """The phase's metrics logger, opened by the loop once it knows the step it starts after (resume). A resumed
+    run writes its config.toml here, after the checkpoint accepted this config: a resume refused for a changed
+    config (CheckpointMismatch) leaves the run's config.toml as it was."""
     from trainer.tracking import build_logger
 
     text = to_toml(r.cfg)
-    return lambda keep_through: build_logger(
-        r.cfg.logging, phase=phase, phase_dir=Path(phase_dir), run_dir=Path(r.cfg.output_dir), run_name=r.cfg.name,
-        config_text=text, config=tomllib.loads(text), enabled=r.is_main, keep_through=keep_through)
+
+    def open_logger(keep_through: int) -> Any:
+        if r.resume and r.is_main:
+            write_resolved_config(Path(r.cfg.output_dir), r.mode, r.cfg)
+        return build_logger(r.cfg.logging, phase=phase, phase_dir=Path(phase_dir), run_dir=Path(r.cfg.output_dir),
+                            run_name=r.cfg.name, config_text=text, config=tomllib.loads(text), enabled=r.is_main,
+                            keep_through=keep_through)
+
+    return open_logger
 
 
 def _sft_phase(r: _Run, engines: Sequence[InferenceEngine], evaluator: Any) -> tuple[Any, WeightSync | None]:
