@@ -126,6 +126,13 @@ def _no_checksums_and_no_shard(ckpt: Path) -> None:
 
 
 # kind of damage -> (how to do it to the newest checkpoint, the problem the warning must name)
+def _set_step(ckpt: Path, step: int) -> None:
+    """state.json naming another step than its folder's (the probe: step 7 inside step_00000003 went unnoticed)."""
+    meta = json.loads((ckpt / "state.json").read_text())
+    meta["state"]["step"] = step
+    (ckpt / "state.json").write_text(json.dumps(meta))
+
+
 DAMAGE = {
     "state.json missing": (lambda c: (c / "state.json").unlink(),
                            lambda c: f"{c}: not a complete checkpoint: state.json is missing"),
@@ -139,6 +146,8 @@ DAMAGE = {
                             lambda c: f"{c / 'state.json'}: unreadable (JSONDecodeError"),
     "state.json without a step": (lambda c: (c / "state.json").write_text("{}"),
                                   lambda c: f"{c / 'state.json'}: no state.step in it"),
+    "state.json of another step": (lambda c: _set_step(c, 7),
+                                   lambda c: f"{c / 'state.json'}: state.step = 7 in the folder of step 2"),
     "no checksums, shard missing": (_no_checksums_and_no_shard,
                                     lambda c: f"{c / '__0_0.distcp'}: missing (named by {c / '.metadata'})"),
 }

@@ -304,6 +304,11 @@ def _read_meta(path: Path) -> dict[str, Any]:
             or not isinstance(meta["state"].get("step"), int):
         raise CorruptCheckpointError(f"{f}: no state.step in it; the checkpoint is damaged: resume from an earlier "
                                      f"one (pass the output_dir: the newest intact one is used)")
+    named = _STEP_RE.match(path.name)  # state.json holds the checksums, so nothing else covers its own step
+    if named and int(named.group(1)) != meta["state"]["step"]:
+        raise CorruptCheckpointError(f"{f}: state.step = {meta['state']['step']} in the folder of step "
+                                     f"{int(named.group(1))}; the checkpoint is damaged: resume from an earlier one "
+                                     f"(pass the output_dir: the newest intact one is used)")
     return meta
 
 
