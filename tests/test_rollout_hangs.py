@@ -438,3 +438,32 @@ def test_ctrl_c_ends_a_run_blocked_in_an_env_step_with_a_checkpoint(tmp_path, mo
     assert check_finishing(samples(T, T, T, rewards=[1.0] * 3), 2, DEMO_LIKE, step=3)[0] == 0
     with pytest.raises(TruncatedRunError, match="rewards were all -1.0"):  # a penalty for every cut sample: stuck
         check_finishing(samples(T, T, T, rewards=[-1.0] * 3), 2, DEMO_LIKE, step=3)
+
+
+def test_close_abandons_a_worker_stuck_in_user_code_and_the_process_exits():
+    """The probe's find: an async env that blocks its event loop (time.sleep in `async def step`) is out of reach of
+    any cancellation, and the async rollout worker (a ThreadPoolExecutor thread, joined by close() and at
+    interpreter exit) kept the process alive after Ctrl-C forever. Now close() waits its grace period, warns and
+    leaves the daemon worker behind, and the process exits."""
+    code = (
+        "import sys, time\n"
+        "from trainer.rollout.source import RolloutSource\n"
+        "def batches():\n"
+        "    while True:\n"
+        "        time.sleep(120)  # user code no cancellation reaches\n"
+        "        yield None\n"
+        "src = RolloutSource(batches(), num_steps=3, ahead=1)\n"
+        "src._prefetch(0)  # step 1 generates in the worker\n"
+        "time.sleep(0.3)\n"
+        "src.close_grace_s = 0.5\n"
+        "t = time.monotonic()\n"
+        "src.close()\n"
+        "print(f'closed in {time.monotonic() - t:.1f} s', flush=True)\n")
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], env=cpu_child_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    closed_s = float(done.stdout.split()[-2])  # "closed in X s": the grace period, not the 120 s sleep
+    assert 0.45 <= closed_s < 5, done.stdout
+    assert "warning: the rollout worker did not leave its batch within 0.5 s of the stop" in done.stderr
+    assert time.monotonic() - t0 < 30  # the interpreter did not wait for the 120 s sleep

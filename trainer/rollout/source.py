@@ -16,6 +16,8 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import os
+import queue
+import sys
 import threading
 from collections.abc import Callable, Generator, Iterator, Mapping
 from typing import Any
@@ -71,6 +73,50 @@ class ResumePoints:
             return self._at[step]
 
 
+CLOSE_GRACE_S = 10.0  # how long close() waits for the worker to leave a cancelled batch before abandoning it
+
+
+class _Worker:
+    """One daemon thread running submitted calls in order: a ThreadPoolExecutor's threads are joined at interpreter
+    exit, so a worker stuck in user code that blocks its event loop (a `time.sleep` inside an `async def step`: no
+    cancellation can reach it) kept the process alive after Ctrl-C had written the checkpoint."""
+
+    def __init__(self, initializer: Callable[[], None] | None = None) -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()  # (future, fn, args), or None: stop
+        self._thread = threading.Thread(target=self._run, args=(initializer,), name="rollout", daemon=True)
+        self._thread.start()
+
+    def _run(self, initializer: Callable[[], None] | None) -> None:
+        failed: BaseException | None = None
+        try:
+            if initializer is not None:
+                initializer()
+        except BaseException as e:  # noqa: BLE001 - every call then fails with it (none waits forever)
+            failed = e
+        while (item := self._calls.get()) is not None:
+            fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                if failed is not None:
+                    raise failed
+                fut.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - delivered to the caller through the future
+                fut.set_exception(e)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.put((fut, fn, args))
+        return fut
+
+    def shutdown(self, timeout_s: float) -> bool:
+        """Stop after the running call (queued ones are the caller's to cancel first); whether the thread ended
+        within `timeout_s`."""
+        self._calls.put(None)
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+
 class RolloutSource:
     """`next(step)` gives the batch of training step `step` on every rank; a context manager that closes it.
 
@@ -103,10 +149,9 @@ class RolloutSource:
         # worker_cpus: the worker thread's own cores (Linux affinity is per thread): its Python (requests, parsing,
         # rewards) then stops taking the trainer's core from the step.
         pin = (lambda: os.sched_setaffinity(0, worker_cpus)) if worker_cpus else None
-        self._pool = (concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout",
-                                                            initializer=pin)
-                      if ahead and batches is not None else None)
+        self._pool = _Worker(initializer=pin) if ahead and batches is not None else None
         self._pending: dict[int, concurrent.futures.Future] = {}  # step -> its batch, generated in order
+        self.close_grace_s = CLOSE_GRACE_S
         self._engines = threading.Lock()  # held by the worker while it generates, by paused() while held
 
     def _generate(self, step: int) -> RolloutBatch:
@@ -172,7 +217,13 @@ class RolloutSource:
             # The batch the worker may be generating is one nobody will train on: `cancel` ends it now (a Ctrl-C
             # must not wait out a whole batch, or a hung environment's timeout), then the worker is joined.
             self._cancel()
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            if not self._pool.shutdown(timeout_s=self.close_grace_s):
+                # Its generator is still running in that thread: closing it here would raise; the daemon thread
+                # ends with the process.
+                print(f"warning: the rollout worker did not leave its batch within {self.close_grace_s:g} s of the "
+                      f"stop (user code blocking its event loop, e.g. time.sleep in an async env step?); it is "
+                      f"abandoned", file=sys.stderr, flush=True)
+                return
         if self._batches is not None:
             self._batches.close()
 
