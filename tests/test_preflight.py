@@ -419,10 +419,23 @@ def test_a_missing_critic_or_checkpoint_is_an_error_before_the_fresh_start(tmp_p
     ("rl.optim.lr=inf", r"\[rl.optim\] lr: must be finite, got inf"),
     ("rl.loss.kl_coef=inf", r"kl_coef=inf: must be a finite number"),
     ("rl.loss.entropy_coef=-inf", r"entropy_coef=-inf: must be a finite number"),
-    ("rl.loss.kl_coef=nan", r"--set rl.loss.kl_coef = nan: expected a number"),
+    ("rl.loss.kl_coef=nan", r"--set rl.loss.kl_coef = nan: a finite number is expected"),
 ])
 def test_non_finite_numbers_are_refused_where_no_key_means_them(override, message):
     """The probe's finds: temperature = inf ran a whole run (exit 0), lr / kl_coef = inf or nan were accepted. NaN is
     refused for every key; inf where it means nothing (it stays valid for [rl.critic] value_clip: unclipped)."""
     with pytest.raises(ConfigError, match=message):
         load_run_config(DEMO, [override])
+
+
+def test_a_reward_that_cannot_take_a_sample_is_refused_before_any_work(tmp_path):
+    """The probe: `def f(prompt, completion)` (TRL's reward shape) passed the preflight, the previous run was
+    removed, and every sample then failed. Its signature is checked (nothing is called); one argument binds."""
+    (tmp_path / "rw.py").write_text("def trl_style(prompts, completions):\n    return 1.0\n\n"
+                                    "def ours(sample, scale=1.0):\n    return scale\n\n"
+                                    "async def ours_async(sample):\n    return 1.0\n")
+    with pytest.raises(ConfigError, match=r"reward '.*rw.py:trl_style': it must take one argument, the finished "
+                                          r"Sample \(missing a required argument: 'completions'\)"):
+        load_run_config(DEMO, [f'data.reward="{tmp_path}/rw.py:trl_style"'], mode="rl")
+    for fn in ("ours", "ours_async"):
+        assert load_run_config(DEMO, [f'data.reward="{tmp_path}/rw.py:{fn}"'], mode="rl").data.reward.endswith(fn)

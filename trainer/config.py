@@ -885,7 +885,7 @@ def _check_scalar(tp: Any, value: Any, path: str) -> None:
     if not scalars or any(a not in _SCALARS for a in scalars):
         return  # tables, arrays, Any: their own checks
     if isinstance(value, float) and value != value:  # NaN: no key means anything by it (inf may: value_clip)
-        raise ConfigError(f"{path} = nan: expected a number")
+        raise ConfigError(f"{path} = nan: a finite number is expected")
     for a in scalars:
         if a is bool and isinstance(value, bool):
             return

@@ -247,7 +247,15 @@ def load_reward_fn(spec: str | RewardFn) -> RewardFn:
         return BUILTIN_REWARDS[spec]
     if ":" not in spec:
         raise ValueError(f"reward {spec!r}: use a built-in name {sorted(BUILTIN_REWARDS)} or 'module:function'")
-    return load_callable(spec, "reward")
+    fn = load_callable(spec, "reward")
+    try:  # its signature, not a call: a `def f(prompt, completion)` failed only once the run had started
+        inspect.signature(fn).bind(None)
+    except TypeError as e:
+        raise ValueError(f"reward {spec!r}: it must take one argument, the finished Sample ({e}); e.g. "
+                         f"`def score(sample) -> float`") from None
+    except ValueError:  # a builtin without an inspectable signature: found out when it is called
+        pass
+    return fn
 
 
 # ----------------------------------------------------------------------------------------------- applying
