@@ -439,3 +439,17 @@ def test_a_reward_that_cannot_take_a_sample_is_refused_before_any_work(tmp_path)
         load_run_config(DEMO, [f'data.reward="{tmp_path}/rw.py:trl_style"'], mode="rl")
     for fn in ("ours", "ours_async"):
         assert load_run_config(DEMO, [f'data.reward="{tmp_path}/rw.py:{fn}"'], mode="rl").data.reward.endswith(fn)
+
+
+def test_cores_that_this_process_cannot_run_on_are_refused_before_any_work():
+    """The probe: `[trainer] cpus = [99]` or an engine's `cpus = [99]` was an OSError traceback (the engine's one
+    after the previous run's outputs were removed)."""
+    import os
+
+    gone = max(os.sched_getaffinity(0)) + 64
+    with pytest.raises(ConfigError, match=rf"\[trainer\] cpus = \[{gone}\]: core\(s\) \[{gone}\] are not among"):
+        load_run_config(DEMO, [f"trainer.cpus=[{gone}]"])
+    with pytest.raises(ConfigError, match=rf"\[engines\] fleet\[0\] cpus = \[0, {gone}\]: core\(s\) \[{gone}\]"):
+        load_run_config(DEMO, ["engines.in_process=false", f'engines.fleet=[{{kind="embedded", cpus=[0, {gone}]}}]'])
+    mine = min(os.sched_getaffinity(0))
+    assert load_run_config(DEMO, [f"trainer.cpus=[{mine}]"]).trainer.cpus == (mine,)

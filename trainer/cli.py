@@ -141,6 +141,7 @@ def load_run_config(path: str | Path, overrides: Sequence[str] = (), mode: str |
         cfg = config_from_dict(RunConfig, table, "")
         phase_configs(cfg)  # the step functions' own checks (token_budget >= micro_batch_buckets)
         _check_engines(cfg.engines, cfg.rl)
+        _check_cores(cfg)
         _check_tracking(cfg)
         if mode is not None:
             _check_inputs(cfg, mode, resume=resume)
@@ -159,6 +160,18 @@ def _check_tracking(cfg: RunConfig) -> None:
     if every and every % sync:
         raise ValueError(f"[eval] every = {every}: evaluation runs right after a weight sync, and [rl] sync_every = "
                          f"{sync}; make every a multiple of {sync}")
+
+
+def _check_cores(cfg: RunConfig) -> None:
+    """Every core the config pins to ([trainer] cpus / rollout_cpus, an engine's cpus) is one this process may run
+    on (a core that does not exist was an OSError traceback once the run had removed the previous one's outputs)."""
+    have = sorted(os.sched_getaffinity(0))
+    named = [("[trainer] cpus", cfg.trainer.cpus), ("[trainer] rollout_cpus", cfg.trainer.rollout_cpus),
+             *((f"[engines] fleet[{i}] cpus", s.cpus) for i, s in enumerate(cfg.engines.fleet))]
+    for key, cpus in named:
+        gone = sorted(set(cpus or ()) - set(have))
+        if gone:
+            raise ValueError(f"{key} = {list(cpus)}: core(s) {gone} are not among this process's cores {have}")
 
 
 def _check_engines(engines: EnginesConfig, rl: RLTrainingConfig | None = None) -> None:
