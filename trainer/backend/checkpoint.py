@@ -556,12 +556,22 @@ def export_hf(components: TrainingComponents, path: str | os.PathLike, *, tokeni
     if getattr(lm.config, "tie_word_embeddings", False):
         sd.pop("lm_head.weight", None)  # tied to model.embed_tokens.weight; loaders re-tie
     sd = {k: (v.to(dtype) if dtype is not None else v).contiguous() for k, v in sd.items()}
+
+    def fill(tmp: Path) -> None:
+        lm.config.save_pretrained(tmp)
+        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+
+    return write_folder(path, fill, tokenizer=tokenizer)
+
+
+def write_folder(path: str | os.PathLike, fill: Callable[[Path], None], *, tokenizer: Any = None) -> Path:
+    """Rank 0 writes the folder `path` whole or not at all: `fill(tmp)` (and the tokenizer, if given) write into
+    `<path>.tmp`, which then replaces `path`; every rank waits for it (its callers are collectives)."""
     out = Path(path)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    lm.config.save_pretrained(tmp)
-    save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    fill(tmp)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     if out.exists():

@@ -175,7 +175,7 @@ def export_adapter(components: Any, out: str | os.PathLike, *, base: str, tokeni
     from safetensors.torch import save_file
     from torch.distributed.tensor import DTensor
 
-    from trainer.backend.checkpoint import _barrier, _rank
+    from trainer.backend.checkpoint import _barrier, _rank, write_folder
     from trainer.backend.lora import is_adapter, peft_config, resolve_targets
 
     lora, lm = components.config.lora, components.model
@@ -200,16 +200,9 @@ def export_adapter(components: Any, out: str | os.PathLike, *, base: str, tokeni
     config.task_type = "CAUSAL_LM"
     if lora.train_unembed:
         config.modules_to_save = ["lm_head"]
-    path = Path(out)
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    config.save_pretrained(str(tmp))
-    save_file(tensors, str(tmp / ADAPTER_FILES[1]), metadata={"format": "pt"})
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    if path.exists():
-        shutil.rmtree(path)
-    os.replace(tmp, path)
-    _barrier()
-    return path
+
+    def fill(tmp: Path) -> None:
+        config.save_pretrained(str(tmp))
+        save_file(tensors, str(tmp / ADAPTER_FILES[1]), metadata={"format": "pt"})
+
+    return write_folder(out, fill, tokenizer=tokenizer)
