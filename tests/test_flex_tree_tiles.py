@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_shared_prompt_flash import row_labels  # a row's [N] tree and branch ids, as packed
 
 from trainer.backend.attention import (
     flex_block_tiles,
@@ -21,21 +22,6 @@ from trainer.backend.attention import (
     flex_tree_block_tiles,
     tree_causal_mask,
 )
-
-
-def row_labels(trees: list[tuple[int, list[int]]], n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(prompt length, branch lengths) per tree -> [N] tree ids and [N] branch ids (-1 on prompts and the tail),
-    as pack_tree_micro_batch lays a row out: each prompt, then its branches, branch ids counting up over the row."""
-    seq, branch, b = [], [], 0
-    for t, (p, lens) in enumerate(trees):
-        seq += [t] * p
-        branch += [-1] * p
-        for r in lens:
-            seq += [t] * r
-            branch += [b] * r
-            b += 1
-    tail = n - len(seq)
-    return torch.tensor(seq + [-1] * tail), torch.tensor(branch + [-1] * tail)
 
 
 def random_row(g: torch.Generator, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

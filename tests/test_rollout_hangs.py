@@ -36,6 +36,8 @@ from trainer.rollout.rewards import with_timeout
 from trainer.rollout.source import RolloutSource
 from trainer.types import Sample, Status
 
+ROOT = Path(__file__).resolve().parents[1]
+
 HOLD_S = 10.0  # how long blocked user code waits for the test to release it (never reached when the code is right)
 
 
@@ -352,19 +354,23 @@ class Quiet:
 """
 
 
+def env_run(tmp_path: Path, source: str, env_class: str, *sets: str) -> list[str]:
+    """`python -m trainer rl` on the demo config with the environment `source` (written to tmp_path) at 2 x 2
+    samples a step, its output under tmp_path/run, and more `--set` pairs."""
+    (tmp_path / "user_env.py").write_text(source)
+    base = [f"output_dir=\"{tmp_path / 'run'}\"", "rl.rollout.rollout_batch_size=2",
+            "rl.rollout.n_samples_per_prompt=2", f"rl.rollout.env=\"{tmp_path}/user_env.py:{env_class}\"",
+            "eval.limit=2", *sets]
+    return [sys.executable, "-m", "trainer", "rl", "--config", "configs/demo.toml",
+            *(a for s in base for a in ("--set", s))]
+
+
 def test_the_demo_config_with_a_multi_turn_env_stops_with_an_error_naming_max_new_tokens(tmp_path):
     """The issue's run: configs/demo.toml copied for a multi-turn environment keeps max_new_tokens = 6 per turn, so
     every episode of the (random) model is cut, scored 0. It used to exit 0 with reward=0.000 loss=0 at every step;
     now each step warns and the third stops the run: exit 1, one line `error: ...` naming the limits."""
-    root = Path(__file__).resolve().parents[1]
-    (tmp_path / "quiet_env.py").write_text(QUIET_ENV)
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "trainer", "rl", "--config", "configs/demo.toml", "--set", f"output_dir=\"{out}\"",
-           "--set", "rl.num_steps=5", "--set", "rl.rollout.rollout_batch_size=2", "--set",
-           "rl.rollout.n_samples_per_prompt=2", "--set", f"rl.rollout.env=\"{tmp_path}/quiet_env.py:Quiet\"",
-           "--set", "eval.limit=2"]
-    env = cpu_child_env()
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    cmd = env_run(tmp_path, QUIET_ENV, "Quiet", "rl.num_steps=5")
+    proc = subprocess.run(cmd, cwd=ROOT, env=cpu_child_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1, proc.stderr[-3000:]
     lines = proc.stderr.splitlines()
     assert [line.split(":")[1] for line in lines if line.startswith("warning: step")] == [" step 1", " step 2"]
@@ -404,18 +410,12 @@ def test_ctrl_c_ends_a_run_blocked_in_an_env_step_with_a_checkpoint(tmp_path, mo
     event loop; in async mode the worker thread was joined)."""
     import signal
 
-    root = Path(__file__).resolve().parents[1]
-    (tmp_path / "stuck_env.py").write_text(STUCK_ENV)
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "trainer", "rl", "--config", "configs/demo.toml", "--set", f"output_dir=\"{out}\"",
-           "--set", "rl.num_steps=3", "--set", "rl.rollout.rollout_batch_size=2", "--set",
-           "rl.rollout.n_samples_per_prompt=2", "--set", f"rl.rollout.env=\"{tmp_path}/stuck_env.py:Stuck\"",
-           "--set", "rl.rollout.env_timeout_s=1000", "--set", "eval.limit=2",
-           # Turns end after one token (a random model's would run to max_new_tokens and never reach step()).
-           "--set", f"rl.rollout.stop_token_ids={list(CHAR_STOPS)}",
-           "--set", f"rl.async_rollout={str(mode == 'async').lower()}"]
+    # Turns end after one token (a random model's would run to max_new_tokens and never reach step()).
+    cmd = env_run(tmp_path, STUCK_ENV, "Stuck", "rl.num_steps=3", "rl.rollout.env_timeout_s=1000",
+                  f"rl.rollout.stop_token_ids={list(CHAR_STOPS)}", f"rl.async_rollout={str(mode == 'async').lower()}")
     env = cpu_child_env()
-    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 300
@@ -460,8 +460,8 @@ def test_close_abandons_a_worker_stuck_in_user_code_and_the_process_exits():
         "src.close()\n"
         "print(f'closed in {time.monotonic() - t:.1f} s', flush=True)\n")
     t0 = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], env=cpu_child_env(),
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=cpu_child_env(), capture_output=True,
+                          text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     closed_s = float(done.stdout.split()[-2])  # "closed in X s": the grace period, not the 120 s sleep
     assert 0.45 <= closed_s < 5, done.stdout
