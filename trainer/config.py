@@ -65,6 +65,10 @@ class RolloutConfig:
     env: Any = None  # "module:factory": called once per episode; returns an object with reset() and step()
     tools: tuple[Any, ...] = ()  # "module:function" tools run by the built-in tool environment (trainer.rollout.tools)
     rollout_fn: Any = None  # "module:function": async fn(client, row) that drives its own episode through `client`
+    # "module:function": an OpenAI-client agent, `async def fn(row, endpoint)` (or a plain def), trained through the
+    # recording gateway (trainer.rollout.gateway); returns the reward, {"reward", "correct", "metadata"} or None
+    agent: Any = None
+    agent_timeout_s: float = 300.0  # one agent episode's limit; past it the episode is FAILED (env_timeouts)
     max_turns: int = 4  # assistant turns per episode (an episode still running after them is truncated)
     max_context_tokens: int = 0  # an episode's tokens, prompt and every turn (0: no limit but max_turns)
     tool_timeout_s: float = 10.0  # one tool call's limit; past it the model is answered with an error
@@ -79,12 +83,13 @@ class RolloutConfig:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "dynamic_filters", tuple(self.dynamic_filters))
         object.__setattr__(self, "tools", tuple(self.tools))
-        given = [k for k in ("env", "tools", "rollout_fn") if getattr(self, k)]
-        _check(len(given) <= 1, " and ".join(given), "give one of env, tools and rollout_fn: tools runs the built-in "
-               "tool environment, a custom env calls its tools in its own step(), a rollout_fn drives the episode")
+        given = [k for k in ("env", "tools", "rollout_fn", "agent") if getattr(self, k)]
+        _check(len(given) <= 1, " and ".join(given), "give one of env, tools, rollout_fn and agent: tools runs the "
+               "built-in tool environment, a custom env calls its tools in its own step(), a rollout_fn drives the "
+               "episode, an agent is an OpenAI client trained through the gateway")
         _check(not given or self.apply_chat_template, given[0] if given else "",
                "multi-turn episodes are chat conversations: set [data] format = \"chat\"")
-        _positive(self, "max_turns", "tool_timeout_s", "env_timeout_s")
+        _positive(self, "max_turns", "tool_timeout_s", "env_timeout_s", "agent_timeout_s")
         _non_negative(self, "max_context_tokens", "max_truncated_steps")
         _positive(self, "rollout_batch_size", "n_samples_per_prompt", "max_new_tokens", "max_concurrency",
                   "request_timeout_s")

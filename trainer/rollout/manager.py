@@ -39,6 +39,7 @@ from engines.protocol import Completion, EngineError, EngineUnavailableError, In
 from trainer.config import RolloutConfig
 from trainer.rollout.blocking import abandoned_threads
 from trainer.rollout.episodes import build_driver, run_episode, score_finished
+from trainer.rollout.gateway import Gateway, load_agent, pack_parts, run_agent_episode, unpack_parts
 from trainer.rollout.rewards import RewardFn, load_reward_fn
 from trainer.rollout.samples import (
     SampleTransform,
@@ -101,6 +102,9 @@ class AsyncRolloutManager:
         # Multi-turn episodes (trainer.rollout.episodes) when the config names an env, tools or a rollout_fn.
         self.driver, self.tools = build_driver(config)
         self.parse_turn = load_tool_parser(config.tool_parser)
+        # An OpenAI-client agent ([rl.rollout] agent), served by a recording gateway while a batch runs.
+        self.agent = load_agent(config.agent) if config.agent else None
+        self.gateway: Gateway | None = None
         self.filters = resolve_filters(config.dynamic_filters if filters is None else filters)
         self.check_health = check_health
         self.deterministic = deterministic
@@ -130,6 +134,10 @@ class AsyncRolloutManager:
         self._limiter = trio.CapacityLimiter(self.config.max_concurrency)
         self._engine_locks = {id(e): trio.Lock() for e in self.engines} if self.deterministic else {}
         self._open = True
+        if self.agent is not None:
+            self.gateway = Gateway(tokenizer=self.tokenizer, parse=self.parse_turn,
+                                   max_concurrency=self.config.max_concurrency)
+            self.gateway.start()
         try:
             if self.check_health:
                 for engine in self.engines:
@@ -149,6 +157,9 @@ class AsyncRolloutManager:
             if close is not None:
                 with trio.move_on_after(2):
                     await close()
+        if self.gateway is not None:
+            self.gateway.close()
+            self.gateway = None
         self._open = False
 
     def state_dict(self) -> dict[str, Any]:
@@ -301,16 +312,19 @@ class AsyncRolloutManager:
             if s.status not in _FINISHED:
                 parts.setdefault(self.config.max_new_tokens - s.response_length, []).append(j)
         async with trio.open_nursery() as n:
-            if self.driver is not None:  # episodes: one each, scored as they finish
+            if self.driver is not None or self.agent is not None:  # episodes: one each, scored as they finish
+                run = self._run_episode if self.agent is None else self._run_agent
                 for j in (j for js in parts.values() for j in js):
-                    n.start_soon(self._run_episode, slot, groups, engine, j)
+                    n.start_soon(run, slot, groups, engine, j)
             else:
                 for budget, js in parts.items():
                     n.start_soon(self._run_part, slot, groups, engine, js, budget)
         if self._stopping or any(s.status in (Status.PENDING, Status.ABORTED) for s in groups[slot]):
             return  # cut by the abort: stays in `groups`, cached for the next batch
-        if self.driver is None:
+        if self.driver is None and self.agent is None:
             groups[slot] = [await score_finished(s, self.reward_fn) for s in groups[slot]]
+        if self.agent is not None:  # an agent episode that split: each training sequence its own sample
+            groups[slot] = unpack_parts(groups[slot])
         await done.send(slot)
 
     async def _run_episode(self, slot: int, groups: dict[int, list[Sample]], engine: InferenceEngine, j: int) -> None:
@@ -335,6 +349,27 @@ class AsyncRolloutManager:
             parse=self.parse_turn, max_turns=c.max_turns, max_new_tokens=c.max_new_tokens,
             max_context_tokens=c.max_context_tokens, tools=self.tools)
         groups[slot][j] = await score_finished(done, self.reward_fn, reward)
+
+    async def _run_agent(self, slot: int, groups: dict[int, list[Sample]], engine: InferenceEngine, j: int) -> None:
+        """Run sample j of group `slot` as an agent episode through the gateway (trainer.rollout.gateway): the
+        run's sampling settings, each request's seed fixed by (run seed, group, sample, request number)."""
+        s = groups[slot][j]
+        if s.status != Status.PENDING or s.response_length:
+            s = restart_sample(s)
+        c = self.config
+        uid = s.metadata["group_uid"]
+
+        async def generate(tokens: tuple[int, ...], n: int, budget: int, call: int) -> list[Completion] | None:
+            seed = (c.seed * 1_000_003 + uid * 65_537 + j * 257 + call) % (2 ** 31)
+            params = SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, max_new_tokens=budget,
+                                    stop_token_ids=self.stop_ids, n=n, seed=seed)
+            return await self._generate(engine, [tokens], params, rid=f"g{uid}-s{j}-{call}-{slot}")
+
+        seqs, reward = await run_agent_episode(
+            s, self.agent, self.gateway, generate, timeout_s=c.agent_timeout_s, tokenizer=self.tokenizer,
+            turn_end_ids=self.turn_end_ids, max_turns=c.max_turns, max_new_tokens=c.max_new_tokens,
+            max_context_tokens=c.max_context_tokens)
+        groups[slot][j] = pack_parts([await score_finished(x, self.reward_fn, reward) for x in seqs])[0]
 
     # ----------------------------------------------------------------------------------------- one batch
     async def generate_batch(self, data_buffer: Any) -> RolloutBatch:

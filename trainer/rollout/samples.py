@@ -199,7 +199,8 @@ def extend_sample(sample: Sample, new_ids: Sequence[int], new_logprobs: Sequence
 
 # What a rollout adds to a sample's metadata as it progresses (trainer.rollout.episodes adds the episode's).
 PROGRESS_KEYS = frozenset({"weight_versions", "token_versions", "turns", "tool_calls", "tool_errors", "env_seconds",
-                           "env_error", "messages", "truncated_by", "reward_error", "reward_traceback"})
+                           "env_error", "messages", "truncated_by", "reward_error", "reward_traceback",
+                           "agent_seconds", "agent_splits", "agent_error", "agent_parts", "agent_part"})
 
 
 def restart_sample(sample: Sample) -> Sample:
@@ -239,6 +240,13 @@ def build_batch_metadata(samples: Sequence[Sample], *, current_weight_version: i
             "env_errors": sum("env_error" in s.metadata for s in episodes),
             "env_timeouts": sum(bool(s.metadata.get("env_timed_out")) for s in episodes),  # of env_errors
             "env_time_s": sum(s.metadata["env_seconds"] for s in episodes),
+        })
+    agents = [s for s in samples if "agent_seconds" in s.metadata]  # agent episodes (trainer.rollout.gateway)
+    if agents:
+        meta.update({
+            "agent_splits": sum(s.metadata["agent_splits"] for s in agents),  # sequences beyond one per episode
+            "agent_errors": sum("agent_error" in s.metadata for s in agents),
+            "agent_time_s": sum(s.metadata["agent_seconds"] for s in agents),
         })
     for k, v in (counters or {}).items():
         meta[k] = v

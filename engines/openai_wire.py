@@ -1,0 +1,374 @@
+"""OpenAI's wire format, as pure functions: request validation, chat-template rendering of OpenAI messages, and the
+shapes of the answers (chat completions, completions, their SSE chunks, the model list, errors).
+
+No server and no engine here: the recording gateway (trainer/rollout/gateway.py) serves these shapes in front of any
+`engines.protocol.InferenceEngine`, and an engine's own server may serve them too (this module imports nothing of
+trainer/). A request that OpenAI's API accepts but this project cannot honour exactly (a field it does not know,
+`top_logprobs`, a forced `tool_choice`) is refused with a `WireError` naming the field: silently ignoring it would
+hand an agent answers it did not ask for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+ROLES = ("system", "user", "assistant", "tool", "developer")
+# Fields of an assistant message the openai SDK sends back as it received them (model_dump of the message): read,
+# or accepted when empty.
+_ASSISTANT_KEYS = {"role", "content", "tool_calls", "name", "refusal", "annotations", "audio", "function_call",
+                   "reasoning_content"}
+_MESSAGE_KEYS = {"role", "content", "name", "tool_call_id"}
+
+
+class WireError(ValueError):
+    """A request the API refuses: `status` (400: a bad request, 401: no such credential), `param` the field at
+    fault (OpenAI's error shape names it)."""
+
+    def __init__(self, message: str, *, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.param, self.status = param, status
+
+    def body(self) -> dict[str, Any]:
+        kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}.get(self.status,
+                                                                                                   "api_error")
+        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": None}}
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingRequest:
+    """What a request asks of the sampler (OpenAI's names): None where it did not say."""
+
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    logprobs: bool = False
+    stream: bool = False
+    include_usage: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatRequest:
+    """A validated `POST /v1/chat/completions` body. `messages` are plain dicts (assistant tool calls with
+    `arguments` as the JSON string OpenAI sends); `tools` OpenAI function schemas; `parse_tools` False for
+    tool_choice "none" (the model's text is returned as it is)."""
+
+    model: str
+    messages: tuple[dict, ...]
+    tools: tuple[dict, ...]
+    parse_tools: bool
+    sampling: SamplingRequest
+
+
+@dataclasses.dataclass(frozen=True)
+class CompletionRequest:
+    """A validated `POST /v1/completions` body: the prompt as text, or as token ids."""
+
+    model: str
+    prompt: str | tuple[int, ...]
+    sampling: SamplingRequest
+
+
+_SAMPLING_KEYS = {"n", "temperature", "top_p", "max_tokens", "max_completion_tokens", "stop", "seed", "logprobs",
+                  "top_logprobs", "stream", "stream_options", "user", "frequency_penalty", "presence_penalty"}
+
+
+def _check(ok: bool, message: str, param: str) -> None:
+    if not ok:
+        raise WireError(message, param=param)
+
+
+def _number(body: Mapping[str, Any], key: str, lo: float, hi: float) -> float | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    _check(isinstance(v, int | float) and not isinstance(v, bool) and lo <= v <= hi,
+           f"{key}={v!r}: give a number in [{lo}, {hi}]", key)
+    return float(v)
+
+
+def _int(body: Mapping[str, Any], key: str, lo: int) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    _check(isinstance(v, int) and not isinstance(v, bool) and v >= lo, f"{key}={v!r}: give an integer >= {lo}", key)
+    return v
+
+
+def parse_sampling(body: Mapping[str, Any], *, logprobs_is_int: bool = False) -> SamplingRequest:
+    """The sampling fields of a chat or completions body. Penalties are accepted only at 0 (their neutral value):
+    the engine protocol has none. `top_logprobs` > 0 is refused (the engines return the sampled token's log-prob
+    only). `logprobs_is_int`: /v1/completions' `logprobs` is a count of alternatives (0: the sampled token's)."""
+    for key in ("frequency_penalty", "presence_penalty"):
+        _check(body.get(key) in (None, 0, 0.0), f"{key}={body.get(key)!r}: the engines apply no penalty; leave it "
+               f"unset or 0", key)
+    _check(not body.get("top_logprobs"), "top_logprobs: the engines return the log-prob of the sampled token only; "
+           "leave top_logprobs unset or 0 (logprobs=true gives each token's)", "top_logprobs")
+    stop = body.get("stop")
+    stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    _check(all(isinstance(s, str) and s for s in stop) and len(stop) <= 4,
+           f"stop={body.get('stop')!r}: give a string or a list of up to 4 non-empty strings", "stop")
+    max_tokens = _int(body, "max_completion_tokens", 1)
+    max_tokens = _int(body, "max_tokens", 1) if max_tokens is None else max_tokens
+    options = body.get("stream_options") or {}
+    _check(isinstance(options, Mapping) and set(options) <= {"include_usage"},
+           f"stream_options={options!r}: only include_usage is supported", "stream_options")
+    lp = body.get("logprobs")
+    if logprobs_is_int:
+        _check(lp in (None, 0), f"logprobs={lp!r}: the engines return the sampled token's log-prob only: give 0 "
+               f"(each token's) or leave it unset", "logprobs")
+        want_lp = lp == 0
+    else:
+        _check(lp is None or isinstance(lp, bool), f"logprobs={lp!r}: give true or false", "logprobs")
+        want_lp = bool(lp)
+    seed = body.get("seed")
+    _check(seed is None or (isinstance(seed, int) and not isinstance(seed, bool)), f"seed={seed!r}: give an integer",
+           "seed")
+    return SamplingRequest(n=_int(body, "n", 1) or 1, temperature=_number(body, "temperature", 0.0, 2.0),
+                           top_p=_number(body, "top_p", 1e-9, 1.0), max_tokens=max_tokens, stop=stop, seed=seed,
+                           logprobs=want_lp, stream=bool(body.get("stream")),
+                           include_usage=bool(options.get("include_usage")))
+
+
+def _content(value: Any, where: str) -> str | None:
+    """A message's content as text: a string, null, or a list of text parts (images are refused)."""
+    if value is None or isinstance(value, str):
+        return value
+    _check(isinstance(value, list), f"{where}.content: give a string or a list of text parts", f"{where}.content")
+    parts = []
+    for p in value:
+        _check(isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str),
+               f"{where}.content: only text parts ({{'type': 'text', 'text': ...}}) are supported", f"{where}.content")
+        parts.append(p["text"])
+    return "".join(parts)
+
+
+def _tool_calls(value: Any, where: str) -> list[dict] | None:
+    if not value:
+        return None
+    _check(isinstance(value, list), f"{where}.tool_calls: give a list", f"{where}.tool_calls")
+    out = []
+    for k, c in enumerate(value):
+        fn = c.get("function") if isinstance(c, Mapping) else None
+        ok = isinstance(fn, Mapping) and isinstance(fn.get("name"), str) and isinstance(fn.get("arguments"), str)
+        _check(ok, f"{where}.tool_calls[{k}]: give {{'id', 'type': 'function', 'function': {{'name', 'arguments': "
+               f"<JSON string>}}}}", f"{where}.tool_calls")
+        out.append({"id": str(c.get("id", "")), "type": "function",
+                    "function": {"name": fn["name"], "arguments": fn["arguments"]}})
+    return out
+
+
+def parse_messages(value: Any) -> tuple[dict, ...]:
+    """OpenAI chat messages as plain dicts: {"role", "content": str | None} (+ "tool_calls" on an assistant turn,
+    "tool_call_id" on a tool result, "name"). Unknown roles and fields are refused, naming them."""
+    _check(isinstance(value, list) and len(value) > 0, "messages: give a non-empty list of messages", "messages")
+    out = []
+    for i, m in enumerate(value):
+        where = f"messages[{i}]"
+        _check(isinstance(m, Mapping) and m.get("role") in ROLES, f"{where}: each message needs a role among {ROLES}",
+               where)
+        role = m["role"]
+        allowed = _ASSISTANT_KEYS if role == "assistant" else _MESSAGE_KEYS
+        extra = sorted(set(m) - allowed)
+        _check(not extra, f"{where}: unsupported field(s) {extra} for role {role!r}", f"{where}.{extra[0]}"
+               if extra else where)
+        if role == "assistant":
+            for key in ("audio", "function_call"):
+                _check(not m.get(key), f"{where}.{key}: not supported (use tool_calls)", f"{where}.{key}")
+        msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                               "content": _content(m.get("content"), where)}
+        if role == "tool":
+            _check(isinstance(m.get("tool_call_id"), str), f"{where}: a tool message needs its tool_call_id",
+                   f"{where}.tool_call_id")
+            msg["tool_call_id"] = m["tool_call_id"]
+        calls = _tool_calls(m.get("tool_calls"), where) if role == "assistant" else None
+        if calls:
+            msg["tool_calls"] = calls
+        _check(msg["content"] is not None or calls, f"{where}: give a content", f"{where}.content")
+        if m.get("name") is not None:
+            msg["name"] = str(m["name"])
+        out.append(msg)
+    return tuple(out)
+
+
+def parse_tools(body: Mapping[str, Any]) -> tuple[tuple[dict, ...], bool]:
+    """The request's function tools, and whether to read tool calls out of the model's text (tool_choice "auto",
+    the default, or "none"; a forced call needs constrained decoding the engines do not do)."""
+    tools = body.get("tools") or []
+    _check(isinstance(tools, list), "tools: give a list of {'type': 'function', 'function': {...}}", "tools")
+    for k, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, Mapping) else None
+        _check(isinstance(t, Mapping) and t.get("type") == "function" and isinstance(fn, Mapping)
+               and isinstance(fn.get("name"), str), f"tools[{k}]: give {{'type': 'function', 'function': {{'name', "
+               f"'description', 'parameters'}}}}", "tools")
+    choice = body.get("tool_choice", "auto")
+    _check(choice in ("auto", "none"), f"tool_choice={choice!r}: only 'auto' and 'none' are supported (a forced call "
+           f"needs constrained decoding)", "tool_choice")
+    return tuple(dict(t) for t in tools), choice == "auto"
+
+
+def _refuse_unknown(body: Mapping[str, Any], known: set[str]) -> None:
+    unknown = sorted(set(body) - known)
+    _check(not unknown, f"unsupported field(s) {unknown}; supported: {sorted(known)}", unknown[0] if unknown else "")
+
+
+def parse_chat_request(body: Any) -> ChatRequest:
+    """A `POST /v1/chat/completions` body, validated (WireError naming the first bad field)."""
+    _check(isinstance(body, Mapping), "the body must be a JSON object", "body")
+    _refuse_unknown(body, {"model", "messages", "tools", "tool_choice", "parallel_tool_calls", "metadata", "store"}
+                    | _SAMPLING_KEYS)
+    _check(isinstance(body.get("model"), str), "model: give the model's name (GET /v1/models lists it)", "model")
+    tools, parse = parse_tools(body)
+    return ChatRequest(model=body["model"], messages=parse_messages(body.get("messages")), tools=tools,
+                       parse_tools=parse, sampling=parse_sampling(body))
+
+
+def parse_completion_request(body: Any) -> CompletionRequest:
+    """A `POST /v1/completions` body: one prompt, text or token ids (a list of prompts is refused)."""
+    _check(isinstance(body, Mapping), "the body must be a JSON object", "body")
+    _refuse_unknown(body, {"model", "prompt", "echo", "suffix", "best_of"} | _SAMPLING_KEYS)
+    for key in ("echo", "suffix"):
+        _check(not body.get(key), f"{key}: not supported", key)
+    _check(body.get("best_of") in (None, 1), "best_of: not supported (use n)", "best_of")
+    _check(isinstance(body.get("model"), str), "model: give the model's name (GET /v1/models lists it)", "model")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        prompt = tuple(prompt)
+    _check(isinstance(prompt, str | tuple) and len(prompt) > 0,
+           "prompt: give one non-empty string or one list of token ids", "prompt")
+    return CompletionRequest(model=body["model"], prompt=prompt, sampling=parse_sampling(body, logprobs_is_int=True))
+
+
+# ----------------------------------------------------------------------------------------------- rendering
+def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
+    """OpenAI messages as Hugging Face chat templates read them: tool-call arguments as objects (OpenAI sends JSON
+    strings; Qwen's and Llama's templates `tojson` them) and null content as ""."""
+    out = []
+    for m in messages:
+        msg = {k: v for k, v in m.items() if k != "tool_calls"}
+        msg["content"] = m.get("content") or ""
+        if m.get("tool_calls"):
+            msg["tool_calls"] = [{"type": "function", "id": c.get("id", ""),
+                                  "function": {"name": c["function"]["name"],
+                                               "arguments": _arguments(c["function"]["arguments"])}}
+                                 for c in m["tool_calls"]]
+        out.append(msg)
+    return out
+
+
+def _arguments(value: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value) if value.strip() else {}
+    except ValueError:
+        return value
+
+
+def same_assistant_turn(sent: Mapping[str, Any], returned: Mapping[str, Any]) -> bool:
+    """Whether the assistant message an agent sent back is the one the server returned: the same text (null and ""
+    alike) and the same calls (names and arguments as JSON values; ids, which templates do not render, aside)."""
+    def calls(m: Mapping[str, Any]) -> list[tuple[str, Any]]:
+        return [(c["function"]["name"], _arguments(c["function"]["arguments"])) for c in m.get("tool_calls") or ()]
+
+    return (sent.get("content") or "") == (returned.get("content") or "") and calls(sent) == calls(returned)
+
+
+def cut_at_stop(decode: Any, ids: Sequence[int], stops: Sequence[str]) -> tuple[int, str] | None:
+    """Where the first of the `stops` strings appears in the text of `ids`: (tokens to keep: the fewest whose text
+    holds it, the text before it), or None. `decode(ids) -> str`. The kept tokens are a prefix of the engine's, so
+    their log-probs stay the engine's; the text past the stop string is dropped (OpenAI leaves the stop out)."""
+    if not stops:
+        return None
+    for k in range(1, len(ids) + 1):
+        text = decode(list(ids[:k]))
+        hits = [text.find(s) for s in stops if s in text]
+        if hits:
+            return k, text[:min(hits)]
+    return None
+
+
+# ----------------------------------------------------------------------------------------------- answers
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def tool_call_entries(calls: Sequence[Mapping[str, Any]]) -> list[dict]:
+    """OpenAI's `tool_calls` from parsed calls ({"function": {"name", "arguments": dict}}): arguments as JSON text."""
+    return [{"id": new_id("call"), "type": "function",
+             "function": {"name": c["function"]["name"], "arguments": json.dumps(c["function"]["arguments"])}}
+            for c in calls]
+
+
+def logprob_entries(tokens: Sequence[str], logprobs: Sequence[float]) -> list[dict]:
+    """Chat `choices[i].logprobs.content`: one entry per generated token (no alternatives: top_logprobs [])."""
+    return [{"token": t, "logprob": float(lp), "bytes": list(t.encode()), "top_logprobs": []}
+            for t, lp in zip(tokens, logprobs)]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def chat_response(model: str, choices: Sequence[Mapping[str, Any]], prompt_tokens: int,
+                  completion_tokens: int) -> dict[str, Any]:
+    """A chat.completion object; each choice {"index", "message", "finish_reason", "logprobs"}."""
+    return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [dict(c) for c in choices], "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def chat_chunks(response: Mapping[str, Any], pieces: Sequence[Sequence[str]], *,
+                include_usage: bool) -> Iterator[str]:
+    """A finished chat.completion as the SSE events of a stream: per choice, a role chunk, one content chunk per
+    token piece (`pieces[i]`: the text of choice i cut at token boundaries, summing to its content), its tool calls
+    and its finish reason; then the usage chunk (stream_options.include_usage) and `[DONE]`."""
+    base = {"id": response["id"], "object": "chat.completion.chunk", "created": response["created"],
+            "model": response["model"]}
+
+    def event(choices: list[dict], **extra: Any) -> str:
+        return f"data: {json.dumps({**base, 'choices': choices, **extra})}\n\n"
+
+    for c, parts in zip(response["choices"], pieces):
+        i, msg = c["index"], c["message"]
+        yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+        lps = (c.get("logprobs") or {}).get("content")
+        for k, part in enumerate(parts):
+            lp = {"content": [lps[k]]} if lps else None
+            yield event([{"index": i, "delta": {"content": part}, "logprobs": lp, "finish_reason": None}])
+        if msg.get("tool_calls"):
+            calls = [{"index": k, **t} for k, t in enumerate(msg["tool_calls"])]
+            yield event([{"index": i, "delta": {"tool_calls": calls}, "finish_reason": None}])
+        yield event([{"index": i, "delta": {}, "finish_reason": c["finish_reason"]}])
+    if include_usage:
+        yield event([], usage=response["usage"])
+    yield "data: [DONE]\n\n"
+
+
+def completion_response(model: str, choices: Sequence[Mapping[str, Any]], prompt_tokens: int,
+                        completion_tokens: int) -> dict[str, Any]:
+    """A text_completion object; each choice {"index", "text", "finish_reason", "logprobs"}."""
+    return {"id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [dict(c) for c in choices], "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def completion_chunks(response: Mapping[str, Any], *, include_usage: bool) -> Iterator[str]:
+    """A finished text_completion as SSE events: one per choice, then usage and `[DONE]`."""
+    base = {k: response[k] for k in ("id", "object", "created", "model")}
+    for c in response["choices"]:
+        yield f"data: {json.dumps({**base, 'choices': [c]})}\n\n"
+    if include_usage:
+        yield f"data: {json.dumps({**base, 'choices': [], 'usage': response['usage']})}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def models_response(names: Sequence[str]) -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "trainer"}
+                                       for n in names]}

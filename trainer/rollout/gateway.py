@@ -1,0 +1,411 @@
+"""An OpenAI-compatible HTTP endpoint that records token-exact trajectories: agents people already wrote (the
+`openai` SDK, any OpenAI client) are trained by pointing their `base_url` at it (`[rl.rollout] agent`).
+
+    agent thread (its own asyncio loop)  --HTTP-->  Gateway (uvicorn, a thread on 127.0.0.1:<free port>)
+        --trio.from_thread.run-->  the rollout's trio run: AgentRecorder (token ids) -> engine.generate
+
+The server speaks `POST /v1/chat/completions`, `POST /v1/completions` and `GET /v1/models` (shapes and validation:
+engines/openai_wire.py). It renders the chat template itself and calls the engine protocol with token ids, so it
+sits in front of any `InferenceEngine` (the embedded engine in process or over HTTP, vLLM, SGLang) the same way.
+Each episode gets its own API key: the key names the episode's `AgentRecorder` (trainer/rollout/recording.py),
+which turns the requests into training sequences. A key is revoked when its episode ends (401 after).
+
+Sampling is the run's: the engine samples at [rl.rollout] temperature / top_p / top_k with the run's per-episode
+seeds, whatever the request asks (the trainer computes its log-probs at the run's temperature, so another one would
+train off-policy); `n`, `max_tokens` (capped by max_new_tokens), `stop` and `logprobs` are the request's. A stream
+is sent once the completion is done (the engine protocol is not incremental): the same chunks, all at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import functools
+import inspect
+import json
+import secrets
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+
+from engines.openai_wire import (
+    ChatRequest,
+    CompletionRequest,
+    WireError,
+    chat_chunks,
+    chat_response,
+    completion_chunks,
+    completion_response,
+    cut_at_stop,
+    logprob_entries,
+    models_response,
+    parse_chat_request,
+    parse_completion_request,
+    tool_call_entries,
+)
+from engines.protocol import Completion, EngineError
+from trainer.rollout.blocking import BlockedCallTimeout, run_blocking
+from trainer.rollout.loading import load_callable
+from trainer.rollout.recording import AgentRecorder
+from trainer.rollout.samples import sample_to_dict
+from trainer.types import Sample, Status
+
+# (prompt tokens, n, new-token budget, request number in the episode) -> n completions, or None: the batch filled.
+GenerateN = Callable[[tuple[int, ...], int, int, int], Awaitable[list[Completion] | None]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Endpoint:
+    """All an OpenAI client needs: `OpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key)` and
+    `model=endpoint.model`."""
+
+    base_url: str
+    api_key: str
+    model: str
+
+
+@dataclasses.dataclass
+class _Episode:
+    recorder: AgentRecorder
+    generate: GenerateN
+
+
+class Gateway:
+    """The HTTP server and the keys of the episodes in flight. `start()` from inside the trio run whose engines it
+    calls (one rollout batch); `close()` stops the server. `parse`: the run's tool parser (text -> ParsedTurn)."""
+
+    def __init__(self, *, tokenizer: Any, parse: Callable[[str], Any], model: str = "policy",
+                 max_concurrency: int = 64) -> None:
+        self.tokenizer, self.parse, self.model = tokenizer, parse, model
+        self._episodes: dict[str, _Episode] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_concurrency + 4, thread_name_prefix="gateway")
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+        self._token: Any = None
+        self.base_url = ""
+
+    # ------------------------------------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        import uvicorn
+
+        self._token = trio.lowlevel.current_trio_token()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+        config = uvicorn.Config(self._app(), log_level="warning", lifespan="off", access_log=False)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True,
+                                        name="gateway-server")
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError(f"the agent gateway did not start on {self.base_url}")
+            time.sleep(0.005)
+
+    def close(self) -> None:
+        self._episodes.clear()
+        if self._server is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=5)
+            self._server = None
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def open_episode(self, recorder: AgentRecorder, generate: GenerateN) -> Endpoint:
+        key = "ep-" + secrets.token_hex(16)
+        self._episodes[key] = _Episode(recorder, generate)
+        return Endpoint(base_url=self.base_url, api_key=key, model=self.model)
+
+    def close_episode(self, endpoint: Endpoint) -> None:
+        self._episodes.pop(endpoint.api_key, None)
+
+    # ------------------------------------------------------------------------------------------- HTTP side
+    def _app(self) -> Any:
+        from starlette.applications import Starlette
+        from starlette.routing import Route
+
+        return Starlette(routes=[
+            Route("/v1/chat/completions", functools.partial(self._post, self.answer_chat, parse_chat_request),
+                  methods=["POST"]),
+            Route("/v1/completions", functools.partial(self._post, self.answer_completion,
+                                                       parse_completion_request), methods=["POST"]),
+            Route("/v1/models", self._models, methods=["GET"]),
+        ])
+
+    async def _models(self, request: Any) -> Any:
+        from starlette.responses import JSONResponse
+
+        return JSONResponse(models_response([self.model]))
+
+    async def _post(self, answer: Callable, parse: Callable, request: Any) -> Any:
+        """Validate the body here, then answer in the rollout's trio run (a pool thread waits for it)."""
+        from starlette.responses import JSONResponse, StreamingResponse
+
+        try:
+            try:
+                body = json.loads(await request.body())
+            except ValueError as e:
+                raise WireError(f"the body is not JSON: {e}", param="body") from e
+            req = parse(body)
+            if req.model != self.model:
+                raise WireError(f"model {req.model!r} is not served here; use {self.model!r} (endpoint.model)",
+                                param="model", status=404)
+            key = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+            call = functools.partial(trio.from_thread.run, answer, key, req, trio_token=self._token)
+            try:
+                response, chunks = await asyncio.get_running_loop().run_in_executor(self._pool, call)
+            except trio.RunFinishedError as e:
+                raise WireError("the rollout batch of this episode is over", status=503) from e
+            except EngineError as e:  # the engine failed (after the manager's retries): the agent sees a 502
+                raise WireError(f"the inference engine failed: {type(e).__name__}: {e}", status=502) from e
+        except WireError as e:
+            return JSONResponse(e.body(), status_code=e.status)
+        if req.sampling.stream:
+            return StreamingResponse(iter(chunks), media_type="text/event-stream")
+        return JSONResponse(response)
+
+    def _episode(self, key: str) -> _Episode:
+        episode = self._episodes.get(key)
+        if episode is None:
+            raise WireError("unknown or revoked API key: each episode's key (endpoint.api_key) is valid while its "
+                            "agent runs", param="api_key", status=401)
+        return episode
+
+    # ------------------------------------------------------------------------------------------- trio side
+    async def _complete(self, episode: _Episode, prompt: Sample, n: int, asked: int | None) -> list[Completion]:
+        rec = episode.recorder
+        budget = rec.budget(prompt, asked)
+        if budget <= 0:
+            rec.truncated_by = "context"
+            raise WireError("no room left under [rl.rollout] max_context_tokens for a completion; the episode is "
+                            "over (marked truncated)", param="max_tokens")
+        outs = await episode.generate(prompt.tokens, n, budget, rec.requests - 1)
+        if outs is None or any(c.finish_reason == "abort" for c in outs):
+            rec.aborted = True
+            raise WireError("the rollout batch filled: this episode is aborted (it starts again in a later batch)",
+                            status=503)
+        if any(c.finish_reason == "length" for c in outs) and (asked is None or budget < asked):
+            rec.truncated_by = rec.truncated_by or ("context" if budget < rec.max_new_tokens else "length")
+        return outs
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _cut(self, out: Completion, stop: tuple[str, ...]) -> tuple[int, str, str]:
+        """(tokens kept, text, finish reason) of a completion under the request's stop strings."""
+        ids = list(out.output_ids)
+        hit = cut_at_stop(self._text, ids, stop)
+        if hit is not None:
+            return hit[0], hit[1], "stop"
+        return len(ids), self._text(ids), out.finish_reason
+
+    def _pieces(self, ids: list[int], keep: int, text: str) -> list[str]:
+        """`text` cut at token boundaries (a stream's content deltas): one piece per kept token."""
+        pieces, before = [], ""
+        for k in range(1, keep + 1):
+            now = self._text(ids[:k])[:len(text)]
+            pieces.append(now[len(before):])
+            before = now
+        if "".join(pieces) != text:  # a stop string cut inside a token's text: the rest in the last piece
+            pieces = pieces[:-1] + [text[len("".join(pieces[:-1])):]]
+        return pieces
+
+    async def answer_chat(self, key: str, req: ChatRequest) -> tuple[dict, list[str]]:
+        """The chat.completion for `req` in episode `key` (and its SSE chunks), every choice recorded."""
+        episode = self._episode(key)
+        rec = episode.recorder
+        parent, prompt = rec.chat_prompt(req.messages, req.tools)
+        outs = await self._complete(episode, prompt, req.sampling.n, req.sampling.max_tokens)
+        choices, pieces, generated = [], [], 0
+        for i, out in enumerate(outs):
+            keep, text, finish = self._cut(out, req.sampling.stop)
+            ids = list(out.output_ids)
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if req.parse_tools and finish == "stop":
+                turn = self.parse(text)
+                rec.tool_calls += len(turn.calls) + len(turn.errors)
+                if turn.calls and not turn.errors:
+                    message = {"role": "assistant", "content": turn.content or None,
+                               "tool_calls": tool_call_entries(turn.calls)}
+                    finish = "tool_calls"
+            rec.record(parent, prompt, out, keep, messages=tuple(req.messages), tools=rec_tools(req), reply=message)
+            generated += keep
+            lps = None
+            if req.sampling.logprobs:
+                tokens = [self.tokenizer.decode([t]) for t in ids[:keep]]
+                lps = {"content": logprob_entries(tokens, out.logprobs[:keep]), "refusal": None}
+            choices.append({"index": i, "message": message, "finish_reason": finish, "logprobs": lps})
+            pieces.append(self._pieces(ids, keep, message["content"] or "") if req.sampling.stream else [])
+        response = chat_response(self.model, choices, len(prompt.tokens), generated)
+        chunks = list(chat_chunks(response, pieces, include_usage=req.sampling.include_usage)) \
+            if req.sampling.stream else []
+        return response, chunks
+
+    async def answer_completion(self, key: str, req: CompletionRequest) -> tuple[dict, list[str]]:
+        """The text_completion for `req` in episode `key` (and its SSE chunks), every choice recorded."""
+        episode = self._episode(key)
+        rec = episode.recorder
+        parent, prompt = rec.completion_prompt(req.prompt)
+        outs = await self._complete(episode, prompt, req.sampling.n, req.sampling.max_tokens)
+        prompt_text = req.prompt if isinstance(req.prompt, str) else None
+        choices, generated = [], 0
+        for i, out in enumerate(outs):
+            keep, text, finish = self._cut(out, req.sampling.stop)
+            rec.record(parent, prompt, out, keep, text=None if prompt_text is None else prompt_text + text)
+            generated += keep
+            lps = None
+            if req.sampling.logprobs:
+                tokens = [self.tokenizer.decode([t]) for t in out.output_ids[:keep]]
+                lps = {"tokens": tokens, "token_logprobs": [float(x) for x in out.logprobs[:keep]],
+                       "top_logprobs": None, "text_offset": None}
+            choices.append({"index": i, "text": text, "finish_reason": finish, "logprobs": lps})
+        response = completion_response(self.model, choices, len(prompt.tokens), generated)
+        chunks = list(completion_chunks(response, include_usage=req.sampling.include_usage)) \
+            if req.sampling.stream else []
+        return response, chunks
+
+
+def rec_tools(req: ChatRequest) -> tuple:
+    from trainer.rollout.recording import Schema
+
+    return tuple(Schema(t) for t in req.tools)
+
+
+# ----------------------------------------------------------------------------------------------- the agent
+def load_agent(spec: Any) -> Callable[..., Any]:
+    """`[rl.rollout] agent = "module:fn"`: `async def fn(row, endpoint)` or a plain `def` (run in a worker thread)
+    returning the reward (a number, or {"reward", "correct"?, "metadata"?}) or None (the run's reward scores it)."""
+    fn = load_callable(spec, "[rl.rollout] agent")
+    params = [p for p in inspect.signature(fn).parameters.values()
+              if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(params) != 2:
+        raise ValueError(f"[rl.rollout] agent {spec!r}: takes {len(params)} required argument(s); write it as "
+                         f"`async def fn(row, endpoint)` (endpoint.base_url, endpoint.api_key, endpoint.model)")
+    return fn
+
+
+def _call_agent(fn: Callable[..., Any], row: dict, endpoint: Endpoint, timeout_s: float) -> Any:
+    """In a worker thread: an async agent in an event loop of its own (asyncio, as the openai SDK expects), within
+    `timeout_s`; a plain one as it is (the caller abandons it at the deadline)."""
+    if not inspect.iscoroutinefunction(fn):
+        return fn(row, endpoint)
+
+    async def bounded() -> Any:
+        try:
+            return await asyncio.wait_for(fn(row, endpoint), timeout_s)
+        except TimeoutError as e:
+            raise BlockedCallTimeout(f"agent {fn.__name__!r} took longer than {timeout_s:g} s ([rl.rollout] "
+                                     f"agent_timeout_s): make it faster or raise agent_timeout_s") from e
+
+    return asyncio.run(bounded())
+
+
+_REPORTED: set[str] = set()
+
+
+def _agent_reward(value: Any, name: str) -> tuple[Any, dict]:
+    """(reward for score_finished, metadata to add) from what the agent returned."""
+    if isinstance(value, dict):
+        unknown = set(value) - {"reward", "correct", "metadata"}
+        if unknown or "reward" not in value:
+            raise TypeError(f"agent {name!r} returned keys {sorted(value)}; return a number or {{'reward': x, "
+                            f"'correct': bool, 'metadata': {{...}}}}")
+        extra = dict(value.get("metadata") or {})
+        return {k: value[k] for k in ("reward", "correct") if k in value}, extra
+    return value, {}
+
+
+async def run_agent_episode(sample: Sample, agent: Callable[..., Any], gateway: Gateway, generate: GenerateN, *,
+                            timeout_s: float, **recorder_kw: Any) -> tuple[list[Sample], Any]:
+    """Run one agent episode from `sample`: ([its training sequences, the first carrying the episode's metadata],
+    the reward it returned). Statuses: COMPLETED; TRUNCATED (a limit refused a request: `truncated_by`); FAILED
+    (the agent raised or ran past `timeout_s`: `agent_error`; or it never called the endpoint). A cancellation (the
+    batch filled) propagates: the episode starts again in a later batch."""
+    rec = AgentRecorder(sample, **recorder_kw)
+    endpoint = gateway.open_episode(rec, generate)
+    row = {**sample.metadata, "prompt": sample.prompt}
+    name = getattr(agent, "__name__", str(agent))
+    value, error, extra = None, None, {}
+    t0 = time.perf_counter()
+    try:
+        value = await run_blocking(_call_agent, agent, row, endpoint, timeout_s, timeout_s=timeout_s + 1.0,
+                                   pool="env", what=f"agent {name!r}", hint="make it faster or raise [rl.rollout] "
+                                   "agent_timeout_s")
+        value, extra = _agent_reward(value, name)
+    except Exception as e:  # noqa: BLE001 - a failing agent fails its episode, not the run
+        error = e
+    finally:
+        gateway.close_episode(endpoint)
+    seconds = time.perf_counter() - t0
+    seqs = rec.sequences()
+    meta = {"turns": rec.requests, "tool_calls": rec.tool_calls, "tool_errors": 0.0, "env_seconds": 0.0,
+            "agent_seconds": seconds, "agent_splits": max(len(seqs) - 1, 0), **extra}
+    status = Status.TRUNCATED if rec.truncated_by else Status.COMPLETED
+    if rec.truncated_by:
+        meta["truncated_by"] = rec.truncated_by
+    if error is not None and not rec.truncated_by:
+        status, message = Status.FAILED, f"{type(error).__name__}: {error}"
+        meta.update(agent_error=message, env_error=message)
+        if isinstance(error, BlockedCallTimeout):
+            meta["env_timed_out"] = True
+        if message not in _REPORTED and len(_REPORTED) < 20:
+            _REPORTED.add(message)
+            print(f"agent failed on prompt {sample.prompt[-200:]!r}:\n{''.join(traceback.format_exception(error))}",
+                  file=sys.stderr, flush=True)
+    elif not seqs:
+        status = Status.FAILED
+        meta.update(agent_error="the agent returned without calling its endpoint", env_error="no request")
+    seqs = seqs or [sample]
+    reward = 0.0 if status == Status.FAILED else None
+    out = [dataclasses.replace(s, status=status, reward=reward, response=_response(gateway, s),
+                               metadata={**s.metadata, **meta} if k == 0 else
+                               {**s.metadata, "agent_part": k, "agent_error": meta.get("agent_error")})
+           for k, s in enumerate(seqs)]
+    out = [dataclasses.replace(s, metadata={k: v for k, v in s.metadata.items() if v is not None}) for s in out]
+    return out, None if status == Status.FAILED else value
+
+
+def _response(gateway: Gateway, s: Sample) -> str:
+    """What a reward function reads: the text of the sequence's last completion (the model's final message)."""
+    mask = list(s.loss_mask or ())
+    end = len(mask)
+    while end and not mask[end - 1]:
+        end -= 1
+    start = end
+    while start and mask[start - 1]:
+        start -= 1
+    ids = list(s.tokens[s.prompt_length + start:s.prompt_length + end])
+    return gateway.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def pack_parts(samples: list[Sample]) -> list[Sample]:
+    """An episode's sequences as one group entry: the first, holding the others (JSON, so a cached group stays
+    checkpointable) in metadata["agent_parts"]; `unpack_parts` spreads them out again."""
+    first, rest = samples[0], samples[1:]
+    if not rest:
+        return [first]
+    return [dataclasses.replace(first, metadata={**first.metadata,
+                                                 "agent_parts": [sample_to_dict(s) for s in rest]})]
+
+
+def unpack_parts(group: list[Sample]) -> list[Sample]:
+    """A group whose agent episodes split: every training sequence its own sample (sharing the group's uid)."""
+    from trainer.rollout.samples import sample_from_dict
+
+    out = []
+    for s in group:
+        parts = s.metadata.get("agent_parts")
+        if not parts:
+            out.append(s)
+            continue
+        out.append(dataclasses.replace(s, metadata={k: v for k, v in s.metadata.items() if k != "agent_parts"}))
+        out.extend(sample_from_dict(d) for d in parts)
+    return out
