@@ -114,6 +114,22 @@ class LocalEngine(SGLangEngine):
             raise EngineError(f"{where}: HTTP 200: {data.get('message')}", status=200)
         return data
 
+    async def load_adapter_tensors(self, name: str, tensors: dict, scaling: float, *, default: bool = False) -> None:
+        """Load (or replace) LoRA adapter `name` from tensors in this process (PEFT's keys, engines/embedded/lora.py),
+        no disk and no JSON; default=True makes it the adapter of requests that name none. Errors as `_call`'s."""
+        await self._on_loop(f"adapter {name!r}", self.server.load_adapter(name, tensors, scaling, default=default))
+
+    async def _on_loop(self, what: str, coro) -> Any:
+        """A coroutine of the server, run on its loop; BadRequest / ValueError become EngineError with the status
+        the HTTP server would answer."""
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return await _wait_with_timeout(fut, self.timeout_s)
+        except BadRequest as e:
+            raise EngineError(f"{self.url}: {what}: HTTP {e.status}: {e}", status=e.status) from e
+        except ValueError as e:
+            raise EngineError(f"{self.url}: {what}: HTTP 400: {e}", status=400) from e
+
     async def aclose(self) -> None:  # no connections to close
         return None
 

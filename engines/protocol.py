@@ -180,8 +180,19 @@ class InferenceEngine(WeightSyncEndpoint, Protocol):
     async def health(self) -> bool: ...
 
     async def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
-                       rids: Sequence[str] | None = None) -> list[list[Completion]]:
-        """One list of `params.n` completions per prompt. `rids` (one per prompt) name the requests for `abort`."""
+                       rids: Sequence[str] | None = None, adapter: str | None = None) -> list[list[Completion]]:
+        """One list of `params.n` completions per prompt. `rids` (one per prompt) name the requests for `abort`.
+        `adapter` names a LoRA adapter loaded with `load_adapter` (None: the engine's default, the base unless a
+        LoRA run's adapter sync set one); an unknown name is an EngineError with status 404."""
+        ...
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Load the PEFT adapter folder `path` (adapter_config.json + adapter_model.safetensors, a path the engine
+        can read) as adapter `name`, replacing one of that name; the base weights stay as they are."""
+        ...
+
+    async def unload_adapter(self, name: str) -> None:
+        """Forget adapter `name` (EngineError 404 when it is not loaded); requests already running finish with it."""
         ...
 
     async def abort(self, rids: Sequence[str] | None = None) -> None:

@@ -62,8 +62,16 @@ def _sampling_dict(params: SamplingParams, *, n: int, seed: int | None) -> dict:
 
 
 def generate_payload(prompts: Sequence[Sequence[int]], params: SamplingParams,
-                     rids: Sequence[str] | None = None) -> dict:
-    """The /generate body for `prompts` x `params.n` (prompt-major order of the answers)."""
+                     rids: Sequence[str] | None = None, adapter: str | None = None) -> dict:
+    """The /generate body for `prompts` x `params.n` (prompt-major order of the answers); `adapter` names a
+    loaded LoRA adapter (SGLang's `lora_path`), None: the server's default."""
+    body = _payload(prompts, params, rids)
+    if adapter is not None:
+        body["lora_path"] = adapter
+    return body
+
+
+def _payload(prompts: Sequence[Sequence[int]], params: SamplingParams, rids: Sequence[str] | None) -> dict:
     if rids is not None and len(rids) != len(prompts):
         raise ValueError(f"rids: {len(rids)} ids for {len(prompts)} prompts; give one per prompt")
     if params.seed is not None and params.n > 1:  # one row per sample, each with its own seed
@@ -242,10 +250,10 @@ class SGLangEngine:
             return False
 
     async def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
-                       rids: Sequence[str] | None = None) -> list[list[Completion]]:
+                       rids: Sequence[str] | None = None, adapter: str | None = None) -> list[list[Completion]]:
         if not prompts:
             return []
-        body = generate_payload(prompts, params, rids)
+        body = generate_payload(prompts, params, rids, adapter)
         expanded = len(body["input_ids"]) != len(prompts)  # seeded n > 1: one row per sample
         if expanded and rids is not None:
             self._expanded.update({r: params.n for r in rids})
@@ -382,3 +390,11 @@ class SGLangEngine:
 
     async def flush_cache(self) -> None:
         await self._call("GET", "/flush_cache")
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """SGLang's /load_lora_adapter: the server loads the PEFT adapter folder `path` (one it can read) as
+        `name`, replacing an adapter of that name (a real SGLang needs --enable-lora)."""
+        await self._call("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+
+    async def unload_adapter(self, name: str) -> None:
+        await self._call("POST", "/unload_lora_adapter", {"lora_name": name})

@@ -142,14 +142,15 @@ class VLLMEngine:
             return False
 
     async def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
-                       rids: Sequence[str] | None = None) -> list[list[Completion]]:
+                       rids: Sequence[str] | None = None, adapter: str | None = None) -> list[list[Completion]]:
+        """adapter: a LoRA adapter loaded with `load_adapter` (vLLM serves it as the model of that name)."""
         if rids is not None and len(rids) != len(prompts):
             raise ValueError(f"rids: {len(rids)} ids for {len(prompts)} prompts; give one per prompt")
         request_id = uuid.uuid4().hex
         # vLLM refuses n > 1 when greedy; greedy samples are identical, so ask for one and repeat it
         repeat = params.n if params.temperature == 0 and params.n > 1 else 1
         asked = dataclasses.replace(params, n=1) if repeat > 1 else params
-        body = completions_payload(self.model, prompts, asked, request_id)
+        body = completions_payload(self.model if adapter is None else adapter, prompts, asked, request_id)
         names = {r: f"cmpl-{request_id}-{i}" for i, r in enumerate(rids or ())}
         self._inflight.update(names)
         self._running.add(request_id)
@@ -261,6 +262,13 @@ class VLLMEngine:
 
     async def continue_generation(self) -> None:
         await self._call("POST", "/resume")
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """vLLM's /v1/load_lora_adapter (the server needs --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)."""
+        await self._call("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+
+    async def unload_adapter(self, name: str) -> None:
+        await self._call("POST", "/v1/unload_lora_adapter", {"lora_name": name})
 
     async def flush_cache(self) -> None:
         await self._call("POST", "/reset_prefix_cache")

@@ -38,6 +38,7 @@ filters, which is what the trainer recomputes at the same temperature.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -68,6 +69,7 @@ class Row:
     stop_ids: frozenset[int]
     seed: int
     rid: str = ""
+    adapter: int = 0  # the slot of its LoRA adapter in the engine's AdapterSet (engines/embedded/lora.py); 0: base
 
 
 @dataclass(frozen=True)
@@ -227,6 +229,7 @@ class _Prefill:
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values) [u, H, L', D], one per distinct prompt
     where: torch.Tensor | None  # [b]: the distinct prompt of each row; None: row j is prompt j
     pos: torch.Tensor  # [b] next position id (the prompt's length)
+    slots: torch.Tensor  # [b] each row's adapter slot
     params: SamplingTensors
 
 
@@ -234,8 +237,10 @@ class DecodeBatch:
     """The engine's running rows and their KV cache (the only mutable state of generation; see the module
     docstring). Not thread-safe: one thread (the engine's model thread) calls `step`."""
 
-    def __init__(self, model, *, pad_id: int, decode_fn: Callable | None = None):
-        self.model, self.pad_id = model, pad_id
+    def __init__(self, model, *, pad_id: int, decode_fn: Callable | None = None, adapters: Any = None):
+        """adapters: the engine's AdapterSet (engines/embedded/lora.py), told each forward's row slots; None: the
+        base model only."""
+        self.model, self.pad_id, self.adapters = model, pad_id, adapters
         self.decode_fn = decode_fn or model.forward
         self.device = next(model.parameters()).device
         self.version = 0  # the weight version of the model's weights now (the server sets it after a load)
@@ -246,6 +251,7 @@ class DecodeBatch:
         self.cache: KVCache | None = None  # per layer: keys, values [B, H, length, D] (views of the buffers)
         self.pos = torch.zeros((0,), dtype=torch.long, device=self.device)  # [B] next position id
         self.last = torch.zeros((0,), dtype=torch.long, device=self.device)  # [B] token not yet fed
+        self.slots = torch.zeros((0,), dtype=torch.long, device=self.device)  # [B] adapter slot (0: base)
         self.params = SamplingTensors(*(t.to(self.device) for t in SamplingTensors.of([]).tensors()))
 
     def __len__(self) -> int:
@@ -262,6 +268,19 @@ class DecodeBatch:
         length = self.cache.length - first if length is None else length
         self.cache = self.cache.rebuilt(rows_capacity, first, length, _capacity(length, self._limit(length, new)))
 
+    @contextlib.contextmanager
+    def _adapter_rows(self, slots: torch.Tensor, rows: Sequence[Row]):
+        """The forward inside sees each row's adapter slot (`slots` [N], one per row of its input); a forward of
+        base rows only leaves the adapters' hooks idle."""
+        if self.adapters is None or not any(r.adapter for r in rows):
+            yield
+            return
+        self.adapters.rows = slots
+        try:
+            yield
+        finally:
+            self.adapters.rows = None
+
     def _decode(self) -> torch.Tensor:
         """Feed each running row its last token; logits [B, V] fp32."""
         if self.cache.length + 2 > self.cache.capacity:  # room for this column and one spare (see _capacity)
@@ -270,34 +289,38 @@ class DecodeBatch:
         # Row i's real tokens are its last pos_i columns, and the one it is fed now: mask [B, length + 1].
         columns = torch.arange(length + 1, device=self.device)
         mask = columns[None, :] >= (length - self.pos)[:, None]
-        logits = self.decode_fn(input_ids=self.last[:, None], attention_mask=mask,
-                                position_ids=self.pos[:, None], past_key_values=self.cache,
-                                use_cache=True).logits[:, -1].float()
+        with self._adapter_rows(self.slots, [a.row for a in self.rows]):
+            logits = self.decode_fn(input_ids=self.last[:, None], attention_mask=mask,
+                                    position_ids=self.pos[:, None], past_key_values=self.cache,
+                                    use_cache=True).logits[:, -1].float()
         self.pos = self.pos + 1
         for a in self.rows:
             a.cached += 1
         return logits
 
     def _prefill(self, rows: list[Row]) -> _Prefill:
-        """Left-padded prefill of new rows, one row per distinct prompt (the n samples of a group share one). Its
-        inputs are built on the host and moved in one copy."""
-        unique = list(dict.fromkeys(r.prompt for r in rows))
-        u, L = len(unique), max(len(p) for p in unique)
-        ids = torch.tensor([[self.pad_id] * (L - len(p)) + list(p) for p in unique], dtype=torch.long)
-        mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in unique], dtype=torch.long)
-        index = {p: i for i, p in enumerate(unique)}
-        where = torch.tensor([index[r.prompt] for r in rows], dtype=torch.long)
+        """Left-padded prefill of new rows, one row per distinct (prompt, adapter) (the n samples of a group share
+        one). Its inputs are built on the host and moved in one copy."""
+        unique = list(dict.fromkeys((r.prompt, r.adapter) for r in rows))
+        u, L = len(unique), max(len(p) for p, _ in unique)
+        ids = torch.tensor([[self.pad_id] * (L - len(p)) + list(p) for p, _ in unique], dtype=torch.long)
+        mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p, _ in unique], dtype=torch.long)
+        index = {k: i for i, k in enumerate(unique)}
+        where = torch.tensor([index[r.prompt, r.adapter] for r in rows], dtype=torch.long)
         pos = torch.tensor([len(r.prompt) for r in rows], dtype=torch.long)
-        ids, mask, where, pos, *params = _to_device([ids, mask, where, pos, *SamplingTensors.of(rows).tensors()],
-                                                    self.device)
+        slots = torch.tensor([r.adapter for r in rows], dtype=torch.long)
+        unique_slots = torch.tensor([a for _, a in unique], dtype=torch.long)
+        ids, mask, where, pos, slots, unique_slots, *params = _to_device(
+            [ids, mask, where, pos, slots, unique_slots, *SamplingTensors.of(rows).tensors()], self.device)
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
         cache = DynamicCache()
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                            use_cache=True, logits_to_keep=1).logits[:, -1].float()
+        with self._adapter_rows(unique_slots, rows):
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                                use_cache=True, logits_to_keep=1).logits[:, -1].float()
         shared = u < len(rows)
         return _Prefill(logits.index_select(0, where) if shared else logits,
                         [(layer.keys, layer.values) for layer in cache.layers], where if shared else None, pos,
-                        SamplingTensors(*params))
+                        slots, SamplingTensors(*params))
 
     def _join(self, new: list[tuple[Row, Any]], pre: _Prefill) -> None:
         """Append the prefilled rows: their cache after the running rows', right-aligned at the batch's length (a
@@ -312,6 +335,7 @@ class DecodeBatch:
             self._compact(max(self.cache.rows_capacity, self.cache.rows + len(rows)), max(live, prompt_len), rows)
         self.cache.append_rows(pre.kv, pre.where, len(rows))
         self.pos, self.params = torch.cat([self.pos, pre.pos]), self.params.cat(pre.params)
+        self.slots = torch.cat([self.slots, pre.slots])
         self.rows += [_Active(r, h, len(r.prompt)) for r, h in new]
 
     def _keep(self, keep: list[int]) -> None:
@@ -326,6 +350,7 @@ class DecodeBatch:
         order_t, dst_t, src_t = _to_device([torch.tensor(x, dtype=torch.long) for x in (order, dst, src)],
                                            self.device)
         self.pos, self.last = self.pos.index_select(0, order_t), self.last.index_select(0, order_t)
+        self.slots = self.slots.index_select(0, order_t)
         self.params = self.params.select(order_t)
         if dst:
             self.cache.move_rows(dst_t, src_t, len(keep))

@@ -42,6 +42,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from engines.embedded.generation import DecodeBatch, Row, RowResult
+from engines.embedded.lora import AdapterSet, read_peft_folder
 from engines.weight_sync.receiver import (
     WeightReceiver,
     colocated_request,
@@ -141,7 +142,10 @@ class EngineServer:
             compile_decode = self.device.type == "cuda"
         # Decode is the hot loop (one token per row per call): compiled on CUDA only, CPU stays eager.
         self.decode_fn = torch.compile(model.forward, dynamic=True) if compile_decode else None
-        self.batch = DecodeBatch(model, pad_id=self.pad_id, decode_fn=self.decode_fn)
+        self.adapters = AdapterSet(model)  # named LoRA adapters, applied per row (engines/embedded/lora.py)
+        self._adapter_lock = asyncio.Lock()
+        self.batch = DecodeBatch(model, pad_id=self.pad_id, decode_fn=self.decode_fn, adapters=self.adapters)
+        self.admitting: list = []  # rows taken from the queue for the step on the model thread now
         self.waiting: collections.deque[tuple[Row, tuple[_Request, int]]] = collections.deque()
         self.abort_all, self.abort_rids = False, set()
         self.holds = 0  # weight updates waiting for the batch to drain
@@ -191,16 +195,18 @@ class EngineServer:
             self.stepping = True
             self.steps += 1  # counted when it starts: the step in flight when an abort arrives is counted
             t0 = time.perf_counter()
+            self.admitting = admit
             try:
                 done = await loop.run_in_executor(self.model_thread, self._step, cut if has_cut else False, admit,
                                                   self.running.is_set())
             except Exception as e:  # noqa: BLE001 - delivered to every request that had a row in the batch
                 self._fail([h for _, h in admit] + [a.handle for a in self.batch.rows], e)
-                self.batch = DecodeBatch(self.model, pad_id=self.pad_id, decode_fn=self.decode_fn)
+                self.batch = DecodeBatch(self.model, pad_id=self.pad_id, decode_fn=self.decode_fn,
+                                         adapters=self.adapters)
                 self.batch.version = self.weight_version
                 continue
             finally:
-                self.stepping = False
+                self.stepping, self.admitting = False, []
                 self.step_seconds += time.perf_counter() - t0
             for (req, k), result in done:
                 req.deliver(k, result, self.weight_version)
@@ -242,6 +248,39 @@ class EngineServer:
                 self.abort_rids.add(rid)
             self.wakeup.set()
         return n + len(running)
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def adapter_names(self) -> list[str]:
+        return sorted(self.adapters.names)
+
+    async def load_adapter(self, name: str, tensors: dict[str, torch.Tensor], scaling: float, *,
+                           default: bool = False) -> None:
+        """Load (or replace in place) adapter `name` from PEFT's tensors, between two decode steps; the base
+        weights are not touched. default=True: requests that name no adapter use it from now on (a LoRA run's
+        synced policy). Bad tensors raise ValueError (400) before anything changes."""
+        if not isinstance(name, str) or not name:
+            raise BadRequest(f"adapter name {name!r}: give a non-empty string")
+        modules = self.adapters.parse(tensors, scaling)
+        async with self._adapter_lock:  # one load at a time: each picks a free slot
+            slot = self.adapters.free_slot(name, self._slots_in_use())
+            await asyncio.get_running_loop().run_in_executor(self.model_thread, self.adapters.write, slot, modules)
+            self.adapters.names[name] = slot
+            if default:
+                self.adapters.default = name
+
+    async def unload_adapter(self, name: str) -> None:
+        """Drop adapter `name`: requests naming it are refused from now on (404); rows already admitted or queued
+        with it finish with it (its slot is reused once none holds it)."""
+        if name not in self.adapters.names:
+            raise BadRequest(f"adapter {name!r} is not loaded; loaded: {self.adapter_names()}", status=404)
+        del self.adapters.names[name]
+        if self.adapters.default == name:
+            self.adapters.default = None
+
+    def _slots_in_use(self) -> set[int]:
+        """Adapter slots held by a running, admitted or queued row."""
+        rows = [a.row for a in list(self.batch.rows)] + [r for r, _ in self.admitting] + [r for r, _ in self.waiting]
+        return {r.adapter for r in rows}
 
     @contextlib.asynccontextmanager
     async def exclusive(self):
@@ -312,13 +351,30 @@ def parse_sampling(sp, vocab_size: int) -> dict:
     return out
 
 
-def build_rows(server: EngineServer, prompts: list[list[int]], sps: list[dict], rids: list[str]) -> list[Row]:
+def parse_adapters(body: dict, server: EngineServer, n_prompts: int) -> list[int]:
+    """The adapter slot of each prompt from SGLang's `lora_path` (a name for every prompt, or a list with one per
+    prompt; null: the engine's default adapter, else the base). An unknown name is a 404 naming the loaded ones."""
+    names = body.get("lora_path")
+    if not isinstance(names, list):
+        names = [names] * n_prompts
+    if len(names) != n_prompts or not all(n is None or isinstance(n, str) for n in names):
+        raise BadRequest(f"'lora_path' must be an adapter name (string) or a list of {n_prompts} names or nulls "
+                         f"(one per prompt)")
+    try:
+        return [server.adapters.slot(n) for n in names]
+    except KeyError as e:
+        raise BadRequest(e.args[0], status=404) from e
+
+
+def build_rows(server: EngineServer, prompts: list[list[int]], sps: list[dict], rids: list[str],
+               adapters: list[int] | None = None) -> list[Row]:
     """Rows in prompt-major order (prompt 0's n samples, then prompt 1's...). With a seed, the j-th of a prompt's
     n rows uses seed + j (SGLang gives one request's seed to each of its prompts); without, each row draws its
-    seed from the server's seeded RNG. Rows of prompt i carry rids[i] (what /abort_request names)."""
+    seed from the server's seeded RNG. Rows of prompt i carry rids[i] (what /abort_request names) and adapter
+    slot adapters[i] (None: the base)."""
     vocab = server.model.config.vocab_size
     rows = []
-    for prompt, sp, rid in zip(prompts, sps, rids):
+    for prompt, sp, rid, slot in zip(prompts, sps, rids, adapters or [0] * len(prompts)):
         if not prompt:
             raise BadRequest("a prompt is empty: give at least one token")
         if min(prompt) < 0 or max(prompt) >= vocab:
@@ -329,7 +385,7 @@ def build_rows(server: EngineServer, prompts: list[list[int]], sps: list[dict], 
         for j in range(sp["n"]):
             seed = sp["seed"] + j if sp["seed"] is not None else server.rng.getrandbits(63)
             rows.append(Row(tuple(prompt), sp["temperature"], sp["top_p"], sp["top_k"], sp["max_new_tokens"],
-                            frozenset(stops), seed, rid))
+                            frozenset(stops), seed, rid, slot))
     return rows
 
 
@@ -409,7 +465,7 @@ def route_handlers(server: EngineServer) -> dict[str, Endpoint]:
         if len(sps) != len(prompts):
             raise BadRequest(f"{len(sps)} sampling_params for {len(prompts)} prompts")
         rids = parse_rids(body, len(prompts))
-        rows = build_rows(server, prompts, sps, rids)
+        rows = build_rows(server, prompts, sps, rids, parse_adapters(body, server, len(prompts)))
         if not server.weights_consistent:
             raise BadRequest("the last weight sync failed part-way; generation resumes after a successful sync",
                              status=503)
@@ -435,7 +491,24 @@ def route_handlers(server: EngineServer) -> dict[str, Endpoint]:
         # one-broadcast-per-tensor protocol ("direct"); this engine also reads the bucketed extension.
         return {**server.load(), "model_path": server.model_path, "device": str(server.device),
                 "weight_version": str(server.weight_version), "tp_size": 1, "dp_size": 1,
-                "weight_update_formats": list(WEIGHT_UPDATE_FORMATS)}
+                "weight_update_formats": list(WEIGHT_UPDATE_FORMATS), "lora_adapters": server.adapter_names()}
+
+    async def load_lora(body: dict):
+        """SGLang's /load_lora_adapter {lora_name, lora_path}: a PEFT adapter folder this process can read."""
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise BadRequest("fields 'lora_name' (the adapter's name) and 'lora_path' (a PEFT adapter folder) are "
+                             "required")
+        tensors, scaling = await anyio.to_thread.run_sync(read_peft_folder, path)
+        await server.load_adapter(name, tensors, scaling)
+        return {"success": True, "message": f"loaded adapter {name!r}", "loaded_adapters": server.adapter_names()}
+
+    async def unload_lora(body: dict):
+        name = body.get("lora_name")
+        if not isinstance(name, str) or not name:
+            raise BadRequest("field 'lora_name' (the adapter's name) is required")
+        await server.unload_adapter(name)
+        return {"success": True, "message": f"unloaded adapter {name!r}", "loaded_adapters": server.adapter_names()}
 
     async def init_group(body: dict):
         need = {"master_address": str, "master_port": int, "rank_offset": int, "world_size": int}
@@ -546,6 +619,8 @@ def route_handlers(server: EngineServer) -> dict[str, Endpoint]:
         "/get_server_info": Endpoint(("GET",), server_info),
         "/continue_generation": Endpoint(("POST",), resume),
         "/colocated_weights": Endpoint(("POST",), _colocated),
+        "/load_lora_adapter": Endpoint(("POST",), load_lora),
+        "/unload_lora_adapter": Endpoint(("POST",), unload_lora),
     }
 
 
