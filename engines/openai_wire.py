@@ -340,8 +340,9 @@ def chat_chunks(response: Mapping[str, Any], pieces: Sequence[Sequence[str]], *,
         i, msg = c["index"], c["message"]
         yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
         lps = (c.get("logprobs") or {}).get("content")
+        per_token = lps is not None and len(lps) == len(parts)  # else the log-probs come with the last chunk
         for k, part in enumerate(parts):
-            lp = {"content": [lps[k]]} if lps else None
+            lp = {"content": [lps[k]]} if per_token else ({"content": lps} if lps and k == len(parts) - 1 else None)
             yield event([{"index": i, "delta": {"content": part}, "logprobs": lp, "finish_reason": None}])
         if msg.get("tool_calls"):
             calls = [{"index": k, **t} for k, t in enumerate(msg["tool_calls"])]

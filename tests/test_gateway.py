@@ -10,11 +10,13 @@ model never writes a tool call).
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 import torch
 import trio
-from episode_support import CHAR_STOPS, Recording, arithmetic_buffer
+from episode_support import CHAR_STOPS, Recording, Scripted, arithmetic_buffer
 
 from engines.embedded.presets import build_tiny_model
 from engines.registry import EngineSpec, build_engine
@@ -133,3 +135,151 @@ def test_a_two_turn_agent_is_token_exact_on_the_embedded_engine(local, model):
     assert batch.metadata["turns_mean"] == 2.0 and batch.metadata["agent_splits"] == 0
     assert batch.metadata["agent_errors"] == 0 and batch.metadata["agent_time_s"] > 0
     print(f"engine vs forward log-probs: max diff {worst:.2e}")
+
+
+# ----------------------------------------------------------------------------------------------- tool calls
+CALL_TEXT = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
+
+
+def scripted_tools(text: str) -> str:
+    return "It is 42." if "<|im_start|>tool\n" in text else "Let me compute. " + CALL_TEXT
+
+
+def tool_agent(row, endpoint):
+    """A plain (sync) agent: the openai client's own loop, the tool run by the agent, OpenAI's tool schema."""
+    client = openai.OpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0)
+    messages = [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": row["prompt"]}]
+    seen = []
+    while True:
+        r = client.chat.completions.create(model=endpoint.model, messages=messages, tools=[CALC], tool_choice="auto")
+        choice = r.choices[0]
+        seen.append(choice.finish_reason)
+        if not choice.message.tool_calls:
+            return {"reward": 1.0 if "42" in choice.message.content else 0.0, "metadata": {"finishes": seen}}
+        messages.append(choice.message.model_dump(exclude_none=True))
+        for call in choice.message.tool_calls:
+            args = json.loads(call.function.arguments)
+            assert call.function.name == "calculator" and args == {"expression": "6*7"}
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": str(6 * 7)})
+
+
+def test_tool_calls_are_parsed_on_the_server_and_the_tool_answer_is_masked():
+    engine = Scripted(scripted_tools)
+    batch = run_batch([engine], tool_agent, max_new_tokens=200)
+    assert len(batch) == 4
+    asked = []
+    for s in batch.samples:
+        assert s.status == Status.COMPLETED and s.reward == 1.0
+        assert s.metadata["finishes"] == ["tool_calls", "stop"] and s.metadata["tool_calls"] == 1
+        start = opening([{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": s.prompt}])
+        turn1 = TOK.encode("Let me compute. " + CALL_TEXT) + [IM_END_ID]
+        middle = after_turn("tool", "42")
+        turn2 = TOK.encode("It is 42.") + [IM_END_ID]
+        assert list(s.tokens) == start + turn1 + middle + turn2
+        assert list(s.loss_mask) == [1] * len(turn1) + [0] * len(middle) + [1] * len(turn2)
+        assert [x for x, m in zip(s.rollout_logprobs, s.loss_mask) if m] == [-0.5] * (len(turn1) + len(turn2))
+        asked += [TOK.decode(start), TOK.decode(start + turn1 + middle)]
+    # The engine was asked exactly the recorded prefixes: turn 1 as it produced it, not the agent's copy re-encoded.
+    assert sorted(engine.prompts) == sorted(asked)
+    assert batch.metadata["tool_calls_mean"] == 1.0 and batch.metadata["turns_mean"] == 2.0
+
+
+# ----------------------------------------------------------------------------------------------- splits
+async def rewriting_agent(row, endpoint):
+    client = openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0)
+    await client.chat.completions.create(model=endpoint.model, messages=[{"role": "user", "content": row["prompt"]}])
+    summary = [{"role": "system", "content": "summary"}, {"role": "user", "content": "go on"}]
+    await client.chat.completions.create(model=endpoint.model, messages=summary)
+    return 0.5
+
+
+def by_prompt(rec):
+    out = {}
+    for prompt, c in rec.calls:
+        out.setdefault(prompt, []).append(c)
+    return out
+
+
+def test_an_agent_that_rewrites_its_history_splits_into_exact_sequences(local, model):
+    rec = Recording(local)
+    batch = run_batch([rec], rewriting_agent, stop_token_ids=CHAR_STOPS[10:])
+    assert len(batch) == 8 and batch.metadata["agent_splits"] == 4
+    calls = by_prompt(rec)
+    summary = opening([{"role": "system", "content": "summary"}, {"role": "user", "content": "go on"}])
+    for s in batch.samples:
+        first = "agent_part" not in s.metadata
+        start = opening([{"role": "user", "content": s.prompt}]) if first else summary
+        c = [c for c in calls[tuple(start)] if list(s.tokens[len(start):]) == c.output_ids]
+        assert c, "a sequence is not an engine call's prompt + its completion"
+        assert_exact(s, [(start, None), (c[0].output_ids, c[0])], model)
+        assert s.reward == 0.5 and s.status == Status.COMPLETED
+    # Both sequences of an episode are in its group (same uid): 2 groups of 2 episodes x 2 sequences.
+    uids = [s.metadata["group_uid"] for s in batch.samples]
+    assert sorted(uids.count(u) for u in set(uids)) == [4, 4]
+
+
+# ----------------------------------------------------------------------------------------------- n, streaming
+async def n_agent(row, endpoint):
+    """n = 3 choices; the agent continues from the second one."""
+    client = openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0)
+    messages = [{"role": "user", "content": row["prompt"]}]
+    r = await client.chat.completions.create(model=endpoint.model, messages=messages, n=3, logprobs=True)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    lps = [[t.logprob for t in c.logprobs.content] for c in r.choices]
+    messages += [r.choices[1].message, {"role": "user", "content": "again"}]
+    await client.chat.completions.create(model=endpoint.model, messages=messages)
+    return {"reward": 1.0, "metadata": {"choice_logprobs": lps, "usage": r.usage.completion_tokens}}
+
+
+def test_n_choices_are_each_recorded_exactly_and_the_chosen_one_is_continued(local, model):
+    rec = Recording(local)
+    batch = run_batch([rec], n_agent, stop_token_ids=CHAR_STOPS[10:], n_samples_per_prompt=1)
+    assert len(batch) == 6 and batch.metadata["agent_splits"] == 4  # per episode: 2 leaves + the continued chain
+    calls = by_prompt(rec)
+    for s in [s for s in batch.samples if "agent_part" not in s.metadata]:
+        start = opening([{"role": "user", "content": s.prompt}])
+        choices = calls[tuple(start)]
+        assert len(choices) == 3
+        assert s.metadata["choice_logprobs"] == [list(c.logprobs) for c in choices]
+        assert s.metadata["usage"] == sum(len(c.output_ids) for c in choices)
+    seqs = [s for s in batch.samples]
+    for s in seqs:
+        start = opening([{"role": "user", "content": s.prompt}])
+        c1 = [c for c in calls[tuple(start)] if list(s.tokens[len(start):len(start) + len(c.output_ids)])
+              == c.output_ids][0]
+        if len(s.tokens) == len(start) + len(c1.output_ids):
+            assert_exact(s, [(start, None), (c1.output_ids, c1)], model)
+            continue
+        glue = [] if c1.output_ids[-1] in (IM_END_ID, 2) else [IM_END_ID]
+        middle = glue + after_turn("user", "again")
+        prefix = tuple(start + c1.output_ids + middle)
+        c2 = [c for c in calls[prefix] if list(s.tokens[len(prefix):]) == c.output_ids][0]
+        assert_exact(s, [(start, None), (c1.output_ids, c1), (middle, None), (c2.output_ids, c2)], model)
+    assert sum(s.metadata.get("turns", 0) for s in seqs) == 4  # 2 requests per episode, counted on its first sequence
+
+
+async def streaming_agent(row, endpoint):
+    client = openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0)
+    stream = await client.chat.completions.create(model=endpoint.model, stream=True,
+                                                  stream_options={"include_usage": True},
+                                                  messages=[{"role": "user", "content": row["prompt"]}])
+    text, finish, usage, roles = "", None, None, []
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage.completion_tokens
+        for c in chunk.choices:
+            roles += [c.delta.role] if c.delta.role else []
+            text += c.delta.content or ""
+            finish = c.finish_reason or finish
+    return {"reward": 1.0, "metadata": {"text": text, "finish": finish, "usage": usage, "roles": roles}}
+
+
+def test_a_streamed_answer_is_the_recorded_completion(local):
+    rec = Recording(local)
+    batch = run_batch([rec], streaming_agent, stop_token_ids=CHAR_STOPS[10:])
+    for s in batch.samples:
+        completion = list(s.tokens[s.prompt_length:])
+        assert s.metadata["text"] == TOK.decode(completion, skip_special_tokens=True)
+        assert s.metadata["usage"] == len(completion) and s.metadata["roles"] == ["assistant"]
+        assert s.metadata["finish"] == ("length" if len(completion) == 6 and completion[-1] not in CHAR_STOPS[10:]
+                                        else "stop")

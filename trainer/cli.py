@@ -65,7 +65,7 @@ from trainer.stops import SIGINT_EXIT, SIGTERM_EXIT, RunStopped, debug_enabled, 
 if TYPE_CHECKING:
     from trainer.weight_sync import WeightSync
 
-MODES = ("sft", "rl", "sft+rl", "demo", "export", "generate", "replay")
+MODES = ("sft", "rl", "sft+rl", "demo", "export", "generate", "replay", "serve")
 
 
 # ----------------------------------------------------------------------------------------------- config
@@ -219,7 +219,7 @@ def _check_inputs(cfg: RunConfig, mode: str, *, resume: bool = False) -> None:
     # rollout_fn may return each episode's reward instead, in training and in evaluation alike (an episode that gets
     # a reward from neither is FAILED: trainer.rollout.rewards.no_reward). The tool environment never gives one.
     sourced = mode in ("rl", "sft+rl", "demo") and bool(cfg.rewards.sources)
-    own = bool(rollout.env or rollout.rollout_fn)
+    own = bool(rollout.env or rollout.rollout_fn or rollout.agent)
     alternative = ("; or give [rl.rollout] env (or rollout_fn) that returns each episode's reward"
                    + (" ([rl.rollout] tools' episodes get none from the tool environment)" if rollout.tools else ""))
     if data.reward is not None:
@@ -294,14 +294,17 @@ def _check_lora_targets(cfg: RunConfig, mode: str) -> None:
 
 
 def _check_rollout_functions(rollout: Any, *, filters: bool) -> None:
-    """Every function [rl.rollout] names (env, tools, rollout_fn, tool_parser, and with `filters` the dynamic
+    """Every function [rl.rollout] names (env, tools, rollout_fn, agent, tool_parser, and with `filters` the dynamic
     filters) loads now, through the loaders the rollouts themselves use: a typo is a configuration error before the
     run's fresh start removes the previous run's outputs, not a traceback after it."""
     from trainer.rollout.episodes import build_driver
+    from trainer.rollout.gateway import load_agent
     from trainer.rollout.samples import resolve_filters
     from trainer.rollout.tools import load_tool_parser
 
     build_driver(rollout)
+    if rollout.agent:
+        load_agent(rollout.agent)
     load_tool_parser(rollout.tool_parser)
     if filters:
         try:
@@ -861,6 +864,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rollouts", default=None, help="replay: the folder of step_N.jsonl files to train on (written "
                     "by [logging] rollouts_every or the generate mode; default <output_dir>/rl/rollouts)")
     args = ap.parse_args(argv)
+    if args.mode == "serve":  # the Tinker API (trainer/serve/app.py): its own [serve] table, not a run
+        if args.config is None:
+            ap.error("serve: --config is required (a TOML file with a [serve] table)")
+        from trainer.serve.app import main as serve_main
+
+        return serve_main(args.config)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # "Loading weights" bars of tiny folders: noise in a run's log

@@ -103,7 +103,8 @@ def input_paths(cfg: RunConfig, *, data_keys: Iterable[str] = ("train", "sft", "
         paths += [(f"[[eval.sets]] {e.name!r} path", s.path)
                   for s in data_specs(e.path, e.mapping(data), where=f"[[eval.sets]] {e.name!r}")]
     functions = [("[data].reward", data.reward), ("[rl.rollout] env", rollout.env),
-                 ("[rl.rollout] rollout_fn", rollout.rollout_fn), ("[rl.rollout] tool_parser", rollout.tool_parser)]
+                 ("[rl.rollout] rollout_fn", rollout.rollout_fn), ("[rl.rollout] tool_parser", rollout.tool_parser),
+                 ("[rl.rollout] agent", rollout.agent)]
     functions += [("[rl.rollout] tools", t) for t in rollout.tools]
     functions += [("[rl.rollout] dynamic_filters", f) for f in rollout.dynamic_filters]
     functions += [(f"[[eval.sets]] {e.name!r} reward", e.reward) for e in cfg.eval.sets]

@@ -229,13 +229,14 @@ class Gateway:
             keep, text, finish = self._cut(out, req.sampling.stop)
             ids = list(out.output_ids)
             message: dict[str, Any] = {"role": "assistant", "content": text}
-            if req.parse_tools and finish == "stop":
+            pieces.append(self._pieces(ids, keep, text) if req.sampling.stream else [])
+            if req.tools and req.parse_tools and finish == "stop":
                 turn = self.parse(text)
                 rec.tool_calls += len(turn.calls) + len(turn.errors)
-                if turn.calls and not turn.errors:
+                if turn.calls and not turn.errors:  # else the text as it is: the agent sees what went wrong
                     message = {"role": "assistant", "content": turn.content or None,
                                "tool_calls": tool_call_entries(turn.calls)}
-                    finish = "tool_calls"
+                    finish, pieces[-1] = "tool_calls", [turn.content] if turn.content else []
             rec.record(parent, prompt, out, keep, messages=tuple(req.messages), tools=rec_tools(req), reply=message)
             generated += keep
             lps = None
@@ -243,7 +244,6 @@ class Gateway:
                 tokens = [self.tokenizer.decode([t]) for t in ids[:keep]]
                 lps = {"content": logprob_entries(tokens, out.logprobs[:keep]), "refusal": None}
             choices.append({"index": i, "message": message, "finish_reason": finish, "logprobs": lps})
-            pieces.append(self._pieces(ids, keep, message["content"] or "") if req.sampling.stream else [])
         response = chat_response(self.model, choices, len(prompt.tokens), generated)
         chunks = list(chat_chunks(response, pieces, include_usage=req.sampling.include_usage)) \
             if req.sampling.stream else []
