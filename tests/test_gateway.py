@@ -10,7 +10,9 @@ model never writes a tool call).
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 
 import openai
 import pytest
@@ -283,3 +285,116 @@ def test_a_streamed_answer_is_the_recorded_completion(local):
         assert s.metadata["usage"] == len(completion) and s.metadata["roles"] == ["assistant"]
         assert s.metadata["finish"] == ("length" if len(completion) == 6 and completion[-1] not in CHAR_STOPS[10:]
                                         else "stop")
+
+
+# ----------------------------------------------------------------------------------------------- bad requests, limits
+async def probing_agent(row, endpoint):
+    """Every refusal the API gives, each caught and written down; then one good chat and one completion."""
+    client = openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0)
+    user = [{"role": "user", "content": row["prompt"]}]
+    errors = {}
+
+    async def refused(name, **kw):
+        try:
+            await client.chat.completions.create(**{"model": endpoint.model, "messages": user, **kw})
+        except openai.APIStatusError as e:
+            errors[name] = (e.status_code, e.body.get("param") if isinstance(e.body, dict) else None, str(e))
+
+    await refused("unknown", extra_body={"frobnicate": 1})
+    await refused("top_logprobs", logprobs=True, top_logprobs=2)
+    await refused("tool_choice", tools=[CALC], tool_choice="required")
+    await refused("role", messages=[{"role": "wizard", "content": "hi"}])
+    await refused("temperature", temperature=7.0)
+    await refused("model", model="gpt-4o")
+    stranger = openai.AsyncOpenAI(base_url=endpoint.base_url, api_key="not-an-episode", max_retries=0)
+    try:
+        await stranger.chat.completions.create(model=endpoint.model, messages=user)
+    except openai.AuthenticationError as e:
+        errors["key"] = (e.status_code, None, str(e))
+    models = [m.id async for m in client.models.list()]
+    done = await client.completions.create(model=endpoint.model, prompt=row["prompt"], max_tokens=3, logprobs=0)
+    return {"reward": 1.0, "metadata": {"errors": errors, "models": models, "text": done.choices[0].text,
+                                        "lps": done.choices[0].logprobs.token_logprobs}}
+
+
+def test_bad_requests_are_refused_naming_the_field(local):
+    batch = run_batch([local], probing_agent, n_samples_per_prompt=1)
+    for s in [s for s in batch.samples if "errors" in s.metadata]:
+        errors = s.metadata["errors"]
+        assert {k: v[0] for k, v in errors.items()} == {"unknown": 400, "top_logprobs": 400, "tool_choice": 400,
+                                                        "role": 400, "temperature": 400, "model": 404, "key": 401}
+        assert errors["unknown"][1] == "frobnicate" and "frobnicate" in errors["unknown"][2]
+        assert errors["top_logprobs"][1] == "top_logprobs" and errors["tool_choice"][1] == "tool_choice"
+        assert "messages[0]" in errors["role"][1] and "temperature" in errors["temperature"][2]
+        assert s.metadata["models"] == ["policy"]
+        # The refused requests never reached the engine: the one completion is the episode's one sequence.
+        assert s.metadata["turns"] == 1 and s.status == Status.COMPLETED
+        assert s.metadata["text"] == TOK.decode(list(s.tokens[s.prompt_length:]), skip_special_tokens=True)
+        assert s.metadata["lps"] == list(s.rollout_logprobs) and len(s.rollout_logprobs) == 3
+        assert list(s.tokens[:s.prompt_length]) == TOK.encode(s.prompt)  # /v1/completions: no chat template
+
+
+async def looping_agent(row, endpoint):
+    """Talks until the gateway refuses; returns a reward all the same (the episode is truncated)."""
+    client = openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0)
+    messages = [{"role": "user", "content": row["prompt"]}]
+    while True:
+        try:
+            r = await client.chat.completions.create(model=endpoint.model, messages=messages)
+        except openai.BadRequestError as e:
+            return {"reward": 0.25, "metadata": {"refusal": str(e)}}
+        messages += [r.choices[0].message, {"role": "user", "content": "more"}]
+
+
+@pytest.mark.parametrize("limit, why", [({"max_turns": 3}, "max_turns"), ({"max_context_tokens": 60}, "context")])
+def test_limits_are_enforced_at_the_gateway_and_truncate_the_episode(local, limit, why):
+    batch = run_batch([local], looping_agent, stop_token_ids=CHAR_STOPS[10:], n_samples_per_prompt=1, **limit)
+    assert batch.metadata["truncated_fraction"] == 1.0 and batch.metadata["agent_splits"] == 0
+    for s in batch.samples:
+        assert s.status == Status.TRUNCATED and s.metadata["truncated_by"] == why and s.reward == 0.25
+        assert why in s.metadata["refusal"]
+        if why == "max_turns":
+            assert s.metadata["turns"] == 3 and sum(1 for v in s.metadata["weight_versions"]) == 3
+        else:
+            assert len(s.tokens) <= 60
+
+
+# ----------------------------------------------------------------------------------------------- failures
+async def slow_async_agent(row, endpoint):
+    client = openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0)
+    await client.chat.completions.create(model=endpoint.model, messages=[{"role": "user", "content": row["prompt"]}])
+    await asyncio.sleep(30)
+    return 1.0
+
+
+def slow_sync_agent(row, endpoint):
+    time.sleep(3)  # abandoned at the deadline: the thread ends on its own a little later
+    return 1.0
+
+
+def raising_agent(row, endpoint):
+    raise RuntimeError(f"no luck with {row['prompt']}")
+
+
+@pytest.mark.parametrize("agent, error", [(slow_async_agent, "took longer than 0.5 s"),
+                                          (slow_sync_agent, "took longer than"),
+                                          (raising_agent, "RuntimeError: no luck")])
+def test_a_failing_or_slow_agent_fails_its_samples_only(local, agent, error):
+    t0 = time.monotonic()
+    batch = run_batch([local], agent, agent_timeout_s=0.5, stop_token_ids=CHAR_STOPS[10:])
+    assert time.monotonic() - t0 < 10
+    assert len(batch) == 4 and all(s.status == Status.FAILED and s.reward == 0.0 for s in batch.samples)
+    assert all(error in s.metadata["agent_error"] for s in batch.samples)
+    assert batch.metadata["agent_errors"] == 4 and batch.metadata["failed_fraction"] == 1.0
+    assert batch.metadata["env_timeouts"] == (0 if agent is raising_agent else 4)
+
+
+def test_a_bad_agent_spec_is_refused_before_any_work():
+    from trainer.cli import _check_rollout_functions
+
+    with pytest.raises((ImportError, AttributeError, ValueError), match="agent"):
+        _check_rollout_functions(RolloutConfig(agent="test_gateway:no_such_agent"), filters=False)
+    with pytest.raises(ValueError, match=r"async def fn\(row, endpoint\)"):
+        _check_rollout_functions(RolloutConfig(agent=lambda row: 1.0), filters=False)
+    with pytest.raises(ValueError, match="one of env, tools, rollout_fn and agent"):
+        RolloutConfig(agent=two_turn_agent, env="x:y")
