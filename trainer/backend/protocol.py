@@ -248,6 +248,28 @@ class LoraBase:
         return list(logp.split(lengths))
 
 
+    @torch.no_grad()
+    def score(self, tokens: torch.Tensor, spec: LoraSpec | None = None,
+              weights: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """log pi(tokens[t + 1] | tokens[: t + 1]) [T - 1] under the base, or the base with the adapter `weights`
+        (PEFT's saved names, of the structure `spec`): a sampler's prompt log-probs. Run it on the worker (submit).
+
+        The weights go into a scoring adapter of that structure (one per structure, made at its first use), so a
+        sampler scores with its own snapshot whatever its training client has done since."""
+        datum = Datum(tokens[:-1], {"target_tokens": tokens[1:]})
+        if weights is None:
+            return self.token_logprobs("", [datum])[0]
+        name = f"score_r{spec.rank}_{int(spec.train_attn)}{int(spec.train_mlp)}{int(spec.train_unembed)}"
+        if name not in self.adapters:
+            self.add_adapter(name, spec)
+        params = self.adapter_params(name)
+        if set(params) != set(weights):
+            raise ValueError(f"sampler weights do not match a rank-{spec.rank} adapter of this model")
+        for k, p in params.items():
+            p.copy_(weights[k])
+        return self.token_logprobs(name, [datum])[0]
+
+
 def _lora_layer_type() -> type:
     from peft.tuners.lora import LoraLayer
 

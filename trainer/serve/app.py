@@ -1,0 +1,227 @@
+"""`python -m trainer serve --config <file>`: the Tinker API over this project's LoRA backend and embedded engine.
+
+The official `tinker` SDK (0.38) points `tinker.ServiceClient(base_url="http://HOST:PORT", api_key="tml-...")` at
+it. Routes: the SDK's own paths under /api/v1 (ROUTES below); anything else answers 404 naming the route.
+Training requests queue work on the client's base model (trainer/backend/protocol.py) and answer a request id at
+once; the SDK polls /api/v1/retrieve_future, which waits up to RETRIEVE_WAIT_S for the result, then answers
+"try_again" (the SDK polls again at once). Errors: a failed future is {"error", "category"} (the SDK raises
+RequestFailedError with the cause); a bad route-level request is an HTTP 4xx with {"error", "detail"}.
+
+    [serve]
+    host = "127.0.0.1"           # a non-loopback host needs an api_key
+    port = 8000                  # 0: any free port (the line "serving on http://HOST:PORT" names it)
+    api_key = "tml-..."          # or the environment variable RLKERNELS_API_KEY; the SDK sends it as X-API-Key
+    output_dir = "tinker_out"    # checkpoints: tinker://<model_id>/<weights | sampler_weights>/<name>
+    max_clients = 8              # training clients (LoRA adapters) at once
+    device = "cpu"               # or "cuda"
+    models = [{name = "tiny", path = "<HF folder>"}]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from trainer.serve import handlers
+from trainer.serve.clients import Service, UserError
+
+API_KEY_ENV = "RLKERNELS_API_KEY"
+RETRIEVE_WAIT_S = 20.0  # a retrieve_future long-polls this long before "try_again"
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    output_dir: str = "tinker_out"
+    max_clients: int = 8
+    device: str = "cpu"
+    models: tuple[tuple[str, str], ...] = ()
+    seed: int = 0
+
+
+def load_serve_config(path: str | os.PathLike, environ: dict | None = None) -> ServeConfig:
+    """The [serve] table of a TOML file, checked (an error names the key and the fix)."""
+    environ = dict(os.environ) if environ is None else environ
+    with open(path, "rb") as f:
+        table = tomllib.load(f).get("serve")
+    if not isinstance(table, dict):
+        raise ValueError(f"{path}: no [serve] table (host, port, api_key, output_dir, max_clients, models)")
+    known = set(ServeConfig.__dataclass_fields__)
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise ValueError(f"{path}: [serve] has unknown keys {unknown}; known: {sorted(known)}")
+    models = table.get("models", [])
+    if not models or not all(isinstance(m, dict) and set(m) == {"name", "path"} for m in models):
+        raise ValueError(f"{path}: [serve] models must be a non-empty list of {{name = \"...\", path = \"<HF "
+                         f"folder>\"}} tables (the base models it offers)")
+    for m in models:
+        if not (Path(m["path"]) / "config.json").is_file():
+            raise ValueError(f"{path}: [serve] models: {m['name']!r} path {m['path']!r} is not a Hugging Face "
+                             f"folder (no config.json)")
+    cfg = ServeConfig(**{**table, "models": tuple((m["name"], str(m["path"])) for m in models),
+                         "api_key": table.get("api_key") or environ.get(API_KEY_ENV) or None})
+    if not isinstance(cfg.port, int) or not 0 <= cfg.port < 65536:
+        raise ValueError(f"{path}: [serve] port = {cfg.port!r}: an integer in [0, 65535]")
+    if not isinstance(cfg.max_clients, int) or cfg.max_clients < 1:
+        raise ValueError(f"{path}: [serve] max_clients = {cfg.max_clients!r}: an integer >= 1")
+    from engines.embedded.__main__ import is_loopback
+
+    if cfg.api_key is None and not is_loopback(cfg.host):
+        raise ValueError(f"{path}: [serve] host = {cfg.host!r} is reachable from other machines and no API key is "
+                         f"set: anyone could train on this server; set [serve] api_key or {API_KEY_ENV}")
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------------------
+# HTTP
+# ---------------------------------------------------------------------------------------------------------
+
+
+def error_response(message: str, status: int, category: str = "user") -> JSONResponse:
+    return JSONResponse({"error": message, "detail": message, "category": category}, status_code=status)
+
+
+async def retrieve_future(service: Service, body: dict) -> Response:
+    """The SDK's polling: the result (JSON, or protobuf for ForwardBackwardOutput / SampleResponse), a failure
+    {"error", "category"}, or {"type": "try_again"} after RETRIEVE_WAIT_S."""
+    request_id = body.get("request_id")
+    entry = service.futures.get(request_id)
+    if entry is None:
+        raise UserError(f"unknown request_id {request_id!r} (futures live as long as the server)", status=404)
+    try:
+        await asyncio.wait_for(asyncio.shield(entry.task), RETRIEVE_WAIT_S)
+    except TimeoutError:
+        return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"})
+    except BaseException:  # noqa: BLE001 - the task's own failure, read below
+        pass
+    if entry.task.cancelled():
+        return JSONResponse({"error": "cancelled: the server is shutting down", "category": "server"})
+    exc = entry.task.exception()
+    if exc is not None:
+        user = isinstance(exc, UserError | ValueError | FileNotFoundError | KeyError)
+        return JSONResponse({"error": f"{type(exc).__name__}: {exc}", "category": "user" if user else "server"})
+    kind, payload = entry.task.result()
+    if kind == "proto":
+        return Response(payload, media_type="application/x-protobuf")
+    return JSONResponse(payload)
+
+
+def _endpoint(service: Service, fn: Callable, raw: bool) -> Callable:
+    async def endpoint(request: Request) -> Response:
+        try:
+            if raw:
+                out = await fn(service, request)
+            else:
+                body = await request.json() if request.method == "POST" else dict(request.query_params)
+                out = await fn(service, {**(body or {}), **request.path_params})
+        except UserError as e:
+            return error_response(str(e), e.status)
+        except (ValueError, KeyError, TypeError) as e:  # a malformed body: the caller's to fix
+            return error_response(f"{request.url.path}: bad request: {type(e).__name__}: {e}", 400)
+        return out if isinstance(out, Response) else JSONResponse(out)
+    return endpoint
+
+
+async def not_found(request: Request, exc: Exception) -> Response:
+    return error_response(f"no route {request.method} {request.url.path} on this Tinker-API server (trainer serve)",
+                          404)
+
+
+def build_app(service: Service, api_key: str | None = None) -> Starlette:
+    routes = [Route(path, _endpoint(service, fn, raw), methods=[method])
+              for method, path, fn, raw in handlers.ROUTES]
+    routes.append(Route("/api/v1/retrieve_future", _endpoint(service, retrieve_future, False), methods=["POST"]))
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        service.close()  # queued work cancelled: its futures answer an error; checkpoints stay
+
+    app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found}, lifespan=lifespan)
+    return ApiKey(app, api_key) if api_key else app
+
+
+class ApiKey:
+    """ASGI wrapper: with a key set, every request needs it as `X-API-Key` (the SDK's header) or a Bearer token."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.key = app, api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        import secrets
+
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            got = headers.get(b"x-api-key") or headers.get(b"authorization", b"").removeprefix(b"Bearer ")
+            if not secrets.compare_digest(got, self.key):
+                resp = error_response("missing or wrong API key: pass api_key= to tinker.ServiceClient "
+                                      "(or TINKER_API_KEY)", 401)
+                return await resp(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The command
+# ---------------------------------------------------------------------------------------------------------
+
+
+def build_service(cfg: ServeConfig) -> Service:
+    from engines.local import LocalEngine
+
+    def engine(path: str) -> LocalEngine:  # float32: the sampler's log-probs are the trainer's own
+        return LocalEngine(path, seed=cfg.seed, device=cfg.device, dtype=torch.float32, threads=1)
+
+    return Service(dict(cfg.models), cfg.output_dir, max_clients=cfg.max_clients, device=cfg.device,
+                   engine_factory=engine)
+
+
+def serve(cfg: ServeConfig) -> int:
+    """Serve until SIGINT / SIGTERM (uvicorn's handlers: in-flight HTTP requests finish, queued training work is
+    cancelled and its futures answer an error, checkpoints stay on disk). Prints the address once it listens."""
+    import socket
+
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((cfg.host, cfg.port))
+    host, port = sock.getsockname()[:2]
+    service = build_service(cfg)
+    app = build_app(service, cfg.api_key)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+
+    async def run() -> None:
+        async def announce() -> None:
+            while not server.started:
+                await asyncio.sleep(0.02)
+            print(f"serving on http://{host if ':' not in host else f'[{host}]'}:{port}", flush=True)
+        task = asyncio.ensure_future(announce())
+        await server.serve(sockets=[sock])
+        task.cancel()
+
+    asyncio.run(run())
+    return 0
+
+
+def main(config_path: str) -> int:
+    import sys
+
+    try:
+        cfg = load_serve_config(config_path)
+    except (ValueError, OSError, tomllib.TOMLDecodeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return serve(cfg)
+

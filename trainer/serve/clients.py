@@ -1,0 +1,260 @@
+"""The Tinker service's state: sessions, training clients (LoRA adapters), sampling sessions and futures.
+
+One `Service` per server process, used from its asyncio loop only (the starlette routes); the training work runs
+on each base model's worker thread (trainer/backend/protocol.py), the sampling in the embedded engine.
+
+Futures: every queued request gets a request id whose result the SDK polls (/api/v1/retrieve_future). A request
+that fails (bad input, unknown loss, a server error) becomes a failed future with the cause, never one that
+hangs. Retries: the SDK's training requests carry (model_id, seq_id) and its samples (sampling_session_id,
+seq_id); a second request with the same key gets the first one's request id and does not run again.
+
+Checkpoints: tinker://<model_id>/weights/<name> (adapter + AdamW state) and tinker://<model_id>/sampler_weights/
+<name> (adapter only, a PEFT folder) live under <output_dir>/<model_id>/{weights,sampler_weights}/<name>.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.backend.protocol import LocalLoraBackend, LoraBase, LoraSpec
+from trainer.serve.losses import LOSSES
+
+
+class UserError(ValueError):
+    """A request the caller must change (named input, how to fix it): HTTP 4xx or a failed future, category user."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class TrainingModel:
+    """One training client: its adapter on a base model. Mutable: its checkpoints."""
+
+    model_id: str
+    base_name: str
+    session_id: str
+    spec: LoraSpec
+    backend: LocalLoraBackend
+    created: datetime
+    user_metadata: dict | None = None
+    checkpoints: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class Sampler:
+    """A sampling session: the base model and, for a trained model's weights, the engine adapter holding them and
+    the same tensors for prompt log-probs through the trainer's forward."""
+
+    sampler_id: str
+    base_name: str
+    model_path: str | None
+    adapter: str | None = None
+    weights: dict[str, torch.Tensor] | None = None
+    spec: LoraSpec | None = None
+
+
+@dataclass
+class Entry:
+    """A future: the task computing its payload ((media type, bytes | JSON dict)) on the server loop."""
+
+    task: asyncio.Future
+    created: datetime
+
+
+def tinker_path(model_id: str, kind: str, name: str) -> str:
+    return f"tinker://{model_id}/{kind}/{name}"
+
+
+def parse_tinker_path(path: str) -> tuple[str, str, str]:
+    """tinker://<model_id>/<weights | sampler_weights>/<name> -> (model_id, kind, name)."""
+    parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
+    if len(parts) != 3 or parts[1] not in ("weights", "sampler_weights") or not parts[0] or not parts[2]:
+        raise UserError(f"checkpoint path {path!r}: expected tinker://<model_id>/weights/<name> or "
+                        f"tinker://<model_id>/sampler_weights/<name> (what save_state / save_weights_for_sampler "
+                        f"return)")
+    return parts[0], parts[1], parts[2]
+
+
+class Service:
+    """Mutable state of a server (see the module docstring)."""
+
+    def __init__(self, models: dict[str, str], output_dir: str | Path, *, max_clients: int = 8,
+                 device: str = "cpu", engine_factory: Callable[[str], Any] | None = None) -> None:
+        self.model_paths = models  # {base name: HF folder}
+        self.output_dir = Path(output_dir)
+        self.max_clients = max_clients
+        self.device = device
+        self.engine_factory = engine_factory
+        self.bases: dict[str, LoraBase] = {}
+        self.engines: dict[str, Any] = {}
+        self.tokenizers: dict[str, Any] = {}
+        self.sessions: dict[str, dict] = {}
+        self.models: dict[str, TrainingModel] = {}
+        self.samplers: dict[str, Sampler] = {}
+        self.futures: dict[str, Entry] = {}
+        self.seen: dict[tuple, str] = {}  # (owner id, seq_id, route) -> request id: retries run once
+        self._ids = itertools.count(1)
+
+    # -- futures ---------------------------------------------------------------------------------------
+    def submit(self, work: Awaitable[tuple[str, Any]], key: tuple | None = None) -> str:
+        """A request id for `work` (a coroutine giving (media type, payload)); with a key seen before, the id of
+        the first request with it (the work is dropped unstarted)."""
+        if key is not None and key in self.seen:
+            if asyncio.iscoroutine(work):
+                work.close()
+            return self.seen[key]
+        request_id = f"req-{next(self._ids)}"
+        self.futures[request_id] = Entry(asyncio.ensure_future(work), datetime.now(UTC))
+        if key is not None:
+            self.seen[key] = request_id
+        return request_id
+
+    def fail(self, error: Exception, key: tuple | None = None) -> str:
+        async def failed() -> tuple[str, Any]:
+            raise error
+        return self.submit(failed(), key)
+
+    # -- sessions and bases ----------------------------------------------------------------------------
+    def new_session(self, body: dict) -> str:
+        session_id = f"session-{uuid.uuid4().hex[:12]}"
+        self.sessions[session_id] = {"created": datetime.now(UTC), "user_metadata": body.get("user_metadata"),
+                                     "heartbeats": 0, "sampler_count": 0}
+        return session_id
+
+    def base(self, name: str) -> LoraBase:
+        """The loaded base model `name` (loaded at its first use)."""
+        if name not in self.model_paths:
+            raise UserError(f"unknown base_model {name!r}: this server offers {sorted(self.model_paths)} "
+                            f"([serve] models)", status=404)
+        if name not in self.bases:
+            self.bases[name] = LoraBase(self.model_paths[name], device=self.device)
+        return self.bases[name]
+
+    def model(self, model_id: str) -> TrainingModel:
+        if model_id not in self.models:
+            raise UserError(f"unknown model_id {model_id!r}: create it with create_lora_training_client "
+                            f"(the server has {len(self.models)} training clients)", status=404)
+        return self.models[model_id]
+
+    def create_model(self, body: dict) -> TrainingModel:
+        """A training client: a fresh LoRA adapter (Tinker's LoraConfig) on base_model."""
+        if len(self.models) >= self.max_clients:
+            raise UserError(f"{len(self.models)} training clients already: [serve] max_clients = "
+                            f"{self.max_clients}; unload one (unload_model) or raise max_clients", status=429)
+        lora = body.get("lora_config") or {}
+        if not isinstance(lora.get("rank"), int) or lora["rank"] <= 0:
+            raise UserError(f"lora_config.rank = {lora.get('rank')!r}: a positive integer (full fine-tuning is not "
+                            f"served: every training client is a LoRA adapter)")
+        seed = lora.get("seed")
+        spec = LoraSpec(rank=lora["rank"], seed=int(seed) if seed is not None else 0,
+                        train_attn=bool(lora.get("train_attn", True)), train_mlp=bool(lora.get("train_mlp", True)),
+                        train_unembed=bool(lora.get("train_unembed", True)))
+        base = self.base(body.get("base_model", ""))
+        model_id = body.get("model_id") or f"model-{uuid.uuid4().hex[:12]}"
+        adapter = f"client{next(self._ids)}"  # PEFT's module key: no '.' or ':' as model ids have
+        backend = LocalLoraBackend(base, adapter, spec, LOSSES, self.output_dir / model_id)
+        record = TrainingModel(model_id, body["base_model"], body.get("session_id", ""), spec, backend,
+                               datetime.now(UTC), body.get("user_metadata"))
+        self.models[model_id] = record
+        return record
+
+    def unload(self, model_id: str) -> None:
+        record = self.models.pop(model_id)
+        record.backend.close()
+
+    # -- checkpoints -----------------------------------------------------------------------------------
+    def checkpoint_folder(self, path: str) -> tuple[Path, str]:
+        """(folder, kind) of a tinker:// path; the folder must exist."""
+        model_id, kind, name = parse_tinker_path(path)
+        folder = self.output_dir / model_id / kind / name
+        if not (folder / "adapter_model.safetensors").is_file():
+            raise UserError(f"checkpoint {path!r} does not exist on this server (no {folder})", status=404)
+        return folder, kind
+
+    def record_checkpoint(self, record: TrainingModel, kind: str, name: str, folder: Path) -> str:
+        path = tinker_path(record.model_id, kind, name)
+        size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+        record.checkpoints = [c for c in record.checkpoints if c["tinker_path"] != path]
+        record.checkpoints.append({"checkpoint_id": f"{kind}/{name}", "tinker_path": path, "size_bytes": size,
+                                   "checkpoint_type": "training" if kind == "weights" else "sampler",
+                                   "time": datetime.now(UTC).isoformat(), "public": False})
+        return path
+
+    # -- sampling --------------------------------------------------------------------------------------
+    def tokenizer(self, base_name: str) -> Any:
+        if base_name not in self.tokenizers:
+            from transformers import AutoTokenizer
+
+            self.tokenizers[base_name] = AutoTokenizer.from_pretrained(self.model_paths[base_name])
+        return self.tokenizers[base_name]
+
+    def engine(self, base_name: str) -> Any:
+        """The embedded engine of base model `base_name` (started at its first sample)."""
+        if base_name not in self.engines:
+            assert self.engine_factory is not None, "this server was built without an engine factory"
+            self.engines[base_name] = self.engine_factory(self.model_paths[base_name])
+        return self.engines[base_name]
+
+    async def sampler_from_weights(self, record: TrainingModel, name: str, weights: dict[str, torch.Tensor]) -> str:
+        """A sampling session on the adapter weights `weights`, synced to the engine in memory (no disk)."""
+        sampler_id = f"sampler-{uuid.uuid4().hex[:12]}"
+        engine = await asyncio.to_thread(self.engine, record.base_name)
+        await engine.load_adapter_tensors(sampler_id, weights, record.backend.scaling())
+        self.samplers[sampler_id] = Sampler(sampler_id, record.base_name,
+                                            tinker_path(record.model_id, "sampler_weights", name),
+                                            adapter=sampler_id, weights=weights, spec=record.spec)
+        return sampler_id
+
+    async def sampler_from_path(self, base_name: str | None, model_path: str | None) -> str:
+        """A sampling session of a base model (no adapter) or of a saved checkpoint (read from its folder)."""
+        from safetensors.torch import load_file
+
+        sampler_id = f"sampler-{uuid.uuid4().hex[:12]}"
+        if model_path is None:
+            await asyncio.to_thread(self.base, base_name or "")  # checks the name
+            self.samplers[sampler_id] = Sampler(sampler_id, base_name, None)
+            return sampler_id
+        folder, _ = self.checkpoint_folder(model_path)
+        config = json.loads((folder / "adapter_config.json").read_text())
+        base_name = next((n for n, p in self.model_paths.items() if str(p) == config["base_model_name_or_path"]),
+                         None)
+        if base_name is None:
+            raise UserError(f"{model_path}: trained on {config['base_model_name_or_path']}, which this server does "
+                            f"not offer", status=404)
+        targets = set(config["target_modules"])
+        spec = LoraSpec(rank=config["r"], alpha=config["lora_alpha"], train_attn=bool(targets & {"q_proj", "v_proj"}),
+                        train_mlp=bool(targets & {"up_proj", "down_proj"}), train_unembed="lm_head" in targets)
+        weights = {k.removeprefix("base_model.model."): v
+                   for k, v in load_file(str(folder / "adapter_model.safetensors")).items()}
+        engine = await asyncio.to_thread(self.engine, base_name)
+        await engine.load_adapter_tensors(sampler_id, weights, spec.alpha / spec.rank)
+        self.samplers[sampler_id] = Sampler(sampler_id, base_name, model_path, sampler_id, weights, spec)
+        return sampler_id
+
+    def sampler(self, sampler_id: str | None) -> Sampler:
+        if sampler_id not in self.samplers:
+            raise UserError(f"unknown sampling_session_id {sampler_id!r}: create a sampling client first "
+                            f"(create_sampling_client / save_weights_and_get_sampling_client)", status=404)
+        return self.samplers[sampler_id]
+
+    def close(self) -> None:
+        """Stop the work: queued training requests are cancelled (their futures fail), engines stopped."""
+        for task in (e.task for e in self.futures.values()):
+            if not task.done():
+                task.cancel()
+        for base in self.bases.values():
+            base.close(cancel=True)
+        for engine in self.engines.values():
+            engine.close()
