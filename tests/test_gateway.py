@@ -398,3 +398,29 @@ def test_a_bad_agent_spec_is_refused_before_any_work():
         _check_rollout_functions(RolloutConfig(agent=lambda row: 1.0), filters=False)
     with pytest.raises(ValueError, match="one of env, tools, rollout_fn and agent"):
         RolloutConfig(agent=two_turn_agent, env="x:y")
+
+
+def test_evaluation_runs_the_agent_greedily_and_scores_its_final_answer():
+    """trainer.cli.evaluate with a rollout config that names an agent: each prompt is one greedy episode through a
+    gateway (temperature 0 on every request), scored by the run's reward on the final message."""
+    from trainer.cli import evaluate
+    from trainer.rollout.data import Prompt
+
+    temperatures = []
+
+    class Greedy(Scripted):
+        async def generate(self, prompts, params, *, rids=None):
+            temperatures.append(params.temperature)
+            return await super().generate(prompts, params, rids=rids)
+
+    eng = Greedy(lambda text: "It is 42." if "<|im_start|>tool\n" in text and "6*7" in text else
+                 ("It is 7." if "<|im_start|>tool\n" in text else "Let me compute. " + CALL_TEXT))
+    prompts = [Prompt("6*7?", "42"), Prompt("3*4?", "12")]
+
+    def plain_agent(row, endpoint):  # the tool agent, without its own reward: the run's reward scores the answer
+        tool_agent(row, endpoint)
+
+    rollout = RolloutConfig(agent=plain_agent, max_turns=3)
+    got = evaluate([eng], prompts, tokenizer=TOK, reward_fn="arithmetic", max_new_tokens=128, rollout=rollout)
+    assert got == {"reward_mean": 0.5, "accuracy": 0.5, "n": 2, "failed": 0}
+    assert temperatures == [0.0] * 4  # two requests per episode, all greedy

@@ -120,7 +120,18 @@ class _Answerer:
     @property
     def episodes(self) -> bool:
         r = self.rollout
-        return r is not None and bool(r.env or r.tools or r.rollout_fn)
+        return r is not None and bool(r.env or r.tools or r.rollout_fn or r.agent)
+
+    @property
+    def run_episodes(self) -> Any:
+        """The episodes' runner: an OpenAI-client agent's through the gateway, else an env / tools / rollout_fn's."""
+        if self.rollout.agent:
+            from trainer.rollout.gateway import run_eval_agents
+
+            return run_eval_agents
+        from trainer.rollout.episodes import run_eval_episodes
+
+        return run_eval_episodes
 
     def _opening(self, i: int, j: int) -> Any:
         from trainer.types import Sample
@@ -131,9 +142,7 @@ class _Answerer:
 
     async def greedy(self) -> list[Any]:
         if self.episodes:
-            from trainer.rollout.episodes import run_eval_episodes
-
-            return await run_eval_episodes(self.engine, [self._opening(i, 0) for i in range(len(self.prompts))],
+            return await self.run_episodes(self.engine, [self._opening(i, 0) for i in range(len(self.prompts))],
                                            self.rollout, tokenizer=self.tokenizer,
                                            max_new_tokens=self.max_new_tokens, score=self.score)
         from engines.protocol import SamplingParams
@@ -145,11 +154,9 @@ class _Answerer:
     async def sampled(self, k: int, temperature: float, seed: int) -> list[list[Any]]:
         """k answers a prompt at `temperature`, prompt i's seeded by _sample_seed(seed, i): [len(prompts)][k]."""
         if self.episodes:
-            from trainer.rollout.episodes import run_eval_episodes
-
             opening = [self._opening(i, j) for i in range(len(self.prompts)) for j in range(k)]
             seeds = [_sample_seed(seed, i) + j for i in range(len(self.prompts)) for j in range(k)]
-            flat = await run_eval_episodes(self.engine, opening, self.rollout, tokenizer=self.tokenizer,
+            flat = await self.run_episodes(self.engine, opening, self.rollout, tokenizer=self.tokenizer,
                                            max_new_tokens=self.max_new_tokens, score=self.score,
                                            temperature=temperature, seeds=seeds)
             return [flat[i * k:(i + 1) * k] for i in range(len(self.prompts))]

@@ -409,3 +409,48 @@ def unpack_parts(group: list[Sample]) -> list[Sample]:
         out.append(dataclasses.replace(s, metadata={k: v for k, v in s.metadata.items() if k != "agent_parts"}))
         out.extend(sample_from_dict(d) for d in parts)
     return out
+
+
+async def run_eval_agents(engine: Any, samples: list[Sample], config: Any, *, tokenizer: Any, max_new_tokens: int,
+                          score: Callable[[Sample], Any], temperature: float = 0.0,
+                          seeds: list[int] | None = None) -> list[Sample]:
+    """Evaluation's agent episodes (trainer.rollout.episodes.run_eval_episodes' counterpart for `[rl.rollout]
+    agent`): each sample's episode through a gateway of its own, every request at `temperature` (greedy by default;
+    sampled requests of episode i seeded seeds[i] + 1009 * request), all in flight together; one sample each (its
+    last sequence, with the episode's metadata), scored by the agent's reward or else by `score`."""
+    from engines.protocol import SamplingParams
+    from trainer.rollout.episodes import score_finished
+    from trainer.rollout.samples import stop_token_ids
+    from trainer.rollout.tools import load_tool_parser
+
+    assert temperature == 0.0 or (seeds is not None and len(seeds) == len(samples)), "sampled episodes need seeds"
+    agent = load_agent(config.agent)
+    stops = tuple(stop_token_ids(tokenizer, chat=True, extra=config.stop_token_ids))
+    gateway = Gateway(tokenizer=tokenizer, parse=load_tool_parser(config.tool_parser),
+                      max_concurrency=config.max_concurrency)
+    out: list[Any] = [None] * len(samples)
+
+    def generator(i: int) -> GenerateN:
+        async def generate(tokens: tuple[int, ...], n: int, budget: int, call: int) -> list[Completion]:
+            seed = None if temperature == 0.0 else (seeds[i] + 1009 * call) % (2 ** 31)
+            params = SamplingParams(temperature=temperature, max_new_tokens=budget, stop_token_ids=stops, n=n,
+                                    seed=seed)
+            return (await engine.generate([tokens], params))[0]
+        return generate
+
+    async def one(i: int) -> None:
+        seqs, reward = await run_agent_episode(
+            samples[i], agent, gateway, generator(i), timeout_s=config.agent_timeout_s, tokenizer=tokenizer,
+            turn_end_ids=frozenset(stop_token_ids(tokenizer, chat=True)), max_turns=config.max_turns,
+            max_new_tokens=max_new_tokens, max_context_tokens=config.max_context_tokens)
+        last = dataclasses.replace(seqs[-1], metadata=seqs[0].metadata)
+        out[i] = await score_finished(last, score, reward)
+
+    gateway.start()
+    try:
+        async with trio.open_nursery() as nursery:
+            for i in range(len(samples)):
+                nursery.start_soon(one, i)
+    finally:
+        gateway.close()
+    return out
