@@ -51,7 +51,7 @@ from engines.openai_wire import (
     tool_call_entries,
 )
 from engines.protocol import Completion, EngineError
-from trainer.rollout.blocking import BlockedCallTimeout, run_blocking
+from trainer.rollout.blocking import BlockedCallTimeout, enter_user_code
 from trainer.rollout.loading import load_callable
 from trainer.rollout.recording import AgentRecorder
 from trainer.rollout.samples import sample_to_dict
@@ -86,6 +86,8 @@ class Gateway:
         self.tokenizer, self.parse, self.model = tokenizer, parse, model
         self._episodes: dict[str, _Episode] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(max_concurrency + 4, thread_name_prefix="gateway")
+        self.max_concurrency = max_concurrency
+        self.agent_slots: trio.CapacityLimiter | None = None  # agents running at once (start(): in the trio run)
         self._server: Any = None
         self._thread: threading.Thread | None = None
         self._token: Any = None
@@ -96,6 +98,7 @@ class Gateway:
         import uvicorn
 
         self._token = trio.lowlevel.current_trio_token()
+        self.agent_slots = trio.CapacityLimiter(self.max_concurrency)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
@@ -308,6 +311,18 @@ def _call_agent(fn: Callable[..., Any], row: dict, endpoint: Endpoint, timeout_s
     return asyncio.run(bounded())
 
 
+async def _in_worker(gateway: Gateway, call: Callable[[], Any], timeout_s: float, name: str) -> Any:
+    """`call()` in a worker thread of its own, at most `max_concurrency` at once (the gateway's agent slots: agents
+    are many and mostly wait on the engine, so the 32 threads of the environments' pool would starve its batches);
+    past `timeout_s` (+1 s for an async agent to raise its own timeout) the thread is abandoned and its slot freed."""
+    await enter_user_code()
+    async with gateway.agent_slots:
+        with trio.move_on_after(timeout_s + 1.0):
+            return await trio.to_thread.run_sync(call, abandon_on_cancel=True, limiter=trio.CapacityLimiter(1))
+    raise BlockedCallTimeout(f"agent {name!r} took longer than {timeout_s:g} s ([rl.rollout] agent_timeout_s); its "
+                             f"thread was abandoned: make it faster or raise agent_timeout_s")
+
+
 _REPORTED: set[str] = set()
 
 
@@ -336,9 +351,8 @@ async def run_agent_episode(sample: Sample, agent: Callable[..., Any], gateway: 
     value, error, extra = None, None, {}
     t0 = time.perf_counter()
     try:
-        value = await run_blocking(_call_agent, agent, row, endpoint, timeout_s, timeout_s=timeout_s + 1.0,
-                                   pool="env", what=f"agent {name!r}", hint="make it faster or raise [rl.rollout] "
-                                   "agent_timeout_s")
+        value = await _in_worker(gateway, functools.partial(_call_agent, agent, row, endpoint, timeout_s), timeout_s,
+                                 name)
         value, extra = _agent_reward(value, name)
     except Exception as e:  # noqa: BLE001 - a failing agent fails its episode, not the run
         error = e
