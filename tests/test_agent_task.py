@@ -1,7 +1,6 @@
 """The agent recipe's task (trainer.rollout.agent_task): the calculator tool, the two-digit product data, the
 tool-use SFT conversations, and the built-in arithmetic reward on a tool episode's text."""
 
-import dataclasses
 import json
 import random
 import re
@@ -145,17 +144,20 @@ def test_sft_masks_the_tool_turn_and_fits_max_length():
 
 
 def _episode_sample(answer_turn: str, answer: str, *, skip_special_tokens: bool) -> Sample:
-    from trainer.rollout.trajectory import trajectory_to_sample
-
+    # A tool episode as the engine and the environment left it: the prompt rendered with the generation prompt,
+    # then every later token of the conversation's rendering (the model's turns, the tool's result) as the response.
     tok = build_tokenizer()
     messages = [{"role": "user", "content": "37*84="},
                 {"role": "assistant", "content": '<tool_call>{"name": "calculator", "arguments": {"expression": '
                                                  '"37*84"}}</tool_call>'},
                 {"role": "tool", "content": "3108"}, {"role": "assistant", "content": answer_turn}]
-    s = trajectory_to_sample(messages, tok, metadata={"answer": answer})
-    if skip_special_tokens:
-        s = dataclasses.replace(s, response=tok.decode(list(s.tokens[-s.response_length:]), skip_special_tokens=True))
-    return s
+    prompt = tok.apply_chat_template(messages[:1], add_generation_prompt=True, tokenize=True, return_dict=False)
+    full = tok.apply_chat_template(messages, tokenize=True, return_dict=False)
+    assert full[:len(prompt)] == prompt
+    response = full[len(prompt):]
+    text = tok.decode(response, skip_special_tokens=skip_special_tokens)
+    return Sample(prompt="37*84=", tokens=full, response_length=len(response), response=text,
+                  metadata={"answer": answer})
 
 
 def test_arithmetic_reward_on_a_tool_episode_without_special_tokens():

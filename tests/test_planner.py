@@ -7,12 +7,22 @@ from hypothesis import strategies as st
 
 from trainer.batching.planner import (
     bucket_length,
-    padded_batches_efficiency,
     padding_efficiency,
     plan_micro_batches,
     plan_stats,
-    row_buckets,
 )
+
+
+def row_buckets(token_budget: int, pad_multiple: int = 256) -> tuple[int, ...]:
+    """Every length bucket_length can return for this budget (the shapes a compiled step will see)."""
+    return tuple(sorted({min(k * pad_multiple, token_budget) for k in range(1, -(-token_budget // pad_multiple) + 1)}))
+
+
+def padded_batches_efficiency(lengths, batch_size: int) -> float:
+    """The baseline packing replaces: consecutive batches of `batch_size`, each padded to its longest sequence."""
+    lens = [int(n) for n in lengths]
+    processed = sum(max(lens[k:k + batch_size]) * len(lens[k:k + batch_size]) for k in range(0, len(lens), batch_size))
+    return sum(lens) / processed if processed else 1.0
 
 
 def _check_invariants(lengths, plan, budget, num_ranks):

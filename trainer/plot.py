@@ -76,28 +76,3 @@ def _save(fig, axes, used: int, title: str, png_path: str | Path) -> Path:
     plt.close(fig)
     return out
 
-
-def plot_tensorboard(log_dir: str | Path, png_path: str | Path, *, tags: tuple[str, ...], title: str = "") -> Path:
-    """Draw the scalar series `tags` of a TensorBoard run folder (read back from its event files with
-    trainer.tracking.read_tensorboard_scalars), one panel a tag, as TensorBoard's scalars page lays them out."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from trainer.tracking import read_tensorboard_scalars
-
-    scalars = read_tensorboard_scalars(log_dir)
-    missing = [t for t in tags if t not in scalars]
-    if missing:
-        raise ValueError(f"{log_dir}: no scalars {missing}; it has {sorted(scalars)}")
-    cols = min(3, len(tags))
-    nrows = math.ceil(len(tags) / cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 2.9 * nrows), squeeze=False)
-    for ax, tag in zip(axes.flat, tags):
-        pts = scalars[tag]
-        ax.plot([s for s, _ in pts], [v for _, v in pts], lw=1.4, marker="o" if len(pts) < 20 else None, ms=3)
-        ax.set_title(tag, fontsize=9, loc="left")
-        ax.set_xlabel("step", fontsize=8)
-        ax.grid(alpha=0.3)
-    return _save(fig, axes, len(tags), title, png_path)

@@ -129,11 +129,6 @@ def bucket_length(num_tokens: int, *, token_budget: int, pad_multiple: int = 256
     return min(-(-num_tokens // pad_multiple) * pad_multiple, token_budget)
 
 
-def row_buckets(token_budget: int, pad_multiple: int = 256) -> tuple[int, ...]:
-    """Every length bucket_length can return for this budget (the shapes a compiled step will see)."""
-    return tuple(sorted({min(k * pad_multiple, token_budget) for k in range(1, -(-token_budget // pad_multiple) + 1)}))
-
-
 @dataclass(frozen=True)
 class PlanStats:
     real_tokens: int
@@ -165,11 +160,3 @@ def plan_stats(lengths: Sequence[int], plan: Plan, *, token_budget: int, pad_mul
 def padding_efficiency(lengths: Sequence[int], plan: Plan, *, token_budget: int, pad_multiple: int = 256) -> float:
     """Real tokens / processed tokens when every micro-batch row is padded to its bucket (1.0 = no padding)."""
     return plan_stats(lengths, plan, token_budget=token_budget, pad_multiple=pad_multiple).padding_efficiency
-
-
-def padded_batches_efficiency(lengths: Sequence[int], batch_size: int) -> float:
-    """The baseline packing replaces: consecutive batches of `batch_size`, each padded to its longest sequence."""
-    lens = [int(n) for n in lengths]
-    processed = sum(max(lens[k : k + batch_size]) * len(lens[k : k + batch_size]) for k in range(0, len(lens),
-                                                                                             batch_size))
-    return sum(lens) / processed if processed else 1.0
