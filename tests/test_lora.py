@@ -245,7 +245,8 @@ def test_resume_is_exact_and_the_checkpoint_holds_only_adapters(tmp_path):
 
 
 def test_merged_weights_reach_the_engine():
-    """A sync from a LoRA model: the engine holds W + (alpha / r) B @ A under the plain names, a stock model."""
+    """A merged sync from a LoRA model (lora="merged", what a stock engine gets): the engine holds W + (alpha / r) B @ A
+    under the plain names, a stock model."""
     from engines.embedded.presets import build_tiny_model
     from engines.local import LocalEngine
     from trainer.backend.lora import inject
@@ -270,7 +271,7 @@ def test_merged_weights_reach_the_engine():
         expected[hf_name(n)] = v
     eng = LocalEngine("tiny", seed=seed)
     try:
-        sender = WeightSyncSender(trainer, [eng], timeout_s=60, weight_version=0)
+        sender = WeightSyncSender(trainer, [eng], timeout_s=60, weight_version=0, lora="merged")
         sender.init_group()
         assert sender.sync() == 1
         held = dict(eng.server.model.named_parameters())
@@ -350,8 +351,13 @@ def test_sft_then_rl_with_lora_through_the_cli(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "loss" in r]
     assert len(rows) == 3 and all(math.isfinite(r["loss"]) for r in rows)
-    # On-policy: the engine's log-probs equal the LoRA trainer's, so the merged weights reached it every step.
+    # On-policy: the engine's log-probs equal the LoRA trainer's, so the adapters reached it every step: the
+    # in-process engine takes them alone (adapter-only sync), so each step's sync sent the adapters' bytes.
     assert max(r["mismatch/logprob_abs_diff_max"] for r in rows) < 1e-4
+    demo = load_hf_model(tiny_model_config("qwen2", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2))
+    adapters = sum(8 * (m.in_features + m.out_features) * 4 for m in demo.model.layers.modules()
+                   if isinstance(m, torch.nn.Linear))  # rank 8, float32, every Linear of the blocks
+    assert [r["sync/bytes"] for r in rows] == [adapters] * 3
     assert [r["weight_version"] for r in rows] == [1, 2, 3]
     assert all(r["grad_norm"] > 0 for r in rows) and len({r["loss"] for r in rows}) == 3
     # RL's base is the SFT model with its adapters merged (fresh RL adapters, B = 0): the KL to it starts at 0.

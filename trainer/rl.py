@@ -397,6 +397,7 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
                         with _paused_in_place(engines, comp.rank, enabled=in_flight):
                             sync_s = metrics["time_sync_s"] = _sync(sender, state.weight_version,
                                                                     on_failure=ckpt.save)
+                            metrics["sync/bytes"] = float(sender.last_sync_bytes)  # a LoRA run: adapters' only
                         # Up to the weights landing: with the sync, the wait for the batch being generated.
                         metrics["time_step_s"] = time.perf_counter() - t_step
                         if config.verify_sync and state.step % config.sync_every == 0:

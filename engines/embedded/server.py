@@ -48,9 +48,10 @@ from engines.weight_sync.receiver import (
     colocated_request,
     disk_targets,
     load_into,
+    load_synced_adapter,
     read_safetensors_folder,
 )
-from engines.weight_sync.wire import WEIGHT_UPDATE_FORMATS, WeightMeta
+from engines.weight_sync.wire import WEIGHT_UPDATE_FORMATS, WeightMeta, lora_adapter_field
 
 SAMPLING_KEYS = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "n", "seed", "sampling_seed",
                  "ignore_eos"}
@@ -536,11 +537,13 @@ def route_handlers(server: EngineServer) -> dict[str, Endpoint]:
         group = str(body.get("group_name") or "weight_update_group")
         if body.get("weight_version") is not None and not str(body["weight_version"]).isdigit():
             raise BadRequest("weight_version must be a non-negative integer (as a string or int)")
-        targets = server.receiver.check(meta, group)  # 400 before joining any broadcast
+        lora = lora_adapter_field(body)  # a LoRA run's adapter sync (engines/weight_sync/wire.py)
+        targets = server.receiver.check(meta, group, lora is not None)  # 400 before joining any broadcast
         loop = asyncio.get_running_loop()
         async with server.exclusive():
             try:
                 await loop.run_in_executor(server.model_thread, server.receiver.receive, meta, group, targets)
+                await load_synced_adapter(server, lora, meta, targets)
             except BaseException:
                 server.weights_consistent = False
                 raise

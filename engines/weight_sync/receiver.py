@@ -29,6 +29,8 @@ from engines.weight_sync.wire import (
     dtype_from_wire,
     dtype_to_wire,
     ipc_handle_from_wire,
+    is_lora_name,
+    lora_adapter_field,
     open_slots,
     recv_seq,
     send_seq,
@@ -77,11 +79,17 @@ class WeightReceiver:
             shutdown_group(entry[0], broken=False)
         return entry is not None
 
-    def _targets(self, meta: WeightMeta) -> list[torch.Tensor]:
-        """The live parameter for each name, checking names and shapes before any byte is received."""
+    def _targets(self, meta: WeightMeta, lora: bool = False) -> list[torch.Tensor]:
+        """The live parameter for each name, checking names and shapes before any byte is received. lora: the
+        LoRA adapter tensors (`is_lora_name`) land in new buffers instead (`adapter_tensors` collects them)."""
         params = dict(self.model.named_parameters())
         out = []
         for i, (name, shape) in enumerate(zip(meta.names, meta.shapes)):
+            if lora and is_lora_name(name):
+                if meta.names.count(name) > 1:
+                    raise ValueError(f"adapter tensor {name!r} is split over buckets: send larger buckets")
+                out.append(torch.empty(shape, dtype=dtype_from_wire(meta.dtypes[i]), device=self.device))
+                continue
             p = params.get(name)
             if p is None:
                 raise ValueError(f"unknown parameter name {name!r} (the engine's model has e.g. "
@@ -99,11 +107,11 @@ class WeightReceiver:
                 out.append(p.narrow(0, r0, shape[0]))  # a view: loading it writes those rows of the parameter
         return out
 
-    def check(self, meta: WeightMeta, group_name: str) -> list[torch.Tensor]:
+    def check(self, meta: WeightMeta, group_name: str, lora: bool = False) -> list[torch.Tensor]:
         if group_name not in self.groups:
             raise ValueError(f"group {group_name!r} not initialised here: call /init_weights_update_group first "
                              f"(known: {sorted(self.groups)})")
-        return self._targets(meta)
+        return self._targets(meta, lora)
 
     def receive(self, meta: WeightMeta, group_name: str, targets: list[torch.Tensor]) -> None:
         """Receive every tensor of `meta` by broadcast from rank 0 and load it.
@@ -212,11 +220,13 @@ async def colocated_request(server, body: dict) -> dict:
         raise ValueError("load needs load_format='flattened_bucket' and an int 'seq'")
     if body.get("weight_version") is not None and not str(body["weight_version"]).isdigit():
         raise ValueError("weight_version must be a non-negative integer (as a string or int)")
-    targets = rec._targets(meta)  # 400 before touching any slot
+    lora = lora_adapter_field(body)
+    targets = rec._targets(meta, lora is not None)  # 400 before touching any slot
     async with server.exclusive():  # no row decodes while the weights change
         try:
             await asyncio.get_running_loop().run_in_executor(server.model_thread, rec.receive_colocated, meta,
                                                              body["seq"], targets)
+            await load_synced_adapter(server, lora, meta, targets)
         except BaseException:
             server.weights_consistent = False
             raise
@@ -225,6 +235,15 @@ async def colocated_request(server, body: dict) -> dict:
     server.set_weight_version(int(v) if v is not None else server.weight_version + 1)
     return {"success": True, "message": f"updated {len(meta.names)} tensors",
             "weight_version": str(server.weight_version)}
+
+
+async def load_synced_adapter(server, lora: dict | None, meta: WeightMeta, targets: list[torch.Tensor]) -> None:
+    """After an update with a `lora_adapter` field: its adapter tensors (received into `targets`) become that
+    adapter of the engine (in place when loaded), its default when asked. No-op for a full-weight update."""
+    if lora is None:
+        return
+    tensors = {n: t for n, t in zip(meta.names, targets) if is_lora_name(n)}
+    await server.load_adapter(lora["name"], tensors, lora["scaling"], default=lora["default"])
 
 
 def read_safetensors_folder(path: str) -> dict[str, torch.Tensor]:

@@ -53,8 +53,12 @@ COLOCATED_BUCKET_BYTES = {"cpu": 4 << 20, "cuda": 64 << 20}
 DEFAULT_GROUP_NAME = "weight_update_group"
 # The `load_format`s of /update_weights_from_distributed an engine may list in /get_server_info's
 # `weight_update_formats`: "direct" is stock SGLang (one broadcast per tensor, load_format null), "flattened_bucket"
-# this project's bucketed extension. An SGLang-protocol server that lists nothing gets "direct".
-WEIGHT_UPDATE_FORMATS = ("direct", "flattened_bucket")
+# this project's bucketed extension. An SGLang-protocol server that lists nothing gets "direct". "lora_adapter": the
+# engine reads the `lora_adapter` field ({name, scaling, default}, `lora_adapter_field`) of a bucketed update, which
+# loads the tensors named like PEFT's LoRA weights ("<module>.lora_A.weight" / ".lora_B.weight") as that adapter
+# (engines/embedded/lora.py) instead of into the base weights: a LoRA run's adapter-only sync.
+WEIGHT_UPDATE_FORMATS = ("direct", "flattened_bucket", "lora_adapter")
+POLICY_ADAPTER = "policy"  # the adapter a LoRA run's sync loads, made the engine's default (requests naming none)
 ALIGN = 64  # every tensor starts at a 64-byte offset in its bucket, so byte views can be re-viewed as any dtype
 # NCCL's own collective timeout sits this far above the Python deadline: a wedged peer raises WeightSyncError in
 # Python (and the group is aborted) before NCCL's watchdog would tear the whole trainer process down.
@@ -584,3 +588,21 @@ def ipc_handle_from_wire(wire: dict) -> torch.Tensor:
             args.append(a)
     args[1] = torch.Size(args[1])
     return rebuild_cuda_tensor(*args)
+
+
+def is_lora_name(name: str) -> bool:
+    """Whether a sent tensor is a LoRA adapter's (PEFT's "<module>.lora_A.weight" / "<module>.lora_B.weight")."""
+    return name.endswith((".lora_A.weight", ".lora_B.weight"))
+
+
+def lora_adapter_field(body: dict) -> dict | None:
+    """The `lora_adapter` field of an update ({"name": str, "scaling": float, "default": bool}), checked; None when
+    absent (a full-weight update)."""
+    field = body.get("lora_adapter")
+    if field is None:
+        return None
+    if not (isinstance(field, dict) and isinstance(field.get("name"), str) and field["name"]
+            and isinstance(field.get("scaling"), (int, float)) and not isinstance(field["scaling"], bool)):
+        raise ValueError(f"lora_adapter={field!r}: expected {{'name': str, 'scaling': lora_alpha / r, 'default': "
+                         f"bool}}")
+    return {"name": field["name"], "scaling": float(field["scaling"]), "default": bool(field.get("default", False))}

@@ -21,10 +21,12 @@ __all__ = ["BUCKETING_MODES", "TRANSPORTS", "VERIFY_TOL", "DiskWeightSync", "Ver
 class WeightSync(Protocol):
     """What a training loop needs from a weight-sync sender (WeightSyncSender, DiskWeightSync): call every method
     on every trainer rank. `weight_version`: the version the engines serve after the last sync; `last_sync_s`: its
-    wall time (nan before the first)."""
+    wall time (nan before the first); `last_sync_bytes`: the tensor bytes it sent (0 before the first; a LoRA run's
+    adapter-only sync sends the adapters' bytes)."""
 
     weight_version: int
     last_sync_s: float
+    last_sync_bytes: int
 
     def init_group(self) -> None:
         """(Re)connect the engines; again after an engine restart."""

@@ -41,6 +41,30 @@ def gathered_weights(model: nn.Module, dtype: torch.dtype) -> Iterator[tuple[str
             yield name, merged_weight(p, layer, dtype)
 
 
+def adapter_sync_weights(model: nn.Module, *, with_base: bool) -> list[tuple[str, torch.Tensor]]:
+    """(wire name, parameter) of a LoRA model's adapter-only sync, in a fixed order: the engine-held weights the
+    run trains outside the adapters (the lm_head with train_unembed; every base weight, unmerged, when `with_base`:
+    the first sync after init_group, so a restarted engine gets the base), then each adapted module's A [r, in] and
+    B [out, r] under PEFT's saved names ("<module>.lora_A.weight", engines.weight_sync.wire.is_lora_name)."""
+    from trainer.backend.lora import ADAPTER, lora_layers
+
+    out = [(n, p) for n, p, _ in _engine_weights(model) if with_base or p.requires_grad]
+    for path, layer in lora_layers(model).items():
+        path = path.replace("_orig_mod.", "")
+        out += [(f"{path}.lora_A.weight", layer.lora_A[ADAPTER].weight),
+                (f"{path}.lora_B.weight", layer.lora_B[ADAPTER].weight)]
+    return out
+
+
+def lora_scaling(model: nn.Module) -> float:
+    """The one alpha / r of a LoRA model's adapters (what the engine scales B @ A by)."""
+    from trainer.backend.lora import ADAPTER, lora_layers
+
+    scales = {float(layer.scaling[ADAPTER]) for layer in lora_layers(model).values()}
+    assert len(scales) == 1, f"adapters with different scalings {sorted(scales)}: one [lora] rank and alpha expected"
+    return scales.pop()
+
+
 def full_tensor(p: torch.Tensor) -> torch.Tensor:
     """The unsharded value: a collective for FSDP2 DTensors (every rank must call it, in the same order)."""
     from torch.distributed.tensor import DTensor

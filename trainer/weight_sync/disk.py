@@ -45,6 +45,9 @@ class DiskWeightSync:
         self.rank = trainer_rank()
         self.device = params[0][1].device
         self.last_sync_s = float("nan")
+        # every sync writes every engine-held weight, full and merged (numel of a DTensor is the full tensor's)
+        self.last_sync_bytes = 0
+        self._bytes = sum(p.numel() for _, p in params) * self.dtype.itemsize
         self._current: str | None = None
 
     def init_group(self) -> None:
@@ -107,6 +110,7 @@ class DiskWeightSync:
             raise error if error is not None else WeightSyncError("the disk sync failed on trainer rank 0")
         self.weight_version = version
         self.last_sync_s = time.perf_counter() - t0
+        self.last_sync_bytes = self._bytes
         return version
 
     def reload(self, path: str, version: int) -> None:

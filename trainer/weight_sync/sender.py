@@ -43,6 +43,7 @@ from engines.weight_sync.wire import (
     COLOCATED_BUCKET_BYTES,
     DEFAULT_BUCKET_BYTES,
     DEFAULT_GROUP_NAME,
+    POLICY_ADAPTER,
     WeightSyncError,
     broadcast_async,
     build_group,
@@ -52,6 +53,7 @@ from engines.weight_sync.wire import (
     dtype_from_wire,
     is_colocated,
     listen_channel,
+    nbytes_of,
     plan_buckets,
     recv_seq,
     remove_channel,
@@ -61,9 +63,12 @@ from engines.weight_sync.wire import (
 )
 from trainer.weight_sync.common import (
     EngineCalls,
+    adapter_sync_weights,
     any_rank,
     from_rank0,
+    full_tensor,
     gathered_weights,
+    lora_scaling,
     named_weights,
     trainer_rank,
 )
@@ -71,6 +76,7 @@ from trainer.weight_sync.disk import DiskWeightSync
 
 TRANSPORTS = ("auto", "broadcast", "colocated")
 BUCKETING_MODES = ("auto", "bucketed", "per_tensor")  # WeightSyncSender(mode=...): the broadcast's wire format
+LORA_SYNCS = ("auto", "adapters", "merged")  # WeightSyncSender(lora=...): what a LoRA model sends
 
 
 class WeightSyncSender:
@@ -90,15 +96,26 @@ class WeightSyncSender:
     engine on the trainer's GPU that cannot be colocated), "broadcast" or "colocated" (an error for an engine that
     is not).
     disk_folder: where the folders for engines synced from disk go (DiskWeightSync's `folder`: default /dev/shm).
+
+    lora: what a LoRA model (trainer.backend.lora) sends. "auto": "adapters" when every engine reads the
+    `lora_adapter` field (it lists "lora_adapter" in /get_server_info's weight_update_formats: the embedded engine,
+    in process or over HTTP) and none is synced from disk or per tensor, else "merged". "adapters": a sync sends
+    only the adapters' A and B (plus the weights trained outside them), and the engines apply them per row as
+    their default adapter "policy" (engines/embedded/lora.py), the base weights untouched; the first sync after
+    init_group also sends the base, unmerged. "merged": every sync sends the merged weights W + (alpha / r) B @ A,
+    a stock model's (any engine). `last_sync_bytes`: the tensor bytes the last sync sent.
     """
 
     def __init__(self, model: nn.Module, engines: Sequence[WeightSyncEndpoint], *, dtype: torch.dtype | None = None,
                  fallback_dtype: torch.dtype | None = None, bucket_bytes: int | None = None,
                  backend: str | None = None, timeout_s: float = 300.0,
                  master_address: str = "127.0.0.1", master_port: int = 0, group_name: str = DEFAULT_GROUP_NAME,
-                 mode: str = "auto", transport: str = "auto", weight_version: int = 0, disk_folder: str | None = None):
+                 mode: str = "auto", transport: str = "auto", weight_version: int = 0, disk_folder: str | None = None,
+                 lora: str = "auto"):
         if mode not in BUCKETING_MODES:
             raise ValueError(f"mode={mode!r}: use one of {BUCKETING_MODES}")
+        if lora not in LORA_SYNCS:
+            raise ValueError(f"lora={lora!r}: use one of {LORA_SYNCS}")
         if transport not in TRANSPORTS:
             raise ValueError(f"transport={transport!r}: use one of {TRANSPORTS}")
         if mode == "per_tensor" and transport == "colocated":
@@ -121,6 +138,12 @@ class WeightSyncSender:
         self.weight_version = weight_version
         self.per_tensor = mode == "per_tensor"  # the broadcast format, decided at init_group under "auto"
         self.rank = trainer_rank()
+        from trainer.backend.lora import is_lora
+
+        self.lora = lora if is_lora(model) else "merged"  # a full model has nothing else to send
+        self.adapter_sync = False  # decided at init_group: the engines take the adapters alone
+        self._base_sent = False  # adapter sync: the first sync after init_group sends the base too
+        self._split = False
         self.meta = self._plan()
         self.group: dist.ProcessGroup | None = None
         self._group_name = ""
@@ -139,9 +162,16 @@ class WeightSyncSender:
         self._seq = 0  # bucket signals sent so far on this channel
         self._ready = False
         self.last_sync_s = float("nan")
+        self.last_sync_bytes = 0
+
+    def _weights(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, parameter) of what the next sync sends, in its order."""
+        if self.adapter_sync:
+            return adapter_sync_weights(self.model, with_base=not self._base_sent)
+        return named_weights(self.model)
 
     def _plan(self, split: bool = False):
-        params = named_weights(self.model)
+        params = self._weights()
         meta = plan_buckets([n for n, _ in params], [tuple(p.shape) for _, p in params], self.dtype,
                             self.bucket_bytes, split=split and not self.per_tensor)
         entries: dict[str, list[int]] = {}
@@ -165,8 +195,10 @@ class WeightSyncSender:
             shared = from_rank0(None)
         if shared is None:
             raise WeightSyncError("trainer rank 0 could not reach the engines (see its error)")
-        dtype_name, self.broadcast_to, self.colocated, self.to_disk, split, self.per_tensor, self._unknown_gpus = shared
+        (dtype_name, self.broadcast_to, self.colocated, self.to_disk, split, self.per_tensor, self._unknown_gpus,
+         self.adapter_sync) = shared
         self.dtype = dtype_from_wire(dtype_name)
+        self._base_sent, self._split = False, split
         if self._bucket_arg is None:
             self.bucket_bytes = (COLOCATED_BUCKET_BYTES.get(self.device.type, DEFAULT_BUCKET_BYTES) if self.colocated
                                  else DEFAULT_BUCKET_BYTES)
@@ -185,11 +217,12 @@ class WeightSyncSender:
             self._disk.init_group()
         self._ready = True
 
-    def _decide(self) -> tuple[str, list[int], list[int], list[int], bool, bool, list[int]]:
+    def _decide(self) -> tuple[str, list[int], list[int], list[int], bool, bool, list[int], bool]:
         """(dtype to send, broadcast engine indices, colocated engine indices, engine indices synced from disk,
         whether to split parameters larger than a bucket: only when every engine is one of ours, which reads
-        row_offsets, whether the broadcast goes one tensor at a time, broadcast engines whose GPU is unknown) from
-        the engines' probes, the formats they list and, for NCCL, the GPUs they hold."""
+        row_offsets, whether the broadcast goes one tensor at a time, broadcast engines whose GPU is unknown,
+        whether a LoRA model syncs its adapters alone) from the engines' probes, the formats they list and, for
+        NCCL, the GPUs they hold."""
         probes = EngineCalls(self.engines, lambda i, eng: eng.colocation_info(), "the colocation probe").join(
             self.timeout_s, "colocation probe")
         formats = EngineCalls(self.engines, lambda i, eng: eng.weight_formats(), "the format probe").join(
@@ -223,8 +256,14 @@ class WeightSyncSender:
                                   f"mode='auto' or 'per_tensor'")
         per_tensor = self.mode == "per_tensor" or bool(stock)
         unknown = [i for i in broadcast if self.backend == "nccl" and gpus[i] is None]
+        adapters = not per_tensor and not to_disk and all("lora_adapter" in f for f in formats)
+        if self.lora == "adapters" and not adapters:
+            raise WeightSyncError(f"lora='adapters' but engines {[e.url for e in self.engines]} cannot all take "
+                                  f"adapters alone (only embedded engines, not synced from disk or per tensor, list "
+                                  f"'lora_adapter' in /get_server_info); use lora='auto' or 'merged'")
+        adapters = adapters and self.lora != "merged"
         return (str(dtype).removeprefix("torch."), broadcast, [i for i, s in enumerate(same) if s], to_disk,
-                all(probes) and not per_tensor, per_tensor, unknown)
+                all(probes) and not per_tensor, per_tensor, unknown, adapters)
 
     def _no_broadcast_on_trainer_gpu(self, engines: list[int], ours: dict) -> None:
         """Engines on the trainer's GPU that cannot take weights by handle: refused under transport='broadcast',
@@ -325,6 +364,11 @@ class WeightSyncSender:
     def _gathered(self) -> Iterator[tuple[int, torch.Tensor]]:
         """(index, full tensor in the sent dtype) for every parameter, all ranks in lockstep. The cast runs on
         the local shard, before the all-gather."""
+        if self.adapter_sync:
+            with torch.no_grad():
+                for i, (_, p) in enumerate(self._weights()):
+                    yield i, full_tensor(p.detach().to(self.dtype))
+            return
         for i, (_, full) in enumerate(gathered_weights(self.model, self.dtype)):
             yield i, full
 
@@ -350,6 +394,10 @@ class WeightSyncSender:
             raise WeightSyncError("the weight sync failed on trainer rank 0 (its error says why); fix it and call "
                                   "init_group() on every rank again")
         self.weight_version = version
+        self.last_sync_bytes = sum(nbytes_of(s, dtype_from_wire(d)) for s, d in zip(self.meta.shapes, self.meta.dtypes))
+        if self.adapter_sync and not self._base_sent:  # the engines hold the base now: adapters alone from here on
+            self._base_sent = True
+            self.meta = self._plan(self._split)
         return version
 
     def _send(self, version: int, gathered: Iterator, on_bucket) -> None:
@@ -357,6 +405,8 @@ class WeightSyncSender:
             raise WeightSyncError("no weight-update group: call init_group() first (again after an engine restart)")
         t0 = time.perf_counter()
         bucketed = self.meta.to_wire(weight_version=version, group_name=self._group_name)
+        if self.adapter_sync:  # the engines load the LoRA tensors as their default adapter (wire.lora_adapter_field)
+            bucketed["lora_adapter"] = {"name": POLICY_ADAPTER, "scaling": lora_scaling(self.model), "default": True}
         colocated_body = {**bucketed, "op": "load", "seq": self._seq}
         body = bucketed
         if self.per_tensor:  # SGLang's stock fields only: names, dtypes, shapes, group_name, flush_cache, ...
