@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -201,8 +202,15 @@ def serve(cfg: ServeConfig) -> int:
     service = build_service(cfg)
     app = build_app(service, cfg.api_key)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    # uvicorn's own handlers re-raise the signal once it has shut down (exit 130 / 143): a requested stop of a
+    # server is its normal end, so the signals only ask it to exit (exit 0).
+    server.capture_signals = contextlib.nullcontext
 
     async def run() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+
         async def announce() -> None:
             while not server.started:
                 await asyncio.sleep(0.02)

@@ -1,0 +1,228 @@
+"""`python -m trainer serve` against the unmodified tinker SDK (0.38) on loopback (issue 39).
+
+One server process for the module (a tiny float32 model saved as an HF folder); each test makes its own
+training clients (LoRA adapters on the shared base), so the tests do not depend on each other's state.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+tinker = pytest.importorskip("tinker")  # the dev extra pins it; CI installs it
+from tinker import types  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "tml-test-key"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """(base_url, process) of a server on a free loopback port; stopped by SIGINT at the end (exit 0 expected)."""
+    from engines.embedded.presets import build_tiny_model
+    from engines.tiny import build_tokenizer
+
+    tmp = tmp_path_factory.mktemp("tinker")
+    folder = tmp / "tiny"
+    build_tiny_model(0, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1).save_pretrained(folder)
+    build_tokenizer().save_pretrained(folder)
+    config = tmp / "serve.toml"
+    config.write_text(f'[serve]\nport = 0\noutput_dir = "{tmp / "out"}"\nmax_clients = 32\n'
+                      f'models = [{{name = "tiny", path = "{folder}"}}]\n')
+    env = {**os.environ, "RLKERNELS_API_KEY": KEY, "TRITON_INTERPRET": "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", "serve", "--config", str(config)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline, url = time.monotonic() + 180, None
+    while url is None and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            raise RuntimeError(f"server exited {proc.returncode} before it served")
+        if line.startswith("serving on "):
+            url = line.split()[-1]
+    assert url is not None, "no 'serving on' line in 180 s"
+    yield url, proc, tmp
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, f"server exit {proc.returncode} after SIGINT:\n{out[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def service(server):
+    return tinker.ServiceClient(base_url=server[0], api_key=KEY)
+
+
+def datum(tokens: list[int], weights: list[float] | None = None, **inputs) -> types.Datum:
+    """A next-token datum of `tokens`: input tokens[:-1], targets tokens[1:]."""
+    n = len(tokens) - 1
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights or [1.0] * n, **inputs})
+
+
+def random_batch(seed: int, lengths=(7, 11, 5)) -> list[types.Datum]:
+    rng = np.random.default_rng(seed)
+    return [datum(rng.integers(0, 250, n + 1).tolist(), rng.uniform(0.5, 1.5, n).tolist()) for n in lengths]
+
+
+def train(client, batch, steps: int, lr: float = 1e-2) -> list[float]:
+    """`steps` of forward_backward + optim_step queued back to back; the losses ("loss:sum")."""
+    losses = []
+    for _ in range(steps):
+        fb = client.forward_backward(batch, "cross_entropy")
+        opt = client.optim_step(types.AdamParams(learning_rate=lr))
+        losses.append(fb.result().metrics["loss:sum"])
+        opt.result()
+    return losses
+
+
+def forward_logprobs(client, batch) -> list[np.ndarray]:
+    out = client.forward(batch, "cross_entropy").result()
+    return [np.asarray(o["logprobs"].tolist(), dtype=np.float64) for o in out.loss_fn_outputs]
+
+
+def test_lora_client_and_capabilities(server, service):
+    caps = httpx.get(f"{server[0]}/api/v1/get_server_capabilities", headers={"X-API-Key": KEY}).json()
+    assert [m["model_name"] for m in caps["supported_models"]] == ["tiny"]
+    client = service.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
+    info = client.get_info()
+    assert info.lora_rank == 4 and info.model_data.model_name == "tiny"
+    assert httpx.get(f"{server[0]}/api/v1/healthz").status_code == 401  # the key is required on every route
+
+
+def test_cross_entropy_loop_lowers_the_loss(service):
+    """loss:sum is Tinker's -(weights * logprobs).sum(); 6 steps on one batch lower it."""
+    client = service.create_lora_training_client(base_model="tiny", rank=8, seed=1).result()
+    batch = random_batch(0)
+    out = client.forward(batch, "cross_entropy").result()
+    expect = -sum(float(np.dot(o["logprobs"].tolist(), d.loss_fn_inputs["weights"].tolist()))
+                  for o, d in zip(out.loss_fn_outputs, batch))
+    assert out.metrics["loss:sum"] == pytest.approx(expect, rel=1e-5)
+    losses = train(client, batch, 6)
+    assert losses[0] == pytest.approx(out.metrics["loss:sum"], rel=1e-6)  # forward changed nothing
+    assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_sampler_logprobs_equal_forward_logprobs(service):
+    """The engine's log-probs of its sampled tokens (temperature 1, float32, adapter synced in memory) equal the
+    trainer's forward log-probs of the same tokens; the prompt log-probs (compute_logprobs) too."""
+    client = service.create_lora_training_client(base_model="tiny", rank=4, seed=2).result()
+    train(client, random_batch(1), 3, lr=3e-2)  # adapters (B, the lm_head's too) away from zero
+    sampler = client.save_weights_and_get_sampling_client().result()
+    prompt = [5, 17, 99, 3, 42]
+    res = sampler.sample(types.ModelInput.from_ints(prompt), 3,
+                         types.SamplingParams(max_tokens=8, temperature=1.0, seed=7)).result()
+    assert len(res.sequences) == 3
+    checked = 0
+    for seq in res.sequences:
+        full = prompt + list(seq.tokens)
+        trainer_lp = forward_logprobs(client, [datum(full)])[0][len(prompt) - 1:]
+        assert np.abs(np.asarray(seq.logprobs) - trainer_lp).max() <= 1e-4
+        checked += len(seq.tokens)
+        scored = sampler.compute_logprobs(types.ModelInput.from_ints(full)).result()
+        assert scored[0] is None
+        assert np.abs(np.asarray(scored[1:]) - forward_logprobs(client, [datum(full)])[0]).max() <= 1e-5
+    assert checked >= 3
+    base = service.create_sampling_client(base_model="tiny").result()
+    base_lp = base.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
+    assert not np.allclose(base_lp[1:], scored[1: len(prompt)])  # the trained adapter is not the base
+
+
+def test_save_state_load_state_continues_bit_exactly(service):
+    client = service.create_lora_training_client(base_model="tiny", rank=4, seed=4).result()
+    batch = random_batch(2)
+    train(client, batch, 2)
+    path = client.save_state("mid").result().path
+    assert path.endswith("/weights/mid")
+    after = train(client, batch, 2)
+    final = forward_logprobs(client, batch)
+
+    resumed = service.create_training_client_from_state_with_optimizer(path).result()
+    assert train(resumed, batch, 2) == after
+    assert all(np.array_equal(a, b) for a, b in zip(forward_logprobs(resumed, batch), final))
+
+    again = service.create_lora_training_client(base_model="tiny", rank=4, seed=99).result()
+    with pytest.warns(FutureWarning, match="load_state"):  # deprecated by the SDK, still served
+        again.load_state_with_optimizer(path).result()  # into an existing client
+    assert train(again, batch, 2) == after
+    no_opt = service.create_training_client_from_state(path).result()  # weights only: fresh Adam moments
+    assert train(no_opt, batch, 1)[0] == after[0] and train(no_opt, batch, 1)[0] != after[1]
+
+
+def test_two_clients_interleaved_equal_each_alone(service):
+    """Two adapters on one base, their requests interleaved, give what each gives alone (bit for bit)."""
+    batches = {5: random_batch(5), 6: random_batch(6, (9, 4))}
+    x, y = (service.create_lora_training_client(base_model="tiny", rank=r, seed=s).result()
+            for r, s in ((4, 5), (8, 6)))
+    mixed = {5: [], 6: []}
+    for _ in range(3):
+        futures = [(s, c.forward_backward(batches[s], "cross_entropy")) for s, c in ((5, x), (6, y))]
+        opts = [c.optim_step(types.AdamParams(learning_rate=1e-2)) for c in (x, y)]
+        for s, f in futures:
+            mixed[s].append(f.result().metrics["loss:sum"])
+        [o.result() for o in opts]
+    for (r, s) in ((4, 5), (8, 6)):
+        alone = service.create_lora_training_client(base_model="tiny", rank=r, seed=s).result()
+        assert train(alone, batches[s], 3) == mixed[s]
+
+
+def test_rl_losses_follow_tinkers_definitions(service):
+    """importance_sampling = -sum(exp(lp - old) A), ppo clipped at [0.8, 1.2], cispo and dro: loss:sum from the
+    returned log-probs (forward: no update)."""
+    client = service.create_lora_training_client(base_model="tiny", rank=4, seed=8).result()
+    rng = np.random.default_rng(3)
+    toks = rng.integers(0, 250, 10).tolist()
+    lp = forward_logprobs(client, [datum(toks)])[0]
+    old = (lp + rng.normal(0, 0.5, lp.shape)).astype(np.float32)
+    adv = rng.normal(0, 1, lp.shape).astype(np.float32)
+    d = types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]),
+                    loss_fn_inputs={"target_tokens": toks[1:], "logprobs": old.tolist(), "advantages": adv.tolist()})
+    ratio = np.exp(lp - old)
+    expect = {"importance_sampling": -(ratio * adv).sum(),
+              "ppo": -np.minimum(ratio * adv, np.clip(ratio, 0.8, 1.2) * adv).sum(),
+              "cispo": -(np.clip(ratio, 0.8, 1.2) * lp * adv).sum(),
+              "dro": -(lp * adv - 0.5 * 0.05 * (lp - old) ** 2).sum()}
+    for name, value in expect.items():
+        got = client.forward([d], name).result().metrics["loss:sum"]
+        assert got == pytest.approx(value, rel=1e-4, abs=1e-5), name
+
+
+def test_bad_requests_fail_with_the_cause(server, service):
+    client = service.create_lora_training_client(base_model="tiny", rank=4, seed=9).result()
+    with pytest.raises(tinker.RequestFailedError, match="outside the vocabulary"):
+        client.forward_backward([datum([1, 2, 100_000])], "cross_entropy").result(timeout=60)
+    with pytest.raises(tinker.RequestFailedError, match="context of 512"):
+        client.forward_backward([datum(list(range(200)) * 3)], "cross_entropy").result(timeout=60)
+    with pytest.raises(tinker.RequestFailedError, match="unknown loss_fn 'stable_reinforce'"):
+        client.forward_backward([datum([1, 2, 3])], "stable_reinforce").result(timeout=60)
+    with pytest.raises(tinker.RequestFailedError, match="unknown base_model 'nope'"):
+        service.create_lora_training_client(base_model="nope", rank=4).result(timeout=60)
+    assert train(client, random_batch(3), 1)  # the client still works after its failed requests
+    headers = {"X-API-Key": KEY}
+    r = httpx.post(f"{server[0]}/api/v1/no_such_route", json={}, headers=headers)
+    assert r.status_code == 404 and "/api/v1/no_such_route" in r.json()["error"]
+    r = httpx.post(f"{server[0]}/api/v1/get_info", json={"model_id": "nope"}, headers=headers)
+    assert r.status_code == 404 and "unknown model_id 'nope'" in r.json()["error"]
+
+
+def test_a_retried_request_runs_once(server, service):
+    """The same (model_id, seq_id) twice: one request id, one optimizer step."""
+    client = service.create_lora_training_client(base_model="tiny", rank=4, seed=10).result()
+    batch = random_batch(4)
+    client.forward_backward(batch, "cross_entropy").result()
+    before = forward_logprobs(client, batch)
+    headers = {"X-API-Key": KEY}
+    body = {"model_id": client.model_id, "seq_id": 10_000, "optim_params": {"learning_rate": 0.05}}
+    ids = [httpx.post(f"{server[0]}/api/v1/optim_step", json=body, headers=headers).json()["request_id"]
+           for _ in range(2)]
+    assert ids[0] == ids[1]
+    done = httpx.post(f"{server[0]}/api/v1/retrieve_future", json={"request_id": ids[0]}, headers=headers).json()
+    assert "metrics" in done
+    after = forward_logprobs(client, batch)
+    assert not all(np.array_equal(a, b) for a, b in zip(before, after))  # it ran
