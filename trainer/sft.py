@@ -90,11 +90,15 @@ def tokenize_conversation(tokenizer: Any, messages: Conversation, *, max_length:
 
 
 def _batch_indices(n: int, position: int, batch_size: int, seed: int) -> list[int]:
-    """Indices of the batch at data `position`: a fresh seeded permutation per epoch (resumable by position)."""
+    """Indices of the batch at data `position`: a fresh seeded permutation per epoch (resumable by position).
+    Each epoch's permutation is drawn once per batch (a batch spans at most a few epochs), not once per sample."""
+    perms: dict[int, np.ndarray] = {}
     out = []
     for p in range(position, position + batch_size):
         epoch, k = divmod(p, n)
-        out.append(int(np.random.default_rng(seed + epoch).permutation(n)[k]))
+        if epoch not in perms:
+            perms[epoch] = np.random.default_rng(seed + epoch).permutation(n)
+        out.append(int(perms[epoch][k]))
     return out
 
 
