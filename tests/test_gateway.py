@@ -424,3 +424,39 @@ def test_evaluation_runs_the_agent_greedily_and_scores_its_final_answer():
     got = evaluate([eng], prompts, tokenizer=TOK, reward_fn="arithmetic", max_new_tokens=128, rollout=rollout)
     assert got == {"reward_mean": 0.5, "accuracy": 0.5, "n": 2, "failed": 0}
     assert temperatures == [0.0] * 4  # two requests per episode, all greedy
+
+
+# ----------------------------------------------------------------------------------------------- the recipe
+def test_the_openai_agent_recipe_trains_through_the_cli(tmp_path):
+    """configs/openai_agent_demo.toml at a tiny budget: examples/openai_agent.py (only `openai` imported) drives
+    every episode through the gateway; the trainer's log-probs of the recorded tokens before the first update equal
+    the engine's (the tokens trained are the tokens the engine produced), and the agent metrics are logged."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from device_support import cpu_child_env
+
+    root = Path(__file__).resolve().parents[1]
+    assert "import trainer" not in (root / "examples/openai_agent.py").read_text()
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "trainer", "rl", "--config", "configs/openai_agent_demo.toml",
+           "--set", f"output_dir=\"{out}\"", "--set", "rl.num_steps=2", "--set", "rl.rollout.rollout_batch_size=2",
+           "--set", "rl.rollout.n_samples_per_prompt=2", "--set", "eval.limit=2", "--set", "logging.rollouts_every=1",
+           "--set", "rl.rollout.max_truncated_steps=0"]
+    proc = subprocess.run(cmd, cwd=root, env=cpu_child_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(x) for x in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "loss" in r]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["rollout/agent_errors"] == 0 and r["rollout/turns_mean"] >= 1 and r["rollout/agent_time_s"] > 0
+        assert "rollout/agent_splits" in r and "rollout/tool_calls_mean" in r
+    dumped = [json.loads(x) for x in (out / "rl" / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
+    assert len(dumped) == 4
+    for d in dumped:
+        assert d["metadata"]["turns"] >= 1 and d["status"] in ("completed", "truncated")
+        mask = d["loss_mask"]
+        assert len(mask) == d["response_length"] and sum(mask) > 0
+        if d["logprob_mismatch"] is not None:  # trained samples: the trainer's forward vs the engine's log-probs
+            assert d["logprob_mismatch"] <= 1e-5, d["logprob_mismatch"]
