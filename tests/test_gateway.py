@@ -22,6 +22,7 @@ from episode_support import CHAR_STOPS, Recording, Scripted, arithmetic_buffer
 
 from engines.embedded.presets import build_tiny_model
 from engines.registry import EngineSpec, build_engine
+from engines.sglang import SGLangEngine
 from engines.tiny import IM_END, SPECIAL_TOKENS, build_tokenizer
 from trainer.config import RolloutConfig
 from trainer.rollout.manager import AsyncRolloutManager
@@ -137,6 +138,30 @@ def test_a_two_turn_agent_is_token_exact_on_the_embedded_engine(local, model):
     assert batch.metadata["turns_mean"] == 2.0 and batch.metadata["agent_splits"] == 0
     assert batch.metadata["agent_errors"] == 0 and batch.metadata["agent_time_s"] > 0
     print(f"engine vs forward log-probs: max diff {worst:.2e}")
+
+
+def test_the_gateway_over_the_http_engine_gives_the_same_exact_episodes(local, engine, model):
+    """The same gateway code in front of the embedded engine's HTTP server (engines.sglang.SGLangEngine, the client of
+    SGLang too): the same seeds give the same tokens as in process, and the log-probs match a forward."""
+    http = Recording(SGLangEngine(engine.url, timeout_s=60))
+    over_http = run_batch([http], two_turn_agent, stop_token_ids=CHAR_STOPS[10:])
+    in_process = run_batch([local], two_turn_agent, stop_token_ids=CHAR_STOPS[10:])
+    assert [s.tokens for s in over_http.samples] == [s.tokens for s in in_process.samples]
+    assert [s.loss_mask for s in over_http.samples] == [s.loss_mask for s in in_process.samples]
+    for a, b in zip(over_http.samples, in_process.samples):
+        assert max(abs(x - y) for x, y in zip(a.rollout_logprobs, b.rollout_logprobs)) <= 1e-5
+        assert_exact(a, [(a.tokens[:a.prompt_length], None)] + [
+            (a.tokens[a.prompt_length + i:a.prompt_length + i + 1], _One(a.tokens[a.prompt_length + i],
+                                                                         a.rollout_logprobs[i]) if m else None)
+            for i, m in enumerate(a.loss_mask)], model)
+    assert len(http.calls) == 8  # two requests per episode, each one engine row
+
+
+class _One:
+    """One recorded token as a completion (assert_exact's checks, token by token)."""
+
+    def __init__(self, token, logprob):
+        self.output_ids, self.logprobs = [token], [logprob]
 
 
 # ----------------------------------------------------------------------------------------------- tool calls
