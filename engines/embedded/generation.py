@@ -31,6 +31,11 @@ position draws what it would have drawn there. Rows with top-k/top-p are filtere
 their own, gathered by device indices; rows without filters sample softmax(logits / T) itself. Greedy rows
 (temperature 0) take the argmax of the logits. Nothing is read on the host.
 
+LoRA adapters: each row carries the slot of its adapter (`Row.adapter`, 0: the base) in the engine's AdapterSet
+(engines/embedded/lora.py); before each forward the batch tells the set which slot each input row uses, and the
+adapted Linears add that row's adapter (a per-row gather). Rows of one prompt share a prefill row only when they
+also share the adapter.
+
 Log-probs: for each sampled token, `log_softmax(logits / T)[token]` at the row's temperature T (temperature 0,
 greedy: `log_softmax(logits)`), before top-k/top-p: the distribution the token was sampled from before the
 filters, which is what the trainer recomputes at the same temperature.
@@ -289,10 +294,13 @@ class DecodeBatch:
         # Row i's real tokens are its last pos_i columns, and the one it is fed now: mask [B, length + 1].
         columns = torch.arange(length + 1, device=self.device)
         mask = columns[None, :] >= (length - self.pos)[:, None]
-        with self._adapter_rows(self.slots, [a.row for a in self.rows]):
-            logits = self.decode_fn(input_ids=self.last[:, None], attention_mask=mask,
-                                    position_ids=self.pos[:, None], past_key_values=self.cache,
-                                    use_cache=True).logits[:, -1].float()
+        rows = [a.row for a in self.rows]
+        # Rows with an adapter decode eagerly: a compiled forward does not see hooks added after it was compiled
+        # (torch._dynamo's skip_nnmodule_hook_guards), and the adapters' hooks come and go with loads.
+        decode = self.model.forward if self.adapters is not None and any(r.adapter for r in rows) else self.decode_fn
+        with self._adapter_rows(self.slots, rows):
+            logits = decode(input_ids=self.last[:, None], attention_mask=mask, position_ids=self.pos[:, None],
+                            past_key_values=self.cache, use_cache=True).logits[:, -1].float()
         self.pos = self.pos + 1
         for a in self.rows:
             a.cached += 1

@@ -5,7 +5,9 @@ Endpoints (SGLang's names and fields): GET /health, /get_model_info, /get_server
 /update_weights_from_distributed, /update_weights_from_tensor, /update_weights_from_disk ({model_path,
 weight_version}), /destroy_weights_update_group, /pause_generation
 ({mode: abort | in_place | retract}), /continue_generation. /health and /get_server_info report the load:
-num_running_rows, num_waiting_rows, decode_steps.
+num_running_rows, num_waiting_rows, decode_steps. LoRA adapters (engines/embedded/lora.py): /load_lora_adapter
+{lora_name, lora_path: a PEFT folder}, /unload_lora_adapter {lora_name}, `lora_path` (a loaded name, or one per
+prompt) in /generate, `lora_adapters` in /get_server_info.
 
 /get_server_info lists `weight_update_formats` (["direct", "flattened_bucket"]): a trainer sends the bucketed
 extension only to an engine that lists it. Our extensions, all optional: `timeout_s` in
