@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -452,13 +453,39 @@ def test_evaluation_runs_the_agent_greedily_and_scores_its_final_answer():
 
 
 # ----------------------------------------------------------------------------------------------- the recipe
+AGENT = f"{Path(__file__).resolve().parents[1]}/examples/openai_agent.py:solve"
+
+
+@pytest.mark.parametrize("engine_kind", ["embedded", "scripted"])
+def test_the_openai_agent_gives_the_tools_recipes_episodes_token_for_token(local, engine_kind):
+    """examples/openai_agent.py through the gateway vs the built-in tool environment (`tools`, configs/agent_demo
+    .toml) on the same engine, seeds and limits: the same tokens, masks, log-probs, statuses and rewards. So the
+    agent recipe's accuracy is the tools recipe's, and an existing agent trains like a native environment."""
+    from trainer.rollout.agent_task import calculator
+
+    eng = local if engine_kind == "embedded" else Scripted(
+        lambda text: ("It is 42." if "<|im_start|>tool\n42" in text else "7") if "<|im_start|>tool" in text
+        else "Let me compute. " + CALL_TEXT)
+    kw = dict(max_new_tokens=100 if engine_kind == "scripted" else 8, max_turns=3, reward="arithmetic")
+    native = run_batch([eng], None, tools=("trainer.rollout.agent_task:calculator",), **kw)
+    agent = run_batch([eng], AGENT, **kw)
+    assert calculator("6*7") == "42"
+    assert len(native) == len(agent) == 4
+    for a, b in zip(native.samples, agent.samples):
+        assert (a.tokens, a.loss_mask) == (b.tokens, b.loss_mask)
+        # Equal up to the engine's batching (which requests shared a forward differs with the timing): float32 noise.
+        assert max(abs(x - y) for x, y in zip(a.rollout_logprobs, b.rollout_logprobs)) <= 1e-5
+        assert (a.status, a.reward, a.metadata["turns"]) == (b.status, b.reward, b.metadata["turns"])
+    if engine_kind == "scripted":
+        assert all(s.metadata["turns"] == 2 and s.metadata["tool_calls"] == 1 for s in agent.samples)
+
+
 def test_the_openai_agent_recipe_trains_through_the_cli(tmp_path):
     """configs/openai_agent_demo.toml at a tiny budget: examples/openai_agent.py (only `openai` imported) drives
     every episode through the gateway; the trainer's log-probs of the recorded tokens before the first update equal
     the engine's (the tokens trained are the tokens the engine produced), and the agent metrics are logged."""
     import subprocess
     import sys
-    from pathlib import Path
 
     from device_support import cpu_child_env
 
