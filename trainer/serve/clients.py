@@ -29,6 +29,9 @@ import torch
 from trainer.backend.protocol import LocalLoraBackend, LoraBase, LoraSpec
 from trainer.serve.losses import LOSSES
 
+MAX_FUTURES = 20_000  # results kept for polling; the oldest finished quarter goes past it
+KEEP_SNAPSHOTS = 4  # in-memory sampler snapshots (engine adapters) per training client
+
 
 class UserError(ValueError):
     """A request the caller must change (named input, how to fix it): HTTP 4xx or a failed future, category user."""
@@ -63,6 +66,7 @@ class Sampler:
     adapter: str | None = None
     weights: dict[str, torch.Tensor] | None = None
     spec: LoraSpec | None = None
+    owner: str | None = None  # the training client of an in-memory snapshot (save_weights_and_get_sampling_client)
 
 
 @dataclass
@@ -71,6 +75,7 @@ class Entry:
 
     task: asyncio.Future
     created: datetime
+    key: tuple | None = None
 
 
 def tinker_path(model_id: str, kind: str, name: str) -> str:
@@ -103,6 +108,7 @@ class Service:
         self.sessions: dict[str, dict] = {}
         self.models: dict[str, TrainingModel] = {}
         self.samplers: dict[str, Sampler] = {}
+        self.evicted: set[str] = set()
         self.futures: dict[str, Entry] = {}
         self.seen: dict[tuple, str] = {}  # (owner id, seq_id, route) -> request id: retries run once
         self._ids = itertools.count(1)
@@ -116,10 +122,21 @@ class Service:
                 work.close()
             return self.seen[key]
         request_id = f"req-{next(self._ids)}"
-        self.futures[request_id] = Entry(asyncio.ensure_future(work), datetime.now(UTC))
+        self.futures[request_id] = Entry(asyncio.ensure_future(work), datetime.now(UTC), key)
         if key is not None:
             self.seen[key] = request_id
+        if len(self.futures) > MAX_FUTURES:
+            self._forget_oldest()
         return request_id
+
+    def _forget_oldest(self) -> None:
+        """Drop the oldest finished futures (a quarter of MAX_FUTURES): the SDK reads a result within seconds, and
+        a long run must not keep every step's outputs. Their retry keys go with them."""
+        done = [rid for rid, e in self.futures.items() if e.task.done()][: MAX_FUTURES // 4]
+        for rid in done:
+            entry = self.futures.pop(rid)
+            if entry.key is not None:
+                self.seen.pop(entry.key, None)
 
     def fail(self, error: Exception, key: tuple | None = None) -> str:
         async def failed() -> tuple[str, Any]:
@@ -212,9 +229,13 @@ class Service:
         sampler_id = f"sampler-{uuid.uuid4().hex[:12]}"
         engine = await asyncio.to_thread(self.engine, record.base_name)
         await engine.load_adapter_tensors(sampler_id, weights, record.backend.scaling())
-        self.samplers[sampler_id] = Sampler(sampler_id, record.base_name,
-                                            tinker_path(record.model_id, "sampler_weights", name),
-                                            adapter=sampler_id, weights=weights, spec=record.spec)
+        self.samplers[sampler_id] = Sampler(sampler_id, record.base_name, None, adapter=sampler_id,
+                                            weights=weights, spec=record.spec, owner=record.model_id)
+        mine = [s for s in self.samplers.values() if s.owner == record.model_id]
+        for old in mine[: max(0, len(mine) - KEEP_SNAPSHOTS)]:  # the engine keeps the newest snapshots only
+            del self.samplers[old.sampler_id]
+            self.evicted.add(old.sampler_id)
+            await engine.unload_adapter(old.adapter)  # rows still decoding with it finish with it
         return sampler_id
 
     async def sampler_from_path(self, base_name: str | None, model_path: str | None) -> str:
@@ -244,6 +265,10 @@ class Service:
         return sampler_id
 
     def sampler(self, sampler_id: str | None) -> Sampler:
+        if sampler_id in self.evicted:
+            raise UserError(f"sampling session {sampler_id!r} was dropped: a training client keeps its newest "
+                            f"{KEEP_SNAPSHOTS} in-memory snapshots; sample from a newer one, or save with "
+                            f"save_weights_for_sampler(name) for a lasting checkpoint", status=410)
         if sampler_id not in self.samplers:
             raise UserError(f"unknown sampling_session_id {sampler_id!r}: create a sampling client first "
                             f"(create_sampling_client / save_weights_and_get_sampling_client)", status=404)
