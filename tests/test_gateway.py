@@ -481,9 +481,10 @@ def test_the_openai_agent_gives_the_tools_recipes_episodes_token_for_token(local
 
 
 def test_the_openai_agent_recipe_trains_through_the_cli(tmp_path):
-    """configs/openai_agent_demo.toml at a tiny budget: examples/openai_agent.py (only `openai` imported) drives
-    every episode through the gateway; the trainer's log-probs of the recorded tokens before the first update equal
-    the engine's (the tokens trained are the tokens the engine produced), and the agent metrics are logged."""
+    """configs/openai_agent_demo.toml at a tiny budget, async rollouts (the gateway in the rollout worker's thread):
+    examples/openai_agent.py (only `openai` imported) drives every episode through the gateway; the trainer's
+    log-probs of the recorded tokens before the first update equal the engine's (the tokens trained are the tokens
+    the engine produced), and the agent metrics are logged."""
     import subprocess
     import sys
 
@@ -495,7 +496,7 @@ def test_the_openai_agent_recipe_trains_through_the_cli(tmp_path):
     cmd = [sys.executable, "-m", "trainer", "rl", "--config", "configs/openai_agent_demo.toml",
            "--set", f"output_dir=\"{out}\"", "--set", "rl.num_steps=2", "--set", "rl.rollout.rollout_batch_size=2",
            "--set", "rl.rollout.n_samples_per_prompt=2", "--set", "eval.limit=2", "--set", "logging.rollouts_every=1",
-           "--set", "rl.rollout.max_truncated_steps=0"]
+           "--set", "rl.rollout.max_truncated_steps=0", "--set", "rl.async_rollout=true"]
     proc = subprocess.run(cmd, cwd=root, env=cpu_child_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(x) for x in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
