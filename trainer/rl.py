@@ -45,6 +45,7 @@ from trainer.backend.steps import (
     compute_logprobs,
     compute_values,
     forward_backward,
+    frozen_copy,
     optim_step,
     trainer_config_from,
 )
@@ -650,18 +651,13 @@ def _default_probes(batch: RolloutBatch) -> list[list[int]]:
 
 
 def _reference_components(components: TrainingComponents, tcfg: TrainerConfig) -> TrainingComponents:
-    """A frozen copy of the current policy (the reference for the KL term), sharded like it, built in memory.
+    """A frozen copy of the current policy (the reference for the KL term), sharded like it, in the compute dtype
+    (trainer.backend.steps.frozen_copy).
 
     LoRA ([rl.lora]): the policy itself, whose frozen base is the starting model; its log-probs are computed with
     the adapters off (`adapters_disabled`), so no second copy of the model exists. With train_unembed the lm_head
     itself trains, so the base is not the start any more: a copy is made as in a full run."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-
     if is_lora(components.model) and not tcfg.lora.train_unembed:
         return components
-
-    ref = build_components(components.model.config, tcfg.replace(compile=False))
-    set_model_state_dict(ref.root, get_model_state_dict(components.root))
-    ref.root.requires_grad_(False)
-    return ref
+    return frozen_copy(components, tcfg)
 

@@ -180,6 +180,7 @@ def load_hf_model(path_or_config: str | os.PathLike | PretrainedConfig, *, dtype
         model.load_state_dict(sd, strict=True)
         _init_buffers(model, device)
         return model.eval()
+    model.to(dtype)  # on the meta device: the shards materialise in the storage dtype (a bf16 frozen copy)
     root = parallelize(model, mesh, parallel)
     root.to_empty(device=device)
     sd = _lora_names(_full_state_dict(config, folder, model, seed, dtype), model, seed, lora)

@@ -194,8 +194,8 @@ class TrainingComponents:
 
     model: nn.Module  # the Hugging Face causal LM (parameters are DTensor shards)
     root: TrainModule  # the FSDP root wrapping `model`; every forward, state dict and optimizer step goes through it
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
+    optimizer: torch.optim.Optimizer | None  # None: a frozen copy (frozen_copy: the KL reference)
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None
     mesh: DeviceMesh
     device: torch.device
     config: TrainerConfig
@@ -330,6 +330,29 @@ def _copy_of(source: TrainModule, config: TrainerConfig, mesh: DeviceMesh, devic
     assert not missing, f"the source model lacks {missing[:3]}: not the same architecture"
     set_model_state_dict(root, given, options=StateDictOptions(strict=False, full_state_dict=merged))
     return root
+
+
+def frozen_copy(source: TrainingComponents, config: TrainerConfig) -> TrainingComponents:
+    """A no-grad copy of `source`'s current weights, sharded like it, stored in the compute dtype: the KL
+    reference of a full run (issue 42: an fp32 copy of a 7B model was 30 GB more than its bf16 one).
+
+    No numerics change: under FSDP2's mixed precision the blocks already compute with the fp32 masters cast to the
+    compute dtype at all-gather, which is what this copy stores (fp32 on the CPU: a plain copy). It has no
+    optimizer and is never compiled (it runs once per step, without grad)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from trainer.backend.models import load_hf_model
+    from trainer.backend.parallel import compute_dtype
+
+    config = config.replace(compile=False)
+    dtype = compute_dtype(source.device.type, config.parallel())
+    root = load_hf_model(source.model.config, dtype=dtype, device=source.device, mesh=source.mesh,
+                         parallel=config.parallel(), seed=config.seed, value_head=config.value_head,
+                         lora=config.lora, lora_table=config.lora_table)  # LoRA: the same names, adapters copied too
+    set_model_state_dict(root, get_model_state_dict(source.root))  # copy_ into each shard casts to `dtype`
+    root.requires_grad_(False)
+    root.train()  # as the policy's forward: the same modules in the same mode
+    return dataclasses.replace(source, model=root.lm, root=root, optimizer=None, scheduler=None, config=config)
 
 
 # ---------------------------------------------------------------------------------------------------------
