@@ -284,7 +284,7 @@ def test_a_sync_rollout_fn_is_refused_before_any_work():
 
 
 def test_only_one_episode_source_and_only_chat_format():
-    with pytest.raises(ValueError, match="give one of env, tools and rollout_fn"):
+    with pytest.raises(ValueError, match="give one of env, tools, rollout_fn and agent"):
         RolloutConfig(env="a:b", tools=("c:d",))
     with pytest.raises(ValueError, match='format = "chat"'):
         RolloutConfig(env="a:b", apply_chat_template=False)
