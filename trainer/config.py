@@ -192,9 +192,11 @@ class _PhaseConfig:
         object.__setattr__(self, "lora", _lora(self.lora, f"{self.TABLE}.lora"))
         _positive(self, "num_steps", "token_budget", "micro_batch_buckets", "keep_last")
         _non_negative(self, "save_every")
-        _check(self.token_budget % self.micro_batch_buckets == 0 or self.token_budget < self.micro_batch_buckets,
-               "token_budget", f"must be a multiple of micro_batch_buckets={self.micro_batch_buckets}, "
-                               f"got {self.token_budget}")
+        # a packed row is padded to a multiple of micro_batch_buckets, at most token_budget long
+        # (trainer.batching.micro_batches refuses a budget smaller than one bucket)
+        _check(self.token_budget >= self.micro_batch_buckets and self.token_budget % self.micro_batch_buckets == 0,
+               "token_budget", f"must be a multiple of micro_batch_buckets={self.micro_batch_buckets} (at least one "
+                               f"bucket), got {self.token_budget}")
 
 @dataclasses.dataclass(frozen=True)
 class SFTTrainingConfig(_PhaseConfig):

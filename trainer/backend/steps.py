@@ -84,9 +84,6 @@ class TrainerConfig:
         if not isinstance(self.backend, BackendConfig):
             raise ValueError(f"TrainerConfig.backend: expected a trainer.config.BackendConfig (the [trainer] table), "
                              f"got {type(self.backend).__name__}")
-        if self.token_budget < self.micro_batch_buckets:
-            raise ValueError(f"TrainerConfig.token_budget: must be >= micro_batch_buckets={self.micro_batch_buckets} "
-                             f"(a packed row is padded to a multiple of it), got {self.token_budget}")
 
     # The phase's fields (the critic's own optimiser).
     optim = property(lambda self: self.critic.optim if self.role == "critic" else self.phase.optim)
