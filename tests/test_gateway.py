@@ -513,3 +513,32 @@ def test_the_openai_agent_recipe_trains_through_the_cli(tmp_path):
         assert len(mask) == d["response_length"] and sum(mask) > 0
         if d["logprob_mismatch"] is not None:  # trained samples: the trainer's forward vs the engine's log-probs
             assert d["logprob_mismatch"] <= 1e-5, d["logprob_mismatch"]
+
+
+def test_an_abort_cuts_agent_episodes_and_they_start_again_next_batch():
+    """Two prompts, one group needed, over-sampled x2: prompt 1's agents wait at their second request until the
+    batch fills with prompt 0's group; the batch does not wait for them, their keys are revoked, the group is
+    cached and its episodes start again from the opening in the next batch."""
+    import dataclasses
+
+    eng = Scripted(scripted_tools, hold=lambda text: "1+2=" in text and "<|im_start|>tool" in text)
+    cfg = RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=2, max_new_tokens=128, agent=tool_agent,
+                        over_sampling_factor=2.0, abort_grace_s=2.0, agent_timeout_s=30.0)
+    manager = AsyncRolloutManager([eng], cfg, tokenizer=TOK, check_health=False)
+    buffer = arithmetic_buffer(2)
+
+    async def run():
+        async with manager:
+            return await manager.generate_batch(buffer)
+
+    t0 = time.monotonic()
+    first = trio.run(run)
+    assert time.monotonic() - t0 < 8
+    assert {s.prompt for s in first.samples} == {"0+1="} and len(manager.partial_groups) == 1
+    assert all(s.prompt == "1+2=" and s.status in (Status.ABORTED, Status.PENDING) for s in manager.partial_groups[0])
+    eng.aborted = True  # no more holds
+    manager.config = dataclasses.replace(cfg, over_sampling_factor=1.0)
+    second = trio.run(run)
+    assert all(s.prompt == "1+2=" and s.status == Status.COMPLETED and s.metadata["turns"] == 2
+               for s in second.samples)
+    assert all(TOK.decode(list(s.tokens)).count("<tool_call>") == 1 for s in second.samples)  # restarted

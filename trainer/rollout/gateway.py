@@ -117,7 +117,9 @@ class Gateway:
     def close(self) -> None:
         self._episodes.clear()
         if self._server is not None:
-            self._server.should_exit = True
+            # force_exit: no wait for connections still open. A request of an aborted episode may be in flight: its
+            # pool thread waits on the trio run, which this very call blocks; it gets RunFinishedError at the run's end.
+            self._server.should_exit = self._server.force_exit = True
             self._thread.join(timeout=5)
             self._server = None
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -342,8 +344,8 @@ async def run_agent_episode(sample: Sample, agent: Callable[..., Any], gateway: 
                             timeout_s: float, **recorder_kw: Any) -> tuple[list[Sample], Any]:
     """Run one agent episode from `sample`: ([its training sequences, the first carrying the episode's metadata],
     the reward it returned). Statuses: COMPLETED; TRUNCATED (a limit refused a request: `truncated_by`); FAILED
-    (the agent raised or ran past `timeout_s`: `agent_error`; or it never called the endpoint). A cancellation (the
-    batch filled) propagates: the episode starts again in a later batch."""
+    (the agent raised or ran past `timeout_s`: `agent_error`; or it never called the endpoint); ABORTED (the batch
+    filled while a request ran). ABORTED, or a cancellation: the episode starts again in a later batch."""
     rec = AgentRecorder(sample, **recorder_kw)
     endpoint = gateway.open_episode(rec, generate)
     row = {**sample.metadata, "prompt": sample.prompt}
@@ -365,7 +367,9 @@ async def run_agent_episode(sample: Sample, agent: Callable[..., Any], gateway: 
     status = Status.TRUNCATED if rec.truncated_by else Status.COMPLETED
     if rec.truncated_by:
         meta["truncated_by"] = rec.truncated_by
-    if error is not None and not rec.truncated_by:
+    if rec.aborted:  # the batch filled mid-episode (the agent got a 503): cached, it starts again in a later batch
+        status = Status.ABORTED
+    elif error is not None and not rec.truncated_by:
         status, message = Status.FAILED, f"{type(error).__name__}: {error}"
         meta.update(agent_error=message, env_error=message)
         if isinstance(error, BlockedCallTimeout):
