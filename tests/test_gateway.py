@@ -542,3 +542,32 @@ def test_an_abort_cuts_agent_episodes_and_they_start_again_next_batch():
     assert all(s.prompt == "1+2=" and s.status == Status.COMPLETED and s.metadata["turns"] == 2
                for s in second.samples)
     assert all(TOK.decode(list(s.tokens)).count("<tool_call>") == 1 for s in second.samples)  # restarted
+
+
+async def stopping_agent(row, endpoint):
+    client = openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0)
+    messages = [{"role": "user", "content": row["prompt"]}]
+    cut = await client.chat.completions.create(model=endpoint.model, messages=messages, stop=["compute"])
+    short = await client.chat.completions.create(model=endpoint.model, messages=messages, max_tokens=3, seed=123)
+    messages += [cut.choices[0].message, {"role": "user", "content": "next"}]
+    last = await client.chat.completions.create(model=endpoint.model, messages=messages)
+    return {"reward": 1.0, "metadata": {"got": [[c.choices[0].message.content, c.choices[0].finish_reason]
+                                                for c in (cut, short, last)]}}
+
+
+def test_stop_strings_and_max_tokens_cut_the_recorded_tokens_exactly():
+    """A stop string cuts the completion after the fewest tokens that hold it (the text stops before it); the turn
+    continued gets the template's end-of-turn token; max_tokens cuts at that many tokens (finish "length")."""
+    engine = Scripted(lambda text: "done" if "next" in text else "Let me compute it.")
+    batch = run_batch([engine], stopping_agent, max_new_tokens=50, n_samples_per_prompt=1)
+    assert len(batch) == 4 and batch.metadata["agent_splits"] == 2  # the max_tokens call is a leaf of its own
+    for prompt in ("0+1=", "1+2="):
+        short, full = sorted((s for s in batch.samples if s.prompt == prompt), key=lambda s: len(s.tokens))
+        assert short.metadata["got"] == [["Let me ", "stop"], ["Let", "length"], ["done", "stop"]]  # the first leaf
+        start = opening([{"role": "user", "content": prompt}])
+        assert list(short.tokens) == start + TOK.encode("Let") and list(short.loss_mask) == [1, 1, 1]
+        turn1 = TOK.encode("Let me compute")
+        middle = [IM_END_ID] + after_turn("user", "next")
+        turn2 = TOK.encode("done") + [IM_END_ID]
+        assert list(full.tokens) == start + turn1 + middle + turn2 and full.status == Status.COMPLETED
+        assert list(full.loss_mask) == [1] * len(turn1) + [0] * len(middle) + [1] * len(turn2)

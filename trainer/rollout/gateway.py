@@ -53,7 +53,7 @@ from engines.openai_wire import (
 from engines.protocol import Completion, EngineError
 from trainer.rollout.blocking import BlockedCallTimeout, enter_user_code
 from trainer.rollout.loading import load_callable
-from trainer.rollout.recording import AgentRecorder
+from trainer.rollout.recording import AgentRecorder, Schema
 from trainer.rollout.samples import sample_to_dict
 from trainer.types import Sample, Status
 
@@ -242,7 +242,8 @@ class Gateway:
                     message = {"role": "assistant", "content": turn.content or None,
                                "tool_calls": tool_call_entries(turn.calls)}
                     finish, pieces[-1] = "tool_calls", [turn.content] if turn.content else []
-            rec.record(parent, prompt, out, keep, messages=tuple(req.messages), tools=rec_tools(req), reply=message)
+            rec.record(parent, prompt, out, keep, messages=tuple(req.messages),
+                       tools=tuple(Schema(t) for t in req.tools), reply=message)
             generated += keep
             lps = None
             if req.sampling.logprobs:
@@ -276,12 +277,6 @@ class Gateway:
         chunks = list(completion_chunks(response, include_usage=req.sampling.include_usage)) \
             if req.sampling.stream else []
         return response, chunks
-
-
-def rec_tools(req: ChatRequest) -> tuple:
-    from trainer.rollout.recording import Schema
-
-    return tuple(Schema(t) for t in req.tools)
 
 
 # ----------------------------------------------------------------------------------------------- the agent
