@@ -718,6 +718,10 @@ def _sft_phase(r: _Run, engines: Sequence[InferenceEngine], evaluator: Any) -> t
         texts = [p.prompt for p in prompts] + [str(p.answer) for p in prompts if p.answer is not None]
         warn_unknown_characters(r.tokenizer, texts, where="[data].sft")
     components = build_components(str(r.model_folder), r.phases.sft_trainer)
+    if r.phases.sft_trainer.lora is not None and r.is_main:  # what `export` merges the adapters into
+        from trainer.backend.export import record_lora_base
+
+        record_lora_base(scfg.output_dir, folder=r.model_folder)
     sender, evaluation = None, None
     if engines and has_eval_sets(r.cfg):
         sender = build_sender(r.cfg, components.model, engines)
@@ -758,6 +762,11 @@ def _rl_phase(r: _Run, engines: Sequence[InferenceEngine], sft_components: Any, 
     if sft_components is not None:  # SFT's AdamW state is not RL's: freed (and on CUDA returned) before RL builds
         release_phase_memory(sft_components)
     comp = build_components(sft_components.root if sft_components is not None else str(r.model_folder), tcfg)
+    if tcfg.lora is not None and r.is_main:  # what `export` merges the adapters into: SFT's result, or the folder
+        from trainer.backend.export import record_lora_base
+
+        record_lora_base(rl_cfg.output_dir, **({"sft_dir": r.phases.sft.output_dir} if sft_components is not None
+                                               else {"folder": r.model_folder}))
     rewards = _reward_sources(r, engines, device=str(comp.device))
     if sender is not None and comp.model is not sft_components.model:  # a copy: the policy gained a value head
         sender.close()
@@ -861,6 +870,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="export: the HF folder to write (default <output_dir>/export)")
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                     help="export: store the weights in this dtype (default: as trained)")
+    ap.add_argument("--adapter", action="store_true", help="export of a LoRA checkpoint: a PEFT adapter folder at "
+                    "--out, on its base written beside it as <out>-base (default: the merged model)")
     ap.add_argument("--rollouts", default=None, help="replay: the folder of step_N.jsonl files to train on (written "
                     "by [logging] rollouts_every or the generate mode; default <output_dir>/rl/rollouts)")
     args = ap.parse_args(argv)
@@ -886,7 +897,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         try:
             folder = export_run(cfg, prepare_model_folder(cfg), checkpoint=args.checkpoint,
-                                out=args.out, dtype=args.dtype)
+                                out=args.out, dtype=args.dtype, adapter=args.adapter)
         except (ValueError, FileNotFoundError) as e:  # no such checkpoint, or one of another architecture
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -10,11 +10,19 @@ state, no process group) and writes it with `trainer.backend.checkpoint.export_h
 tied
 lm_head is stored once, as HF does), the tokenizer files with their chat template and special tokens, and the
 generation config (its eos ids are the stop tokens of the next phase).
+
+A LoRA checkpoint ([sft.lora] / [rl.lora]) holds the adapters only (and a trained lm_head). Its base is what the
+phase recorded in <phase dir>/lora_base.json when it started (`record_lora_base`): a model folder (the run's start
+folder), or the run's SFT phase (sft+rl and demo: RL's adapters sit on the SFT result, itself a full checkpoint
+or SFT adapters merged into their base). The export builds that base, injects the adapters (trainer.backend.lora)
+and loads them, then writes the merged model (a stock folder), or with `adapter=True` (`--adapter`) a PEFT adapter
+folder at --out whose base_model_name_or_path is the base, exported beside it as `<out>-base`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import warnings
@@ -29,7 +37,7 @@ from engines.tokenizer import load_tokenizer
 from trainer.backend.checkpoint import pick_checkpoint, step_folders, verify_checkpoint
 from trainer.backend.parallel import ROOT_PREFIX, TrainModule
 from trainer.backend.safe_dcp import load_dcp, read_dcp_metadata
-from trainer.config import RunConfig
+from trainer.config import LoRAConfig, RunConfig
 
 _MODEL = "model."  # the checkpoint's top-level key of the model entries ({"model": ..., "optim": ...})
 
@@ -69,6 +77,7 @@ def _plain_model(model_folder: Path) -> nn.Module:
         model = AutoModelForCausalLM.from_config(config)
     model = model.to_empty(device="cpu").float()
     model.tie_weights()  # to_empty gives tied parameters separate storage; one Parameter again
+    _rebuild_rotary(model)
     return model
 
 
@@ -95,7 +104,12 @@ def _fill(model: nn.Module, checkpoint: Path) -> None:
     with warnings.catch_warnings():  # no_dist: this read is one process's, whatever the process group says
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         load_dcp(target, checkpoint, no_dist=True)
-    for buf_owner in model.modules():  # RoPE tables are buffers, not in the checkpoint: rebuild them
+    _rebuild_rotary(model)
+
+
+def _rebuild_rotary(model: nn.Module) -> None:
+    """RoPE tables are buffers, in no checkpoint and garbage after to_empty: rebuilt from the config."""
+    for buf_owner in model.modules():
         if "Rotary" in type(buf_owner).__name__ and hasattr(buf_owner, "config"):
             fresh = type(buf_owner)(buf_owner.config)
             for name, buf in fresh.named_buffers(recurse=False):
@@ -107,27 +121,102 @@ def export_checkpoint(checkpoint: str | os.PathLike, model_folder: str | os.Path
     """Write the HF folder `out` from `checkpoint` (see resolve_checkpoint) with the architecture, tokenizer and
     generation config of `model_folder`, printing `told`, the checkpoint's folder and its step. dtype None keeps the
     training (float32) weights."""
-    from trainer.backend.checkpoint import export_hf
-
     folder = Path(model_folder)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder}: not a Hugging Face model folder (no config.json); it gives the "
                                 f"checkpoint's architecture and tokenizer")
     ckpt, meta = _resolve(checkpoint)
-    if "lora" in (meta.get("fingerprint_fields") or {}):
-        raise ValueError(f"{ckpt}: a LoRA checkpoint ([sft.lora] / [rl.lora]) holds the adapters only, not a model; "
-                         f"exporting one (merged into its base, or as a PEFT adapter folder) is not supported yet "
-                         f"(issue 38, item 5): export the run's last full checkpoint, or use export_hf on the "
-                         f"trained components in Python")
-    model = _plain_model(folder)
-    _fill(model, ckpt)
+    model = checkpoint_model(ckpt, meta, folder)
     print(f"{told} {ckpt} (step {meta['state']['step']})", flush=True)
+    return _write_hf(model, folder, out, dtype)
+
+
+def _write_hf(model: nn.Module, folder: Path, out: str | os.PathLike, dtype: torch.dtype | None) -> Path:
+    """`model` (plain, or with LoRA adapters: merged) as an HF folder at `out`, with `folder`'s tokenizer and
+    generation config."""
+    from trainer.backend.checkpoint import export_hf
+
     tokenizer = load_tokenizer(folder) if (folder / "tokenizer_config.json").is_file() else None
-    root = TrainModule(model)
-    path = export_hf(_Exportable(root=root, model=model), out, tokenizer=tokenizer, dtype=dtype)
+    path = export_hf(_Exportable(root=TrainModule(model), model=model), out, tokenizer=tokenizer, dtype=dtype)
     if (folder / "generation_config.json").is_file():
         shutil.copy(folder / "generation_config.json", Path(out) / "generation_config.json")
     return path
+
+
+def checkpoint_lora(meta: dict) -> LoRAConfig | None:
+    """The LoRA settings a checkpoint was trained with (its fingerprint's), None for a full checkpoint."""
+    fields = (meta.get("fingerprint_fields") or {}).get("lora")
+    return LoRAConfig(**fields) if fields else None
+
+
+def checkpoint_model(ckpt: Path, meta: dict, model_folder: Path) -> nn.Module:
+    """The CPU float32 model a verified checkpoint holds, with `model_folder`'s architecture: its weights, or for a
+    LoRA checkpoint its base (`lora_base_model`) with the adapters injected and loaded (export_hf merges them)."""
+    lora = checkpoint_lora(meta)
+    if lora is None:
+        model = _plain_model(model_folder)
+        _fill(model, ckpt)
+        return model
+    from trainer.backend.lora import inject, is_adapter
+
+    model = lora_base_model(ckpt, model_folder)
+    inject(model, lora)
+    saved = read_dcp_metadata(ckpt / ".metadata").state_dict_metadata
+    names = {k.removeprefix(_MODEL + ROOT_PREFIX) for k in saved if k.startswith(_MODEL + ROOT_PREFIX)}
+    params = {n: p for n, p in model.named_parameters() if n in names}
+    missing = sorted(n for n, _ in model.named_parameters() if is_adapter(n) and n not in names)
+    if missing:
+        raise ValueError(f"checkpoint {ckpt}: no adapter weights for {missing[:3]}; its [lora] settings name "
+                         f"modules the checkpoint lacks (export with the run config it was trained with)")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        load_dcp({_MODEL[:-1]: {ROOT_PREFIX + n: p.data for n, p in params.items()}}, ckpt, no_dist=True)
+    return model
+
+
+# <phase dir>/LORA_BASE: {"base": "folder", "path": the HF folder} or {"base": "sft", "path": the SFT phase's dir}
+LORA_BASE = "lora_base.json"
+
+
+def record_lora_base(phase_dir: str | os.PathLike, *, folder: str | os.PathLike | None = None,
+                     sft_dir: str | os.PathLike | None = None) -> None:
+    """What a LoRA phase's adapters sit on, written when it starts (rank 0): a model folder, or the run's SFT phase
+    (its newest checkpoint, when RL continues from SFT in memory). The export reads it (`lora_base_model`)."""
+    assert (folder is None) != (sft_dir is None), "give the base folder or the SFT phase's dir"
+    record = {"base": "folder", "path": str(Path(folder).resolve())} if folder is not None else \
+        {"base": "sft", "path": str(Path(sft_dir).resolve())}
+    Path(phase_dir).mkdir(parents=True, exist_ok=True)
+    (Path(phase_dir) / LORA_BASE).write_text(json.dumps(record) + "\n")
+
+
+def lora_base_model(ckpt: Path, model_folder: Path) -> nn.Module:
+    """The base a LoRA checkpoint's adapters were trained on, as a plain CPU float32 model: the folder its phase
+    recorded, or the newest checkpoint of the SFT phase it continued from (itself exported as checkpoint_model)."""
+    record_path = ckpt.parent.parent / LORA_BASE  # <phase dir>/checkpoints/step_N
+    if not record_path.is_file():
+        raise FileNotFoundError(f"{record_path}: a LoRA checkpoint's phase records the base its adapters sit on "
+                                f"there when it starts, and this one is missing (a run of an older tree): export "
+                                f"the merged model from the trained components in Python (export_hf)")
+    record = json.loads(record_path.read_text())
+    if record.get("base") == "sft":
+        sft, sft_meta = _resolve(record["path"])
+        return _merged(checkpoint_model(sft, sft_meta, model_folder), model_folder)
+    return AutoModelForCausalLM.from_pretrained(record["path"], dtype=torch.float32).eval()
+
+
+def _merged(model: nn.Module, model_folder: Path) -> nn.Module:
+    """A plain model of the weights `model` stands for: its LoRA adapters merged in (as RL's base was built from
+    SFT's components in memory); `model` itself when it has none."""
+    from trainer.backend.lora import is_lora, merged_state_dict
+
+    if not is_lora(model):
+        return model
+    plain = _plain_model(model_folder)
+    merged = dict(merged_state_dict(model))
+    with torch.no_grad():
+        for name, p in plain.named_parameters():
+            p.copy_(merged[name])
+    return plain
 
 
 # ----------------------------------------------------------------------------------------------- run config
@@ -135,9 +224,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def export_run(cfg: RunConfig, model_folder: str | os.PathLike, *, checkpoint: str | None = None,
-               out: str | None = None, dtype: str | None = None) -> Path:
+               out: str | None = None, dtype: str | None = None, adapter: bool = False) -> Path:
     """`python -m trainer export`: the run's newest checkpoint (RL if it has one, else SFT) or `checkpoint`, written
-    to `out` (default <output_dir>/export) with the architecture and tokenizer of the run's model folder."""
+    to `out` (default <output_dir>/export) with the architecture and tokenizer of the run's model folder; a LoRA
+    checkpoint with `adapter` (--adapter) as a PEFT adapter folder (`export_adapter_run`)."""
     run_dir = Path(cfg.output_dir)
     if checkpoint is None:  # the last phase that saved anything: a damaged RL checkpoint never passes over to SFT's
         found = [run_dir / phase for phase in ("rl", "sft") if step_folders(run_dir / phase)]
@@ -145,8 +235,50 @@ def export_run(cfg: RunConfig, model_folder: str | os.PathLike, *, checkpoint: s
             raise FileNotFoundError(f"{run_dir}: no checkpoint under rl/ or sft/ (run a phase first, or pass "
                                     f"--checkpoint)")
         checkpoint = str(found[0])
+    if adapter:
+        return export_adapter_run(checkpoint, Path(model_folder), Path(out or run_dir / "export"),
+                                  dtype=_DTYPES[dtype] if dtype else None)
     return export_checkpoint(checkpoint, model_folder, Path(out or run_dir / "export"),
                              dtype=_DTYPES[dtype] if dtype else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class _AdapterSource:
+    """What export_adapter reads of a TrainingComponents: the LoRA settings (config.lora) and the model."""
+
+    config: Any
+    model: nn.Module
+
+
+def export_adapter_run(checkpoint: str | os.PathLike, model_folder: Path, out: Path, *,
+                       dtype: torch.dtype | None = None) -> Path:
+    """A LoRA checkpoint as a PEFT adapter folder at `out` (export_adapter, float32 adapters) on its base, written
+    beside it as `<out>-base` (a stock HF folder in `dtype`, with the tokenizer; base_model_name_or_path names
+    it), so PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out) loads it unchanged."""
+    ckpt, meta = _resolve(checkpoint)
+    lora = checkpoint_lora(meta)
+    if lora is None:
+        raise ValueError(f"--adapter: checkpoint {ckpt} trains no LoRA adapters (no [sft.lora] / [rl.lora]); export "
+                         f"it without --adapter (the full model)")
+    model = checkpoint_model(ckpt, meta, model_folder)
+    print(f"exporting the adapters of {ckpt} (step {meta['state']['step']})", flush=True)
+    from trainer.backend.lora import sync_weights
+
+    base_dir = out.with_name(out.name + "-base")
+    base = _plain_model(model_folder)
+    with torch.no_grad():  # the base weights under their plain names: each adapted Linear's base_layer, unmerged
+        held = {n: p for n, p, _ in sync_weights(model)}
+        for name, p in base.named_parameters():
+            p.copy_(held[name])
+    _write_hf(base, model_folder, base_dir, dtype)
+    tokenizer = load_tokenizer(model_folder) if (model_folder / "tokenizer_config.json").is_file() else None
+    return export_adapter(_AdapterSource(config=_LoRAOnly(lora), model=model), out, base=str(base_dir.resolve()),
+                          tokenizer=tokenizer)
+
+
+@dataclasses.dataclass(frozen=True)
+class _LoRAOnly:
+    lora: LoRAConfig
 
 
 def start_folder(cfg: RunConfig, model_folder: Path) -> Path:
