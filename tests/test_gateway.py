@@ -332,13 +332,17 @@ async def probing_agent(row, endpoint):
     await refused("role", messages=[{"role": "wizard", "content": "hi"}])
     await refused("temperature", temperature=7.0)
     await refused("model", model="gpt-4o")
-    stranger = openai.AsyncOpenAI(base_url=endpoint.base_url, api_key="not-an-episode", max_retries=0)
+    root = endpoint.base_url.split("/episodes/")[0] + "/v1"  # the key in the path, or else as the API key
+    stranger = openai.AsyncOpenAI(base_url=root, api_key="not-an-episode", max_retries=0)
     try:
         await stranger.chat.completions.create(model=endpoint.model, messages=user)
     except openai.AuthenticationError as e:
         errors["key"] = (e.status_code, None, str(e))
+    by_key = openai.AsyncOpenAI(base_url=root, api_key=endpoint.api_key, max_retries=0)
+    assert [m.id async for m in by_key.models.list()] == [endpoint.model]
     models = [m.id async for m in client.models.list()]
-    done = await client.completions.create(model=endpoint.model, prompt=row["prompt"], max_tokens=3, logprobs=0)
+    own_key = openai.AsyncOpenAI(base_url=endpoint.base_url, api_key="sk-the-agents-own", max_retries=0)
+    done = await own_key.completions.create(model=endpoint.model, prompt=row["prompt"], max_tokens=3, logprobs=0)
     return {"reward": 1.0, "metadata": {"errors": errors, "models": models, "text": done.choices[0].text,
                                         "lps": done.choices[0].logprobs.token_logprobs}}
 

@@ -7,8 +7,10 @@
 The server speaks `POST /v1/chat/completions`, `POST /v1/completions` and `GET /v1/models` (shapes and validation:
 engines/openai_wire.py). It renders the chat template itself and calls the engine protocol with token ids, so it
 sits in front of any `InferenceEngine` (the embedded engine in process or over HTTP, vLLM, SGLang) the same way.
-Each episode gets its own API key: the key names the episode's `AgentRecorder` (trainer/rollout/recording.py),
-which turns the requests into training sequences. A key is revoked when its episode ends (401 after).
+Each episode gets its own key, in its base_url (`/episodes/<key>/v1`, so a client that sends a fixed API key of its
+own still reaches its episode) and as its API key (for `/v1` itself): the key names the episode's `AgentRecorder`
+(trainer/rollout/recording.py), which turns the requests into training sequences. A key is revoked when its
+episode ends (401 after).
 
 Sampling is the run's: the engine samples at [rl.rollout] temperature / top_p / top_k with the run's per-episode
 seeds, whatever the request asks (the trainer computes its log-probs at the run's temperature, so another one would
@@ -102,7 +104,8 @@ class Gateway:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
-        self.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+        self.root = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.base_url = f"{self.root}/v1"
         config = uvicorn.Config(self._app(), log_level="warning", lifespan="off", access_log=False)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True,
@@ -127,7 +130,9 @@ class Gateway:
     def open_episode(self, recorder: AgentRecorder, generate: GenerateN) -> Endpoint:
         key = "ep-" + secrets.token_hex(16)
         self._episodes[key] = _Episode(recorder, generate)
-        return Endpoint(base_url=self.base_url, api_key=key, model=self.model)
+        # The key twice: in the path (a client that sends a fixed API key of its own still reaches its episode)
+        # and as the API key.
+        return Endpoint(base_url=f"{self.root}/episodes/{key}/v1", api_key=key, model=self.model)
 
     def close_episode(self, endpoint: Endpoint) -> None:
         self._episodes.pop(endpoint.api_key, None)
@@ -137,12 +142,14 @@ class Gateway:
         from starlette.applications import Starlette
         from starlette.routing import Route
 
+        chat = functools.partial(self._post, self.answer_chat, parse_chat_request)
+        text = functools.partial(self._post, self.answer_completion, parse_completion_request)
         return Starlette(routes=[
-            Route("/v1/chat/completions", functools.partial(self._post, self.answer_chat, parse_chat_request),
-                  methods=["POST"]),
-            Route("/v1/completions", functools.partial(self._post, self.answer_completion,
-                                                       parse_completion_request), methods=["POST"]),
-            Route("/v1/models", self._models, methods=["GET"]),
+            Route(f"{prefix}/v1/chat/completions", chat, methods=["POST"]) for prefix in ("", "/episodes/{key}")
+        ] + [
+            Route(f"{prefix}/v1/completions", text, methods=["POST"]) for prefix in ("", "/episodes/{key}")
+        ] + [
+            Route(f"{prefix}/v1/models", self._models, methods=["GET"]) for prefix in ("", "/episodes/{key}")
         ])
 
     async def _models(self, request: Any) -> Any:
@@ -163,7 +170,8 @@ class Gateway:
             if req.model != self.model:
                 raise WireError(f"model {req.model!r} is not served here; use {self.model!r} (endpoint.model)",
                                 param="model", status=404)
-            key = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+            key = request.path_params.get("key") or \
+                request.headers.get("authorization", "").removeprefix("Bearer ").strip()
             call = functools.partial(trio.from_thread.run, answer, key, req, trio_token=self._token)
             try:
                 response, chunks = await asyncio.get_running_loop().run_in_executor(self._pool, call)
