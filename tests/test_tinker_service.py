@@ -8,10 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -20,7 +16,8 @@ import pytest
 tinker = pytest.importorskip("tinker")  # the dev extra pins it; CI installs it
 from tinker import types  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+from trainer.serve.app import start_subprocess  # noqa: E402
+
 KEY = "tml-test-key"
 
 
@@ -38,20 +35,11 @@ def server(tmp_path_factory):
     config.write_text(f'[serve]\nport = 0\noutput_dir = "{tmp / "out"}"\nmax_clients = 32\n'
                       f'models = [{{name = "tiny", path = "{folder}"}}]\n')
     env = {**os.environ, "RLKERNELS_API_KEY": KEY, "TRITON_INTERPRET": "0"}
-    proc = subprocess.Popen([sys.executable, "-m", "trainer", "serve", "--config", str(config)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline, url = time.monotonic() + 180, None
-    while url is None and time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line and proc.poll() is not None:
-            raise RuntimeError(f"server exited {proc.returncode} before it served")
-        if line.startswith("serving on "):
-            url = line.split()[-1]
-    assert url is not None, "no 'serving on' line in 180 s"
+    proc, url = start_subprocess(config, env=env)
     yield url, proc, tmp
     proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 0, f"server exit {proc.returncode} after SIGINT:\n{out[-3000:]}"
+    proc.wait(timeout=60)
+    assert proc.returncode == 0, f"server exit {proc.returncode} after SIGINT:\n{''.join(proc.tail)}"
 
 
 @pytest.fixture(scope="module")

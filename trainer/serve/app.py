@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import subprocess
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -233,3 +234,38 @@ def main(config_path: str) -> int:
         return 2
     return serve(cfg)
 
+
+
+def start_subprocess(config_path: str | os.PathLike, *, env: dict | None = None,
+                     timeout_s: float = 180.0) -> tuple[subprocess.Popen, str]:
+    """`python -m trainer serve --config <config_path>` as a child process (tests, benchmarks): (process, base
+    URL) once it prints its address. Stop it with SIGINT or SIGTERM (exit 0)."""
+    import sys
+    import time
+
+    root = Path(__file__).resolve().parents[2]
+    # TRITON_INTERPRET=0: the embedded engine's kernels take their device's production path, never the Triton
+    # interpreter a test process turns on for itself (as engines.embedded.launch.engine_env does for engines).
+    env = {**(os.environ if env is None else env), "TRITON_INTERPRET": "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", "serve", "--config", str(config_path)], cwd=root,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline, lines = time.monotonic() + timeout_s, []
+    while time.monotonic() < deadline:  # readline blocks: the deadline bounds a server that prints and hangs
+        line = proc.stdout.readline()
+        lines.append(line)
+        if line.startswith("serving on "):
+            _drain(proc)
+            return proc, line.split()[-1]
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    raise RuntimeError(f"python -m trainer serve did not start (exit {proc.poll()}):\n{''.join(lines)[-3000:]}")
+
+
+def _drain(proc: subprocess.Popen) -> None:
+    """Read the child's output from now on (a full pipe would block it), its last 200 lines as `proc.tail`."""
+    import collections
+    import threading
+
+    proc.tail = collections.deque(maxlen=200)
+    threading.Thread(target=lambda: proc.tail.extend(iter(proc.stdout.readline, "")), daemon=True).start()

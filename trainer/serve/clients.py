@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import threading
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -112,6 +113,7 @@ class Service:
         self.futures: dict[str, Entry] = {}
         self.seen: dict[tuple, str] = {}  # (owner id, seq_id, route) -> request id: retries run once
         self._ids = itertools.count(1)
+        self._loading = threading.Lock()  # base(), engine(), tokenizer() run in worker threads (asyncio.to_thread)
 
     # -- futures ---------------------------------------------------------------------------------------
     def submit(self, work: Awaitable[tuple[str, Any]], key: tuple | None = None) -> str:
@@ -155,8 +157,9 @@ class Service:
         if name not in self.model_paths:
             raise UserError(f"unknown base_model {name!r}: this server offers {sorted(self.model_paths)} "
                             f"([serve] models)", status=404)
-        if name not in self.bases:
-            self.bases[name] = LoraBase(self.model_paths[name], device=self.device)
+        with self._loading:
+            if name not in self.bases:
+                self.bases[name] = LoraBase(self.model_paths[name], device=self.device)
         return self.bases[name]
 
     def model(self, model_id: str) -> TrainingModel:
@@ -211,17 +214,19 @@ class Service:
 
     # -- sampling --------------------------------------------------------------------------------------
     def tokenizer(self, base_name: str) -> Any:
-        if base_name not in self.tokenizers:
-            from transformers import AutoTokenizer
+        with self._loading:
+            if base_name not in self.tokenizers:
+                from transformers import AutoTokenizer
 
-            self.tokenizers[base_name] = AutoTokenizer.from_pretrained(self.model_paths[base_name])
+                self.tokenizers[base_name] = AutoTokenizer.from_pretrained(self.model_paths[base_name])
         return self.tokenizers[base_name]
 
     def engine(self, base_name: str) -> Any:
         """The embedded engine of base model `base_name` (started at its first sample)."""
-        if base_name not in self.engines:
-            assert self.engine_factory is not None, "this server was built without an engine factory"
-            self.engines[base_name] = self.engine_factory(self.model_paths[base_name])
+        with self._loading:
+            if base_name not in self.engines:
+                assert self.engine_factory is not None, "this server was built without an engine factory"
+                self.engines[base_name] = self.engine_factory(self.model_paths[base_name])
         return self.engines[base_name]
 
     async def sampler_from_weights(self, record: TrainingModel, name: str, weights: dict[str, torch.Tensor]) -> str:

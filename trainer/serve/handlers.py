@@ -288,7 +288,7 @@ async def _sample(service: Service, body: dict) -> tuple[str, Any]:
     if not prompt or bad:
         raise UserError(f"prompt: token ids {bad[:3]} outside the vocabulary [0, {base.vocab_size})" if bad
                         else "prompt: no tokens")
-    tokenizer = service.tokenizer(sampler.base_name)
+    tokenizer = await asyncio.to_thread(service.tokenizer, sampler.base_name)
     params, strings = _engine_params(body.get("sampling_params") or {}, int(body.get("num_samples", 1)), tokenizer)
     if base.max_positions is not None and len(prompt) + params.max_new_tokens > base.max_positions:
         raise UserError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_new_tokens}) exceed the model's "
