@@ -11,6 +11,7 @@ model never writes a tool call).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -575,3 +576,77 @@ def test_stop_strings_and_max_tokens_cut_the_recorded_tokens_exactly():
         turn2 = TOK.encode("done") + [IM_END_ID]
         assert list(full.tokens) == start + turn1 + middle + turn2 and full.status == Status.COMPLETED
         assert list(full.loss_mask) == [1] * len(turn1) + [0] * len(middle) + [1] * len(turn2)
+
+
+# ----------------------------------------------------------------------------------------------- a tool-aware template
+QWEN_LIKE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n"
+    "</tools><|im_end|>\n{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' %}<|im_start|>assistant\n{{ message.content }}"
+    "{%- for tc in message.tool_calls or [] %}<tool_call>\n{\"name\": \"{{ tc.function.name }}\", \"arguments\": "
+    "{{ tc.function.arguments | tojson }}}\n</tool_call>{%- endfor %}<|im_end|>\n"
+    "{%- elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response>"
+    "<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def editing_agent(row, endpoint):
+    """Runs the tool call, then sends its history back with its own copy of the assistant turn edited (the call
+    kept, the text before it dropped): the gateway must start a new sequence, rendered by the template."""
+    client = openai.OpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0)
+    messages = [{"role": "user", "content": row["prompt"]}]
+    first = client.chat.completions.create(model=endpoint.model, messages=messages, tools=[CALC]).choices[0].message
+    edited = {"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in first.tool_calls]}
+    messages += [edited, {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "42"}]
+    last = client.chat.completions.create(model=endpoint.model, messages=messages, tools=[CALC]).choices[0].message
+    return 1.0 if last.content == "It is 42." else 0.0
+
+
+def test_a_tool_aware_template_renders_the_tools_and_an_edited_history_exactly():
+    """With a Qwen-like template that renders the tools and the assistant's tool calls: the opening holds the
+    tools' schemas, and an edited history is a new sequence whose prompt is the template's rendering of it (tool
+    call arguments as objects), followed by exactly the engine's tokens."""
+    tok = build_tokenizer()
+    tok.chat_template = QWEN_LIKE
+    engine = Scripted(lambda text: "It is 42." if "<tool_response>" in text else "Let me compute. " + CALL_TEXT)
+    cfg = RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=1, max_new_tokens=200, agent=editing_agent,
+                        seed=1, agent_timeout_s=30.0)
+    manager = AsyncRolloutManager([engine], cfg, tokenizer=tok, check_health=False)
+
+    async def run():
+        async with manager:
+            return await manager.generate_batch(arithmetic_buffer(1))
+
+    batch = trio.run(run)
+    assert len(batch) == 2 and batch.metadata["agent_splits"] == 1
+    first, second = batch.samples
+    assert first.reward == second.reward == 1.0
+    opening_ids = tok.apply_chat_template([{"role": "user", "content": "0+1="}], tools=[CALC],
+                                          add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    assert json.dumps(CALC) in tok.decode(opening_ids)
+    turn1 = TOK.encode("Let me compute. " + CALL_TEXT) + [IM_END_ID]
+    assert list(first.tokens) == opening_ids + turn1 and list(first.loss_mask) == [1] * len(turn1)
+    history = [{"role": "user", "content": "0+1="},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "6*7"}}}]},
+               {"role": "tool", "content": "42"}]
+    prompt2 = tok.apply_chat_template(history, tools=[CALC], add_generation_prompt=True, tokenize=True,
+                                      return_dict=True)["input_ids"]
+    assert '"arguments": {"expression": "6*7"}' in tok.decode(prompt2)
+    turn2 = TOK.encode("It is 42.") + [IM_END_ID]
+    assert list(second.tokens) == prompt2 + turn2 and list(second.loss_mask) == [1] * len(turn2)
+    # The same agent without the edit: one sequence, the tool answer rendered after the engine's turn as the
+    # template writes it (its `{%-` tags leave no newline after <|im_end|>; the tool turn is a user turn).
+    manager = AsyncRolloutManager([engine], dataclasses.replace(cfg, agent=tool_agent), tokenizer=tok,
+                                  check_health=False)
+    (one,) = trio.run(run).samples
+    opening2 = tok.apply_chat_template([{"role": "system", "content": "Use the calculator."},
+                                        {"role": "user", "content": "0+1="}], tools=[CALC],
+                                       add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    middle = TOK.encode("<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|><|im_start|>assistant\n")
+    assert list(one.tokens) == opening2 + turn1 + middle + turn2
+    assert list(one.loss_mask) == [1] * len(turn1) + [0] * len(middle) + [1] * len(turn2)
