@@ -249,3 +249,28 @@ def test_importance_sampling_loop_raises_the_reward(service):
         client.optim_step(types.AdamParams(learning_rate=5e-2)).result()
     after = mean_reward(client.save_weights_and_get_sampling_client().result(), 1)
     assert after > before + 0.2, (before, after)
+
+
+def test_sampling_seed_and_stops(server, service):
+    """A seed reproduces a sample; a stop token id or a stop string ends it there (stop_reason "stop")."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(server[2] / "tiny")
+    sampler = service.create_sampling_client(base_model="tiny").result()
+    prompt = types.ModelInput.from_ints([9, 8, 7])
+
+    def one(**kw):
+        return sampler.sample(prompt, 1, types.SamplingParams(max_tokens=12, seed=5, **kw)).result().sequences[0]
+
+    first = one()
+    assert list(one().tokens) == list(first.tokens) and first.stop_reason == "length"
+    by_id = one(stop=[int(first.tokens[3])])
+    assert list(by_id.tokens) == list(first.tokens[:4]) and by_id.stop_reason == "stop"
+    for k in range(1, len(first.tokens)):  # a printable piece that the text before it does not contain
+        piece = tok.decode([int(first.tokens[k])])
+        if piece.strip() and piece.isprintable() and piece not in tok.decode([int(t) for t in first.tokens[:k]]):
+            break
+    else:
+        pytest.fail(f"no printable stop string in {tok.decode(list(first.tokens))!r}")
+    by_text = one(stop=[piece])
+    assert list(by_text.tokens) == list(first.tokens[: k + 1]) and by_text.stop_reason == "stop"
