@@ -650,3 +650,30 @@ def test_a_tool_aware_template_renders_the_tools_and_an_edited_history_exactly()
     middle = TOK.encode("<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|><|im_start|>assistant\n")
     assert list(one.tokens) == opening2 + turn1 + middle + turn2
     assert list(one.loss_mask) == [1] * len(turn1) + [0] * len(middle) + [1] * len(turn2)
+
+
+async def error_reporting_agent(row, endpoint):
+    client = openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0)
+    messages = [{"role": "user", "content": row["prompt"]}]
+    r = await client.chat.completions.create(model=endpoint.model, messages=messages)
+    try:
+        await client.chat.completions.create(model=endpoint.model, messages=messages + [
+            r.choices[0].message, {"role": "user", "content": "more"}])
+    except openai.InternalServerError as e:
+        return {"reward": 0.0, "metadata": {"error": str(e)}}
+    return 1.0
+
+
+def test_a_template_that_rewrites_earlier_turns_is_a_clear_500_not_a_wrong_sequence():
+    tok = build_tokenizer()
+    tok.chat_template = "{{ messages | length }}" + tok.chat_template  # earlier turns change as messages grow
+    cfg = RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=1, max_new_tokens=20, agent=error_reporting_agent,
+                        agent_timeout_s=30.0)
+    manager = AsyncRolloutManager([Scripted(lambda text: "ok")], cfg, tokenizer=tok, check_health=False)
+
+    async def run():
+        async with manager:
+            return await manager.generate_batch(arithmetic_buffer(1))
+
+    (s,) = trio.run(run).samples
+    assert "append-only" in s.metadata["error"] and s.metadata["turns"] == 2 and len(s.metadata["weight_versions"]) == 1

@@ -179,6 +179,10 @@ class Gateway:
                 raise WireError("the rollout batch of this episode is over", status=503) from e
             except EngineError as e:  # the engine failed (after the manager's retries): the agent sees a 502
                 raise WireError(f"the inference engine failed: {type(e).__name__}: {e}", status=502) from e
+            except WireError:
+                raise
+            except Exception as e:  # noqa: BLE001 - e.g. a chat template that cannot render these messages
+                raise WireError(f"the gateway could not answer: {type(e).__name__}: {e}", status=500) from e
         except WireError as e:
             return JSONResponse(e.body(), status_code=e.status)
         if req.sampling.stream:
