@@ -82,13 +82,14 @@ def write_model_folder(path: Path, seed: int) -> tuple[torch.nn.Module, object]:
     return model, tok
 
 
-def start_server(model_dir: Path, port: int, log_path: Path, extra: tuple[str, ...] = ("--enforce-eager",)
-                 ) -> subprocess.Popen:
+def start_server(model_dir: Path, port: int, log_path: Path, extra: tuple[str, ...] = ("--enforce-eager",),
+                 env_extra: dict[str, str] | None = None) -> subprocess.Popen:
     """Start vLLM (dev mode routes, our weight-transfer back end, processed log-probs) and wait for /health.
-    --enforce-eager by default: torch.compile of even this tiny model doubles start-up on two cores."""
+    --enforce-eager by default: torch.compile of even this tiny model doubles start-up on two cores. env_extra:
+    more environment variables (VLLM_ALLOW_RUNTIME_LORA_UPDATING for the adapter routes)."""
     python = require_vllm_venv()
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="INFO",
-               VLLM_CPU_OMP_THREADS_BIND="nobind", TOKENIZERS_PARALLELISM="false")
+               VLLM_CPU_OMP_THREADS_BIND="nobind", TOKENIZERS_PARALLELISM="false", **(env_extra or {}))
     env.pop("TRITON_INTERPRET", None)  # the test session's Triton interpreter flag must not reach vLLM
     cmd = vllm_server_command(str(python), str(model_dir), port=port, extra=extra)
     log = open(log_path, "w")  # noqa: SIM115 - closed with the process by stop_server
