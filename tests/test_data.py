@@ -134,3 +134,27 @@ def test_the_cli_warns_about_unknown_characters_of_the_eval_set(tmp_path):
     cfg = load_run_config(root / "configs" / "demo.toml", [f'data.eval="{data}"'])
     with pytest.warns(UserWarning, match=r"\[data\]\.eval: 1 characters are outside .*most common: '€' x1\)"):
         eval_sets(cfg, tokenizer=_char_tokenizer_with_unk())
+
+
+def test_plain_strings_and_dicts_become_prompts_with_their_positions():
+    rng = random.Random(3)
+    texts = [f"q{rng.randint(0, 999)}" for _ in range(rng.randint(5, 15))]
+    buf = DataBuffer(texts, shuffle=False)
+    got = buf.get_prompts(len(texts))
+    assert [(p.prompt, p.answer, p.index) for p in got] == [(t, None, i) for i, t in enumerate(texts)]
+    rows = [{"prompt": t, "answer": i, "level": i % 3} for i, t in enumerate(texts)]
+    got = DataBuffer(rows, shuffle=False).get_prompts(len(rows))
+    assert [(p.prompt, p.answer, dict(p.metadata), p.index) for p in got] == \
+        [(t, str(i), {"level": i % 3}, i) for i, t in enumerate(texts)]
+    # in a mixture each set's indices continue after the sets before it
+    mix = DataBuffer.mixture([texts, ["a", "b"]], [1.0, 1.0], seed=1)
+    assert sorted(p.index for p in mix.sets[1]) == [len(texts), len(texts) + 1]
+
+
+def test_a_bad_prompt_item_is_refused_naming_its_position():
+    with pytest.raises(ValueError, match=r"prompts\[1\]: expected a string"):
+        DataBuffer(["ok", 3])
+    with pytest.raises(ValueError, match=r"prompts\[0\]: an empty prompt"):
+        DataBuffer([""])
+    with pytest.raises(ValueError, match=r"prompts\[0\]: missing key 'prompt'"):
+        DataBuffer([{"question": "x"}])

@@ -487,3 +487,28 @@ def test_cached_groups_not_launched_stay_queued_and_engine_failure_loses_no_prom
     engine.fail_generate = 0
     batch = _run(m, _arith_buffer())
     assert {s.prompt for s in batch.samples} == {"1+1="} and batch.metadata["groups_resumed"] == 1
+
+
+def test_a_buffer_of_plain_strings_rolls_out_like_prompts(engine):
+    # The seeds' own example: DataBuffer(["1+1=", ...]). Strings become Prompts without an answer; dicts with
+    # "prompt" and "answer" become Prompts with both; each rolls out exactly as the Prompt buffer it stands for.
+    import random
+
+    rng = random.Random(5)
+    texts = [f"{rng.randint(0, 60)}+{rng.randint(1, 60)}=" for _ in range(12)]
+    cfg = RolloutConfig(apply_chat_template=False, rollout_batch_size=4, n_samples_per_prompt=2, max_new_tokens=8,
+                        seed=3)
+
+    def batch(buffer, reward_fn):
+        return _run(AsyncRolloutManager(_clients([engine]), cfg, tokenizer=TOK, reward_fn=reward_fn), buffer)
+
+    typed = batch(_buffer(texts), "arithmetic")
+    plain = batch(DataBuffer(texts, seed=0, shuffle=False), None)
+    dicts = batch(DataBuffer([{"prompt": t, "answer": str(eval(t[:-1]))} for t in texts], seed=0, shuffle=False),
+                  "arithmetic")
+    assert sorted({s.prompt for s in typed.samples}) == sorted(texts[:4])
+    for a, b, c in zip(plain.samples, dicts.samples, typed.samples, strict=True):
+        assert a.prompt == b.prompt == c.prompt
+        assert list(a.tokens) == list(b.tokens) == list(c.tokens)
+        assert a.status == b.status == c.status == Status.COMPLETED
+        assert b.reward == c.reward == arithmetic_reward(c)

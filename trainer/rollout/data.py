@@ -502,6 +502,28 @@ def mixture_choices(weights: Sequence[float], seed: int, block: int) -> np.ndarr
     return np.random.default_rng([seed, 0x6D6978, block]).choice(len(p), size=_MIX_BLOCK, p=p / p.sum())
 
 
+def as_prompts(items: Sequence[Any], *, offset: int = 0) -> Sequence[Prompt]:
+    """A set as `Prompt`s: a loaded PromptSet or a list of Prompts as they are; plain strings (the seeds'
+    `DataBuffer(["1+1=", ...])`) and dicts with a "prompt" key (and "answer", metadata) become Prompts whose index is
+    their position (+ `offset`, the rows of the sets before this one in a mixture)."""
+    if isinstance(items, PromptSet) or all(isinstance(x, Prompt) for x in items):
+        return items
+    out = []
+    for i, x in enumerate(items):
+        if isinstance(x, Prompt):
+            out.append(x)
+        elif isinstance(x, str):
+            if not x:
+                raise ValueError(f"prompts[{i}]: an empty prompt; give a non-empty string")
+            out.append(Prompt(prompt=x, index=offset + i))
+        elif isinstance(x, Mapping):
+            out.append(parse_prompt_record(dict(x), where=f"prompts[{i}]", index=offset + i))
+        else:
+            raise ValueError(f"prompts[{i}]: expected a string, a dict with a \"prompt\" key or a Prompt, got "
+                             f"{type(x).__name__}")
+    return out
+
+
 class DataBuffer:
     """Hands out prompts in seeded, per-epoch shuffled order, from one set or a weighted mixture of sets.
 
@@ -541,7 +563,8 @@ class DataBuffer:
     def _init(self, sets: Sequence[Sequence[Prompt]], weights: list[float], seed: int, shuffle: bool) -> None:
         if not sets or any(len(s) == 0 for s in sets):
             raise ValueError("prompts: the data buffer needs at least one prompt in every set (check the data files)")
-        self.sets = list(sets)
+        offsets = np.cumsum([0] + [len(s) for s in sets[:-1]]).tolist()
+        self.sets = [as_prompts(s, offset=o) for s, o in zip(sets, offsets, strict=True)]
         self.weights = weights
         self.seed = int(seed)
         self.shuffle = bool(shuffle)
