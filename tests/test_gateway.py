@@ -677,3 +677,30 @@ def test_a_template_that_rewrites_earlier_turns_is_a_clear_500_not_a_wrong_seque
 
     (s,) = trio.run(run).samples
     assert "append-only" in s.metadata["error"] and s.metadata["turns"] == 2 and len(s.metadata["weight_versions"]) == 1
+
+
+def test_sampled_evaluation_of_an_agent_is_seeded_and_reproducible(local):
+    """pass@k of an agent: k sampled episodes a prompt at the evaluation's temperature, each request seeded from
+    (seed, prompt, sample, request number): two evaluations with one seed send the same requests and score alike."""
+    from trainer.cli import evaluate
+    from trainer.rollout.data import Prompt
+
+    asked = []
+
+    class Seen(Recording):
+        async def generate(self, prompts, params, *, rids=None):
+            asked.append((params.temperature, params.seed, tuple(prompts[0])))
+            return await super().generate(prompts, params, rids=rids)
+
+    prompts = [Prompt("1+2=", "3"), Prompt("2+2=", "4")]
+    rollout = RolloutConfig(agent=two_turn_agent, max_turns=3, stop_token_ids=CHAR_STOPS[10:])
+    runs = []
+    for _ in range(2):
+        asked.clear()
+        got = evaluate([Seen(local)], prompts, tokenizer=TOK, reward_fn="arithmetic", max_new_tokens=6,
+                       rollout=rollout, k=2, temperature=1.0, seed=7)
+        runs.append((got, sorted(a for a in asked if a[0] == 1.0)))
+    assert runs[0] == runs[1]
+    sampled = runs[0][1]
+    assert len(sampled) == 8 and len({s for _, s, _ in sampled}) == 8  # 2 prompts x 2 samples x 2 requests
+    assert "pass@1" in runs[0][0] and runs[0][0]["n"] == 2
