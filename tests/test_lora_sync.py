@@ -85,6 +85,14 @@ def test_in_process_engine_takes_adapters_alone(train_unembed):
             assert res.ok and res.max_abs_diff[0] <= 1e-5, res
         assert adapter_bytes(trainer) < full / 5  # the point: far fewer bytes than the merged sync
         sender.close()
+        # Whole models again (a full RL phase after a LoRA SFT): the engine's default adapter goes, so requests
+        # that name none get the weights sent, not the stale adapter on top of them.
+        perturb(trainer, 9)
+        whole = WeightSyncSender(trainer, [ours], timeout_s=60, lora="merged", weight_version=3)
+        whole.init_group()
+        assert whole.sync() == reference.sync() == 4 and ours.server.adapters.default is None
+        same_answers(answers(ours, params), answers(merged, params))
+        whole.close()
         reference.close()
     finally:
         ours.close()

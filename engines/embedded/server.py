@@ -570,6 +570,7 @@ def route_handlers(server: EngineServer) -> dict[str, Endpoint]:
         async with server.exclusive():
             await loop.run_in_executor(server.model_thread, load_into, list(targets.values()),
                                        [tensors[n] for n in targets])
+            server.adapters.default = None  # a whole model: requests naming no adapter get it (load_synced_adapter)
         server.weights_consistent = True
         v = _bump(body)
         return {"success": True, "message": f"loaded {len(targets)} tensors from {path}",
@@ -587,6 +588,7 @@ def route_handlers(server: EngineServer) -> dict[str, Endpoint]:
         loop = asyncio.get_running_loop()
         async with server.exclusive():
             await loop.run_in_executor(server.model_thread, server.receiver.receive_ipc, buckets)
+            server.adapters.default = None  # a whole model: requests naming no adapter get it (load_synced_adapter)
         v = _bump(body)
         return {"success": True, "message": "updated", "weight_version": str(v)}
 

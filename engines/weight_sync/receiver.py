@@ -239,8 +239,11 @@ async def colocated_request(server, body: dict) -> dict:
 
 async def load_synced_adapter(server, lora: dict | None, meta: WeightMeta, targets: list[torch.Tensor]) -> None:
     """After an update with a `lora_adapter` field: its adapter tensors (received into `targets`) become that
-    adapter of the engine (in place when loaded), its default when asked. No-op for a full-weight update."""
+    adapter of the engine (in place when loaded), its default when asked. A full-weight update (lora None) clears
+    the default: the trainer now sends whole models (a full RL phase after a LoRA SFT), so requests that name no
+    adapter get the base it sent."""
     if lora is None:
+        server.adapters.default = None
         return
     tensors = {n: t for n, t in zip(meta.names, targets) if is_lora_name(n)}
     await server.load_adapter(lora["name"], tensors, lora["scaling"], default=lora["default"])
