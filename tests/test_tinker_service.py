@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
+import tinker  # the dev extra pins it
+from tinker import types
 
-tinker = pytest.importorskip("tinker")  # the dev extra pins it; CI installs it
-from tinker import types  # noqa: E402
-
-from trainer.serve.app import start_subprocess  # noqa: E402
+from trainer.serve.app import start_subprocess
 
 KEY = "tml-test-key"
 
@@ -33,7 +35,7 @@ def server(tmp_path_factory):
     build_tokenizer().save_pretrained(folder)
     config = tmp / "serve.toml"
     config.write_text(f'[serve]\nport = 0\noutput_dir = "{tmp / "out"}"\nmax_clients = 32\n'
-                      f'models = [{{name = "tiny", path = "{folder}"}}]\n')
+                      f'models = [{{name = "tiny", path = "{folder}"}}, {{name = "{folder}", path = "{folder}"}}]\n')
     env = {**os.environ, "RLKERNELS_API_KEY": KEY, "TRITON_INTERPRET": "0"}
     proc, url = start_subprocess(config, env=env)
     yield url, proc, tmp
@@ -77,7 +79,7 @@ def forward_logprobs(client, batch) -> list[np.ndarray]:
 
 def test_lora_client_and_capabilities(server, service):
     caps = httpx.get(f"{server[0]}/api/v1/get_server_capabilities", headers={"X-API-Key": KEY}).json()
-    assert [m["model_name"] for m in caps["supported_models"]] == ["tiny"]
+    assert [m["model_name"] for m in caps["supported_models"]] == ["tiny", str(server[2] / "tiny")]
     client = service.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
     info = client.get_info()
     assert info.lora_rank == 4 and info.model_data.model_name == "tiny"
@@ -274,3 +276,26 @@ def test_sampling_seed_and_stops(server, service):
         pytest.fail(f"no printable stop string in {tok.decode(list(first.tokens))!r}")
     by_text = one(stop=[piece])
     assert list(by_text.tokens) == list(first.tokens[: k + 1]) and by_text.stop_reason == "stop"
+
+
+def test_tinker_cookbook_supervised_driver(server, tmp_path):
+    """tinker-cookbook 0.5.8's supervised.train, unmodified, trains through this server: the base model named by its
+    folder (the cookbook loads its tokenizer from the name), a local dataset, checkpoints every 4 steps; its
+    logged train NLL falls and its final checkpoints are the server's."""
+    import json
+
+    from cookbook_support import cookbook_site
+
+    site = cookbook_site()
+    log = tmp_path / "cookbook"
+    env = {**os.environ, "TINKER_API_KEY": KEY, "PYTHONPATH": str(site), "TRITON_INTERPRET": "0"}
+    run = subprocess.run([sys.executable, str(Path(__file__).parent / "cookbook_driver.py"), server[0],
+                          str(server[2] / "tiny"), str(log)], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    nll = [json.loads(line)["train_mean_nll"] for line in (log / "metrics.jsonl").read_text().splitlines()
+           if "train_mean_nll" in line]
+    assert len(nll) == 8 and nll[-1] < 0.8 * nll[0], nll
+    final = [json.loads(line) for line in (log / "checkpoints.jsonl").read_text().splitlines()][-1]
+    model_id, _, name = final["state_path"].removeprefix("tinker://").split("/")
+    assert (server[2] / "out" / model_id / "weights" / name / "optimizer.safetensors").is_file()
+    assert final["sampler_path"].endswith(f"/sampler_weights/{name}")
