@@ -275,11 +275,30 @@ def test_a_rollout_fn_that_rewrites_history_fails_with_a_reason():
                for s in batch.samples)
 
 
-def test_a_sync_rollout_fn_is_refused_before_any_work():
-    def agent(client, row):
+def sync_two_turn_agent(client, row):
+    # the seeds' plain def: client.chat blocks in this worker thread while the rollout's trio loop generates
+    reply = client.chat([{"role": "user", "content": row["prompt"]}])
+    reply2 = client.chat([{"role": "user", "content": row["prompt"]}, reply, {"role": "user", "content": "sure?"}])
+    return 1.0 if reply2["content"] == row["answer"] else 0.0
+
+
+def test_a_plain_def_rollout_fn_drives_the_same_episode_from_a_thread():
+    script = lambda text: "1" if "sure?" in text else "0"  # noqa: E731
+    cfg = RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=2, max_new_tokens=8, rollout_fn=two_turn_agent)
+    want, _ = one_batch([Scripted(script)], cfg, arithmetic_buffer(1))
+    cfg = RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=2, max_new_tokens=8, rollout_fn=sync_two_turn_agent)
+    got, _ = one_batch([Scripted(script)], cfg, arithmetic_buffer(1))
+    for a, b in zip(got.samples, want.samples, strict=True):
+        assert a.status == b.status == Status.COMPLETED and a.reward == b.reward == 1.0
+        assert list(a.tokens) == list(b.tokens) and list(a.loss_mask) == list(b.loss_mask)
+        assert a.metadata["turns"] == 2
+
+
+def test_a_rollout_fn_that_cannot_take_client_and_row_is_refused_before_any_work():
+    def agent(row):
         return 1.0
 
-    with pytest.raises(ValueError, match="must be an async function"):
+    with pytest.raises(ValueError, match=r"must take \(client, row\)"):
         AsyncRolloutManager([Scripted(str)], RolloutConfig(rollout_fn=agent), tokenizer=TOK, check_health=False)
 
 

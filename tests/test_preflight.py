@@ -61,12 +61,12 @@ def finished_run(out: Path) -> dict[str, bytes]:
     ('rl.rollout.env="no_such_module.py:Guess"', "[rl.rollout] env 'no_such_module.py:Guess': cannot import"),
     ("rl.rollout.tools=no_such_module:calc", "[rl.rollout] tools: 'no_such_module:calc': cannot import"),
     ('rl.rollout.rollout_fn="no_such_module:agent"', "[rl.rollout] rollout_fn 'no_such_module:agent': cannot import"),
-    ('rl.rollout.rollout_fn="trainer.rollout.rewards:arithmetic_reward"', "must be an async function"),
+    ('rl.rollout.rollout_fn="trainer.rollout.rewards:arithmetic_reward"', "must take (client, row)"),
     ('rl.rollout.dynamic_filters=["check_reward_nonzero_stdd"]',
      "[rl.rollout] dynamic_filters: unknown filter 'check_reward_nonzero_stdd'"),
     ('rl.rollout.dynamic_filters=["no_such_module:keep"]', "dynamic_filters: 'no_such_module:keep': cannot import"),
     ('rl.rollout.tool_parser="no_such_module:parse"', "tool_parser (built-in: ['hermes']) 'no_such_module:parse'"),
-], ids=["env", "tools", "rollout_fn", "sync-rollout_fn", "filter", "filter-module", "tool_parser"])
+], ids=["env", "tools", "rollout_fn", "rollout_fn-signature", "filter", "filter-module", "tool_parser"])
 def test_a_typo_in_a_rollout_function_leaves_the_previous_run_as_it_was(tmp_path, capsys, monkeypatch, override,
                                                                         named):
     import trainer.cli as cli

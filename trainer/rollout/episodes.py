@@ -270,17 +270,55 @@ def env_driver(factory: Callable[[], Any], timeout_s: float | None = None) -> Dr
     return drive
 
 
+class ThreadClient:
+    """What a plain `def fn(client, row)` rollout function gets: the episode's `chat` as a blocking call, run on
+    the rollout's trio loop from the function's worker thread (trio.from_thread), and its read-only state."""
+
+    def __init__(self, episode: Episode) -> None:
+        self._episode = episode
+
+    def chat(self, messages: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        return trio.from_thread.run(self._episode.chat, messages)
+
+    @property
+    def row(self) -> dict[str, Any]:
+        return self._episode.row
+
+    @property
+    def messages(self) -> list[dict]:
+        return list(self._episode.messages)
+
+
 def fn_driver(fn: Callable[..., Any]) -> Driver:
-    """A user's agent: `async def fn(client, row)` drives the episode through `client.chat(messages)` and returns
-    its reward (a number, {"reward", "correct"}) or None (the run's reward function scores the final sample)."""
-    if not inspect.iscoroutinefunction(fn):
-        raise ValueError(f"[rl.rollout] rollout_fn {getattr(fn, '__name__', fn)!r} must be an async function "
-                         f"`async def fn(client, row)` (it awaits client.chat(messages))")
+    """A user's agent: `async def fn(client, row)` drives the episode through `await client.chat(messages)` and
+    returns its reward (a number, {"reward", "correct"}) or None (the run's reward function scores the final
+    sample). A plain `def fn(client, row)` (the seeds accept either) runs in a worker thread of its own, where
+    `client.chat(messages)` blocks (ThreadClient); a cancelled episode (Ctrl-C) abandons the thread, whose next
+    `chat` then raises."""
+    try:
+        inspect.signature(fn).bind(None, None)
+    except TypeError as e:
+        raise ValueError(f"[rl.rollout] rollout_fn {getattr(fn, '__name__', fn)!r} must take (client, row): "
+                         f"`async def fn(client, row)` or a plain `def fn(client, row)` ({e})") from e
+    except ValueError:  # no signature to read (a builtin): it is called as it is
+        pass
+    if inspect.iscoroutinefunction(fn):
+        async def drive(episode: Episode, sample: Sample) -> Any:
+            return await fn(episode, episode.row)
 
-    async def drive(episode: Episode, sample: Sample) -> Any:
-        return await fn(episode, episode.row)
+        return drive
 
-    return drive
+    async def drive_in_thread(episode: Episode, sample: Sample) -> Any:
+        await enter_user_code()
+        client = ThreadClient(episode)
+        value = await trio.to_thread.run_sync(fn, client, client.row, abandon_on_cancel=True,
+                                              limiter=trio.CapacityLimiter(1))  # one thread an episode
+        if inspect.isawaitable(value):
+            raise ValueError(f"[rl.rollout] rollout_fn {getattr(fn, '__name__', fn)!r} returned an awaitable from a "
+                             f"plain def; make it `async def` (then it awaits client.chat) or return the reward")
+        return value
+
+    return drive_in_thread
 
 
 def build_driver(config: Any) -> tuple[Driver | None, tuple[Callable, ...]]:
