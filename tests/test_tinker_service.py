@@ -83,6 +83,10 @@ def test_lora_client_and_capabilities(server, service):
     client = service.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
     info = client.get_info()
     assert info.lora_rank == 4 and info.model_data.model_name == "tiny"
+    from transformers import AutoTokenizer
+
+    # get_info's tokenizer_id is the base model's folder: the SDK loads its tokenizer from there
+    assert client.get_tokenizer().get_vocab() == AutoTokenizer.from_pretrained(server[2] / "tiny").get_vocab()
     assert httpx.get(f"{server[0]}/api/v1/healthz").status_code == 401  # the key is required on every route
 
 
@@ -299,3 +303,15 @@ def test_tinker_cookbook_supervised_driver(server, tmp_path):
     model_id, _, name = final["state_path"].removeprefix("tinker://").split("/")
     assert (server[2] / "out" / model_id / "weights" / name / "optimizer.safetensors").is_file()
     assert final["sampler_path"].endswith(f"/sampler_weights/{name}")
+
+
+def test_unload_model(server, service):
+    """unload_model frees the client's adapter; the id is unknown afterwards (a 404 naming it)."""
+    client = service.create_lora_training_client(base_model="tiny", rank=4, seed=12).result()
+    headers = {"X-API-Key": KEY}
+    rid = httpx.post(f"{server[0]}/api/v1/unload_model", json={"model_id": client.model_id},
+                     headers=headers).json()["request_id"]
+    done = httpx.post(f"{server[0]}/api/v1/retrieve_future", json={"request_id": rid}, headers=headers).json()
+    assert done["model_id"] == client.model_id
+    r = httpx.post(f"{server[0]}/api/v1/get_info", json={"model_id": client.model_id}, headers=headers)
+    assert r.status_code == 404 and client.model_id in r.json()["error"]
