@@ -61,7 +61,7 @@ def perturb(model, seed):
 def test_server_info_advertises_the_bucketed_extension(engines):
     a, _ = engines
     info = trio.run(SGLangEngine(a.url).get_server_info)
-    assert info["weight_update_formats"] == ["direct", "flattened_bucket"] and info["tp_size"] == 1
+    assert info["weight_update_formats"] == ["direct", "flattened_bucket", "lora_adapter"] and info["tp_size"] == 1
     assert trio.run(SGLangEngine(a.url, extensions=False).weight_formats) == ("direct",)
     assert trio.run(SGLangEngine(a.url, tp_size=4).world_size) == 4
 

@@ -273,11 +273,15 @@ class DecodeBatch:
         length = self.cache.length - first if length is None else length
         self.cache = self.cache.rebuilt(rows_capacity, first, length, _capacity(length, self._limit(length, new)))
 
+    def _adapted(self, rows: Sequence[Row]) -> bool:
+        """Whether any of `rows` has an adapter (an engine that never loaded one skips the scan)."""
+        return self.adapters is not None and bool(self.adapters.stacks) and any(r.adapter for r in rows)
+
     @contextlib.contextmanager
     def _adapter_rows(self, slots: torch.Tensor, rows: Sequence[Row]):
         """The forward inside sees each row's adapter slot (`slots` [N], one per row of its input); a forward of
         base rows only leaves the adapters' hooks idle."""
-        if self.adapters is None or not any(r.adapter for r in rows):
+        if not self._adapted(rows):
             yield
             return
         self.adapters.rows = slots
@@ -297,7 +301,7 @@ class DecodeBatch:
         rows = [a.row for a in self.rows]
         # Rows with an adapter decode eagerly: a compiled forward does not see hooks added after it was compiled
         # (torch._dynamo's skip_nnmodule_hook_guards), and the adapters' hooks come and go with loads.
-        decode = self.model.forward if self.adapters is not None and any(r.adapter for r in rows) else self.decode_fn
+        decode = self.model.forward if self._adapted(rows) else self.decode_fn
         with self._adapter_rows(self.slots, rows):
             logits = decode(input_ids=self.last[:, None], attention_mask=mask, position_ids=self.pos[:, None],
                             past_key_values=self.cache, use_cache=True).logits[:, -1].float()
