@@ -315,3 +315,11 @@ def test_unload_model(server, service):
     assert done["model_id"] == client.model_id
     r = httpx.post(f"{server[0]}/api/v1/get_info", json={"model_id": client.model_id}, headers=headers)
     assert r.status_code == 404 and client.model_id in r.json()["error"]
+
+
+def test_malformed_bodies_are_400s(server):
+    headers = {"X-API-Key": KEY}
+    r = httpx.post(f"{server[0]}/api/v1/forward_backward", content=b"\xff\x00garbage", headers=headers)
+    assert r.status_code == 400 and "ForwardBackwardRequest" in r.json()["error"]
+    r = httpx.post(f"{server[0]}/api/v1/optim_step", json={"seq_id": 1}, headers=headers)
+    assert r.status_code == 400 and "model_id" in r.json()["error"]

@@ -133,6 +133,8 @@ def _endpoint(service: Service, fn: Callable, raw: bool) -> Callable:
             return error_response(str(e), e.status)
         except (ValueError, KeyError, TypeError) as e:  # a malformed body: the caller's to fix
             return error_response(f"{request.url.path}: bad request: {type(e).__name__}: {e}", 400)
+        except Exception as e:  # noqa: BLE001 - a server fault, said in the SDK's error shape (it retries 5xx)
+            return error_response(f"{request.url.path}: server error: {type(e).__name__}: {e}", 500, "server")
         return out if isinstance(out, Response) else JSONResponse(out)
     return endpoint
 

@@ -58,8 +58,13 @@ def decode_forward_backward(body: bytes, encoding: str | None) -> tuple[dict, li
         import zstandard
 
         body = zstandard.ZstdDecompressor().decompress(body, max_output_size=1 << 31)
+    from google.protobuf.message import DecodeError
+
     msg = pb.ForwardBackwardRequest()
-    msg.ParseFromString(body)
+    try:
+        msg.ParseFromString(body)
+    except DecodeError as e:
+        raise ValueError(f"the body is not a tinker ForwardBackwardRequest (application/x-protobuf): {e}") from e
     config: dict = {k: float(v) for k, v in msg.loss_fn_config.items()}
     for k, v in msg.loss_fn_config_v2.items():
         config[k] = v.text if v.WhichOneof("value") == "text" else float(v.number)
