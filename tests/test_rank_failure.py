@@ -65,6 +65,7 @@ class NoSync:
     """Stands in for the weight-sync sender: the fake engine has no weights to receive."""
 
     weight_version = 0
+    last_sync_bytes = 0  # what the RL loop logs as sync/bytes
 
     def sync(self, weight_version: int) -> None:
         self.weight_version = weight_version
