@@ -114,12 +114,8 @@ async def create_model(service: Service, body: dict) -> dict:
 def _info(record: TrainingModel) -> dict:
     return {"type": "get_info", "model_id": record.model_id, "is_lora": True, "lora_rank": record.spec.rank,
             "model_name": record.base_name,
-            "model_data": {"model_name": record.base_name, "tokenizer_id": service_path(record),
-                           "arch": record.backend.base.model.config.model_type}}
-
-
-def service_path(record: TrainingModel) -> str:
-    return record.backend.base.path
+            "model_data": {"model_name": record.base_name, "tokenizer_id": record.backend.base.path,
+                           "arch": record.backend.base.model.config.model_type}}  # tokenizer_id: the SDK loads it
 
 
 async def get_info(service: Service, body: dict) -> dict:
