@@ -2,19 +2,23 @@
 shapes of the answers (chat completions, completions, their SSE chunks, the model list, errors).
 
 No server and no engine here: the recording gateway (trainer/rollout/gateway.py) serves these shapes in front of any
-`engines.protocol.InferenceEngine`, and an engine's own server may serve them too (this module imports nothing of
-trainer/). A request that OpenAI's API accepts but this project cannot honour exactly (a field it does not know,
-`top_logprobs`, a forced `tool_choice`) is refused with a `WireError` naming the field: silently ignoring it would
-hand an agent answers it did not ask for.
+`engines.protocol.InferenceEngine`, and the embedded engine's own server serves them too
+(engines/embedded/openai_routes.py); this module imports nothing of trainer/. Both shape an engine completion into
+an answer with `chat_choice` / `completion_choice` and `chat_answer` / `completion_answer`.
+
+A request that OpenAI's API accepts but this project cannot honour exactly (a field it does not know, `top_logprobs`,
+a forced `tool_choice`) is refused with a `WireError` naming the field: silently ignoring it would hand an agent
+answers it did not ask for.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -281,6 +285,31 @@ def same_assistant_turn(sent: Mapping[str, Any], returned: Mapping[str, Any]) ->
     return (sent.get("content") or "") == (returned.get("content") or "") and calls(sent) == calls(returned)
 
 
+def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] = ()
+                ) -> list[int]:
+    """The token ids of a chat request's opening: its messages through the chat template (OpenAI's messages made
+    template-ready by `template_messages`, the tool schemas given to the template), up to the assistant's
+    generation prompt."""
+    out = tokenizer.apply_chat_template(template_messages(messages), tools=[dict(t) for t in tools] or None,
+                                        add_generation_prompt=True, tokenize=True, return_dict=True)
+    return list(out["input_ids"])
+
+
+def end_of_turn_ids(tokenizer: Any) -> list[int]:
+    """The special token the chat template closes an assistant turn with ([] when it writes none): a chat answer
+    ends there (`<|im_end|>` for Qwen, `<|eot_id|>` for Llama 3), whether or not it is the tokenizer's eos."""
+    marker = "x7q"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "1"}, {"role": "assistant", "content": marker}],
+                                         tokenize=False)
+    tail = text[text.rindex(marker) + len(marker):]
+    special = set(getattr(tokenizer, "all_special_ids", ()))
+    special |= {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)}
+    for t in tokenizer(tail, add_special_tokens=False)["input_ids"]:
+        if t in special:
+            return [int(t)]
+    return []
+
+
 def cut_at_stop(decode: Any, ids: Sequence[int], stops: Sequence[str]) -> tuple[int, str] | None:
     """Where the first of the `stops` strings appears in the text of `ids`: (tokens to keep: the fewest whose text
     holds it, the text before it), or None. `decode(ids) -> str`. The kept tokens are a prefix of the engine's, so
@@ -293,6 +322,102 @@ def cut_at_stop(decode: Any, ids: Sequence[int], stops: Sequence[str]) -> tuple[
         if hits:
             return k, text[:min(hits)]
     return None
+
+
+def _text(tokenizer: Any, ids: Sequence[int]) -> str:
+    return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def cut_completion(tokenizer: Any, ids: Sequence[int], finish_reason: str,
+                   stop: Sequence[str]) -> tuple[int, str, str]:
+    """(tokens kept, their text, finish reason) of an engine completion under the request's stop strings: cut after
+    the fewest tokens that hold a stop string (finish "stop"), else all of it with the engine's reason."""
+    hit = cut_at_stop(functools.partial(_text, tokenizer), ids, stop)
+    if hit is not None:
+        return hit[0], hit[1], "stop"
+    return len(ids), _text(tokenizer, ids), finish_reason
+
+
+def stream_pieces(tokenizer: Any, ids: Sequence[int], keep: int, text: str) -> list[str]:
+    """`text` (the answer of the first `keep` tokens of `ids`) cut at token boundaries: a stream's content deltas,
+    one per kept token, summing to `text`."""
+    pieces, before = [], ""
+    for k in range(1, keep + 1):
+        now = _text(tokenizer, ids[:k])[:len(text)]
+        pieces.append(now[len(before):])
+        before = now
+    if "".join(pieces) != text:  # a stop string cut inside a token's text: the rest in the last piece
+        pieces = pieces[:-1] + [text[len("".join(pieces[:-1])):]]
+    return pieces
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapedChoice:
+    """One engine completion as an answer's choice. `keep`: how many of its tokens the answer holds (a stop string
+    cuts the rest: a prefix, so its log-probs stay the engine's); `choice`: OpenAI's choice object; `pieces`: its
+    stream's content deltas ([] when not streaming); `tool_calls`: the calls the model wrote, unreadable ones
+    included."""
+
+    keep: int
+    choice: dict
+    pieces: tuple[str, ...] = ()
+    tool_calls: int = 0
+
+
+def chat_choice(index: int, ids: Sequence[int], logprobs: Sequence[float], finish_reason: str, req: ChatRequest, *,
+                tokenizer: Any, parse: Callable[[str], Any]) -> ShapedChoice:
+    """A chat choice from an engine completion (`ids`, their `logprobs`, its finish reason): cut at the request's
+    stop strings; with `tools` (and tool_choice "auto"), a finished turn's text read by `parse` (text ->
+    engines.tool_calls.ParsedTurn): readable calls become `tool_calls` (finish "tool_calls"); a turn with an
+    unreadable call keeps its raw text, so the agent sees what went wrong."""
+    keep, text, finish = cut_completion(tokenizer, ids, finish_reason, req.sampling.stop)
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    pieces = stream_pieces(tokenizer, ids, keep, text) if req.sampling.stream else []
+    written = 0
+    if req.tools and req.parse_tools and finish == "stop":
+        turn = parse(text)
+        written = len(turn.calls) + len(turn.errors)
+        if turn.calls and not turn.errors:
+            message = {"role": "assistant", "content": turn.content or None,
+                       "tool_calls": tool_call_entries(turn.calls)}
+            finish = "tool_calls"
+            pieces = [turn.content] if turn.content and req.sampling.stream else []
+    lps = None
+    if req.sampling.logprobs:
+        tokens = [tokenizer.decode([t]) for t in ids[:keep]]
+        lps = {"content": logprob_entries(tokens, logprobs[:keep]), "refusal": None}
+    return ShapedChoice(keep, {"index": index, "message": message, "finish_reason": finish, "logprobs": lps},
+                        tuple(pieces), written)
+
+
+def completion_choice(index: int, ids: Sequence[int], logprobs: Sequence[float], finish_reason: str,
+                      req: CompletionRequest, *, tokenizer: Any) -> ShapedChoice:
+    """A text_completion choice from an engine completion, cut at the request's stop strings."""
+    keep, text, finish = cut_completion(tokenizer, ids, finish_reason, req.sampling.stop)
+    lps = None
+    if req.sampling.logprobs:
+        lps = {"tokens": [tokenizer.decode([t]) for t in ids[:keep]],
+               "token_logprobs": [float(x) for x in logprobs[:keep]], "top_logprobs": None, "text_offset": None}
+    return ShapedChoice(keep, {"index": index, "text": text, "finish_reason": finish, "logprobs": lps})
+
+
+def chat_answer(model: str, shaped: Sequence[ShapedChoice], prompt_tokens: int,
+                sampling: SamplingRequest) -> tuple[dict[str, Any], list[str]]:
+    """(the chat.completion, its SSE events when the request streams, else [])."""
+    response = chat_response(model, [c.choice for c in shaped], prompt_tokens, sum(c.keep for c in shaped))
+    if not sampling.stream:
+        return response, []
+    return response, list(chat_chunks(response, [list(c.pieces) for c in shaped],
+                                      include_usage=sampling.include_usage))
+
+
+def completion_answer(model: str, shaped: Sequence[ShapedChoice], prompt_tokens: int,
+                      sampling: SamplingRequest) -> tuple[dict[str, Any], list[str]]:
+    """(the text_completion, its SSE events when the request streams, else [])."""
+    response = completion_response(model, [c.choice for c in shaped], prompt_tokens, sum(c.keep for c in shaped))
+    if not sampling.stream:
+        return response, []
+    return response, list(completion_chunks(response, include_usage=sampling.include_usage))
 
 
 # ----------------------------------------------------------------------------------------------- answers

@@ -41,16 +41,13 @@ from engines.openai_wire import (
     ChatRequest,
     CompletionRequest,
     WireError,
-    chat_chunks,
-    chat_response,
-    completion_chunks,
-    completion_response,
-    cut_at_stop,
-    logprob_entries,
+    chat_answer,
+    chat_choice,
+    completion_answer,
+    completion_choice,
     models_response,
     parse_chat_request,
     parse_completion_request,
-    tool_call_entries,
 )
 from engines.protocol import Completion, EngineError
 from trainer.rollout.blocking import BlockedCallTimeout, enter_user_code
@@ -213,59 +210,21 @@ class Gateway:
             rec.truncated_by = rec.truncated_by or ("context" if budget < rec.max_new_tokens else "length")
         return outs
 
-    def _text(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def _cut(self, out: Completion, stop: tuple[str, ...]) -> tuple[int, str, str]:
-        """(tokens kept, text, finish reason) of a completion under the request's stop strings."""
-        ids = list(out.output_ids)
-        hit = cut_at_stop(self._text, ids, stop)
-        if hit is not None:
-            return hit[0], hit[1], "stop"
-        return len(ids), self._text(ids), out.finish_reason
-
-    def _pieces(self, ids: list[int], keep: int, text: str) -> list[str]:
-        """`text` cut at token boundaries (a stream's content deltas): one piece per kept token."""
-        pieces, before = [], ""
-        for k in range(1, keep + 1):
-            now = self._text(ids[:k])[:len(text)]
-            pieces.append(now[len(before):])
-            before = now
-        if "".join(pieces) != text:  # a stop string cut inside a token's text: the rest in the last piece
-            pieces = pieces[:-1] + [text[len("".join(pieces[:-1])):]]
-        return pieces
-
     async def answer_chat(self, key: str, req: ChatRequest) -> tuple[dict, list[str]]:
         """The chat.completion for `req` in episode `key` (and its SSE chunks), every choice recorded."""
         episode = self._episode(key)
         rec = episode.recorder
         parent, prompt = rec.chat_prompt(req.messages, req.tools)
         outs = await self._complete(episode, prompt, req.sampling.n, req.sampling.max_tokens)
-        choices, pieces, generated = [], [], 0
+        shaped = []
         for i, out in enumerate(outs):
-            keep, text, finish = self._cut(out, req.sampling.stop)
-            ids = list(out.output_ids)
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            pieces.append(self._pieces(ids, keep, text) if req.sampling.stream else [])
-            if req.tools and req.parse_tools and finish == "stop":
-                turn = self.parse(text)
-                rec.tool_calls += len(turn.calls) + len(turn.errors)
-                if turn.calls and not turn.errors:  # else the text as it is: the agent sees what went wrong
-                    message = {"role": "assistant", "content": turn.content or None,
-                               "tool_calls": tool_call_entries(turn.calls)}
-                    finish, pieces[-1] = "tool_calls", [turn.content] if turn.content else []
-            rec.record(parent, prompt, out, keep, messages=tuple(req.messages),
-                       tools=tuple(Schema(t) for t in req.tools), reply=message)
-            generated += keep
-            lps = None
-            if req.sampling.logprobs:
-                tokens = [self.tokenizer.decode([t]) for t in ids[:keep]]
-                lps = {"content": logprob_entries(tokens, out.logprobs[:keep]), "refusal": None}
-            choices.append({"index": i, "message": message, "finish_reason": finish, "logprobs": lps})
-        response = chat_response(self.model, choices, len(prompt.tokens), generated)
-        chunks = list(chat_chunks(response, pieces, include_usage=req.sampling.include_usage)) \
-            if req.sampling.stream else []
-        return response, chunks
+            c = chat_choice(i, out.output_ids, out.logprobs, out.finish_reason, req, tokenizer=self.tokenizer,
+                            parse=self.parse)
+            rec.tool_calls += c.tool_calls
+            rec.record(parent, prompt, out, c.keep, messages=tuple(req.messages),
+                       tools=tuple(Schema(t) for t in req.tools), reply=c.choice["message"])
+            shaped.append(c)
+        return chat_answer(self.model, shaped, len(prompt.tokens), req.sampling)
 
     async def answer_completion(self, key: str, req: CompletionRequest) -> tuple[dict, list[str]]:
         """The text_completion for `req` in episode `key` (and its SSE chunks), every choice recorded."""
@@ -274,21 +233,13 @@ class Gateway:
         parent, prompt = rec.completion_prompt(req.prompt)
         outs = await self._complete(episode, prompt, req.sampling.n, req.sampling.max_tokens)
         prompt_text = req.prompt if isinstance(req.prompt, str) else None
-        choices, generated = [], 0
+        shaped = []
         for i, out in enumerate(outs):
-            keep, text, finish = self._cut(out, req.sampling.stop)
-            rec.record(parent, prompt, out, keep, text=None if prompt_text is None else prompt_text + text)
-            generated += keep
-            lps = None
-            if req.sampling.logprobs:
-                tokens = [self.tokenizer.decode([t]) for t in out.output_ids[:keep]]
-                lps = {"tokens": tokens, "token_logprobs": [float(x) for x in out.logprobs[:keep]],
-                       "top_logprobs": None, "text_offset": None}
-            choices.append({"index": i, "text": text, "finish_reason": finish, "logprobs": lps})
-        response = completion_response(self.model, choices, len(prompt.tokens), generated)
-        chunks = list(completion_chunks(response, include_usage=req.sampling.include_usage)) \
-            if req.sampling.stream else []
-        return response, chunks
+            c = completion_choice(i, out.output_ids, out.logprobs, out.finish_reason, req, tokenizer=self.tokenizer)
+            rec.record(parent, prompt, out, c.keep,
+                       text=None if prompt_text is None else prompt_text + c.choice["text"])
+            shaped.append(c)
+        return completion_answer(self.model, shaped, len(prompt.tokens), req.sampling)
 
 
 # ----------------------------------------------------------------------------------------------- the agent

@@ -15,6 +15,7 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from engines.openai_wire import end_of_turn_ids  # the chat template's end-of-turn token (engines/ use it too)
 from trainer.rollout.loading import load_callable
 from trainer.types import RolloutBatch, Sample, Status
 
@@ -139,20 +140,6 @@ def pad_token_id(tokenizer: Any) -> int:
             return int(pad)
     raise ValueError(f"tokenizer {type(tokenizer).__name__}: has neither a pad nor an eos token, so packed batches "
                      f"have nothing to pad with; set tokenizer.pad_token (e.g. to an unused special token)")
-
-
-def end_of_turn_ids(tokenizer: Any) -> list[int]:
-    """The special token the chat template closes an assistant turn with ([] when it writes none)."""
-    marker = "x7q"
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "1"}, {"role": "assistant", "content": marker}],
-                                         tokenize=False)
-    tail = text[text.rindex(marker) + len(marker):]
-    special = set(getattr(tokenizer, "all_special_ids", ()))
-    special |= {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)}
-    for t in tokenizer(tail, add_special_tokens=False)["input_ids"]:
-        if t in special:
-            return [int(t)]
-    return []
 
 
 def _mean(xs: Sequence[float]) -> float:

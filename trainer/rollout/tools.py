@@ -4,10 +4,11 @@ A tool is a plain Python function (sync or async) with type hints and a docstrin
 its JSON schema is what transformers' `get_json_schema` makes of it, and the chat template gets the functions
 themselves (`apply_chat_template(..., tools=...)`), as transformers documents.
 
-Parsers read the text of one assistant turn (decoded for reading only: the trained tokens are the engine's) and
-return a `ParsedTurn`: the content before the first call, the calls, and the calls that could not be read. The
-built-in one is the Qwen2.5 / Hermes format, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; any
-function `text -> ParsedTurn` can replace it (`[rl.rollout] tool_parser = "module:function"`).
+Parsers (engines/tool_calls.py: the OpenAI routes of the engines use them too) read the text of one assistant turn
+(decoded for reading only: the trained tokens are the engine's) and return a `ParsedTurn`: the content before the
+first call, the calls, and the calls that could not be read. The built-in one is the Qwen2.5 / Hermes format,
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; any function `text -> ParsedTurn` can replace it
+(`[rl.rollout] tool_parser = "module:function"`).
 
 `ToolEnv` is an environment like any user's (trainer.rollout.episodes): `reset` opens with the prompt as a user
 turn, `step` runs the assistant's calls (each with a timeout) and answers with one `tool` message per call; a
@@ -17,63 +18,14 @@ answered with an error message (the model can recover) and counted in `info["too
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from engines.tool_calls import ParsedTurn, parse_hermes
 from trainer.rollout.blocking import BlockedCallTimeout, run_bounded
 from trainer.rollout.loading import load_callable
-
-
-@dataclasses.dataclass(frozen=True)
-class ParsedTurn:
-    """One assistant turn read for its tool calls: `calls` are OpenAI-style {"type": "function", "function":
-    {"name", "arguments": dict}}; `errors` describe the calls that could not be read."""
-
-    content: str
-    calls: tuple[dict, ...] = ()
-    errors: tuple[str, ...] = ()
-
-    def message(self) -> dict[str, Any]:
-        """The assistant message an environment's `step` receives."""
-        msg: dict[str, Any] = {"role": "assistant", "content": self.content}
-        if self.calls:
-            msg["tool_calls"] = [dict(c) for c in self.calls]
-        if self.errors:
-            msg["tool_call_errors"] = list(self.errors)
-        return msg
-
-
-_HERMES = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
-
-
-def parse_hermes(text: str) -> ParsedTurn:
-    """Qwen2.5 / Hermes tool calls: each `<tool_call>{"name": str, "arguments": object}</tool_call>` (arguments may
-    also be a JSON string, as OpenAI sends them). An unclosed tag or malformed JSON is an error, not a call."""
-    calls, errors = [], []
-    first = text.find("<tool_call>")
-    content = text if first < 0 else text[:first]
-    for m in _HERMES.finditer(text):
-        body = m.group(1).strip()
-        if not m.group(2):
-            errors.append(f"unclosed <tool_call>: {body[:80]!r}")
-            continue
-        try:
-            call = json.loads(body)
-            name, args = call["name"], call.get("arguments", {})
-            if isinstance(args, str):
-                args = json.loads(args) if args.strip() else {}
-            if not isinstance(name, str) or not isinstance(args, Mapping):
-                raise TypeError("'name' must be a string and 'arguments' an object")
-        except (ValueError, KeyError, TypeError) as e:
-            errors.append(f"malformed tool call {body[:80]!r}: {type(e).__name__}: {e}")
-            continue
-        calls.append({"type": "function", "function": {"name": name, "arguments": dict(args)}})
-    return ParsedTurn(content=content.strip(), calls=tuple(calls), errors=tuple(errors))
-
 
 TOOL_PARSERS: dict[str, Callable[[str], ParsedTurn]] = {"hermes": parse_hermes}
 
