@@ -323,3 +323,33 @@ def test_malformed_bodies_are_400s(server):
     assert r.status_code == 400 and "ForwardBackwardRequest" in r.json()["error"]
     r = httpx.post(f"{server[0]}/api/v1/optim_step", json={"seq_id": 1}, headers=headers)
     assert r.status_code == 400 and "model_id" in r.json()["error"]
+
+
+def test_remote_backend_equals_the_local_one(server):
+    """trainer.backend.remote.TinkerBackend (the TrainingBackend surface over the SDK) gives what the in-process
+    LocalLoraBackend gives on the same batches: a loop written against the surface can train on either."""
+    import torch
+
+    from trainer.backend.protocol import AdamParams, Datum, LocalLoraBackend, LoraBase, LoraSpec
+    from trainer.backend.remote import TinkerBackend
+    from trainer.serve.losses import LOSSES
+
+    spec = LoraSpec(rank=4, seed=13)
+    g = torch.Generator().manual_seed(13)
+    batch = []
+    for n in (6, 9):
+        toks = torch.randint(0, 250, (n + 1,), generator=g)
+        batch.append(Datum(toks[:-1], {"target_tokens": toks[1:], "weights": torch.rand(n, generator=g)}))
+    local = LocalLoraBackend(LoraBase(server[2] / "tiny"), "local", spec, LOSSES, server[2] / "local")
+    remote = TinkerBackend(server[0], "tiny", spec, api_key=KEY)
+    for _ in range(3):
+        outs = []
+        for backend in (local, remote):
+            fb = backend.forward_backward(batch, "cross_entropy")
+            backend.optim_step(AdamParams(learning_rate=1e-2)).result()
+            outs.append(fb.result())
+        assert outs[1].metrics["loss:sum"] == pytest.approx(outs[0].metrics["loss:sum"], rel=1e-5)
+        for a, b in zip(outs[0].outputs, outs[1].outputs):
+            assert (a["logprobs"] - b["logprobs"]).abs().max() <= 1e-5
+    with pytest.raises(NotImplementedError, match="does not send weights"):
+        remote.get_weights()
