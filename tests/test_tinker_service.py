@@ -353,3 +353,21 @@ def test_remote_backend_equals_the_local_one(server):
             assert (a["logprobs"] - b["logprobs"]).abs().max() <= 1e-5
     with pytest.raises(NotImplementedError, match="does not send weights"):
         remote.get_weights()
+
+
+def test_rest_client_lists_runs_and_checkpoints(server, service):
+    client = service.create_lora_training_client(base_model="tiny", rank=4, seed=14).result()
+    state = client.save_state("listed").result().path
+    sampler = client.save_weights_for_sampler("listed").result().path
+    rest = tinker.RestClient(base_url=server[0], api_key=KEY)
+    run = rest.get_training_run_by_tinker_path(state).result()
+    assert run.training_run_id == client.model_id and run.lora_rank == 4 and run.base_model == "tiny"
+    assert {c.tinker_path for c in rest.list_checkpoints(client.model_id).result().checkpoints} == {state, sampler}
+    info = rest.get_weights_info_by_tinker_path(sampler).result()
+    assert info.is_lora and info.lora_rank == 4 and info.base_model == "tiny" and info.train_unembed
+    assert client.model_id in {r.training_run_id for r in rest.list_training_runs(limit=100).result().training_runs}
+    assert state in {c.tinker_path for c in rest.list_user_checkpoints(limit=1000).result().checkpoints}
+    # a saved sampler checkpoint is sampled from its folder (the other way to make a sampling client)
+    from_path = service.create_sampling_client(model_path=sampler).result()
+    assert len(from_path.sample(types.ModelInput.from_ints([1, 2]), 1,
+                                types.SamplingParams(max_tokens=3)).result().sequences) == 1

@@ -336,7 +336,9 @@ async def run_checkpoints(service: Service, body: dict) -> dict:
 
 async def all_checkpoints(service: Service, body: dict) -> dict:
     found = [c for r in service.models.values() for c in r.checkpoints]
-    return {"checkpoints": found, "cursor": {"offset": 0, "limit": len(found), "total_count": len(found)}}
+    limit, offset = int(body.get("limit", 100)), int(body.get("offset", 0))
+    return {"checkpoints": found[offset: offset + limit],
+            "cursor": {"offset": offset, "limit": limit, "total_count": len(found)}}
 
 
 async def weights_info(service: Service, body: dict) -> dict:
