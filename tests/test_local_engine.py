@@ -105,7 +105,7 @@ def test_bad_requests_raise_the_http_errors(local):
 def test_local_engine_declares_its_weight_sync_capabilities(local):
     """One rank, both formats, and a same-device path that reports the tiny model's dtype."""
     assert trio.run(local.world_size) == 1
-    assert trio.run(local.weight_formats) == ("direct", "flattened_bucket")
+    assert trio.run(local.weight_formats) == ("direct", "flattened_bucket", "lora_adapter")
     info = trio.run(local.colocation_info)
     assert info["dtype"] == "float32" and info["device"] == "cpu"
 

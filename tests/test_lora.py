@@ -226,13 +226,24 @@ def test_resume_is_exact_and_the_checkpoint_holds_only_adapters(tmp_path):
         if is_adapter(n):
             assert torch.equal(v, adapters_then[n]), n
 
-    # `python -m trainer export` of it: refused, saying why (it holds no base), nothing written.
-    from trainer.backend.export import export_checkpoint
+    # `python -m trainer export` of it needs the base its adapters sit on, which a LoRA phase records when it
+    # starts (lora_base.json; this checkpoint was saved in Python): without it an error naming it, nothing written.
+    from safetensors.torch import load_file
 
-    load_hf_model(tiny_model_config()).save_pretrained(tmp_path / "base")
-    with pytest.raises(ValueError, match=r"a LoRA checkpoint .* holds the adapters only"):
+    from trainer.backend.checkpoint import export_hf
+    from trainer.backend.export import export_checkpoint, record_lora_base
+
+    load_hf_model(tiny_model_config(), seed=cfg.seed).save_pretrained(tmp_path / "base")
+    with pytest.raises(FileNotFoundError, match=r"lora_base\.json"):
         export_checkpoint(tmp_path / "run", tmp_path / "base", tmp_path / "export")
     assert not (tmp_path / "export").exists()
+    record_lora_base(tmp_path / "run", folder=tmp_path / "base")  # then: the merged model of the step-2 adapters
+    export_checkpoint(tmp_path / "run", tmp_path / "base", tmp_path / "export")
+    again = build_components(tiny_model_config(), cfg)
+    load_checkpoint(again, tmp_path / "run")
+    export_hf(again, tmp_path / "want")
+    got, want = load_file(tmp_path / "export" / "model.safetensors"), load_file(tmp_path / "want" / "model.safetensors")
+    assert got.keys() == want.keys() and all(torch.allclose(got[k], want[k], atol=1e-6) for k in got)
 
     # A LoRA checkpoint into a full run, and a full checkpoint into a LoRA run: named by the phase's LoRA table.
     full = build_components(tiny_model_config(), w.config(str(tmp_path / "run"), compile=False))

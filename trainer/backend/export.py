@@ -194,9 +194,11 @@ def lora_base_model(ckpt: Path, model_folder: Path) -> nn.Module:
     recorded, or the newest checkpoint of the SFT phase it continued from (itself exported as checkpoint_model)."""
     record_path = ckpt.parent.parent / LORA_BASE  # <phase dir>/checkpoints/step_N
     if not record_path.is_file():
-        raise FileNotFoundError(f"{record_path}: a LoRA checkpoint's phase records the base its adapters sit on "
-                                f"there when it starts, and this one is missing (a run of an older tree): export "
-                                f"the merged model from the trained components in Python (export_hf)")
+        raise FileNotFoundError(f"{record_path}: missing; a LoRA phase records there, when it starts through the "
+                                f"CLI, the base its adapters sit on (a checkpoint saved from Python, or by an older "
+                                f"tree, has none): write it with trainer.backend.export.record_lora_base(phase_dir, "
+                                f"folder=<the base's HF folder>), or export the trained components in Python "
+                                f"(export_hf, export_adapter)")
     record = json.loads(record_path.read_text())
     if record.get("base") == "sft":
         sft, sft_meta = _resolve(record["path"])
