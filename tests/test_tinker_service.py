@@ -371,3 +371,31 @@ def test_rest_client_lists_runs_and_checkpoints(server, service):
     from_path = service.create_sampling_client(model_path=sampler).result()
     assert len(from_path.sample(types.ModelInput.from_ints([1, 2]), 1,
                                 types.SamplingParams(max_tokens=3)).result().sequences) == 1
+
+
+@pytest.mark.parametrize("table, match", [
+    ('host = "0.0.0.0"\nmodels = [{name = "m", path = "FOLDER"}]', "no API key is set"),
+    ('models = []', "non-empty list"),
+    ('models = [{name = "m", path = "/nonexistent"}]', "not a Hugging Face folder"),
+    ('prot = 8000\nmodels = [{name = "m", path = "FOLDER"}]', r"unknown keys \['prot'\]"),
+    ('port = 70000\nmodels = [{name = "m", path = "FOLDER"}]', "port"),
+])
+def test_serve_config_errors(tmp_path, table, match):
+    """Bad [serve] tables are refused naming the key (python -m trainer serve prints 'error:' and exits 2)."""
+    from trainer.serve.app import load_serve_config
+
+    (tmp_path / "config.json").write_text("{}")
+    path = tmp_path / "serve.toml"
+    path.write_text("[serve]\n" + table.replace("FOLDER", str(tmp_path)) + "\n")
+    with pytest.raises(ValueError, match=match):
+        load_serve_config(path, environ={})
+    if "API key" in match:  # the same host with a key (from the environment) is accepted
+        assert load_serve_config(path, environ={"RLKERNELS_API_KEY": "tml-k"}).api_key == "tml-k"
+
+
+def test_serve_command_exits_2_on_a_bad_config(tmp_path):
+    from trainer.cli import main
+
+    path = tmp_path / "serve.toml"
+    path.write_text("[serve]\nmodels = []\n")
+    assert main(["serve", "--config", str(path)]) == 2
