@@ -234,6 +234,9 @@ def main(config_path: str) -> int:
     except (ValueError, OSError, tomllib.TOMLDecodeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if cfg.api_key is not None and not cfg.api_key.startswith("tml-"):
+        print("warning: the tinker SDK refuses API keys that do not start with 'tml-': its clients cannot send "
+              "this one", file=sys.stderr)
     return serve(cfg)
 
 
