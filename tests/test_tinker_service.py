@@ -197,6 +197,11 @@ def test_bad_requests_fail_with_the_cause(server, service):
         client.forward_backward([datum([1, 2, 3])], "stable_reinforce").result(timeout=60)
     with pytest.raises(tinker.RequestFailedError, match="unknown base_model 'nope'"):
         service.create_lora_training_client(base_model="nope", rank=4).result(timeout=60)
+    sampler = service.create_sampling_client(base_model="tiny").result()
+    with pytest.raises(tinker.RequestFailedError, match="exceed the model's context of 512"):
+        sampler.sample(types.ModelInput.from_ints([1] * 510), 1, types.SamplingParams(max_tokens=8)).result(60)
+    with pytest.raises(tinker.RequestFailedError, match="outside the vocabulary"):
+        sampler.sample(types.ModelInput.from_ints([1, 999_999]), 1, types.SamplingParams(max_tokens=2)).result(60)
     assert train(client, random_batch(3), 1)  # the client still works after its failed requests
     headers = {"X-API-Key": KEY}
     r = httpx.post(f"{server[0]}/api/v1/no_such_route", json={}, headers=headers)
