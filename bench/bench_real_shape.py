@@ -29,10 +29,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+# the project root (trainer, engines) and bench/ itself (its helpers are top-level modules), whether this runs as a
+# script, is collected by pytest, or is imported as bench.bench_real_shape by tests/test_real_shape.py on its own
+for _path in (ROOT, ROOT / "bench"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
-from _proc import run_with_peak_rss  # noqa: E402  (bench/ is on the path: script or pytest)
+from _proc import run_with_peak_rss  # noqa: E402
 
 CONFIG = ROOT / "configs" / "qwen05b_shape.toml"
 RESULTS = ROOT / "bench" / "results" / "real_shape_cpu.json"
