@@ -404,3 +404,22 @@ def test_serve_command_exits_2_on_a_bad_config(tmp_path):
     path = tmp_path / "serve.toml"
     path.write_text("[serve]\nmodels = []\n")
     assert main(["serve", "--config", str(path)]) == 2
+
+
+def test_samples_of_two_clients_in_flight_together_equal_each_alone(service):
+    """Two clients' samplers (different adapters, one engine) sampled at once give what each gives alone."""
+    samplers = []
+    for seed in (15, 16):
+        client = service.create_lora_training_client(base_model="tiny", rank=4, seed=seed).result()
+        train(client, random_batch(seed), 2, lr=3e-2)
+        samplers.append(client.save_weights_and_get_sampling_client().result())
+    prompt = types.ModelInput.from_ints([4, 5, 6])
+    params = types.SamplingParams(max_tokens=8, seed=21)
+    alone = [s.sample(prompt, 2, params).result() for s in samplers]
+    together = [f.result() for f in [s.sample(prompt, 2, params) for s in samplers]]
+    tokens = [[list(q.tokens) for q in r.sequences] for r in alone]
+    assert tokens[0] != tokens[1]  # two adapters: the same draws give different samples
+    for a, b in zip(alone, together):
+        for qa, qb in zip(a.sequences, b.sequences):
+            assert list(qa.tokens) == list(qb.tokens)
+            assert np.abs(np.asarray(qa.logprobs) - np.asarray(qb.logprobs)).max() <= 1e-5
