@@ -235,7 +235,7 @@ class LoraBase:
         for i, d in enumerate(batch):
             ids[i, : lengths[i]] = d.tokens
             mask[i, : lengths[i]] = 1
-        hidden = self.model.model(input_ids=ids, attention_mask=mask).last_hidden_state  # [B, T, H]
+        hidden = self.model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state  # [B, T, H]
         rows = hidden[mask.bool()]  # [N, H], the rows of every datum in order
         labels = torch.cat([d.loss_inputs["target_tokens"].to(self.device, torch.long) for d in batch])
         head = self.model.get_output_embeddings()
