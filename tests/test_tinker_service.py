@@ -122,6 +122,8 @@ def test_sampler_logprobs_equal_forward_logprobs(service):
         scored = sampler.compute_logprobs(types.ModelInput.from_ints(full)).result()
         assert scored[0] is None
         assert np.abs(np.asarray(scored[1:]) - forward_logprobs(client, [datum(full)])[0]).max() <= 1e-5
+        tail = sampler.compute_logprobs(types.ModelInput.from_ints(full), prompt_logprobs_last_n=3).result()
+        assert tail[:-3] == [None] * (len(full) - 3) and tail[-3:] == scored[-3:]
     assert checked >= 3
     base = service.create_sampling_client(base_model="tiny").result()
     base_lp = base.compute_logprobs(types.ModelInput.from_ints(prompt)).result()

@@ -302,6 +302,9 @@ async def _sample(service: Service, body: dict) -> tuple[str, Any]:
         ids = torch.tensor(prompt, dtype=torch.long)
         lp = await base.submit(lambda: base.score(ids, sampler.spec, sampler.weights)).aresult()
         prompt_lp = [math.nan] + lp.tolist()  # the first token has no context
+        last_n = body.get("prompt_logprobs_last_n")
+        if last_n:  # only the last N scored, the rest None (NaN on the wire), as the SDK documents
+            prompt_lp = [math.nan] * (len(prompt_lp) - int(last_n)) + prompt_lp[-int(last_n):]
     return "proto", wire.encode_sample_response(sequences, prompt_lp)
 
 
