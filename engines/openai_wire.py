@@ -340,14 +340,21 @@ def cut_completion(tokenizer: Any, ids: Sequence[int], finish_reason: str,
 
 def stream_pieces(tokenizer: Any, ids: Sequence[int], keep: int, text: str) -> list[str]:
     """`text` (the answer of the first `keep` tokens of `ids`) cut at token boundaries: a stream's content deltas,
-    one per kept token, summing to `text`."""
-    pieces, before = [], ""
+    one per kept token, summing to `text`. A character whose UTF-8 bytes span several tokens (byte-level
+    tokenizers) decodes to U+FFFD until its last byte: its tokens' pieces stay empty until the character is whole,
+    so a delta never holds a replacement character that the final text does not."""
+    pieces, sent = [], ""
     for k in range(1, keep + 1):
         now = _text(tokenizer, ids[:k])[:len(text)]
-        pieces.append(now[len(before):])
-        before = now
-    if "".join(pieces) != text:  # a stop string cut inside a token's text: the rest in the last piece
-        pieces = pieces[:-1] + [text[len("".join(pieces[:-1])):]]
+        if now.endswith("\ufffd") or not now.startswith(sent):  # an unfinished character: wait for its last byte
+            pieces.append("")
+            continue
+        pieces.append(now[len(sent):])
+        sent = now
+    if pieces and sent != text:  # what is left (a stop string cut inside a token, a last unfinished character)
+        if not text.startswith(sent):  # prefixes that do not decode as the whole does: the text in one piece
+            pieces, sent = [""] * len(pieces), ""
+        pieces[-1] += text[len(sent):]
     return pieces
 
 

@@ -106,3 +106,25 @@ def test_a_stream_is_the_response_in_chunks():
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
     assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
     assert all(c["object"] == "chat.completion.chunk" and c["id"] == response["id"] for c in chunks)
+
+
+def test_stream_pieces_never_split_a_character_across_deltas():
+    """The tiny tokenizer is byte-level: 'é' and '€' are 2 and 3 tokens, each prefix of them decodes to U+FFFD.
+    The deltas hold whole characters only, one piece per token, and sum to the text (also when a stop string cut
+    the text inside a token)."""
+    import random
+
+    from engines.openai_wire import stream_pieces
+    from engines.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    rng = random.Random()
+    text = "".join(rng.choice(["a", "é", "€", "7", " ", "ü"]) for _ in range(12))  # fresh each run
+    ids = tok.encode(text)
+    assert len(ids) > len(text)  # some characters span several tokens
+    pieces = stream_pieces(tok, ids, len(ids), text)
+    assert len(pieces) == len(ids) and "".join(pieces) == text, text
+    assert not any("\ufffd" in p for p in pieces), pieces
+    cut = text[:5]  # a stop string's cut: the kept tokens hold more than the text returned
+    keep = next(k for k in range(1, len(ids) + 1) if tok.decode(ids[:k]).startswith(cut))
+    assert "".join(stream_pieces(tok, ids, keep, cut)) == cut

@@ -16,6 +16,8 @@ extension only to an engine that lists it. Our extensions, all optional: `timeou
 `bucket_nbytes` (see engines/weight_sync/wire.py); `ipc_buckets` in /update_weights_from_tensor (JSON CUDA-IPC handles
 instead of SGLang's pickled tensors: nothing is unpickled from the network); POST /colocated_weights (same-device
 weight sync through the trainer's shared slots: engines/weight_sync/receiver.py `colocated_request`).
+OpenAI's API for the `openai` SDK (engines/embedded/openai_routes.py): POST /v1/chat/completions, /v1/completions,
+GET /v1/models.
 
 Concurrency: one "model thread" runs everything that touches the model (decode steps, weight loads), so a weight
 update never overlaps a forward; group joins run on other threads; the event loop parses and schedules.
@@ -45,6 +47,8 @@ from starlette.routing import Route
 
 from engines.embedded.generation import DecodeBatch, Row, RowResult
 from engines.embedded.lora import AdapterSet, read_peft_folder
+from engines.embedded.openai_routes import openai_routes
+from engines.openai_wire import WireError
 from engines.weight_sync.receiver import (
     WeightReceiver,
     colocated_request,
@@ -655,7 +659,16 @@ def build_app(server: EngineServer, api_key: str | None = None) -> Starlette:
 
         return wrapped
 
-    routes = [Route(path, endpoint(r.handler), methods=list(r.methods)) for path, r in route_handlers(server).items()]
+    handlers = route_handlers(server)
+    routes = [Route(path, endpoint(r.handler), methods=list(r.methods)) for path, r in handlers.items()]
+
+    async def sample(body: dict):  # /generate for the OpenAI routes, its refusals in their error shape
+        try:
+            return await handlers["/generate"].handler(body)
+        except BadRequest as e:
+            raise WireError(str(e), status=e.status) from e
+
+    routes += openai_routes(server, sample)  # /v1/chat/completions, /v1/completions, /v1/models
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
