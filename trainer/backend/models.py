@@ -143,6 +143,16 @@ def check_model_folder(path: str | os.PathLike) -> None:
     _safetensors_files(folder)
 
 
+def _frozen_in_compute_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+    """A LoRA model's frozen base held in the compute dtype (bf16 on CUDA) instead of fp32 masters: half the bytes
+    of the largest part of a LoRA run (issue 38). Nothing changes numerically: mixed precision already casts every
+    parameter to the compute dtype at all-gather, and a frozen weight has no optimizer update to lose precision in.
+    The trained parameters (adapters, a value head, the lm_head with train_unembed) keep their fp32 masters."""
+    for p in model.parameters():
+        if not p.requires_grad:
+            p.data = p.data.to(dtype)
+
+
 def load_hf_model(path_or_config: str | os.PathLike | PretrainedConfig, *, dtype: torch.dtype = torch.float32,
                   device: torch.device | str = "cpu", mesh: DeviceMesh | None = None,
                   parallel: ParallelConfig | None = None, seed: int = 0, value_head: bool = False,
@@ -181,6 +191,8 @@ def load_hf_model(path_or_config: str | os.PathLike | PretrainedConfig, *, dtype
         _init_buffers(model, device)
         return model.eval()
     model.to(dtype)  # on the meta device: the shards materialise in the storage dtype (a bf16 frozen copy)
+    if lora is not None:
+        _frozen_in_compute_dtype(model, compute_dtype(device.type, parallel))
     root = parallelize(model, mesh, parallel)
     root.to_empty(device=device)
     sd = _lora_names(_full_state_dict(config, folder, model, seed, dtype), model, seed, lora)
