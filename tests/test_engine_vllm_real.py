@@ -1,6 +1,7 @@
 """A real vLLM 0.32 (CPU build, `.venv-vllm`) behind `engines.vllm.VLLMEngine`: generation and log-probs against a
-float64 torch forward of the same weights, n samples, abort, pause/resume, weight versions, and a weight sync
-through this project's `rlkernels` weight-transfer back end (a vLLM plugin, gloo on CPU).
+float64 torch forward of the same weights, n samples, abort, pause/resume, weight versions, a weight sync
+through this project's `rlkernels` weight-transfer back end (a vLLM plugin, gloo on CPU), and an `openai`-SDK agent
+trained through the recording gateway (trainer/rollout/gateway.py) in front of this vLLM, token-exact.
 
 One server per module (start-up is about a minute or two on two cores). A missing `.venv-vllm` FAILS with the
 command that builds it: `make test` builds it first, so a skip would only hide a broken install.
