@@ -425,3 +425,22 @@ def test_samples_of_two_clients_in_flight_together_equal_each_alone(service):
         for qa, qb in zip(a.sequences, b.sequences):
             assert list(qa.tokens) == list(qb.tokens)
             assert np.abs(np.asarray(qa.logprobs) - np.asarray(qb.logprobs)).max() <= 1e-5
+
+
+def test_retrieve_futures_reports_a_sampling_sessions_completions(server):
+    """/api/v1/retrieve_futures (the SDK's session poller, off in this server's client config): a sample's request
+    appears once it ended; past the returned cursor nothing until the next one."""
+    headers = {"X-API-Key": KEY}
+    session = httpx.post(f"{server[0]}/api/v1/create_session", headers=headers,
+                         json={"tags": [], "user_metadata": {}, "sdk_version": "raw"}).json()["session_id"]
+    sid = httpx.post(f"{server[0]}/api/v1/create_sampling_session", headers=headers, timeout=60, json={
+        "session_id": session, "sampling_session_seq_id": 0, "base_model": "tiny"}).json()["sampling_session_id"]
+    body = {"sampling_session_id": sid, "seq_id": 1, "num_samples": 1, "sampling_params": {"max_tokens": 2},
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]}}
+    rid = httpx.post(f"{server[0]}/api/v1/asample", json=body, headers=headers).json()["request_id"]
+    poll = {"target": {"type": "sampling_session", "sampling_session_id": sid}, "prev_cursor": 0, "timeout": 20}
+    got = httpx.post(f"{server[0]}/api/v1/retrieve_futures", json=poll, headers=headers, timeout=30).json()
+    assert got["completions"] == [{"state": "finished", "request_id": rid}]
+    again = httpx.post(f"{server[0]}/api/v1/retrieve_futures", headers=headers, timeout=30,
+                       json={**poll, "prev_cursor": got["cursor"], "timeout": 0.2}).json()
+    assert again == {"completions": [], "cursor": got["cursor"]}

@@ -15,6 +15,7 @@ Checkpoints: tinker://<model_id>/weights/<name> (adapter + AdamW state) and tink
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import threading
@@ -112,19 +113,26 @@ class Service:
         self.evicted: set[str] = set()
         self.futures: dict[str, Entry] = {}
         self.seen: dict[tuple, str] = {}  # (owner id, seq_id, route) -> request id: retries run once
+        self.completions: dict[str, list[dict]] = {}  # sampling session -> its ended requests, by cursor
+        self._cursor = itertools.count(1)
+        self.changed = asyncio.Event()
         self._ids = itertools.count(1)
         self._loading = threading.Lock()  # base(), engine(), tokenizer() run in worker threads (asyncio.to_thread)
 
     # -- futures ---------------------------------------------------------------------------------------
-    def submit(self, work: Awaitable[tuple[str, Any]], key: tuple | None = None) -> str:
+    def submit(self, work: Awaitable[tuple[str, Any]], key: tuple | None = None, owner: str | None = None) -> str:
         """A request id for `work` (a coroutine giving (media type, payload)); with a key seen before, the id of
-        the first request with it (the work is dropped unstarted)."""
+        the first request with it (the work is dropped unstarted). owner: a sampling session whose completion
+        log (/api/v1/retrieve_futures) gets this request when it ends."""
         if key is not None and key in self.seen:
             if asyncio.iscoroutine(work):
                 work.close()
             return self.seen[key]
         request_id = f"req-{next(self._ids)}"
-        self.futures[request_id] = Entry(asyncio.ensure_future(work), datetime.now(UTC), key)
+        task = asyncio.ensure_future(work)
+        self.futures[request_id] = Entry(task, datetime.now(UTC), key)
+        if owner is not None:
+            task.add_done_callback(lambda t: self._completed(owner, request_id, t))
         if key is not None:
             self.seen[key] = request_id
         if len(self.futures) > MAX_FUTURES:
@@ -139,6 +147,24 @@ class Service:
             entry = self.futures.pop(rid)
             if entry.key is not None:
                 self.seen.pop(entry.key, None)
+
+    def _completed(self, owner: str, request_id: str, task: asyncio.Future) -> None:
+        failed = task.cancelled() or task.exception() is not None
+        self.completions.setdefault(owner, []).append(
+            {"cursor": next(self._cursor), "request_id": request_id, "state": "failed" if failed else "finished"})
+        self.changed.set()
+        self.changed = asyncio.Event()  # the next completion wakes the next waiters
+
+    async def completions_after(self, owner: str, cursor: int, timeout_s: float) -> tuple[list[dict], int]:
+        """(completions of `owner` after `cursor`, the newest cursor), waiting up to timeout_s for one; the ones
+        at or before `cursor` are seen and dropped."""
+        log = self.completions.setdefault(owner, [])
+        log[:] = [e for e in log if e["cursor"] > cursor]
+        if not log:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), timeout_s)
+            log = self.completions.get(owner, [])
+        return list(log), max((e["cursor"] for e in log), default=cursor)
 
     def fail(self, error: Exception, key: tuple | None = None) -> str:
         async def failed() -> tuple[str, Any]:

@@ -268,7 +268,7 @@ async def asample(service: Service, body: dict) -> dict:
     if key is not None and key in service.seen:
         request_id = service.seen[key]
     else:
-        request_id = service.submit(_sample(service, body), key)
+        request_id = service.submit(_sample(service, body), key, owner=owner)
     n = int(body.get("num_samples", 1))  # the SDK stamps each returned sequence with one of these ids
     return {**_future(request_id), "sample_sequence_ids": [f"{request_id}/{j}" for j in range(n)]}
 
@@ -306,6 +306,16 @@ async def _sample(service: Service, body: dict) -> tuple[str, Any]:
         if last_n:  # only the last N scored, the rest None (NaN on the wire), as the SDK documents
             prompt_lp = [math.nan] * (len(prompt_lp) - int(last_n)) + prompt_lp[-int(last_n):]
     return "proto", wire.encode_sample_response(sequences, prompt_lp)
+
+
+async def retrieve_futures(service: Service, body: dict) -> dict:
+    """The SDK's session poller (used when the client config turns it on): the sampling session's requests that
+    ended after prev_cursor, waiting up to `timeout` (at most 20 s) for one."""
+    target = body.get("target") or {}
+    sampler = service.sampler(target.get("sampling_session_id"))
+    timeout = min(float(body.get("timeout") or 20.0), 20.0)
+    done, cursor = await service.completions_after(sampler.sampler_id, int(body.get("prev_cursor", 0)), timeout)
+    return {"completions": [{"state": e["state"], "request_id": e["request_id"]} for e in done], "cursor": cursor}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -375,6 +385,7 @@ ROUTES = [  # (method, path, handler, raw request)
     ("POST", "/api/v1/create_sampling_session", create_sampling_session, False),
     ("GET", "/api/v1/samplers/{sampler_id}", get_sampler, False),
     ("POST", "/api/v1/asample", asample, False),
+    ("POST", "/api/v1/retrieve_futures", retrieve_futures, False),
     ("GET", "/api/v1/training_runs", training_runs, False),
     ("GET", "/api/v1/training_runs/{model_id}", training_run, False),
     ("GET", "/api/v1/training_runs/{model_id}/checkpoints", run_checkpoints, False),
