@@ -33,6 +33,7 @@ from trainer.serve.losses import LOSSES
 
 MAX_FUTURES = 20_000  # results kept for polling; the oldest finished quarter goes past it
 KEEP_SNAPSHOTS = 4  # in-memory sampler snapshots (engine adapters) per training client
+MAX_COMPLETIONS = 4096  # ended requests a sampling session's completion log keeps for /retrieve_futures
 
 
 class UserError(ValueError):
@@ -149,9 +150,10 @@ class Service:
                 self.seen.pop(entry.key, None)
 
     def _completed(self, owner: str, request_id: str, task: asyncio.Future) -> None:
-        failed = task.cancelled() or task.exception() is not None
-        self.completions.setdefault(owner, []).append(
-            {"cursor": next(self._cursor), "request_id": request_id, "state": "failed" if failed else "finished"})
+        state = "failed" if task.cancelled() or task.exception() is not None else "finished"
+        log = self.completions.setdefault(owner, [])
+        log.append({"cursor": next(self._cursor), "request_id": request_id, "state": state})
+        del log[:-MAX_COMPLETIONS]  # a session nobody polls (the SDK's default here) keeps only the newest
         self.changed.set()
         self.changed = asyncio.Event()  # the next completion wakes the next waiters
 
