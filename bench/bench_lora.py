@@ -20,17 +20,15 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_train_step import _PeakRSS, make_samples  # noqa: E402  (bench/ is on the path)
+from bench_train_step import make_samples, measure  # noqa: E402  (bench/ is on the path)
 
 from trainer.batching.micro_batches import build_micro_batches  # noqa: E402
 from trainer.types import TrainingState  # noqa: E402
@@ -39,7 +37,7 @@ RANK = 16
 # (samples, max response, token budget, bucket): CPU sizes keep a 0.5B step under a minute on 2 cores
 QWEN_CPU = (4, 64, 512, 128)
 QWEN_GPU = (96, 1024, 16384, 512)
-TINY = (16, 64, 512, 64)
+TINY = (4, 32, 256, 64)  # the pytest cases: `make test` runs them once, to keep them from rotting
 
 
 def qwen05b_config():
@@ -104,26 +102,13 @@ def build_side(model_config, lora: bool, sizes, compile_backend: str | None = No
 
 def measure_side(model_config, lora: bool, sizes, repeats: int, device: torch.device) -> dict:
     comp, step, grads, tokens = build_side(model_config, lora, sizes)
-    step()  # warm-up: the optimizer's state exists after the first step
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    times = []
-    with _PeakRSS() as rss:
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            step()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else rss.grown
-    engine_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    timed = measure(step, device, tokens, repeats)  # a warm-up step (the optimizer's state exists after it), then
+    engine_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the median of `repeats`
     params = sum(p.numel() for p in comp.model.parameters())
     trainable = sum(p.numel() for p in comp.model.parameters() if p.requires_grad)
-    return {"step_s": float(np.median(times)), "steps_s": times, "tokens_per_s": tokens / float(np.median(times)),
-            "peak_mb": peak / 2**20, "optimizer_bytes": optimizer_bytes(comp.optimizer),
-            "gradient_bytes": grads[0], "sync_bytes": sync_bytes(comp.model, lora, engine_dtype),
-            "parameters": params, "trainable_parameters": trainable}
+    return {**timed, "optimizer_bytes": optimizer_bytes(comp.optimizer), "gradient_bytes": grads[0],
+            "sync_bytes": sync_bytes(comp.model, lora, engine_dtype), "parameters": params,
+            "trainable_parameters": trainable}
 
 
 def compare(model_config, sizes, repeats: int, device: torch.device) -> dict:
