@@ -444,3 +444,18 @@ def test_retrieve_futures_reports_a_sampling_sessions_completions(server):
     again = httpx.post(f"{server[0]}/api/v1/retrieve_futures", headers=headers, timeout=30,
                        json={**poll, "prev_cursor": got["cursor"], "timeout": 0.2}).json()
     assert again == {"completions": [], "cursor": got["cursor"]}
+
+
+def test_sampling_without_a_session_reuses_one_sampler(server):
+    """asample naming base_model (no sampling session), twice: both answered (protobuf), the seeded samples equal
+    (the server reuses one sampler for such requests instead of making one per request)."""
+    headers = {"X-API-Key": KEY}
+    body = {"base_model": "tiny", "num_samples": 1, "sampling_params": {"max_tokens": 2, "seed": 4},
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]}}
+    done = []
+    for _ in range(2):
+        rid = httpx.post(f"{server[0]}/api/v1/asample", json=body, headers=headers).json()["request_id"]
+        r = httpx.post(f"{server[0]}/api/v1/retrieve_future", json={"request_id": rid}, headers=headers, timeout=60)
+        assert r.headers["content-type"] == "application/x-protobuf"
+        done.append(r.content)
+    assert done[0] == done[1]  # the same seed on the same sampler

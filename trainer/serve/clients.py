@@ -112,6 +112,7 @@ class Service:
         self.models: dict[str, TrainingModel] = {}
         self.samplers: dict[str, Sampler] = {}
         self.evicted: set[str] = set()
+        self.direct: dict[tuple, str] = {}  # (base, checkpoint path, its version) -> sampler of session-less samples
         self.futures: dict[str, Entry] = {}
         self.seen: dict[tuple, str] = {}  # (owner id, seq_id, route) -> request id: retries run once
         self.completions: dict[str, list[dict]] = {}  # sampling session -> its ended requests, by cursor
@@ -296,6 +297,18 @@ class Service:
         await engine.load_adapter_tensors(sampler_id, weights, spec.alpha / spec.rank)
         self.samplers[sampler_id] = Sampler(sampler_id, base_name, model_path, sampler_id, weights, spec)
         return sampler_id
+
+    async def direct_sampler(self, base_name: str | None, model_path: str | None) -> Sampler:
+        """The sampler of an asample that names base_model / model_path instead of a session: one per (base, path,
+        checkpoint file version), reused by later such requests."""
+        stamp = None
+        if model_path is not None:
+            folder, _ = self.checkpoint_folder(model_path)
+            stamp = (folder / "adapter_model.safetensors").stat().st_mtime_ns
+        key = (base_name, model_path, stamp)
+        if key not in self.direct:
+            self.direct[key] = await self.sampler_from_path(base_name, model_path)
+        return self.sampler(self.direct[key])
 
     def sampler(self, sampler_id: str | None) -> Sampler:
         if sampler_id in self.evicted:

@@ -277,7 +277,7 @@ async def _sample(service: Service, body: dict) -> tuple[str, Any]:
     if body.get("sampling_session_id"):
         sampler = service.sampler(body["sampling_session_id"])
     else:
-        sampler = service.sampler(await service.sampler_from_path(body.get("base_model"), body.get("model_path")))
+        sampler = await service.direct_sampler(body.get("base_model"), body.get("model_path"))
     prompt = [int(t) for c in body["prompt"]["chunks"] for t in c.get("tokens", [])]
     base = await asyncio.to_thread(service.base, sampler.base_name)
     bad = [t for t in prompt if not 0 <= t < base.vocab_size]
