@@ -36,8 +36,13 @@ $(VLLM_STAMP): pyproject.toml engines/vllm_ext/pyproject.toml
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
+# The suite on TEST_WORKERS pytest-xdist workers (one torch thread each: conftest.py), a test file at a time on one
+# worker (--dist loadfile), so a module's shared fixture (an engine process, a trained model) is built once. Not
+# loadgroup: under pytest 9.2, xdist 3.8 renames `item._nodeid`, which pytest no longer reads, so its groups are lost.
+# TEST_WORKERS=0 runs the suite in this one process.
+TEST_WORKERS ?= 2
 test: $(STAMP) $(VLLM_STAMP) lint
-	$(BIN)/python -m pytest -q --benchmark-disable -p no:cacheprovider
+	$(BIN)/python -m pytest -q --benchmark-disable -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
 demo: $(STAMP)
 	$(BIN)/python -m trainer demo

@@ -27,6 +27,14 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (`make test` runs `-n 2`) every worker is one of several processes on the machine's cores: each
+# computes on one torch thread, and so do the processes its tests start with this environment (CLI runs, torchrun
+# ranks, engines), or two workers' thread pools oversubscribe the cores and spin against each other. A test that
+# needs another count sets it (and restores it) itself.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+
 
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device; this machine has none")
