@@ -116,6 +116,9 @@ class Completion:
     # (first token index, version) of each run of output tokens one weight version produced: more than one when
     # the engine took new weights while this request ran (an update in flight). () where the engine does not say.
     weight_versions: tuple[tuple[int, int], ...] = ()
+    # Prompt tokens the engine did not prefill: their KV came from its prefix cache (SGLang's meta_info
+    # "cached_tokens"; the embedded engine: engines/embedded/prefix_cache.py). 0 where the engine does not say.
+    cached_tokens: int = 0
 
     @property
     def oldest_version(self) -> int:
@@ -206,3 +209,17 @@ class InferenceEngine(WeightSyncEndpoint, Protocol):
     async def continue_generation(self) -> None: ...
 
     async def flush_cache(self) -> None: ...
+
+    async def aclose(self) -> None:
+        """Close the connections this engine object pooled for the current event loop (HTTP clients are per event
+        loop, so whoever ran requests from a loop calls it before that loop ends); the engine itself keeps running.
+        Nothing to close is a no-op."""
+        ...
+
+
+@runtime_checkable
+class InProcessEngine(InferenceEngine, Protocol):
+    """An engine that lives in the trainer's process (a kind with `in_process` in engines.registry): whoever built
+    it owns it and stops it with `close()` (its model, threads and event loop)."""
+
+    def close(self) -> None: ...

@@ -1,16 +1,21 @@
-"""The one place that builds engine objects: an `EngineSpec` (a run config's engine entry) -> an `InferenceEngine`.
+"""The one place that builds engine objects and says what each kind of engine can do: an `EngineSpec` (a run
+config's engine entry) -> an `InferenceEngine`.
 
 Every engine the project talks to (rollouts, evaluation, weight sync) is built here, from a config entry, by the
-builder its kind names in `ENGINE_KINDS`. Adding an engine kind is one adapter module implementing
-`engines.protocol.InferenceEngine` plus one entry in `ENGINE_KINDS`; the config validation (`EngineSpec`), the CLI
-and the weight sync need no change.
+builder its kind names in `ENGINE_KINDS`. Each `EngineKind` entry also declares the kind's capabilities and owns its
+options: whether its completions report per-token weight versions ([rl] update_in_flight needs that), whether it
+lives in the trainer's process, how the run launches one given without a url, which `EngineSpec` fields it reads
+and how they are checked. Nothing else decides by kind name: adding an engine kind is one adapter module
+implementing `engines.protocol.InferenceEngine` plus one entry in `ENGINE_KINDS`; the config validation
+(`EngineSpec`), the CLI (its checks, the engines it starts, the fleet it builds) and the weight sync need no change.
 
 Kinds:
     "sglang"    a SGLang server at `url` (`engines.sglang.SGLangEngine`; `tp_size` ranks in the weight-update group)
     "vllm"      a vLLM server at `url` with this project's weight-transfer plugin (`engines.vllm.VLLMEngine`;
                 `model`: its served model name, default the model folder)
     "embedded"  this project's embedded engine process, spoken to over SGLang's protocol; an entry without `url`
-                is started by the run (trainer.cli.engines_for), which fills the URL in before it is built
+                is launched by the run (trainer.cli.engines_for, through the kind's `launch`), which fills the URL in
+                before it is built
     "local"     the embedded engine inside this process, no HTTP (`engines.local.LocalEngine`, built from the
                 model folder and the run's seed, on `device`: the trainer's own, so a one-GPU run generates on the
                 GPU in its dtype); the caller owns it and calls its `close()`
@@ -21,22 +26,28 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 from engines.protocol import InferenceEngine
+
+# The EngineSpec fields that belong to some kinds only: a kind lists the ones it reads in `options` or
+# `launch_options`, and a value set on any other kind is an error that names the field and the kinds that read it.
+KIND_OPTIONS = ("model", "device", "cpus")
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineSpec:
-    """One engine of a run's fleet ([engines].fleet entry). Validated on construction; the errors name the field.
+    """One engine of a run's fleet ([engines].fleet entry). Validated on construction (the generic fields here, the
+    kind's own through its ENGINE_KINDS entry); the errors name the field.
 
-    kind: a key of ENGINE_KINDS. url: the server's http(s):// address (None: an "embedded" engine the run starts,
-    or the in-process "local" one). tp_size: the engine's tensor-parallel workers, each one rank of the
-    weight-update group (1 for single-device kinds). model: vLLM's served model name (None: the model folder).
-    api_key: this engine's key, where it differs from [engines].api_key (the run gives each engine it starts its
-    own random key here); kept out of repr so a logged spec never shows it."""
+    kind: a key of ENGINE_KINDS. url: the server's http(s):// address (None: an engine the run launches, or an
+    in-process one). tp_size: the engine's tensor-parallel workers, each one rank of the weight-update group (1 for
+    single-device kinds). model: vLLM's served model name (None: the model folder). api_key: this engine's key,
+    where it differs from [engines].api_key (the run gives each engine it starts its own random key here); kept out
+    of repr so a logged spec never shows it."""
 
     kind: str  # "sglang", "vllm", "embedded" or "local" (a key of ENGINE_KINDS)
-    url: str | None = None  # the server's http(s):// address (None: an "embedded" engine the run starts, or "local")
+    url: str | None = None  # the server's http(s):// address (None: an engine the run launches, or an in-process one)
     tp_size: int = 1  # tensor-parallel workers: each is one rank of the weight-update group
     model: str | None = None  # vLLM's served model name (None: the model folder)
     api_key: str | None = dataclasses.field(default=None, repr=False)  # this engine's key (None: [engines].api_key)
@@ -49,11 +60,12 @@ class EngineSpec:
         entry = ENGINE_KINDS.get(self.kind) if isinstance(self.kind, str) else None
         if entry is None:
             raise ValueError(f"kind = {self.kind!r}: choose one of {tuple(ENGINE_KINDS)}")
-        if self.url is None and entry.url == "required":
-            raise ValueError(f"kind {self.kind!r} needs a url (only kind = \"embedded\" is started by the run)")
-        if self.url is not None and entry.url == "none":
+        if self.url is None and entry.url_rule == "required":
+            raise ValueError(f"kind {self.kind!r} needs a url (the kinds the run starts itself: "
+                             f"{', '.join(kinds_where(lambda k: k.launch is not None))})")
+        if self.url is not None and entry.url_rule == "none":
             raise ValueError(f"url = {self.url!r}: kind {self.kind!r} runs inside this process and takes no url; "
-                             f"drop it, or use kind = \"embedded\" for an engine server at a URL")
+                             f"drop it, or use a kind that runs as a server (e.g. \"embedded\") at a URL")
         if self.url is not None and not (isinstance(self.url, str) and self.url.startswith(("http://", "https://"))):
             raise ValueError(f"url = {self.url!r}: give an http(s):// URL")
         tp = self.tp_size
@@ -61,24 +73,49 @@ class EngineSpec:
             raise ValueError(f"tp_size = {tp!r}: the engine's tensor-parallel size, an int >= 1")
         if entry.single_device and tp != 1:
             raise ValueError(f"tp_size = {tp}: the {self.kind} engine runs on one device; tp_size must be 1")
-        if self.model is not None and not isinstance(self.model, str):
-            raise ValueError(f"model = {self.model!r}: the served model name, a string (None: the model folder)")
-        if self.device is not None and (self.kind != "embedded" or self.url is not None):
-            raise ValueError(f"device = {self.device!r}: only an \"embedded\" engine the run starts (no url) is "
-                             f"placed by the run; a server at a URL chose its device when it started")
-        if self.device is not None and not (isinstance(self.device, str)
-                                            and (self.device == "cpu" or self.device.startswith("cuda"))):
-            raise ValueError(f"device = {self.device!r}: give \"cpu\" or \"cuda:N\"")
-        if self.cpus is not None:
-            object.__setattr__(self, "cpus", tuple(self.cpus))
-            if self.kind != "embedded" or self.url is not None:
-                raise ValueError(f"cpus = {list(self.cpus)}: only an \"embedded\" engine the run starts (no url) is "
-                                 f"pinned by the run")
-            if not self.cpus or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in self.cpus):
-                raise ValueError(f"cpus = {list(self.cpus)}: give a non-empty list of core numbers, e.g. [0]")
         if self.api_key is not None and not (isinstance(self.api_key, str) and self.api_key):
             raise ValueError("api_key: give this engine's key as a non-empty string (or leave it out to use "
                              "[engines].api_key)")
+        if isinstance(self.cpus, list):
+            object.__setattr__(self, "cpus", tuple(self.cpus))
+        for name in KIND_OPTIONS:
+            _check_kind_option(self, entry, name)
+        if entry.check is not None:
+            entry.check(self)
+
+
+def _check_kind_option(spec: EngineSpec, entry: EngineKind, name: str) -> None:
+    """A kind's own field `name` is set only on a kind that reads it, and a launch option only without a url."""
+    value = getattr(spec, name)
+    if value is None:
+        return
+    shown = list(value) if isinstance(value, tuple) else value
+    if name in entry.launch_options and spec.url is None:
+        return
+    if name in entry.options:
+        return
+    launchers = kinds_where(lambda k: name in k.launch_options)
+    if launchers:
+        named = " or ".join(f"{'an' if k[0] in 'aeiou' else 'a'} \"{k}\"" for k in launchers)
+        raise ValueError(f"{name} = {shown!r}: only {named} engine the run starts (no url) reads it; a server at a "
+                         f"URL was set up when it started; drop {name} (or the url)")
+    raise ValueError(f"{name} = {shown!r}: kind {spec.kind!r} does not read it (the kinds that do: "
+                     f"{', '.join(kinds_where(lambda k: name in k.options))}); drop it")
+
+
+def _check_placement(spec: EngineSpec) -> None:
+    """An engine the run launches: its `device` and `cpus` values (only such a spec sets them: _check_kind_option)."""
+    if spec.device is not None and not (isinstance(spec.device, str)
+                                        and (spec.device == "cpu" or spec.device.startswith("cuda"))):
+        raise ValueError(f"device = {spec.device!r}: give \"cpu\" or \"cuda:N\"")
+    if spec.cpus is not None and (not isinstance(spec.cpus, tuple) or not spec.cpus or any(
+            isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in spec.cpus)):
+        raise ValueError(f"cpus = {spec.cpus!r}: give a non-empty list of core numbers, e.g. [0]")
+
+
+def _check_served_model(spec: EngineSpec) -> None:
+    if spec.model is not None and not isinstance(spec.model, str):
+        raise ValueError(f"model = {spec.model!r}: the served model name, a string (None: the model folder)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,13 +134,69 @@ class BuildOptions:
 
 
 @dataclasses.dataclass(frozen=True)
+class LaunchOptions:
+    """What a kind's `launch` may use beside the spec: the run's model folder, seed and key for the engine, its
+    threads (when the spec pins no cores), how long it may take to answer, and the device the run placed it on."""
+
+    model_folder: str
+    api_key: str
+    seed: int = 0
+    threads: int = 1
+    start_timeout_s: float = 180.0
+    device: str | None = None  # placed by the run (trainer.cli.engine_devices); None: the engine's default
+
+
+class LaunchedEngine(Protocol):
+    """An engine process the run started (engines.embedded.launch.EngineProcess is one): `launch` spawns it without
+    waiting, `wait_healthy` blocks until it answers at `url` (raising when it exits or times out), `kill` stops it."""
+
+    url: str
+
+    def launch(self) -> object: ...
+
+    def wait_healthy(self) -> object: ...
+
+    def kill(self) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineKind:
-    """A registry entry. build: (spec with its url filled in, options) -> engine. url: "required", "optional"
-    (None: the run starts the engine and fills it in) or "none" (in process). single_device: tp_size must be 1."""
+    """A registry entry: how a kind is built, and what it can do.
+
+    build: (spec with its url filled in, options) -> engine.
+    launch: (spec without url, options) -> a LaunchedEngine the run starts (None: the kind is not launchable, a spec
+        needs a url, or it is in process). Launchable kinds take a url too (a server started by someone else).
+    in_process: the engine lives in the trainer's process (url none; built on the trainer's device by the run,
+        which closes it, engines.protocol.InProcessEngine): single-process trainers only, no rollout process worker.
+    single_device: tp_size must be 1.
+    reports_token_versions: its completions carry `weight_versions` (which weights made which token), so weights
+        may be synced while its requests run ([rl] update_in_flight).
+    lora_adapters: it serves named LoRA adapters (load_adapter / generate(adapter=)) given how it was started.
+    openai_routes: its server answers OpenAI's /v1/chat/completions, /v1/completions and /v1/models at its url.
+    options: the KIND_OPTIONS fields it reads; launch_options: those it reads only when the run launches it (set
+        with a url they are errors; cleared once it runs at its URL). check: the values of its own fields."""
 
     build: Callable[[EngineSpec, BuildOptions], InferenceEngine]
-    url: str = "required"
+    launch: Callable[[EngineSpec, LaunchOptions], LaunchedEngine] | None = None
+    in_process: bool = False
     single_device: bool = False
+    reports_token_versions: bool = False
+    lora_adapters: bool = False
+    openai_routes: bool = False
+    options: tuple[str, ...] = ()
+    launch_options: tuple[str, ...] = ()
+    check: Callable[[EngineSpec], None] | None = None
+
+    def __post_init__(self):
+        assert not (self.in_process and self.launch is not None), "an in-process kind is built, not launched"
+        unknown = set(self.options) | set(self.launch_options)
+        assert unknown <= set(KIND_OPTIONS), f"options {sorted(unknown - set(KIND_OPTIONS))}: not EngineSpec fields"
+        assert not self.launch_options or self.launch is not None, "launch_options without a launch"
+
+    @property
+    def url_rule(self) -> str:
+        """"none" (in process), "optional" (None: the run launches it) or "required"."""
+        return "none" if self.in_process else "optional" if self.launch is not None else "required"
 
 
 def _sglang(spec: EngineSpec, opts: BuildOptions) -> InferenceEngine:
@@ -125,23 +218,61 @@ def _local(spec: EngineSpec, opts: BuildOptions) -> InferenceEngine:
     return LocalEngine(opts.model_folder, seed=opts.seed, device=opts.device, threads=opts.threads)
 
 
+def _launch_embedded(spec: EngineSpec, opts: LaunchOptions) -> LaunchedEngine:
+    """The embedded engine as a process (`python -m engines.embedded`); pinned to `spec.cpus`, one thread each."""
+    from engines.embedded.launch import EngineProcess
+
+    return EngineProcess(opts.model_folder, api_key=opts.api_key, seed=opts.seed, start_timeout_s=opts.start_timeout_s,
+                         threads=len(spec.cpus) if spec.cpus else opts.threads, device=opts.device, cpus=spec.cpus)
+
+
 ENGINE_KINDS: dict[str, EngineKind] = {
-    "sglang": EngineKind(_sglang),
-    "vllm": EngineKind(_vllm),
-    "embedded": EngineKind(_sglang, url="optional", single_device=True),
-    "local": EngineKind(_local, url="none", single_device=True),
+    "sglang": EngineKind(_sglang, lora_adapters=True, openai_routes=True),
+    "vllm": EngineKind(_vllm, lora_adapters=True, openai_routes=True, options=("model",), check=_check_served_model),
+    "embedded": EngineKind(_sglang, launch=_launch_embedded, single_device=True, reports_token_versions=True,
+                           lora_adapters=True, openai_routes=True, launch_options=("device", "cpus"),
+                           check=_check_placement),
+    "local": EngineKind(_local, in_process=True, single_device=True, reports_token_versions=True, lora_adapters=True),
 }
+
+
+def kinds_where(has: Callable[[EngineKind], bool]) -> tuple[str, ...]:
+    """The kinds whose entry satisfies `has` (for messages that name the kinds able to do something)."""
+    return tuple(name for name, entry in ENGINE_KINDS.items() if has(entry))
+
+
+def engine_kind(spec: EngineSpec) -> EngineKind:
+    """The registry entry of `spec`'s kind (a valid EngineSpec always has one)."""
+    return ENGINE_KINDS[spec.kind]
+
+
+def launched_by_run(spec: EngineSpec) -> bool:
+    """Whether the run starts this engine as a process (a launchable kind given no url)."""
+    return spec.url is None and engine_kind(spec).launch is not None
+
+
+def launch_engine(spec: EngineSpec, opts: LaunchOptions) -> LaunchedEngine:
+    """The (not yet spawned) process of an engine the run starts: its kind's launcher."""
+    assert launched_by_run(spec), f"{spec!r}: not an engine the run launches"
+    return engine_kind(spec).launch(spec, opts)
+
+
+def started_spec(spec: EngineSpec, url: str, api_key: str) -> EngineSpec:
+    """The spec of a launched engine once it answers: a server at `url` with `api_key`; the options read only to
+    launch it (its device, its cores) were the process's to take and are cleared."""
+    cleared = {name: None for name in engine_kind(spec).launch_options}
+    return dataclasses.replace(spec, url=url, api_key=api_key, **cleared)
 
 
 def build_engine(spec: EngineSpec, *, model_folder: str | Path, api_key: str | None = None, seed: int = 0,
                  connect_timeout_s: float = 10.0, max_connections: int = 64, device: str = "cpu",
                  timeout_s: float = 300.0, threads: int | None = None) -> InferenceEngine:
-    """The engine object for `spec` (its kind's builder). An "embedded" spec must carry the URL of the started
-    engine by now; a "local" engine is started here, in this process, on `device` (give the trainer's: an engine
+    """The engine object for `spec` (its kind's builder). A launchable spec must carry the URL of the started
+    engine by now; an in-process engine is started here, in this process, on `device` (give the trainer's: an engine
     on another device than the trainer cannot take its weights by handle; close it with `close()`). The spec's own
     api_key wins over `api_key` (the fleet-wide one)."""
-    entry = ENGINE_KINDS[spec.kind]
-    if spec.url is None and entry.url == "optional":
+    entry = engine_kind(spec)
+    if spec.url is None and entry.url_rule == "optional":
         raise ValueError(f"kind {spec.kind!r} without a url: start the engine first (trainer.cli.engines_for "
                          f"starts one per such entry) and build it from EngineSpec(kind, url=<its URL>)")
     opts = BuildOptions(model_folder=str(model_folder), api_key=spec.api_key or api_key, seed=seed,

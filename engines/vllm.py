@@ -272,3 +272,6 @@ class VLLMEngine:
 
     async def flush_cache(self) -> None:
         await self._call("POST", "/reset_prefix_cache")
+
+    async def aclose(self) -> None:  # each call opens and closes its own client: nothing pooled
+        return None

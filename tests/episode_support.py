@@ -75,6 +75,9 @@ class Scripted:
     async def abort(self, rids=None):
         self.aborted = True
 
+    async def aclose(self):  # engines.protocol.InferenceEngine: nothing pooled
+        pass
+
 
 class Talk:
     """Answers every turn with "again"; done after (sample_index % 3) + 1 turns, so a group's episodes have

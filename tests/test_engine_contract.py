@@ -313,23 +313,6 @@ def test_registry_builds_every_kind_from_its_spec():
         build_engine(EngineSpec("embedded"), model_folder="/m")
 
 
-def test_a_new_engine_kind_is_one_registry_entry(monkeypatch):
-    """Register a kind: the spec validates it, and the CLI's fleet builder builds it, with nothing else changed."""
-    from engines import registry
-    from trainer.cli import build_engines
-
-    class Echo:
-        def __init__(self, url, folder):
-            self.url, self.folder = url, folder
-
-    monkeypatch.setitem(registry.ENGINE_KINDS, "echo",
-                        registry.EngineKind(lambda spec, opts: Echo(spec.url, opts.model_folder)))
-    built = build_engines([{"url": "http://e:1", "kind": "echo", "tp_size": 1, "model": None},
-                           registry.EngineSpec("echo", "http://e:2")], Path("/models/y"))
-    assert [(type(e), e.url, e.folder) for e in built] == [(Echo, "http://e:1", "/models/y"),
-                                                            (Echo, "http://e:2", "/models/y")]
-
-
 def _calls_and_attributes(path: Path) -> tuple[set[str], list[str]]:
     """Names called in a module, and the string constants it compares with `in` (text matching)."""
     tree = ast.parse(path.read_text())

@@ -198,6 +198,9 @@ class Echo:
     async def abort(self, rids=None):
         pass
 
+    async def aclose(self):  # engines.protocol.InferenceEngine: nothing pooled
+        pass
+
 
 class RewardsZeroOnly:
     """Gives a reward to the episodes of prompts that start with "0" only; the others end with reward None."""

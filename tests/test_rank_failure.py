@@ -60,6 +60,9 @@ class FlakyEngine:
     async def abort(self, rids=None) -> None:
         return None
 
+    async def aclose(self):  # engines.protocol.InferenceEngine: nothing pooled
+        pass
+
 
 class NoSync:
     """Stands in for the weight-sync sender: the fake engine has no weights to receive."""

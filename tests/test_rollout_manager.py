@@ -371,6 +371,9 @@ class InProcessEngine:
     async def get_weight_version(self):
         return 4
 
+    async def aclose(self):  # engines.protocol.InferenceEngine: nothing pooled
+        pass
+
 
 def test_any_engine_object_drives_rollouts_one_request_per_group():
     cfg = RolloutConfig(apply_chat_template=False,

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engines.protocol import InferenceEngine
+from engines.protocol import InferenceEngine, InProcessEngine
 from trainer.backend.steps import TrainerConfig
 from trainer.config import (
     ConfigError,
@@ -175,19 +175,26 @@ def _check_cores(cfg: RunConfig) -> None:
 
 
 def _check_engines(engines: EnginesConfig, rl: RLTrainingConfig | None = None) -> None:
-    """What [engines] needs of this process (EnginesConfig checked the rest), and of the RL loop's engines."""
-    other = [s.kind for s in engines.fleet if s.kind not in ("embedded", "local")]
-    if rl is not None and rl.update_in_flight and other:
+    """What [engines] needs of this process (EnginesConfig checked the rest), and of the RL loop's engines: from
+    what each kind declares in engines.registry.ENGINE_KINDS, never from its name."""
+    from engines.registry import engine_kind, kinds_where
+
+    unversioned = sorted({s.kind for s in engines.fleet if not engine_kind(s).reports_token_versions})
+    if rl is not None and rl.update_in_flight and unversioned:
+        able = ", ".join(kinds_where(lambda k: k.reports_token_versions))
         raise ValueError(f"[rl] update_in_flight = true needs engines that report which weights made which token "
-                         f"(kind \"embedded\" or \"local\"); the fleet has {sorted(set(other))}: set it to false (the "
-                         f"sync then waits for the batch being generated)")
-    if rl is not None and rl.rollout_worker == "process" and any(s.kind == "local" for s in engines.fleet):
-        raise ValueError("[rl] rollout_worker = \"process\" reaches the engines from another process, and an engine "
-                         "with [engines] in_process = true (kind \"local\") lives in this one: set in_process = false "
-                         "(embedded engines as servers) or rollout_worker = \"thread\"")
-    if any(s.kind == "local" for s in engines.fleet) and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ValueError("[engines].in_process = true needs a single-process trainer (it lives in rank 0's "
-                         "process); under torchrun start embedded engines (in_process = false) or give URLs")
+                         f"(kinds {able}); the fleet has {unversioned}: set it to false (the sync then waits for the "
+                         f"batch being generated)")
+    in_process = sorted({s.kind for s in engines.fleet if engine_kind(s).in_process})
+    if rl is not None and rl.rollout_worker == "process" and in_process:
+        raise ValueError(f"[rl] rollout_worker = \"process\" reaches the engines from another process, and an "
+                         f"engine of kind {in_process[0]!r} lives in this one ([engines] in_process = true is kind "
+                         f"\"local\"): set in_process = false (embedded engines as servers), use engines at URLs, or "
+                         f"rollout_worker = \"thread\"")
+    if in_process and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError(f"an engine of kind {in_process[0]!r} ([engines].in_process = true is kind \"local\") needs "
+                         f"a single-process trainer (it lives in rank 0's process); under torchrun start embedded "
+                         f"engines (in_process = false) or give URLs")
 
 
 def _check_inputs(cfg: RunConfig, mode: str, *, resume: bool = False) -> None:
@@ -450,34 +457,36 @@ def engine_devices(given: Sequence[str | None], *, trainer_device: str, local_wo
 
 @contextlib.contextmanager
 def engines_for(cfg: RunConfig, model_folder: Path, *, is_main: bool, device: str = "cpu"):
-    """Yield the fleet ([engines].fleet, EngineSpecs) with every engine reachable: the "embedded" entries without a
-    url are started here as processes (the spec gets the URL), a "local" entry as an in-process engine on `device`,
-    the trainer's own (the entry becomes {"engine": <it>}, which build_engines takes as is); rank 0 only, other
+    """Yield the fleet ([engines].fleet, EngineSpecs) with every engine reachable: the entries of a launchable kind
+    without a url ("embedded") are launched here as processes by their kind's `launch` (the spec gets the URL), an
+    in-process kind's ("local") built here on `device`, the trainer's own (the entry becomes {"engine": <it>},
+    which build_engines takes as is); what each kind can do is its engines.registry entry's. Rank 0 only, other
     ranks get the list from rank 0. On another device than the trainer's, a one-GPU run would generate in fp32 on
     the CPU and the weight sync would pick a transport the engine refuses.
 
     Each started engine requires an API key: [engines].api_key, else a random one made here (the spec carries it
     to build_engines; it reaches the engine in its environment, never its command line), so no other local user
     can swap its weights or pause it."""
+    from engines.registry import engine_kind, launched_by_run
+
     e = cfg.engines
     fleet: list[Any] = list(e.fleet)
-    to_start = [i for i, s in enumerate(fleet) if s.kind == "embedded" and s.url is None]
-    local = [i for i, s in enumerate(fleet) if s.kind == "local"]
+    to_start = [i for i, s in enumerate(fleet) if launched_by_run(s)]
+    local = [i for i, s in enumerate(fleet) if engine_kind(s).in_process]
     if not (to_start or local) or not is_main:
         yield fleet
         return
-    from engines.embedded.launch import EngineProcess, new_api_key
-    from engines.registry import build_engine
+    from engines.embedded.launch import new_api_key
+    from engines.registry import LaunchOptions, build_engine, launch_engine, started_spec
 
     key = e.api_key or new_api_key()
     places = engine_devices([fleet[i].device for i in to_start], trainer_device=device,
                             local_world_size=trainer_ranks_here(os.environ),
                             cuda_count=torch.cuda.device_count() if torch.cuda.is_available() else 0)
-    pins = [fleet[i].cpus for i in to_start]  # pinned engines run one thread per core they are given
-    procs = [EngineProcess(str(model_folder), api_key=key, seed=cfg.seed, threads=len(cpus) if cpus else e.threads,
-                           start_timeout_s=e.start_timeout_s, device=place, cpus=cpus)
-             for place, cpus in zip(places, pins)]
-    started: list[Any] = []
+    procs = [launch_engine(fleet[i], LaunchOptions(str(model_folder), api_key=key, seed=cfg.seed, threads=e.threads,
+                                                   start_timeout_s=e.start_timeout_s, device=place))
+             for i, place in zip(to_start, places)]
+    started: list[InProcessEngine] = []
     try:
         for p in procs:
             p.launch()
@@ -487,9 +496,8 @@ def engines_for(cfg: RunConfig, model_folder: Path, *, is_main: bool, device: st
             fleet[i] = {"engine": started[-1]}
         for p in procs:
             p.wait_healthy()
-        for i, p in zip(to_start, procs):
-            # Started: the spec is now a server at a URL (its device and cores were the process's to take).
-            fleet[i] = dataclasses.replace(fleet[i], url=p.url, api_key=key, device=None, cpus=None)
+        for i, p in zip(to_start, procs):  # started: the spec is now a server at a URL
+            fleet[i] = started_spec(fleet[i], url=p.url, api_key=key)
         yield fleet
     finally:
         for eng in started:
@@ -510,7 +518,7 @@ def build_engines(fleet: Sequence[Any], model_folder: Path, *, api_key: str | No
         if isinstance(t, dict) and t.get("engine") is not None:
             out.append(t["engine"])
             continue
-        fields = ("kind", "url", "tp_size", "model", "api_key")
+        fields = [f.name for f in dataclasses.fields(EngineSpec)]
         spec = t if isinstance(t, EngineSpec) else EngineSpec(**{k: t[k] for k in fields if k in t})
         out.append(build_engine(spec, model_folder=model_folder, api_key=api_key,
                                 connect_timeout_s=connect_timeout_s, max_connections=max_connections))

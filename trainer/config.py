@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from engines.registry import EngineSpec
+from engines.registry import EngineSpec, launched_by_run
 from kernels import PolicyLossConfig
 from kernels.advantages import ADVANTAGE_ESTIMATORS
 from trainer.backend.parallel import ParallelConfig
@@ -559,8 +559,8 @@ class EnginesConfig:
 
     @property
     def started_here(self) -> int:
-        """Embedded engine processes the run starts (fleet entries of kind "embedded" without a url)."""
-        return sum(s.kind == "embedded" and s.url is None for s in self.fleet)
+        """Engine processes the run starts (fleet entries of a launchable kind, e.g. "embedded", without a url)."""
+        return sum(launched_by_run(s) for s in self.fleet)
 
 
 @dataclasses.dataclass(frozen=True)

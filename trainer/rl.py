@@ -472,18 +472,18 @@ def _paused_in_place(engines: Sequence[InferenceEngine], rank: int, *, enabled: 
         yield
         return
 
-    async def each(method: str) -> None:
+    async def each(pause: bool) -> None:
         async with trio.open_nursery() as nursery:
             for engine in engines:
-                nursery.start_soon(getattr(engine, method))
+                nursery.start_soon(engine.pause_generation if pause else engine.continue_generation)
 
     if rank == 0:
-        trio.run(each, "pause_generation")
+        trio.run(each, True)
     try:
         yield
     finally:
         if rank == 0:
-            trio.run(each, "continue_generation")
+            trio.run(each, False)
 
 
 def within_staleness(batch: RolloutBatch, version: int, config: RLTrainingConfig, *,

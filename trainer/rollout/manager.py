@@ -88,10 +88,10 @@ class AsyncRolloutManager:
         if not self.engines:
             raise ValueError("engines: give at least one inference engine (e.g. "
                              "engines.sglang.SGLangEngine('http://127.0.0.1:30000'))")
-        bad = [e for e in self.engines if not all(callable(getattr(e, m, None)) for m in ("generate", "abort"))]
+        bad = [e for e in self.engines if isinstance(e, str | bytes | dict)]
         if bad:
-            raise TypeError(f"engines: {bad[0]!r} has no generate/abort of engines.protocol.InferenceEngine "
-                            f"(pass engine objects, e.g. SGLangEngine(url), not URLs)")
+            raise TypeError(f"engines: {bad[0]!r} is not an engine object (engines.protocol.InferenceEngine): pass "
+                            f"engine objects, e.g. engines.registry.build_engine(EngineSpec(kind, url)), not URLs")
         self.config = config
         self.tokenizer = tokenizer
         # A data set's prompts come back every epoch; rendering the chat template costs ~0.7 ms per prompt.
@@ -153,10 +153,8 @@ class AsyncRolloutManager:
                 await self._abort(self._orphaned.values())
             self._orphaned.clear()
         for engine in self.engines:  # pooled connections belong to this event loop
-            close = getattr(engine, "aclose", None)
-            if close is not None:
-                with trio.move_on_after(2):
-                    await close()
+            with trio.move_on_after(2):
+                await engine.aclose()
         if self.gateway is not None:
             self.gateway.close()
             self.gateway = None

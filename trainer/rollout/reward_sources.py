@@ -330,10 +330,8 @@ def judge_runner(engine: Any, judge_config: Any, tokenizer: Any) -> Callable[[Se
         try:
             return await judge_samples(engine, samples, judge_config, tokenizer)
         finally:
-            close = getattr(engine, "aclose", None)  # HTTP engines pool connections per event loop
-            if close is not None:
-                with trio.move_on_after(2):
-                    await close()
+            with trio.move_on_after(2):  # HTTP engines pool connections per event loop
+                await engine.aclose()
 
     return lambda samples: trio.run(run, samples)
 
