@@ -459,3 +459,13 @@ def test_sampling_without_a_session_reuses_one_sampler(server):
         assert r.headers["content-type"] == "application/x-protobuf"
         done.append(r.content)
     assert done[0] == done[1]  # the same seed on the same sampler
+
+
+def test_old_in_memory_snapshots_are_dropped_with_a_clear_error(service):
+    """A client's fifth in-memory snapshot unloads its first from the engine; sampling that one says so."""
+    client = service.create_lora_training_client(base_model="tiny", rank=4, seed=17).result()
+    samplers = [client.save_weights_and_get_sampling_client().result() for _ in range(5)]
+    params = types.SamplingParams(max_tokens=2)
+    assert samplers[-1].sample(types.ModelInput.from_ints([1, 2]), 1, params).result().sequences
+    with pytest.raises(tinker.RequestFailedError, match="was dropped"):
+        samplers[0].sample(types.ModelInput.from_ints([1, 2]), 1, params).result(timeout=60)

@@ -33,6 +33,7 @@ from trainer.serve.losses import LOSSES
 
 MAX_FUTURES = 20_000  # results kept for polling; the oldest finished quarter goes past it
 KEEP_SNAPSHOTS = 4  # in-memory sampler snapshots (engine adapters) per training client
+KEEP_CHECKPOINT_SAMPLERS = 16  # samplers of saved checkpoints (engine adapters) in all
 MAX_COMPLETIONS = 4096  # ended requests a sampling session's completion log keeps for /retrieve_futures
 
 
@@ -265,11 +266,7 @@ class Service:
         await engine.load_adapter_tensors(sampler_id, weights, record.backend.scaling())
         self.samplers[sampler_id] = Sampler(sampler_id, record.base_name, None, adapter=sampler_id,
                                             weights=weights, spec=record.spec, owner=record.model_id)
-        mine = [s for s in self.samplers.values() if s.owner == record.model_id]
-        for old in mine[: max(0, len(mine) - KEEP_SNAPSHOTS)]:  # the engine keeps the newest snapshots only
-            del self.samplers[old.sampler_id]
-            self.evicted.add(old.sampler_id)
-            await engine.unload_adapter(old.adapter)  # rows still decoding with it finish with it
+        await self._evict([s for s in self.samplers.values() if s.owner == record.model_id], KEEP_SNAPSHOTS, engine)
         return sampler_id
 
     async def sampler_from_path(self, base_name: str | None, model_path: str | None) -> str:
@@ -296,7 +293,17 @@ class Service:
         engine = await asyncio.to_thread(self.engine, base_name)
         await engine.load_adapter_tensors(sampler_id, weights, spec.alpha / spec.rank)
         self.samplers[sampler_id] = Sampler(sampler_id, base_name, model_path, sampler_id, weights, spec)
+        await self._evict([s for s in self.samplers.values() if s.owner is None and s.adapter is not None],
+                          KEEP_CHECKPOINT_SAMPLERS, engine)
         return sampler_id
+
+    async def _evict(self, samplers: list[Sampler], keep: int, engine: Any) -> None:
+        """Unload all but the newest `keep` of `samplers` from the engine; sampling one later says it was dropped."""
+        for old in samplers[: max(0, len(samplers) - keep)]:
+            del self.samplers[old.sampler_id]
+            self.evicted.add(old.sampler_id)
+            self.direct = {k: v for k, v in self.direct.items() if v != old.sampler_id}
+            await engine.unload_adapter(old.adapter)  # rows still decoding with it finish with it
 
     async def direct_sampler(self, base_name: str | None, model_path: str | None) -> Sampler:
         """The sampler of an asample that names base_model / model_path instead of a session: one per (base, path,
@@ -312,9 +319,10 @@ class Service:
 
     def sampler(self, sampler_id: str | None) -> Sampler:
         if sampler_id in self.evicted:
-            raise UserError(f"sampling session {sampler_id!r} was dropped: a training client keeps its newest "
-                            f"{KEEP_SNAPSHOTS} in-memory snapshots; sample from a newer one, or save with "
-                            f"save_weights_for_sampler(name) for a lasting checkpoint", status=410)
+            raise UserError(f"sampling session {sampler_id!r} was dropped: the engine keeps a training client's "
+                            f"newest {KEEP_SNAPSHOTS} in-memory snapshots and the newest {KEEP_CHECKPOINT_SAMPLERS} "
+                            f"samplers of saved checkpoints; make a new sampling client (of a checkpoint saved with "
+                            f"save_weights_for_sampler(name) to keep one)", status=410)
         if sampler_id not in self.samplers:
             raise UserError(f"unknown sampling_session_id {sampler_id!r}: create a sampling client first "
                             f"(create_sampling_client / save_weights_and_get_sampling_client)", status=404)
