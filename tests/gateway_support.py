@@ -8,6 +8,8 @@ code under test.
 
 from __future__ import annotations
 
+import json
+
 import openai
 import torch
 
@@ -100,3 +102,51 @@ def check_two_turn_batch(batch, recording, model, *, tol: float) -> float:
     assert batch.metadata["turns_mean"] == 2.0 and batch.metadata["agent_splits"] == 0
     assert batch.metadata["agent_errors"] == 0 and batch.metadata["agent_time_s"] > 0
     return worst
+
+
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
+
+
+def calculator_agent(row, endpoint):
+    """A plain (sync) `openai` agent that runs the calculator the model calls: turn 1 must come back as parsed
+    `tool_calls`; each call's result goes back as a `tool` message after the SDK's own assistant message; turn 2
+    is the answer (at most 8 tokens: a cut the agent asked for, not a truncation). Returns what it saw (the calls,
+    the finish reasons) as metadata."""
+    client = openai.OpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0)
+    messages = [{"role": "user", "content": row["prompt"]}]
+    first = client.chat.completions.create(model=endpoint.model, messages=messages, tools=[CALC]).choices[0]
+    messages.append(first.message.model_dump(exclude_none=True))
+    calls = []
+    for call in first.message.tool_calls or ():
+        args = json.loads(call.function.arguments)
+        calls.append([call.function.name, args])
+        a, b = args["expression"].split("*")
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": str(int(a) * int(b))})
+    second = client.chat.completions.create(model=endpoint.model, messages=messages, tools=[CALC],
+                                            max_tokens=8).choices[0]
+    return {"reward": 1.0, "metadata": {"calls": calls, "finishes": [first.finish_reason, second.finish_reason]}}
+
+
+def train_to_write(model, prompt: list[int], target: list[int], *, min_logprob: float, lr: float = 3e-3,
+                   steps: int = 1000):
+    """`model` trained in place (Adam, one sequence) until every token of `target` after `prompt` has log-prob
+    > `min_logprob` under teacher forcing, so sampling writes it (at T = 1 with probability >= exp(len(target) *
+    min_logprob)); one torch thread (a [1, ~130] batch: two OpenMP threads on a busy machine were 40x slower)."""
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    ids, want = torch.tensor([prompt + target]), torch.tensor(target)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(steps):
+            logp = model(input_ids=ids).logits[0, len(prompt) - 1:-1].log_softmax(-1)  # [len(target), vocab]
+            worst = logp.gather(-1, want[:, None]).min().item()
+            if worst > min_logprob:
+                return model.eval()
+            loss = torch.nn.functional.nll_loss(logp, want)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    finally:
+        torch.set_num_threads(threads)
+    raise AssertionError(f"the model did not learn its target in {steps} steps (worst log-prob {worst:.3g})")

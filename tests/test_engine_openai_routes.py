@@ -17,14 +17,12 @@ import string
 import httpx
 import openai
 import pytest
-import torch
-from gateway_support import CALC, IM_END_ID, TOK
+from gateway_support import CALC, CALL, IM_END_ID, TOK, train_to_write
 
 from engines.embedded.presets import build_tiny_model
 
 ENGINE_SEED = 7
 EOS_ID = TOK.eos_token_id
-CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
 
 
 @pytest.fixture(scope="module")
@@ -113,30 +111,12 @@ def test_streaming_gives_the_same_answer_and_usage(client, model_name):
     assert "".join(c.choices[0].text for c in streamed) == whole.choices[0].text
 
 
-def train_to_call(messages, steps: int = 400):
+def train_to_call(messages):
     """The engine's tiny model, trained here to answer `messages` with "Let me see. " + CALL (a random model never
     writes a tool call), until every target token has probability > 0.9 under teacher forcing: then each is the
-    argmax by a wide margin, so greedy decoding writes the target (about 60 Adam steps, a second)."""
-    prompt = chat_ids(messages, [CALC])
+    argmax by a wide margin, so greedy decoding writes it (about 60 Adam steps, a second)."""
     target = TOK.encode("Let me see. " + CALL) + [IM_END_ID]
-    model = build_tiny_model(seed=ENGINE_SEED).train()
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    ids, want = torch.tensor([prompt + target]), torch.tensor(target)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a [1, 125] batch: two OpenMP threads on a busy machine made it 40x slower
-    try:
-        for _ in range(steps):
-            logp = model(input_ids=ids).logits[0, len(prompt) - 1:-1].log_softmax(-1)  # [len(target), vocab]
-            worst = logp.gather(-1, want[:, None]).min().item()
-            if worst > -0.1:
-                return model.eval()
-            loss = torch.nn.functional.nll_loss(logp, want)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    finally:
-        torch.set_num_threads(threads)
-    raise AssertionError(f"the tiny model did not learn the call in {steps} steps (worst target log-prob {worst})")
+    return train_to_write(build_tiny_model(seed=ENGINE_SEED), chat_ids(messages, [CALC]), target, min_logprob=-0.1)
 
 
 def test_tool_calls_are_parsed_into_openai_tool_calls(engine, client, model_name, tmp_path):

@@ -24,6 +24,7 @@ from vllm_support import ROOT, start_server, stop_server, tiny_qwen2, tiny_qwen2
 from engines.embedded.launch import free_port
 from engines.protocol import InferenceEngine, SamplingParams
 from engines.vllm import VLLMEngine
+from trainer.types import Status
 
 pytestmark = pytest.mark.slow
 TOL = 1e-4
@@ -286,6 +287,55 @@ def test_disk_fallback_reloads_a_saved_folder(vllm, tmp_path):
     check_against(new_model, prompts, out, params)
     stale = reference_logprobs(old_model, prompts[0], out[0][0].output_ids, params.temperature)
     assert (stale - torch.tensor(out[0][0].logprobs, dtype=torch.float64)).abs().max().item() > 0.1
+
+
+def test_a_tool_call_round_trip_through_the_gateway_is_token_exact(vllm, tmp_path):
+    """The gateway in front of vLLM with a model that really calls the tool: a tiny model trained here to answer the
+    prompt with a Hermes `<tool_call>` (per-token probability > 0.9998, so vLLM's T = 1 sampling writes it) is
+    loaded into vLLM; a plain `openai` agent gets `tool_calls` parsed on the server, runs the calculator, sends the
+    SDK's assistant message back with the `tool` result, and asks again. The trained sample: the template's opening
+    (mask 0) + vLLM's call tokens (mask 1) + the tool turn as the template writes it (mask 0) + vLLM's answer to
+    exactly that prefix (mask 1); log-probs within TOL of a float32 forward of the loaded weights."""
+    from episode_support import Recording, arithmetic_buffer
+    from gateway_support import CALC, CALL, IM_END_ID, after_turn, assert_exact, calculator_agent, train_to_write
+
+    from trainer.config import RolloutConfig
+    from trainer.rollout.manager import AsyncRolloutManager
+
+    eng, tok = vllm["engine"], vllm["tok"]
+    prompt = "0+1="  # arithmetic_buffer(1)'s one prompt
+    start = tok.apply_chat_template([{"role": "user", "content": prompt}], tools=[CALC], add_generation_prompt=True,
+                                    tokenize=True, return_dict=True)["input_ids"]
+    call = tok.encode(CALL) + [IM_END_ID]
+    model = train_to_write(tiny_qwen2(seed=400)[0], start, call, min_logprob=-2e-4)
+    model.save_pretrained(tmp_path / "caller", safe_serialization=True)
+    trio.run(lambda: eng.update_weights_from_disk(str(tmp_path / "caller"), weight_version=90))
+    vllm["model"] = model
+    rec = Recording(eng)
+    cfg = RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=2, max_new_tokens=100, agent=calculator_agent,
+                        max_turns=2, seed=3, agent_timeout_s=300.0)
+    manager = AsyncRolloutManager([rec], cfg, tokenizer=tok, reward_fn=None, check_health=False)
+
+    async def run():
+        async with manager:
+            return await manager.generate_batch(arithmetic_buffer(1))
+
+    batch = trio.run(run)
+    assert len(batch) == 2 and len(rec.calls) == 4
+    worst = 0.0
+    for s in batch.samples:
+        assert s.status == Status.COMPLETED and s.prompt == prompt
+        assert s.metadata["calls"] == [["calculator", {"expression": "6*7"}]]
+        assert s.metadata["finishes"][0] == "tool_calls" and s.metadata["tool_calls"] >= 1
+        [c1] = [c for p, c in rec.calls if list(p) == start and list(s.tokens[len(start):len(start) + len(call)])
+                == c.output_ids][:1]
+        assert c1.output_ids == call, tok.decode(c1.output_ids)  # vLLM wrote the call
+        prefix = start + call + after_turn("tool", "42")
+        [c2] = [c for p, c in rec.calls if list(p) == prefix and list(s.tokens[len(prefix):]) == c.output_ids][:1]
+        worst = max(worst, assert_exact(s, [(start, None), (call, c1), (prefix[len(start) + len(call):], None),
+                                            (c2.output_ids, c2)], model, TOL))
+        assert [v for v in s.metadata["weight_versions"] if v is not None] == [90, 90]  # both of vLLM's turns
+    print(f"tool round trip through the gateway over vLLM: log-probs vs float32 forward, max diff {worst:.2e}")
 
 
 def test_grpo_run_with_a_vllm_engine_raises_reward(vllm, tmp_path):
