@@ -22,11 +22,18 @@ from test_reward_model import plain_scores, random_pairs, write_reward_model
 from engines.local import LocalEngine
 from engines.tiny import build_tokenizer
 from trainer.cli import load_run_config
-from trainer.config import ConfigError, RewardsConfig, RewardSourceConfig, RunConfig, config_from_dict
+from trainer.config import (
+    ConfigError,
+    ModelSourceConfig,
+    RewardsConfig,
+    RuleSourceConfig,
+    RunConfig,
+    config_from_dict,
+)
 from trainer.rl import trained_samples
 from trainer.rollout.reward_sources import (
+    ModelSource,
     RewardSources,
-    Source,
     build_reward_sources,
     combine_scores,
     score_batch,
@@ -116,7 +123,7 @@ def test_rules_score_per_sample_and_a_failing_rule_fails_its_sample_naming_it():
     rewards = build_reward_sources(cfg, default_rule=None, engines=[], tokenizer=TOK, timeout_s=5.0)
     samples = finished_samples([f"{i}+1=" for i in range(6)], [str(i + 1 if i % 2 else i) for i in range(6)],
                                answers=[str(i + 1) for i in range(6)])
-    fn = rewards.rule_reward()
+    fn = rewards.rollout_reward()
     scored = [trio.run(acompute_reward, s, fn) for s in samples]
     for s, o in zip(samples, scored):
         if s.metadata["row"] % 3 == 0:
@@ -135,9 +142,8 @@ def test_rules_score_per_sample_and_a_failing_rule_fails_its_sample_naming_it():
 
 
 def test_labels():
-    cfgs = [RewardSourceConfig(kind="rule"), RewardSourceConfig(kind="rule", name="arithmetic"),
-            RewardSourceConfig(kind="model", path="x"), RewardSourceConfig(kind="rule", name="pkg.mod:arithmetic"),
-            RewardSourceConfig(kind="model", url="http://h:1", label="rm")]
+    cfgs = [RuleSourceConfig(), RuleSourceConfig(name="arithmetic"), ModelSourceConfig(path="x"),
+            RuleSourceConfig(name="pkg.mod:arithmetic"), ModelSourceConfig(url="http://h:1", label="rm")]
     assert source_labels(cfgs, "trainer.rollout.rewards:arithmetic_reward") == [
         "arithmetic_reward", "arithmetic", "model2", "arithmetic3", "rm"]
 
@@ -298,7 +304,7 @@ def test_judge_source_through_the_embedded_engine_with_unparseable_answers(judge
 
 
 def test_an_environment_reward_cannot_be_combined():
-    rewards = RewardSources(sources=(Source("m", "model", 1.0, lambda samples: [1.0] * len(samples)),))
+    rewards = RewardSources(sources=(ModelSource("m", 1.0, lambda samples: [1.0] * len(samples)),))
     s = Sample(prompt="p", tokens=(1, 2), response="r", response_length=1, reward=0.5, status=Status.COMPLETED)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -358,6 +364,116 @@ def test_the_cli_checks_sources_before_any_work(tmp_path, rm_folder):
     assert cfg.rewards.sources[0].path == str(rm_folder)
 
 
+# ----------------------------------------------------------------------------------------------- one system
+def verdict_rule(sample):
+    """A user rule that gives its own verdict: what the [data].reward shorthand must pass through as it is."""
+    n = len(sample.response)
+    return {"reward": n / 7.0, "correct": n % 2 == 0}
+
+
+@pytest.mark.parametrize("spec", ["arithmetic", verdict_rule, None])
+def test_data_reward_is_shorthand_for_one_rule_source_with_the_old_wiring(spec):
+    """[data].reward alone is one rule source whose result is the reward as it is: on random samples, the rollout's
+    reward function scores exactly what the former wiring (with_timeout(load_reward_fn(spec))) scored, an
+    environment's own reward is kept, and there is no batch pass (score_batch and scored_batches return what they
+    are given)."""
+    from trainer.rollout.reward_sources import RuleSource, as_reward_sources, scored_batches
+    from trainer.rollout.rewards import load_reward_fn, no_reward, with_timeout
+
+    rewards = as_reward_sources(spec, timeout_s=5.0)
+    assert rewards.shorthand and not rewards.scores_batches and len(rewards.sources) == 1
+    assert isinstance(rewards.sources[0], RuleSource) and rewards.recipe.default_rule is spec
+    old = with_timeout(load_reward_fn(no_reward if spec is None else spec), 5.0)
+    rng = random.Random(7)
+    words = ["".join(rng.choice("0123456789+= ") for _ in range(rng.randint(0, 9))) for _ in range(24)]
+    samples = finished_samples([f"{rng.randint(0, 9)}+{rng.randint(0, 9)}=" for _ in words], words,
+                               answers=[str(rng.randint(0, 18)) for _ in words])
+    got = [trio.run(acompute_reward, s, rewards.rollout_reward()) for s in samples]
+    want = [trio.run(acompute_reward, s, old) for s in samples]
+    strip = ("reward_traceback",)  # the traceback's frames name the wrapper that ran it
+    assert [dataclasses.replace(s, metadata={k: v for k, v in s.metadata.items() if k not in strip}) for s in got] \
+        == [dataclasses.replace(s, metadata={k: v for k, v in s.metadata.items() if k not in strip}) for s in want]
+    assert all("reward_sources" not in s.metadata for s in got)  # no per-source bookkeeping for the shorthand
+    own = dataclasses.replace(samples[0], reward=0.25)  # an environment's own reward
+    batch = RolloutBatch(samples=(own,), metadata={"reward_failed": 0})
+    assert score_batch(batch, rewards) is batch
+    batches = iter([batch])
+    assert scored_batches(batches, rewards) is batches
+
+
+def test_a_new_source_kind_is_one_config_class_and_one_registry_entry():
+    """A kind added from outside the library (a config class registered in trainer.config, its entry registered in
+    trainer.rollout.reward_sources) is read from TOML, checked, built, scored per batch and combined like the
+    built-in kinds, with no other change; its foreign keys are refused like theirs."""
+    from trainer.config import REWARD_SOURCE_CONFIGS, RewardSourceConfig, reward_source_kind
+    from trainer.rollout.reward_sources import SOURCE_KINDS, check_reward_sources, describe_rewards, source_kind
+
+    @dataclasses.dataclass(frozen=True)
+    class LengthSourceConfig(RewardSourceConfig):
+        kind: str = "length"  # the kind these keys belong to
+        per_char: float = 1.0  # the score of each character of the response
+
+    @dataclasses.dataclass(frozen=True)
+    class LengthSource:
+        label: str
+        weight: float
+        per_char: float
+        kind = "length"
+        per_sample = False
+
+        async def score_sample(self, sample):
+            raise TypeError("per batch")
+
+        def score_batch(self, samples, todo):
+            for i in todo:
+                s = samples[i]
+                meta = {**s.metadata, "reward_sources": {**s.metadata.get("reward_sources", {}),
+                                                         self.label: self.per_char * len(s.response)}}
+                samples[i] = dataclasses.replace(s, metadata=meta)
+            return {"length/scored": len(todo)}
+
+    reward_source_kind(LengthSourceConfig)
+    try:
+        source_kind(LengthSourceConfig, LengthSource, check=lambda c, default: None, where=lambda c, default: "chars",
+                    build=lambda c, label, i, ctx: LengthSource(label=label, weight=c.weight, per_char=c.per_char))
+        cfg = config_from_dict(RunConfig, {"rewards": {"sources": [
+            {"kind": "rule", "name": "arithmetic"}, {"kind": "length", "per_char": 0.5, "weight": -2.0}]}}, "")
+        assert isinstance(cfg.rewards.sources[1], LengthSourceConfig)
+        check_reward_sources(cfg.rewards, default_rule=None)
+        assert describe_rewards(cfg.rewards, None).startswith("rl reward: 1 x arithmetic (rule: arithmetic) + "
+                                                              "-2 x length1 (length: chars)")
+        rewards = build_reward_sources(cfg.rewards, default_rule=None, engines=[], tokenizer=TOK)
+        rng = random.Random(3)
+        words = ["".join(rng.choice("0123456789") for _ in range(rng.randint(1, 6))) for _ in range(10)]
+        samples = finished_samples([f"{i}+{i}=" for i in range(10)], words, answers=[str(2 * i) for i in range(10)])
+        scored = [trio.run(acompute_reward, s, rewards.rollout_reward()) for s in samples]
+        batch = score_batch(RolloutBatch(samples=tuple(scored), metadata={"reward_failed": 0}), rewards)
+        for s in batch.samples:
+            want = arithmetic_reward(s) - 2.0 * 0.5 * len(s.response)
+            assert abs(s.reward - want) <= 1e-12
+        assert batch.metadata["reward_metrics"]["length/scored"] == 10
+        with pytest.raises(ConfigError, match="name: a key of 'rule' sources, and this one is kind = 'length'"):
+            config_from_dict(RunConfig, {"rewards": {"sources": [{"kind": "length", "name": "x"}]}}, "")
+    finally:
+        REWARD_SOURCE_CONFIGS.pop("length", None)
+        SOURCE_KINDS.pop("length", None)
+
+
+def test_a_config_file_written_with_every_key_of_every_kind_still_loads():
+    """A run's config.toml written when one class held every kind's keys lists them all, at their defaults: those
+    load as the source's own class; a foreign key set to anything else is refused."""
+    from trainer.config import JudgeSourceConfig
+
+    old = {"kind": "rule", "weight": 2.0, "name": "arithmetic", "timeout_s": 120.0, "batch_size": 16, "chat": True,
+           "parser": "score", "max_new_tokens": 64}
+    judge = {"kind": "judge", "template": "{response}", "batch_size": 16, "chat": True, "timeout_s": 5.0}
+    cfg = config_from_dict(RunConfig, {"rewards": {"sources": [old, judge]}}, "")
+    assert cfg.rewards.sources == (RuleSourceConfig(weight=2.0, name="arithmetic"),
+                                   JudgeSourceConfig(template="{response}", timeout_s=5.0))
+    with pytest.raises(ConfigError, match="batch_size: a key of 'model' sources, and this one is kind = 'rule'"):
+        config_from_dict(RunConfig, {"rewards": {"sources": [{**old, "batch_size": 8}]}}, "")
+
+
 # ----------------------------------------------------------------------------------------------- RL
 class NoSync:
     """Stands in for the weight-sync sender: the engine keeps its own random weights (the plumbing is under test)."""
@@ -390,17 +506,17 @@ def test_a_short_rl_run_trains_on_a_reward_model_and_logs_its_mean(judge_engine,
                                    default_rule=None, engines=[judge_engine], tokenizer=TOK)
     threads = []  # where each batch was scored
 
-    def scored_here(samples, score=rewards.sources[0].score):
+    def scored_here(samples, score=rewards.sources[0].scorer):
         threads.append(threading.current_thread().name)
         return score(samples)
 
-    rewards = dataclasses.replace(rewards, sources=(dataclasses.replace(rewards.sources[0], score=scored_here),))
+    rewards = dataclasses.replace(rewards, sources=(dataclasses.replace(rewards.sources[0], scorer=scored_here),))
     with use_backend("torch"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         comp = build_components(tiny_model_config("llama"), tcfg)
         buffer = DataBuffer(load_jsonl(str(ROOT / "data/arithmetic_train.jsonl")), seed=0)
         _, state, history = run_rl_training(None, buffer, cfg, engines=[judge_engine], sender=NoSync(),
-                                            tokenizer=TOK, reward_fn=None, rewards=rewards, trainer_config=tcfg,
+                                            tokenizer=TOK, reward_fn=rewards, trainer_config=tcfg,
                                             components=comp, dumps=RolloutDumps(every=1, folder=tmp_path / "dumps"))
     assert state.step == 2 and len(history) == 2
     # Async: in the rollout worker, while the previous step trains; synchronous: in the loop's own thread.

@@ -20,10 +20,19 @@ from engines.sglang import SGLangEngine
 from engines.tiny import build_tokenizer, tiny_model_config
 from kernels import use_backend
 from trainer.backend.steps import build_components, trainer_config_from
-from trainer.config import ConfigError, OptimConfig, RLTrainingConfig, RolloutConfig, RunConfig, config_from_dict
+from trainer.config import (
+    ConfigError,
+    OptimConfig,
+    RewardsConfig,
+    RLTrainingConfig,
+    RolloutConfig,
+    RunConfig,
+    config_from_dict,
+)
 from trainer.rollout.data import DataBuffer, load_jsonl
 from trainer.rollout.manager import AsyncRolloutManager, generate_rollout_batches
 from trainer.rollout.process_worker import RolloutProcess, RolloutRecipe, check_picklable
+from trainer.rollout.reward_sources import RewardsRecipe
 from trainer.rollout.source import ProcessRolloutSource, ResumePoints, RolloutSource
 from trainer.weight_sync import WeightSyncSender
 
@@ -46,8 +55,9 @@ def _parts(url: str, rollout: RolloutConfig, *, buffer_seed: int = 3) -> tuple[D
 
 
 def _recipe(buffer, manager, rollout, *, num_steps: int, ahead: int, first_step: int = 1, **kw) -> RolloutRecipe:
+    shorthand = RewardsRecipe(RewardsConfig(), digit_fraction, timeout_s=30.0)  # [data].reward alone
     return RolloutRecipe(**({"data_buffer": buffer, "rollout": rollout, "engines": tuple(manager.engines),
-                             "tokenizer": TOK, "reward_fn": digit_fraction, "reward_timeout_s": 30.0,
+                             "tokenizer": TOK, "rewards": shorthand,
                              "deterministic": True, "manager_state": manager.state_dict(), "num_steps": num_steps,
                              "ahead": ahead, "first_step": first_step} | kw))
 
@@ -59,12 +69,12 @@ def _view(batch) -> list[tuple]:
 
 
 def _thread_run(url, rollout, steps, ahead, *, rewards=None, view=_view):
-    """rewards: [rewards] sources (trainer.rollout.reward_sources), scored as the thread worker scores them."""
+    """rewards: built RewardSources (trainer.rollout.reward_sources), scored as the thread worker scores them."""
     from trainer.rollout.reward_sources import scored_batches
 
     buffer, manager = _parts(url, rollout)
     if rewards is not None:
-        manager.reward_fn = rewards.rule_reward()
+        manager.reward_fn = rewards.rollout_reward()
     points = ResumePoints({"data_buffer": buffer, "rollout_manager": manager}, step=0, keep=steps + 1)
     batches = generate_rollout_batches(buffer, rollout, manager=manager, weight_version=lambda: 0)
     if rewards is not None:
@@ -75,13 +85,13 @@ def _thread_run(url, rollout, steps, ahead, *, rewards=None, view=_view):
 
 
 def _process_run(url, rollout, steps, ahead, *, first_step: int = 1, state=None, rewards=None, view=_view):
-    """rewards: the [rewards] sources' RewardsRecipe, rebuilt in the child in place of the recipe's reward_fn."""
+    """rewards: a RewardsRecipe, rebuilt in the child in place of the recipe's [data].reward shorthand."""
     buffer, manager = _parts(url, rollout)
     if state is not None:  # a resumed run: the state a checkpoint of step first_step - 1 holds
         buffer.load_state_dict(state["data_buffer"])
         manager.load_state_dict(state["rollout_manager"])
     points = ResumePoints({"data_buffer": buffer, "rollout_manager": manager}, step=first_step - 1, keep=steps + 1)
-    reward = {} if rewards is None else {"reward_fn": None, "rewards": rewards}
+    reward = {} if rewards is None else {"rewards": rewards}
     proc = RolloutProcess(_recipe(buffer, manager, rollout, num_steps=steps, ahead=ahead, first_step=first_step,
                                   **reward))
     with ProcessRolloutSource(proc, num_steps=steps, version=lambda: 0, on_drawn=points.record) as source:
@@ -202,8 +212,9 @@ def test_what_cannot_travel_to_the_process_is_named():
         local.close()
     manager = AsyncRolloutManager([SGLangEngine("http://127.0.0.1:1")], rollout, tokenizer=TOK,
                                   reward_fn=digit_fraction, check_health=False)
-    with pytest.raises(ValueError, match="reward_fn .*not a lambda"):
-        check_picklable(_recipe(buffer, manager, rollout, num_steps=1, ahead=1, reward_fn=lambda s: 1.0))
+    with pytest.raises(ValueError, match="rewards .*not a lambda"):
+        check_picklable(_recipe(buffer, manager, rollout, num_steps=1, ahead=1,
+                                rewards=RewardsRecipe(RewardsConfig(), default_rule=lambda s: 1.0)))
 
 
 def test_reward_sources_score_in_the_process_as_in_the_thread_worker(engine, tmp_path):
@@ -229,7 +240,7 @@ def test_reward_sources_score_in_the_process_as_in_the_thread_worker(engine, tmp
     thread, thread_states = _thread_run(engine.url, rollout, steps, 1, rewards=rewards, view=view)
     light = build_reward_sources(config, default_rule=digit_fraction, engines=[], tokenizer=TOK, load_models=False)
     with pytest.raises(RewardSourceError, match="not loaded in this process"):
-        light.sources[1].score([])
+        light.sources[1].score_batch([], [])
     process, process_states = _process_run(engine.url, rollout, steps, 1, rewards=light.recipe, view=view)
     assert process_states == thread_states
     assert all(len(samples) == 6 and set(samples[0][-1]) == {"digit_fraction", "model1"} for samples, _, _ in thread)

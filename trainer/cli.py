@@ -796,9 +796,8 @@ def _rl_phase(r: _Run, engines: Sequence[InferenceEngine], sft_components: Any, 
                          table_rows=r.cfg.logging.table_rows)
     with cores_left_to_trainer(r.cfg):  # async: the engines generate while the trainer steps
         comp, state, hist = run_rl_training(None, buffer, rl_cfg, engines=engines, tokenizer=r.tokenizer,
-                                            reward_fn=None if r.cfg.rewards.sources else data.reward,
-                                            rewards=rewards, trainer_config=tcfg, components=comp,
-                                            resume=r.resume, sender=sender, reward_timeout_s=data.reward_timeout_s,
+                                            reward_fn=rewards, trainer_config=tcfg, components=comp,
+                                            resume=r.resume, sender=sender,
                                             evaluation=evaluation, dumps=dumps if dumps.every else None,
                                             logger=_logger(r, "rl", rl_cfg.output_dir))
     sender.close()
@@ -809,17 +808,19 @@ def _rl_phase(r: _Run, engines: Sequence[InferenceEngine], sft_components: Any, 
 
 
 def _reward_sources(r: _Run, engines: Sequence[InferenceEngine], *, device: str) -> Any:
-    """The [rewards] sources (trainer.rollout.reward_sources), built on rank 0, which scores the rollouts: reward
-    models loaded on the trainer's `device`, judges on their engines; None without sources ([data].reward alone)."""
+    """The run's reward (trainer.rollout.reward_sources.RewardSources), built once: the [rewards] sources (reward
+    models loaded on the trainer's `device`, judges on their engines), or without them [data].reward alone. Rank 0
+    scores the rollouts; the other ranks never do, and build the [data].reward shorthand only."""
+    from trainer.config import RewardsConfig
     from trainer.rollout.reward_sources import build_reward_sources, describe_rewards
 
-    if not r.cfg.rewards.sources or not r.is_main:
-        return None
-    print(describe_rewards(r.cfg.rewards, r.cfg.data.reward), flush=True)
+    config = r.cfg.rewards if r.is_main else RewardsConfig()
+    if config.sources:
+        print(describe_rewards(config, r.cfg.data.reward), flush=True)
     # A rollout process scores the batches with sources of its own (its reward models loaded there): the trainer's
     # process loads none.
     in_child = r.cfg.rl.rollout_worker == "process"
-    return build_reward_sources(r.cfg.rewards, default_rule=r.cfg.data.reward, engines=engines, tokenizer=r.tokenizer,
+    return build_reward_sources(config, default_rule=r.cfg.data.reward, engines=engines, tokenizer=r.tokenizer,
                                 device=device, timeout_s=r.cfg.data.reward_timeout_s, load_models=not in_child)
 
 

@@ -684,15 +684,7 @@ class LoggingConfig:
         _non_negative(self, "rollouts_every", "table_rows")
 
 
-REWARD_SOURCE_KINDS = ("rule", "model", "judge")
 REWARD_NORMALIZE = ("none", "batch")
-# The keys each kind of reward source reads (beside kind, weight, label); any other key set on a source is an error.
-REWARD_SOURCE_KEYS = {
-    "rule": ("name",),
-    "model": ("path", "url", "api_key_file", "timeout_s", "batch_size", "chat", "max_length"),
-    "judge": ("engine", "path", "api_key_file", "timeout_s", "template", "parser", "max_new_tokens", "min_score",
-              "max_score", "system"),
-}
 
 
 def _http_url(value: Any) -> bool:
@@ -701,30 +693,111 @@ def _http_url(value: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class RewardSourceConfig:
-    """One [rewards] sources entry: a rule (a reward function), a reward model or an LLM judge, with its weight.
-
-    rule: `name`. model: `path` (scored in the trainer's process, on its device) or `url` (a scoring server:
-    python -m trainer.rollout.reward_server), batch_size, chat, max_length. judge: `template`, `engine`, `path`,
-    parser, max_new_tokens, min_score / max_score, system (trainer.rollout.judge). A key of another kind is an error.
-    """
+    """One [rewards] sources entry: the keys every kind has. Its `kind` chooses its class, one per kind
+    (REWARD_SOURCE_CONFIGS: RuleSourceConfig, ModelSourceConfig, JudgeSourceConfig), which holds that kind's keys;
+    `reward_source_config` builds one from a TOML table, and a key of another kind is an error that names it."""
 
     kind: str = "rule"  # "rule" (a reward function), "model" (a reward model) or "judge" (an LLM judge)
     weight: float = 1.0  # its factor in the combined reward: the sum over sources of weight x (normalised) score
     label: str | None = None  # its metrics' name, reward/<label>_mean (None: a rule's function name, else kind + index)
+
+    def __post_init__(self) -> None:
+        cls = REWARD_SOURCE_CONFIGS.get(self.kind)
+        _check(cls is not None, f"kind = {self.kind!r}", f"choose one of {tuple(REWARD_SOURCE_CONFIGS)}")
+        _check(type(self) is cls, f"kind = {self.kind!r}",
+               f"build this source as a {cls.__name__} (trainer.config.reward_source_config picks the class of a "
+               f"table's kind)")
+        w = self.weight
+        _check(not isinstance(w, bool) and isinstance(w, int | float) and w == w and abs(w) != float("inf"),
+               f"weight = {w!r}", "a finite number (its factor in the combined reward)")
+        _check(self.label is None or (isinstance(self.label, str) and bool(self.label) and "/" not in self.label),
+               f"label = {self.label!r}", "a non-empty name without '/' (the metric is reward/<label>_mean)")
+
+    def files(self) -> dict[str, str | None]:
+        """{key: value} of the keys that name files or folders the source reads (trainer.run_folder keeps them)."""
+        return {}
+
+    def functions(self) -> dict[str, str | None]:
+        """{key: value} of the keys that name functions ("module:function" or "file.py:function")."""
+        return {}
+
+
+# kind -> its config class, filled by @reward_source_kind; trainer.rollout.reward_sources.SOURCE_KINDS holds what
+# each kind does (build, check, describe) under the same names.
+REWARD_SOURCE_CONFIGS: dict[str, type[RewardSourceConfig]] = {}
+
+
+def reward_source_kind(cls: type[RewardSourceConfig]) -> type[RewardSourceConfig]:
+    """Register a RewardSourceConfig subclass under its kind (the default of its `kind` field)."""
+    kind = cls.__dataclass_fields__["kind"].default
+    assert kind not in REWARD_SOURCE_CONFIGS, f"reward source kind {kind!r} registered twice"
+    REWARD_SOURCE_CONFIGS[kind] = cls
+    return cls
+
+
+@reward_source_kind
+@dataclasses.dataclass(frozen=True)
+class RuleSourceConfig(RewardSourceConfig):
+    """kind = "rule": a reward function of one sample, scored inside the rollout as each group finishes (bounded by
+    [data] reward_timeout_s)."""
+
+    kind: str = "rule"  # the kind these keys belong to
     name: str | None = None  # rule: a built-in reward or "module:function" (None: [data].reward)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(self.name is None or (isinstance(self.name, str) and bool(self.name)), f"name = {self.name!r}",
+               "a built-in reward name (\"arithmetic\", \"gsm8k\", ...) or \"module:function\"")
+
+    def functions(self) -> dict[str, str | None]:
+        return {"name": self.name}
+
+
+@reward_source_kind
+@dataclasses.dataclass(frozen=True)
+class ModelSourceConfig(RewardSourceConfig):
+    """kind = "model": a reward model (a sequence classifier with one output) scoring each batch after generation,
+    in the trainer's process (`path`) or through a scoring server (`url`: python -m trainer.rollout.reward_server)."""
+
+    kind: str = "model"  # the kind these keys belong to
     # model: the reward model's folder (an AutoModelForSequenceClassification with one output, saved with its tokenizer
-    # and chat template), loaded in the trainer's process; judge: the judge model's folder, read for its tokenizer and
-    # chat template only (None: the run's model)
+    # and chat template), loaded in the trainer's process
     path: str | None = None
     url: str | None = None  # model: the http(s):// address of a scoring server that holds the model (instead of path)
-    # judge: the http(s):// address of the engine serving it (the SGLang protocol: an SGLang or embedded engine; None:
-    # the run's first engine, i.e. the policy judges itself)
-    engine: str | None = None
-    api_key_file: str | None = None  # model url / judge engine: a file whose first line is the server's API key
-    timeout_s: float = 120.0  # model url / judge engine: one request's limit in seconds
+    api_key_file: str | None = None  # model url: a file whose first line is the server's API key
+    timeout_s: float = 120.0  # model url: one request's limit in seconds
     batch_size: int = 16  # model: samples per forward (sorted by length)
     chat: bool = True  # model: score the conversation in the model's chat template (false: prompt + completion text)
     max_length: int | None = None  # model: a longer rendering keeps its last max_length tokens (None: all of them)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _positive(self, "timeout_s")
+        _check((self.path is None) != (self.url is None), "path and url",
+               "give a model source one of them: path (a reward-model folder, scored in the trainer's process) or "
+               "url (a scoring server that holds the model: python -m trainer.rollout.reward_server)")
+        _check(self.url is None or _http_url(self.url), f"url = {self.url!r}", "give an http(s):// address")
+        _positive(self, "batch_size")
+        _check(self.max_length is None or self.max_length > 0, f"max_length = {self.max_length!r}",
+               "must be > 0, or unset to keep every token")
+
+    def files(self) -> dict[str, str | None]:
+        return {"path": self.path, "api_key_file": self.api_key_file}
+
+
+@reward_source_kind
+@dataclasses.dataclass(frozen=True)
+class JudgeSourceConfig(RewardSourceConfig):
+    """kind = "judge": an LLM judge scoring each batch after generation, one batched generate call to its engine
+    (trainer.rollout.judge); its answer is parsed into a score."""
+
+    kind: str = "judge"  # the kind these keys belong to
+    # judge: the http(s):// address of the engine serving it (the SGLang protocol: an SGLang or embedded engine; None:
+    # the run's first engine, i.e. the policy judges itself)
+    engine: str | None = None
+    path: str | None = None  # judge: the judge model's folder, for its tokenizer and chat template (None: the run's)
+    api_key_file: str | None = None  # judge engine: a file whose first line is the server's API key
+    timeout_s: float = 120.0  # judge engine: one request's limit in seconds
     template: str | None = None  # judge: its prompt, a str.format text with {prompt}, {response} and {answer}
     parser: str = "score"  # judge: "score" (first number), "yes_no" or "module:function" (text -> number or None)
     max_new_tokens: int = 64  # judge: the judge's answer limit (it answers greedily)
@@ -733,37 +806,20 @@ class RewardSourceConfig:
     system: str | None = None  # judge: a system turn before the judge's prompt
 
     def __post_init__(self) -> None:
-        _check(self.kind in REWARD_SOURCE_KINDS, f"kind = {self.kind!r}", f"choose one of {REWARD_SOURCE_KINDS}")
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        given = [k for k, v in defaults.items() if k not in ("kind", "weight", "label") and getattr(self, k) != v]
-        for key in given:
-            if key not in REWARD_SOURCE_KEYS[self.kind]:
-                owners = [k for k, keys in REWARD_SOURCE_KEYS.items() if key in keys]
-                raise ValueError(f"{key}: a key of {' and '.join(repr(o) for o in owners)} sources, and this one is "
-                                 f"kind = {self.kind!r}; drop {key}, or change kind")
-        w = self.weight
-        _check(not isinstance(w, bool) and isinstance(w, int | float) and w == w and abs(w) != float("inf"),
-               f"weight = {w!r}", "a finite number (its factor in the combined reward)")
-        _check(self.label is None or (isinstance(self.label, str) and bool(self.label) and "/" not in self.label),
-               f"label = {self.label!r}", "a non-empty name without '/' (the metric is reward/<label>_mean)")
-        _check(self.name is None or (isinstance(self.name, str) and bool(self.name)), f"name = {self.name!r}",
-               "a built-in reward name (\"arithmetic\", \"gsm8k\", ...) or \"module:function\"")
+        super().__post_init__()
         _positive(self, "timeout_s")
-        if self.kind == "model":
-            _check((self.path is None) != (self.url is None), "path and url",
-                   "give a model source one of them: path (a reward-model folder, scored in the trainer's process) or "
-                   "url (a scoring server that holds the model: python -m trainer.rollout.reward_server)")
-            _check(self.url is None or _http_url(self.url), f"url = {self.url!r}", "give an http(s):// address")
-            _positive(self, "batch_size")
-            _check(self.max_length is None or self.max_length > 0, f"max_length = {self.max_length!r}",
-                   "must be > 0, or unset to keep every token")
-        if self.kind == "judge":
-            _check(self.engine is None or _http_url(self.engine), f"engine = {self.engine!r}",
-                   "give the judge engine's http(s):// address, or leave it out to use the run's first engine")
-            _check(isinstance(self.template, str), "template",
-                   "a judge source needs its prompt, e.g. template = \"Question: {prompt}\\nAnswer: {response}\\n"
-                   "Is the answer correct? Reply yes or no.\" with parser = \"yes_no\"")
-            self.judge_config()  # the template's fields, the parser's name, the score bounds
+        _check(self.engine is None or _http_url(self.engine), f"engine = {self.engine!r}",
+               "give the judge engine's http(s):// address, or leave it out to use the run's first engine")
+        _check(isinstance(self.template, str), "template",
+               "a judge source needs its prompt, e.g. template = \"Question: {prompt}\\nAnswer: {response}\\n"
+               "Is the answer correct? Reply yes or no.\" with parser = \"yes_no\"")
+        self.judge_config()  # the template's fields, the parser's name, the score bounds
+
+    def files(self) -> dict[str, str | None]:
+        return {"path": self.path, "api_key_file": self.api_key_file}
+
+    def functions(self) -> dict[str, str | None]:
+        return {"parser": self.parser}
 
     def judge_config(self) -> Any:
         """The trainer.rollout.judge.JudgeConfig of a judge source (its own checks run there)."""
@@ -771,6 +827,33 @@ class RewardSourceConfig:
 
         return JudgeConfig(template=self.template, parser=self.parser, min_score=self.min_score,
                            max_score=self.max_score, max_new_tokens=self.max_new_tokens, system=self.system)
+
+
+def reward_source_config(table: Any, where: str) -> RewardSourceConfig:
+    """A [rewards] sources entry from its TOML table (a built config passes through): the class of its `kind`, a key
+    that belongs to other kinds named with them, any other unknown key named by config_from_dict."""
+    if isinstance(table, RewardSourceConfig):
+        return table
+    if not isinstance(table, Mapping):
+        raise ConfigError(f"[{where}]: expected a table of keys, e.g. {{kind = \"rule\", name = \"arithmetic\"}}, "
+                          f"got {type(table).__name__} {table!r}")
+    kind = table.get("kind", "rule")
+    kinds = tuple(REWARD_SOURCE_CONFIGS)
+    if kind not in REWARD_SOURCE_CONFIGS:
+        raise ConfigError(f"[{where}] kind = {kind!r}: choose one of {kinds}")
+    cls = REWARD_SOURCE_CONFIGS[kind]
+    own, kept = {f.name for f in dataclasses.fields(cls)}, {}
+    for key, value in table.items():
+        owners = {k: c.__dataclass_fields__[key].default for k, c in REWARD_SOURCE_CONFIGS.items()
+                  if key not in own and key in c.__dataclass_fields__}
+        # A key of another kind at that kind's default is no choice (a config.toml written before the classes were
+        # one per kind held every key of every kind); set to anything else it is an error.
+        if owners and any(value != default for default in owners.values()):
+            raise ConfigError(f"[{where}] {key}: a key of {' and '.join(repr(o) for o in owners)} sources, and this "
+                              f"one is kind = {kind!r}; drop {key}, or change kind")
+        if not owners:
+            kept[key] = value
+    return config_from_dict(cls, kept, where)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -784,15 +867,15 @@ class RewardsConfig:
     the loss, counted). Evaluation keeps [data].reward (the held-out truth).
     """
 
-    sources: tuple[Any, ...] = ()  # {kind, weight, ...} tables (RewardSourceConfig); empty: [data].reward alone
+    # {kind, weight, ...} tables (RuleSourceConfig, ModelSourceConfig, JudgeSourceConfig by kind); empty: [data].reward
+    # alone
+    sources: tuple[Any, ...] = ()
     normalize: str = "none"  # "none", or "batch": z-score each source's scores over the batch before the weighted sum
 
     def __post_init__(self) -> None:
         _check(isinstance(self.sources, tuple | list), f"sources = {self.sources!r}",
                "a list of tables, e.g. sources = [{kind = \"model\", path = \"runs/rm\"}]")
-        sources = tuple(s if isinstance(s, RewardSourceConfig) else
-                        config_from_dict(RewardSourceConfig, s, f"rewards.sources[{i}]")
-                        for i, s in enumerate(self.sources))
+        sources = tuple(reward_source_config(s, f"rewards.sources[{i}]") for i, s in enumerate(self.sources))
         object.__setattr__(self, "sources", sources)
         _check(self.normalize in REWARD_NORMALIZE, f"normalize = {self.normalize!r}",
                f"choose one of {REWARD_NORMALIZE}")

@@ -27,6 +27,7 @@ from engines.registry import EngineSpec
 from kernels import PolicyLossConfig
 from trainer.config import (
     MOVED,
+    REWARD_SOURCE_CONFIGS,
     CriticConfig,
     EvalSetConfig,
     LoRAConfig,
@@ -47,6 +48,8 @@ SUBTABLES: dict[tuple[type, str], type] = {(RLTrainingConfig, "loss"): PolicyLos
 # sources entries RewardSourceConfigs.
 ARRAY_TABLES: dict[str, type] = {"engines.fleet": EngineSpec, "eval.sets": EvalSetConfig,
                                  "rewards.sources": RewardSourceConfig}
+# Arrays whose entries' class is chosen by their `kind`: the shared keys' table, then one table per kind.
+KINDED_TABLES: dict[str, dict[str, type]] = {"rewards.sources": REWARD_SOURCE_CONFIGS}
 
 
 def section_class(cls: type, name: str) -> type | None:
@@ -117,15 +120,21 @@ def sections(cls: type = RunConfig, path: str = "") -> Iterator[tuple[str, type]
             yield from sections(sub, name)
         elif name in ARRAY_TABLES:
             yield name, ARRAY_TABLES[name]
+            for kind, kind_cls in KINDED_TABLES.get(name, {}).items():
+                yield f'{name} kind = "{kind}"', kind_cls
 
 
 def _table(path: str, cls: type) -> list[str]:
-    title = "top level" if not path else (f"[[{path}]]" if path in ARRAY_TABLES else f"[{path}]")
+    array, _, kind = path.partition(" kind = ")
+    title = "top level" if not path else (f"[[{array}]] with kind = {kind}" if kind else
+                                          f"[[{path}]]" if path in ARRAY_TABLES else f"[{path}]")
     doc = (inspect.getdoc(cls) or "").split("\n\n")[0].replace("\n", " ")
     out = [f"## {title}", "", f"`{cls.__module__}.{cls.__name__}`: {doc}", "", "| key | type | default | meaning |",
            "|---|---|---|---|"]
     for f in dataclasses.fields(cls):
         if not f.init or section_class(cls, f.name) is not None or f"{path}.{f.name}" in MOVED:
+            continue
+        if kind and _declaring(cls, f.name) is not cls:  # a shared key: documented in the [[array]] table
             continue
         out.append(f"| `{f.name}` | {_type(cls, f.name)} | `{_default(f)}` | "
                    f"{field_help(cls, f.name).replace('|', '/')} |")

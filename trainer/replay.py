@@ -84,16 +84,19 @@ def generate(cfg: RunConfig, engines: Sequence[Any], *, tokenizer: Any, folder: 
     from trainer.rollout.data import config_buffer
     from trainer.rollout.dumps import rollout_rows, write_rollouts
     from trainer.rollout.manager import AsyncRolloutManager, generate_rollout_batches
-    from trainer.rollout.rewards import load_reward_fn, no_reward, with_timeout
+    from trainer.rollout.reward_sources import build_reward_sources, scored_batches
 
     data, rl_cfg = cfg.data, cfg.rl
-    # No [data].reward: the episodes' environment or rollout_fn gives each reward (the CLI checked there is one).
-    reward = with_timeout(load_reward_fn(no_reward if data.reward is None else data.reward), data.reward_timeout_s)
-    manager = AsyncRolloutManager(engines, rl_cfg.rollout, tokenizer=tokenizer, reward_fn=reward,
+    # The run's reward as training builds it: [rewards] sources, or [data].reward alone (neither: the episodes'
+    # environment or rollout_fn gives each reward; the CLI checked there is one). No trainer: reward models on CPU.
+    rewards = build_reward_sources(cfg.rewards, default_rule=data.reward, engines=engines, tokenizer=tokenizer,
+                                   timeout_s=data.reward_timeout_s)
+    manager = AsyncRolloutManager(engines, rl_cfg.rollout, tokenizer=tokenizer, reward_fn=rewards.rollout_reward(),
                                   deterministic=rl_cfg.deterministic)
     buffer = config_buffer(data.train, data.mapping(), where="[data].train", seed=cfg.seed)
     written = []
-    batches = generate_rollout_batches(buffer, rl_cfg.rollout, manager=manager, num_batches=rl_cfg.num_steps)
+    batches = scored_batches(generate_rollout_batches(buffer, rl_cfg.rollout, manager=manager,
+                                                      num_batches=rl_cfg.num_steps), rewards)
     for step, batch in enumerate(batches, start=1):
         keep, _ = trained_samples(batch.samples, rl_cfg.advantage_estimator,
                                   mask_truncated=rl_cfg.rollout.mask_truncated)

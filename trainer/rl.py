@@ -56,7 +56,6 @@ from trainer.critic import attach_gae, build_critic, sum_across_ranks, token_rew
 from trainer.evaluation import Evaluation
 from trainer.metrics import MetricsLogger, open_logger, progress
 from trainer.rollout.dumps import RolloutDumps, rollout_rows, sample_logprobs, table_rows, write_rollouts
-from trainer.rollout.rewards import load_reward_fn, no_reward, with_timeout
 from trainer.rollout.samples import build_batch_metadata, pad_token_id
 from trainer.rollout.source import ResumePoints, RolloutSource
 from trainer.stops import RunStopped
@@ -310,7 +309,6 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
                     on_step: Callable[[int, dict], None] | None = None,
                     reward_timeout_s: float | None = DataConfig.reward_timeout_s,
                     evaluation: Evaluation | None = None, dumps: RolloutDumps | None = None,
-                    rewards: RewardSources | None = None,
                     ) -> tuple[TrainingComponents, TrainingState, list[dict]]:
     """Train with GRPO/PPO for config.num_steps steps; returns (components, final state, per-step metrics).
 
@@ -320,35 +318,29 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
     start (so they serve the policy being trained) and every `sync_every` steps, through `sender`: a
     trainer.weight_sync sender (WeightSyncSender, or DiskWeightSync) to those engines whose group is already up;
     the caller owns it (init_group before, close after). tokenizer: the model's (prompts, stop tokens, the pad
-    id). reward_fn: a function of a Sample or a name trainer.rollout.rewards.load_reward_fn resolves; a call
-    longer than `reward_timeout_s` (None: no limit) marks its sample FAILED instead of stalling the step. None:
-    the episodes' environment or rollout_fn gives each reward ([rl.rollout] env / rollout_fn); an episode given
-    none is FAILED (trainer.rollout.rewards.no_reward).
+    id). reward_fn: the reward, as built RewardSources (trainer.rollout.reward_sources.build_reward_sources: [rewards]
+    sources, rules, reward models and judges, each source's metrics logged), or as a function of a Sample or a name
+    trainer.rollout.rewards.load_reward_fn resolves (the [data].reward shorthand: one rule), whose call longer than
+    `reward_timeout_s` (None: no limit) marks its sample FAILED instead of stalling the step. None: the episodes'
+    environment or rollout_fn gives each reward ([rl.rollout] env / rollout_fn); an episode given none is FAILED
+    (trainer.rollout.rewards.no_reward).
     Writes metrics.jsonl and checkpoints under config.output_dir (`logger`: where the metrics go instead, e.g.
     trainer.tracking.build_logger's); resume=True continues from the newest complete checkpoint there (data
     position and partial-rollout cache included). Ctrl-C writes a checkpoint first. `evaluation`
     (trainer.evaluation.Evaluation): held-out figures at the start, every N steps right after the weight sync, and
     at the last step, logged with the step. `dumps` (trainer.rollout.dumps.RolloutDumps): the samples of every
     N-th step written out (with the trainer's log-probs before the update) and a few shown as a table.
-    `rewards` (trainer.rollout.reward_sources.build_reward_sources, [rewards] sources): the reward as a weighted sum
-    of rules, reward models and judges, in place of `reward_fn` (pass None); each source's metrics are logged.
     """
     from trainer.rollout.manager import AsyncRolloutManager
+    from trainer.rollout.reward_sources import as_reward_sources
 
     tcfg = trainer_config or trainer_config_from(config)
     comp = components or build_components(model, tcfg)
     ref = _reference_components(comp, tcfg) if config.loss.kl_coef > 0 else None  # frozen starting weights
     critic = build_critic(comp, tcfg)  # "gae" with a separate critic: from the starting weights; else None
-    if rewards is not None:  # [rewards] sources: rules score in the rollout, models and judges per batch after it
-        if reward_fn is not None:
-            raise ValueError("give reward_fn or rewards (whose rule sources replace reward_fn), not both")
-        reward_fn = rewards.rule_reward()
-    if rewards is None and reward_fn is None:  # the episodes' own rewards: one without any fails, never scores 0
-        reward_fn = no_reward
-    reward_spec = reward_fn  # as given (a name or a function): what a rollout process loads for itself
-    if rewards is None and reward_fn is not None:
-        reward_fn = with_timeout(load_reward_fn(reward_fn), reward_timeout_s)
-    manager = AsyncRolloutManager(engines, config.rollout, tokenizer=tokenizer, reward_fn=reward_fn,
+    # Built once: per-sample sources score inside the rollout, per-batch ones (models, judges) after it.
+    rewards = as_reward_sources(reward_fn, timeout_s=reward_timeout_s)
+    manager = AsyncRolloutManager(engines, config.rollout, tokenizer=tokenizer, reward_fn=rewards.rollout_reward(),
                                   deterministic=config.deterministic)
     resumable = {"data_buffer": data_buffer, "rollout_manager": manager}  # restored with the weights on resume
     state = _resume(comp, tcfg.output_dir, resumable, critic=critic) if resume else TrainingState()
@@ -367,7 +359,7 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
                                                enabled=comp.rank == 0) as bar,
           _rollout_source(data_buffer, config, manager, sender, comp.rank, on_failure=ckpt.save,
                           on_drawn=points.record, rewards=rewards, worker_cpus=tcfg.backend.rollout_cpus,
-                          reward=(reward_spec, reward_timeout_s), first_step=state.step + 1) as source,
+                          first_step=state.step + 1) as source,
           ckpt, frozen_heap()):
         sync_s = _sync(sender, state.weight_version)  # engines serve exactly the weights being trained
         if comp.rank == 0 and evaluation is not None and evaluation.at_start and state.step == 0:
@@ -414,11 +406,11 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
 
 def _rollout_source(data_buffer: Any, config: RLTrainingConfig, manager: AsyncRolloutManager, sender: WeightSync,
                     rank: int, *, on_failure: Callable[[], None], on_drawn: Callable[..., None],
-                    rewards: RewardSources | None = None, worker_cpus: tuple[int, ...] | None = None,
-                    reward: tuple[Any, float | None] = (None, None), first_step: int = 1) -> RolloutSource:
+                    rewards: RewardSources, worker_cpus: tuple[int, ...] | None = None,
+                    first_step: int = 1) -> RolloutSource:
     """Rank 0 drives the rollouts; the source hands every batch, or its failure, to the other ranks, and in async
-    mode generates config.generation_ahead batches ahead. Reward models and judges (`rewards`) score each batch
-    right after its generation, in the same (worker) thread.
+    mode generates config.generation_ahead batches ahead. Reward models and judges (`rewards`' per-batch sources)
+    score each batch right after its generation, in the same (worker) thread.
 
     The manager restarts cached partial samples against the version their batch will train at, at the latest:
     the engines' version plus the steps it may wait (generation_ahead) plus the engines' own lag (sync_every - 1),
@@ -429,11 +421,10 @@ def _rollout_source(data_buffer: Any, config: RLTrainingConfig, manager: AsyncRo
     lag = config.generation_ahead + config.sync_every - 1
     if config.rollout_worker == "process" and rank == 0:
         return _process_source(data_buffer, config, manager, lambda: sender.weight_version + lag, on_failure=on_failure,
-                               on_drawn=on_drawn, rewards=rewards, worker_cpus=worker_cpus, reward=reward,
-                               first_step=first_step)
+                               on_drawn=on_drawn, rewards=rewards, worker_cpus=worker_cpus, first_step=first_step)
     batches = generate_rollout_batches(data_buffer, config.rollout, manager=manager,
                                        weight_version=lambda: sender.weight_version + lag) if rank == 0 else None
-    if batches is not None and rewards is not None:
+    if batches is not None:
         batches = scored_batches(batches, rewards)
     return RolloutSource(batches, num_steps=config.num_steps, ahead=config.generation_ahead, on_failure=on_failure,
                          on_drawn=on_drawn, worker_cpus=worker_cpus, requeue=manager.requeue, cancel=manager.cancel)
@@ -441,22 +432,19 @@ def _rollout_source(data_buffer: Any, config: RLTrainingConfig, manager: AsyncRo
 
 def _process_source(data_buffer: Any, config: RLTrainingConfig, manager: AsyncRolloutManager,
                     version: Callable[[], int], *, on_failure: Callable[[], None], on_drawn: Callable[..., None],
-                    rewards: RewardSources | None, worker_cpus: tuple[int, ...] | None,
-                    reward: tuple[Any, float | None], first_step: int) -> RolloutSource:
+                    rewards: RewardSources, worker_cpus: tuple[int, ...] | None, first_step: int) -> RolloutSource:
     """[rl] rollout_worker = "process" (rank 0): the same rollouts, generated by a process of its own from the
     buffer's and manager's state as they are now (trainer.rollout.process_worker)."""
     from trainer.rollout.process_worker import RolloutProcess, RolloutRecipe
     from trainer.rollout.source import ProcessRolloutSource
 
-    if rewards is not None and rewards.recipe is None:
-        raise ValueError("[rl] rollout_worker = \"process\" rebuilds the [rewards] sources in the rollout process: "
+    if rewards.recipe is None:
+        raise ValueError("[rl] rollout_worker = \"process\" rebuilds the reward sources in the rollout process: "
                          "build them with trainer.rollout.reward_sources.build_reward_sources (it records the recipe)")
     recipe = RolloutRecipe(data_buffer=data_buffer, rollout=config.rollout, engines=tuple(manager.engines),
-                           tokenizer=manager.tokenizer, reward_fn=None if rewards is not None else reward[0],
-                           reward_timeout_s=reward[1], deterministic=config.deterministic,
+                           tokenizer=manager.tokenizer, rewards=rewards.recipe, deterministic=config.deterministic,
                            manager_state=manager.state_dict(), num_steps=config.num_steps,
-                           ahead=config.generation_ahead, first_step=first_step, cpus=worker_cpus,
-                           rewards=rewards.recipe if rewards is not None else None)
+                           ahead=config.generation_ahead, first_step=first_step, cpus=worker_cpus)
     return ProcessRolloutSource(RolloutProcess(recipe), num_steps=config.num_steps, version=version,
                                 on_failure=on_failure, on_drawn=on_drawn)
 

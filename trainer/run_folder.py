@@ -94,7 +94,7 @@ def input_paths(cfg: RunConfig, *, data_keys: Iterable[str] = ("train", "sft", "
     if cfg.rl.critic is not None:
         paths.append(("[rl.critic] path", cfg.rl.critic.path))
     for i, c in enumerate(cfg.rewards.sources):
-        paths += [(f"[rewards] sources[{i}] path", c.path), (f"[rewards] sources[{i}] api_key_file", c.api_key_file)]
+        paths += [(f"[rewards] sources[{i}] {k}", v) for k, v in c.files().items()]
     for key in data_keys:
         if getattr(data, key) is not None:
             paths += [(f"[data].{key}", s.path) for s in data_specs(getattr(data, key), data.mapping(),
@@ -108,7 +108,7 @@ def input_paths(cfg: RunConfig, *, data_keys: Iterable[str] = ("train", "sft", "
     functions += [("[rl.rollout] tools", t) for t in rollout.tools]
     functions += [("[rl.rollout] dynamic_filters", f) for f in rollout.dynamic_filters]
     functions += [(f"[[eval.sets]] {e.name!r} reward", e.reward) for e in cfg.eval.sets]
-    functions += [(f"[rewards] sources[{i}] {k}", getattr(c, k)) for i, c in enumerate(cfg.rewards.sources)
-                  for k in ("name", "parser")]
+    functions += [(f"[rewards] sources[{i}] {k}", v) for i, c in enumerate(cfg.rewards.sources)
+                  for k, v in c.functions().items()]
     paths += [(key, callable_file(spec)) for key, spec in functions]
     return [(key, str(path)) for key, path in paths if path is not None]

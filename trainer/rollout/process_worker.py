@@ -50,25 +50,22 @@ class RolloutRecipe:
     """Everything the child builds its rollout side from (pickled once, at start).
 
     data_buffer: the DataBuffer at its current position; manager_state: AsyncRolloutManager.state_dict(); engines:
-    HTTP engine clients (they pickle without their connections); reward_fn: a name or a module-level function (it
-    is wrapped with `reward_timeout_s` in the child); rewards: the [rewards] sources' RewardsRecipe
-    (trainer.rollout.reward_sources), which replaces reward_fn: the child builds the sources (reward models loaded
-    there, judges on its engine clients), its rules score in the rollout and its models and judges each batch, as
-    the thread worker does; cpus: the child's cores (None: the parent's)."""
+    HTTP engine clients (they pickle without their connections); rewards: the run's RewardsRecipe
+    (trainer.rollout.reward_sources: [rewards] sources, or the [data].reward shorthand), from which the child builds
+    the same sources (reward models loaded there, judges on its engine clients) and uses them as the thread worker
+    does; cpus: the child's cores (None: the parent's)."""
 
     data_buffer: Any
     rollout: Any  # trainer.config.RolloutConfig
     engines: tuple[Any, ...]
     tokenizer: Any
-    reward_fn: Any
-    reward_timeout_s: float | None
+    rewards: Any  # trainer.rollout.reward_sources.RewardsRecipe
     deterministic: bool
     manager_state: dict[str, Any]
     num_steps: int
     ahead: int
     first_step: int  # the first step the child generates (state.step + 1 on resume)
     cpus: tuple[int, ...] | None = None
-    rewards: Any = None  # trainer.rollout.reward_sources.RewardsRecipe: [rewards] sources in place of reward_fn
 
 
 def check_picklable(recipe: RolloutRecipe) -> None:
@@ -79,10 +76,8 @@ def check_picklable(recipe: RolloutRecipe) -> None:
         except Exception as e:
             hint = {"engines": "engines living in this process (kind \"local\", [engines] in_process = true) cannot "
                                "move to another process: start them as servers (in_process = false) or give URLs",
-                    "reward_fn": "give the reward as a name (\"module:function\") or a module-level function, not a "
-                                 "lambda or closure",
-                    "rewards": "give [data] reward (a rule source's default) as a name (\"module:function\") or a "
-                               "module-level function"}.get(field.name, "")
+                    "rewards": "give the reward ([data] reward, a rule source's name) as a name (\"module:function\") "
+                               "or a module-level function, not a lambda or closure"}.get(field.name, "")
             hint = hint or 'use [rl] rollout_worker = "thread"'
             raise ValueError(f"[rl] rollout_worker = \"process\": the rollout's {field.name} cannot be sent to the "
                              f"rollout process ({type(e).__name__}: {e}); {hint}") from e
@@ -241,16 +236,10 @@ async def _serve(conn: Any, recipe: RolloutRecipe) -> None:
 
     from trainer.rollout.manager import AsyncRolloutManager
     from trainer.rollout.reward_sources import score_batch
-    from trainer.rollout.rewards import load_reward_fn, with_timeout
 
-    sources = recipe.rewards.build(engines=recipe.engines, tokenizer=recipe.tokenizer) if recipe.rewards else None
-    if sources is not None:  # [rewards] sources: their rules in the rollout, models and judges after each batch
-        reward = sources.rule_reward()
-    else:
-        reward = recipe.reward_fn
-        reward = with_timeout(load_reward_fn(reward), recipe.reward_timeout_s) if reward is not None else None
-    manager = AsyncRolloutManager(list(recipe.engines), recipe.rollout, tokenizer=recipe.tokenizer, reward_fn=reward,
-                                  deterministic=recipe.deterministic)
+    sources = recipe.rewards.build(engines=recipe.engines, tokenizer=recipe.tokenizer)  # as the parent's
+    manager = AsyncRolloutManager(list(recipe.engines), recipe.rollout, tokenizer=recipe.tokenizer,
+                                  reward_fn=sources.rollout_reward(), deterministic=recipe.deterministic)
     manager.load_state_dict(recipe.manager_state)
     buffer = recipe.data_buffer
     gc.freeze()  # what this process keeps for its life, out of the collector's full passes (trainer/backend/heap.py)
@@ -299,7 +288,7 @@ async def _serve(conn: Any, recipe: RolloutRecipe) -> None:
                     apply(await inbox.receive())
                 manager.set_weight_version(ctl["version"])
                 batch = await manager.generate_batch(buffer)
-                if sources is not None:  # synchronous (judges run an event loop of their own): in a worker thread
+                if sources.scores_batches:  # synchronous (judges run an event loop of their own): in a worker thread
                     batch = await trio.to_thread.run_sync(score_batch, batch, sources)
                 # under the names trainer.rl's ResumePoints keeps them by
                 snapshot = {"data_buffer": buffer.state_dict(), "rollout_manager": manager.state_dict()}

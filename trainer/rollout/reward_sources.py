@@ -2,17 +2,26 @@
 
     rewards = build_reward_sources(cfg.rewards, default_rule=cfg.data.reward, engines=engines, tokenizer=tok,
                                    device="cuda:0", timeout_s=cfg.data.reward_timeout_s)
-    run_rl_training(..., reward_fn=None, rewards=rewards)
+    run_rl_training(..., reward_fn=rewards)
 
-[rewards] sources = [{kind, weight, ...}] (trainer.config.RewardSourceConfig). Where each kind is scored:
-  rule   per sample, inside the rollout as each group finishes (async, each rule bounded by [data] reward_timeout_s),
-         exactly where [data].reward is scored without sources: the rollout's reward function (`rule_reward`) runs
-         every rule and returns their weighted sum, reporting each rule's raw score as a "source".
+One system for both ways a run names its reward. [rewards] sources = [{kind, weight, ...}] builds one source per
+entry; with no sources, [data].reward alone is shorthand for one rule source (`RewardSources.shorthand`: the rule's
+result is the sample's reward as it is, its "correct" and metadata kept, an environment's own reward allowed, no
+batch pass). The built `RewardSources` is what the rollout uses, in a worker thread or in a rollout process alike:
+`rollout_reward()` is the manager's reward function and `score_batch` runs after each batch; its `recipe` rebuilds
+it in the rollout process ([rl] rollout_worker = "process").
+
+Kinds (SOURCE_KINDS, each with its config class in trainer.config.REWARD_SOURCE_CONFIGS) and where they score:
+  rule   per sample, inside the rollout as each group finishes (async, each rule bounded by [data] reward_timeout_s):
+         the rollout's reward function (`rule_reward`) runs every rule and returns their weighted sum, reporting
+         each rule's raw score as a "source".
   model  per batch, after generation and before the batch goes to the trainer: in the rollout worker, so in async
          mode it overlaps the previous step's training. In the trainer's process on its device
          (trainer.rollout.reward_model.RewardModelScorer) or through a scoring server (`url`:
          trainer.rollout.reward_server).
   judge  per batch, likewise: one batched generate call to the judge's engine (trainer.rollout.judge).
+A new kind: its config class in trainer.config (@reward_source_kind) and its entry here (@source_kind: build,
+check, describe), whose built object implements `RewardSource`.
 
 Combination (`combine_scores`): each sample's reward is the sum over sources of weight x score. With normalize =
 "batch" each source's scores are first z-scored over the batch's scored samples, (score - mean) / std with the
@@ -33,8 +42,9 @@ rule's function name ("arithmetic_reward"), else kind + its index in the list ("
 
 Limits: dynamic filters ([rl.rollout] dynamic_filters) run inside the rollout, per group, before models and judges
 score: they see the rules' weighted sum (trainer.cli refuses the built-in reward filters when a model or judge
-source is given). An environment that returns its own reward (multi-turn episodes) bypasses the rules; such a sample
-is FAILED here with an error that says so, since its reward cannot be combined with the sources'.
+source is given). An environment that returns its own reward (multi-turn episodes) bypasses the rules; with
+[rewards] sources such a sample is FAILED here with an error that says so, since its reward cannot be combined with
+the sources'.
 """
 
 from __future__ import annotations
@@ -44,15 +54,24 @@ import inspect
 import math
 import statistics
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import trio
 
+from trainer.config import (
+    REWARD_SOURCE_CONFIGS,
+    JudgeSourceConfig,
+    ModelSourceConfig,
+    RewardsConfig,
+    RewardSourceConfig,
+    RuleSourceConfig,
+)
 from trainer.rollout.rewards import (
     MAX_ABS_REWARD,
     RewardFn,
     load_reward_fn,
     mark_failed,
+    no_reward,
     reward_value,
     with_timeout,
 )
@@ -65,16 +84,64 @@ class RewardSourceError(RuntimeError):
     """One reward source failed on a sample (the message names the source)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Source:
-    """One built reward source. score: rule: a reward function of one sample (async, bounded by the timeout);
-    model: samples -> one float each (input order); judge: samples -> (judged samples, counts), as
-    trainer.rollout.judge.judge_samples returns them."""
+class RewardSource(Protocol):
+    """One built reward source. per_sample: True, it scores one sample at a time inside the rollout
+    (`score_sample`, awaited by the rollout's reward function) and has nothing left to do per batch; False, it
+    scores the batch after generation (`score_batch`) and has no per-sample score."""
 
-    label: str
     kind: str
+    label: str
     weight: float
-    score: Callable[..., Any]
+    per_sample: bool
+
+    async def score_sample(self, sample: Sample) -> Any:
+        """The sample's score as a reward function returns it (a number, or a dict with "reward")."""
+
+    def score_batch(self, samples: list[Sample], todo: list[int]) -> dict[str, int]:
+        """Score samples[i] for i in todo, replacing each with its scored (or FAILED) copy; returns counts to sum
+        into the batch's metrics (e.g. judge/judged)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildContext:
+    """What a source is built with besides its config. default_rule: [data].reward (a rule without `name` runs it).
+    engines: the run's (a judge without `engine` is served by the first). tokenizer: the run's model's. device: where
+    in-process reward models run (the trainer's). timeout_s: each rule call's limit. load_models=False: in-process
+    reward models are not loaded here (a rollout process loads its own from the recipe); scoring with one raises."""
+
+    default_rule: Any
+    engines: Sequence[Any]
+    tokenizer: Any
+    device: str = "cpu"
+    timeout_s: float | None = None
+    load_models: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceKind:
+    """A kind's entry in SOURCE_KINDS. source: the class it builds (a RewardSource; its per_sample says where it
+    scores). build(config, label, index, ctx) -> a source. check(config, default_rule): before any work, raise
+    ValueError / FileNotFoundError for what would fail at build (a rule that does not load, a folder without a
+    model). where(config, default_rule): what it scores with, for `describe_rewards`. name(config, default_rule): its
+    derived label (None: kind + index)."""
+
+    source: type
+    build: Callable[[Any, str, int, BuildContext], RewardSource]
+    check: Callable[[Any, Any], None]
+    where: Callable[[Any, Any], str]
+    name: Callable[[Any, Any], str | None] = lambda config, default_rule: None
+
+
+SOURCE_KINDS: dict[str, SourceKind] = {}
+
+
+def source_kind(config_class: type[RewardSourceConfig], source: type, **entry: Any) -> None:
+    """Register what a kind does (SourceKind) under its config class's kind (trainer.config.REWARD_SOURCE_CONFIGS),
+    which is also its source class's `kind`."""
+    kind = config_class.__dataclass_fields__["kind"].default
+    assert REWARD_SOURCE_CONFIGS.get(kind) is config_class, f"register {config_class.__name__} in trainer.config first"
+    assert source.kind == kind and kind not in SOURCE_KINDS, f"reward source kind {kind!r}: one class, one entry"
+    SOURCE_KINDS[kind] = SourceKind(source=source, **entry)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,24 +150,26 @@ class RewardsRecipe:
     "process") builds the same sources from it with its own engine clients (`build`). Picklable when the default
     rule is a name or a module-level function."""
 
-    config: Any  # trainer.config.RewardsConfig
+    config: RewardsConfig
     default_rule: Any
     device: str = "cpu"
     timeout_s: float | None = None
 
-    def build(self, *, engines: Sequence[Any], tokenizer: Any) -> RewardSources | None:
+    def build(self, *, engines: Sequence[Any], tokenizer: Any) -> RewardSources:
         return build_reward_sources(self.config, default_rule=self.default_rule, engines=engines, tokenizer=tokenizer,
                                     device=self.device, timeout_s=self.timeout_s)
 
 
 @dataclasses.dataclass(frozen=True)
 class RewardSources:
-    """The sources of a run, built once (reward models loaded, judge engines chosen), and how they combine; `recipe`
-    rebuilds them in another process."""
+    """The sources of a run, built once (rules loaded, reward models loaded, judge engines chosen), and how they
+    combine; `recipe` rebuilds them in another process. shorthand: [data].reward alone (one rule source, no
+    [rewards] sources): its result is the reward as it is, and there is no batch pass."""
 
-    sources: tuple[Source, ...]
+    sources: tuple[RewardSource, ...]
     normalize: str = "none"
     recipe: RewardsRecipe | None = None
+    shorthand: bool = False
 
     def __post_init__(self) -> None:
         labels = [s.label for s in self.sources]
@@ -108,15 +177,25 @@ class RewardSources:
             raise ValueError(f"reward source labels {labels} must be unique")
         if self.normalize not in ("none", "batch"):
             raise ValueError(f"normalize={self.normalize!r}: choose 'none' or 'batch'")
+        assert not self.shorthand or (len(self.sources) == 1 and isinstance(self.sources[0], RuleSource)), \
+            "the [data].reward shorthand is one rule source"
 
     @property
     def weights(self) -> dict[str, float]:
         return {s.label: s.weight for s in self.sources}
 
-    def rule_reward(self) -> RewardFn | None:
-        """The rollout's reward function: every rule source on one sample (None when there is no rule source)."""
-        rules = [s for s in self.sources if s.kind == "rule"]
-        return rule_reward(rules) if rules else None
+    @property
+    def scores_batches(self) -> bool:
+        """Whether each batch goes through `score_batch` after the rollout (not for the [data].reward shorthand)."""
+        return not self.shorthand
+
+    def rollout_reward(self) -> RewardFn | None:
+        """The rollout's reward function: the shorthand's rule as it is, else every per-sample source on one sample
+        (None when there is none)."""
+        if self.shorthand:
+            return self.sources[0].fn
+        per_sample = [s for s in self.sources if s.per_sample]
+        return rule_reward(per_sample) if per_sample else None
 
 
 # ----------------------------------------------------------------------------------------------- combining
@@ -147,48 +226,36 @@ def combine_scores(scores: Sequence[Mapping[str, float] | None], weights: Mappin
     return out
 
 
-def source_label(index: int, kind: str, label: str | None, name: Any) -> str:
-    """A source's name in the metrics: its label, else a rule's function name, else kind + index."""
-    if label:
-        return label
-    if kind == "rule":
-        if callable(name):
-            return getattr(name, "__name__", f"rule{index}")
-        return str(name).rsplit(":", 1)[-1]
-    return f"{kind}{index}"
-
-
-def source_labels(configs: Sequence[Any], default_rule: Any) -> list[str]:
-    """The labels of RewardSourceConfigs, unique (a repeated derived one gets its index appended)."""
+def source_labels(configs: Sequence[RewardSourceConfig], default_rule: Any) -> list[str]:
+    """The labels of the sources' configs, unique: a source's `label`, else its kind's derived name (a rule's
+    function name), else kind + index; a repeated derived one gets its index appended."""
     out: list[str] = []
     given = {c.label for c in configs if c.label}
     for i, c in enumerate(configs):
-        label = source_label(i, c.kind, c.label, c.name or default_rule)
+        label = c.label or SOURCE_KINDS[c.kind].name(c, default_rule) or f"{c.kind}{i}"
         if not c.label and (label in out or label in given):
             label = f"{label}{i}"
         out.append(label)
     return out
 
 
-# ----------------------------------------------------------------------------------------------- rules
-def rule_reward(rules: Sequence[Source]) -> RewardFn:
-    """A reward function (for the rollout manager) that runs every rule source on a sample: it returns their
-    weighted sum, the first verdict a rule gives ("correct"), and each rule's raw score as "sources". A rule that
+# ----------------------------------------------------------------------------------------------- per sample
+def rule_reward(sources: Sequence[RewardSource]) -> RewardFn:
+    """A reward function (for the rollout manager) that runs every per-sample source on a sample: it returns their
+    weighted sum, the first verdict one gives ("correct"), and each one's raw score as "sources". A source that
     raises (or times out, or returns no number) fails the sample with an error naming it."""
 
     async def reward(sample: Sample) -> dict[str, Any]:
         raw: dict[str, float] = {}
         correct = None
-        for src in rules:
+        for src in sources:
             try:
-                value = src.score(sample)
-                if inspect.isawaitable(value):
-                    value = await value
-                raw[src.label], verdict = reward_value(value)
+                raw[src.label], verdict = reward_value(await src.score_sample(sample))
             except Exception as e:  # noqa: BLE001 - a failing rule fails its sample, named
-                raise RewardSourceError(f"reward source {src.label!r} (rule) failed: {type(e).__name__}: {e}") from e
+                raise RewardSourceError(f"reward source {src.label!r} ({src.kind}) failed: {type(e).__name__}: "
+                                        f"{e}") from e
             correct = verdict if correct is None else correct
-        return {"reward": math.fsum(s.weight * raw[s.label] for s in rules), "correct": correct, "sources": raw}
+        return {"reward": math.fsum(s.weight * raw[s.label] for s in sources), "correct": correct, "sources": raw}
 
     return reward
 
@@ -199,41 +266,9 @@ def _with_score(sample: Sample, label: str, score: float, **extra: Any) -> Sampl
     return dataclasses.replace(sample, metadata={**sample.metadata, **extra, "reward_sources": sources})
 
 
-def _source_failed(sample: Sample, src: Source, message: str) -> Sample:
+def _source_failed(sample: Sample, src: RewardSource, message: str) -> Sample:
     failed = mark_failed(sample, RewardSourceError(f"reward source {src.label!r} ({src.kind}) failed: {message}"))
     return dataclasses.replace(failed, metadata={**failed.metadata, "reward_failed_source": src.label})
-
-
-def _score_with_model(src: Source, samples: list[Sample], todo: list[int]) -> None:
-    from trainer.rollout.reward_server import RewardServerError
-
-    try:
-        scores = src.score([samples[i] for i in todo])
-    except RewardServerError as e:  # the server's fault, not the samples': the batch goes on without them
-        for i in todo:
-            samples[i] = _source_failed(samples[i], src, str(e))
-        return
-    for i, x in zip(todo, scores):
-        if math.isfinite(x) and abs(x) <= MAX_ABS_REWARD:
-            samples[i] = _with_score(samples[i], src.label, x)
-        else:
-            samples[i] = _source_failed(samples[i], src, f"the reward model scored the sample {x} (non-finite or "
-                                                         f"beyond +-{MAX_ABS_REWARD:g})")
-
-
-def _score_with_judge(src: Source, samples: list[Sample], todo: list[int]) -> dict[str, int]:
-    judged, counts = src.score([samples[i] for i in todo])
-    for i, j in zip(todo, judged):
-        text = {"judge_text": j.metadata["judge_text"]} if "judge_text" in j.metadata else {}
-        if j.status == Status.FAILED:
-            # judge_samples printed the error once already: the sample is marked here without printing it again.
-            meta = {**samples[i].metadata, **text, "reward_failed_source": src.label,
-                    "reward_error": f"reward source {src.label!r} (judge) failed: {j.metadata.get('reward_error')}",
-                    "reward_traceback": j.metadata.get("reward_traceback", "")}
-            samples[i] = dataclasses.replace(samples[i], reward=0.0, status=Status.FAILED, metadata=meta)
-        else:
-            samples[i] = _with_score(samples[i], src.label, j.reward, **text)
-    return counts
 
 
 def _environment_reward(sample: Sample) -> bool:
@@ -242,8 +277,11 @@ def _environment_reward(sample: Sample) -> bool:
 
 
 def score_batch(batch: RolloutBatch, rewards: RewardSources) -> RolloutBatch:
-    """The batch with every model and judge source scored, each sample's combined reward, the batch's reward
-    statistics recomputed and the sources' metrics in metadata["reward_metrics"] (module docstring)."""
+    """The batch with every per-batch source scored, each sample's combined reward, the batch's reward statistics
+    recomputed and the sources' metrics in metadata["reward_metrics"] (module docstring). The [data].reward
+    shorthand has no batch pass: the batch as it is."""
+    if not rewards.scores_batches:
+        return batch
     samples = list(batch.samples)
     for i, s in enumerate(samples):
         if _environment_reward(s):
@@ -251,23 +289,18 @@ def score_batch(batch: RolloutBatch, rewards: RewardSources) -> RolloutBatch:
                 "the environment gave this sample its own reward, which bypasses the [rewards] rule sources and "
                 "cannot be combined with the other sources; score such episodes with rule sources (drop the "
                 "environment's reward) or leave [rewards] sources empty"))
-    judge_counts: dict[str, int] = {}
+    counts: dict[str, int] = {}
     for src in rewards.sources:
-        if src.kind == "rule":  # scored in the rollout already
-            continue
         todo = [i for i, s in enumerate(samples) if s.status != Status.FAILED]
         if not todo:
             break
-        if src.kind == "model":
-            _score_with_model(src, samples, todo)
-        else:
-            for k, v in _score_with_judge(src, samples, todo).items():
-                judge_counts[k] = judge_counts.get(k, 0) + v
+        for k, v in src.score_batch(samples, todo).items():
+            counts[k] = counts.get(k, 0) + v
     weights = rewards.weights
     combined = combine_scores([None if s.status == Status.FAILED else s.metadata.get("reward_sources", {})
                                for s in samples], weights, rewards.normalize)
     samples = [s if r is None else dataclasses.replace(s, reward=r) for s, r in zip(samples, combined)]
-    metrics = {**source_metrics(samples, list(weights)), **judge_counts}
+    metrics = {**source_metrics(samples, list(weights)), **counts}
     stats = build_batch_metadata(samples)
     newly_failed = sum(s.status == Status.FAILED for s in samples) - sum(
         s.status == Status.FAILED for s in batch.samples)
@@ -290,7 +323,11 @@ def source_metrics(samples: Sequence[Sample], labels: Sequence[str]) -> dict[str
 
 def scored_batches(batches: Iterator[RolloutBatch], rewards: RewardSources) -> Iterator[RolloutBatch]:
     """`score_batch` on each batch of a rollout generator, in the thread that draws it (the rollout worker in async
-    mode); closing this closes `batches`."""
+    mode); closing this closes `batches`. Without a batch pass: `batches` as they are."""
+    return _scored(batches, rewards) if rewards.scores_batches else batches
+
+
+def _scored(batches: Iterator[RolloutBatch], rewards: RewardSources) -> Iterator[RolloutBatch]:
     try:
         for batch in batches:
             yield score_batch(batch, rewards)
@@ -300,8 +337,86 @@ def scored_batches(batches: Iterator[RolloutBatch], rewards: RewardSources) -> I
             close()
 
 
-# ----------------------------------------------------------------------------------------------- building
-def model_scorer(config: Any, *, device: str) -> Callable[[Sequence[Sample]], list[float]]:
+# ----------------------------------------------------------------------------------------------- rule
+@dataclasses.dataclass(frozen=True)
+class RuleSource:
+    """kind = "rule": a reward function of one sample (bounded by the timeout), scored inside the rollout."""
+
+    label: str
+    weight: float
+    fn: RewardFn
+    kind: ClassVar[str] = "rule"
+    per_sample: ClassVar[bool] = True
+
+    async def score_sample(self, sample: Sample) -> Any:
+        value = self.fn(sample)
+        return await value if inspect.isawaitable(value) else value
+
+    def score_batch(self, samples: list[Sample], todo: list[int]) -> dict[str, int]:
+        return {}  # scored in the rollout already
+
+
+def _rule_spec(config: RuleSourceConfig, default_rule: Any) -> Any:
+    spec = config.name or default_rule
+    if spec is None:
+        raise ValueError("a rule without name runs [data].reward, which is unset; give the rule a name "
+                         "(e.g. name = \"arithmetic\") or set [data].reward")
+    return spec
+
+
+def _build_rule(config: RuleSourceConfig, label: str, index: int, ctx: BuildContext) -> RuleSource:
+    try:
+        spec = _rule_spec(config, ctx.default_rule)
+    except ValueError as e:
+        raise ValueError(f"[rewards] sources[{index}]: {e}") from e
+    return RuleSource(label=label, weight=float(config.weight), fn=with_timeout(load_reward_fn(spec), ctx.timeout_s))
+
+
+def _rule_name(config: RuleSourceConfig, default_rule: Any) -> str | None:
+    spec = config.name or default_rule
+    if callable(spec):
+        return getattr(spec, "__name__", None)
+    return None if spec is None else str(spec).rsplit(":", 1)[-1]
+
+
+source_kind(RuleSourceConfig, RuleSource, build=_build_rule,
+            check=lambda c, default: load_reward_fn(_rule_spec(c, default)),
+            where=lambda c, default: c.name or default, name=_rule_name)
+
+
+# ----------------------------------------------------------------------------------------------- model
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """kind = "model": samples -> one score each (input order), scored per batch after the rollout."""
+
+    label: str
+    weight: float
+    scorer: Callable[[Sequence[Sample]], list[float]]
+    kind: ClassVar[str] = "model"
+    per_sample: ClassVar[bool] = False
+
+    async def score_sample(self, sample: Sample) -> Any:
+        raise TypeError("a reward model scores whole batches (score_batch), after the rollout")
+
+    def score_batch(self, samples: list[Sample], todo: list[int]) -> dict[str, int]:
+        from trainer.rollout.reward_server import RewardServerError
+
+        try:
+            scores = self.scorer([samples[i] for i in todo])
+        except RewardServerError as e:  # the server's fault, not the samples': the batch goes on without them
+            for i in todo:
+                samples[i] = _source_failed(samples[i], self, str(e))
+            return {}
+        for i, x in zip(todo, scores):
+            if math.isfinite(x) and abs(x) <= MAX_ABS_REWARD:
+                samples[i] = _with_score(samples[i], self.label, x)
+            else:
+                samples[i] = _source_failed(samples[i], self, f"the reward model scored the sample {x} (non-finite "
+                                                              f"or beyond +-{MAX_ABS_REWARD:g})")
+        return {}
+
+
+def model_scorer(config: ModelSourceConfig, *, device: str) -> Callable[[Sequence[Sample]], list[float]]:
     """samples -> scores of a model source: its folder loaded here on `device`, or its scoring server."""
     if config.url is None:
         from trainer.rollout.reward_model import RewardModelScorer
@@ -321,6 +436,65 @@ def model_scorer(config: Any, *, device: str) -> Callable[[Sequence[Sample]], li
     return score
 
 
+def _not_loaded(label: str) -> Callable[[Sequence[Sample]], list[float]]:
+    def score(samples: Sequence[Sample]) -> list[float]:
+        raise RewardSourceError(f"reward source {label!r}: its model was not loaded in this process (the rollout "
+                                f"process scores it, [rl] rollout_worker = \"process\")")
+
+    return score
+
+
+def _build_model(config: ModelSourceConfig, label: str, index: int, ctx: BuildContext) -> ModelSource:
+    local = config.url is None
+    scorer = model_scorer(config, device=ctx.device) if ctx.load_models or not local else _not_loaded(label)
+    return ModelSource(label=label, weight=float(config.weight), scorer=scorer)
+
+
+def _check_model(config: ModelSourceConfig, default_rule: Any) -> None:
+    from trainer.rollout.reward_model import check_reward_model_folder
+    from trainer.rollout.reward_server import read_api_key
+
+    if config.path is not None:
+        check_reward_model_folder(config.path)
+    if config.api_key_file is not None:
+        read_api_key(config.api_key_file)
+
+
+source_kind(ModelSourceConfig, ModelSource, build=_build_model, check=_check_model,
+            where=lambda c, default: c.url or f"{c.path}, in the trainer's process")
+
+
+# ----------------------------------------------------------------------------------------------- judge
+@dataclasses.dataclass(frozen=True)
+class JudgeSource:
+    """kind = "judge": samples -> (judged samples, counts) through the judge's engine, as
+    trainer.rollout.judge.judge_samples returns them, scored per batch after the rollout."""
+
+    label: str
+    weight: float
+    run: Callable[[Sequence[Sample]], Any]
+    kind: ClassVar[str] = "judge"
+    per_sample: ClassVar[bool] = False
+
+    async def score_sample(self, sample: Sample) -> Any:
+        raise TypeError("a judge scores whole batches (score_batch), after the rollout")
+
+    def score_batch(self, samples: list[Sample], todo: list[int]) -> dict[str, int]:
+        judged, counts = self.run([samples[i] for i in todo])
+        for i, j in zip(todo, judged):
+            text = {"judge_text": j.metadata["judge_text"]} if "judge_text" in j.metadata else {}
+            if j.status == Status.FAILED:
+                # judge_samples printed the error once already: the sample is marked here without printing it again.
+                meta = {**samples[i].metadata, **text, "reward_failed_source": self.label,
+                        "reward_error": f"reward source {self.label!r} (judge) failed: "
+                                        f"{j.metadata.get('reward_error')}",
+                        "reward_traceback": j.metadata.get("reward_traceback", "")}
+                samples[i] = dataclasses.replace(samples[i], reward=0.0, status=Status.FAILED, metadata=meta)
+            else:
+                samples[i] = _with_score(samples[i], self.label, j.reward, **text)
+        return counts
+
+
 def judge_runner(engine: Any, judge_config: Any, tokenizer: Any) -> Callable[[Sequence[Sample]], Any]:
     """samples -> (judged samples, counts) through `engine`, in an event loop of its own (the rollout worker's batch
     transform is synchronous); the engine's pooled connections of that loop are closed after."""
@@ -336,60 +510,70 @@ def judge_runner(engine: Any, judge_config: Any, tokenizer: Any) -> Callable[[Se
     return lambda samples: trio.run(run, samples)
 
 
-def build_reward_sources(config: Any, *, default_rule: Any, engines: Sequence[Any], tokenizer: Any,
-                         device: str = "cpu", timeout_s: float | None = None,
-                         load_models: bool = True) -> RewardSources | None:
-    """The run's RewardSources from a trainer.config.RewardsConfig (None when it has no sources: [data].reward alone).
-
-    default_rule: the reward function a rule source without `name` runs ([data].reward). engines: the run's (a
-    judge without `engine` is served by the first). tokenizer: the run's model's (a judge without `path` uses it).
-    device: where in-process reward models run (the trainer's). timeout_s: each rule call's limit. load_models=False:
-    in-process reward models are not loaded here (a rollout process loads its own from `recipe`); scoring with one
-    raises."""
-    if not config.sources:
-        return None
-    recipe = RewardsRecipe(config=config, default_rule=default_rule, device=device, timeout_s=timeout_s)
-    labels = source_labels(config.sources, default_rule)
-    built = []
-    for i, (c, label) in enumerate(zip(config.sources, labels)):
-        if c.kind == "rule":
-            spec = c.name or default_rule
-            if spec is None:
-                raise ValueError(f"[rewards] sources[{i}]: a rule without name runs [data].reward, which is unset; "
-                                 f"give the rule a name (e.g. name = \"arithmetic\") or set [data].reward")
-            score = with_timeout(load_reward_fn(spec), timeout_s)
-        elif c.kind == "model":
-            score = model_scorer(c, device=device) if load_models or c.url is not None else _not_loaded(label)
-        else:
-            score = judge_runner(*_judge_engine(c, i, engines, tokenizer))
-        built.append(Source(label=label, kind=c.kind, weight=float(c.weight), score=score))
-    return RewardSources(sources=tuple(built), normalize=config.normalize, recipe=recipe)
-
-
-def _not_loaded(label: str) -> Callable[[Sequence[Sample]], list[float]]:
-    def score(samples: Sequence[Sample]) -> list[float]:
-        raise RewardSourceError(f"reward source {label!r}: its model was not loaded in this process (the rollout "
-                                f"process scores it, [rl] rollout_worker = \"process\")")
-
-    return score
-
-
-def _judge_engine(c: Any, index: int, engines: Sequence[Any], tokenizer: Any) -> tuple[Any, Any, Any]:
-    """(engine, JudgeConfig, tokenizer) of a judge source."""
+def _build_judge(config: JudgeSourceConfig, label: str, index: int, ctx: BuildContext) -> JudgeSource:
+    """A judge source: its engine (its own URL, else the run's first), its tokenizer (its folder's, else the run's)."""
     from engines.tokenizer import load_tokenizer
 
-    if c.engine is not None:  # an SGLang-protocol server (a real SGLang, or an embedded engine over HTTP)
+    if config.engine is not None:  # an SGLang-protocol server (a real SGLang, or an embedded engine over HTTP)
         from engines.registry import EngineSpec, build_engine
         from trainer.rollout.reward_server import read_api_key
 
-        engine = build_engine(EngineSpec(kind="sglang", url=c.engine), model_folder=c.path or "",
-                              api_key=read_api_key(c.api_key_file), timeout_s=c.timeout_s)
-    elif engines:
-        engine = engines[0]
+        engine = build_engine(EngineSpec(kind="sglang", url=config.engine), model_folder=config.path or "",
+                              api_key=read_api_key(config.api_key_file), timeout_s=config.timeout_s)
+    elif ctx.engines:
+        engine = ctx.engines[0]
     else:
         raise ValueError(f"[rewards] sources[{index}]: a judge without engine is served by the run's first engine, "
                          f"and there is none; give the judge's engine URL")
-    return engine, c.judge_config(), load_tokenizer(c.path) if c.path is not None else tokenizer
+    tokenizer = load_tokenizer(config.path) if config.path is not None else ctx.tokenizer
+    return JudgeSource(label=label, weight=float(config.weight), run=judge_runner(engine, config.judge_config(),
+                                                                                    tokenizer))
+
+
+def _check_judge(config: JudgeSourceConfig, default_rule: Any) -> None:
+    from trainer.rollout.judge import load_parser
+    from trainer.rollout.reward_server import read_api_key
+
+    if config.path is not None:
+        from engines.tokenizer import check_tokenizer_files
+
+        check_tokenizer_files(config.path)
+    load_parser(config.judge_config())
+    if config.api_key_file is not None:
+        read_api_key(config.api_key_file)
+
+
+source_kind(JudgeSourceConfig, JudgeSource, build=_build_judge, check=_check_judge,
+            where=lambda c, default: c.engine or "the run's first engine")
+assert set(SOURCE_KINDS) == set(REWARD_SOURCE_CONFIGS), "every kind of trainer.config needs its entry here"
+
+
+# ----------------------------------------------------------------------------------------------- building
+def build_reward_sources(config: RewardsConfig, *, default_rule: Any, engines: Sequence[Any], tokenizer: Any,
+                         device: str = "cpu", timeout_s: float | None = None,
+                         load_models: bool = True) -> RewardSources:
+    """The run's RewardSources from a trainer.config.RewardsConfig: its sources, or with none the [data].reward
+    shorthand (one rule running `default_rule`; None: trainer.rollout.rewards.no_reward, the episodes give their own
+    rewards). BuildContext says what the other arguments are."""
+    recipe = RewardsRecipe(config=config, default_rule=default_rule, device=device, timeout_s=timeout_s)
+    if not config.sources:
+        spec = no_reward if default_rule is None else default_rule
+        fn, label = with_timeout(load_reward_fn(spec), timeout_s), _rule_name(RuleSourceConfig(), spec) or "reward"
+        return RewardSources(sources=(RuleSource(label=label, weight=1.0, fn=fn),), recipe=recipe, shorthand=True)
+    ctx = BuildContext(default_rule=default_rule, engines=engines, tokenizer=tokenizer, device=device,
+                       timeout_s=timeout_s, load_models=load_models)
+    labels = source_labels(config.sources, default_rule)
+    built = tuple(SOURCE_KINDS[c.kind].build(c, label, i, ctx)
+                  for i, (c, label) in enumerate(zip(config.sources, labels)))
+    return RewardSources(sources=built, normalize=config.normalize, recipe=recipe)
+
+
+def as_reward_sources(reward: Any, *, timeout_s: float | None) -> RewardSources:
+    """What run_rl_training's `reward_fn` may be: built RewardSources as they are, else a reward function, its name,
+    or None (the episodes' own rewards), as the [data].reward shorthand."""
+    if isinstance(reward, RewardSources):
+        return reward
+    return build_reward_sources(RewardsConfig(), default_rule=reward, engines=(), tokenizer=None, timeout_s=timeout_s)
 
 
 # ----------------------------------------------------------------------------------------------- checking
@@ -397,37 +581,20 @@ def _judge_engine(c: Any, index: int, engines: Sequence[Any], tokenizer: Any) ->
 REWARD_FILTERS = ("check_reward_nonzero_std", "check_min_reward", "check_quality_and_diversity")
 
 
-def check_reward_sources(config: Any, *, default_rule: Any, dynamic_filters: Sequence[Any] = ()) -> None:
-    """Before any work (trainer.cli's input check): every rule loads, every reward-model folder holds a sequence
-    classifier with one output and a tokenizer, every judge's tokenizer folder and parser load, every key file
-    reads, and no built-in reward filter would run before the models and judges score. Errors name the source."""
-    from trainer.rollout.judge import load_parser
-    from trainer.rollout.reward_model import check_reward_model_folder
-    from trainer.rollout.reward_server import read_api_key
-
+def check_reward_sources(config: RewardsConfig, *, default_rule: Any, dynamic_filters: Sequence[Any] = ()) -> None:
+    """Before any work (trainer.cli's input check): each source's kind checks what would fail at build (every rule
+    loads, every reward-model folder holds a sequence classifier with one output and a tokenizer, every judge's
+    tokenizer folder and parser load, every key file reads), and no built-in reward filter runs before the per-batch
+    sources score. Errors name the source."""
     for i, c in enumerate(config.sources):
         where = f"[rewards] sources[{i}] (kind = {c.kind!r})"
         try:
-            if c.kind == "rule":
-                if (c.name or default_rule) is None:
-                    raise ValueError("a rule without name runs [data].reward, which is unset; give the rule a name "
-                                     "(e.g. name = \"arithmetic\") or set [data].reward")
-                load_reward_fn(c.name or default_rule)
-            if c.kind == "model" and c.path is not None:
-                check_reward_model_folder(c.path)
-            if c.kind == "judge":
-                if c.path is not None:
-                    from engines.tokenizer import check_tokenizer_files
-
-                    check_tokenizer_files(c.path)
-                load_parser(c.judge_config())
-            if c.api_key_file is not None:
-                read_api_key(c.api_key_file)
+            SOURCE_KINDS[c.kind].check(c, default_rule)
         except FileNotFoundError as e:
             raise FileNotFoundError(f"{where}: {e}") from e
         except (ValueError, OSError) as e:  # a bad name or folder, an unreadable key file
             raise ValueError(f"{where}: {e}") from e
-    late = [c.kind for c in config.sources if c.kind != "rule"]
+    late = [c.kind for c in config.sources if not SOURCE_KINDS[c.kind].source.per_sample]
     bad = [f for f in dynamic_filters if f in REWARD_FILTERS]
     if late and bad:
         raise ValueError(f"[rl.rollout] dynamic_filters = {list(bad)} read each group's rewards inside the rollout, "
@@ -435,11 +602,10 @@ def check_reward_sources(config: Any, *, default_rule: Any, dynamic_filters: Seq
                          f"see the rule sources' sum only; drop them, or score with rule sources alone")
 
 
-def describe_rewards(config: Any, default_rule: Any) -> str:
+def describe_rewards(config: RewardsConfig, default_rule: Any) -> str:
     """One line naming what the RL reward is made of (printed at the start of the RL phase)."""
     labels = source_labels(config.sources, default_rule)
-    where = {"rule": lambda c: c.name or default_rule, "judge": lambda c: c.engine or "the run's first engine",
-             "model": lambda c: c.url or f"{c.path}, in the trainer's process"}
-    parts = [f"{c.weight:g} x {label} ({c.kind}: {where[c.kind](c)})" for c, label in zip(config.sources, labels)]
+    parts = [f"{c.weight:g} x {label} ({c.kind}: {SOURCE_KINDS[c.kind].where(c, default_rule)})"
+             for c, label in zip(config.sources, labels)]
     norm = ", each source z-scored over the batch" if config.normalize == "batch" else ""
     return f"rl reward: {' + '.join(parts)}{norm}; evaluation scores with [data].reward = {default_rule}"
