@@ -135,7 +135,8 @@ def parse_generate(resp: Any, prompts: Sequence[Sequence[int]], n: int,
             group.append(Completion(output_ids=ids, logprobs=[float(x[0]) for x in lps],
                                     finish_reason=parse_finish_reason(meta.get("finish_reason")),
                                     weight_version=version, prompt_ids=list(prompt),
-                                    weight_versions=spans if ids else ()))
+                                    weight_versions=spans if ids else (),
+                                    cached_tokens=int(meta.get("cached_tokens") or 0)))
         groups.append(group)
     return groups
 

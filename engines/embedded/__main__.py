@@ -84,6 +84,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-batch-rows", type=int, default=256, help="rows merged into one generation batch")
     ap.add_argument("--no-compile", action="store_true", help="do not torch.compile the decode step on CUDA")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    ap.add_argument("--prefix-cache-tokens", type=int, default=None,
+                    help="KV budget in tokens of the prefix cache (finished rows' KV reused by prompts that start "
+                         "with them, e.g. an episode's next turn; LRU); 0: off; default: the engine's")
     ap.add_argument("--cpus", default=None, help="pin the engine to these CPU cores, e.g. 0 or 0,2 (one thread each "
                                                  "unless --threads says otherwise)")
     parent = os.environ.pop(PARENT_ENV, None)
@@ -125,7 +128,9 @@ def serve(args: argparse.Namespace, api_key: str | None, *, owned: bool = False)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     model, tok = load_engine_model(args.model, seed=args.seed, dtype=dtype, device=device)
     server = EngineServer(model, tok, model_path=args.model, seed=args.seed, max_batch_rows=args.max_batch_rows,
-                          compile_decode=False if args.no_compile else None)
+                          compile_decode=False if args.no_compile else None,
+                          **({} if args.prefix_cache_tokens is None else
+                             {"prefix_cache_tokens": args.prefix_cache_tokens}))
     app = build_app(server, api_key=api_key)
     # The heap is what serving keeps for its whole life: out of the collector's full passes (~0.2 s each over the
     # ~400k objects of torch, transformers and the model; trainer/backend/heap.py has the measurement).

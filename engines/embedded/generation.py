@@ -31,6 +31,11 @@ position draws what it would have drawn there. Rows with top-k/top-p are filtere
 their own, gathered by device indices; rows without filters sample softmax(logits / T) itself. Greedy rows
 (temperature 0) take the argmax of the logits. Nothing is read on the host.
 
+Prefix reuse (a `PrefixCache`, engines/embedded/prefix_cache.py): a finished row leaves the KV of every token it
+fed in the cache; a joining prompt that starts with a cached prefix (an episode's next turn, another request for a
+group's prompt) prefills only the rest, on top of that KV (`_prefill_reusing`), for the same adapter slot and
+weight version only. Each result says how many prompt tokens it took from the cache (RowResult.cached_tokens).
+
 LoRA adapters: each row carries the slot of its adapter (`Row.adapter`, 0: the base) in the engine's AdapterSet
 (engines/embedded/lora.py); before each forward the batch tells the set which slot each input row uses, and the
 adapted Linears add that row's adapter (a per-row gather). Rows of one prompt share a prefill row only when they
@@ -53,6 +58,7 @@ import torch
 from transformers import DynamicCache
 
 from engines.embedded.kv_cache import KVCache
+from engines.embedded.prefix_cache import PrefixCache
 from kernels.sampling import sample_tokens, seed_words
 
 # transformers 5.24 renames the forward's `past_key_values` to `cache` and warns on every decode step; the versions
@@ -85,6 +91,7 @@ class RowResult:
     # (first token index, weight version) of each run of tokens one weight version produced: one span unless the
     # weights changed while the row was paused in the batch (an update in flight).
     versions: tuple[tuple[int, int], ...] = ()
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache, not prefilled (SGLang's meta "cached_tokens")
 
 
 @dataclass
@@ -95,6 +102,7 @@ class _Active:
     out_ids: list[int] = field(default_factory=list)
     out_lp: list[float] = field(default_factory=list)
     spans: list[tuple[int, int]] = field(default_factory=list)  # (first token index, version): RowResult.versions
+    reused: int = 0  # prompt tokens taken from the prefix cache
 
     @property
     def to_append(self) -> int:
@@ -102,7 +110,7 @@ class _Active:
         return self.row.max_new_tokens - max(len(self.out_ids), 1)
 
     def result(self, finish_reason: str) -> RowResult:
-        return RowResult(self.out_ids, self.out_lp, finish_reason, tuple(self.spans))
+        return RowResult(self.out_ids, self.out_lp, finish_reason, tuple(self.spans), self.reused)
 
 
 # ---------------------------------------------------------------------------------------------------- sampling
@@ -236,16 +244,20 @@ class _Prefill:
     pos: torch.Tensor  # [b] next position id (the prompt's length)
     slots: torch.Tensor  # [b] each row's adapter slot
     params: SamplingTensors
+    reused: tuple[int, ...] = ()  # per row: prompt tokens taken from the prefix cache (() : none)
 
 
 class DecodeBatch:
     """The engine's running rows and their KV cache (the only mutable state of generation; see the module
     docstring). Not thread-safe: one thread (the engine's model thread) calls `step`."""
 
-    def __init__(self, model, *, pad_id: int, decode_fn: Callable | None = None, adapters: Any = None):
+    def __init__(self, model, *, pad_id: int, decode_fn: Callable | None = None, adapters: Any = None,
+                 prefix_cache: PrefixCache | None = None):
         """adapters: the engine's AdapterSet (engines/embedded/lora.py), told each forward's row slots; None: the
-        base model only."""
+        base model only. prefix_cache: where finished rows leave their KV and joining rows look for their prompt's
+        prefix (engines/embedded/prefix_cache.py); None: every prompt is prefilled whole."""
         self.model, self.pad_id, self.adapters = model, pad_id, adapters
+        self.prefix_cache = prefix_cache
         self.decode_fn = decode_fn or model.forward
         self.device = next(model.parameters()).device
         self.version = 0  # the weight version of the model's weights now (the server sets it after a load)
@@ -312,8 +324,13 @@ class DecodeBatch:
 
     def _prefill(self, rows: list[Row]) -> _Prefill:
         """Left-padded prefill of new rows, one row per distinct (prompt, adapter) (the n samples of a group share
-        one). Its inputs are built on the host and moved in one copy."""
+        one). Its inputs are built on the host and moved in one copy. Prompts that start with a prefix in the
+        prefix cache prefill only the rest (`_prefill_reusing`)."""
         unique = list(dict.fromkeys((r.prompt, r.adapter) for r in rows))
+        if self.prefix_cache is not None:
+            hits = [self.prefix_cache.lookup(p, a, self.version) for p, a in unique]
+            if any(n for _, n in hits):
+                return self._prefill_reusing(rows, unique, hits)
         u, L = len(unique), max(len(p) for p, _ in unique)
         ids = torch.tensor([[self.pad_id] * (L - len(p)) + list(p) for p, _ in unique], dtype=torch.long)
         mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p, _ in unique], dtype=torch.long)
@@ -334,6 +351,65 @@ class DecodeBatch:
                         [(layer.keys, layer.values) for layer in cache.layers], where if shared else None, pos,
                         slots, SamplingTensors(*params))
 
+    def _prefill_reusing(self, rows: list[Row], unique: list[tuple[tuple[int, ...], int]],
+                         hits: list[tuple[Any, int]]) -> _Prefill:
+        """The prefill of `_prefill` where distinct prompt i reuses the first n_i tokens of cached entry e_i
+        ((e_i, n_i) = hits[i]; n_i = 0: none) and feeds only its s_i = len(prompt_i) - n_i other tokens.
+
+        Layout of the forward: past columns [0, P) hold each prefix right-aligned at P (P = max n_i), the input
+        [u, S] each suffix right-aligned at S (S = max s_i); the mask [u, P + S] is 1 on the 2 * u real runs, so
+        the gap between them is padding, and the positions continue from n_i. Its KV is then gathered into
+        `_Prefill.kv`'s layout (each row's n_i + s_i real columns right-aligned at L = max len(prompt_i))."""
+        u = len(unique)
+        reuse = [n for _, n in hits]
+        P, S = max(reuse), max(len(p) - n for (p, _), n in zip(unique, reuse))
+        L = max(len(p) for p, _ in unique)
+        ids, mask, positions, gather = [], [], [], []
+        for (p, _), n in zip(unique, reuse):
+            s = len(p) - n
+            ids.append([self.pad_id] * (S - s) + list(p[n:]))
+            mask.append([0] * (P - n) + [1] * n + [0] * (S - s) + [1] * s)
+            positions.append([0] * (S - s) + list(range(n, n + s)))
+            # Source column of each of the row's L output columns (padding: any real column, P + S - 1).
+            gather.append([P + S - 1] * (L - n - s) + list(range(P - n, P)) + list(range(P + S - s, P + S)))
+        index = {k: i for i, k in enumerate(unique)}
+        where = torch.tensor([index[r.prompt, r.adapter] for r in rows], dtype=torch.long)
+        host = [torch.tensor(x, dtype=torch.long) for x in (ids, mask, positions, gather)]
+        host += [where, torch.tensor([len(r.prompt) for r in rows], dtype=torch.long),
+                 torch.tensor([r.adapter for r in rows], dtype=torch.long),
+                 torch.tensor([a for _, a in unique], dtype=torch.long)]
+        ids, mask, positions, gather, where, pos, slots, unique_slots, *params = _to_device(
+            host + list(SamplingTensors.of(rows).tensors()), self.device)
+        like = next(e for e, _ in hits if e is not None).kv
+        past = KVCache.allocate([(k[None], v[None]) for k, v in like], u, P + S)
+        for i, (entry, n) in enumerate(hits):
+            for (k, v), layer in zip(entry.kv if n else (), past.layers):
+                layer.key_buffer[i, :, P - n:P] = k[:, :n]
+                layer.value_buffer[i, :, P - n:P] = v[:, :n]
+        past.view(u, P)
+        with self._adapter_rows(unique_slots, rows):
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=past,
+                                use_cache=True, logits_to_keep=1).logits[:, -1].float()
+        idx = gather[:, None, :, None].expand(u, like[0][0].shape[0], L, like[0][0].shape[2])
+        kv = [(layer.keys.gather(2, idx), layer.values.gather(2, idx)) for layer in past.layers]
+        shared = u < len(rows)
+        return _Prefill(logits.index_select(0, where) if shared else logits, kv, where if shared else None, pos,
+                        slots, SamplingTensors(*params), tuple(reuse[index[r.prompt, r.adapter]] for r in rows))
+
+    def _remember(self, finished: list[int]) -> None:
+        """Leave the KV of rows `finished` (indices into the batch) in the prefix cache: every token each fed the
+        model, when all of it came from the weights now (a row paused across a weight update is not kept)."""
+        length = self.cache.length
+        for i in finished:
+            a = self.rows[i]
+            if a.spans != [(0, self.version)]:
+                continue
+            tokens = a.row.prompt + tuple(a.out_ids[:-1])
+            assert len(tokens) == a.cached, (len(tokens), a.cached)
+            kv = [(layer.keys[i, :, length - a.cached:].clone(), layer.values[i, :, length - a.cached:].clone())
+                  for layer in self.cache.layers]
+            self.prefix_cache.store(tokens, a.row.adapter, self.version, kv)
+
     def _join(self, new: list[tuple[Row, Any]], pre: _Prefill) -> None:
         """Append the prefilled rows: their cache after the running rows', right-aligned at the batch's length (a
         new cache when they do not fit: more rows than the buffers hold, or a prompt longer than the filled
@@ -348,7 +424,8 @@ class DecodeBatch:
         self.cache.append_rows(pre.kv, pre.where, len(rows))
         self.pos, self.params = torch.cat([self.pos, pre.pos]), self.params.cat(pre.params)
         self.slots = torch.cat([self.slots, pre.slots])
-        self.rows += [_Active(r, h, len(r.prompt)) for r, h in new]
+        reused = pre.reused or (0,) * len(new)
+        self.rows += [_Active(r, h, len(r.prompt), reused=n) for (r, h), n in zip(new, reused)]
 
     def _keep(self, keep: list[int]) -> None:
         """Keep only rows `keep` (ascending indices): the last kept rows move into the places of removed ones."""
@@ -409,7 +486,7 @@ class DecodeBatch:
             raise RuntimeError(f"the model's logits are not finite (NaN log-probs) for rows {bad[:8]}: its weights or "
                                f"activations overflowed or were loaded wrong; check the last weight update")
         self.last = tok
-        keep = []
+        keep, finished = [], []
         for i, (a, t, p) in enumerate(zip(self.rows, host_tok, host_lp)):
             t = int(t)
             if not a.spans or a.spans[-1][1] != self.version:  # this step's forward ran on these weights
@@ -422,6 +499,10 @@ class DecodeBatch:
                 done.append((a.handle, a.result("length")))
             else:
                 keep.append(i)
+                continue
+            finished.append(i)
+        if self.prefix_cache is not None and finished:
+            self._remember(finished)
         self._keep(keep)
         return done
 

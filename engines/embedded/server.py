@@ -48,6 +48,7 @@ from starlette.routing import Route
 from engines.embedded.generation import DecodeBatch, Row, RowResult
 from engines.embedded.lora import AdapterSet, read_peft_folder
 from engines.embedded.openai_routes import openai_routes
+from engines.embedded.prefix_cache import PrefixCache
 from engines.openai_wire import WireError
 from engines.weight_sync.receiver import (
     WeightReceiver,
@@ -63,6 +64,9 @@ SAMPLING_KEYS = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_
                  "ignore_eos"}
 # Accepted and ignored: they change nothing for token-id generation.
 IGNORED_SAMPLING_KEYS = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "min_new_tokens"}
+# The prefix cache's default budget (tokens of KV kept for reuse; engines/embedded/prefix_cache.py gives the bytes a
+# token costs): a step of the agent demo holds ~18k tokens (128 episodes of ~140).
+DEFAULT_PREFIX_CACHE_TOKENS = 32768
 
 
 class BadRequest(Exception):
@@ -131,10 +135,14 @@ class EngineServer:
 
     threads: the model thread's torch intra-op threads (None: the process's). OpenMP's thread count is per calling
     thread, so an engine inside the trainer's process can decode on fewer threads than the trainer steps with.
+
+    prefix_cache_tokens: the budget of the prefix cache (engines/embedded/prefix_cache.py: finished rows' KV, reused
+    by later prompts that start with them, e.g. an episode's next turn; LRU by tokens); 0: off.
     """
 
     def __init__(self, model, tokenizer, *, model_path: str, seed: int = 0, max_batch_rows: int = 256,
-                 compile_decode: bool | None = None, threads: int | None = None):
+                 compile_decode: bool | None = None, threads: int | None = None,
+                 prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS):
         self.model, self.tokenizer, self.model_path = model, tokenizer, model_path
         self.device = next(model.parameters()).device
         self.pad_id = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
@@ -151,7 +159,8 @@ class EngineServer:
         self.decode_fn = torch.compile(model.forward, dynamic=True) if compile_decode else None
         self.adapters = AdapterSet(model)  # named LoRA adapters, applied per row (engines/embedded/lora.py)
         self._adapter_lock = asyncio.Lock()
-        self.batch = DecodeBatch(model, pad_id=self.pad_id, decode_fn=self.decode_fn, adapters=self.adapters)
+        self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
+        self.batch = self._new_batch()
         self.admitting: list = []  # rows taken from the queue for the step on the model thread now
         self.waiting: collections.deque[tuple[Row, tuple[_Request, int]]] = collections.deque()
         self.abort_all, self.abort_rids = False, set()
@@ -161,6 +170,21 @@ class EngineServer:
         self.stepping = False  # a step is on the model thread
         self.running, self.wakeup = asyncio.Event(), asyncio.Event()
         self._scheduler: asyncio.Task | None = None
+
+    def _new_batch(self) -> DecodeBatch:
+        return DecodeBatch(self.model, pad_id=self.pad_id, decode_fn=self.decode_fn, adapters=self.adapters,
+                           prefix_cache=self.prefix_cache)
+
+    def _write_adapter(self, slot: int, modules) -> None:
+        """On the model thread: write an adapter into `slot`; the prefix cache forgets that slot's KV."""
+        self.adapters.write(slot, modules)
+        if self.prefix_cache is not None:
+            self.prefix_cache.drop_adapter(slot)
+
+    def flush_prefix_cache(self) -> None:
+        """On the model thread: forget every cached prefix (SGLang's /flush_cache)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
     def set_weight_version(self, version: int) -> int:
         """After a load: the version the model's weights now are. Rows paused in place (an update in flight) go
@@ -208,8 +232,7 @@ class EngineServer:
                                                   self.running.is_set())
             except Exception as e:  # noqa: BLE001 - delivered to every request that had a row in the batch
                 self._fail([h for _, h in admit] + [a.handle for a in self.batch.rows], e)
-                self.batch = DecodeBatch(self.model, pad_id=self.pad_id, decode_fn=self.decode_fn,
-                                         adapters=self.adapters)
+                self.batch = self._new_batch()
                 self.batch.version = self.weight_version
                 continue
             finally:
@@ -270,7 +293,7 @@ class EngineServer:
         modules = self.adapters.parse(tensors, scaling)
         async with self._adapter_lock:  # one load at a time: each picks a free slot
             slot = self.adapters.free_slot(name, self._slots_in_use())
-            await asyncio.get_running_loop().run_in_executor(self.model_thread, self.adapters.write, slot, modules)
+            await asyncio.get_running_loop().run_in_executor(self.model_thread, self._write_adapter, slot, modules)
             self.adapters.names[name] = slot
             if default:
                 self.adapters.default = name
@@ -299,6 +322,9 @@ class EngineServer:
                 await asyncio.sleep(0.001)
             yield
         finally:
+            # Weights may have changed (even at the same version number): no cached prefix is valid any more. No
+            # step runs here (held, drained), so the model thread is not using the cache.
+            self.flush_prefix_cache()
             self.holds -= 1
             self.wakeup.set()
 
@@ -423,6 +449,7 @@ def _output(server: EngineServer, r: RowResult, prompt_len: int, version: int, r
             "finish_reason": reason,
             "prompt_tokens": prompt_len,
             "completion_tokens": len(r.output_ids),
+            "cached_tokens": r.cached_tokens,  # prompt tokens taken from the prefix cache (as SGLang reports)
             "output_token_logprobs": [[lp, t, None] for lp, t in zip(r.logprobs, r.output_ids)],
             "weight_version": str(version),
             # ours: (first token index, version) of each run of tokens one weight version produced
@@ -460,7 +487,8 @@ def route_handlers(server: EngineServer) -> dict[str, Endpoint]:
         return {"weight_version": str(server.weight_version)}
 
     async def flush_cache(body: dict):
-        # The KV cache lives only as long as its rows run (no prefix cache), so there is nothing to drop.
+        # The prefix cache's entries (the running rows' own cache stays with them).
+        await asyncio.get_running_loop().run_in_executor(server.model_thread, server.flush_prefix_cache)
         return {"success": True, "message": "Cache flushed."}
 
     async def generate(body: dict):

@@ -208,7 +208,8 @@ class Episode:
         if out is None:
             raise EpisodeEnd("abort")
         self.sample = extend_sample(self.sample, out.output_ids, out.logprobs, status=self.sample.status,
-                                    weight_version=out.oldest_version, spans=out.weight_versions, loss_mask_value=1)
+                                    weight_version=out.oldest_version, spans=out.weight_versions, loss_mask_value=1,
+                                    cached_tokens=out.cached_tokens)
         self.turns += out.finish_reason != "abort"  # a turn cut by a limit is still one the model took
         if out.finish_reason == "length" and budget < self.max_new_tokens:
             raise EpisodeEnd("context")  # cut by the context limit, not by the turn's own

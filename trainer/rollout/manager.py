@@ -298,7 +298,8 @@ class AsyncRolloutManager:
         for j, s, out in zip(js, samples, outs):
             groups[slot][j] = extend_sample(s, out.output_ids, out.logprobs, status=_STATUS[out.finish_reason],
                                             weight_version=out.oldest_version, spans=out.weight_versions,
-                                            tokenizer=self.tokenizer, max_new_tokens=c.max_new_tokens)
+                                            tokenizer=self.tokenizer, max_new_tokens=c.max_new_tokens,
+                                            cached_tokens=out.cached_tokens)
 
     async def _run_group(self, slot: int, groups: dict[int, list[Sample]], engine: InferenceEngine,
                          done: trio.MemorySendChannel) -> None:

@@ -149,7 +149,8 @@ def _mean(xs: Sequence[float]) -> float:
 # ----------------------------------------------------------------------------------------------- growing samples
 def extend_sample(sample: Sample, new_ids: Sequence[int], new_logprobs: Sequence[float], *, status: Status,
                   weight_version: int | None, tokenizer: Any = None, max_new_tokens: int | None = None,
-                  loss_mask_value: int | None = None, spans: Sequence[tuple[int, int]] = ()) -> Sample:
+                  loss_mask_value: int | None = None, spans: Sequence[tuple[int, int]] = (),
+                  cached_tokens: int = 0) -> Sample:
     """Append one segment to a (possibly partial) sample: tokens the engine generated, or (multi-turn episodes)
     tokens an environment's messages rendered to.
 
@@ -159,7 +160,8 @@ def extend_sample(sample: Sample, new_ids: Sequence[int], new_logprobs: Sequence
     weights produced which of the new tokens when an update landed mid-request; `metadata["token_versions"]` keeps
     them as [response offset, version] pairs, one a run of tokens (one pair a segment when the engine gives none).
     `loss_mask_value` (1: the model's tokens, 0: the environment's) extends an explicit loss mask; None leaves it
-    unset (every response token trained).
+    unset (every response token trained). `cached_tokens` (the engine's Completion.cached_tokens: prompt tokens of
+    this request it took from its prefix cache, not prefilled) add up in `metadata["prefill_tokens_reused"]`.
     """
     old_lp = list(sample.rollout_logprobs or ())
     tokens = tuple(sample.tokens) + tuple(new_ids)
@@ -174,6 +176,8 @@ def extend_sample(sample: Sample, new_ids: Sequence[int], new_logprobs: Sequence
     response = sample.response
     if tokenizer is not None:
         response = tokenizer.decode(list(tokens[len(tokens) - resp_len:]), skip_special_tokens=False)
+    reused = {"prefill_tokens_reused": sample.metadata.get("prefill_tokens_reused", 0) + cached_tokens} if (
+        cached_tokens or "prefill_tokens_reused" in sample.metadata) else {}
     mask = sample.loss_mask
     if loss_mask_value is not None:
         mask = tuple(mask or ()) + (loss_mask_value,) * len(new_ids)
@@ -181,13 +185,14 @@ def extend_sample(sample: Sample, new_ids: Sequence[int], new_logprobs: Sequence
         sample, tokens=tokens, response=response, response_length=resp_len, loss_mask=mask,
         rollout_logprobs=tuple(old_lp) + tuple(float(x) for x in new_logprobs), status=status,
         weight_version=min(versions, default=sample.weight_version if weight_version is None else weight_version),
-        metadata={**sample.metadata, "weight_versions": versions, "token_versions": runs})
+        metadata={**sample.metadata, "weight_versions": versions, "token_versions": runs, **reused})
 
 
 # What a rollout adds to a sample's metadata as it progresses (trainer.rollout.episodes adds the episode's).
 PROGRESS_KEYS = frozenset({"weight_versions", "token_versions", "turns", "tool_calls", "tool_errors", "env_seconds",
                            "env_error", "messages", "truncated_by", "reward_error", "reward_traceback",
-                           "agent_seconds", "agent_splits", "agent_error", "agent_parts", "agent_part"})
+                           "agent_seconds", "agent_splits", "agent_error", "agent_parts", "agent_part",
+                           "prefill_tokens_reused"})
 
 
 def restart_sample(sample: Sample) -> Sample:
@@ -217,6 +222,8 @@ def build_batch_metadata(samples: Sequence[Sample], *, current_weight_version: i
         "weight_version": current_weight_version,
         "staleness_max": max(staleness, default=0),
         "staleness_mean": _mean(staleness),
+        # Prompt tokens the engines did not prefill (their prefix caches held them: an episode's earlier turns)
+        "prefill_tokens_reused": sum(s.metadata.get("prefill_tokens_reused", 0) for s in samples),
     }
     episodes = [s for s in samples if "turns" in s.metadata]  # multi-turn episodes (trainer.rollout.episodes)
     if episodes:
