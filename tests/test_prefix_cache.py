@@ -229,3 +229,63 @@ def test_the_reused_count_reaches_the_rollout_batch_metrics():
                           cached_tokens=b.cached_tokens)
     assert build_batch_metadata([s, other])["prefill_tokens_reused"] == 57
     assert build_batch_metadata([other])["prefill_tokens_reused"] == 0
+
+
+def _adapter(folder, seed: int, targets: list[str]):
+    """A PEFT adapter of the tiny base (build_tiny_model(5)) with random A and B; returns its tensors, scaling
+    and the merged reference model."""
+    import copy
+
+    import peft
+
+    from engines.embedded.lora import read_peft_folder
+
+    pm = peft.get_peft_model(build_tiny_model(5), peft.LoraConfig(r=4, lora_alpha=8.0, target_modules=targets))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    pm.save_pretrained(str(folder))
+    return (*read_peft_folder(str(folder)), copy.deepcopy(pm).merge_and_unload().eval())
+
+
+def _check_against(model, c) -> None:
+    """Greedy completion `c`: its tokens and log-probs = a plain forward of prompt + output under `model`."""
+    ids = c.prompt_ids + c.output_ids
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, len(c.prompt_ids) - 1:-1].double()
+    want = logits.log_softmax(-1).gather(-1, torch.tensor(c.output_ids)[:, None])[:, 0]
+    assert (torch.tensor(c.logprobs, dtype=torch.float64) - want).abs().max().item() <= TOL
+    assert logits.argmax(-1).tolist() == c.output_ids
+
+
+def test_a_cached_prefix_serves_only_its_adapter_and_a_replaced_adapter_drops_it(tmp_path):
+    """Turn 2 of a conversation under adapter "a" reuses only "a"'s turn 1 (not the base's, whose tokens are the
+    same prompt), and equals "a"'s merged model; replacing "a" in place (new weights, same name and slot) drops its
+    entries: the next request prefills whole and equals the new merged model."""
+    a_tensors, a_scaling, a_ref = _adapter(tmp_path / "a", 11, ["q_proj", "v_proj"])
+    b_tensors, b_scaling, b_ref = _adapter(tmp_path / "b", 12, ["k_proj", "o_proj"])
+    eng = LocalEngine("tiny", seed=5)
+    try:
+        trio.run(lambda: eng.load_adapter_tensors("a", a_tensors, a_scaling))
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+        prompt = [1] + list(range(30, 50))
+        (base1,), = trio.run(eng.generate, [prompt], greedy)
+        turn2 = prompt + base1.output_ids + [5, 6, 7]
+        (a2,), = trio.run(lambda: eng.generate([turn2], greedy, adapter="a"))
+        assert a2.cached_tokens == 0  # the base's turn 1 is not "a"'s
+        _check_against(a_ref, a2)
+        turn3 = turn2 + a2.output_ids + [8, 9]
+        (a3,), = trio.run(lambda: eng.generate([turn3], greedy, adapter="a"))
+        assert a3.cached_tokens >= len(turn2) + len(a2.output_ids) - 1 - (BLOCK - 1)
+        _check_against(a_ref, a3)
+        (base3,), = trio.run(eng.generate, [turn3], greedy)
+        assert 0 < base3.cached_tokens <= len(prompt) + len(base1.output_ids)  # its own turn 1, not "a"'s turns
+        _check_against(build_tiny_model(5), base3)
+        trio.run(lambda: eng.load_adapter_tensors("a", b_tensors, b_scaling))  # replaced in place
+        (new3,), = trio.run(lambda: eng.generate([turn3], greedy, adapter="a"))
+        assert new3.cached_tokens == 0
+        _check_against(b_ref, new3)
+    finally:
+        eng.close()
