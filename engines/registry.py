@@ -131,6 +131,7 @@ class BuildOptions:
     max_connections: int = 64
     timeout_s: float = 300.0  # one request's limit (HTTP kinds)
     threads: int | None = None  # an in-process engine's model thread: its torch threads (None: the process's)
+    prefix_cache_tokens: int | None = None  # an embedded engine's prefix-cache budget (None: its default; 0: off)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +145,7 @@ class LaunchOptions:
     threads: int = 1
     start_timeout_s: float = 180.0
     device: str | None = None  # placed by the run (trainer.cli.engine_devices); None: the engine's default
+    prefix_cache_tokens: int | None = None  # the embedded engine's prefix-cache budget (None: its default; 0: off)
 
 
 class LaunchedEngine(Protocol):
@@ -215,7 +217,8 @@ def _vllm(spec: EngineSpec, opts: BuildOptions) -> InferenceEngine:
 def _local(spec: EngineSpec, opts: BuildOptions) -> InferenceEngine:
     from engines.local import LocalEngine
 
-    return LocalEngine(opts.model_folder, seed=opts.seed, device=opts.device, threads=opts.threads)
+    cache = {} if opts.prefix_cache_tokens is None else {"prefix_cache_tokens": opts.prefix_cache_tokens}
+    return LocalEngine(opts.model_folder, seed=opts.seed, device=opts.device, threads=opts.threads, **cache)
 
 
 def _launch_embedded(spec: EngineSpec, opts: LaunchOptions) -> LaunchedEngine:
@@ -223,7 +226,9 @@ def _launch_embedded(spec: EngineSpec, opts: LaunchOptions) -> LaunchedEngine:
     from engines.embedded.launch import EngineProcess
 
     return EngineProcess(opts.model_folder, api_key=opts.api_key, seed=opts.seed, start_timeout_s=opts.start_timeout_s,
-                         threads=len(spec.cpus) if spec.cpus else opts.threads, device=opts.device, cpus=spec.cpus)
+                         threads=len(spec.cpus) if spec.cpus else opts.threads, device=opts.device, cpus=spec.cpus,
+                         extra_args=() if opts.prefix_cache_tokens is None else
+                         ("--prefix-cache-tokens", str(opts.prefix_cache_tokens)))
 
 
 ENGINE_KINDS: dict[str, EngineKind] = {
@@ -266,7 +271,8 @@ def started_spec(spec: EngineSpec, url: str, api_key: str) -> EngineSpec:
 
 def build_engine(spec: EngineSpec, *, model_folder: str | Path, api_key: str | None = None, seed: int = 0,
                  connect_timeout_s: float = 10.0, max_connections: int = 64, device: str = "cpu",
-                 timeout_s: float = 300.0, threads: int | None = None) -> InferenceEngine:
+                 timeout_s: float = 300.0, threads: int | None = None,
+                 prefix_cache_tokens: int | None = None) -> InferenceEngine:
     """The engine object for `spec` (its kind's builder). A launchable spec must carry the URL of the started
     engine by now; an in-process engine is started here, in this process, on `device` (give the trainer's: an engine
     on another device than the trainer cannot take its weights by handle; close it with `close()`). The spec's own
@@ -277,5 +283,5 @@ def build_engine(spec: EngineSpec, *, model_folder: str | Path, api_key: str | N
                          f"starts one per such entry) and build it from EngineSpec(kind, url=<its URL>)")
     opts = BuildOptions(model_folder=str(model_folder), api_key=spec.api_key or api_key, seed=seed,
                         connect_timeout_s=connect_timeout_s, max_connections=max_connections, device=str(device),
-                        timeout_s=timeout_s, threads=threads)
+                        timeout_s=timeout_s, threads=threads, prefix_cache_tokens=prefix_cache_tokens)
     return entry.build(spec, opts)

@@ -289,3 +289,26 @@ def test_a_cached_prefix_serves_only_its_adapter_and_a_replaced_adapter_drops_it
         _check_against(b_ref, new3)
     finally:
         eng.close()
+
+
+def test_the_engines_option_reaches_the_engines(tmp_path):
+    """[engines] prefix_cache_tokens: checked by the config; an in-process engine gets it (0: no cache), a launched
+    embedded engine gets it on its command line (--prefix-cache-tokens)."""
+    from engines.registry import EngineSpec, LaunchOptions, build_engine, launch_engine
+    from trainer.config import EnginesConfig
+
+    assert EnginesConfig(prefix_cache_tokens=0).prefix_cache_tokens == 0
+    with pytest.raises(ValueError, match="prefix_cache_tokens"):
+        EnginesConfig(prefix_cache_tokens=-5)
+    off = build_engine(EngineSpec(kind="local"), model_folder="tiny", prefix_cache_tokens=0)
+    small = build_engine(EngineSpec(kind="local"), model_folder="tiny", prefix_cache_tokens=64)
+    default = build_engine(EngineSpec(kind="local"), model_folder="tiny")
+    try:
+        assert off.server.prefix_cache is None and small.server.prefix_cache.budget == 64
+        assert default.server.prefix_cache.budget == 32768
+    finally:
+        for e in (off, small, default):
+            e.close()
+    proc = launch_engine(EngineSpec(kind="embedded"), LaunchOptions("tiny", api_key="k", prefix_cache_tokens=0))
+    assert proc.extra_args == ("--prefix-cache-tokens", "0")  # not launched: its command line only
+    assert launch_engine(EngineSpec(kind="embedded"), LaunchOptions("tiny", api_key="k")).extra_args == ()

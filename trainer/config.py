@@ -496,6 +496,10 @@ class EnginesConfig:
     api_key: str | None = None  # the engines' key ("" = None: each engine the run starts gets a random one)
     threads: int = 1  # CPU threads of each embedded engine the run starts (its process, or in process its model thread)
     start_timeout_s: float = 180.0  # wait this long for a started engine to answer /health
+    # Embedded engines: KV of finished rows kept for reuse by prompts that start with them (an episode's next turn
+    # prefills only its new tokens; engines/embedded/prefix_cache.py), in tokens, LRU. None: the engine's default
+    # (32768); 0: off
+    prefix_cache_tokens: int | None = None
     sync: str = "group"  # weight sync: "group" (broadcast / shared memory) or "disk" (safetensors, opt-in fallback)
     sync_folder: str | None = None  # disk sync: the run makes its private folder here (None: /dev/shm or temp dir)
     master_address: str = ""  # the weight-update group's address ("": this host's address the engines reach)
@@ -553,6 +557,9 @@ class EnginesConfig:
                "a host name or IP address (string) the engines can reach")
         t = self.threads
         _check(not isinstance(t, bool) and isinstance(t, int) and t > 0, f"threads = {t!r}", "a whole number >= 1")
+        p = self.prefix_cache_tokens
+        _check(p is None or (isinstance(p, int) and not isinstance(p, bool) and p >= 0), f"prefix_cache_tokens = {p!r}",
+               "a whole number of tokens >= 0 (0: off), or unset (the engine's default)")
         v = self.start_timeout_s
         _check(not isinstance(v, bool) and isinstance(v, int | float) and v > 0, f"start_timeout_s = {v!r}",
                "must be > 0")
