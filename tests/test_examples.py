@@ -14,7 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(script: str, out: Path, *extra: str) -> str:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # TRITON_INTERPRET=0: a user's environment, the production CPU path (the root conftest sets 1 for this process's
+    # kernel tests, and a child would inherit it: the Triton interpreter, several times slower)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "0"}
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--steps", "2", "--out", str(out), *extra],
                           capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

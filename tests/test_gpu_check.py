@@ -176,21 +176,32 @@ def test_gpu_check_writes_each_stage_as_it_finishes(tmp_path, monkeypatch):
 STAGES = ["gpu_tests", "demo", "distributed", "benchmarks", "weight_sync"]
 
 
-def _dry_run(tmp_path, gpus: int, memory_gb: float = 80) -> dict:
+@pytest.fixture(scope="module")
+def dry_runs(tmp_path_factory) -> dict:
+    """The plans of `gpu_check.py --dry-run`, by (gpus, memory_gb): each is made once per module (a subprocess that
+    collects every benchmark suite), whichever test asks first."""
+    return {"out": tmp_path_factory.mktemp("dry_run")}
+
+
+def _dry_run(dry_runs: dict, gpus: int, memory_gb: float = 80) -> dict:
+    import copy
     import json as _json
 
-    r = subprocess.run([sys.executable, "bench/gpu_check.py", "--dry-run", "--gpus", str(gpus), "--out",
-                        str(tmp_path), "--memory-gb", str(memory_gb)], cwd=ROOT, env=_clean_env(),
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert list(tmp_path.iterdir()) == []  # a plan runs and writes nothing
-    return _json.loads(r.stdout)["stages"]
+    if (gpus, memory_gb) not in dry_runs:
+        out = dry_runs["out"]
+        r = subprocess.run([sys.executable, "bench/gpu_check.py", "--dry-run", "--gpus", str(gpus), "--out",
+                            str(out), "--memory-gb", str(memory_gb)], cwd=ROOT, env=_clean_env(),
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert list(out.iterdir()) == []  # a plan runs and writes nothing
+        dry_runs[gpus, memory_gb] = _json.loads(r.stdout)["stages"]
+    return copy.deepcopy(dry_runs[gpus, memory_gb])
 
 
-def test_dry_run_plans_every_stage_with_its_commands(tmp_path):
+def test_dry_run_plans_every_stage_with_its_commands(dry_runs):
     """What `make gpu-check` misses no more (issue 26 item 10): the plan, on this CPU, lists every stage in run
     order with the commands it runs; the demo under its own timeout; the engine's generation among the suites."""
-    one = _dry_run(tmp_path, gpus=1)
+    one = _dry_run(dry_runs, gpus=1)
     assert list(one) == STAGES and all(s["commands"] and s["timeout_s"] > 0 for s in one.values())
     assert "-m gpu" in one["gpu_tests"]["commands"][0]
     assert "-m trainer demo --set" in one["demo"]["commands"][0] and one["demo"]["timeout_s"] <= 1800
@@ -198,7 +209,7 @@ def test_dry_run_plans_every_stage_with_its_commands(tmp_path):
     assert "one GPU" in one["distributed"]["skipped"]  # skipped with the reason, not failed
     assert any("bench/bench_generate.py" in c for c in one["benchmarks"]["commands"])
     assert "bench/bench_weight_sync.py --json --device cuda" in one["weight_sync"]["commands"][0]
-    two = _dry_run(tmp_path, gpus=2)
+    two = _dry_run(dry_runs, gpus=2)
     assert not any("skipped" in s for s in two.values())
 
 
@@ -256,7 +267,7 @@ def test_bench_generate_runs_on_the_chosen_device(monkeypatch):
     assert bench_device() == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def test_dry_run_sizes_every_benchmark_case_against_the_device_memory(tmp_path, monkeypatch):
+def test_dry_run_sizes_every_benchmark_case_against_the_device_memory(dry_runs, monkeypatch):
     """Every case the benchmark stage launches at its CUDA sizes is planned with its peak device bytes (issue 26,
     "Done when"): at 80 GB each fits or is marked skipped with a reason; at 8 GB the [T, V]-materialising
     references and the big train step are marked. The run skips by the same per-suite sizing function."""
@@ -265,7 +276,7 @@ def test_dry_run_sizes_every_benchmark_case_against_the_device_memory(tmp_path, 
     def cases(plan: dict) -> dict[str, dict]:
         return {f"{f}::{c['case']}": c for f, rows in plan["cases"].items() if isinstance(rows, list) for c in rows}
 
-    big = _dry_run(tmp_path, gpus=1, memory_gb=80)["benchmarks"]
+    big = _dry_run(dry_runs, gpus=1, memory_gb=80)["benchmarks"]
     assert big["memory_gb"] == 80
     sized = {f for f, rows in big["cases"].items() if isinstance(rows, list)}
     assert sized >= {"bench/bench_logprobs.py", "bench/bench_policy_loss.py", "bench/bench_train_step.py",
@@ -282,7 +293,7 @@ def test_dry_run_sizes_every_benchmark_case_against_the_device_memory(tmp_path, 
     ours = "bench/bench_logprobs.py::test_logprobs_from_logits[ours-full-cuda-T16384-V151936]"
     assert at80[ours]["bytes"] < at80[ref]["bytes"] / 4
 
-    small = _dry_run(tmp_path, gpus=1, memory_gb=8)["benchmarks"]
+    small = _dry_run(dry_runs, gpus=1, memory_gb=8)["benchmarks"]
     at8 = cases(small)
     for name in (ref, "bench/bench_policy_loss.py::test_policy_loss_from_logits[torch-full-cuda-V151936]",
                  "bench/bench_policy_loss.py::test_policy_loss_from_hidden[torch-fwd-cuda-H4096]",

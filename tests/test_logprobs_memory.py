@@ -1,8 +1,8 @@
 """Peak host memory of linear_token_logprobs vs the materialising reference (CPU, torch path).
 
-Each variant runs forward+backward at T=4096, H=256, V=32000 fp32 in its own subprocess (peak RSS only grows
+Each variant runs forward+backward at T=2048, H=256, V=32000 fp32 in its own subprocess (peak RSS only grows
 within a process); the fused op must add at most a quarter of what the reference adds over the inputs. The
-full fp32 logits alone are 4096 * 32000 * 4 B = 524 MB; the fused op's chunks are a few MB.
+full fp32 logits alone are 2048 * 32000 * 4 B = 262 MB; the fused op's chunks are a few MB.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ _CHILD = textwrap.dedent(
                 return int(line.split()[1])
 
     torch.manual_seed(0)
-    T, H, V = 4096, 256, 32000
+    T, H, V = 2048, 256, 32000
     hidden = torch.randn(T, H, requires_grad=True)
     weight = (torch.randn(V, H) * 0.05).requires_grad_(True)
     labels = torch.randint(0, V, (T,))
@@ -60,5 +60,5 @@ def test_linear_token_logprobs_adds_at_most_a_quarter_of_the_reference_memory():
     fused = _added_mb("fused")
     ref = _added_mb("reference")
     # The reference holds at least the fp32 logits and their log-softmax (2 x 524 MB).
-    assert ref > 1000, f"reference added only {ref:.0f} MB: the measurement is broken"
+    assert ref > 500, f"reference added only {ref:.0f} MB: the measurement is broken"
     assert fused <= ref / 4, f"fused added {fused:.0f} MB, reference {ref:.0f} MB (limit: a quarter)"
