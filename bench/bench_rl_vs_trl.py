@@ -163,6 +163,7 @@ def loop_figures(step_seconds: list[float], samples_per_step: list[float]) -> di
 def run_ours(bc: BenchConfig, out: Path, *, async_rollout: bool, in_process: bool | None = None,
              disaggregated: bool = False) -> dict[str, Any]:
     """`python -m trainer rl` on the bench config; figures from its summary and metrics.jsonl."""
+    from engines.registry import engine_kind
     from trainer.cli import run
     from trainer.metrics import read_jsonl
 
@@ -180,7 +181,7 @@ def run_ours(bc: BenchConfig, out: Path, *, async_rollout: bool, in_process: boo
     res.update(wall_s=wall, steps=len(rows), accuracy=summary.get("accuracy_after_rl"),
                trainer_cpus=sorted(os.sched_getaffinity(0)), max_staleness=cfg.rl.max_staleness,
                staleness_mean=statistics.mean(float(r["train_staleness_mean"]) for r in rows) if rows else 0.0,
-               in_process=any(spec.kind == "local" for spec in cfg.engines.fleet),
+               in_process=any(engine_kind(spec).in_process for spec in cfg.engines.fleet),
                accuracy_initial=summary.get("accuracy_before_rl"),
                reward_mean_last=rows[-1].get("reward_mean") if rows else None,
                reward_per_step=[round(float(r["reward_mean"]), 4) for r in rows],
