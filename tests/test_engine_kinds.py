@@ -161,6 +161,22 @@ def test_the_engine_classes_implement_the_whole_protocol():
     assert not isinstance(SumEngine("http://h:1", "/m"), InProcessEngine)  # no close(): the run does not own it
 
 
+def test_the_built_in_kinds_declare_what_the_name_checks_used_to_decide():
+    """What trainer/cli.py once decided by name ("embedded" launched, "local" in process, both with token versions)
+    is now each entry's; the objects the URL kinds build are engines the run does not own (no close)."""
+    from engines.registry import ENGINE_KINDS, EngineSpec, build_engine, kinds_where
+
+    assert kinds_where(lambda k: k.launch is not None) == ("embedded",)
+    assert kinds_where(lambda k: k.in_process) == ("local",)
+    assert kinds_where(lambda k: k.reports_token_versions) == ("embedded", "local")
+    assert kinds_where(lambda k: k.single_device) == ("embedded", "local")
+    assert kinds_where(lambda k: k.openai_routes) == ("sglang", "vllm", "embedded")  # "local" has no URL to serve
+    assert ENGINE_KINDS["embedded"].launch_options == ("device", "cpus") and ENGINE_KINDS["vllm"].options == ("model",)
+    for kind in ("sglang", "vllm", "embedded"):
+        engine = build_engine(EngineSpec(kind, "http://h:1"), model_folder="/m")
+        assert isinstance(engine, InferenceEngine) and not isinstance(engine, InProcessEngine), kind
+
+
 def test_a_new_kind_is_validated_by_its_own_entry(new_kinds):
     from engines.registry import EngineSpec
 
