@@ -292,9 +292,11 @@ def test_a_cached_prefix_serves_only_its_adapter_and_a_replaced_adapter_drops_it
 
 
 def test_the_engines_option_reaches_the_engines(tmp_path):
-    """[engines] prefix_cache_tokens: checked by the config; an in-process engine gets it (0: no cache), a launched
-    embedded engine gets it on its command line (--prefix-cache-tokens)."""
+    """[engines] prefix_cache_tokens: checked by the config; unset, the run turns the cache on for multi-turn
+    rollouts and off for single-turn ones; an in-process engine gets it (0: no cache), a launched embedded engine
+    gets it on its command line (--prefix-cache-tokens)."""
     from engines.registry import EngineSpec, LaunchOptions, build_engine, launch_engine
+    from trainer.cli import load_run_config, prefix_cache_tokens
     from trainer.config import EnginesConfig
 
     assert EnginesConfig(prefix_cache_tokens=0).prefix_cache_tokens == 0
@@ -309,6 +311,11 @@ def test_the_engines_option_reaches_the_engines(tmp_path):
     finally:
         for e in (off, small, default):
             e.close()
+    # The run's policy when unset: on (the engine's default) for multi-turn rollouts, off for single-turn ones.
+    assert prefix_cache_tokens(load_run_config("configs/agent_demo.toml", mode="rl")) is None
+    assert prefix_cache_tokens(load_run_config("configs/demo.toml", mode="rl")) == 0
+    assert prefix_cache_tokens(load_run_config("configs/demo.toml", ["engines.prefix_cache_tokens=500"],
+                                               mode="rl")) == 500
     proc = launch_engine(EngineSpec(kind="embedded"), LaunchOptions("tiny", api_key="k", prefix_cache_tokens=0))
     assert proc.extra_args == ("--prefix-cache-tokens", "0")  # not launched: its command line only
     assert launch_engine(EngineSpec(kind="embedded"), LaunchOptions("tiny", api_key="k")).extra_args == ()

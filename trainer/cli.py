@@ -455,6 +455,16 @@ def engine_devices(given: Sequence[str | None], *, trainer_device: str, local_wo
     return [d or next(auto) for d in given]
 
 
+def prefix_cache_tokens(cfg: RunConfig) -> int | None:
+    """The embedded engines' prefix-cache budget: [engines] prefix_cache_tokens when set; else the engine's default
+    for multi-turn rollouts ([rl.rollout] env, tools, rollout_fn or agent: each turn reuses the earlier turns' KV)
+    and 0 (off) for single-turn ones, which never reuse a finished row's KV (keeping it costs ~60 us a row)."""
+    r = cfg.rl.rollout
+    if cfg.engines.prefix_cache_tokens is not None:
+        return cfg.engines.prefix_cache_tokens
+    return None if (r.env or r.tools or r.rollout_fn or r.agent) else 0
+
+
 @contextlib.contextmanager
 def engines_for(cfg: RunConfig, model_folder: Path, *, is_main: bool, device: str = "cpu"):
     """Yield the fleet ([engines].fleet, EngineSpecs) with every engine reachable: the entries of a launchable kind
@@ -485,7 +495,7 @@ def engines_for(cfg: RunConfig, model_folder: Path, *, is_main: bool, device: st
                             cuda_count=torch.cuda.device_count() if torch.cuda.is_available() else 0)
     procs = [launch_engine(fleet[i], LaunchOptions(str(model_folder), api_key=key, seed=cfg.seed, threads=e.threads,
                                                    start_timeout_s=e.start_timeout_s, device=place,
-                                                   prefix_cache_tokens=e.prefix_cache_tokens))
+                                                   prefix_cache_tokens=prefix_cache_tokens(cfg)))
              for i, place in zip(to_start, places)]
     started: list[InProcessEngine] = []
     try:
@@ -493,7 +503,7 @@ def engines_for(cfg: RunConfig, model_folder: Path, *, is_main: bool, device: st
             p.launch()
         for i in local:
             started.append(build_engine(fleet[i], model_folder=model_folder, seed=cfg.seed, device=device,
-                                        threads=e.threads, prefix_cache_tokens=e.prefix_cache_tokens))
+                                        threads=e.threads, prefix_cache_tokens=prefix_cache_tokens(cfg)))
             fleet[i] = {"engine": started[-1]}
         for p in procs:
             p.wait_healthy()

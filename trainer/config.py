@@ -497,8 +497,8 @@ class EnginesConfig:
     threads: int = 1  # CPU threads of each embedded engine the run starts (its process, or in process its model thread)
     start_timeout_s: float = 180.0  # wait this long for a started engine to answer /health
     # Embedded engines: KV of finished rows kept for reuse by prompts that start with them (an episode's next turn
-    # prefills only its new tokens; engines/embedded/prefix_cache.py), in tokens, LRU. None: the engine's default
-    # (32768); 0: off
+    # prefills only its new tokens; engines/embedded/prefix_cache.py), in tokens, LRU; 0: off. None: the engine's
+    # default (32768 tokens) for multi-turn rollouts ([rl.rollout] env, tools, rollout_fn, agent), off for single-turn
     prefix_cache_tokens: int | None = None
     sync: str = "group"  # weight sync: "group" (broadcast / shared memory) or "disk" (safetensors, opt-in fallback)
     sync_folder: str | None = None  # disk sync: the run makes its private folder here (None: /dev/shm or temp dir)

@@ -399,16 +399,24 @@ class DecodeBatch:
     def _remember(self, finished: list[int]) -> None:
         """Leave the KV of rows `finished` (indices into the batch) in the prefix cache: every token each fed the
         model, when all of it came from the weights now (a row paused across a weight update is not kept)."""
-        length = self.cache.length
-        for i in finished:
+        kept = [i for i in finished if self.rows[i].spans == [(0, self.version)]]
+        if not kept:
+            return
+        # One copy per layer for all of them: each row's last `cached` columns, packed [sum of cached, H, D] (an
+        # index on rows and one on columns, separated by the head slice: the indexed dimension comes first).
+        counts = torch.tensor([self.rows[i].cached for i in kept], dtype=torch.long)
+        starts = counts.cumsum(0) - counts
+        flat = torch.arange(int(counts.sum()))
+        rows_idx = torch.tensor(kept, dtype=torch.long).repeat_interleave(counts)
+        cols = self.cache.length - counts.repeat_interleave(counts) + flat - starts.repeat_interleave(counts)
+        rows_idx, cols = _to_device([rows_idx, cols], self.device)
+        packed = [(layer.keys[rows_idx, :, cols], layer.values[rows_idx, :, cols]) for layer in self.cache.layers]
+        for i, start, n in zip(kept, starts.tolist(), counts.tolist()):
             a = self.rows[i]
-            if a.spans != [(0, self.version)]:
-                continue
             tokens = a.row.prompt + tuple(a.out_ids[:-1])
-            assert len(tokens) == a.cached, (len(tokens), a.cached)
-            kv = [(layer.keys[i, :, length - a.cached:].clone(), layer.values[i, :, length - a.cached:].clone())
-                  for layer in self.cache.layers]
-            self.prefix_cache.store(tokens, a.row.adapter, self.version, kv)
+            assert len(tokens) == n, (len(tokens), n)
+            kv = [(k[start:start + n].transpose(0, 1), v[start:start + n].transpose(0, 1)) for k, v in packed]
+            self.prefix_cache.store(tokens, a.row.adapter, self.version, kv, owned=False)
 
     def _join(self, new: list[tuple[Row, Any]], pre: _Prefill) -> None:
         """Append the prefilled rows: their cache after the running rows', right-aligned at the batch's length (a

@@ -25,7 +25,7 @@ everything (/flush_cache). Not thread-safe: only the engine's model thread calls
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -47,6 +47,7 @@ class _Entry:
     adapter: int
     kv: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (keys, values) [H, n, D]
     chain: tuple[int, ...]  # _chain of its whole blocks: its index keys
+    owned: bool = True  # False: kv are views of a tensor shared with the other entries stored in the same step
 
 
 class PrefixCache:
@@ -102,6 +103,9 @@ class PrefixCache:
             entry = self.entries[key]
             if entry.tokens[:k * BLOCK] != prompt[:k * BLOCK]:
                 continue  # a hash collision
+            if not entry.owned:  # reused: it may outlive its step's other entries, so it stops holding their memory
+                entry = self.entries[key] = replace(entry, kv=tuple((k_.clone(), v.clone()) for k_, v in entry.kv),
+                                                    owned=True)
             self.entries.move_to_end(key)  # used: the most recent
             n, end = k * BLOCK, min(len(entry.tokens), len(prompt) - 1)
             while n < end and entry.tokens[n] == prompt[n]:
@@ -111,10 +115,15 @@ class PrefixCache:
         return None, 0
 
     def store(self, tokens: tuple[int, ...], adapter: int, version: int,
-              kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+              kv: list[tuple[torch.Tensor, torch.Tensor]], *, owned: bool = True) -> None:
         """Keep the KV `kv` (per layer (keys, values) [H, len(tokens), D], owned by the cache from now on) of
         `tokens` under `adapter` at weight `version`, evicting the least recently used entries to stay within the
-        budget. Sequences shorter than a block, or longer than the budget, are not kept."""
+        budget. Sequences shorter than a block, or longer than the budget, are not kept.
+
+        owned=False: `kv` are views of one tensor holding the KV of every entry stored in the same step (one copy
+        a step, not one per entry). Unused entries leave in the order they came (LRU), so that tensor is freed
+        once the step's last entry is evicted; an entry that is reused first copies its own KV (`lookup`), so it
+        never holds the others' memory past them."""
         self._at(version)
         n = len(tokens)
         assert all(k.shape[1] == n and v.shape[1] == n for k, v in kv), "kv must hold one column per token"
@@ -128,7 +137,7 @@ class PrefixCache:
             self._remove(next(iter(self.entries)))
             self.evicted += 1
         chain = tuple(_chain(tokens, n // BLOCK))
-        self.entries[key] = _Entry(tokens, adapter, tuple(kv), chain)
+        self.entries[key] = _Entry(tokens, adapter, tuple(kv), chain, owned)
         self.tokens += n
         for k, h in enumerate(chain, 1):
             self.index[(adapter, version, k, h)] = key  # the newest entry with this prefix
