@@ -9,6 +9,10 @@ to the engine together, as the rollout sends them. Measured per round, sides int
 tokens (prompt tokens minus those it reported as `cached_tokens`), reused tokens, and the wall time of each turn.
 
     .venv/bin/python bench/bench_prefix_cache.py --rounds 5 --out bench/results/prefix_cache_agent-cpu-2core.json
+
+`--single-turn`: the cost where nothing is reused, the single-turn demo's step shape (64 prompts x 8 samples, 13
+prompt tokens, 6 generated): the time of keeping every finished row's KV (the run turns the cache off for
+single-turn rollouts; trainer.cli.prefix_cache_tokens).
 """
 
 from __future__ import annotations
@@ -71,6 +75,15 @@ def one_step(engine: LocalEngine, seed: int) -> dict:
                                                                                        for c in outs)}
 
 
+def single_turn_step(engine: LocalEngine, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    prompts = [[1] + torch.randint(4, 200, (12,), generator=g).tolist() for _ in range(64)]
+    t0 = time.perf_counter()
+    trio.run(engine.generate, prompts, SamplingParams(temperature=1.0, max_new_tokens=6, n=8, seed=seed,
+                                                      ignore_eos=True))
+    return {"step_s": time.perf_counter() - t0}
+
+
 def _paired(rows: dict, key: str) -> dict:
     ratios = [b[key] / a[key] for a, b in zip(rows["reuse"], rows["no_reuse"])]
     return {"median": statistics.median(ratios), "all": [round(r, 3) for r in ratios]}
@@ -80,22 +93,36 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--single-turn", action="store_true", help="the single-turn demo's shape: the cost alone")
     args = ap.parse_args(argv)
+    step = single_turn_step if args.single_turn else one_step
     torch.set_num_threads(1)
     tmp = tempfile.TemporaryDirectory()
     folder = _save_model(Path(tmp.name))
-    sides = {"reuse": _engine(32768, folder), "no_reuse": _engine(0, folder)}
+    sides = ({"reuse": LocalEngine("tiny", seed=0, threads=1), "no_reuse": LocalEngine("tiny", seed=0, threads=1,
+                                                                                       prefix_cache_tokens=0)}
+             if args.single_turn else {"reuse": _engine(32768, folder), "no_reuse": _engine(0, folder)})
     try:
         for eng in sides.values():
-            one_step(eng, 999)  # warm-up
+            step(eng, 999)  # warm-up
         rows = {k: [] for k in sides}
         for r in range(args.rounds):
             for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):  # interleaved, alternating order
-                rows[name].append(one_step(sides[name], 100 + r))
+                rows[name].append(step(sides[name], 100 + r))
     finally:
         for eng in sides.values():
             eng.close()
         tmp.cleanup()
+    if args.single_turn:
+        result = {"bench": "bench/bench_prefix_cache.py --single-turn", "rounds": args.rounds,
+                  "shape": dict(prompts=64, samples=8, prompt=13, new=6, model="tiny llama h64 L2 fp32", threads=1),
+                  "step_s": {k: statistics.median(r["step_s"] for r in rs) for k, rs in rows.items()},
+                  "reuse_over_no_reuse_paired": {k: 1 / v if k == "median" else [round(1 / x, 3) for x in v]
+                                                 for k, v in _paired(rows, "step_s").items()}}
+        print(json.dumps(result, indent=1))
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        return
     summary = {}
     for name, rs in rows.items():
         summary[name] = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
