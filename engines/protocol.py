@@ -223,3 +223,14 @@ class InProcessEngine(InferenceEngine, Protocol):
     it owns it and stops it with `close()` (its model, threads and event loop)."""
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class TensorAdapterEngine(InProcessEngine, Protocol):
+    """An in-process engine that takes LoRA adapters as tensors of this process (the embedded engine in process,
+    engines.local.LocalEngine): what the Tinker service's samplers need (adapter-only, no disk, no JSON)."""
+
+    async def load_adapter_tensors(self, name: str, tensors: dict, scaling: float, *, default: bool = False) -> None:
+        """Load (or replace) LoRA adapter `name` (PEFT's keys, engines/embedded/lora.py); default=True makes it the
+        adapter of requests that name none."""
+        ...

@@ -132,6 +132,7 @@ class BuildOptions:
     timeout_s: float = 300.0  # one request's limit (HTTP kinds)
     threads: int | None = None  # an in-process engine's model thread: its torch threads (None: the process's)
     prefix_cache_tokens: int | None = None  # an embedded engine's prefix-cache budget (None: its default; 0: off)
+    dtype: str | None = None  # an in-process engine's weights ("float32", "bfloat16"; None: the engine's default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,7 +219,11 @@ def _local(spec: EngineSpec, opts: BuildOptions) -> InferenceEngine:
     from engines.local import LocalEngine
 
     cache = {} if opts.prefix_cache_tokens is None else {"prefix_cache_tokens": opts.prefix_cache_tokens}
-    return LocalEngine(opts.model_folder, seed=opts.seed, device=opts.device, threads=opts.threads, **cache)
+    import torch
+
+    dtype = None if opts.dtype is None else getattr(torch, opts.dtype)
+    return LocalEngine(opts.model_folder, seed=opts.seed, device=opts.device, threads=opts.threads, dtype=dtype,
+                       **cache)
 
 
 def _launch_embedded(spec: EngineSpec, opts: LaunchOptions) -> LaunchedEngine:
@@ -272,7 +277,7 @@ def started_spec(spec: EngineSpec, url: str, api_key: str) -> EngineSpec:
 def build_engine(spec: EngineSpec, *, model_folder: str | Path, api_key: str | None = None, seed: int = 0,
                  connect_timeout_s: float = 10.0, max_connections: int = 64, device: str = "cpu",
                  timeout_s: float = 300.0, threads: int | None = None,
-                 prefix_cache_tokens: int | None = None) -> InferenceEngine:
+                 prefix_cache_tokens: int | None = None, dtype: str | None = None) -> InferenceEngine:
     """The engine object for `spec` (its kind's builder). A launchable spec must carry the URL of the started
     engine by now; an in-process engine is started here, in this process, on `device` (give the trainer's: an engine
     on another device than the trainer cannot take its weights by handle; close it with `close()`). The spec's own
@@ -283,5 +288,5 @@ def build_engine(spec: EngineSpec, *, model_folder: str | Path, api_key: str | N
                          f"starts one per such entry) and build it from EngineSpec(kind, url=<its URL>)")
     opts = BuildOptions(model_folder=str(model_folder), api_key=spec.api_key or api_key, seed=seed,
                         connect_timeout_s=connect_timeout_s, max_connections=max_connections, device=str(device),
-                        timeout_s=timeout_s, threads=threads, prefix_cache_tokens=prefix_cache_tokens)
+                        timeout_s=timeout_s, threads=threads, prefix_cache_tokens=prefix_cache_tokens, dtype=dtype)
     return entry.build(spec, opts)

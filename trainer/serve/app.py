@@ -29,7 +29,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -182,10 +181,14 @@ class ApiKey:
 
 
 def build_service(cfg: ServeConfig) -> Service:
-    from engines.local import LocalEngine
+    from engines.protocol import TensorAdapterEngine
+    from engines.registry import EngineSpec, build_engine
 
-    def engine(path: str) -> LocalEngine:  # float32: the sampler's log-probs are the trainer's own
-        return LocalEngine(path, seed=cfg.seed, device=cfg.device, dtype=torch.float32, threads=1)
+    def engine(path: str) -> TensorAdapterEngine:  # float32: the sampler's log-probs are the trainer's own
+        built = build_engine(EngineSpec(kind="local"), model_folder=path, seed=cfg.seed, device=cfg.device,
+                             threads=1, dtype="float32")
+        assert isinstance(built, TensorAdapterEngine), "the in-process engine must take adapter tensors"
+        return built
 
     return Service(dict(cfg.models), cfg.output_dir, max_clients=cfg.max_clients, device=cfg.device,
                    engine_factory=engine)
