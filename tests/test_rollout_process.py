@@ -68,6 +68,17 @@ def _view(batch) -> list[tuple]:
             for s in batch.samples]
 
 
+def _assert_same_batches(got: list[list[tuple]], want: list[list[tuple]]) -> None:
+    """_view's batches equal field for field, the engine log-probs within 1e-5: the engine's prefix cache
+    ([engines] prefix_cache_tokens) serves a prompt's cached prefix to whichever run comes second, and a prefill
+    from cached KV differs from a full one in the last bits (the same tokens; tests/test_prefix_cache.py)."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert [r[:3] + r[4:] for r in g] == [r[:3] + r[4:] for r in w]
+        for a, b in zip(g, w, strict=True):
+            assert a[3] == pytest.approx(b[3], abs=1e-5)
+
+
 def _thread_run(url, rollout, steps, ahead, *, rewards=None, view=_view):
     """rewards: built RewardSources (trainer.rollout.reward_sources), scored as the thread worker scores them."""
     from trainer.rollout.reward_sources import scored_batches
@@ -108,10 +119,10 @@ def test_the_process_draws_the_thread_workers_batches_and_resumable_state(engine
     proc_batches, proc_states = _process_run(engine.url, rollout, 3, 1)
     assert len(thread_batches) == 3 and all(len(b) == 3 * 2 for b in thread_batches)
     assert len({b[0][0] for b in thread_batches}) == 3  # three different first prompts: the buffer moved
-    assert proc_batches == thread_batches
+    _assert_same_batches(proc_batches, thread_batches)
     assert proc_states == thread_states
     resumed_batches, _ = _process_run(engine.url, rollout, 3, 1, first_step=2, state=thread_states[0])
-    assert resumed_batches == thread_batches[1:]
+    _assert_same_batches(resumed_batches, thread_batches[1:])
 
 
 def test_requeued_groups_reach_the_process_and_come_back_from_their_prompts(engine):
