@@ -33,6 +33,14 @@ $(VLLM_STAMP): pyproject.toml engines/vllm_ext/pyproject.toml
 
 .venv-vllm: $(VLLM_STAMP)
 
+# tinker-cookbook for the Tinker-service test (tests/test_tinker_service.py): its pins do not install beside ours, so
+# tests/cookbook_support.py installs it --no-deps into a site folder of its own (.venv-cookbook, on the driver's
+# PYTHONPATH only); its stamp lists the packages.
+COOKBOOK_STAMP := .venv-cookbook/.packages
+
+$(COOKBOOK_STAMP): tests/cookbook_support.py | $(STAMP)
+	$(BIN)/python tests/cookbook_support.py
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
@@ -41,7 +49,7 @@ lint: $(STAMP)
 # loadgroup: under pytest 9.2, xdist 3.8 renames `item._nodeid`, which pytest no longer reads, so its groups are lost.
 # TEST_WORKERS=0 runs the suite in this one process.
 TEST_WORKERS ?= 2
-test: $(STAMP) $(VLLM_STAMP) lint
+test: $(STAMP) $(VLLM_STAMP) $(COOKBOOK_STAMP) lint
 	$(BIN)/python -m pytest -q --benchmark-disable -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
 demo: $(STAMP)
@@ -62,7 +70,7 @@ bench-check: $(STAMP)
 	$(BIN)/python bench/gate.py check $(GATE_ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache .benchmarks
+	rm -rf $(VENV) $(VLLM_VENV) .venv-cookbook runs .pytest_cache .benchmarks
 
 # On a CUDA machine, one run: versions, a compiled-kernel preflight, every gpu test, the benchmarks at CUDA sizes
 # and the weight sync; writes bench/results/<gpu-name>.json and .md. Exits 2 without CUDA. Uses the project venv
