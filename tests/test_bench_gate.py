@@ -52,7 +52,11 @@ def test_case(benchmark, case, impl):
 
 
 @pytest.fixture
-def suite(tmp_path):
+def suite(tmp_path, monkeypatch):
+    # The gate measures the suite in a child pytest, which inherits the environment: under `make test`'s xdist it
+    # would take this worker's variables for its own, and pytest-benchmark refuses --benchmark-only under xdist.
+    for var in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
+        monkeypatch.delenv(var, raising=False)
     path = tmp_path / "suite" / "test_tiny_bench.py"
     path.parent.mkdir()
     path.write_text(TINY_SUITE)

@@ -193,14 +193,15 @@ def test_only_configuration_errors_exit_2(monkeypatch):
 def test_sft_plus_rl_end_to_end_through_the_cli(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "trainer", "sft+rl", "--config", "configs/demo.toml",
-           "--set", f"output_dir=\"{out}\"", "--set", "sft.num_steps=30", "--set", "rl.num_steps=2",
+           "--set", f"output_dir=\"{out}\"", "--set", "sft.num_steps=4", "--set", "sft.batch_size=16",
+           "--set", "rl.num_steps=2",
            "--set", "rl.rollout.rollout_batch_size=4", "--set", "rl.rollout.dynamic_filters=[]",
            "--set", "eval.limit=16"]
     env = cpu_child_env()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["sft_steps"] == 30 and summary["rl_steps"] == 2
+    assert summary["sft_steps"] == 4 and summary["rl_steps"] == 2
     for key in ("accuracy_before_sft", "accuracy_after_sft", "accuracy_after_rl"):
         assert 0.0 <= summary[key] <= 1.0
     assert summary["accuracy_before_sft"] == 0.0  # a random model does not add numbers
