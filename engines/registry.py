@@ -216,14 +216,14 @@ def _vllm(spec: EngineSpec, opts: BuildOptions) -> InferenceEngine:
 
 
 def _local(spec: EngineSpec, opts: BuildOptions) -> InferenceEngine:
-    from engines.local import LocalEngine
-
-    cache = {} if opts.prefix_cache_tokens is None else {"prefix_cache_tokens": opts.prefix_cache_tokens}
     import torch
 
-    dtype = None if opts.dtype is None else getattr(torch, opts.dtype)
-    return LocalEngine(opts.model_folder, seed=opts.seed, device=opts.device, threads=opts.threads, dtype=dtype,
-                       **cache)
+    from engines.local import LocalEngine
+
+    given = {} if opts.prefix_cache_tokens is None else {"prefix_cache_tokens": opts.prefix_cache_tokens}
+    if opts.dtype is not None:  # else the engine's default for its device
+        given["dtype"] = getattr(torch, opts.dtype)
+    return LocalEngine(opts.model_folder, seed=opts.seed, device=opts.device, threads=opts.threads, **given)
 
 
 def _launch_embedded(spec: EngineSpec, opts: LaunchOptions) -> LaunchedEngine:
