@@ -34,3 +34,21 @@ def digit_fraction(sample) -> float:
     digits (the tests' RL runs assert that it rises)."""
     resp = sample.tokens[sample.prompt_length:]
     return sum(t in DIGITS for t in resp) / max(len(resp), 1)
+
+
+def random_peft_adapter(base, folder, *, r: int, alpha: float, targets, seed: int, scale: float = 0.3):
+    """A PEFT adapter on `base` (modified in place: pass a copy to keep it) with random A and B (seeded, N(0,
+    scale^2); B = 0 would be the base itself), saved to `folder`; returns the PeftModel (merge_and_unload a deep copy
+    of it for the reference)."""
+    import peft
+    import torch
+
+    pm = peft.get_peft_model(base, peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets)))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+    pm.save_pretrained(str(folder))
+    return pm
+

@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 import trio
+from engine_support import random_peft_adapter
 
 from engines.embedded.lora import read_peft_folder
 from engines.embedded.presets import build_tiny_model
@@ -25,16 +26,7 @@ TOL = 1e-5
 def make_adapter(folder, seed: int, r: int, alpha: float, targets: list[str]):
     """A PEFT adapter of the tiny base with random A and B (B = 0 would be the base), saved to `folder`; returns
     the merged reference model (PEFT's merge_and_unload)."""
-    import peft
-
-    model = build_tiny_model(ENGINE_SEED)
-    pm = peft.get_peft_model(model, peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=targets))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    pm.save_pretrained(str(folder))
+    pm = random_peft_adapter(build_tiny_model(ENGINE_SEED), folder, r=r, alpha=alpha, targets=targets, seed=seed)
     return copy.deepcopy(pm).merge_and_unload().eval()
 
 

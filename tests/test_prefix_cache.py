@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 import trio
+from engine_support import random_peft_adapter
 from safetensors.torch import save_file
 
 from engines.embedded.generation import DecodeBatch, Row
@@ -236,17 +237,9 @@ def _adapter(folder, seed: int, targets: list[str]):
     and the merged reference model."""
     import copy
 
-    import peft
-
     from engines.embedded.lora import read_peft_folder
 
-    pm = peft.get_peft_model(build_tiny_model(5), peft.LoraConfig(r=4, lora_alpha=8.0, target_modules=targets))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    pm.save_pretrained(str(folder))
+    pm = random_peft_adapter(build_tiny_model(5), folder, r=4, alpha=8.0, targets=targets, seed=seed)
     return (*read_peft_folder(str(folder)), copy.deepcopy(pm).merge_and_unload().eval())
 
 

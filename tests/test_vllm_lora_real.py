@@ -18,6 +18,7 @@ import copy
 import pytest
 import torch
 import trio
+from engine_support import random_peft_adapter
 from vllm_support import start_server, stop_server, write_model_folder
 
 from engines.embedded.launch import free_port
@@ -31,15 +32,7 @@ PROMPTS = [[1, 20, 21, 22], [1, 7, 8, 9, 10]]
 
 def peft_adapter(base, folder, seed: int, targets: list[str]):
     """A rank-8 PEFT adapter with random A and B saved to `folder`; returns the merged float64 reference."""
-    import peft
-
-    pm = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    pm.save_pretrained(str(folder))
+    pm = random_peft_adapter(copy.deepcopy(base), folder, r=8, alpha=16, targets=targets, seed=seed, scale=0.05)
     return pm.merge_and_unload().double().eval()
 
 
