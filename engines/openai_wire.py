@@ -106,6 +106,14 @@ def _int(body: Mapping[str, Any], key: str, lo: int) -> int | None:
     return v
 
 
+def json_body(raw: bytes) -> Any:
+    """A request's body as JSON; a WireError (400) naming the body otherwise."""
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise WireError(f"the body is not JSON: {e}", param="body") from e
+
+
 def parse_sampling(body: Mapping[str, Any], *, logprobs_is_int: bool = False) -> SamplingRequest:
     """The sampling fields of a chat or completions body. Penalties are accepted only at 0 (their neutral value):
     the engine protocol has none. `top_logprobs` > 0 is refused (the engines return the sampled token's log-prob

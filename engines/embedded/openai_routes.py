@@ -14,7 +14,6 @@ model a 404, in OpenAI's error shape.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -32,6 +31,7 @@ from engines.openai_wire import (
     completion_answer,
     completion_choice,
     end_of_turn_ids,
+    json_body,
     models_response,
     parse_chat_request,
     parse_completion_request,
@@ -119,10 +119,7 @@ def _post(parse: Callable[[Any], Any], answer: Callable[[Any], Awaitable[Answer]
 
     async def handler(request: Request) -> Any:
         try:
-            try:
-                body = json.loads(await request.body())
-            except ValueError as e:
-                raise WireError(f"the body is not JSON: {e}", param="body") from e
+            body = json_body(await request.body())
             req = parse(body)
             response, chunks = await answer(req)
         except WireError as e:

@@ -25,7 +25,6 @@ import concurrent.futures
 import dataclasses
 import functools
 import inspect
-import json
 import secrets
 import socket
 import sys
@@ -45,6 +44,7 @@ from engines.openai_wire import (
     chat_choice,
     completion_answer,
     completion_choice,
+    json_body,
     models_response,
     parse_chat_request,
     parse_completion_request,
@@ -159,10 +159,7 @@ class Gateway:
         from starlette.responses import JSONResponse, StreamingResponse
 
         try:
-            try:
-                body = json.loads(await request.body())
-            except ValueError as e:
-                raise WireError(f"the body is not JSON: {e}", param="body") from e
+            body = json_body(await request.body())
             req = parse(body)
             if req.model != self.model:
                 raise WireError(f"model {req.model!r} is not served here; use {self.model!r} (endpoint.model)",
