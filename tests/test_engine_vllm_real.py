@@ -114,29 +114,37 @@ def test_multi_turn_episodes_are_token_exact(vllm):
     check_token_exact(batch.samples, rec, tok, model, tol=TOL)
 
 
-def test_an_openai_agent_through_the_gateway_is_token_exact(vllm):
-    """The recording gateway (trainer/rollout/gateway.py) in front of the real vLLM: an agent that imports only
-    `openai` (a function tool offered, its own message sent back, a tool result, a second turn) trains on exactly
-    the tokens vLLM produced: the template's opening and the tool turn (loss mask 0) as the template writes them,
-    vLLM's completions (mask 1) with vLLM's log-probs, within TOL of a float32 forward of the same weights. One
-    prompt, two episodes: four requests, each one token or two (every character id above the digits stops a turn)."""
-    from episode_support import CHAR_STOPS, Recording, arithmetic_buffer
-    from gateway_support import check_two_turn_batch, two_turn_agent
+def _one_agent_batch(rec, cfg, tok):
+    """One rollout batch of `cfg`'s agent on one arithmetic prompt, through the gateway in front of `rec`."""
+    from episode_support import arithmetic_buffer
 
-    from trainer.config import RolloutConfig
     from trainer.rollout.manager import AsyncRolloutManager
 
-    eng, model, tok = vllm["engine"], vllm["model"], vllm["tok"]
-    rec = Recording(eng)
-    cfg = RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=2, max_new_tokens=6, agent=two_turn_agent,
-                        max_turns=4, seed=1, agent_timeout_s=120.0, stop_token_ids=CHAR_STOPS[10:])
     manager = AsyncRolloutManager([rec], cfg, tokenizer=tok, reward_fn=None, check_health=False)
 
     async def run():
         async with manager:
             return await manager.generate_batch(arithmetic_buffer(1))
 
-    batch = trio.run(run)
+    return trio.run(run)
+
+
+def test_an_openai_agent_through_the_gateway_is_token_exact(vllm):
+    """The recording gateway (trainer/rollout/gateway.py) in front of the real vLLM: an agent that imports only
+    `openai` (a function tool offered, its own message sent back, a tool result, a second turn) trains on exactly
+    the tokens vLLM produced: the template's opening and the tool turn (loss mask 0) as the template writes them,
+    vLLM's completions (mask 1) with vLLM's log-probs, within TOL of a float32 forward of the same weights. One
+    prompt, two episodes: four requests, each one token or two (every character id above the digits stops a turn)."""
+    from episode_support import CHAR_STOPS, Recording
+    from gateway_support import check_two_turn_batch, two_turn_agent
+
+    from trainer.config import RolloutConfig
+
+    eng, model, tok = vllm["engine"], vllm["model"], vllm["tok"]
+    rec = Recording(eng)
+    cfg = RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=2, max_new_tokens=6, agent=two_turn_agent,
+                        max_turns=4, seed=1, agent_timeout_s=120.0, stop_token_ids=CHAR_STOPS[10:])
+    batch = _one_agent_batch(rec, cfg, tok)
     assert len(batch) == 2 and len(rec.calls) == 4
     worst = check_two_turn_batch(batch, rec, model, tol=TOL)
     print(f"gateway over vLLM: engine vs float32 forward log-probs, max diff {worst:.2e}")
@@ -296,11 +304,10 @@ def test_a_tool_call_round_trip_through_the_gateway_is_token_exact(vllm, tmp_pat
     SDK's assistant message back with the `tool` result, and asks again. The trained sample: the template's opening
     (mask 0) + vLLM's call tokens (mask 1) + the tool turn as the template writes it (mask 0) + vLLM's answer to
     exactly that prefix (mask 1); log-probs within TOL of a float32 forward of the loaded weights."""
-    from episode_support import Recording, arithmetic_buffer
+    from episode_support import Recording
     from gateway_support import CALC, CALL, IM_END_ID, after_turn, assert_exact, calculator_agent, train_to_write
 
     from trainer.config import RolloutConfig
-    from trainer.rollout.manager import AsyncRolloutManager
 
     eng, tok = vllm["engine"], vllm["tok"]
     prompt = "0+1="  # arithmetic_buffer(1)'s one prompt
@@ -314,13 +321,7 @@ def test_a_tool_call_round_trip_through_the_gateway_is_token_exact(vllm, tmp_pat
     rec = Recording(eng)
     cfg = RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=2, max_new_tokens=100, agent=calculator_agent,
                         max_turns=2, seed=3, agent_timeout_s=300.0)
-    manager = AsyncRolloutManager([rec], cfg, tokenizer=tok, reward_fn=None, check_health=False)
-
-    async def run():
-        async with manager:
-            return await manager.generate_batch(arithmetic_buffer(1))
-
-    batch = trio.run(run)
+    batch = _one_agent_batch(rec, cfg, tok)
     assert len(batch) == 2 and len(rec.calls) == 4
     worst = 0.0
     for s in batch.samples:
