@@ -74,6 +74,12 @@ def _first_leaf(eg: BaseException) -> BaseException:
     return eg
 
 
+def request_seed(run_seed: int, group_uid: int, sample: int, k: int) -> int:
+    """The engine seed of one request: fixed by (run seed, group, first sample, k = the segment, turn or agent
+    call), so a batch is reproducible whatever the arrival order."""
+    return (run_seed * 1_000_003 + group_uid * 65_537 + sample * 257 + k) % (2 ** 31)
+
+
 class AsyncRolloutManager:
     """Stateful rollout driver; use as `async with manager: batch = await manager.generate_batch(buffer)`.
 
@@ -287,7 +293,7 @@ class AsyncRolloutManager:
         c = self.config
         uid = samples[0].metadata["group_uid"]
         seg = len(samples[0].metadata.get("weight_versions", ()))
-        seed = (c.seed * 1_000_003 + uid * 65_537 + js[0] * 257 + seg) % (2 ** 31)
+        seed = request_seed(c.seed, uid, js[0], seg)
         shared = all(s.tokens == samples[0].tokens for s in samples)
         prompts = [samples[0].tokens] if shared else [s.tokens for s in samples]
         params = SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, max_new_tokens=budget,
@@ -337,7 +343,7 @@ class AsyncRolloutManager:
         uid = s.metadata["group_uid"]
 
         async def generate(tokens: tuple[int, ...], budget: int, segment: int) -> Completion | None:
-            seed = (c.seed * 1_000_003 + uid * 65_537 + j * 257 + segment) % (2 ** 31)
+            seed = request_seed(c.seed, uid, j, segment)
             params = SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, max_new_tokens=budget,
                                     stop_token_ids=self.stop_ids, n=1, seed=seed)
             outs = await self._generate(engine, [tokens], params, rid=f"g{uid}-s{j}-{segment}-{slot}")
@@ -359,7 +365,7 @@ class AsyncRolloutManager:
         uid = s.metadata["group_uid"]
 
         async def generate(tokens: tuple[int, ...], n: int, budget: int, call: int) -> list[Completion] | None:
-            seed = (c.seed * 1_000_003 + uid * 65_537 + j * 257 + call) % (2 ** 31)
+            seed = request_seed(c.seed, uid, j, call)
             params = SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, max_new_tokens=budget,
                                     stop_token_ids=self.stop_ids, n=n, seed=seed)
             return await self._generate(engine, [tokens], params, rid=f"g{uid}-s{j}-{call}-{slot}")
