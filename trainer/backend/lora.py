@@ -122,11 +122,17 @@ def adapter_init(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
     out = {}
     for path, layer in lora_layers(model).items():
         a, b = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight
-        g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(path.encode()))
-        bound = 1.0 / math.sqrt(a.shape[1])
-        out[f"{path}.lora_A.{ADAPTER}.weight"] = torch.empty(a.shape).uniform_(-bound, bound, generator=g)
+        out[f"{path}.lora_A.{ADAPTER}.weight"] = seeded_lora_a(a.shape, seed, path)
         out[f"{path}.lora_B.{ADAPTER}.weight"] = torch.zeros(b.shape)
     return out
+
+
+def seeded_lora_a(shape: torch.Size, seed: int, path: str) -> torch.Tensor:
+    """A fresh A [r, in] for the module at `path`, float32 U(-1/sqrt(in), 1/sqrt(in)), from a generator of its own
+    seeded by (seed, path)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(path.encode()))
+    bound = 1.0 / math.sqrt(shape[1])
+    return torch.empty(shape).uniform_(-bound, bound, generator=g)
 
 
 def with_adapters(sd: dict[str, torch.Tensor], model: nn.Module, seed: int) -> dict[str, torch.Tensor]:

@@ -21,9 +21,7 @@ by widening its operands: logits = [h, s h A^T] @ [W, B]^T, so the [T, V] logits
 from __future__ import annotations
 
 import concurrent.futures
-import math
 import os
-import zlib
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +31,7 @@ import torch
 from torch import nn
 
 from kernels.linear_logprobs import linear_token_logprobs
+from trainer.backend.lora import lora_layers, seeded_lora_a
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -192,19 +191,17 @@ class LoraBase:
         peft.inject_adapter_in_model(config, self.model, adapter_name=name)
         for n, p in self.model.named_parameters():  # PEFT's injection unfreezes only the newest adapter
             p.requires_grad_(".lora_A." in n or ".lora_B." in n)
-        for path, layer in _lora_layers(self.model).items():
+        for path, layer in lora_layers(self.model).items():
             if name not in layer.lora_A:
                 continue
             a = layer.lora_A[name].weight
-            g = torch.Generator().manual_seed(spec.seed * 1_000_003 + zlib.crc32(path.encode()))
-            bound = 1.0 / math.sqrt(a.shape[1])
             with torch.no_grad():
-                a.copy_(torch.empty(a.shape).uniform_(-bound, bound, generator=g))
+                a.copy_(seeded_lora_a(a.shape, spec.seed, path))
                 layer.lora_B[name].weight.zero_()
         self.adapters[name] = spec
 
     def remove_adapter(self, name: str) -> None:
-        for layer in _lora_layers(self.model).values():
+        for layer in lora_layers(self.model).values():
             if name in layer.lora_A:
                 layer.delete_adapter(name)
         self.adapters.pop(name, None)
@@ -212,7 +209,7 @@ class LoraBase:
     def adapter_params(self, name: str) -> dict[str, nn.Parameter]:
         """{"<module path>.lora_A.weight" | ".lora_B.weight": parameter} of adapter `name` (PEFT's saved names)."""
         out = {}
-        for path, layer in _lora_layers(self.model).items():
+        for path, layer in lora_layers(self.model).items():
             if name in layer.lora_A:
                 out[f"{path}.lora_A.weight"] = layer.lora_A[name].weight
                 out[f"{path}.lora_B.weight"] = layer.lora_B[name].weight
@@ -220,7 +217,7 @@ class LoraBase:
 
     def activate(self, name: str) -> None:
         """Only adapter `name` takes part in the forward (and gets gradients)."""
-        for layer in _lora_layers(self.model).values():
+        for layer in lora_layers(self.model).values():
             layer._active_adapter = [name] if name in layer.lora_A else []
 
     def token_logprobs(self, name: str, batch: Sequence[Datum]) -> list[torch.Tensor]:
@@ -274,10 +271,6 @@ def _lora_layer_type() -> type:
     from peft.tuners.lora import LoraLayer
 
     return LoraLayer
-
-
-def _lora_layers(model: nn.Module) -> dict[str, nn.Module]:
-    return {n: m for n, m in model.named_modules() if isinstance(m, _lora_layer_type())}
 
 
 # ---------------------------------------------------------------------------------------------------------
