@@ -38,8 +38,9 @@ from engines.sglang import SGLangEngine
 _ids = itertools.count()
 
 
-async def _wait(fut: concurrent.futures.Future) -> Any:
-    """Await a future completed by another thread, from trio or asyncio; cancelling the wait cancels it."""
+async def wait_future(fut: concurrent.futures.Future, *, cancel: bool = True) -> Any:
+    """Await a future completed by another thread, from trio or asyncio. Cancelling the wait cancels `fut` (under
+    asyncio always: wrap_future chains the cancellation; under trio when `cancel`)."""
     if sniffio.current_async_library() == "asyncio":
         return await asyncio.wrap_future(fut)
     import trio
@@ -56,7 +57,8 @@ async def _wait(fut: concurrent.futures.Future) -> Any:
     try:
         await done.wait()
     except trio.Cancelled:
-        fut.cancel()
+        if cancel:
+            fut.cancel()
         raise
     return fut.result()
 
@@ -156,9 +158,9 @@ class LocalEngine(SGLangEngine):
 
 async def _wait_with_timeout(fut: concurrent.futures.Future, timeout_s: float) -> Any:
     if sniffio.current_async_library() == "asyncio":
-        return await asyncio.wait_for(_wait(fut), timeout_s)
+        return await asyncio.wait_for(wait_future(fut), timeout_s)
     import trio
 
     with trio.move_on_after(timeout_s):
-        return await _wait(fut)
+        return await wait_future(fut)
     raise TimeoutError  # only reached when move_on_after cancelled the wait

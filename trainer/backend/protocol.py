@@ -96,25 +96,10 @@ class BackendFuture:
         return self._fut.result(timeout)
 
     async def aresult(self) -> Any:
-        import sniffio
+        """The result, awaited from trio or asyncio; a cancelled trio wait leaves the queued work to run."""
+        from engines.local import wait_future
 
-        if sniffio.current_async_library() == "asyncio":
-            import asyncio
-
-            return await asyncio.wrap_future(self._fut)
-        import trio
-
-        token, done = trio.lowlevel.current_trio_token(), trio.Event()
-
-        def wake(_: concurrent.futures.Future) -> None:
-            try:
-                token.run_sync_soon(done.set)
-            except trio.RunFinishedError:  # the waiting run is gone: nobody to wake
-                pass
-
-        self._fut.add_done_callback(wake)
-        await done.wait()
-        return self._fut.result()
+        return await wait_future(self._fut, cancel=False)
 
     def __await__(self) -> Generator[Any, None, Any]:
         return self.aresult().__await__()
