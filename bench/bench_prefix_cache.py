@@ -12,7 +12,7 @@ tokens (prompt tokens minus those it reported as `cached_tokens`), reused tokens
 
 `--single-turn`: the cost where nothing is reused, the single-turn demo's step shape (64 prompts x 8 samples, 13
 prompt tokens, 6 generated): the time of keeping every finished row's KV (the run turns the cache off for
-single-turn rollouts; trainer.cli.prefix_cache_tokens).
+single-turn rollouts; trainer.run.prefix_cache_tokens).
 """
 
 from __future__ import annotations

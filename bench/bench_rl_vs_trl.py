@@ -3,13 +3,13 @@
     python bench/bench_rl_vs_trl.py [--steps 5] [--model DIR] [--json] [--out bench/results/rl_vs_trl-cpu-2core.json]
 
 Both sides start from the demo's initial model (configs/demo.toml [model]: the seeded random tiny Qwen2 that
-`trainer.cli.prepare_model_folder` writes, the project tokenizer of engines/tiny.py), or from `--model DIR`, a
+`trainer.run.prepare_model_folder` writes, the project tokenizer of engines/tiny.py), or from `--model DIR`, a
 Hugging Face folder with that tokenizer (the demo's SFT model exported with `python -m trainer export`: from
 there GRPO moves held-out accuracy within a few steps, so "accuracy no lower" is a comparison), train on the prompts of
 [data].train (chat format) with the reward of [data].reward, for the same number of steps of
 `rollout_batch_size` prompts x `n_samples_per_prompt` samples, at most `max_new_tokens` new tokens, at the run's
 temperature, with the same learning rate, KL coefficient and seed. Ours runs `python -m trainer rl` on that config
-(`trainer.cli.run`, an embedded engine process, HTTP rollouts), once synchronous and once with async_rollout;
+(`trainer.run.run`, an embedded engine process, HTTP rollouts), once synchronous and once with async_rollout;
 TRL generates with transformers' `generate` in its own process, as it does without vLLM. Each side runs in its
 own subprocess; the peak RSS is sampled over the whole process tree (for ours: trainer + engine process).
 
@@ -233,7 +233,7 @@ def hf_greedy_accuracy(model: Any, tokenizer: Any, prompts: list[Any], *, max_ne
     """Greedy accuracy with transformers' generate: the prompt ids, stop ids and reward of `trainer.cli.evaluate`."""
     import torch
 
-    from trainer.rollout.rewards import compute_rewards, load_reward_fn
+    from trainer.rewards.rules import compute_rewards, load_reward_fn
     from trainer.rollout.samples import prompt_token_ids
     from trainer.types import Sample, Status
 
@@ -262,7 +262,7 @@ def hf_greedy_accuracy(model: Any, tokenizer: Any, prompts: list[Any], *, max_ne
 
 def trl_reward_fn(reward: str):
     """Our reward function in TRL's calling convention: (prompts, completions, answer=[...]) -> [float]."""
-    from trainer.rollout.rewards import compute_rewards, load_reward_fn
+    from trainer.rewards.rules import compute_rewards, load_reward_fn
     from trainer.types import Sample, Status
 
     fn = load_reward_fn(reward)
@@ -287,7 +287,7 @@ def run_trl(bc: BenchConfig, out: Path) -> dict[str, Any]:
 
     from engines.tokenizer import load_tokenizer
     from trainer.cli import prepare_model_folder
-    from trainer.rollout.data import config_prompts
+    from trainer.data.buffer import config_prompts
 
     t0 = time.perf_counter()
     cfg = run_config(bc, out)

@@ -14,7 +14,7 @@ Kinds:
     "vllm"      a vLLM server at `url` with this project's weight-transfer plugin (`engines.vllm.VLLMEngine`;
                 `model`: its served model name, default the model folder)
     "embedded"  this project's embedded engine process, spoken to over SGLang's protocol; an entry without `url`
-                is launched by the run (trainer.cli.engines_for, through the kind's `launch`), which fills the URL in
+                is launched by the run (trainer.run.engines_for, through the kind's `launch`), which fills the URL in
                 before it is built
     "local"     the embedded engine inside this process, no HTTP (`engines.local.LocalEngine`, built from the
                 model folder and the run's seed, on `device`: the trainer's own, so a one-GPU run generates on the
@@ -145,7 +145,7 @@ class LaunchOptions:
     seed: int = 0
     threads: int = 1
     start_timeout_s: float = 180.0
-    device: str | None = None  # placed by the run (trainer.cli.engine_devices); None: the engine's default
+    device: str | None = None  # placed by the run (trainer.run.engine_devices); None: the engine's default
     prefix_cache_tokens: int | None = None  # the embedded engine's prefix-cache budget (None: its default; 0: off)
 
 
@@ -284,7 +284,7 @@ def build_engine(spec: EngineSpec, *, model_folder: str | Path, api_key: str | N
     api_key wins over `api_key` (the fleet-wide one)."""
     entry = engine_kind(spec)
     if spec.url is None and entry.url_rule == "optional":
-        raise ValueError(f"kind {spec.kind!r} without a url: start the engine first (trainer.cli.engines_for "
+        raise ValueError(f"kind {spec.kind!r} without a url: start the engine first (trainer.run.engines_for "
                          f"starts one per such entry) and build it from EngineSpec(kind, url=<its URL>)")
     opts = BuildOptions(model_folder=str(model_folder), api_key=spec.api_key or api_key, seed=seed,
                         connect_timeout_s=connect_timeout_s, max_connections=max_connections, device=str(device),

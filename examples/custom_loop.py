@@ -21,10 +21,10 @@ from engines.tokenizer import load_tokenizer
 from trainer.backend.steps import build_components, forward_backward, optim_step, trainer_config_from
 from trainer.batching.micro_batches import build_micro_batches
 from trainer.config import OptimConfig, RLTrainingConfig, RolloutConfig
+from trainer.data.buffer import DataBuffer
+from trainer.rewards.rules import arithmetic_reward, compute_rewards
 from trainer.rl import compute_advantages, trained_samples
-from trainer.rollout.data import DataBuffer
 from trainer.rollout.manager import AsyncRolloutManager, generate_rollout_batches
-from trainer.rollout.rewards import arithmetic_reward, compute_rewards
 from trainer.rollout.samples import pad_token_id
 from trainer.types import TrainingState
 from trainer.weight_sync import WeightSyncSender

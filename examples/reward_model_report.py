@@ -37,9 +37,9 @@ def policy_answers(run: Path, phase: str, scorer) -> dict:
     from trainer.backend.checkpoint import latest_checkpoint
     from trainer.backend.export import export_checkpoint
     from trainer.cli import load_run_config, model_tokenizer
+    from trainer.data.buffer import config_prompts
     from trainer.evaluation import evaluate
-    from trainer.rollout.data import config_prompts
-    from trainer.rollout.rewards import arithmetic_reward
+    from trainer.rewards.rules import arithmetic_reward
 
     cfg = load_run_config(run / "config.toml")
     folder = export_checkpoint(str(latest_checkpoint(run / phase)), run / "init_model", run / "report" / phase)
@@ -77,7 +77,7 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from trainer.rollout.reward_model import RewardModelScorer
+    from trainer.rewards.model import RewardModelScorer
 
     torch.set_num_threads(1)
     scorer = RewardModelScorer.from_pretrained(args.rm)

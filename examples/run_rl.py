@@ -17,8 +17,8 @@ from engines.tiny import build_tokenizer
 from engines.tokenizer import load_tokenizer
 from trainer.backend.steps import build_components, trainer_config_from
 from trainer.config import OptimConfig, RLTrainingConfig, RolloutConfig
+from trainer.data.buffer import DataBuffer
 from trainer.rl import run_rl_training
-from trainer.rollout.data import DataBuffer
 from trainer.weight_sync import WeightSyncSender
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "arithmetic_train.jsonl"

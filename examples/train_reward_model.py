@@ -12,7 +12,7 @@ assistant's answer; --lm-steps 0 starts from random weights, seeded by --seed).
 Examples: every prompt of data/arithmetic_train.jsonl with its right answer (label 1) and with a wrong one made by
 perturbing it (label 0): off by 1-3, off by 10, two digits swapped, a digit dropped or repeated, or any other number
 up to 99; a fresh wrong answer each time the prompt is drawn. Each example is the conversation the RL loop's reward
-model reads (trainer.rollout.reward_model encode_for_scoring): the prompt as the user's turn and the answer as the
+model reads (trainer.rewards.model encode_for_scoring): the prompt as the user's turn and the answer as the
 assistant's, in the tokenizer's chat template. Loss: binary cross-entropy on the logit, so the score is the log-odds
 that the answer is right.
 
@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 
 from engines.tiny import build_tokenizer, tiny_model_config
-from trainer.rollout.data import load_jsonl
-from trainer.rollout.reward_model import encode_for_scoring
+from trainer.data.buffer import load_jsonl
+from trainer.rewards.model import encode_for_scoring
 
 ROOT = Path(__file__).resolve().parents[1]
 WRONG_KINDS = ("near", "tens", "swap", "drop", "repeat", "other")

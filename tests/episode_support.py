@@ -13,7 +13,7 @@ import trio
 
 from engines.protocol import Completion
 from engines.tiny import IM_END, SPECIAL_TOKENS, build_tokenizer
-from trainer.rollout.data import DataBuffer, Prompt
+from trainer.data.buffer import DataBuffer, Prompt
 
 TOK = build_tokenizer()
 IM_END_ID = SPECIAL_TOKENS.index(IM_END)

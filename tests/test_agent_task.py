@@ -1,4 +1,4 @@
-"""The agent recipe's task (trainer.rollout.agent_task): the calculator tool, the two-digit product data, the
+"""The agent recipe's task (examples.tasks.agent_task): the calculator tool, the two-digit product data, the
 tool-use SFT conversations, and the built-in arithmetic reward on a tool episode's text."""
 
 import json
@@ -9,16 +9,16 @@ from fractions import Fraction
 import pytest
 
 from engines.tiny import build_tokenizer
-from trainer.rollout.agent_task import (
+from examples.tasks.agent_task import (
     calculator,
     make_direct_sft_examples,
     make_multiply_problems,
     make_tool_sft_conversations,
     problem_expression,
 )
-from trainer.rollout.data import DataSpec, load_jsonl, load_prompts
-from trainer.rollout.datasets import write_agent_data
-from trainer.rollout.rewards import arithmetic_reward
+from examples.tasks.datasets import write_agent_data
+from trainer.data.buffer import DataSpec, load_jsonl, load_prompts
+from trainer.rewards.rules import arithmetic_reward
 from trainer.types import Sample
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import trainer.cli as cli
-from trainer.rollout.data import load_jsonl, load_prompts
+from trainer.data.buffer import load_jsonl, load_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -175,7 +175,7 @@ def test_an_rl_set_without_any_answer_loads_with_a_warning(tmp_path):
 
 
 def test_sft_examples_refuse_a_prompt_without_an_answer():
-    from trainer.rollout.data import Prompt
+    from trainer.data.buffer import Prompt
 
     for fmt in ("chat", "plain"):
         with pytest.raises(ValueError, match=r"SFT example 1 \('2\+3='\) has no answer"):

@@ -51,7 +51,7 @@ def test_trl_args_mirror_our_loss_and_optimiser(tmp_path):
 
 
 def test_trl_reward_adapter_scores_like_our_reward():
-    fn = bench.trl_reward_fn("trainer.rollout.rewards:arithmetic_reward")
+    fn = bench.trl_reward_fn("trainer.rewards.rules:arithmetic_reward")
     completions = [[{"role": "assistant", "content": "38"}], [{"role": "assistant", "content": "37"}],
                    [{"role": "assistant", "content": "x"}], "12"]
     assert fn(["24+14="] * 4, completions, answer=["38", "38", "38", "12"]) == [1.0, 0.0, 0.0, 1.0]

@@ -63,7 +63,7 @@ def _sampled_tokens(seed: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
 
     from engines.local import LocalEngine
     from engines.tiny import build_tokenizer
-    from trainer.rollout.data import DataBuffer, load_jsonl
+    from trainer.data.buffer import DataBuffer, load_jsonl
     from trainer.rollout.manager import AsyncRolloutManager
 
     cfg = load_run_config(ROOT / "configs" / "demo.toml", [f"seed={seed}", "rl.rollout.rollout_batch_size=2",
@@ -96,7 +96,7 @@ def test_set_seed_changes_the_sampled_tokens():
 
 def test_plain_sft_examples_train_on_answer_and_eos_only():
     from engines.tiny import build_tokenizer
-    from trainer.rollout.data import Prompt
+    from trainer.data.buffer import Prompt
 
     tok = build_tokenizer()
     (s,) = sft_examples([Prompt(prompt="12+7=", answer="19", metadata={}, index=0)], tok, "plain")
@@ -145,7 +145,7 @@ def test_whole_config_is_validated_before_any_work(capsys, monkeypatch):
     monkeypatch.setattr(cli, "run", lambda *a, **k: ran.append(a))
     demo = str(ROOT / "configs" / "demo.toml")
     for override, message in [("rl.loss.clip_low=1.5", "clip_low"), ("data.eval=\"nope.jsonl\"", "nope.jsonl"),
-                              ("data.reward=\"trainer.rollout.rewards:nope\"", "nope"),
+                              ("data.reward=\"trainer.rewards.rules:nope\"", "nope"),
                               ("trainer.compile_backend=\"tvm\"", "compile_backend")]:
         assert main(["sft+rl", "--config", demo, "--set", override]) == 2, override
         err = capsys.readouterr().err
@@ -160,7 +160,7 @@ def test_no_demo_defaults_stand_in_for_the_reward_or_the_tokenizer(tmp_path):
 
     text = (ROOT / "configs" / "demo.toml").read_text()
     demo = tmp_path / "demo.toml"
-    demo.write_text(text.replace('reward = "trainer.rollout.rewards:arithmetic_reward"', ""))
+    demo.write_text(text.replace('reward = "trainer.rewards.rules:arithmetic_reward"', ""))
     data = str(ROOT / "data" / "arithmetic_train.jsonl")
     over = [f"data.train={json.dumps(data)}", f"data.eval={json.dumps(data)}"]
     for mode in ("rl", "sft"):  # RL scores its rollouts; SFT with an eval set scores the evaluation
@@ -323,7 +323,7 @@ def test_sigint_writes_a_checkpoint_and_resume_finishes_the_run(tmp_path, extra)
 
 
 def test_trainer_threads_leave_the_embedded_engines_their_cores(monkeypatch):
-    from trainer.cli import cores_left_to_trainer
+    from trainer.run import cores_left_to_trainer
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)))

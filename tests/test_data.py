@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from trainer.rollout.data import DataBuffer, Prompt, load_jsonl, write_jsonl
+from trainer.data.buffer import DataBuffer, Prompt, load_jsonl, write_jsonl
 
 
 def _prompts(n):
@@ -104,7 +104,7 @@ def test_characters_outside_the_vocabulary_are_counted_and_warned_once():
     import warnings
 
     from engines.tiny import build_tokenizer
-    from trainer.rollout.data import unknown_characters, warn_unknown_characters
+    from trainer.data.buffer import unknown_characters, warn_unknown_characters
 
     tok = _char_tokenizer_with_unk()
     texts = ["1+2=", "a é+€=é", "b\u00e9c"]

@@ -14,7 +14,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from trainer.rollout.data import DataBuffer, DataSpec, PromptSet, data_specs, load_mixture, load_prompts
+from trainer.data.buffer import DataBuffer, DataSpec, PromptSet, data_specs, load_mixture, load_prompts
 
 
 @pytest.fixture()
@@ -272,7 +272,7 @@ def test_bad_data_config_is_a_config_error_before_any_work(tmp_path, data_toml, 
 
 
 def test_config_prompts_and_buffer_follow_the_data_table(tmp_path, cache):
-    from trainer.rollout.data import config_buffer, config_prompts
+    from trainer.data.buffer import config_buffer, config_prompts
 
     a, b = _parquet_set(tmp_path, "a", 10, "a"), _parquet_set(tmp_path, "b", 30, "b")
     data = {"prompt_key": "text", "answer_key": "gold", "system_prompt": "S"}
@@ -298,7 +298,7 @@ def test_shipped_gsm8k_style_sets_are_what_the_script_writes(tmp_path):
     train = set(pq.read_table(os.path.join(root, "data", "gsm8k_style_train.parquet")).column("question").to_pylist())
     test = pq.read_table(os.path.join(root, "data", "gsm8k_style_test.parquet")).to_pylist()
     assert not train & {r["question"] for r in test}
-    from trainer.rollout.rewards import gsm8k_reward
+    from trainer.rewards.rules import gsm8k_reward
     from trainer.types import Sample
 
     for r in test:  # the reference solution earns the reward; its answer is the arithmetic of the question

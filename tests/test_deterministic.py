@@ -21,8 +21,8 @@ from engines.tiny import build_tokenizer, tiny_model_config
 from kernels import use_backend
 from trainer.backend.steps import build_components, trainer_config_from
 from trainer.config import OptimConfig, RLTrainingConfig, RolloutConfig
+from trainer.data.buffer import DataBuffer, load_jsonl
 from trainer.rl import run_rl_training
-from trainer.rollout.data import DataBuffer, load_jsonl
 from trainer.weight_sync import WeightSyncSender
 
 ENGINE_SEED = 2  # for the shared `engine` fixture (tests/conftest.py)

@@ -17,9 +17,10 @@ import trio
 from engines import registry
 from engines.protocol import Completion, InferenceEngine, InProcessEngine, SamplingParams
 from engines.tiny import build_tokenizer
-from trainer.cli import _check_engines, build_engines, engines_for, load_run_config
+from trainer.cli import build_engines, engines_for, load_run_config
 from trainer.config import ConfigError, EnginesConfig, RLTrainingConfig
-from trainer.rollout.data import DataBuffer, Prompt
+from trainer.data.buffer import DataBuffer, Prompt
+from trainer.preflight import check_engines
 from trainer.rollout.manager import AsyncRolloutManager
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -218,12 +219,12 @@ def test_the_config_and_the_cli_checks_read_what_a_kind_declares(new_kinds, monk
     inproc = EnginesConfig(fleet=[{"kind": "suminproc"}])
     assert inproc.started_here == 0
     with pytest.raises(ValueError, match="engine of kind 'suminproc' lives in this one"):
-        _check_engines(inproc, RLTrainingConfig(rollout_worker="process"))
-    _check_engines(inproc, RLTrainingConfig(update_in_flight=True))
+        check_engines(inproc, RLTrainingConfig(rollout_worker="process"))
+    check_engines(inproc, RLTrainingConfig(update_in_flight=True))
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="kind 'suminproc' .*needs a single-process trainer"):
-        _check_engines(inproc, RLTrainingConfig())
-    _check_engines(EnginesConfig(fleet=[{"kind": "sum"}]), RLTrainingConfig(rollout_worker="process"))
+        check_engines(inproc, RLTrainingConfig())
+    check_engines(EnginesConfig(fleet=[{"kind": "sum"}]), RLTrainingConfig(rollout_worker="process"))
 
 
 def _prompts(n: int) -> DataBuffer:

@@ -347,8 +347,8 @@ def test_grpo_run_with_a_vllm_engine_raises_reward(vllm, tmp_path):
     from kernels import use_backend
     from trainer.backend.steps import build_components, trainer_config_from
     from trainer.config import OptimConfig, RLTrainingConfig, RolloutConfig
+    from trainer.data.buffer import DataBuffer, load_jsonl
     from trainer.rl import run_rl_training
-    from trainer.rollout.data import DataBuffer, load_jsonl
     from trainer.weight_sync import WeightSyncSender
 
     eng, tok = vllm["engine"], vllm["tok"]

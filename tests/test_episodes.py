@@ -130,7 +130,7 @@ def tool_batch(first_reply: str, tools=(calculator,), **kw):
     eng = Scripted(lambda text: "408" if "<|im_start|>tool" in text else first_reply)
     cfg = RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=2, max_new_tokens=128, tools=tuple(tools),
                         **{"tool_timeout_s": 0.5, **kw})
-    from trainer.rollout.data import DataBuffer, Prompt
+    from trainer.data.buffer import DataBuffer, Prompt
 
     batch, _ = one_batch([eng], cfg, DataBuffer([Prompt("12*34?", "408")], seed=0))
     return batch
@@ -407,7 +407,7 @@ def test_evaluation_runs_the_same_episodes_greedily():
     """trainer.cli.evaluate with a rollout config that names tools: each prompt is one greedy episode (temperature
     0 on every turn), scored by the run's reward on the final message."""
     from trainer.cli import evaluate
-    from trainer.rollout.data import Prompt
+    from trainer.data.buffer import Prompt
 
     calls = []
 

@@ -51,8 +51,8 @@ def test_sampled_evaluation_figures_follow_from_the_scored_answers():
     again gives the same figures, and another eval seed other sampled answers but the same greedy ones."""
     from engines.local import LocalEngine
     from engines.tiny import build_tokenizer
+    from trainer.data.buffer import load_jsonl
     from trainer.evaluation import evaluate
-    from trainer.rollout.data import load_jsonl
 
     prompts = load_jsonl(ROOT / "data" / "arithmetic_test.jsonl")[:6]
     k, threshold = 4, 1.0

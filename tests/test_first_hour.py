@@ -22,8 +22,8 @@ from engines.tiny import build_tokenizer
 from trainer.cli import evaluate, load_run_config, main, sft_examples
 from trainer.config import ConfigError, RLTrainingConfig, RolloutConfig, RunConfig, config_from_dict
 from trainer.config_reference import field_help, reference, sections, to_toml
-from trainer.rollout.data import Prompt
-from trainer.rollout.rewards import compute_rewards
+from trainer.data.buffer import Prompt
+from trainer.rewards.rules import compute_rewards
 from trainer.types import Sample, Status
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -158,7 +158,7 @@ threads = 1
 def test_engine_placement_counts_the_ranks_of_this_host():
     """Two nodes of 8 GPUs, 4 ranks each (torchrun: WORLD_SIZE=8, LOCAL_WORLD_SIZE=4): an engine started on a node
     goes to that node's cuda:4, where WORLD_SIZE would count 8 ranks on it and find no free GPU."""
-    from trainer.cli import engine_devices, trainer_ranks_here
+    from trainer.run import engine_devices, trainer_ranks_here
 
     env = {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "0"}
     assert trainer_ranks_here(env) == 4
@@ -173,7 +173,7 @@ def test_engine_placement_counts_the_ranks_of_this_host():
 def test_engines_the_run_starts_are_placed_by_device():
     """One process shares its GPU with its engines; torchrun ranks leave the GPUs past this host's ranks to the
     engines (round robin); a fleet entry's device wins; no free GPU is an error naming the fix; no CUDA: the CPU."""
-    from trainer.cli import engine_devices
+    from trainer.run import engine_devices
 
     assert engine_devices([None, None], trainer_device="cpu", local_world_size=1, cuda_count=0) == ["cpu", "cpu"]
     assert engine_devices([None], trainer_device="cuda:0", local_world_size=1, cuda_count=8) == ["cuda:0"]

@@ -354,12 +354,12 @@ def test_a_failing_or_slow_agent_fails_its_samples_only(local, agent, error):
 
 
 def test_a_bad_agent_spec_is_refused_before_any_work():
-    from trainer.cli import _check_rollout_functions
+    from trainer.preflight import check_rollout_functions
 
     with pytest.raises((ImportError, AttributeError, ValueError), match="agent"):
-        _check_rollout_functions(RolloutConfig(agent="test_gateway:no_such_agent"), filters=False)
+        check_rollout_functions(RolloutConfig(agent="test_gateway:no_such_agent"), filters=False)
     with pytest.raises(ValueError, match=r"async def fn\(row, endpoint\)"):
-        _check_rollout_functions(RolloutConfig(agent=lambda row: 1.0), filters=False)
+        check_rollout_functions(RolloutConfig(agent=lambda row: 1.0), filters=False)
     with pytest.raises(ValueError, match="one of env, tools, rollout_fn and agent"):
         RolloutConfig(agent=two_turn_agent, env="x:y")
 
@@ -368,7 +368,7 @@ def test_evaluation_runs_the_agent_greedily_and_scores_its_final_answer():
     """trainer.cli.evaluate with a rollout config that names an agent: each prompt is one greedy episode through a
     gateway (temperature 0 on every request), scored by the run's reward on the final message."""
     from trainer.cli import evaluate
-    from trainer.rollout.data import Prompt
+    from trainer.data.buffer import Prompt
 
     temperatures = []
 
@@ -399,13 +399,13 @@ def test_the_openai_agent_gives_the_tools_recipes_episodes_token_for_token(local
     """examples/openai_agent.py through the gateway vs the built-in tool environment (`tools`, configs/agent_demo
     .toml) on the same engine, seeds and limits: the same tokens, masks, log-probs, statuses and rewards. So the
     agent recipe's accuracy is the tools recipe's, and an existing agent trains like a native environment."""
-    from trainer.rollout.agent_task import calculator
+    from examples.tasks.agent_task import calculator
 
     eng = local if engine_kind == "embedded" else Scripted(
         lambda text: ("It is 42." if "<|im_start|>tool\n42" in text else "7") if "<|im_start|>tool" in text
         else "Let me compute. " + CALL_TEXT)
     kw = dict(max_new_tokens=100 if engine_kind == "scripted" else 8, max_turns=3, reward="arithmetic")
-    native = run_batch([eng], None, tools=("trainer.rollout.agent_task:calculator",), **kw)
+    native = run_batch([eng], None, tools=("examples.tasks.agent_task:calculator",), **kw)
     agent = run_batch([eng], AGENT, **kw)
     assert calculator("6*7") == "42"
     assert len(native) == len(agent) == 4
@@ -616,7 +616,7 @@ def test_sampled_evaluation_of_an_agent_is_seeded_and_reproducible(local):
     """pass@k of an agent: k sampled episodes a prompt at the evaluation's temperature, each request seeded from
     (seed, prompt, sample, request number): two evaluations with one seed send the same requests and score alike."""
     from trainer.cli import evaluate
-    from trainer.rollout.data import Prompt
+    from trainer.data.buffer import Prompt
 
     asked = []
 

@@ -1,4 +1,4 @@
-"""An LLM judge (trainer/rollout/judge.py) through the in-process embedded engine (engines.local.LocalEngine, the tiny
+"""An LLM judge (trainer/rewards/judge.py) through the in-process embedded engine (engines.local.LocalEngine, the tiny
 preset). A random tiny model's text is unpredictable, so the plumbing is tested with parsers that map the judge's
 actual text deterministically, checked against the engine's own greedy answer to the same prompt decoded here."""
 
@@ -8,7 +8,7 @@ import trio
 from engines.local import LocalEngine
 from engines.protocol import EngineUnavailableError, SamplingParams
 from engines.tiny import build_tokenizer
-from trainer.rollout.judge import JudgeConfig, judge_samples, parse_score, parse_yes_no
+from trainer.rewards.judge import JudgeConfig, judge_samples, parse_score, parse_yes_no
 from trainer.rollout.samples import stop_token_ids
 from trainer.types import Sample, Status
 

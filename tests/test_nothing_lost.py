@@ -21,7 +21,7 @@ from engines.tiny import build_tokenizer, tiny_model_config
 from kernels import use_backend
 from trainer.backend.steps import build_components, trainer_config_from
 from trainer.config import OptimConfig, RLTrainingConfig, RolloutConfig
-from trainer.rollout.data import DataBuffer, load_jsonl
+from trainer.data.buffer import DataBuffer, load_jsonl
 from trainer.stops import sigterm_as_interrupt
 from trainer.weight_sync import WeightSyncSender
 

@@ -95,9 +95,9 @@ def test_the_in_process_engine_is_built_on_the_trainers_device(monkeypatch, tmp_
 
 
 def test_the_cli_run_gives_the_engine_the_meshs_device(monkeypatch, tmp_path):
-    """trainer.cli.run on a (stand-in) CUDA mesh asks engines_for for an engine on that rank's GPU."""
+    """trainer.run.run on a (stand-in) CUDA mesh asks engines_for for an engine on that rank's GPU."""
     import trainer.backend.steps as steps
-    import trainer.cli as cli
+    import trainer.run as cli  # where run() and engines_for live
 
     class CudaMesh:
         device_type = "cuda"

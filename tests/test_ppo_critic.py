@@ -1,5 +1,5 @@
-"""PPO with a value model ([rl] advantage_estimator = "gae", trainer.critic): the step's per-token targets against
-the float64 GAE loop per sample, the value loss and its gradient through the step function against a float64
+"""PPO with a value model ([rl] advantage_estimator = "gae", trainer.backend.critic): the step's per-token targets
+against the float64 GAE loop per sample, the value loss and its gradient through the step function against a float64
 reference, the critic's checkpoint round trip bit for bit, a short RL run with the in-process engine, and the config
 errors.
 
@@ -23,6 +23,7 @@ from kernels import use_backend
 from kernels.gae import whiten
 from kernels.reference import gae_reference, value_loss_reference
 from trainer.backend.checkpoint import load_checkpoint, save_checkpoint
+from trainer.backend.critic import attach_gae, build_critic, token_rewards
 from trainer.backend.models import has_value_head
 from trainer.backend.steps import (
     build_components,
@@ -34,8 +35,7 @@ from trainer.backend.steps import (
 from trainer.batching.micro_batches import build_micro_batches
 from trainer.config import ConfigError, CriticConfig, OptimConfig, RLTrainingConfig, RunConfig, config_from_dict
 from trainer.config_reference import check_key_path, to_toml
-from trainer.critic import attach_gae, build_critic, token_rewards
-from trainer.rollout.data import DataBuffer, load_jsonl
+from trainer.data.buffer import DataBuffer, load_jsonl
 from trainer.types import RolloutBatch, Sample, Status, TrainingState
 from trainer.weight_sync import WeightSyncSender
 from trainer.weight_sync.common import named_weights

@@ -289,8 +289,9 @@ def test_the_engines_option_reaches_the_engines(tmp_path):
     rollouts and off for single-turn ones; an in-process engine gets it (0: no cache), a launched embedded engine
     gets it on its command line (--prefix-cache-tokens)."""
     from engines.registry import EngineSpec, LaunchOptions, build_engine, launch_engine
-    from trainer.cli import load_run_config, prefix_cache_tokens
+    from trainer.cli import load_run_config
     from trainer.config import EnginesConfig
+    from trainer.run import prefix_cache_tokens
 
     assert EnginesConfig(prefix_cache_tokens=0).prefix_cache_tokens == 0
     with pytest.raises(ValueError, match="prefix_cache_tokens"):

@@ -27,8 +27,8 @@ from engines.protocol import Completion
 from engines.tiny import IM_END, SPECIAL_TOKENS, build_tokenizer
 from trainer.cli import ConfigError, load_run_config, main
 from trainer.config import RolloutConfig
+from trainer.data.buffer import Prompt
 from trainer.rl import compute_advantages, trained_samples
-from trainer.rollout.data import Prompt
 from trainer.types import Status
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,7 +61,7 @@ def finished_run(out: Path) -> dict[str, bytes]:
     ('rl.rollout.env="no_such_module.py:Guess"', "[rl.rollout] env 'no_such_module.py:Guess': cannot import"),
     ("rl.rollout.tools=no_such_module:calc", "[rl.rollout] tools: 'no_such_module:calc': cannot import"),
     ('rl.rollout.rollout_fn="no_such_module:agent"', "[rl.rollout] rollout_fn 'no_such_module:agent': cannot import"),
-    ('rl.rollout.rollout_fn="trainer.rollout.rewards:arithmetic_reward"', "must take (client, row)"),
+    ('rl.rollout.rollout_fn="trainer.rewards.rules:arithmetic_reward"', "must take (client, row)"),
     ('rl.rollout.dynamic_filters=["check_reward_nonzero_stdd"]',
      "[rl.rollout] dynamic_filters: unknown filter 'check_reward_nonzero_stdd'"),
     ('rl.rollout.dynamic_filters=["no_such_module:keep"]', "dynamic_filters: 'no_such_module:keep': cannot import"),
@@ -70,11 +70,13 @@ def finished_run(out: Path) -> dict[str, bytes]:
 def test_a_typo_in_a_rollout_function_leaves_the_previous_run_as_it_was(tmp_path, capsys, monkeypatch, override,
                                                                         named):
     import trainer.cli as cli
+    import trainer.run as run_module
 
     def started(*a, **k):  # past the fresh start: the check came too late (and the test stays cheap)
         raise AssertionError("the run started")
 
-    monkeypatch.setattr(cli, "prepare_model_folder", started)
+    monkeypatch.setattr(cli, "prepare_model_folder", started)  # export, generate, replay
+    monkeypatch.setattr(run_module, "prepare_model_folder", started)  # the training modes
     out = tmp_path / "run"
     before = finished_run(out)
     rc = main(["rl", "--config", str(DEMO), "--set", f"output_dir={json.dumps(str(out))}", "--set", override])
@@ -152,7 +154,7 @@ def no_reward_config(tmp_path) -> Path:
     (tmp_path / "guess_env.py").write_text(GUESS_ENV)
     (tmp_path / "tool.py").write_text(TOOL)
     path = tmp_path / "no_reward.toml"
-    path.write_text(DEMO.read_text().replace('reward = "trainer.rollout.rewards:arithmetic_reward"', ""))
+    path.write_text(DEMO.read_text().replace('reward = "trainer.rewards.rules:arithmetic_reward"', ""))
     return path
 
 
@@ -299,12 +301,14 @@ def test_a_fresh_start_removes_everything_the_phases_it_runs_wrote(tmp_path, cap
     events beside an empty phase folder, and a changed seed still trained the previous preset's weights."""
     import trainer.backend.steps as steps
     import trainer.cli as cli
+    import trainer.run as run_module
 
     def started(*a, **k):
         raise Started
 
     monkeypatch.setattr(steps, "init_distributed", lambda *a, **k: type("Mesh", (), {"get_rank": lambda self: 0})())
-    monkeypatch.setattr(cli, "prepare_model_folder", started)
+    monkeypatch.setattr(cli, "prepare_model_folder", started)  # export, generate, replay
+    monkeypatch.setattr(run_module, "prepare_model_folder", started)  # the training modes
     out = tmp_path / "run"
     before = every_output(out)
     with pytest.raises(Started):
@@ -354,12 +358,12 @@ def reward_model_at(path: Path) -> tuple[str, str]:
 def test_an_input_inside_what_the_fresh_start_removes_is_refused_before_it_is_removed(tmp_path, capsys, monkeypatch,
                                                                                       mode, key, given):
     """Was: the fresh start deleted it, then the run failed to load it (a user's checkpoint gone for good)."""
-    import trainer.cli as cli
+    import trainer.run as run_module
 
     def started(*a, **k):
         raise AssertionError("the run started")
 
-    monkeypatch.setattr(cli, "fresh_start", started)
+    monkeypatch.setattr(run_module, "fresh_start", started)
     out = tmp_path / "run"
     finished_run(out)
     override, named = given(out)
@@ -398,11 +402,13 @@ def test_a_missing_critic_or_checkpoint_is_an_error_before_the_fresh_start(tmp_p
     """Was: found by the load after the fresh start had removed the previous run (the critic's only when the RL
     phase began, after SFT in a demo run)."""
     import trainer.cli as cli
+    import trainer.run as run_module
 
     def started(*a, **k):
         raise AssertionError("the run started")
 
-    monkeypatch.setattr(cli, "prepare_model_folder", started)
+    monkeypatch.setattr(cli, "prepare_model_folder", started)  # export, generate, replay
+    monkeypatch.setattr(run_module, "prepare_model_folder", started)  # the training modes
     out = tmp_path / "run"
     before = finished_run(out)
     folder = make(tmp_path)

@@ -79,8 +79,8 @@ def _worker(output_dir: str, failing_step: int) -> None:
     from kernels import use_backend
     from trainer.backend.steps import build_components, init_distributed, trainer_config_from
     from trainer.config import OptimConfig, RLTrainingConfig, RolloutConfig
+    from trainer.data.buffer import DataBuffer, load_jsonl
     from trainer.rl import run_rl_training
-    from trainer.rollout.data import DataBuffer, load_jsonl
 
     torch.set_num_threads(1)
     tok = build_tokenizer()

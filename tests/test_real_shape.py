@@ -24,7 +24,7 @@ from trainer.backend.export import export_checkpoint, resolve_checkpoint, start_
 from trainer.backend.steps import build_components, compute_logprobs, trainer_config_from
 from trainer.batching.micro_batches import build_micro_batches
 from trainer.config import ModelConfig, OptimConfig, RLTrainingConfig, RunConfig, SFTTrainingConfig
-from trainer.rollout.data import DataSpec, load_prompts
+from trainer.data.buffer import DataSpec, load_prompts
 from trainer.rollout.samples import prompt_token_ids
 from trainer.sft import run_sft_training
 from trainer.types import Sample

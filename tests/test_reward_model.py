@@ -1,4 +1,4 @@
-"""Reward-model scoring (trainer/rollout/reward_model.py) against a plain transformers forward of the same folder,
+"""Reward-model scoring (trainer/rewards/model.py) against a plain transformers forward of the same folder,
 one sample at a time without padding; batching and sorting must never mix samples up."""
 
 import random
@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from engines.tiny import CHARS, build_tokenizer, tiny_model_config
-from trainer.rollout.reward_model import RewardModelScorer, load_reward_model, score_samples
+from trainer.rewards.model import RewardModelScorer, load_reward_model, score_samples
 from trainer.types import Sample
 
 

@@ -1,5 +1,5 @@
-"""[rewards] sources (trainer/rollout/reward_sources.py): rules, reward models (in process and through the scoring
-server, trainer/rollout/reward_server.py) and LLM judges combined into the RL reward, their failures, their
+"""[rewards] sources (trainer/rewards/sources.py): rules, reward models (in process and through the scoring
+server, trainer/rewards/server.py) and LLM judges combined into the RL reward, their failures, their
 metrics, their config errors, and a short RL run that trains on a reward model."""
 
 import dataclasses
@@ -30,8 +30,9 @@ from trainer.config import (
     RunConfig,
     config_from_dict,
 )
-from trainer.rl import trained_samples
-from trainer.rollout.reward_sources import (
+from trainer.rewards.rules import _clean as strip_special_markers
+from trainer.rewards.rules import acompute_reward, arithmetic_reward
+from trainer.rewards.sources import (
     ModelSource,
     RewardSources,
     build_reward_sources,
@@ -39,8 +40,7 @@ from trainer.rollout.reward_sources import (
     score_batch,
     source_labels,
 )
-from trainer.rollout.rewards import _clean as strip_special_markers
-from trainer.rollout.rewards import acompute_reward, arithmetic_reward
+from trainer.rl import trained_samples
 from trainer.types import RolloutBatch, Sample, Status
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -144,7 +144,7 @@ def test_rules_score_per_sample_and_a_failing_rule_fails_its_sample_naming_it():
 def test_labels():
     cfgs = [RuleSourceConfig(), RuleSourceConfig(name="arithmetic"), ModelSourceConfig(path="x"),
             RuleSourceConfig(name="pkg.mod:arithmetic"), ModelSourceConfig(url="http://h:1", label="rm")]
-    assert source_labels(cfgs, "trainer.rollout.rewards:arithmetic_reward") == [
+    assert source_labels(cfgs, "trainer.rewards.rules:arithmetic_reward") == [
         "arithmetic_reward", "arithmetic", "model2", "arithmetic3", "rm"]
 
 
@@ -189,7 +189,7 @@ def reward_server(rm_folder, tmp_path_factory):
     env.pop("RLKERNELS_ENGINE_API_KEY", None)
     log = tmp_path_factory.mktemp("log") / "stderr"
     with open(log, "wb") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "trainer.rollout.reward_server", "--model", str(rm_folder),
+        proc = subprocess.Popen([sys.executable, "-m", "trainer.rewards.server", "--model", str(rm_folder),
                                  "--port", str(port), "--api-key-file", str(key_file), "--batch-size", "5",
                                  "--threads", "1"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
     url = f"http://127.0.0.1:{port}"
@@ -216,7 +216,7 @@ def test_model_source_through_the_server_equals_a_plain_transformers_forward(rm_
 
 
 def test_server_refuses_bad_requests_and_a_missing_key(reward_server):
-    from trainer.rollout.reward_server import RewardServerError, score_remote
+    from trainer.rewards.server import RewardServerError, score_remote
 
     url, key_file = reward_server
     assert httpx.post(url + "/score", json={"prompts": ["a"], "completions": []}).status_code == 401
@@ -264,7 +264,7 @@ def judge_engine():
 
 
 def test_judge_source_through_the_embedded_engine_with_unparseable_answers(judge_engine, rm_folder):
-    from trainer.rollout.judge import JudgeConfig, judge_samples
+    from trainer.rewards.judge import JudgeConfig, judge_samples
 
     cfg = RewardsConfig(sources=[
         {"kind": "model", "path": str(rm_folder), "weight": 0.5},
@@ -377,8 +377,8 @@ def test_data_reward_is_shorthand_for_one_rule_source_with_the_old_wiring(spec):
     reward function scores exactly what the former wiring (with_timeout(load_reward_fn(spec))) scored, an
     environment's own reward is kept, and there is no batch pass (score_batch and scored_batches return what they
     are given)."""
-    from trainer.rollout.reward_sources import RuleSource, as_reward_sources, scored_batches
-    from trainer.rollout.rewards import load_reward_fn, no_reward, with_timeout
+    from trainer.rewards.rules import load_reward_fn, no_reward, with_timeout
+    from trainer.rewards.sources import RuleSource, as_reward_sources, scored_batches
 
     rewards = as_reward_sources(spec, timeout_s=5.0)
     assert rewards.shorthand and not rewards.scores_batches and len(rewards.sources) == 1
@@ -403,10 +403,10 @@ def test_data_reward_is_shorthand_for_one_rule_source_with_the_old_wiring(spec):
 
 def test_a_new_source_kind_is_one_config_class_and_one_registry_entry():
     """A kind added from outside the library (a config class registered in trainer.config, its entry registered in
-    trainer.rollout.reward_sources) is read from TOML, checked, built, scored per batch and combined like the
+    trainer.rewards.sources) is read from TOML, checked, built, scored per batch and combined like the
     built-in kinds, with no other change; its foreign keys are refused like theirs."""
     from trainer.config import REWARD_SOURCE_CONFIGS, RewardSourceConfig, reward_source_kind
-    from trainer.rollout.reward_sources import SOURCE_KINDS, check_reward_sources, describe_rewards, source_kind
+    from trainer.rewards.sources import SOURCE_KINDS, check_reward_sources, describe_rewards, source_kind
 
     @dataclasses.dataclass(frozen=True)
     class LengthSourceConfig(RewardSourceConfig):
@@ -492,8 +492,8 @@ def test_a_short_rl_run_trains_on_a_reward_model_and_logs_its_mean(judge_engine,
     from kernels import use_backend
     from trainer.backend.steps import build_components, trainer_config_from
     from trainer.config import OptimConfig, RLTrainingConfig, RolloutConfig
+    from trainer.data.buffer import DataBuffer, load_jsonl
     from trainer.rl import run_rl_training
-    from trainer.rollout.data import DataBuffer, load_jsonl
     from trainer.rollout.dumps import RolloutDumps, read_rollouts
 
     cfg = RLTrainingConfig(optim=OptimConfig(lr=1e-3), num_steps=2, token_budget=256, micro_batch_buckets=64,

@@ -7,9 +7,9 @@ import random
 import pytest
 
 from engines.tiny import build_tokenizer
-from trainer.rollout.data import load_jsonl
-from trainer.rollout.datasets import make_arithmetic_problems, make_countdown_problems, write_demo_data
-from trainer.rollout.rewards import (
+from examples.tasks.datasets import make_arithmetic_problems, make_countdown_problems, write_demo_data
+from trainer.data.buffer import load_jsonl
+from trainer.rewards.rules import (
     arithmetic_reward,
     compute_rewards,
     countdown_reward,
@@ -90,12 +90,12 @@ def test_raising_reward_marks_failed_and_counts(tmp_path):
 
 def test_load_reward_fn_builtin_module_and_file(tmp_path):
     assert load_reward_fn("arithmetic") is arithmetic_reward
-    assert load_reward_fn("trainer.rollout.rewards:countdown_reward") is countdown_reward
+    assert load_reward_fn("trainer.rewards.rules:countdown_reward") is countdown_reward
     f = tmp_path / "my_reward.py"
     f.write_text("def score(sample):\n    return float(len(sample.response))\n")
     assert load_reward_fn(f"{f}:score")(_sample("abcd")) == 4.0
     with pytest.raises(ValueError, match="no callable 'nope'"):
-        load_reward_fn("trainer.rollout.rewards:nope")
+        load_reward_fn("trainer.rewards.rules:nope")
     with pytest.raises(ValueError, match="cannot import"):
         load_reward_fn("not_a_module_xyz:fn")
     with pytest.raises(ValueError, match="module:function"):
@@ -108,7 +108,7 @@ def test_shipped_data_is_what_the_script_writes(tmp_path):
         shipped = os.path.join(ROOT, "data", os.path.basename(path))
         with open(shipped) as a, open(path) as b:
             assert a.read() == b.read(), (f"data/{os.path.basename(path)} is stale: rerun "
-                                          f"python -m trainer.rollout.datasets")
+                                          f"python -m examples.tasks.datasets")
     train = {p.prompt for p in load_jsonl(paths["arithmetic_train"])}
     test = load_jsonl(paths["arithmetic_test"])
     assert not train & {p.prompt for p in test}  # held-out really is held out
@@ -168,7 +168,7 @@ def test_math_reward_math_verify(reference, response, expect):
 
 
 def test_new_rewards_load_by_name_and_failures_are_counted():
-    assert load_reward_fn("gsm8k") is gsm8k_reward and (load_reward_fn("trainer.rollout.rewards:math_reward")
+    assert load_reward_fn("gsm8k") is gsm8k_reward and (load_reward_fn("trainer.rewards.rules:math_reward")
                                                               is math_reward)
     samples = [_sample("#### 3", answer="3"), _sample("#### 3"), _sample("\\boxed{3}", answer="3"),
                _sample("\\boxed{3}", answer="#### nothing")]
@@ -199,7 +199,7 @@ def test_a_reward_past_its_timeout_fails_its_sample_without_stalling_the_step():
     import trio
 
     from trainer.config import DataConfig
-    from trainer.rollout.rewards import acompute_reward, with_timeout
+    from trainer.rewards.rules import acompute_reward, with_timeout
 
     release = threading.Event()
 
@@ -232,7 +232,7 @@ def test_the_regex_built_ins_score_inline_and_give_what_the_thread_hop_gave():
     """arithmetic and gsm8k (one linear regex scan) skip the worker thread; the others keep their time limit."""
     import trio
 
-    from trainer.rollout.rewards import (
+    from trainer.rewards.rules import (
         INLINE_REWARDS,
         acompute_reward,
         arithmetic_reward,
@@ -273,7 +273,7 @@ def test_evaluation_bounds_each_reward_call_and_names_the_error_when_all_fail():
 
     from engines.protocol import Completion
     from trainer.cli import evaluate
-    from trainer.rollout.data import Prompt
+    from trainer.data.buffer import Prompt
 
     tok = build_tokenizer()
 
@@ -316,8 +316,8 @@ def test_hung_sync_rewards_free_their_threads_at_their_deadline():
 
     import trio
 
+    from trainer.rewards.rules import acompute_reward, with_timeout
     from trainer.rollout.blocking import abandoned_threads
-    from trainer.rollout.rewards import acompute_reward, with_timeout
 
     release = threading.Event()
 

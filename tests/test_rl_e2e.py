@@ -18,8 +18,8 @@ from engines.tiny import build_tokenizer, tiny_model_config
 from kernels import use_backend
 from trainer.backend.steps import TrainerConfig, build_components, trainer_config_from
 from trainer.config import OptimConfig, RLTrainingConfig, RolloutConfig
+from trainer.data.buffer import DataBuffer, load_jsonl
 from trainer.rl import compute_advantages, run_rl_training
-from trainer.rollout.data import DataBuffer, load_jsonl
 from trainer.types import RolloutBatch, Sample, Status
 from trainer.weight_sync import WeightSyncSender
 

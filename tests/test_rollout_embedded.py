@@ -17,7 +17,7 @@ from engines.embedded.presets import build_tiny_model
 from engines.sglang import SGLangEngine
 from engines.tiny import build_tokenizer
 from trainer.config import RolloutConfig
-from trainer.rollout.data import DataBuffer, load_jsonl
+from trainer.data.buffer import DataBuffer, load_jsonl
 from trainer.rollout.manager import AsyncRolloutManager
 from trainer.types import Status
 

@@ -28,11 +28,11 @@ from episode_support import CHAR_STOPS, TOK, Scripted, arithmetic_buffer
 
 from trainer.backend.checkpoint import is_interrupt
 from trainer.config import RolloutConfig
+from trainer.data.buffer import DataBuffer, Prompt
+from trainer.rewards.rules import with_timeout
 from trainer.rl import TruncatedRunError, check_finishing
 from trainer.rollout.blocking import abandoned_threads
-from trainer.rollout.data import DataBuffer, Prompt
 from trainer.rollout.manager import AsyncRolloutManager, generate_rollout_batches
-from trainer.rollout.rewards import with_timeout
 from trainer.rollout.source import RolloutSource
 from trainer.types import Sample, Status
 
@@ -307,9 +307,9 @@ def test_a_run_that_never_finishes_a_sample_warns_then_stops(tmp_path, capsys):
     from kernels import use_backend
     from trainer.backend.steps import build_components, trainer_config_from
     from trainer.config import OptimConfig, RLTrainingConfig
+    from trainer.data.buffer import load_jsonl
     from trainer.metrics import read_jsonl
     from trainer.rl import run_rl_training
-    from trainer.rollout.data import load_jsonl
     from trainer.weight_sync import WeightSyncSender
 
     rollout = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2, max_new_tokens=4, seed=5,

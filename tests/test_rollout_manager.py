@@ -25,9 +25,9 @@ from engines.protocol import Completion, EngineUnavailableError
 from engines.sglang import SGLangEngine
 from engines.tiny import build_tokenizer
 from trainer.config import RolloutConfig
-from trainer.rollout.data import DataBuffer, Prompt
+from trainer.data.buffer import DataBuffer, Prompt
+from trainer.rewards.rules import arithmetic_reward
 from trainer.rollout.manager import AsyncRolloutManager, generate_rollout_batches
-from trainer.rollout.rewards import arithmetic_reward
 from trainer.types import Sample, Status
 
 TOK = build_tokenizer()

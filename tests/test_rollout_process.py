@@ -29,10 +29,10 @@ from trainer.config import (
     RunConfig,
     config_from_dict,
 )
-from trainer.rollout.data import DataBuffer, load_jsonl
+from trainer.data.buffer import DataBuffer, load_jsonl
+from trainer.rewards.sources import RewardsRecipe
 from trainer.rollout.manager import AsyncRolloutManager, generate_rollout_batches
 from trainer.rollout.process_worker import RolloutProcess, RolloutRecipe, check_picklable
-from trainer.rollout.reward_sources import RewardsRecipe
 from trainer.rollout.source import ProcessRolloutSource, ResumePoints, RolloutSource
 from trainer.weight_sync import WeightSyncSender
 
@@ -80,8 +80,8 @@ def _assert_same_batches(got: list[list[tuple]], want: list[list[tuple]]) -> Non
 
 
 def _thread_run(url, rollout, steps, ahead, *, rewards=None, view=_view):
-    """rewards: built RewardSources (trainer.rollout.reward_sources), scored as the thread worker scores them."""
-    from trainer.rollout.reward_sources import scored_batches
+    """rewards: built RewardSources (trainer.rewards.sources), scored as the thread worker scores them."""
+    from trainer.rewards.sources import scored_batches
 
     buffer, manager = _parts(url, rollout)
     if rewards is not None:
@@ -236,7 +236,7 @@ def test_reward_sources_score_in_the_process_as_in_the_thread_worker(engine, tmp
     from test_reward_model import write_reward_model
 
     from trainer.config import RewardsConfig
-    from trainer.rollout.reward_sources import RewardSourceError, build_reward_sources
+    from trainer.rewards.sources import RewardSourceError, build_reward_sources
 
     rm = write_reward_model(tmp_path / "rm", seed=5)
     config = RewardsConfig(sources=[{"kind": "rule", "weight": 1.0}, {"kind": "model", "path": str(rm),
@@ -265,7 +265,7 @@ def test_the_config_refuses_a_process_worker_it_cannot_run():
 
     with pytest.raises(ConfigError, match="in_process = false"):
         load_run_config("configs/demo.toml", ["rl.rollout_worker=\"process\"", "engines.in_process=true"])
-    rule = "{kind = \"rule\", name = \"trainer.rollout.rewards:arithmetic_reward\"}"  # [rewards] sources: built there
+    rule = "{kind = \"rule\", name = \"trainer.rewards.rules:arithmetic_reward\"}"  # [rewards] sources: built there
     cfg = load_run_config("configs/demo.toml", ["rl.rollout_worker=\"process\"", "engines.in_process=false",
                                                 f"rewards.sources=[{rule}]"])
     assert cfg.rl.rollout_worker == "process" and len(cfg.rewards.sources) == 1
@@ -361,7 +361,7 @@ def test_a_cli_run_scores_with_a_reward_model_in_the_rollout_process(tmp_path):
     root = Path(__file__).resolve().parents[1]
     rm = write_reward_model(tmp_path / "rm", seed=4)
     out = tmp_path / "run"
-    sources = ('[{kind = "rule", name = "trainer.rollout.rewards:arithmetic_reward"}, '
+    sources = ('[{kind = "rule", name = "trainer.rewards.rules:arithmetic_reward"}, '
                f'{{kind = "model", path = "{rm}", weight = 0.5}}]')
     cmd = [sys.executable, "-m", "trainer", "rl", "--config", "configs/demo.toml", "--set", f"output_dir=\"{out}\"",
            "--set", "rl.num_steps=2", "--set", "rl.rollout.rollout_batch_size=4", "--set", "eval.limit=4",

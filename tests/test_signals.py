@@ -238,7 +238,7 @@ def test_which_errors_are_run_time_stops():
 def _app(score, **kw):
     from starlette.testclient import TestClient
 
-    from trainer.rollout.reward_server import build_app
+    from trainer.rewards.server import build_app
 
     return TestClient(build_app(score, **kw))
 
@@ -267,7 +267,7 @@ def test_reward_server_refuses_a_body_over_its_limit_naming_it():
 
 
 def test_the_reward_client_cuts_a_batch_into_requests_under_the_limit():
-    from trainer.rollout.reward_server import request_bodies
+    from trainer.rewards.server import request_bodies
 
     prompts, completions = [f"p{i}" * 50 for i in range(10)], [f"c{i}" * 50 for i in range(10)]
     bodies = request_bodies(prompts, completions, [None] * 10, limit=700)
@@ -281,7 +281,7 @@ def test_the_reward_client_cuts_a_batch_into_requests_under_the_limit():
 
 def test_reward_server_warns_once_about_samples_past_its_models_context():
     from engines.tiny import build_tokenizer
-    from trainer.rollout.reward_server import warn_past_context
+    from trainer.rewards.server import warn_past_context
 
     tok = build_tokenizer()
     scored = []

@@ -16,7 +16,7 @@ from engines.tiny import build_tokenizer, tiny_model_config
 from kernels import use_backend
 from trainer.backend.steps import build_components, trainer_config_from
 from trainer.config import ConfigError, OptimConfig, RLTrainingConfig, RolloutConfig, RunConfig, config_from_dict
-from trainer.rollout.data import DataBuffer, load_jsonl
+from trainer.data.buffer import DataBuffer, load_jsonl
 from trainer.rollout.source import RolloutSource
 from trainer.types import RolloutBatch, Sample
 from trainer.weight_sync import WeightSyncSender

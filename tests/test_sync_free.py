@@ -45,7 +45,7 @@ SYNC_OPS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero", "a
 # Tensor methods that copy device data to the host (on CPU tensors they dispatch no aten op, so catch them here).
 HOST_READS = {"tolist", "item", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__"}
 TRAINER_STEP_CODE = {"trainer/backend/steps.py", "trainer/batching/micro_batches.py", "trainer/backend/futures.py",
-                     "trainer/rl.py", "trainer/critic.py", "trainer/backend/models.py"}
+                     "trainer/rl.py", "trainer/backend/critic.py", "trainer/backend/models.py"}
 CPU_ONLY_PATHS = ("kernels/",)  # host reads free on CPU by design (module docstring)
 
 
@@ -147,7 +147,7 @@ def test_three_rl_steps_issue_no_host_sync_outside_the_future(torch_path):
 def _gae_setup() -> tuple:
     """PPO with a separate critic on the tiny model: (trainer config, policy, critic, three steps' micro-batches
     with their per-token rewards, placed on the host beforehand as train_on_batch does)."""
-    from trainer.critic import build_critic, token_rewards
+    from trainer.backend.critic import build_critic, token_rewards
 
     rl_cfg = RLTrainingConfig(advantage_estimator="gae", rollout=RolloutConfig(apply_chat_template=False),
                               optim=OptimConfig(lr=1e-3), token_budget=64, micro_batch_buckets=32)
@@ -163,10 +163,10 @@ def _gae_setup() -> tuple:
 
 
 def test_three_gae_steps_with_a_critic_issue_no_host_sync_outside_the_future(torch_path):
-    """PPO with a separate critic: the critic's values, GAE and whitening over the step (trainer.critic), then the
-    policy's and the critic's forward_backward and optim_step. The rewards are placed on the host beforehand (from
+    """PPO with a separate critic: the critic's values, GAE and whitening over the step (trainer.backend.critic), then
+    the policy's and the critic's forward_backward and optim_step. The rewards are placed on the host beforehand (from
     the host micro-batches, as train_on_batch does before any device work)."""
-    from trainer.critic import attach_gae
+    from trainer.backend.critic import attach_gae
 
     cfg, policy, critic, steps = _gae_setup()
     state, results = TrainingState(), []
@@ -243,7 +243,7 @@ def test_three_rl_steps_on_cuda_under_sync_debug_mode_error():
 @pytest.mark.gpu
 def test_three_gae_steps_on_cuda_under_sync_debug_mode_error():
     """The critic's values, GAE, whitening and both models' steps queued under `set_sync_debug_mode("error")`."""
-    from trainer.critic import attach_gae
+    from trainer.backend.critic import attach_gae
 
     def queue_steps(policy, critic, steps):
         state, futures = TrainingState(), []

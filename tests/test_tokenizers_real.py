@@ -22,7 +22,7 @@ from engines.sglang import SGLangEngine
 from engines.tiny import CHARS, tiny_model_config
 from trainer.cli import evaluate
 from trainer.config import RolloutConfig
-from trainer.rollout.data import DataBuffer, Prompt
+from trainer.data.buffer import DataBuffer, Prompt
 from trainer.rollout.manager import AsyncRolloutManager
 from trainer.rollout.samples import end_of_turn_ids, prompt_token_ids, stop_token_ids
 from trainer.types import Status

@@ -148,8 +148,8 @@ def test_engines_that_do_not_report_a_dtype_get_the_fallback_not_the_fp32_master
     """A stock engine (colocation_info {}: no dtype) serving bf16: the sender sends the caller's fallback_dtype (the
     CLI's: [engines] dtype, else the trainer's compute dtype), half the bytes of the fp32 masters; an engine that
     reports its dtype still decides."""
-    from trainer.cli import served_dtype
     from trainer.config import RunConfig, config_from_dict
+    from trainer.run import served_dtype
 
     trainer = build_tiny_model(seed=1)
     _perturb(trainer, 12)

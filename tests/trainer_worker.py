@@ -187,7 +187,8 @@ def _close_group(dist) -> None:
 
 
 def gae_config():
-    """PPO with a separate critic on the synthetic batches (trainer.critic): the RL phase and its TrainerConfig."""
+    """PPO with a separate critic on the synthetic batches (trainer.backend.critic): the RL phase and its
+    TrainerConfig."""
     from trainer.backend.steps import trainer_config_from
     from trainer.config import OptimConfig, RLTrainingConfig, RolloutConfig
 
@@ -220,8 +221,8 @@ def _gae_rank(rank: int, world: int, port: int, out: str) -> None:
 
     from engines.tiny import tiny_model_config
     from kernels import use_backend
+    from trainer.backend.critic import build_critic
     from trainer.backend.steps import build_components, init_distributed
-    from trainer.critic import build_critic
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)

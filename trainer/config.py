@@ -238,7 +238,7 @@ GAE = "gae"  # the advantage estimator with a value model (per token; not one of
 
 @dataclasses.dataclass(frozen=True)
 class CriticConfig:
-    """[rl.critic]: the value model of advantage_estimator = "gae" (PPO with a critic; trainer.critic).
+    """[rl.critic]: the value model of advantage_estimator = "gae" (PPO with a critic; trainer.backend.critic).
 
     kind "model": a separate critic, the policy's weights at the start of RL (or the causal LM at `path`, which
     must share the policy's tokenizer) with a fresh scalar value head on the last hidden state; sharded, compiled
@@ -437,7 +437,7 @@ class ModelConfig:
 
 
 FORMATS = ("chat", "plain")
-# The data set fields a [data] table may set for every set that does not set its own (trainer.rollout.data.DataSpec).
+# The data set fields a [data] table may set for every set that does not set its own (trainer.data.buffer.DataSpec).
 _MAPPING_KEYS = ("prompt_key", "answer_key", "messages_key", "system_prompt", "split")
 
 
@@ -446,7 +446,7 @@ class DataConfig:
     """[data]: the prompt sets, their field names, the reward function and the prompt format.
 
     train / eval / sft: a data file (JSON, JSONL, parquet), a save_to_disk folder, or a list of {path, weight, ...}
-    tables (a weighted mixture; trainer.rollout.data.DataSpec); the field-name keys below apply to every set that
+    tables (a weighted mixture; trainer.data.buffer.DataSpec); the field-name keys below apply to every set that
     does not set its own.
     """
 
@@ -471,7 +471,7 @@ class DataConfig:
         _positive(self, "reward_timeout_s")
 
     def mapping(self) -> dict[str, Any]:
-        """The field-name keys as the defaults of every set (trainer.rollout.data.data_specs)."""
+        """The field-name keys as the defaults of every set (trainer.data.buffer.data_specs)."""
         return {k: getattr(self, k) for k in _MAPPING_KEYS}
 
 
@@ -729,7 +729,7 @@ class RewardSourceConfig:
         return {}
 
 
-# kind -> its config class, filled by @reward_source_kind; trainer.rollout.reward_sources.SOURCE_KINDS holds what
+# kind -> its config class, filled by @reward_source_kind; trainer.rewards.sources.SOURCE_KINDS holds what
 # each kind does (build, check, describe) under the same names.
 REWARD_SOURCE_CONFIGS: dict[str, type[RewardSourceConfig]] = {}
 
@@ -764,7 +764,7 @@ class RuleSourceConfig(RewardSourceConfig):
 @dataclasses.dataclass(frozen=True)
 class ModelSourceConfig(RewardSourceConfig):
     """kind = "model": a reward model (a sequence classifier with one output) scoring each batch after generation,
-    in the trainer's process (`path`) or through a scoring server (`url`: python -m trainer.rollout.reward_server)."""
+    in the trainer's process (`path`) or through a scoring server (`url`: python -m trainer.rewards.server)."""
 
     kind: str = "model"  # the kind these keys belong to
     # model: the reward model's folder (an AutoModelForSequenceClassification with one output, saved with its tokenizer
@@ -782,7 +782,7 @@ class ModelSourceConfig(RewardSourceConfig):
         _positive(self, "timeout_s")
         _check((self.path is None) != (self.url is None), "path and url",
                "give a model source one of them: path (a reward-model folder, scored in the trainer's process) or "
-               "url (a scoring server that holds the model: python -m trainer.rollout.reward_server)")
+               "url (a scoring server that holds the model: python -m trainer.rewards.server)")
         _check(self.url is None or _http_url(self.url), f"url = {self.url!r}", "give an http(s):// address")
         _positive(self, "batch_size")
         _check(self.max_length is None or self.max_length > 0, f"max_length = {self.max_length!r}",
@@ -796,7 +796,7 @@ class ModelSourceConfig(RewardSourceConfig):
 @dataclasses.dataclass(frozen=True)
 class JudgeSourceConfig(RewardSourceConfig):
     """kind = "judge": an LLM judge scoring each batch after generation, one batched generate call to its engine
-    (trainer.rollout.judge); its answer is parsed into a score."""
+    (trainer.rewards.judge); its answer is parsed into a score."""
 
     kind: str = "judge"  # the kind these keys belong to
     # judge: the http(s):// address of the engine serving it (the SGLang protocol: an SGLang or embedded engine; None:
@@ -829,8 +829,8 @@ class JudgeSourceConfig(RewardSourceConfig):
         return {"parser": self.parser}
 
     def judge_config(self) -> Any:
-        """The trainer.rollout.judge.JudgeConfig of a judge source (its own checks run there)."""
-        from trainer.rollout.judge import JudgeConfig
+        """The trainer.rewards.judge.JudgeConfig of a judge source (its own checks run there)."""
+        from trainer.rewards.judge import JudgeConfig
 
         return JudgeConfig(template=self.template, parser=self.parser, min_score=self.min_score,
                            max_score=self.max_score, max_new_tokens=self.max_new_tokens, system=self.system)

@@ -56,7 +56,7 @@ def evaluate(engines: Sequence[InferenceEngine], prompts: Sequence[Any], *, toke
              max_new_tokens: int, chat: bool = True, max_reward: float = 1.0,
              reward_timeout_s: float | None = DataConfig.reward_timeout_s, rollout: Any = None, k: int = 0,
              temperature: float = 1.0, seed: int = 0) -> dict[str, float]:
-    """Evaluate `prompts` (trainer.rollout.data.Prompt records) on the first engine (an engine object, built by
+    """Evaluate `prompts` (trainer.data.buffer.Prompt records) on the first engine (an engine object, built by
     engines.registry like every other): {"reward_mean", "accuracy", "n", "failed"} from one greedy answer a
     prompt, and with k > 0 also "pass@j" (j in pass_ks(k)), "avg@k" and "reward_mean@k" from k sampled answers.
 
@@ -65,12 +65,12 @@ def evaluate(engines: Sequence[InferenceEngine], prompts: Sequence[Any], *, toke
     answer is one multi-turn episode of it (trainer.rollout.episodes), scored as in training (reward_fn None: by
     the environment's or rollout_fn's own reward; an episode given none is FAILED and counts as wrong).
     """
-    from trainer.rollout.rewards import describe_failure, load_reward_fn, no_reward, with_timeout
+    from trainer.rewards.rules import describe_failure, load_reward_fn, no_reward, with_timeout
     from trainer.rollout.samples import prompt_token_ids
 
     if not engines or isinstance(engines[0], str):
         raise TypeError(f"evaluate: engines = {list(engines)[:1]!r}: give engine objects (engines.registry.build_engine"
-                        f" or trainer.cli.build_engines), not URLs")
+                        f" or trainer.run.build_engines), not URLs")
     ids = [prompt_token_ids(tokenizer, p.prompt, chat=chat, system=p.system) for p in prompts]
     # No reward function: each episode's environment or rollout_fn gives its reward; one given none is FAILED.
     score = with_timeout(load_reward_fn(no_reward if reward_fn is None else reward_fn), reward_timeout_s)
@@ -181,7 +181,7 @@ class _Answerer:
 
     async def _scored(self, groups: Sequence[Sequence[Any]]) -> list[list[Any]]:
         """The completions of each prompt (one group a prompt) as scored Samples: [len(prompts)][len(group)]."""
-        from trainer.rollout.rewards import acompute_reward
+        from trainer.rewards.rules import acompute_reward
         from trainer.types import Sample, Status
 
         out = []
@@ -199,8 +199,8 @@ class EvalSet:
     """One held-out set of a run: its prompts and how they are scored."""
 
     name: str  # metrics: eval/<name>/...
-    prompts: tuple[Any, ...]  # trainer.rollout.data.Prompt records
-    reward: Any  # a reward function or its name (trainer.rollout.rewards.load_reward_fn)
+    prompts: tuple[Any, ...]  # trainer.data.buffer.Prompt records
+    reward: Any  # a reward function or its name (trainer.rewards.rules.load_reward_fn)
     reward_timeout_s: float | None
 
 
@@ -225,7 +225,7 @@ class Evaluation:
 def eval_sets(cfg: RunConfig, *, tokenizer: Any = None) -> list[EvalSet]:
     """The run's held-out sets: [data].eval as "eval" (when given), then each [[eval.sets]] entry, each cut to its
     limit ([[eval.sets]] limit, else [eval] limit). With a tokenizer, text it has no token for is warned about."""
-    from trainer.rollout.data import config_prompts, warn_unknown_characters
+    from trainer.data.buffer import config_prompts, warn_unknown_characters
 
     data, ev = cfg.data, cfg.eval
     entries = ([("eval", data.eval, data.mapping(), data.reward, data.reward_timeout_s, ev.limit)]

@@ -35,7 +35,7 @@ def replay(cfg: RunConfig, model_folder: Path, rollouts: str | Path, *, checkpoi
     from trainer.rollout.samples import pad_token_id
     from trainer.types import TrainingState
 
-    rl_cfg, tcfg = cfg.rl, TrainerConfig(phase=cfg.rl, backend=cfg.trainer)  # what trainer.cli.phase_configs gives
+    rl_cfg, tcfg = cfg.rl, TrainerConfig(phase=cfg.rl, backend=cfg.trainer)  # what trainer.run.phase_configs gives
     sft_dir = Path(cfg.output_dir) / "sft"
     comp = build_components(str(model_folder), tcfg)
     ref = None
@@ -80,11 +80,11 @@ def replay(cfg: RunConfig, model_folder: Path, rollouts: str | Path, *, checkpoi
 def generate(cfg: RunConfig, engines: Sequence[Any], *, tokenizer: Any, folder: Path) -> list[Path]:
     """[rl] num_steps rollout batches from the engines as they are (no trainer, no weight sync), each scored,
     given its advantages and written to folder/step_N.jsonl like a training run's dumps."""
+    from trainer.data.buffer import config_buffer
+    from trainer.rewards.sources import build_reward_sources, scored_batches
     from trainer.rl import compute_advantages, trained_samples
-    from trainer.rollout.data import config_buffer
     from trainer.rollout.dumps import rollout_rows, write_rollouts
     from trainer.rollout.manager import AsyncRolloutManager, generate_rollout_batches
-    from trainer.rollout.reward_sources import build_reward_sources, scored_batches
 
     data, rl_cfg = cfg.data, cfg.rl
     # The run's reward as training builds it: [rewards] sources, or [data].reward alone (neither: the episodes'

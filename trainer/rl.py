@@ -35,6 +35,7 @@ from engines.weight_sync.wire import WeightSyncError
 from kernels.advantages import advantage_estimator
 from trainer.backend.attention import supports_shared_prompts
 from trainer.backend.checkpoint import Checkpointer, load_latest
+from trainer.backend.critic import attach_gae, build_critic, sum_across_ranks, token_rewards
 from trainer.backend.futures import TrainFuture
 from trainer.backend.heap import frozen_heap
 from trainer.backend.lora import adapters_disabled, is_lora
@@ -52,7 +53,6 @@ from trainer.backend.steps import (
 from trainer.batching.micro_batches import attach_logprobs, build_micro_batches
 from trainer.batching.shared_prompt import build_shared_micro_batches
 from trainer.config import GAE, DataConfig, RLTrainingConfig, RolloutConfig
-from trainer.critic import attach_gae, build_critic, sum_across_ranks, token_rewards
 from trainer.evaluation import Evaluation
 from trainer.metrics import MetricsLogger, open_logger, progress
 from trainer.rollout.dumps import RolloutDumps, rollout_rows, sample_logprobs, table_rows, write_rollouts
@@ -62,8 +62,8 @@ from trainer.stops import RunStopped
 from trainer.types import RolloutBatch, Sample, Status, TrainingState
 
 if TYPE_CHECKING:
+    from trainer.rewards.sources import RewardSources
     from trainer.rollout.manager import AsyncRolloutManager
-    from trainer.rollout.reward_sources import RewardSources
     from trainer.weight_sync import WeightSync
 
 
@@ -76,7 +76,7 @@ def compute_advantages(samples: Sequence[Sample], estimator: str) -> list[float 
 
     A FAILED sample has no reward: it gets advantage 0 and stays out of its group's mean and std. `estimator`
     names an entry of kernels.advantages.ADVANTAGE_ESTIMATORS; for "gae" a sample has no one advantage (they are
-    per token, from the critic's values, computed in the step: trainer.critic), so each is None.
+    per token, from the critic's values, computed in the step: trainer.backend.critic), so each is None.
     """
     if estimator == GAE:
         return [None] * len(samples)
@@ -206,15 +206,15 @@ def train_on_batch(components: TrainingComponents, state: TrainingState, batch: 
     The engine's log-probs ride along whenever the engine returned them: the loss then reports the
     engine-vs-trainer mismatch metrics, and applies the off-policy correction when one is configured.
     "gae": the per-token advantages come after packing, from the values of the critic (`critic`, built by
-    trainer.critic.build_critic for [rl.critic] kind = "model"; the policy's own head for kind = "head") before the
-    update; each epoch then also trains the critic (its forward_backward and optim_step), and the metrics gain
-    critic/* (trainer.critic).
+    trainer.backend.critic.build_critic for [rl.critic] kind = "model"; the policy's own head for kind = "head")
+    before the update; each epoch then also trains the critic (its forward_backward and optim_step), and the metrics
+    gain critic/* (trainer.backend.critic).
     """
     gae = config.advantage_estimator == GAE
     assert gae or critic is None, "a critic is for advantage_estimator = \"gae\" only"
     if gae and (critic is None) != (config.critic.kind == "head"):
-        need = ("the separate critic: pass critic=trainer.critic.build_critic(components, tcfg)" if critic is None
-                else "no separate critic (the value head is the policy's own)")
+        need = ("the separate critic: pass critic=trainer.backend.critic.build_critic(components, tcfg)"
+                if critic is None else "no separate critic (the value head is the policy's own)")
         raise ValueError(f"advantage_estimator = \"gae\" with [rl.critic] kind = {config.critic.kind!r} needs {need}")
     samples = list(batch.samples)
     keep, metrics = trained_samples(samples, config.advantage_estimator, mask_truncated=config.rollout.mask_truncated)
@@ -313,17 +313,17 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
     """Train with GRPO/PPO for config.num_steps steps; returns (components, final state, per-step metrics).
 
     model: a folder, an HF config or a built TrainModule (ignored when `components` is given, e.g. after SFT).
-    data_buffer: trainer.rollout.data.DataBuffer of prompts (with answers in metadata for verifiable rewards).
+    data_buffer: trainer.data.buffer.DataBuffer of prompts (with answers in metadata for verifiable rewards).
     engines: InferenceEngine objects (built by engines.registry). Their weights are synced from the trainer at the
     start (so they serve the policy being trained) and every `sync_every` steps, through `sender`: a
     trainer.weight_sync sender (WeightSyncSender, or DiskWeightSync) to those engines whose group is already up;
     the caller owns it (init_group before, close after). tokenizer: the model's (prompts, stop tokens, the pad
-    id). reward_fn: the reward, as built RewardSources (trainer.rollout.reward_sources.build_reward_sources: [rewards]
+    id). reward_fn: the reward, as built RewardSources (trainer.rewards.sources.build_reward_sources: [rewards]
     sources, rules, reward models and judges, each source's metrics logged), or as a function of a Sample or a name
-    trainer.rollout.rewards.load_reward_fn resolves (the [data].reward shorthand: one rule), whose call longer than
+    trainer.rewards.rules.load_reward_fn resolves (the [data].reward shorthand: one rule), whose call longer than
     `reward_timeout_s` (None: no limit) marks its sample FAILED instead of stalling the step. None: the episodes'
     environment or rollout_fn gives each reward ([rl.rollout] env / rollout_fn); an episode given none is FAILED
-    (trainer.rollout.rewards.no_reward).
+    (trainer.rewards.rules.no_reward).
     Writes metrics.jsonl and checkpoints under config.output_dir (`logger`: where the metrics go instead, e.g.
     trainer.tracking.build_logger's); resume=True continues from the newest complete checkpoint there (data
     position and partial-rollout cache included). Ctrl-C writes a checkpoint first. `evaluation`
@@ -331,8 +331,8 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
     at the last step, logged with the step. `dumps` (trainer.rollout.dumps.RolloutDumps): the samples of every
     N-th step written out (with the trainer's log-probs before the update) and a few shown as a table.
     """
+    from trainer.rewards.sources import as_reward_sources
     from trainer.rollout.manager import AsyncRolloutManager
-    from trainer.rollout.reward_sources import as_reward_sources
 
     tcfg = trainer_config or trainer_config_from(config)
     comp = components or build_components(model, tcfg)
@@ -415,8 +415,8 @@ def _rollout_source(data_buffer: Any, config: RLTrainingConfig, manager: AsyncRo
     The manager restarts cached partial samples against the version their batch will train at, at the latest:
     the engines' version plus the steps it may wait (generation_ahead) plus the engines' own lag (sync_every - 1),
     which is the staleness bound k in async mode by construction (RLTrainingConfig)."""
+    from trainer.rewards.sources import scored_batches
     from trainer.rollout.manager import generate_rollout_batches
-    from trainer.rollout.reward_sources import scored_batches
 
     lag = config.generation_ahead + config.sync_every - 1
     if config.rollout_worker == "process" and rank == 0:
@@ -440,7 +440,7 @@ def _process_source(data_buffer: Any, config: RLTrainingConfig, manager: AsyncRo
 
     if rewards.recipe is None:
         raise ValueError("[rl] rollout_worker = \"process\" rebuilds the reward sources in the rollout process: "
-                         "build them with trainer.rollout.reward_sources.build_reward_sources (it records the recipe)")
+                         "build them with trainer.rewards.sources.build_reward_sources (it records the recipe)")
     recipe = RolloutRecipe(data_buffer=data_buffer, rollout=config.rollout, engines=tuple(manager.engines),
                            tokenizer=manager.tokenizer, rewards=rewards.recipe, deterministic=config.deterministic,
                            manager_state=manager.state_dict(), num_steps=config.num_steps,

@@ -86,7 +86,7 @@ def input_paths(cfg: RunConfig, *, data_keys: Iterable[str] = ("train", "sft", "
     "path/to/file.py:name" functions (a rollout process imports them again after the fresh start). The rest is
     listed whether this mode reads it or not: a file the config names in the output folder's removed parts is a
     mistake either way."""
-    from trainer.rollout.data import data_specs
+    from trainer.data.buffer import data_specs
     from trainer.rollout.loading import callable_file
 
     data, rollout = cfg.data, cfg.rl.rollout

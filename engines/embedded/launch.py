@@ -101,7 +101,7 @@ class EngineProcess:
     /health (deadline `start_timeout_s`), and kills the process on exit (also on errors).
 
     api_key: required on every route when given (passed in the environment, not argv). None leaves the engine
-    open to every local user: fine for a test's throwaway engine, not for a run's (trainer.cli.engines_for gives
+    open to every local user: fine for a test's throwaway engine, not for a run's (trainer.run.engines_for gives
     each engine it starts the configured key or a new_api_key())."""
 
     def __init__(self, model: str = "tiny", *, port: int | None = None, api_key: str | None = None, seed: int = 0,

@@ -3,7 +3,7 @@
 Layout of `<output_dir>/checkpoints/step_00000012/`:
     *.distcp, .metadata     DCP shards of {"model": ..., "optim": ...} (each rank writes its own shards), and of
                             {"critic_model": ..., "critic_optim": ...} for a run with a separate critic (PPO's value
-                            model, trainer.critic): saved and resumed with the policy, in the same step
+                            model, trainer.backend.critic): saved and resumed with the policy, in the same step
     rng_rank{r}.pt          torch / CUDA / python / numpy RNG states of rank r, as tensors, numbers and lists only:
                             read with torch.load(weights_only=True), so a crafted file cannot run code
     state.json              TrainingState, the caller's `extra` (data position, ...), scheduler state,
@@ -193,8 +193,8 @@ def save_checkpoint(components: TrainingComponents, state: TrainingState,
     """Write a complete checkpoint of step `state.step` (collective: every rank calls it); returns `state`.
 
     `extra` is JSON data the caller needs to resume (e.g. {"data_position": 96}). `critic`: a separate value
-    model (trainer.critic.build_critic), saved in the same step folder (its model, optimizer and schedule). Keeps
-    the newest `config.keep_last` complete checkpoints.
+    model (trainer.backend.critic.build_critic), saved in the same step folder (its model, optimizer and
+    schedule). Keeps the newest `config.keep_last` complete checkpoints.
     """
     cfg = components.config
     root = checkpoints_root(cfg.output_dir)

@@ -1,6 +1,6 @@
 """Model construction: `load_hf_model` (meta build -> FSDP2 -> weights). The tiny preset lives in engines/tiny.py.
 
-A value model (PPO's critic, trainer.critic) is the same causal LM with one more module, `value_head`: a
+A value model (PPO's critic, trainer.backend.critic) is the same causal LM with one more module, `value_head`: a
 Linear(H, 1) on the last hidden state (after the final norm), the one a sequence/token classifier puts there.
 `load_hf_model(value_head=True)` adds it before sharding, so it lives in the FSDP root's group with the
 embeddings and the lm_head (unsharded inside the root's forward, where the loss reads it), and gives it a fresh

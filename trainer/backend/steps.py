@@ -382,12 +382,12 @@ def _value_terms(lm: nn.Module, hidden: torch.Tensor, mb: MicroBatch,
     over the step's global loss tokens (so micro-batches and ranks sum to the step's mean, as the policy loss).
 
     Metrics: critic/value_loss, critic/value_clip_frac and critic/value_mean (each a share of the global token
-    mean: they sum like the policy's). The explained variance needs the whole step's tokens at once: trainer.critic
-    computes it from the values before the update."""
+    mean: they sum like the policy's). The explained variance needs the whole step's tokens at once:
+    trainer.backend.critic computes it from the values before the update."""
     from trainer.backend.models import token_values
 
     assert mb.returns is not None and mb.old_values is not None, \
-        "a value loss needs the micro-batch's returns and old values (trainer.critic.attach_gae)"
+        "a value loss needs the micro-batch's returns and old values (trainer.backend.critic.attach_gae)"
     values = token_values(lm, hidden)  # [L] float32
     loss, metrics = value_loss(values, mb.old_values, mb.returns, mb.loss_mask, clip=config.critic.clip,
                                num_tokens=max(mb.num_tokens, 1))
@@ -592,7 +592,7 @@ def compute_values(components: TrainingComponents, micro_batches: Sequence[Micro
 
     if not components.config.value_head:
         raise ValueError("compute_values: this model has no value head; build the critic with "
-                         "trainer.critic.build_critic, or the policy with [rl.critic] kind = \"head\"")
+                         "trainer.backend.critic.build_critic, or the policy with [rl.critic] kind = \"head\"")
     out = []
     with _on_compute_stream(components):
         for mb in _device_batches(components, micro_batches):

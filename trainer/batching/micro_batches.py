@@ -81,7 +81,7 @@ class MicroBatch:
     ref_logprobs: torch.Tensor | None = None  # [N] float32, log pi_ref(label)
     rollout_logprobs: torch.Tensor | None = None  # [N] float32, the engine's log-probs
     trees: PromptTrees | None = None  # the shared-prompt layout (None: one sequence per sample)
-    # PPO with a value model (trainer.critic.attach_gae): the values before the update and the GAE returns, per
+    # PPO with a value model (trainer.backend.critic.attach_gae): the values before the update and the GAE returns, per
     # token like the advantages (then per token too); None otherwise.
     old_values: torch.Tensor | None = None  # [N] float32
     returns: torch.Tensor | None = None  # [N] float32

@@ -1,2 +1,3 @@
-"""Rollouts: prompt data (data.py), the engine-driving manager (manager.py), pure sample functions and filters
-(samples.py), rewards, trajectories and the built-in data set generators."""
+"""Rollouts: the engine-driving manager (manager.py), episodes with environments and tools (episodes.py, tools.py),
+agents through the OpenAI-compatible recording gateway (gateway.py, recording.py), the thread and process rollout
+sources (source.py, process_worker.py), pure sample functions and filters (samples.py), dumps (dumps.py)."""

@@ -1,5 +1,5 @@
 """Blocking user code of an episode (sync tools, a sync environment's reset and step, sync reward functions: trainer.
-rollout.rewards.with_timeout) run in worker threads, with a time limit, without starving anything else of threads.
+trainer.rewards.rules.with_timeout) run in worker threads, with a time limit, without starving anything else of threads.
 
 A thread cannot be stopped. `trio.to_thread.run_sync(..., abandon_on_cancel=True)` lets the waiting task leave at
 its deadline, but the thread keeps the limiter slot it ran under until it really ends (trio releases it then, and

@@ -42,9 +42,9 @@ from typing import Any
 import trio
 
 from engines.protocol import Completion, SamplingParams
+from trainer.rewards.rules import acompute_reward
 from trainer.rollout.blocking import BlockedCallTimeout, enter_user_code, run_bounded, user_code
 from trainer.rollout.loading import load_callable
-from trainer.rollout.rewards import acompute_reward
 from trainer.rollout.samples import extend_sample, stop_token_ids
 from trainer.rollout.tools import ToolEnv, load_tool_parser, load_tools
 from trainer.types import Sample, Status

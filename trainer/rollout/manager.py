@@ -37,10 +37,10 @@ import trio
 
 from engines.protocol import Completion, EngineError, EngineUnavailableError, InferenceEngine, SamplingParams
 from trainer.config import RolloutConfig
+from trainer.rewards.rules import RewardFn, load_reward_fn
 from trainer.rollout.blocking import abandoned_threads
 from trainer.rollout.episodes import build_driver, run_episode, score_finished
 from trainer.rollout.gateway import Gateway, load_agent, pack_parts, run_agent_episode, unpack_parts
-from trainer.rollout.rewards import RewardFn, load_reward_fn
 from trainer.rollout.samples import (
     SampleTransform,
     apply_sample_transforms,

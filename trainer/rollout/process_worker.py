@@ -51,7 +51,7 @@ class RolloutRecipe:
 
     data_buffer: the DataBuffer at its current position; manager_state: AsyncRolloutManager.state_dict(); engines:
     HTTP engine clients (they pickle without their connections); rewards: the run's RewardsRecipe
-    (trainer.rollout.reward_sources: [rewards] sources, or the [data].reward shorthand), from which the child builds
+    (trainer.rewards.sources: [rewards] sources, or the [data].reward shorthand), from which the child builds
     the same sources (reward models loaded there, judges on its engine clients) and uses them as the thread worker
     does; cpus: the child's cores (None: the parent's)."""
 
@@ -59,7 +59,7 @@ class RolloutRecipe:
     rollout: Any  # trainer.config.RolloutConfig
     engines: tuple[Any, ...]
     tokenizer: Any
-    rewards: Any  # trainer.rollout.reward_sources.RewardsRecipe
+    rewards: Any  # trainer.rewards.sources.RewardsRecipe
     deterministic: bool
     manager_state: dict[str, Any]
     num_steps: int
@@ -207,7 +207,7 @@ def _child_main(conn: Any) -> None:
         import trio
 
         import engines.sglang  # noqa: F401
-        import trainer.rollout.data  # noqa: F401
+        import trainer.data.buffer  # noqa: F401
         import trainer.rollout.manager  # noqa: F401
 
         try:
@@ -234,8 +234,8 @@ def _child_main(conn: Any) -> None:
 async def _serve(conn: Any, recipe: RolloutRecipe) -> None:
     import trio
 
+    from trainer.rewards.sources import score_batch
     from trainer.rollout.manager import AsyncRolloutManager
-    from trainer.rollout.reward_sources import score_batch
 
     sources = recipe.rewards.build(engines=recipe.engines, tokenizer=recipe.tokenizer)  # as the parent's
     manager = AsyncRolloutManager(list(recipe.engines), recipe.rollout, tokenizer=recipe.tokenizer,

@@ -1,9 +1,9 @@
-"""A reward model behind HTTP, and its client: `python -m trainer.rollout.reward_server --model PATH --port N`.
+"""A reward model behind HTTP, and its client: `python -m trainer.rewards.server --model PATH --port N`.
 
     POST /score  {"prompts": [str], "completions": [str], "systems": [str | null]}  ->  {"scores": [float]}
     GET  /health                                                                     ->  {"status": "ok", "model": PATH}
 
-The server holds one reward model (trainer.rollout.reward_model.load_reward_model: a sequence classifier with one
+The server holds one reward model (trainer.rewards.model.load_reward_model: a sequence classifier with one
 output and its tokenizer) and scores each request with score_samples: the (system, prompt, completion) rendered by
 the model's own chat template (`--no-chat`: the plain text prompt + completion), one score per sample in the
 request's order. "systems" is optional (one entry per sample; null: no system turn). Why a server: the reward model
@@ -94,7 +94,7 @@ def _post_scores(client: httpx.Client, url: str, body: dict[str, list], *, where
                                 f"raise the source's timeout_s") from e
     except httpx.HTTPError as e:
         raise RewardServerError(f"{where}: {type(e).__name__}: {e}; is the server running at that address "
-                                f"(python -m trainer.rollout.reward_server)?") from e
+                                f"(python -m trainer.rewards.server)?") from e
     if resp.status_code != 200:
         raise RewardServerError(f"{where}: HTTP {resp.status_code}: {_message(resp)}")
     try:
@@ -168,7 +168,7 @@ def warn_past_context(score: ScoreFn, tokenizer: Any, *, context: int | None, ch
     """`score`, which also warns, once, when a request holds a sample that renders (encode_for_scoring) to more
     than `context` tokens (the reward model's max_position_embeddings; None: no check). Only requests up to that
     warning are tokenized a second time for the check (the forward costs far more)."""
-    from trainer.rollout.reward_model import encode_for_scoring
+    from trainer.rewards.model import encode_for_scoring
 
     warned = threading.Event()
 
@@ -239,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from engines.embedded.__main__ import check_exposure, resolve_api_key
     from engines.embedded.launch import API_KEY_ENV, PARENT_ENV, die_with_parent
 
-    ap = argparse.ArgumentParser(prog="python -m trainer.rollout.reward_server", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m trainer.rewards.server", description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True, help="the reward model's folder (a sequence classifier, num_labels=1)")
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
@@ -263,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     import torch
     import uvicorn
 
-    from trainer.rollout.reward_model import load_reward_model, score_samples
+    from trainer.rewards.model import load_reward_model, score_samples
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -17,9 +17,9 @@ Kinds (SOURCE_KINDS, each with its config class in trainer.config.REWARD_SOURCE_
          each rule's raw score as a "source".
   model  per batch, after generation and before the batch goes to the trainer: in the rollout worker, so in async
          mode it overlaps the previous step's training. In the trainer's process on its device
-         (trainer.rollout.reward_model.RewardModelScorer) or through a scoring server (`url`:
-         trainer.rollout.reward_server).
-  judge  per batch, likewise: one batched generate call to the judge's engine (trainer.rollout.judge).
+         (trainer.rewards.model.RewardModelScorer) or through a scoring server (`url`:
+         trainer.rewards.server).
+  judge  per batch, likewise: one batched generate call to the judge's engine (trainer.rewards.judge).
 A new kind: its config class in trainer.config (@reward_source_kind) and its entry here (@source_kind: build,
 check, describe), whose built object implements `RewardSource`.
 
@@ -66,7 +66,7 @@ from trainer.config import (
     RewardSourceConfig,
     RuleSourceConfig,
 )
-from trainer.rollout.rewards import (
+from trainer.rewards.rules import (
     MAX_ABS_REWARD,
     RewardFn,
     load_reward_fn,
@@ -75,7 +75,7 @@ from trainer.rollout.rewards import (
     reward_value,
     with_timeout,
 )
-from trainer.rollout.rewards import _clean as strip_special_markers
+from trainer.rewards.rules import _clean as strip_special_markers
 from trainer.rollout.samples import build_batch_metadata
 from trainer.types import RolloutBatch, Sample, Status
 
@@ -399,7 +399,7 @@ class ModelSource:
         raise TypeError("a reward model scores whole batches (score_batch), after the rollout")
 
     def score_batch(self, samples: list[Sample], todo: list[int]) -> dict[str, int]:
-        from trainer.rollout.reward_server import RewardServerError
+        from trainer.rewards.server import RewardServerError
 
         try:
             scores = self.scorer([samples[i] for i in todo])
@@ -419,11 +419,11 @@ class ModelSource:
 def model_scorer(config: ModelSourceConfig, *, device: str) -> Callable[[Sequence[Sample]], list[float]]:
     """samples -> scores of a model source: its folder loaded here on `device`, or its scoring server."""
     if config.url is None:
-        from trainer.rollout.reward_model import RewardModelScorer
+        from trainer.rewards.model import RewardModelScorer
 
         return RewardModelScorer.from_pretrained(config.path, device=device, batch_size=config.batch_size,
                                                  chat=config.chat, max_length=config.max_length)
-    from trainer.rollout.reward_server import read_api_key, score_remote
+    from trainer.rewards.server import read_api_key, score_remote
 
     api_key = read_api_key(config.api_key_file)
 
@@ -451,8 +451,8 @@ def _build_model(config: ModelSourceConfig, label: str, index: int, ctx: BuildCo
 
 
 def _check_model(config: ModelSourceConfig, default_rule: Any) -> None:
-    from trainer.rollout.reward_model import check_reward_model_folder
-    from trainer.rollout.reward_server import read_api_key
+    from trainer.rewards.model import check_reward_model_folder
+    from trainer.rewards.server import read_api_key
 
     if config.path is not None:
         check_reward_model_folder(config.path)
@@ -468,7 +468,7 @@ source_kind(ModelSourceConfig, ModelSource, build=_build_model, check=_check_mod
 @dataclasses.dataclass(frozen=True)
 class JudgeSource:
     """kind = "judge": samples -> (judged samples, counts) through the judge's engine, as
-    trainer.rollout.judge.judge_samples returns them, scored per batch after the rollout."""
+    trainer.rewards.judge.judge_samples returns them, scored per batch after the rollout."""
 
     label: str
     weight: float
@@ -498,7 +498,7 @@ class JudgeSource:
 def judge_runner(engine: Any, judge_config: Any, tokenizer: Any) -> Callable[[Sequence[Sample]], Any]:
     """samples -> (judged samples, counts) through `engine`, in an event loop of its own (the rollout worker's batch
     transform is synchronous); the engine's pooled connections of that loop are closed after."""
-    from trainer.rollout.judge import judge_samples
+    from trainer.rewards.judge import judge_samples
 
     async def run(samples: Sequence[Sample]) -> Any:
         try:
@@ -516,7 +516,7 @@ def _build_judge(config: JudgeSourceConfig, label: str, index: int, ctx: BuildCo
 
     if config.engine is not None:  # an SGLang-protocol server (a real SGLang, or an embedded engine over HTTP)
         from engines.registry import EngineSpec, build_engine
-        from trainer.rollout.reward_server import read_api_key
+        from trainer.rewards.server import read_api_key
 
         engine = build_engine(EngineSpec(kind="sglang", url=config.engine), model_folder=config.path or "",
                               api_key=read_api_key(config.api_key_file), timeout_s=config.timeout_s)
@@ -531,8 +531,8 @@ def _build_judge(config: JudgeSourceConfig, label: str, index: int, ctx: BuildCo
 
 
 def _check_judge(config: JudgeSourceConfig, default_rule: Any) -> None:
-    from trainer.rollout.judge import load_parser
-    from trainer.rollout.reward_server import read_api_key
+    from trainer.rewards.judge import load_parser
+    from trainer.rewards.server import read_api_key
 
     if config.path is not None:
         from engines.tokenizer import check_tokenizer_files
@@ -553,7 +553,7 @@ def build_reward_sources(config: RewardsConfig, *, default_rule: Any, engines: S
                          device: str = "cpu", timeout_s: float | None = None,
                          load_models: bool = True) -> RewardSources:
     """The run's RewardSources from a trainer.config.RewardsConfig: its sources, or with none the [data].reward
-    shorthand (one rule running `default_rule`; None: trainer.rollout.rewards.no_reward, the episodes give their own
+    shorthand (one rule running `default_rule`; None: trainer.rewards.rules.no_reward, the episodes give their own
     rewards). BuildContext says what the other arguments are."""
     recipe = RewardsRecipe(config=config, default_rule=default_rule, device=device, timeout_s=timeout_s)
     if not config.sources:

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from trainer.rollout.rewards import _clean as strip_special_markers
+from trainer.rewards.rules import _clean as strip_special_markers
 from trainer.types import Sample
 
 

@@ -23,7 +23,7 @@ import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from trainer.rollout.data import PromptSet
+from trainer.data.buffer import PromptSet
 from trainer.rollout.samples import prompt_token_ids
 from trainer.types import Sample
 
@@ -36,7 +36,7 @@ def prompt_lengths(sets: Iterable[PromptSet], tokenizer: Any, *, chat: bool) -> 
 
 def sft_lengths(examples: Iterable[tuple[str, Any]], tokenizer: Any, *, max_length: int) -> list[tuple[str, int, bool]]:
     """(where, tokens, cut) of (where, SFT example) pairs as trainer.sft tokenizes them (a conversation, or a
-    plain-format Sample: trainer.cli.sft_examples): the whole length, and whether the [sft] max_length cut loses
+    plain-format Sample: trainer.run.sft_examples): the whole length, and whether the [sft] max_length cut loses
     trained tokens (a plain Sample is never cut: longer than max_length, it is refused)."""
     from trainer.sft import compute_loss_mask
 

@@ -4,7 +4,7 @@ A reward function takes one finished `Sample` and returns its reward: a finite n
 {"reward": number, "correct": bool} when "correct" is not simply "the reward reached its maximum" (partial
 credit), or an awaitable of either; the mapping may also carry "sources": {name: number}, the parts the reward
 was made of, kept in sample.metadata["reward_sources"] (how [rewards] rule sources report each rule's score:
-trainer/rollout/reward_sources.py). The sample carries the prompt text (`sample.prompt`), the decoded response
+trainer/rewards/sources.py). The sample carries the prompt text (`sample.prompt`), the decoded response
 (`sample.response`), its tokens, and in `sample.metadata` the data row: the reference answer under "answer"
 (whatever [data] answer_key named in the file) and every other field of the row. A function that raises marks its
 sample FAILED (left out of the loss, counted); the first time each distinct error happens, its traceback and the
@@ -26,7 +26,7 @@ Rewards for users' data sets:
 A response with no answer in it scores 0.0; a reference answer that cannot be read raises, which marks the sample
 FAILED (a data error, counted, never fatal).
 
-The problem generators of the built-in tasks live in trainer.rollout.datasets.
+The problem generators of the built-in tasks live in examples.tasks.datasets.
 """
 
 from __future__ import annotations

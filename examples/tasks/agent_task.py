@@ -1,7 +1,7 @@
 """The agent recipe's task (configs/agent_demo.toml): two-digit products, which the tiny model cannot compute
 reliably alone but can with a calculator tool.
 
-- `calculator`: the tool (`[rl.rollout] tools = ["trainer.rollout.agent_task:calculator"]`), a safe evaluator of
+- `calculator`: the tool (`[rl.rollout] tools = ["examples.tasks.agent_task:calculator"]`), a safe evaluator of
   + - * / and parentheses over integers (a small recursive-descent parser; no eval).
 - `make_multiply_problems`: prompts "37*84=" with the product as the answer (scored by the built-in "arithmetic"
   reward, the last integer of the response).
@@ -14,7 +14,7 @@ reliably alone but can with a calculator tool.
   tiny preset's byte-level tokenizer: one token per character). The answer comes in the last turn, after the
   tool call's numbers, so the last integer of the whole episode is the answer.
 
-`python -m trainer.rollout.datasets --out data` writes the shipped files (trainer.rollout.datasets.write_agent_data).
+`python -m examples.tasks.datasets --out data` writes the shipped files (examples.tasks.datasets.write_agent_data).
 """
 
 from __future__ import annotations

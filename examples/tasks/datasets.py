@@ -1,8 +1,8 @@
 """Problem generators of the built-in tasks (arithmetic, countdown; the agent recipe's products are in
-trainer.rollout.agent_task) and the shipped data sets.
+examples.tasks.agent_task) and the shipped data sets.
 
-`python -m trainer.rollout.datasets --out data` regenerates the shipped data sets deterministically; each generator
-is a pure function of its arguments. The rewards that score these tasks are in trainer.rollout.rewards.
+`python -m examples.tasks.datasets --out data` regenerates the shipped data sets deterministically; each generator
+is a pure function of its arguments. The rewards that score these tasks are in trainer.rewards.rules.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any
 
-from trainer.rollout.agent_task import make_direct_sft_examples, make_multiply_problems, make_tool_sft_conversations
-from trainer.rollout.data import write_jsonl
+from examples.tasks.agent_task import make_direct_sft_examples, make_multiply_problems, make_tool_sft_conversations
+from trainer.data.buffer import write_jsonl
 
 
 def make_arithmetic_problems(n: int, *, seed: int = 0, max_operand: int = 50, ops: str = "+-",

@@ -14,7 +14,7 @@ parser:
     "module:function"   (or "path/file.py:function", or a callable) fn(text) -> a number, a bool or
                         {"reward": x, "correct": bool}, as a reward function returns; None or raising = unparseable
 
-A failed judgement marks its sample FAILED, exactly like a failing reward function (trainer/rollout/rewards.py:
+A failed judgement marks its sample FAILED, exactly like a failing reward function (trainer/rewards/rules.py:
 reward 0.0, metadata["reward_error"], left out of the loss by trainer.rl.trained_samples): an answer the parser
 cannot read (the error names the judge's text), and every sample of a batch whose engine call failed (EngineError:
 the engine refused or did not answer). Every judged sample keeps the judge's text in metadata["judge_text"].
@@ -37,9 +37,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from engines.protocol import EngineError, InferenceEngine, SamplingParams
+from trainer.rewards.rules import _clean as strip_special_markers
+from trainer.rewards.rules import compute_reward
 from trainer.rollout.loading import load_callable
-from trainer.rollout.rewards import _clean as strip_special_markers
-from trainer.rollout.rewards import compute_reward
 from trainer.rollout.samples import prompt_token_ids, stop_token_ids
 from trainer.types import Sample, Status
 
