@@ -462,3 +462,25 @@ def test_cores_that_this_process_cannot_run_on_are_refused_before_any_work():
         load_run_config(DEMO, ["engines.in_process=false", f'engines.fleet=[{{kind="embedded", cpus=[0, {gone}]}}]'])
     mine = min(os.sched_getaffinity(0))
     assert load_run_config(DEMO, [f"trainer.cpus=[{mine}]"]).trainer.cpus == (mine,)
+
+
+def test_a_run_config_built_in_python_goes_through_the_same_preflight(tmp_path):
+    """Was: trainer.cli's checks ran only for a config loaded by the CLI; a RunConfig built in Python and given to
+    run() started the run (fresh start, model folder, engines) and failed later, or trained on a typo's default.
+    Now run() takes the same check_run_config path: the error names the key, and nothing is written."""
+    import dataclasses
+
+    from trainer.config import RunConfig, config_from_dict
+    from trainer.run import run
+
+    cfg = load_run_config(ROOT / "configs" / "demo.toml", [f'output_dir="{tmp_path / "run"}"'])
+    bad = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, train=str(tmp_path / "nope.jsonl")))
+    with pytest.raises(ConfigError, match=r"\[data\]\.train: .*nope\.jsonl.*no such file"):
+        run("rl", bad)
+    assert not (tmp_path / "run").exists()  # refused before the fresh start, the model folder or any engine
+    built = config_from_dict(RunConfig, {"rl": {"rollout": {"rollout_fn": "no_such_module:fn"}},
+                                         "data": {"train": cfg.data.train, "reward": "arithmetic"},
+                                         "output_dir": str(tmp_path / "run2")}, "")
+    with pytest.raises(ConfigError, match="no_such_module"):
+        run("rl", built)
+    assert not (tmp_path / "run2").exists()

@@ -46,16 +46,18 @@ from trainer.config import (
     config_from_dict,
 )
 from trainer.config_reference import override_value
+from trainer.data.sft_examples import sft_examples  # noqa: F401  (trainer.cli.sft_examples: where callers found it)
 from trainer.evaluation import evaluate  # noqa: F401  (trainer.cli.evaluate: where callers have found it)
-from trainer.preflight import check_run_config
+from trainer.preflight import (
+    check_run_config,
+    phase_configs,  # noqa: F401  (trainer.cli.phase_configs: where callers have found it)
+)
 from trainer.run import (  # noqa: F401  (trainer.cli.<name>: where callers have found them)
     build_engines,
     engines_for,
     model_tokenizer,
-    phase_configs,
     prepare_model_folder,
     run,
-    sft_examples,
 )
 from trainer.stops import SIGINT_EXIT, SIGTERM_EXIT, RunStopped, debug_enabled, sigterm_as_interrupt
 
@@ -224,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             if args.mode in ("generate", "replay"):
                 return debug_mode(args.mode, cfg, rollouts=args.rollouts, checkpoint=args.checkpoint)
-            summary = run(args.mode, cfg, resume=args.resume)
+            summary = run(args.mode, cfg, resume=args.resume, checked=True)  # load_run_config ran the preflight
         except BaseException as e:  # noqa: BLE001 - a stop is reported; anything else is re-raised as it is
             return report_stop(e, trained_phases(args.mode, cfg), since=since, terminated=terminated.is_set())
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 reports

@@ -5,6 +5,7 @@ runs it for the command line; a RunConfig built in Python passes the same checks
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import warnings
@@ -12,13 +13,36 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from trainer.backend.steps import TrainerConfig
 from trainer.config import (
     DataConfig,
     EnginesConfig,
     RLTrainingConfig,
     RunConfig,
+    SFTTrainingConfig,
 )
-from trainer.run import has_eval_sets, phase_configs, sft_examples
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseConfigs:
+    """The configs each phase's step functions take, derived from a run config: TrainerConfig holds the phase
+    config and the [trainer] BackendConfig by reference (nothing copied)."""
+
+    sft: SFTTrainingConfig
+    sft_trainer: TrainerConfig
+    rl: RLTrainingConfig
+    rl_trainer: TrainerConfig
+
+
+def phase_configs(cfg: RunConfig) -> PhaseConfigs:
+    """Each phase's config and its TrainerConfig (the phase and the [trainer] backend settings)."""
+    return PhaseConfigs(sft=cfg.sft, sft_trainer=TrainerConfig(phase=cfg.sft, backend=cfg.trainer), rl=cfg.rl,
+                        rl_trainer=TrainerConfig(phase=cfg.rl, backend=cfg.trainer))
+
+
+def has_eval_sets(cfg: RunConfig) -> bool:
+    """Whether the run evaluates: a [data].eval set or an [[eval.sets]] entry (the same answer on every rank)."""
+    return cfg.data.eval is not None or bool(cfg.eval.sets)
 
 
 def check_tracking(cfg: RunConfig) -> None:
@@ -242,6 +266,7 @@ def _check_lengths(cfg: RunConfig, key: str, sets: Sequence[Any], tokenizer: Any
     """The lengths of the data set `key` ("sft", "train", "eval") against the model's context and the budgets of
     the phase that reads it (trainer.data.lengths says what is an error and what a warning)."""
     from trainer.data.lengths import check_prompt_lengths, check_sft_lengths, prompt_lengths, sft_lengths
+    from trainer.data.sft_examples import sft_examples
 
     data, sft = cfg.data, cfg.sft
     if key == "sft":

@@ -17,35 +17,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engines.protocol import InferenceEngine, InProcessEngine
-from trainer.backend.steps import TrainerConfig
 from trainer.config import (
     ConfigError,
-    RLTrainingConfig,
     RunConfig,
-    SFTTrainingConfig,
 )
 from trainer.config_reference import to_toml
+from trainer.data.sft_examples import sft_examples
+from trainer.preflight import PhaseConfigs, check_run_config, has_eval_sets, phase_configs
 from trainer.run_folder import fresh_start
 
 if TYPE_CHECKING:
     from trainer.weight_sync import WeightSync
 
 
-@dataclasses.dataclass(frozen=True)
-class PhaseConfigs:
-    """The configs each phase's step functions take, derived from a run config: TrainerConfig holds the phase
-    config and the [trainer] BackendConfig by reference (nothing copied)."""
-
-    sft: SFTTrainingConfig
-    sft_trainer: TrainerConfig
-    rl: RLTrainingConfig
-    rl_trainer: TrainerConfig
 
 
-def phase_configs(cfg: RunConfig) -> PhaseConfigs:
-    """Each phase's config and its TrainerConfig (the phase and the [trainer] backend settings)."""
-    return PhaseConfigs(sft=cfg.sft, sft_trainer=TrainerConfig(phase=cfg.sft, backend=cfg.trainer), rl=cfg.rl,
-                        rl_trainer=TrainerConfig(phase=cfg.rl, backend=cfg.trainer))
 
 
 def prepare_model_folder(cfg: RunConfig) -> Path:
@@ -253,33 +239,6 @@ def cores_left_to_trainer(cfg: RunConfig):
         torch.set_num_threads(before)
 
 
-def sft_examples(prompts: Sequence[Any], tokenizer: Any, fmt: str) -> list[Any]:
-    """SFT examples from prompt/answer records.
-
-    chat: one-turn conversations (a record may carry full "messages" in its metadata instead), tokenized by
-    trainer.sft with the assistant-only mask. plain: Samples `prompt + answer + eos`, the loss on answer + eos,
-    exactly the token layout the rollouts of a plain-format run produce.
-    """
-    from trainer.rollout.samples import prompt_token_ids
-    from trainer.types import Sample
-
-    for i, p in enumerate(prompts):
-        if p.answer is None and not p.metadata.get("messages"):
-            raise ValueError(f"SFT example {i} ({p.prompt[:40]!r}) has no answer, and SFT trains on the answer (it "
-                             f"would train on the text \"None\"); give it one or SFT on conversations")
-    if fmt == "plain":
-        out = []
-        for p in prompts:
-            prompt_ids = prompt_token_ids(tokenizer, p.prompt, chat=False)
-            answer_ids = prompt_token_ids(tokenizer, str(p.answer), chat=False) + [tokenizer.eos_token_id]
-            out.append(Sample(prompt=p.prompt, tokens=tuple(prompt_ids + answer_ids), response_length=len(answer_ids)))
-        return out
-    out = []
-    for p in prompts:
-        msgs = p.metadata.get("messages")
-        out.append(list(msgs) if msgs else [{"role": "user", "content": p.prompt},
-                                            {"role": "assistant", "content": str(p.answer)}])
-    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,8 +255,17 @@ class _Run:
     summary: dict[str, Any]  # filled as the phases finish; written to <output_dir>/summary.json
 
 
-def run(mode: str, cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
-    """Run `mode` end to end; returns the summary (also written to <output_dir>/summary.json on rank 0)."""
+def run(mode: str, cfg: RunConfig, *, resume: bool = False, checked: bool = False) -> dict[str, Any]:
+    """Run `mode` end to end; returns the summary (also written to <output_dir>/summary.json on rank 0).
+
+    The preflight (trainer.preflight.check_run_config) runs first, so a RunConfig built in Python is checked as
+    the CLI's is, before any work; `checked=True` says the caller ran it for this mode already (the CLI's
+    load_run_config). A problem is a ConfigError naming the key."""
+    if not checked:
+        try:
+            check_run_config(cfg, mode, resume=resume)
+        except (ValueError, FileNotFoundError) as e:
+            raise ConfigError(str(e)) from e
     from trainer.backend.export import start_folder
     from trainer.backend.steps import broadcast_from_rank0, init_distributed, mesh_device
     from trainer.evaluation import Evaluator, eval_sets
@@ -346,9 +314,6 @@ def run(mode: str, cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     return r.summary
 
 
-def has_eval_sets(cfg: RunConfig) -> bool:
-    """Whether the run evaluates: a [data].eval set or an [[eval.sets]] entry (the same answer on every rank)."""
-    return cfg.data.eval is not None or bool(cfg.eval.sets)
 
 
 def write_resolved_config(out: Path, mode: str, cfg: RunConfig) -> None:
