@@ -661,9 +661,14 @@ def optim_step(components: TrainingComponents, state: TrainingState, config: Tra
         components.scheduler.step()
         components.optimizer.zero_grad(set_to_none=True)
         fut = TrainFuture.record({"grad_norm": norm, "lr": lr}, components.device)
-    new_state = dataclasses.replace(state, step=state.step + 1, weight_version=state.weight_version + 1,
-                                    tokens_seen=state.tokens_seen + num_tokens)
-    return fut, new_state
+    return fut, advanced(state, num_tokens)
+
+
+def advanced(state: TrainingState, num_tokens: int) -> TrainingState:
+    """The state after one optimizer step that applied `num_tokens` loss tokens (global counts): step + 1,
+    weight_version + 1, tokens_seen + num_tokens. A loop that steps through a TrainingBackend threads it itself."""
+    return dataclasses.replace(state, step=state.step + 1, weight_version=state.weight_version + 1,
+                               tokens_seen=state.tokens_seen + num_tokens)
 
 
 def trainer_config_from(phase: Any, backend: BackendConfig | None = None, **overrides: Any) -> TrainerConfig:
