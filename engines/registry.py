@@ -46,7 +46,7 @@ class EngineSpec:
     where it differs from [engines].api_key (the run gives each engine it starts its own random key here); kept out
     of repr so a logged spec never shows it."""
 
-    kind: str  # "sglang", "vllm", "embedded" or "local" (a key of ENGINE_KINDS)
+    kind: str  # "sglang", "vllm", "embedded", "local" or "tinker" (a key of ENGINE_KINDS)
     url: str | None = None  # the server's http(s):// address (None: an engine the run launches, or an in-process one)
     tp_size: int = 1  # tensor-parallel workers: each is one rank of the weight-update group
     model: str | None = None  # vLLM's served model name (None: the model folder)
@@ -226,6 +226,12 @@ def _local(spec: EngineSpec, opts: BuildOptions) -> InferenceEngine:
     return LocalEngine(opts.model_folder, seed=opts.seed, device=opts.device, threads=opts.threads, **given)
 
 
+def _tinker(spec: EngineSpec, opts: BuildOptions) -> InferenceEngine:
+    from engines.tinker import TinkerEngine
+
+    return TinkerEngine(spec.url, api_key=opts.api_key)
+
+
 def _launch_embedded(spec: EngineSpec, opts: LaunchOptions) -> LaunchedEngine:
     """The embedded engine as a process (`python -m engines.embedded`); pinned to `spec.cpus`, one thread each."""
     from engines.embedded.launch import EngineProcess
@@ -243,6 +249,9 @@ ENGINE_KINDS: dict[str, EngineKind] = {
                            lora_adapters=True, openai_routes=True, launch_options=("device", "cpus"),
                            check=_check_placement),
     "local": EngineKind(_local, in_process=True, single_device=True, reports_token_versions=True, lora_adapters=True),
+    # Samples a Tinker-API server's current weights ([trainer] backend = "tinker"): synced by a new SamplingClient
+    # (trainer.backend.remote.TinkerSync), no tensors move.
+    "tinker": EngineKind(_tinker),
 }
 
 

@@ -297,7 +297,9 @@ def test_registry_builds_every_kind_from_its_spec():
     from engines.sglang import SGLangEngine
     from engines.vllm import VLLMEngine
 
-    assert set(ENGINE_KINDS) == {"sglang", "vllm", "embedded", "local"}
+    from engines.tinker import TinkerEngine
+
+    assert set(ENGINE_KINDS) == {"sglang", "vllm", "embedded", "local", "tinker"}
     sg = build_engine(EngineSpec("sglang", "http://a:1/", tp_size=4), model_folder="/m", api_key="k",
                       connect_timeout_s=3.0, max_connections=7)
     assert type(sg) is SGLangEngine and sg.url == "http://a:1" and sg.headers == {"Authorization": "Bearer k"}
@@ -307,7 +309,9 @@ def test_registry_builds_every_kind_from_its_spec():
     assert build_engine(EngineSpec("vllm", "http://b:2", model="served"), model_folder="/m").model == "served"
     emb = build_engine(EngineSpec("embedded", "http://c:3"), model_folder="/m")
     assert type(emb) is SGLangEngine and trio.run(emb.world_size) == 1
-    assert all(isinstance(e, InferenceEngine) for e in (sg, vl, emb))
+    tk = build_engine(EngineSpec("tinker", "http://d:4", api_key="tml-k"), model_folder="/m")
+    assert type(tk) is TinkerEngine and (tk.url, tk.api_key) == ("http://d:4", "tml-k")
+    assert all(isinstance(e, InferenceEngine) for e in (sg, vl, emb, tk))
     assert trio.run(vl.colocation_info) == {} and trio.run(vl.weight_formats) == ("direct", "flattened_bucket")
     with pytest.raises(ValueError, match="start the engine first"):
         build_engine(EngineSpec("embedded"), model_folder="/m")
