@@ -23,30 +23,53 @@ from trainer.serve.app import start_subprocess
 KEY = "tml-test-key"
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """(base_url, process) of a server on a free loopback port; stopped by SIGINT at the end (exit 0 expected)."""
+def tiny_folder(tmp: Path) -> Path:
     from engines.embedded.presets import build_tiny_model
     from engines.tiny import build_tokenizer
 
-    tmp = tmp_path_factory.mktemp("tinker")
     folder = tmp / "tiny"
     build_tiny_model(0, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1).save_pretrained(folder)
     build_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def open_sessions(url: str) -> list:
+    """The tinker SDK's session clients of the server at `url` still open in this process. Each heartbeats every
+    10 s and, once the server is gone, logs "Session heartbeat failed" after 2 min: every test closes its own
+    (ServiceClient.close, or `with`) before the server stops."""
+    import gc
+
+    from tinker.lib.internal_client_holder import InternalClientHolder
+
+    return [h for h in gc.get_objects() if isinstance(h, InternalClientHolder) and not h._closed
+            and getattr(h, "_session_id", None) and h._base_url.rstrip("/") == url.rstrip("/")]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """(base_url, process) of a server on a free loopback port; stopped by SIGINT at the end (exit 0 expected),
+    once every SDK session client of the module's tests is closed (no heartbeats left to fail)."""
+    tmp = tmp_path_factory.mktemp("tinker")
+    folder = tiny_folder(tmp)
     config = tmp / "serve.toml"
     config.write_text(f'[serve]\nport = 0\noutput_dir = "{tmp / "out"}"\nmax_clients = 32\n'
                       f'models = [{{name = "tiny", path = "{folder}"}}, {{name = "{folder}", path = "{folder}"}}]\n')
     env = {**os.environ, "RLKERNELS_API_KEY": KEY, "TRITON_INTERPRET": "0"}
     proc, url = start_subprocess(config, env=env)
     yield url, proc, tmp
+    left = open_sessions(url)
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=60)
     assert proc.returncode == 0, f"server exit {proc.returncode} after SIGINT:\n{''.join(proc.tail)}"
+    assert not left, f"{len(left)} tinker session client(s) left open: they would log 'Session heartbeat failed'"
 
 
 @pytest.fixture(scope="module")
 def service(server):
-    return tinker.ServiceClient(base_url=server[0], api_key=KEY)
+    """The module's ServiceClient, closed (its session finished: heartbeats end) before the server stops."""
+    client = tinker.ServiceClient(base_url=server[0], api_key=KEY)
+    yield client
+    client.close("success").result(timeout=60)
 
 
 def datum(tokens: list[int], weights: list[float] | None = None, **inputs) -> types.Datum:
@@ -360,6 +383,8 @@ def test_remote_backend_equals_the_local_one(server):
             assert (a["logprobs"] - b["logprobs"]).abs().max() <= 1e-5
     with pytest.raises(NotImplementedError, match="does not send weights"):
         remote.get_weights()
+    remote.service.close("success").result(timeout=60)  # its session's heartbeats end before the server stops
+    local.base.close()
 
 
 def test_rest_client_lists_runs_and_checkpoints(server, service):
@@ -380,24 +405,70 @@ def test_rest_client_lists_runs_and_checkpoints(server, service):
                                 types.SamplingParams(max_tokens=3)).result().sequences) == 1
 
 
+MODELS = 'models = [{name = "m", path = "FOLDER"}]'
+
+
 @pytest.mark.parametrize("table, match", [
-    ('host = "0.0.0.0"\nmodels = [{name = "m", path = "FOLDER"}]', "no API key is set"),
+    ('host = "0.0.0.0"\n' + MODELS, "no API key is set"),
     ('models = []', "non-empty list"),
     ('models = [{name = "m", path = "/nonexistent"}]', "not a Hugging Face folder"),
-    ('prot = 8000\nmodels = [{name = "m", path = "FOLDER"}]', r"unknown keys \['prot'\]"),
-    ('port = 70000\nmodels = [{name = "m", path = "FOLDER"}]', "port"),
+    ('prot = 8000\n' + MODELS, r"unknown config key\(s\) \['prot'\] in \[serve\]"),
+    ('port = 70000\n' + MODELS, r"\[serve\] port = 70000: a TCP port"),
+    ('port = "80"\n' + MODELS, r"serve.port = '80': expected an integer"),
+    ('max_clients = 0\n' + MODELS, r"max_clients = 0: an integer >= 1"),
+    ('device = "gpu"\n' + MODELS, r"device = 'gpu'"),
+    ('models = [{name = "m", path = "FOLDER", rank = 8}]',
+     r"unknown config key\(s\) \['rank'\] in \[serve.models\[0\]\]"),
+    ('models = [{name = "m", path = "FOLDER"}, {name = "m", path = "FOLDER"}]', "must be unique"),
+    (MODELS + '\n[trainer]\ncompile = true', r"\[trainer\] compile: python -m trainer serve does not use it"),
+    (MODELS + '\n[trainer]\nparam_dtype = "float64"', "param_dtype"),
+    (MODELS + '\n[engines]\nfleet = [{kind = "embedded"}]', r"\[engines\] fleet = \['embedded'\]: .*'local'"),
+    (MODELS + '\n[engines]\nsync = "disk"', r"\[engines\] sync: python -m trainer serve does not use it"),
+    (MODELS + '\n[engines]\nthreads = 0', r"threads = 0"),
+    (MODELS + '\n[rl]\nnum_steps = 3', r"'rl' at the top level: python -m trainer serve does not use it"),
 ])
 def test_serve_config_errors(tmp_path, table, match):
-    """Bad [serve] tables are refused naming the key (python -m trainer serve prints 'error:' and exits 2)."""
+    """Bad serve files are refused naming the key, through the run config's one validation path (trainer/config.py:
+    [serve] is ServeConfig, [trainer] and [engines] as in runs) and the keys the service would ignore."""
+    from trainer.config import ConfigError
     from trainer.serve.app import load_serve_config
 
     (tmp_path / "config.json").write_text("{}")
     path = tmp_path / "serve.toml"
     path.write_text("[serve]\n" + table.replace("FOLDER", str(tmp_path)) + "\n")
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ConfigError, match=match):
         load_serve_config(path, environ={})
     if "API key" in match:  # the same host with a key (from the environment) is accepted
-        assert load_serve_config(path, environ={"RLKERNELS_API_KEY": "tml-k"}).api_key == "tml-k"
+        assert load_serve_config(path, environ={"RLKERNELS_API_KEY": "tml-k"}).serve.api_key == "tml-k"
+
+
+def test_serve_reads_trainer_and_engines_tables(tmp_path):
+    """[trainer] param_dtype / logprob_chunk_tokens and [engines] prefix_cache_tokens / dtype reach the service's base
+    model and engine (bfloat16 training beside a float32 engine, to tell the two dtypes apart)."""
+    import torch
+
+    from trainer.serve.app import build_service, load_serve_config
+
+    folder = tiny_folder(tmp_path)
+    path = tmp_path / "serve.toml"
+    path.write_text(f'seed = 5\n[serve]\nmodels = [{{name = "m", path = "{folder}"}}]\noutput_dir = "{tmp_path}"\n'
+                    '[trainer]\nparam_dtype = "bfloat16"\nlogprob_chunk_tokens = 16\n'
+                    '[engines]\nthreads = 2\nprefix_cache_tokens = 0\ndtype = "float32"\n')
+    cfg = load_serve_config(path, environ={})
+    assert cfg.engines.fleet[0].kind == "local" and cfg.seed == 5  # no fleet given: one engine in process
+    service = build_service(cfg)
+    try:
+        base = service.base("m")
+        assert base.model.dtype == torch.bfloat16 and base.chunk_tokens == 16
+        engine = service.engine("m")
+        assert next(engine.server.model.parameters()).dtype == torch.float32
+        assert engine.server.prefix_cache is None  # prefix_cache_tokens = 0: off
+    finally:
+        service.close()
+    default = tmp_path / "default.toml"
+    default.write_text(f'[serve]\nmodels = [{{name = "m", path = "{folder}"}}]\n')
+    cfg = load_serve_config(default, environ={})
+    assert (cfg.trainer.param_dtype, cfg.engines.threads, cfg.engines.dtype) == (None, 1, None)
 
 
 def test_serve_command_exits_2_on_a_bad_config(tmp_path):
@@ -469,3 +540,55 @@ def test_old_in_memory_snapshots_are_dropped_with_a_clear_error(service):
     assert samplers[-1].sample(types.ModelInput.from_ints([1, 2]), 1, params).result().sequences
     with pytest.raises(tinker.RequestFailedError, match="was dropped"):
         samplers[0].sample(types.ModelInput.from_ints([1, 2]), 1, params).result(timeout=60)
+
+
+def test_a_finished_session_stops_its_heartbeats(server):
+    """ServiceClient.close() finishes the session on the server (/sessions/{id}/finish); a heartbeat of a finished
+    session answers 410, the SDK's signal to end its heartbeat loop quietly (no "Session heartbeat failed" warnings
+    once the server is gone), and the session takes no new clients."""
+    with tinker.ServiceClient(base_url=server[0], api_key=KEY) as svc:
+        svc.create_lora_training_client(base_model="tiny", rank=2, seed=30).result()
+        session = svc._session_holder.get_session_id()  # the SDK keeps the id on its holder only
+        heartbeat = {"session_id": session, "type": "session_heartbeat"}
+        assert httpx.post(f"{server[0]}/api/v1/session_heartbeat", headers={"X-API-Key": KEY},
+                          json=heartbeat).status_code == 200
+    got = httpx.post(f"{server[0]}/api/v1/session_heartbeat", headers={"X-API-Key": KEY}, json=heartbeat)
+    assert got.status_code == 410 and "finished" in got.json()["error"]
+    late = httpx.post(f"{server[0]}/api/v1/create_model", headers={"X-API-Key": KEY}, json={
+        "session_id": session, "model_seq_id": 9, "base_model": "tiny", "lora_config": {"rank": 2}})
+    assert late.status_code == 410 and "finished" in late.json()["error"]
+
+
+
+def test_stopping_the_server_fails_the_futures_in_flight(tmp_path):
+    """SIGTERM with training work queued: every SDK future not yet finished raises RequestFailedError naming the
+    shutdown (the SDK retries a poll that meets a closed port for ever: an unanswered future would hang), the
+    checkpoint saved before stays, and the server exits 0."""
+    folder = tiny_folder(tmp_path)
+    config = tmp_path / "serve.toml"
+    config.write_text(f'[serve]\nport = 0\noutput_dir = "{tmp_path / "out"}"\n'
+                      f'models = [{{name = "tiny", path = "{folder}"}}]\n')
+    proc, url = start_subprocess(config, env={**os.environ, "RLKERNELS_API_KEY": KEY})
+    svc = tinker.ServiceClient(base_url=url, api_key=KEY)
+    try:
+        client = svc.create_lora_training_client(base_model="tiny", rank=4, seed=31).result()
+        saved = client.save_state("kept").result().path
+        batch = random_batch(5, lengths=(100,) * 64)
+        futures = [client.forward_backward(batch, "cross_entropy") for _ in range(24)]
+        futures[0].result(timeout=120)  # the rest are queued behind it
+        proc.send_signal(signal.SIGTERM)
+        failed = 0
+        for f in futures[1:]:  # each finished or failed: none hangs
+            try:
+                f.result(timeout=60)
+            except tinker.RequestFailedError as e:
+                assert "shutting down" in str(e)
+                failed += 1
+        assert failed >= len(futures) // 2, failed
+        assert proc.wait(timeout=60) == 0
+        assert (tmp_path / "out" / saved.removeprefix("tinker://") / "adapter_model.safetensors").is_file()
+    finally:
+        proc.kill()
+        # The server is gone: release the SDK's threads (heartbeats) without the finish request, which the SDK would
+        # retry for 5 min against a closed port.
+        svc._session_holder.close()

@@ -8,6 +8,7 @@
       rl:      RLTrainingConfig  [rl] + [rl.optim], [rl.loss] (kernels.PolicyLossConfig), [rl.rollout] (RolloutConfig)
       trainer: BackendConfig   [trainer]   backend settings (compile, param_dtype, ...)
       eval:    EvalConfig      [eval]
+      serve:   ServeConfig     [serve]     python -m trainer serve (the Tinker API) only
 
 Every field has its default and a one-line help comment where it is declared (a reference can be generated from
 this file). `config_from_dict(cls, table)` builds any node from a TOML table, walking `dataclasses.fields`: the
@@ -891,6 +892,61 @@ class RewardsConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ServeModelConfig:
+    """One [serve] models entry: a base model the Tinker service offers (training clients and samplers on it)."""
+
+    name: str = ""  # the name clients ask for (base_model= in the tinker SDK)
+    path: str = ""  # its Hugging Face folder (config.json, weights, tokenizer)
+
+    def __post_init__(self) -> None:
+        for key in ("name", "path"):
+            v = getattr(self, key)
+            _check(isinstance(v, str) and v != "", f"{key} = {v!r}",
+                   "a non-empty string: models = [{name = \"tiny\", path = \"<HF folder>\"}]")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    """[serve]: `python -m trainer serve`, the Tinker API over this project's LoRA backend and embedded engine
+    (trainer/serve/app.py). Only that mode reads it; it also reads the top-level seed, [trainer] param_dtype and
+    logprob_chunk_tokens, and [engines] (one in-process engine: fleet, threads, prefix_cache_tokens, dtype), and
+    refuses any other key."""
+
+    host: str = "127.0.0.1"  # the address it listens on; a non-loopback host needs an api_key
+    port: int = 8000  # its TCP port (0: any free one; the line "serving on http://HOST:PORT" names it)
+    # The key clients send (X-API-Key; the tinker SDK wants it to start with "tml-"). Unset: the environment variable
+    # RLKERNELS_API_KEY; neither: no key (loopback only)
+    api_key: str | None = None
+    output_dir: str = "tinker_out"  # checkpoints: tinker://<model_id>/<weights | sampler_weights>/<name> live under it
+    max_clients: int = 8  # training clients (LoRA adapters) at once, over all base models
+    device: str = "cpu"  # where the base models train and sample: "cpu", "cuda" or "cuda:N"
+    models: tuple[Any, ...] = ()  # the base models offered: [{name = "...", path = "<HF folder>"}, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "api_key", self.api_key or None)
+        _check(isinstance(self.host, str) and self.host != "", f"host = {self.host!r}",
+               "an address to listen on, e.g. \"127.0.0.1\" (or \"0.0.0.0\" with an api_key)")
+        port = self.port
+        _check(isinstance(port, int) and not isinstance(port, bool) and 0 <= port < 65536, f"port = {port!r}",
+               "a TCP port in [0, 65535] (0: any free one)")
+        n = self.max_clients
+        _check(isinstance(n, int) and not isinstance(n, bool) and n >= 1, f"max_clients = {n!r}", "an integer >= 1")
+        _check(isinstance(self.output_dir, str) and self.output_dir != "", f"output_dir = {self.output_dir!r}",
+               "a folder for the checkpoints")
+        d = self.device
+        _check(isinstance(d, str) and (d == "cpu" or d == "cuda" or d.startswith("cuda:")), f"device = {d!r}",
+               "\"cpu\", \"cuda\" or \"cuda:N\"")
+        _check(isinstance(self.models, tuple | list) and all(isinstance(m, Mapping | ServeModelConfig)
+                                                             for m in self.models), f"models = {self.models!r}",
+               "a list of tables: models = [{name = \"tiny\", path = \"<HF folder>\"}]")
+        models = tuple(m if isinstance(m, ServeModelConfig) else
+                       config_from_dict(ServeModelConfig, m, f"serve.models[{i}]") for i, m in enumerate(self.models))
+        names = [m.name for m in models]
+        _check(len(set(names)) == len(names), "models", f"names {names} must be unique (clients ask by name)")
+        object.__setattr__(self, "models", models)
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
     """A whole run file (configs/*.toml): one table per section, each a config above.
 
@@ -912,6 +968,7 @@ class RunConfig:
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)  # [eval], [[eval.sets]]
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)  # [logging]
     rewards: RewardsConfig = dataclasses.field(default_factory=RewardsConfig)  # [rewards]
+    serve: ServeConfig = dataclasses.field(default_factory=ServeConfig)  # [serve]: python -m trainer serve only
 
     def __post_init__(self) -> None:
         hints = _hints(RunConfig)

@@ -34,6 +34,7 @@ from trainer.config import (
     RewardSourceConfig,
     RLTrainingConfig,
     RunConfig,
+    ServeModelConfig,
     SFTTrainingConfig,
     _hints,
     _section,
@@ -45,9 +46,9 @@ SUBTABLES: dict[tuple[type, str], type] = {(RLTrainingConfig, "loss"): PolicyLos
                                            (SFTTrainingConfig, "lora"): LoRAConfig,
                                            (RLTrainingConfig, "lora"): LoRAConfig}
 # Arrays of tables: [[engines.fleet]] entries are EngineSpecs, [[eval.sets]] entries EvalSetConfigs, [rewards]
-# sources entries RewardSourceConfigs.
+# sources entries RewardSourceConfigs, [serve] models entries ServeModelConfigs.
 ARRAY_TABLES: dict[str, type] = {"engines.fleet": EngineSpec, "eval.sets": EvalSetConfig,
-                                 "rewards.sources": RewardSourceConfig}
+                                 "rewards.sources": RewardSourceConfig, "serve.models": ServeModelConfig}
 # Arrays whose entries' class is chosen by their `kind`: the shared keys' table, then one table per kind.
 KINDED_TABLES: dict[str, dict[str, type]] = {"rewards.sources": REWARD_SOURCE_CONFIGS}
 

@@ -135,7 +135,10 @@ class LoraBase:
 
     Mutable state: the model (adapters are added and removed by name) and the queue."""
 
-    def __init__(self, path: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, path: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                 chunk_tokens: int | None = None) -> None:
+        """chunk_tokens: tokens per lm_head chunk of the fused log-probs ([trainer] logprob_chunk_tokens; None:
+        auto)."""
         from transformers import AutoModelForCausalLM
 
         self.path = str(path)
@@ -143,6 +146,7 @@ class LoraBase:
         self.model.requires_grad_(False)
         self.model.eval()  # dropout off: the same batch gives the same gradients
         self.device = torch.device(device)
+        self.chunk_tokens = chunk_tokens
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
         self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-base")
@@ -152,9 +156,10 @@ class LoraBase:
         """Queue `fn` behind everything submitted before (any adapter's); its exception is the future's."""
         return BackendFuture(self._worker.submit(fn))
 
-    def close(self, cancel: bool = True) -> None:
-        """Stop the worker: queued work not started is cancelled (its futures raise CancelledError)."""
-        self._worker.shutdown(wait=True, cancel_futures=cancel)
+    def close(self, cancel: bool = True, wait: bool = True) -> None:
+        """Stop the worker: queued work not started is cancelled (its futures raise CancelledError); wait: until the
+        running one has finished."""
+        self._worker.shutdown(wait=wait, cancel_futures=cancel)
 
     def add_adapter(self, name: str, spec: LoraSpec) -> None:
         """A fresh adapter `name` (PEFT's Kaiming-uniform A from the spec's seed, B = 0: the base's outputs)."""
@@ -226,7 +231,7 @@ class LoraBase:
         if lora_head and name in head.lora_A:  # train_unembed: h W^T + s (h A^T) B^T = [h, s h A^T] @ [W, B]^T
             a, b, s = head.lora_A[name].weight, head.lora_B[name].weight, head.scaling[name]
             rows, weight = torch.cat([rows, s * rows @ a.t()], dim=1), torch.cat([weight, b], dim=1)
-        logp = linear_token_logprobs(rows, weight, labels)  # [N] float32
+        logp = linear_token_logprobs(rows, weight, labels, chunk_tokens=self.chunk_tokens)  # [N] float32
         return list(logp.split(lengths))
 
 
@@ -313,7 +318,9 @@ class LocalLoraBackend:
 
     # -- work (on the base's worker thread) -------------------------------------------------------------
     def _check(self, batch: Sequence[Datum], loss_fn: str) -> None:
-        """Bad input is refused when it is submitted (a clear error, never a queued failure)."""
+        """Bad input is refused when it is submitted (a clear error, never a queued failure). The token ids are
+        range-checked over the whole batch at once (a few tensor ops, not a few per datum: this runs on the caller's
+        thread, the server's event loop for the Tinker service); the datum is looked for only when one is bad."""
         if loss_fn not in self.loss_fns:
             raise ValueError(f"unknown loss_fn {loss_fn!r}: use one of {sorted(self.loss_fns)}")
         if not batch:
@@ -328,13 +335,18 @@ class LocalLoraBackend:
                 if t.numel() != n:
                     raise ValueError(f"datum {i}: loss_fn_inputs[{key!r}] has {t.numel()} values for {n} input "
                                      f"tokens: give one per input token")
-            for key, t in (("model_input", d.tokens), ("target_tokens", d.loss_inputs["target_tokens"])):
+            if self.base.max_positions is not None and n > self.base.max_positions:
+                raise ValueError(f"datum {i}: {n} tokens exceed the model's context of {self.base.max_positions}")
+        for key in ("model_input", "target_tokens"):
+            ids = [d.tokens if key == "model_input" else d.loss_inputs[key] for d in batch]
+            flat = torch.cat([t.reshape(-1) for t in ids])
+            if not ((flat < 0) | (flat >= self.base.vocab_size)).any():
+                continue
+            for i, t in enumerate(ids):
                 bad = (t < 0) | (t >= self.base.vocab_size)
                 if bad.any():
                     raise ValueError(f"datum {i}: {key} has token id {int(t[bad][0])} outside the vocabulary "
                                      f"[0, {self.base.vocab_size})")
-            if self.base.max_positions is not None and n > self.base.max_positions:
-                raise ValueError(f"datum {i}: {n} tokens exceed the model's context of {self.base.max_positions}")
 
     def _run(self, batch: Sequence[Datum], loss_fn: str, config: dict, *, backward: bool) -> ForwardOutput:
         fn = self.loss_fns[loss_fn]

@@ -15,18 +15,22 @@ RequestFailedError with the cause); a bad route-level request is an HTTP 4xx wit
     max_clients = 8              # training clients (LoRA adapters) at once
     device = "cpu"               # or "cuda"
     models = [{name = "tiny", path = "<HF folder>"}]
+
+The same file may hold the run config's `seed`, `[trainer]` (param_dtype, logprob_chunk_tokens) and `[engines]` (one
+in-process engine: fleet = [{kind = "local"}], threads, prefix_cache_tokens, dtype); they are validated as in runs
+(trainer/config.py) and any other key is refused (READS).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import subprocess
 import tomllib
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from starlette.applications import Starlette
@@ -34,6 +38,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from engines.registry import engine_kind, kinds_where
+from trainer.config import ConfigError, RunConfig, config_from_dict
 from trainer.serve import handlers
 from trainer.serve.clients import Service, UserError
 
@@ -41,49 +47,61 @@ API_KEY_ENV = "RLKERNELS_API_KEY"
 RETRIEVE_WAIT_S = 20.0  # a retrieve_future long-polls this long before "try_again"
 
 
-@dataclass(frozen=True)
-class ServeConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    output_dir: str = "tinker_out"
-    max_clients: int = 8
-    device: str = "cpu"
-    models: tuple[tuple[str, str], ...] = ()
-    seed: int = 0
+# What the service reads of a run file beside [serve]; any other key would be silently ignored, so it is refused.
+# The service trains LoRA adapters eagerly on one device (no torch.compile, FSDP, Liger, core pinning, remote
+# backend) and samples through one in-process engine that takes adapters as tensors (no weight-sync group, no disk).
+READS = {"": ("seed", "serve", "trainer", "engines"),
+         "trainer": ("param_dtype", "logprob_chunk_tokens"),
+         "engines": ("fleet", "in_process", "threads", "prefix_cache_tokens", "dtype")}
 
 
-def load_serve_config(path: str | os.PathLike, environ: dict | None = None) -> ServeConfig:
-    """The [serve] table of a TOML file, checked (an error names the key and the fix)."""
+def load_serve_config(path: str | os.PathLike, environ: dict | None = None) -> RunConfig:
+    """The serve file as a RunConfig, validated by the runs' one path (trainer.config.config_from_dict: [serve] is
+    ServeConfig, [trainer] BackendConfig, [engines] EnginesConfig), plus what only the service needs: a [serve]
+    table with base models whose folders exist, the key from RLKERNELS_API_KEY, no non-loopback host without a
+    key, one in-process engine, and no key the service would ignore. Errors are ConfigErrors naming the key."""
     environ = dict(os.environ) if environ is None else environ
-    with open(path, "rb") as f:
-        table = tomllib.load(f).get("serve")
-    if not isinstance(table, dict):
-        raise ValueError(f"{path}: no [serve] table (host, port, api_key, output_dir, max_clients, models)")
-    known = set(ServeConfig.__dataclass_fields__)
-    unknown = sorted(set(table) - known)
-    if unknown:
-        raise ValueError(f"{path}: [serve] has unknown keys {unknown}; known: {sorted(known)}")
-    models = table.get("models", [])
-    if not models or not all(isinstance(m, dict) and set(m) == {"name", "path"} for m in models):
-        raise ValueError(f"{path}: [serve] models must be a non-empty list of {{name = \"...\", path = \"<HF "
-                         f"folder>\"}} tables (the base models it offers)")
-    for m in models:
-        if not (Path(m["path"]) / "config.json").is_file():
-            raise ValueError(f"{path}: [serve] models: {m['name']!r} path {m['path']!r} is not a Hugging Face "
-                             f"folder (no config.json)")
-    cfg = ServeConfig(**{**table, "models": tuple((m["name"], str(m["path"])) for m in models),
-                         "api_key": table.get("api_key") or environ.get(API_KEY_ENV) or None})
-    if not isinstance(cfg.port, int) or not 0 <= cfg.port < 65536:
-        raise ValueError(f"{path}: [serve] port = {cfg.port!r}: an integer in [0, 65535]")
-    if not isinstance(cfg.max_clients, int) or cfg.max_clients < 1:
-        raise ValueError(f"{path}: [serve] max_clients = {cfg.max_clients!r}: an integer >= 1")
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from e
+    if not isinstance(raw.get("serve"), dict):
+        raise ConfigError(f"{path}: no [serve] table (host, port, api_key, output_dir, max_clients, device, models)")
+    engines = raw.get("engines", {})
+    if isinstance(engines, dict) and not {"fleet", "in_process"} & set(engines):
+        engines = {**engines, "in_process": True}  # the default here: one engine in the server's process
+    try:
+        cfg = config_from_dict(RunConfig, {**raw, "engines": engines, "name": path.stem}, "")
+    except ValueError as e:
+        raise ConfigError(f"{path}: {e}") from e
+    for table, keys in READS.items():
+        unread = sorted(set(raw if not table else raw.get(table, {})) - set(keys))
+        if unread:
+            where, reads = (f"[{table}] {unread[0]}", f"of [{table}] it reads {', '.join(keys)}") if table else (
+                f"{unread[0]!r} at the top level", "it reads seed, [serve], [trainer] and [engines]")
+            raise ConfigError(f"{path}: {where}: python -m trainer serve does not use it ({reads}); drop it")
+    serve = cfg.serve
+    if not serve.models:
+        raise ConfigError(f"{path}: [serve] models: give a non-empty list of {{name = \"...\", path = \"<HF "
+                          f"folder>\"}} tables (the base models it offers)")
+    for m in serve.models:
+        if not (Path(m.path) / "config.json").is_file():
+            raise ConfigError(f"{path}: [serve] models: {m.name!r} path {m.path!r} is not a Hugging Face folder (no "
+                              f"config.json)")
+    fleet = cfg.engines.fleet
+    if len(fleet) != 1 or not engine_kind(fleet[0]).in_process:
+        raise ConfigError(f"{path}: [engines] fleet = {[s.kind for s in fleet]}: the service samples through one "
+                          f"engine in its own process that takes adapters as tensors (kind "
+                          f"{' or '.join(repr(k) for k in kinds_where(lambda k: k.in_process))}); give fleet = "
+                          f"[{{kind = \"local\"}}] or leave fleet out")
+    key = serve.api_key or environ.get(API_KEY_ENV) or None
     from engines.embedded.__main__ import is_loopback
 
-    if cfg.api_key is None and not is_loopback(cfg.host):
-        raise ValueError(f"{path}: [serve] host = {cfg.host!r} is reachable from other machines and no API key is "
-                         f"set: anyone could train on this server; set [serve] api_key or {API_KEY_ENV}")
-    return cfg
+    if key is None and not is_loopback(serve.host):
+        raise ConfigError(f"{path}: [serve] host = {serve.host!r} is reachable from other machines and no API key is "
+                          f"set: anyone could train on this server; set [serve] api_key or {API_KEY_ENV}")
+    return dataclasses.replace(cfg, serve=dataclasses.replace(serve, api_key=key))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -180,33 +198,44 @@ class ApiKey:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def build_service(cfg: ServeConfig) -> Service:
-    from engines.protocol import TensorAdapterEngine
-    from engines.registry import EngineSpec, build_engine
+def build_service(cfg: RunConfig) -> Service:
+    """The service of a checked serve config: base models in [trainer] param_dtype (None: bfloat16 on CUDA, float32
+    on CPU, as in runs), log-probs in [trainer] logprob_chunk_tokens chunks, and per base model one engine of the
+    [engines] fleet's kind in this process ([engines] threads, prefix_cache_tokens; dtype, None: the trainer's)."""
+    import torch
 
-    def engine(path: str) -> TensorAdapterEngine:  # float32: the sampler's log-probs are the trainer's own
-        built = build_engine(EngineSpec(kind="local"), model_folder=path, seed=cfg.seed, device=cfg.device,
-                             threads=1, dtype="float32")
-        assert isinstance(built, TensorAdapterEngine), "the in-process engine must take adapter tensors"
+    from engines.protocol import TensorAdapterEngine
+    from engines.registry import build_engine
+
+    serve, engines = cfg.serve, cfg.engines
+    dtype = cfg.trainer.param_dtype or ("bfloat16" if serve.device.startswith("cuda") else "float32")
+
+    def engine(path: str) -> TensorAdapterEngine:  # the trainer's dtype by default: the sampler's log-probs are its own
+        built = build_engine(engines.fleet[0], model_folder=path, seed=cfg.seed, device=serve.device,
+                             threads=engines.threads, prefix_cache_tokens=engines.prefix_cache_tokens,
+                             dtype=engines.dtype or dtype)
+        assert isinstance(built, TensorAdapterEngine), f"{built!r} takes no adapter tensors (load_serve_config checks)"
         return built
 
-    return Service(dict(cfg.models), cfg.output_dir, max_clients=cfg.max_clients, device=cfg.device,
+    return Service({m.name: m.path for m in serve.models}, serve.output_dir, max_clients=serve.max_clients,
+                   device=serve.device, dtype=getattr(torch, dtype), chunk_tokens=cfg.trainer.logprob_chunk_tokens,
                    engine_factory=engine)
 
 
-def serve(cfg: ServeConfig) -> int:
-    """Serve until SIGINT / SIGTERM (uvicorn's handlers: in-flight HTTP requests finish, queued training work is
-    cancelled and its futures answer an error, checkpoints stay on disk). Prints the address once it listens."""
+def serve(cfg: RunConfig) -> int:
+    """Serve until SIGINT / SIGTERM: the futures not yet finished answer an error (a training request running on
+    the worker finishes there first), in-flight HTTP requests get up to 2 s to finish, checkpoints stay on disk.
+    Prints the address once it listens."""
     import socket
 
     import uvicorn
 
-    sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
+    sock = socket.socket(socket.AF_INET6 if ":" in cfg.serve.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((cfg.host, cfg.port))
+    sock.bind((cfg.serve.host, cfg.serve.port))
     host, port = sock.getsockname()[:2]
     service = build_service(cfg)
-    app = build_app(service, cfg.api_key)
+    app = build_app(service, cfg.serve.api_key)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
     # uvicorn's own handlers re-raise the signal once it has shut down (exit 130 / 143): a requested stop of a
     # server is its normal end, so the signals only ask it to exit (exit 0).
@@ -214,8 +243,15 @@ def serve(cfg: ServeConfig) -> int:
 
     async def run() -> None:
         loop = asyncio.get_running_loop()
+
+        def stop() -> None:
+            # First the work: every unfinished future fails now, so the SDK's long-polls in flight answer its error
+            # while the server still answers them (a poll that meets a closed port is retried by the SDK for ever).
+            service.stop_work()
+            server.should_exit = True
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+            loop.add_signal_handler(sig, stop)
 
         async def announce() -> None:
             while not server.started:
@@ -234,10 +270,10 @@ def main(config_path: str) -> int:
 
     try:
         cfg = load_serve_config(config_path)
-    except (ValueError, OSError, tomllib.TOMLDecodeError) as e:
+    except (ValueError, OSError) as e:  # ConfigError (names the key) or an unreadable file: nothing is written
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if cfg.api_key is not None and not cfg.api_key.startswith("tml-"):
+    if cfg.serve.api_key is not None and not cfg.serve.api_key.startswith("tml-"):
         print("warning: the tinker SDK refuses API keys that do not start with 'tml-': its clients cannot send "
               "this one", file=sys.stderr)
     return serve(cfg)

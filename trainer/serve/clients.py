@@ -100,11 +100,12 @@ class Service:
     """Mutable state of a server (see the module docstring)."""
 
     def __init__(self, models: dict[str, str], output_dir: str | Path, *, max_clients: int = 8,
-                 device: str = "cpu", engine_factory: Callable[[str], Any] | None = None) -> None:
+                 device: str = "cpu", dtype: torch.dtype = torch.float32, chunk_tokens: int | None = None,
+                 engine_factory: Callable[[str], Any] | None = None) -> None:
         self.model_paths = models  # {base name: HF folder}
         self.output_dir = Path(output_dir)
         self.max_clients = max_clients
-        self.device = device
+        self.device, self.dtype, self.chunk_tokens = device, dtype, chunk_tokens  # the base models' ([trainer])
         self.engine_factory = engine_factory
         self.bases: dict[str, LoraBase] = {}
         self.engines: dict[str, Any] = {}
@@ -179,8 +180,30 @@ class Service:
     def new_session(self, body: dict) -> str:
         session_id = f"session-{uuid.uuid4().hex[:12]}"
         self.sessions[session_id] = {"created": datetime.now(UTC), "user_metadata": body.get("user_metadata"),
-                                     "heartbeats": 0, "sampler_count": 0}
+                                     "heartbeats": 0, "sampler_count": 0, "finished": None}
         return session_id
+
+    def session(self, session_id: str | None) -> dict:
+        """A session still open: an unknown one is a 404; a finished one (ServiceClient.close) a 410, which the SDK
+        reads as "stop this session's heartbeats" (its training clients and checkpoints stay)."""
+        if session_id not in self.sessions:
+            raise UserError(f"unknown session_id {session_id!r}: make a tinker.ServiceClient (it creates one)",
+                            status=404)
+        session = self.sessions[session_id]
+        if session["finished"] is not None:
+            raise UserError(f"session {session_id!r} finished ({session['finished']}): make a new "
+                            f"tinker.ServiceClient for new clients", status=410)
+        return session
+
+    async def base_async(self, name: str) -> LoraBase:
+        """base(name) without a thread hop once it is loaded (the first call loads it in a worker thread)."""
+        return self.bases.get(name) or await asyncio.to_thread(self.base, name)
+
+    async def engine_async(self, name: str) -> Any:
+        return self.engines.get(name) or await asyncio.to_thread(self.engine, name)
+
+    async def tokenizer_async(self, name: str) -> Any:
+        return self.tokenizers.get(name) or await asyncio.to_thread(self.tokenizer, name)
 
     def base(self, name: str) -> LoraBase:
         """The loaded base model `name` (loaded at its first use)."""
@@ -189,7 +212,8 @@ class Service:
                             f"([serve] models)", status=404)
         with self._loading:
             if name not in self.bases:
-                self.bases[name] = LoraBase(self.model_paths[name], device=self.device)
+                self.bases[name] = LoraBase(self.model_paths[name], device=self.device, dtype=self.dtype,
+                                            chunk_tokens=self.chunk_tokens)
         return self.bases[name]
 
     def model(self, model_id: str) -> TrainingModel:
@@ -328,11 +352,18 @@ class Service:
                             f"(create_sampling_client / save_weights_and_get_sampling_client)", status=404)
         return self.samplers[sampler_id]
 
-    def close(self) -> None:
-        """Stop the work: queued training requests are cancelled (their futures fail), engines stopped."""
+    def stop_work(self) -> None:
+        """Fail every unfinished future now (retrieve_future answers "cancelled: the server is shutting down") and
+        drop the queued training work; the request running on a worker finishes there. Does not block."""
         for task in (e.task for e in self.futures.values()):
             if not task.done():
                 task.cancel()
+        for base in self.bases.values():
+            base.close(cancel=True, wait=False)
+
+    def close(self) -> None:
+        """Stop the work (stop_work), wait for the workers, stop the engines."""
+        self.stop_work()
         for base in self.bases.values():
             base.close(cancel=True)
         for engine in self.engines.values():

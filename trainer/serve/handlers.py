@@ -81,15 +81,25 @@ async def create_session(service: Service, body: dict) -> dict:
 
 
 async def heartbeat(service: Service, body: dict) -> dict:
-    session = service.sessions.get(body.get("session_id"))
-    if session is None:
-        raise UserError(f"unknown session_id {body.get('session_id')!r}", status=404)
-    session["heartbeats"] += 1
+    """A finished session answers 410 (Service.session): the SDK ends its heartbeat loop on that status only."""
+    service.session(body.get("session_id"))["heartbeats"] += 1
     return {"type": "session_heartbeat"}
 
 
+async def finish_session(service: Service, body: dict) -> dict:
+    """ServiceClient.close(status): the session takes no new clients and its heartbeats answer 410; its training
+    clients, samplers and checkpoints stay (the RestClient still lists them). The first reason wins, as the SDK
+    documents; finishing twice is no error."""
+    session = service.sessions.get(body.get("session_id"))
+    if session is None:
+        raise UserError(f"unknown session_id {body.get('session_id')!r}", status=404)
+    if session["finished"] is None:
+        session["finished"] = (body.get("reason") or {}).get("type") or "finished"
+    return {"status": "finished"}
+
+
 async def accepted(service: Service, body: dict) -> dict:
-    """Telemetry, session finish, cancel: accepted and dropped."""
+    """Telemetry, cancel: accepted and dropped."""
     return {"status": "accepted"}
 
 
@@ -104,6 +114,8 @@ async def create_model(service: Service, body: dict) -> dict:
     key = (session_id, seq, "create_model")
     if key in service.seen:
         return _future(service.seen[key], model_id)
+    if session_id in service.sessions:  # raw callers may leave the session out
+        service.session(session_id)
 
     async def work() -> tuple[str, Any]:
         record = await asyncio.to_thread(service.create_model, {**body, "model_id": model_id})
@@ -230,6 +242,8 @@ async def load_weights(service: Service, body: dict) -> dict:
 async def create_sampling_session(service: Service, body: dict) -> dict:
     if (body.get("base_model") is None) == (body.get("model_path") is None):
         raise UserError("create_sampling_session: give exactly one of base_model and model_path")
+    if body.get("session_id") in service.sessions:
+        service.session(body["session_id"])
     sampler_id = await service.sampler_from_path(body.get("base_model"), body.get("model_path"))
     return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
 
@@ -279,17 +293,17 @@ async def _sample(service: Service, body: dict) -> tuple[str, Any]:
     else:
         sampler = await service.direct_sampler(body.get("base_model"), body.get("model_path"))
     prompt = [int(t) for c in body["prompt"]["chunks"] for t in c.get("tokens", [])]
-    base = await asyncio.to_thread(service.base, sampler.base_name)
+    base = await service.base_async(sampler.base_name)
     bad = [t for t in prompt if not 0 <= t < base.vocab_size]
     if not prompt or bad:
         raise UserError(f"prompt: token ids {bad[:3]} outside the vocabulary [0, {base.vocab_size})" if bad
                         else "prompt: no tokens")
-    tokenizer = await asyncio.to_thread(service.tokenizer, sampler.base_name)
+    tokenizer = await service.tokenizer_async(sampler.base_name)
     params, strings = _engine_params(body.get("sampling_params") or {}, int(body.get("num_samples", 1)), tokenizer)
     if base.max_positions is not None and len(prompt) + params.max_new_tokens > base.max_positions:
         raise UserError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_new_tokens}) exceed the model's "
                         f"context of {base.max_positions}")
-    engine = await asyncio.to_thread(service.engine, sampler.base_name)
+    engine = await service.engine_async(sampler.base_name)
     completions = (await engine.generate([prompt], params, adapter=sampler.adapter))[0]
     sequences = []
     for c in completions:
@@ -371,7 +385,7 @@ ROUTES = [  # (method, path, handler, raw request)
     ("POST", "/api/v1/client/dynamic_config", dynamic_config, False),
     ("POST", "/api/v1/create_session", create_session, False),
     ("POST", "/api/v1/session_heartbeat", heartbeat, False),
-    ("POST", "/api/v1/sessions/{session_id}/finish", accepted, False),
+    ("POST", "/api/v1/sessions/{session_id}/finish", finish_session, False),
     ("POST", "/api/v1/telemetry", accepted, False),
     ("POST", "/api/v1/cancel_future", accepted, False),
     ("POST", "/api/v1/create_model", create_model, False),
