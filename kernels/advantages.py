@@ -10,9 +10,12 @@ Rewards must be finite (a failed sample needs a reward, or must be dropped, befo
 Per-token advantages for the policy loss: `kernels.packing.broadcast_to_tokens` (packed) or `adv[:, None]` (padded).
 
 The trainer picks an estimator by name from `ADVANTAGE_ESTIMATORS` (`advantage_estimator`), filled by
-`@register_estimator` (verl's `register_adv_est` pattern): each entry is fn(rewards [N], group_ids [N]) -> [N]
-and says whether it needs groups (its baseline is the group's, so a group needs two scored samples). A new
-estimator is one registered function here.
+`@register_estimator` (verl's `register_adv_est` pattern). Each entry declares what the trainer must provide:
+`needs_groups` (its baseline is the group's, so a group needs two scored samples), `per_token` (one advantage per
+token, computed in the step after packing, instead of one per sample before it) and `needs_critic` (a value model:
+the trainer builds the critic component, trains it beside the policy and checkpoints it). A per-sample
+estimator's fn is fn(rewards [N], group_ids [N]) -> [N]; "gae", the per-token one, is kernels.gae.gae_packed. A new
+estimator is one registered function; the trainer reads only these declarations, never the name.
 """
 
 from __future__ import annotations
@@ -22,25 +25,35 @@ from collections.abc import Callable
 
 import torch
 
+from kernels.gae import gae_packed
+
 
 @dataclasses.dataclass(frozen=True)
 class Estimator:
-    """A registered advantage estimator: fn(rewards [N] float, group_ids [N] int) -> advantages [N] (rewards'
-    dtype); needs_groups: the baseline comes from the sample's group, so a group of one sample has none."""
+    """A registered advantage estimator. Per sample: fn(rewards [N] float, group_ids [N] int) -> advantages [N]
+    (rewards' dtype). needs_groups: the baseline comes from the sample's group, so a group of one sample has none.
+    per_token: fn is the step's per-token function of packed rows (kernels.gae.gae_packed: rewards, values, mask,
+    cu_seqlens -> advantages, returns). needs_critic: the run needs a value model ([rl.critic])."""
 
-    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    fn: Callable[..., torch.Tensor]
     needs_groups: bool
+    per_token: bool = False
+    needs_critic: bool = False
 
 
 ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {}  # name -> Estimator, filled by @register_estimator below
 
 
-def register_estimator(name: str, *, needs_groups: bool) -> Callable:
-    """Decorator: register fn(rewards, group_ids) as the advantage estimator `name`."""
-    def add(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable:
+def register_estimator(name: str, *, needs_groups: bool, per_token: bool = False,
+                       needs_critic: bool = False) -> Callable:
+    """Decorator: register fn as the advantage estimator `name`, with what it needs of the trainer (Estimator)."""
+    assert not (per_token and needs_groups), "a per-token estimator's baseline is a value, not a group's"
+
+    def add(fn: Callable[..., torch.Tensor]) -> Callable:
         if name in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"advantage estimator {name!r} is registered twice; pick another name for the new one")
-        ADVANTAGE_ESTIMATORS[name] = Estimator(fn=fn, needs_groups=needs_groups)
+        ADVANTAGE_ESTIMATORS[name] = Estimator(fn=fn, needs_groups=needs_groups, per_token=per_token,
+                                               needs_critic=needs_critic)
         return fn
     return add
 
@@ -118,3 +131,7 @@ def reinforce_advantages(rewards: torch.Tensor, baseline: float | torch.Tensor =
 def reinforce_batch_mean_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """REINFORCE with the batch's mean reward as the baseline (what the trainer's "reinforce" runs; groups unused)."""
     return reinforce_advantages(rewards, rewards.mean())
+
+
+# PPO with a value model: GAE over each sequence's tokens from the critic's values (kernels/gae.py), per token.
+register_estimator("gae", needs_groups=False, per_token=True, needs_critic=True)(gae_packed)

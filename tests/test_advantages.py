@@ -95,8 +95,12 @@ def test_registry_names_each_estimator_and_whether_it_needs_groups():
     # samples left out of the loss for lack of a group baseline): no other list of names exists.
     from kernels.advantages import ADVANTAGE_ESTIMATORS, advantage_estimator, register_estimator
 
-    assert {name: e.needs_groups for name, e in ADVANTAGE_ESTIMATORS.items()} == \
-        {"grpo": True, "rloo": True, "reinforce": False}
+    assert {name: (e.needs_groups, e.per_token, e.needs_critic) for name, e in ADVANTAGE_ESTIMATORS.items()} == \
+        {"grpo": (True, False, False), "rloo": (True, False, False), "reinforce": (False, False, False),
+         "gae": (False, True, True)}
+    from kernels.gae import gae_packed
+
+    assert advantage_estimator("gae").fn is gae_packed
     rewards, ids = random_groups(7)
     assert torch.equal(advantage_estimator("grpo").fn(rewards, ids), grpo_advantages(rewards, ids))
     assert torch.equal(advantage_estimator("rloo").fn(rewards, ids), rloo_advantages(rewards, ids))

@@ -34,7 +34,7 @@ from typing import Any
 
 from engines.registry import EngineSpec, launched_by_run
 from kernels import PolicyLossConfig
-from kernels.advantages import ADVANTAGE_ESTIMATORS
+from kernels.advantages import ADVANTAGE_ESTIMATORS, Estimator
 from trainer.backend.parallel import ParallelConfig
 from trainer.types import _check, _non_negative, _positive
 
@@ -234,7 +234,7 @@ def resolve_loss(loss: Any, rollout: RolloutConfig, *, off_policy: bool) -> Any:
     return config_from_dict(PolicyLossConfig, values, "rl.loss")
 
 CRITIC_KINDS = ("model", "head")
-GAE = "gae"  # the advantage estimator with a value model (per token; not one of kernels.advantages' per-sample ones)
+GAE = "gae"  # the estimator with a value model (its kernels.advantages entry declares per_token and needs_critic)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,15 +333,14 @@ class RLTrainingConfig(_PhaseConfig):
         _check(not self.deterministic or self.rollout.over_sampling_factor == 1.0, "deterministic",
                f"needs rollout.over_sampling_factor = 1.0 (got {self.rollout.over_sampling_factor}): groups cut "
                f"when the batch fills depend on timing; set it to 1.0 or deterministic = false")
-        _check(self.advantage_estimator in ADVANTAGE_ESTIMATORS or self.advantage_estimator == GAE,
-               "advantage_estimator", f"unknown {self.advantage_estimator!r}; choose one of "
-                                      f"{(*ADVANTAGE_ESTIMATORS, GAE)}")
+        _check(self.advantage_estimator in ADVANTAGE_ESTIMATORS, "advantage_estimator",
+               f"unknown {self.advantage_estimator!r}; choose one of {tuple(ADVANTAGE_ESTIMATORS)}")
         self._resolve_critic()
         # A group estimator's baseline is the other samples of the group: a group of one has none, and every sample
         # would be left out of the loss (trainer.rl.trained_samples), failing the first step after its rollout.
-        # "gae"'s baseline is the critic's value: any group size works.
+        # A critic's value is a baseline of its own ("gae"): any group size works.
         n = self.rollout.n_samples_per_prompt
-        ungrouped = (*(k for k, e in ADVANTAGE_ESTIMATORS.items() if not e.needs_groups), GAE)
+        ungrouped = tuple(k for k, e in ADVANTAGE_ESTIMATORS.items() if not e.needs_groups)
         _check(n >= 2 or not self.needs_groups, "advantage_estimator",
                f"{self.advantage_estimator!r} takes each sample's baseline from its group, so it needs [rl.rollout] "
                f"n_samples_per_prompt >= 2 (got {n}); raise it, or choose an estimator without groups: {ungrouped}")
@@ -383,21 +382,28 @@ class RLTrainingConfig(_PhaseConfig):
         return self.async_rollout or self.sync_every > 1
 
     @property
+    def estimator(self) -> Estimator:
+        """The advantage estimator's registry entry: what it needs of the trainer (groups, per-token, a critic)."""
+        return ADVANTAGE_ESTIMATORS[self.advantage_estimator]
+
+    @property
     def needs_groups(self) -> bool:
         """The advantage estimator's baseline is the sample's group (a group needs two scored samples)."""
-        return self.advantage_estimator != GAE and ADVANTAGE_ESTIMATORS[self.advantage_estimator].needs_groups
+        return self.estimator.needs_groups
 
     def _resolve_critic(self) -> None:
-        """`critic` as a CriticConfig for "gae" (from its table, or the defaults), None otherwise; the GAE keys are
-        refused with another estimator (they would be ignored)."""
-        if self.advantage_estimator != GAE:
+        """`critic` as a CriticConfig for an estimator that needs a value model ("gae"; from its table, or the
+        defaults), None otherwise; the critic's keys are refused with another estimator (they would be ignored)."""
+        if not self.estimator.needs_critic:
+            with_critic = " or ".join(f"\"{k}\"" for k, e in ADVANTAGE_ESTIMATORS.items() if e.needs_critic)
             _check(self.critic is None, "critic", f"[rl.critic] configures the value model of advantage_estimator = "
-                   f"\"gae\", but it is {self.advantage_estimator!r}: remove the table or set advantage_estimator = "
-                   f"\"gae\"")
+                   f"{with_critic}, but it is {self.advantage_estimator!r}: remove the table or set "
+                   f"advantage_estimator = {with_critic}")
             for name in ("gamma", "lam", "whiten_advantages"):
                 default = next(f.default for f in dataclasses.fields(self) if f.name == name)
-                _check(getattr(self, name) == default, name, f"is read by advantage_estimator = \"gae\" only (this "
-                       f"run's is {self.advantage_estimator!r}): remove it or set advantage_estimator = \"gae\"")
+                _check(getattr(self, name) == default, name, f"is read by advantage_estimator = {with_critic} only "
+                       f"(this run's is {self.advantage_estimator!r}): remove it or set advantage_estimator = "
+                       f"{with_critic}")
             return
         critic = CriticConfig() if self.critic is None else self.critic
         if isinstance(critic, Mapping):
