@@ -577,6 +577,9 @@ class EnginesConfig:
         return sum(launched_by_run(s) for s in self.fleet)
 
 
+TRAINING_BACKENDS = ("local", "tinker")  # [trainer] backend
+
+
 @dataclasses.dataclass(frozen=True)
 class BackendConfig(ParallelConfig):
     """[trainer]: the training backend's settings; the parallelisation ones (compile, compile_backend,
@@ -598,9 +601,25 @@ class BackendConfig(ParallelConfig):
     # CPU: the cores of the async rollout worker thread (the client side of generation: requests, responses, rewards,
     # beside the step in the trainer's process); None: the trainer's. With engines pinned apart, give it theirs.
     rollout_cpus: tuple[int, ...] | None = None
+    # Where the optimisation runs: "local" (this process: FSDP2, compile, the fused kernels) or "tinker" (the
+    # Tinker-API server at base_url, through the official `tinker` SDK: [rl.lora] adapters, RL only; the rollouts
+    # sample its weights through the "tinker" engine kind; trainer/backend/remote.py)
+    backend: str = "local"
+    base_url: str | None = None  # backend "tinker": the server's http(s):// address
+    # backend "tinker": the server's key (None: the environment variable RLKERNELS_API_KEY; required off loopback)
+    api_key: str | None = dataclasses.field(default=None, repr=False)
+    base_model: str | None = None  # backend "tinker": the server's name of the base model (None: the [model] path)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _check(self.backend in TRAINING_BACKENDS, "backend", f"{self.backend!r}; choose one of {TRAINING_BACKENDS}")
+        if self.backend == "tinker":
+            _check(_http_url(self.base_url), "base_url", f"{self.base_url!r}: backend = \"tinker\" needs the "
+                   f"server's http(s):// address, e.g. \"http://127.0.0.1:8000\"")
+        else:
+            given = [k for k in ("base_url", "api_key", "base_model") if getattr(self, k) is not None]
+            _check(not given, given[0] if given else "", "is for backend = \"tinker\" (a Tinker-API server); "
+                   "drop it, or set [trainer] backend = \"tinker\"")
         for name in ("cpus", "rollout_cpus"):
             v = getattr(self, name)
             _check(v is None or (len(v) > 0 and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0
@@ -990,6 +1009,30 @@ class RunConfig:
         object.__setattr__(self, "sft", dataclasses.replace(self.sft, output_dir=str(out / "sft")))
         rollout = dataclasses.replace(self.rl.rollout, apply_chat_template=self.data.format == "chat")
         object.__setattr__(self, "rl", dataclasses.replace(self.rl, output_dir=str(out / "rl"), rollout=rollout))
+        if self.trainer.backend == "tinker":
+            check_remote_rl(self.rl)
+
+
+def check_remote_rl(rl: RLTrainingConfig) -> None:
+    """[trainer] backend = "tinker": what a Tinker-API server trains is LoRA adapters (its rank, alpha 32, no
+    dropout, attention and MLP linears) with Tinker's ppo / cispo losses on per-token advantages and AdamW; every
+    [rl] choice outside that is refused here, naming its key, before any work (trainer/backend/remote.py)."""
+    why = "the Tinker API cannot do this: [trainer] backend = \"tinker\" trains"
+    lora, loss = rl.lora, rl.loss
+    _check(lora is not None, "[rl.lora]", f"absent: full fine-tuning; {why} LoRA adapters only: add [rl.lora] rank")
+    _check(lora.alpha == 32.0 and lora.dropout == 0.0 and lora.target_modules == LORA_ALL_LINEAR,
+           "[rl.lora] alpha / dropout / target_modules", f"{why} alpha 32, dropout 0, \"{LORA_ALL_LINEAR}\"")
+    _check(not lora.train_unembed, "[rl.lora] train_unembed", f"{why} adapters, not the lm_head in full")
+    _check(rl.advantage_estimator != GAE, "advantage_estimator", f"\"gae\" needs a critic; {why} the policy only")
+    _check(loss.objective in ("ppo", "cispo"), "[rl.loss] objective", f"{loss.objective!r}; {why} ppo or cispo")
+    _check(loss.kl_coef == 0, "[rl.loss] kl_coef", f"{why} no KL reference: set kl_coef = 0")
+    _check(loss.entropy_coef == 0, "[rl.loss] entropy_coef", f"{why} no entropy bonus: set entropy_coef = 0")
+    _check(loss.clip_ratio_c is None, "[rl.loss] clip_ratio_c", f"{why} no dual clip")
+    _check(loss.rollout_correction != "mis", "[rl.loss] rollout_correction", f"\"mis\"; {why} a ratio to the "
+           f"sampler's log-probs in the loss itself (\"none\" or \"tis\")")
+    _check(not rl.verify_sync, "verify_sync", "the weights stay on the server: set verify_sync = false")
+    _check(rl.rollout_worker == "thread", "rollout_worker", "the \"tinker\" engine samples in this process: "
+           "set rollout_worker = \"thread\"")
 
 
 # ----------------------------------------------------------------------------------------------- from tables
