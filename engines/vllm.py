@@ -32,6 +32,18 @@ vLLM's own StatelessProcessGroup + PyNccl, which our sender does not speak.
 
 Completions report no weight version, so each is stamped with the version this adapter last set or read
 (exact when generation is paused around a sync, as the sender does).
+
+LoRA (a server started with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1): `load_adapter` serves a PEFT
+folder by name (/v1/load_lora_adapter), `generate(adapter=name)` names it as the completions' `model`. A LoRA run's
+adapter-only sync (an update with a `lora_adapter` field, engines.weight_sync.wire) needs no folder: the plugin
+receives the A/B tensors by broadcast like any weights, our worker extension builds vLLM's LoRA model from them
+(engines/vllm_ext/lora.py) and replaces the previous version in place, and a new name is registered once through
+/v1/load_lora_adapter with the path `rlkernels-tensors://<name>`, which the worker builds from those tensors.
+vLLM has no default adapter, so this adapter keeps one (`default_adapter`): requests that name no adapter use it
+(`adapter=self.model`, the served model, names the base). The sync sets it to the adapter it marks as default
+(wire.POLICY_ADAPTER, "policy"); a copy of this object that did not sync (the rollout process's, pickled before the
+first sync) learns it at its first request naming no adapter: "policy" registered on the server (/v1/models).
+A full-weight update clears it and unregisters "policy" from the server's names.
 """
 
 from __future__ import annotations
@@ -47,7 +59,15 @@ import httpx
 
 from engines.protocol import Completion, EngineError, SamplingParams, tls_context
 from engines.sglang import parse_weight_version
-from engines.vllm_ext import BACKEND_NAME, GPU_UUIDS_METHOD, WORKER_EXTENSION
+from engines.vllm_ext import (
+    APPLY_ADAPTER_METHOD,
+    BACKEND_NAME,
+    GPU_UUIDS_METHOD,
+    LORA_SYNC_METHOD,
+    TENSOR_PATH_SCHEME,
+    WORKER_EXTENSION,
+)
+from engines.weight_sync.wire import POLICY_ADAPTER, lora_adapter_field
 
 VLLM_VERSION = "0.32.0"
 LOGPROBS_MODE = "processed_logprobs"
@@ -111,7 +131,8 @@ def parse_completions(data: dict, prompts: Sequence[Sequence[int]], n: int, vers
 
 class VLLMEngine:
     """One vLLM OpenAI-compatible server (InferenceEngine protocol). Mutable state: the weight version it last saw,
-    and the vLLM request ids of its in-flight generate calls (for abort by our rid)."""
+    the vLLM request ids of its in-flight generate calls (for abort by our rid), and the adapter its requests that
+    name none use (`default_adapter`: set by an adapter-only sync, None = the base)."""
 
     def __init__(self, url: str, model: str, *, api_key: str | None = None, timeout_s: float = 300.0):
         self.url, self.model = url.rstrip("/"), model
@@ -120,6 +141,8 @@ class VLLMEngine:
         self.weight_version = 0
         self._inflight: dict[str, str] = {}  # our rid -> vLLM's external request id
         self._running: set[str] = set()  # request ids of this adapter's generate calls in flight
+        self.default_adapter: str | None = None  # the LoRA adapter a request naming none uses (None: the base)
+        self._default_known = False  # default_adapter set by a sync here, or read from the server once
 
     async def _call(self, method: str, route: str, body: dict | None = None, params: dict | None = None):
         try:
@@ -143,14 +166,18 @@ class VLLMEngine:
 
     async def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
                        rids: Sequence[str] | None = None, adapter: str | None = None) -> list[list[Completion]]:
-        """adapter: a LoRA adapter loaded with `load_adapter` (vLLM serves it as the model of that name)."""
+        """adapter: a LoRA adapter loaded with `load_adapter` or by an adapter sync (vLLM serves it as the model of
+        that name); None: `default_adapter`, else the base (which `adapter=self.model` names explicitly)."""
         if rids is not None and len(rids) != len(prompts):
             raise ValueError(f"rids: {len(rids)} ids for {len(prompts)} prompts; give one per prompt")
         request_id = uuid.uuid4().hex
         # vLLM refuses n > 1 when greedy; greedy samples are identical, so ask for one and repeat it
         repeat = params.n if params.temperature == 0 and params.n > 1 else 1
         asked = dataclasses.replace(params, n=1) if repeat > 1 else params
-        body = completions_payload(self.model if adapter is None else adapter, prompts, asked, request_id)
+        if adapter is None and not self._default_known:
+            await self._learn_default_adapter()
+        served = adapter if adapter is not None else self.default_adapter or self.model
+        body = completions_payload(served, prompts, asked, request_id)
         names = {r: f"cmpl-{request_id}-{i}" for i, r in enumerate(rids or ())}
         self._inflight.update(names)
         self._running.add(request_id)
@@ -164,6 +191,15 @@ class VLLMEngine:
         out = parse_completions(data, prompts, asked.n, version)
         return [[dataclasses.replace(c, output_ids=list(c.output_ids), logprobs=list(c.logprobs))
                  for c in group for _ in range(repeat)] for group in out]
+
+    async def _learn_default_adapter(self) -> None:
+        """A copy that never synced: the synced default adapter is "policy" when the server lists it (/v1/models
+        lists the base and each registered LoRA name)."""
+        data = await self._call("GET", "/v1/models")
+        names = {m.get("id") for m in (data.get("data") or []) if isinstance(m, dict)}
+        if not self._default_known:  # a sync may have set it meanwhile
+            self.default_adapter = POLICY_ADAPTER if POLICY_ADAPTER in names - {self.model} else None
+            self._default_known = True
 
     async def abort(self, rids: Sequence[str] | None = None) -> None:
         """Abort our requests `rids` (None: every request on the server); they return with finish "abort".
@@ -201,8 +237,23 @@ class VLLMEngine:
         return int((await self._call("GET", "/get_world_size", params={"include_dp": "true"}))["world_size"])
 
     async def weight_formats(self) -> tuple[str, ...]:
-        """The plugin (engines/vllm_ext) reads this project's wire format in both forms."""
-        return ("direct", "flattened_bucket")
+        """The plugin (engines/vllm_ext) reads this project's wire format in both forms, and "lora_adapter" (a
+        LoRA run's adapter-only sync) when our worker extension says the server can serve synced adapters."""
+        formats = ("direct", "flattened_bucket")
+        return (*formats, "lora_adapter") if await self._takes_adapters() else formats
+
+    async def _takes_adapters(self) -> bool:
+        """Every worker started with --enable-lora, runtime LoRA updating and our back end (engines/vllm_ext/
+        worker.py); False when the server does not say (no extension, no VLLM_SERVER_DEV_MODE)."""
+        try:
+            data = await self._call("POST", "/collective_rpc", {"method": LORA_SYNC_METHOD})
+        except EngineError as e:
+            if e.status is None:  # no answer at all: the sync cannot work either, say so now
+                raise
+            return False
+        results = data.get("results") if isinstance(data, dict) else None
+        return isinstance(results, list) and bool(results) and all(
+            isinstance(r, dict) and r.get("adapters") is True for r in results)
 
     async def colocation_info(self) -> dict:
         """{}: vLLM has no same-device weight path here; the sender broadcasts to it through the plugin."""
@@ -239,14 +290,43 @@ class VLLMEngine:
         await self._call("POST", "/init_weight_transfer_engine", {"init_info": info})
 
     async def update_weights_from_distributed(self, meta: dict) -> None:
-        """Receive the weights announced by `meta` (`WeightMeta.to_wire`: bucketed or per tensor) by broadcast."""
+        """Receive the weights announced by `meta` (`WeightMeta.to_wire`: bucketed or per tensor) by broadcast.
+        With a `lora_adapter` field ({name, scaling, default}) the A/B tensors become that adapter, in place of its
+        previous version, the other tensors load into the base; without one (a full update) requests naming no
+        adapter get the base again."""
+        lora = lora_adapter_field(meta)  # ValueError names the bad field, before any call
         version = meta.get("weight_version")
         await self._call("POST", "/start_weight_update", {})
         await self._call("POST", "/update_weights", {"update_info": meta})
         await self._call("POST", "/finish_weight_update",
                          {"weight_version": None if version is None else str(version)})
+        if lora is None:  # a full update: requests naming no adapter get the base it sent
+            if self.default_adapter is not None:
+                await self._call("POST", "/v1/unload_lora_adapter", {"lora_name": self.default_adapter})
+            self.default_adapter = None
+        else:
+            await self._serve_synced_adapter(lora["name"])
+            if lora["default"]:
+                self.default_adapter = lora["name"]
+        self._default_known = True
         if version is not None:
             self.weight_version = int(version)
+
+    async def _serve_synced_adapter(self, name: str) -> None:
+        """The adapter the workers just received becomes vLLM's adapter `name`: rebuilt in place where vLLM serves
+        the name, else registered through /v1/load_lora_adapter (the worker builds it from the tensors: the path
+        names no folder). Then the prefix cache is dropped: blocks computed under the previous version are stale."""
+        data = await self._call("POST", "/collective_rpc", {"method": APPLY_ADAPTER_METHOD, "kwargs": {"name": name}})
+        results = data.get("results") if isinstance(data, dict) else None
+        if not isinstance(results, list) or not results or not set(results) <= {"new", "replaced"}:
+            raise EngineError(f"{self.url}/collective_rpc {APPLY_ADAPTER_METHOD}: expected 'new' or 'replaced' per "
+                              f"worker, got {str(data)[:200]}")
+        models = await self._call("GET", "/v1/models")
+        if "new" in results or name not in {m.get("id") for m in models.get("data") or [] if isinstance(m, dict)}:
+            # (a name the API server dropped, e.g. by a full update, is registered again: a new LoRA id)
+            await self._call("POST", "/v1/load_lora_adapter",
+                             {"lora_name": name, "lora_path": TENSOR_PATH_SCHEME + name})
+        await self.flush_cache()
 
     async def update_weights_from_disk(self, model_path: str, *, weight_version: int | None = None) -> None:
         """Reload the weights from a safetensors folder this server can read (the disk fallback when no group can

@@ -14,6 +14,11 @@ vLLM's venv next to an editable install of this project (`make .venv-vllm`).
 BACKEND_NAME = "rlkernels"
 WORKER_EXTENSION = "engines.vllm_ext.worker.RLKernelsWorker"
 GPU_UUIDS_METHOD = "rlkernels_gpu_uuids"  # a method of WORKER_EXTENSION, called by name through /collective_rpc
+LORA_SYNC_METHOD = "rlkernels_lora_sync"  # WORKER_EXTENSION: can this server take adapter-only syncs
+APPLY_ADAPTER_METHOD = "rlkernels_apply_adapter"  # WORKER_EXTENSION: a synced adapter -> vLLM's LoRA manager
+# The lora_path under which a synced adapter is registered with vLLM's /v1/load_lora_adapter: the worker builds it
+# from the tensors it received (engines/vllm_ext/lora.py), never from a folder.
+TENSOR_PATH_SCHEME = "rlkernels-tensors://"
 
 
 def register() -> None:

@@ -13,6 +13,11 @@ for `load_format="flattened_bucket"`, offsets/bucket_index/bucket_nbytes. Bucket
 ([bucket_nbytes[k]] bytes), unpacked as views and handed to `model.load_weights` bucket by bucket. Per tensor: one
 broadcast per tensor in order. HF names go in; the model's `load_weights` maps them (q/k/v -> qkv_proj, ...).
 Loading runs inside vLLM's layerwise-reload lifecycle (start/finish_weight_update), like its NCCL back end.
+
+A LoRA run's adapter-only sync (the update's `lora_adapter` field, engines.weight_sync.wire.lora_adapter_field): the
+A/B tensors ("<module>.lora_A.weight" / ".lora_B.weight") are kept on the CPU in `self.adapters` under the adapter's
+name, for the worker extension to hand to vLLM's LoRA manager (engines/vllm_ext/lora.py); the other tensors (the
+base on the first sync, a trained lm_head) load into the model as above, without LoRA merged into them.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo
 
+from engines.vllm_ext.lora import AdapterStore, SyncedAdapter
 from engines.weight_sync.wire import (
     DEFAULT_GROUP_NAME,
     WeightMeta,
@@ -30,6 +36,8 @@ from engines.weight_sync.wire import (
     build_group,
     create_store,
     dtype_from_wire,
+    is_lora_name,
+    lora_adapter_field,
     shutdown_group,
     unpack_bucket,
     wait_work,
@@ -68,6 +76,7 @@ class ProcessGroupWeightTransferEngine(WeightTransferEngine[ProcessGroupInitInfo
         self.group = None
         self.timeout_s = 300.0
         self.rank = -1
+        self.adapters = AdapterStore()  # adapter syncs' tensors by name (engines/vllm_ext/lora.py)
 
     def init_transfer_engine(self, init_info: ProcessGroupInitInfo) -> None:
         if self.group is not None:  # a re-init (trainer restarted): drop the old group first
@@ -91,7 +100,8 @@ class ProcessGroupWeightTransferEngine(WeightTransferEngine[ProcessGroupInitInfo
     def update_weights(self, update_info: dict) -> None:
         # The base class ends with torch.accelerator.synchronize(), which raises on a CPU-only host; our waits
         # already complete every broadcast, and a CUDA copy is ordered before the next forward on its stream.
-        self.receive_weights(self.parse_update_info(update_info))
+        lora = lora_adapter_field(update_info)  # ValueError names the bad field
+        self.receive_weights(self.parse_update_info(update_info), lora)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -105,19 +115,36 @@ class ProcessGroupWeightTransferEngine(WeightTransferEngine[ProcessGroupInitInfo
 
         finalize_layerwise_reload(self.model, self.model_config)
 
-    def receive_weights(self, meta: WeightMeta) -> None:
+    def receive_weights(self, meta: WeightMeta, lora: dict | None = None) -> None:
+        """Receive every tensor of `meta`; with `lora` ({name, scaling, default}) its A/B tensors become that
+        adapter's in `self.adapters` once all arrived (a failed receive keeps the previous version)."""
         if self.group is None:
             raise RuntimeError("no weight-transfer group: POST /init_weight_transfer_engine first")
+        lora_names = [n for n in meta.names if is_lora_name(n)]
+        if lora_names and lora is None:
+            raise ValueError(f"tensors {lora_names[:2]}... are LoRA adapter tensors but the update has no "
+                             f"'lora_adapter' field naming their adapter and scaling")
+        adapter: dict[str, torch.Tensor] = {}
         if meta.bucket_nbytes is None:  # per tensor, in order
             for name, dtype, shape in zip(meta.names, meta.dtypes, meta.shapes):
                 t = torch.empty(shape, dtype=dtype_from_wire(dtype), device=self.device)
                 self._recv(t, f"broadcast of {name}")
-                self.model.load_weights([(name, t)])
-            return
-        for k, members in enumerate(bucket_members(meta)):
-            bucket = torch.empty(meta.bucket_nbytes[k], dtype=torch.uint8, device=self.device)
-            self._recv(bucket, f"broadcast of bucket {k}")
-            self.model.load_weights(list(zip([meta.names[i] for i in members], unpack_bucket(meta, members, bucket))))
+                self._load([(name, t)], adapter)
+        else:
+            for k, members in enumerate(bucket_members(meta)):
+                bucket = torch.empty(meta.bucket_nbytes[k], dtype=torch.uint8, device=self.device)
+                self._recv(bucket, f"broadcast of bucket {k}")
+                self._load(list(zip([meta.names[i] for i in members], unpack_bucket(meta, members, bucket))), adapter)
+        if lora is not None:
+            self.adapters.adapters[lora["name"]] = SyncedAdapter(adapter, lora["scaling"])
+
+    def _load(self, named: list[tuple[str, torch.Tensor]], adapter: dict[str, torch.Tensor]) -> None:
+        """Model weights into the model; adapter tensors copied out of the bucket, to the CPU (vLLM's LoRA manager
+        builds its adapters on the CPU and copies them into its slots)."""
+        weights = [(n, t) for n, t in named if not is_lora_name(n)]
+        adapter.update((n, t.to("cpu", copy=True)) for n, t in named if is_lora_name(n))
+        if weights:
+            self.model.load_weights(weights)
 
     def _recv(self, t: torch.Tensor, what: str) -> None:
         wait_work(broadcast_async(self.group, t, src=0), timeout_s=self.timeout_s, what=what)

@@ -98,10 +98,12 @@ class WeightSyncSender:
     disk_folder: where the folders for engines synced from disk go (DiskWeightSync's `folder`: default /dev/shm).
 
     lora: what a LoRA model (trainer.backend.lora) sends. "auto": "adapters" when every engine reads the
-    `lora_adapter` field (it lists "lora_adapter" in /get_server_info's weight_update_formats: the embedded engine,
-    in process or over HTTP) and none is synced from disk or per tensor, else "merged". "adapters": a sync sends
-    only the adapters' A and B (plus the weights trained outside them), and the engines apply them per row as
-    their default adapter "policy" (engines/embedded/lora.py), the base weights untouched; the first sync after
+    `lora_adapter` field (its `weight_formats()` lists "lora_adapter": the embedded engine, in process or over
+    HTTP; a vLLM started with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1) and none is synced from disk or
+    per tensor, else "merged". "adapters": a sync sends only the adapters' A and B (plus the weights trained
+    outside them), and the engines serve them as their default adapter "policy", the base weights untouched (the
+    embedded engine per row, engines/embedded/lora.py; vLLM as a LoRA model built from the tensors,
+    engines/vllm_ext/lora.py, used by the engine object's requests that name no adapter); the first sync after
     init_group also sends the base, unmerged. "merged": every sync sends the merged weights W + (alpha / r) B @ A,
     a stock model's (any engine). `last_sync_bytes`: the tensor bytes the last sync sent.
     """
@@ -259,8 +261,10 @@ class WeightSyncSender:
         adapters = not per_tensor and not to_disk and all("lora_adapter" in f for f in formats)
         if self.lora == "adapters" and not adapters:
             raise WeightSyncError(f"lora='adapters' but engines {[e.url for e in self.engines]} cannot all take "
-                                  f"adapters alone (only embedded engines, not synced from disk or per tensor, list "
-                                  f"'lora_adapter' in /get_server_info); use lora='auto' or 'merged'")
+                                  f"adapters alone (those that can list 'lora_adapter' in their weight formats: "
+                                  f"embedded engines, and vLLM started with --enable-lora and "
+                                  f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=1; none synced from disk or per tensor); use "
+                                  f"lora='auto' or 'merged'")
         adapters = adapters and self.lora != "merged"
         return (str(dtype).removeprefix("torch."), broadcast, [i for i, s in enumerate(same) if s], to_disk,
                 all(probes) and not per_tensor, per_tensor, unknown, adapters)

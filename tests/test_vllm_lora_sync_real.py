@@ -1,0 +1,140 @@
+"""Adapter-only weight sync of a LoRA run to a real vLLM 0.32 (CPU build, `.venv-vllm`; issue 38 item 3).
+
+The trainer's sender (lora="auto") sees that the vLLM server (--enable-lora, VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)
+lists "lora_adapter" among its weight formats and sends the adapters alone: the first sync the base (unmerged) and
+the adapters, every later one the adapters' A and B only, by the gloo broadcast of our vLLM plugin; no folder is
+written. The worker builds vLLM's LoRA model from the tensors under the name "policy" and replaces it on each sync.
+Checked, against a float64 forward of the trainer's model with the adapters merged (tolerance 1e-4: engine vs
+trainer in fp32, design.md): greedy tokens and log-probs of requests naming "policy", and of requests naming no
+adapter on the synced engine object and on a copy pickled before the first sync (as the rollout process's is):
+their default adapter; the second sync replaces the adapter (the first reference is then off); `last_sync_bytes`
+(the RL loop's `sync/bytes`) equals the adapter's bytes from the second sync on; requests naming the base (the
+served model) answer as the trainer's base, unmerged. A merged sync afterwards (lora="merged") clears the default
+and unregisters "policy": requests naming no adapter get the merged weights, naming "policy" is a 404.
+
+Base and adapter requests are never in flight together: vLLM 0.32's CPU build served a base row beside an adapter
+row with the adapter (tests/test_vllm_lora_real.py)."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+import trio
+from vllm_support import start_server, stop_server, tiny_qwen2, tiny_qwen2_config, write_model_folder
+
+from engines.embedded.launch import free_port
+from engines.protocol import EngineError, SamplingParams
+from engines.vllm import VLLMEngine
+from trainer.backend.lora import ADAPTER, inject, is_adapter, lora_layers
+from trainer.config import LoRAConfig
+from trainer.weight_sync import WeightSyncSender
+from trainer.weight_sync.common import gathered_weights, named_weights
+
+pytestmark = pytest.mark.slow
+TOL = 1e-4
+PROMPTS = [[1, 20, 21, 22], [1, 7, 8, 9, 10]]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+
+
+def perturb(model, seed: int) -> None:
+    """New adapter values, as a train step would make (B starts at zero: the adapter would be a no-op)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if is_adapter(n):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def reference(model, merged: bool = True):
+    """A float64 Qwen2 with `model`'s engine weights: the adapters merged (W + alpha / r B A), or the base alone."""
+    from transformers import Qwen2ForCausalLM
+
+    ref = Qwen2ForCausalLM(tiny_qwen2_config()).double().eval()
+    weights = dict(gathered_weights(model, torch.float64)) if merged else {
+        n: p.detach().double() for n, p in named_weights(model)}
+    missing, unexpected = ref.load_state_dict(weights, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    return ref
+
+
+def check(ref, groups) -> float:
+    """Greedy tokens are the reference's argmax and log-probs its log-probs (TOL); returns the largest gap."""
+    worst = 0.0
+    for (c,) in groups:
+        ids = c.prompt_ids + c.output_ids
+        with torch.no_grad():
+            logits = ref(input_ids=torch.tensor([ids])).logits[0, len(c.prompt_ids) - 1:-1]
+        lp = logits.log_softmax(-1).gather(-1, torch.tensor(c.output_ids)[:, None])[:, 0]
+        gap = (lp - torch.tensor(c.logprobs, dtype=torch.float64)).abs().max().item()
+        assert gap <= TOL and logits.argmax(-1).tolist() == c.output_ids, (gap, c.output_ids)
+        worst = max(worst, gap)
+    return worst
+
+
+def stale_gap(ref, groups) -> float:
+    c = groups[0][0]
+    ids = c.prompt_ids + c.output_ids
+    with torch.no_grad():
+        logits = ref(input_ids=torch.tensor([ids])).logits[0, len(c.prompt_ids) - 1:-1]
+    lp = logits.log_softmax(-1).gather(-1, torch.tensor(c.output_ids)[:, None])[:, 0]
+    return (lp - torch.tensor(c.logprobs, dtype=torch.float64)).abs().max().item()
+
+
+def test_adapter_only_sync_to_vllm(tmp_path):
+    write_model_folder(tmp_path / "model", seed=0)  # the served base: another model than the trainer's
+    trainer, _ = tiny_qwen2(seed=5)
+    inject(trainer, LoRAConfig(rank=4, alpha=8.0, target_modules="all-linear"))
+    perturb(trainer, 1)
+    base_ref = reference(trainer, merged=False)
+    base_bytes = sum(p.nbytes for _, p in named_weights(trainer))
+    adapter_bytes = sum(layer.lora_A[ADAPTER].weight.nbytes + layer.lora_B[ADAPTER].weight.nbytes
+                        for layer in lora_layers(trainer).values())
+    port = free_port()
+    proc = start_server(tmp_path / "model", port, tmp_path / "server.log",
+                        extra=("--enforce-eager", "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2"),
+                        env_extra={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
+    url, folder = f"http://127.0.0.1:{port}", str(tmp_path / "model")
+    eng = VLLMEngine(url, folder)
+    copy = pickle.loads(pickle.dumps(eng))  # the rollout process's copy: pickled before the first sync
+    sender = WeightSyncSender(trainer, [eng], timeout_s=120.0)  # lora="auto"
+    try:
+        assert "lora_adapter" in trio.run(eng.weight_formats)
+        sender.init_group()
+        assert sender.adapter_sync  # "auto" chose the adapters for this vLLM
+
+        assert sender.sync() == 1
+        assert sender.last_sync_bytes == base_bytes + adapter_bytes  # the first: the base, unmerged, and adapters
+        assert eng.default_adapter == "policy"
+        first = reference(trainer)
+        named = trio.run(lambda: eng.generate(PROMPTS, GREEDY, adapter="policy"))
+        check(first, named)
+        check(first, trio.run(lambda: eng.generate(PROMPTS, GREEDY)))  # no name: the default adapter
+
+        perturb(trainer, 2)
+        assert sender.sync() == 2
+        assert sender.last_sync_bytes == adapter_bytes  # sync/bytes = the adapter's bytes
+        second = reference(trainer)
+        replaced = trio.run(lambda: eng.generate(PROMPTS, GREEDY, adapter="policy"))
+        check(second, replaced)
+        assert stale_gap(first, replaced) > 0.1  # the second sync replaced the first adapter
+        check(second, trio.run(lambda: copy.generate(PROMPTS, GREEDY)))  # the copy learnt the default from vLLM
+        assert copy.default_adapter == "policy" and trio.run(copy.get_weight_version) == 2
+        check(base_ref, trio.run(lambda: eng.generate(PROMPTS, GREEDY, adapter=folder)))  # the base, unmerged
+
+        merged = WeightSyncSender(trainer, [eng], timeout_s=120.0, lora="merged", weight_version=2)
+        sender.close()
+        merged.init_group()
+        assert not merged.adapter_sync and merged.sync() == 3
+        assert eng.default_adapter is None and merged.last_sync_bytes == base_bytes
+        later = VLLMEngine(url, folder)
+        check(second, trio.run(lambda: later.generate(PROMPTS, GREEDY)))  # the merged weights as the base
+        assert later.default_adapter is None
+        with pytest.raises(EngineError) as err:
+            trio.run(lambda: eng.generate(PROMPTS, GREEDY, adapter="policy"))
+        assert err.value.status == 404
+        merged.close()
+    finally:
+        sender.close()
+        stop_server(proc)
