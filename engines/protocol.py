@@ -139,7 +139,8 @@ class WeightSyncEndpoint(Protocol):
 
     async def weight_formats(self) -> tuple[str, ...]:
         """The `update_weights_from_distributed` formats it reads: "direct" (SGLang's stock broadcast, one tensor at
-        a time) and/or "flattened_bucket" (this project's buckets)."""
+        a time) and/or "flattened_bucket" (this project's buckets), and "lora_adapter" when it takes a LoRA run's
+        adapter-only update (the `lora_adapter` field: the embedded engine; a vLLM started with LoRA enabled)."""
         ...
 
     async def colocation_info(self) -> dict:
