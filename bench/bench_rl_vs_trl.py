@@ -180,7 +180,7 @@ def run_ours(bc: BenchConfig, out: Path, *, async_rollout: bool, in_process: boo
     res = loop_figures(steps, [float(r["num_samples"]) for r in rows])
     res.update(wall_s=wall, steps=len(rows), accuracy=summary.get("accuracy_after_rl"),
                trainer_cpus=sorted(os.sched_getaffinity(0)), max_staleness=cfg.rl.max_staleness,
-               staleness_mean=statistics.mean(float(r["train_staleness_mean"]) for r in rows) if rows else 0.0,
+               staleness_mean=statistics.mean(float(r["staleness/mean"]) for r in rows) if rows else 0.0,
                in_process=any(engine_kind(spec).in_process for spec in cfg.engines.fleet),
                accuracy_initial=summary.get("accuracy_before_rl"),
                reward_mean_last=rows[-1].get("reward_mean") if rows else None,

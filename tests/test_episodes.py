@@ -395,7 +395,7 @@ def test_a_user_environment_runs_through_the_cli(tmp_path, mode):
     assert len(rows) == 3
     warned = [r["step"] for r in rows if r["rollout/truncated_fraction"] + r["rollout/failed_fraction"] > 0.5]
     assert [f"warning: step {step}: " in proc.stderr for step in warned] == [True] * len(warned)
-    assert [r["train_staleness_max"] for r in rows] == ([0.0, 1.0, 1.0] if mode == "async" else [0.0] * 3)
+    assert [r["staleness/max"] for r in rows] == ([0.0, 1.0, 1.0] if mode == "async" else [0.0] * 3)
     for row in rows:
         assert 1.0 <= row["rollout/turns_mean"] <= 2.0 and row["rollout/env_errors"] == 0
         assert row["rollout/env_time_s"] >= 0 and row["rollout/tool_calls_mean"] == 0

@@ -33,7 +33,8 @@ from trainer.rewards.rules import with_timeout
 from trainer.rl import TruncatedRunError, check_finishing
 from trainer.rollout.blocking import abandoned_threads
 from trainer.rollout.manager import AsyncRolloutManager, generate_rollout_batches
-from trainer.rollout.source import RolloutSource
+from trainer.rollout.service import RolloutService
+from trainer.rollout.thread_worker import ThreadBackend
 from trainer.types import Sample, Status
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,7 +150,7 @@ def test_closing_an_async_source_stops_the_batch_being_generated_ahead(release):
     manager = AsyncRolloutManager([Scripted(lambda text: "7")], cfg, tokenizer=TOK, reward_fn="arithmetic",
                                   check_health=False)
     batches = generate_rollout_batches(arithmetic_buffer(2), cfg, manager=manager)
-    source = RolloutSource(batches, num_steps=3, ahead=1, cancel=manager.cancel)
+    source = RolloutService(ThreadBackend(batches, threaded=True, cancel=manager.cancel), num_steps=3, ahead=1)
     first = source.next(1)  # batch 2 starts generating in the worker, and blocks
     assert [s.reward for s in first.samples] == [1.0, 1.0]
     time.sleep(0.3)
@@ -447,13 +448,14 @@ def test_close_abandons_a_worker_stuck_in_user_code_and_the_process_exits():
     leaves the daemon worker behind, and the process exits."""
     code = (
         "import sys, time\n"
-        "from trainer.rollout.source import RolloutSource\n"
+        "import threading\n"
+        "from trainer.rollout.thread_worker import ThreadBackend\n"
         "def batches():\n"
         "    while True:\n"
         "        time.sleep(120)  # user code no cancellation reaches\n"
         "        yield None\n"
-        "src = RolloutSource(batches(), num_steps=3, ahead=1)\n"
-        "src._prefetch(0)  # step 1 generates in the worker\n"
+        "src = ThreadBackend(batches(), threaded=True)\n"
+        "threading.Thread(target=src.take, args=(1, 1), daemon=True).start()  # step 1 generates in the worker\n"
         "time.sleep(0.3)\n"
         "src.close_grace_s = 0.5\n"
         "t = time.monotonic()\n"

@@ -33,7 +33,9 @@ from trainer.data.buffer import DataBuffer, load_jsonl
 from trainer.rewards.sources import RewardsRecipe
 from trainer.rollout.manager import AsyncRolloutManager, generate_rollout_batches
 from trainer.rollout.process_worker import RolloutProcess, RolloutRecipe, check_picklable
-from trainer.rollout.source import ProcessRolloutSource, ResumePoints, RolloutSource
+from trainer.rollout.resume import ResumePoints, rollout_state
+from trainer.rollout.service import RolloutService
+from trainer.rollout.thread_worker import ThreadBackend
 from trainer.weight_sync import WeightSyncSender
 
 ENGINE_SEED = 2  # the shared `engine` fixture (tests/conftest.py)
@@ -54,12 +56,11 @@ def _parts(url: str, rollout: RolloutConfig, *, buffer_seed: int = 3) -> tuple[D
     return buffer, manager
 
 
-def _recipe(buffer, manager, rollout, *, num_steps: int, ahead: int, first_step: int = 1, **kw) -> RolloutRecipe:
+def _recipe(buffer, manager, rollout, *, first_step: int = 1, **kw) -> RolloutRecipe:
     shorthand = RewardsRecipe(RewardsConfig(), digit_fraction, timeout_s=30.0)  # [data].reward alone
     return RolloutRecipe(**({"data_buffer": buffer, "rollout": rollout, "engines": tuple(manager.engines),
-                             "tokenizer": TOK, "rewards": shorthand,
-                             "deterministic": True, "manager_state": manager.state_dict(), "num_steps": num_steps,
-                             "ahead": ahead, "first_step": first_step} | kw))
+                             "tokenizer": TOK, "rewards": shorthand, "deterministic": True,
+                             "manager_state": manager.state_dict(), "first_step": first_step} | kw))
 
 
 def _view(batch) -> list[tuple]:
@@ -90,7 +91,8 @@ def _thread_run(url, rollout, steps, ahead, *, rewards=None, view=_view):
     batches = generate_rollout_batches(buffer, rollout, manager=manager, weight_version=lambda: 0)
     if rewards is not None:
         batches = scored_batches(batches, rewards)
-    with RolloutSource(batches, num_steps=steps, ahead=ahead, on_drawn=points.record) as source:
+    backend = ThreadBackend(batches, threaded=ahead > 0, state=lambda: rollout_state(buffer, manager))
+    with RolloutService(backend, num_steps=steps, ahead=ahead, on_drawn=points.record) as source:
         got = [view(source.next(s)) for s in range(1, steps + 1)]
     return got, [points.at(s) for s in range(1, steps + 1)]
 
@@ -103,9 +105,8 @@ def _process_run(url, rollout, steps, ahead, *, first_step: int = 1, state=None,
         manager.load_state_dict(state["rollout_manager"])
     points = ResumePoints({"data_buffer": buffer, "rollout_manager": manager}, step=first_step - 1, keep=steps + 1)
     reward = {} if rewards is None else {"rewards": rewards}
-    proc = RolloutProcess(_recipe(buffer, manager, rollout, num_steps=steps, ahead=ahead, first_step=first_step,
-                                  **reward))
-    with ProcessRolloutSource(proc, num_steps=steps, version=lambda: 0, on_drawn=points.record) as source:
+    proc = RolloutProcess(_recipe(buffer, manager, rollout, first_step=first_step, **reward), version=lambda: 0)
+    with RolloutService(proc, num_steps=steps, ahead=ahead, on_drawn=points.record) as source:
         got = [view(source.next(s)) for s in range(first_step, steps + 1)]
     return got, [points.at(s) for s in range(first_step, steps + 1)]
 
@@ -128,8 +129,8 @@ def test_the_process_draws_the_thread_workers_batches_and_resumable_state(engine
 def test_requeued_groups_reach_the_process_and_come_back_from_their_prompts(engine):
     rollout = _rollout(rollout_batch_size=2)
     buffer, manager = _parts(engine.url, rollout)
-    proc = RolloutProcess(_recipe(buffer, manager, rollout, num_steps=3, ahead=0))
-    with ProcessRolloutSource(proc, num_steps=3, version=lambda: 0) as source:
+    proc = RolloutProcess(_recipe(buffer, manager, rollout), version=lambda: 0)
+    with RolloutService(proc, num_steps=3) as source:
         first = source.next(1)
         group = [s for s in first.samples if s.metadata["group_uid"] == first.samples[0].metadata["group_uid"]]
         source.requeue([group])
@@ -150,8 +151,8 @@ def test_paused_waits_for_the_batch_in_flight_and_holds_the_next(engine):
     buffer, manager = _parts(engine.url, rollout)
     points = ResumePoints({"data_buffer": buffer, "rollout_manager": manager}, step=0, keep=5)
     version = [0]
-    proc = RolloutProcess(_recipe(buffer, manager, rollout, num_steps=4, ahead=2))
-    with ProcessRolloutSource(proc, num_steps=4, version=lambda: version[0], on_drawn=points.record) as source:
+    proc = RolloutProcess(_recipe(buffer, manager, rollout), version=lambda: version[0])
+    with RolloutService(proc, num_steps=4, ahead=2, on_drawn=points.record) as source:
         source.next(1)
         with source.paused():
             for _ in range(3):  # the engine runs nothing while paused
@@ -171,9 +172,9 @@ def test_a_failure_in_the_process_is_raised_as_itself(tmp_path):
     rollout = _rollout(connect_timeout_s=2.0)
     dead = f"http://127.0.0.1:{_closed_port()}"
     buffer, manager = _parts(dead, rollout)
-    proc = RolloutProcess(_recipe(buffer, manager, rollout, num_steps=2, ahead=1))
+    proc = RolloutProcess(_recipe(buffer, manager, rollout), version=lambda: 0)
     t0 = time.perf_counter()
-    with ProcessRolloutSource(proc, num_steps=2, version=lambda: 0) as source:
+    with RolloutService(proc, num_steps=2, ahead=1) as source:
         with pytest.raises(EngineUnavailableError, match="127.0.0.1"):
             source.next(1)
     assert time.perf_counter() - t0 < 120
@@ -182,8 +183,8 @@ def test_a_failure_in_the_process_is_raised_as_itself(tmp_path):
 def test_a_process_that_dies_is_an_error_not_a_hang(engine):
     rollout = _rollout()
     buffer, manager = _parts(engine.url, rollout)
-    proc = RolloutProcess(_recipe(buffer, manager, rollout, num_steps=5, ahead=1), poll_s=0.2)
-    with ProcessRolloutSource(proc, num_steps=5, version=lambda: 0) as source:
+    proc = RolloutProcess(_recipe(buffer, manager, rollout), version=lambda: 0, poll_s=0.2)
+    with RolloutService(proc, num_steps=5, ahead=1) as source:
         source.next(1)
         os.kill(proc._proc.pid, signal.SIGKILL)
         with pytest.raises(RuntimeError, match="rollout process .* exited with code -9"):
@@ -200,8 +201,8 @@ def test_a_warmed_up_process_is_the_one_the_next_run_takes_and_a_spare_left_alon
     spare_pid = process_worker._spare[0][0].pid
     rollout = _rollout()
     buffer, manager = _parts(engine.url, rollout)
-    proc = RolloutProcess(_recipe(buffer, manager, rollout, num_steps=1, ahead=0))
-    with ProcessRolloutSource(proc, num_steps=1, version=lambda: 0) as source:
+    proc = RolloutProcess(_recipe(buffer, manager, rollout), version=lambda: 0)
+    with RolloutService(proc, num_steps=1) as source:
         assert proc._proc.pid == spare_pid and not process_worker._spare
         assert len(source.next(1).samples) == 3 * 2
     process_worker.warm_up()
@@ -218,13 +219,13 @@ def test_what_cannot_travel_to_the_process_is_named():
     try:
         manager = AsyncRolloutManager([local], rollout, tokenizer=TOK, reward_fn=digit_fraction, check_health=False)
         with pytest.raises(ValueError, match="engines .*in_process = false"):
-            check_picklable(_recipe(buffer, manager, rollout, num_steps=1, ahead=1))
+            check_picklable(_recipe(buffer, manager, rollout))
     finally:
         local.close()
     manager = AsyncRolloutManager([SGLangEngine("http://127.0.0.1:1")], rollout, tokenizer=TOK,
                                   reward_fn=digit_fraction, check_health=False)
     with pytest.raises(ValueError, match="rewards .*not a lambda"):
-        check_picklable(_recipe(buffer, manager, rollout, num_steps=1, ahead=1,
+        check_picklable(_recipe(buffer, manager, rollout,
                                 rewards=RewardsRecipe(RewardsConfig(), default_rule=lambda s: 1.0)))
 
 
@@ -255,7 +256,9 @@ def test_reward_sources_score_in_the_process_as_in_the_thread_worker(engine, tmp
     process, process_states = _process_run(engine.url, rollout, steps, 1, rewards=light.recipe, view=view)
     assert process_states == thread_states
     assert all(len(samples) == 6 and set(samples[0][-1]) == {"digit_fraction", "model1"} for samples, _, _ in thread)
-    assert process == thread
+    # the engine log-probs within 1e-5 (the shared engine's prefix cache: _assert_same_batches), the rest exact
+    _assert_same_batches([b for b, _, _ in process], [b for b, _, _ in thread])
+    assert [(m, r) for _, m, r in process] == [(m, r) for _, m, r in thread]
 
 
 def test_the_config_refuses_a_process_worker_it_cannot_run():

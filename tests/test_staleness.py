@@ -17,7 +17,9 @@ from kernels import use_backend
 from trainer.backend.steps import build_components, trainer_config_from
 from trainer.config import ConfigError, OptimConfig, RLTrainingConfig, RolloutConfig, RunConfig, config_from_dict
 from trainer.data.buffer import DataBuffer, load_jsonl
-from trainer.rollout.source import RolloutSource
+from trainer.rollout.service import RolloutService
+from trainer.rollout.staleness import StalenessPolicy, past_bound, within_staleness
+from trainer.rollout.thread_worker import ThreadBackend
 from trainer.types import RolloutBatch, Sample
 from trainer.weight_sync import WeightSyncSender
 
@@ -64,12 +66,16 @@ def test_the_source_draws_at_most_k_ahead_and_snapshots_before_the_next_draw():
                 events.append(("draw", m))
             yield _batch(m)
 
-    def drawn(step: int) -> None:
+    def state() -> dict:  # read in the drawing thread, right after each batch
         with lock:
-            events.append(("snapshot", step))
+            m = max(m for kind, m in events if kind == "draw")
+            events.append(("snapshot", m))
+        return {"drawn": m}
 
+    taken = []
     k, num_steps = 3, 8
-    with RolloutSource(batches(), num_steps=num_steps, ahead=k, on_drawn=drawn) as source:
+    backend = ThreadBackend(batches(), threaded=True, state=state)
+    with RolloutService(backend, num_steps=num_steps, ahead=k, on_drawn=lambda *a: taken.append(a)) as source:
         for step in range(1, num_steps + 1):
             batch = source.next(step)
             assert batch.samples[0].prompt == str(step)
@@ -81,6 +87,7 @@ def test_the_source_draws_at_most_k_ahead_and_snapshots_before_the_next_draw():
     assert draws == list(range(1, num_steps + 1))
     for m in range(1, num_steps):  # the state after batch m is read before batch m+1 is drawn
         assert events.index(("snapshot", m)) < events.index(("draw", m + 1))
+    assert taken == [(m, {"drawn": m}) for m in range(1, num_steps + 1)]  # each batch's own state, when taken
 
 
 def test_paused_holds_the_worker_between_two_batches():
@@ -94,13 +101,50 @@ def test_paused_holds_the_worker_between_two_batches():
             time.sleep(0.05)
             yield _batch(m)
 
-    with RolloutSource(batches(), num_steps=6, ahead=2) as source:
+    with RolloutService(ThreadBackend(batches(), threaded=True), num_steps=6, ahead=2) as source:
         source.next(1)  # batches 2 and 3 queued; the worker starts on them
         with source.paused():
             begun = list(started)
             time.sleep(0.3)  # long enough for two more batches, were the worker free
             assert started == begun  # nothing started while paused (the one running when asked finished first)
         assert source.next(2).samples[0].prompt == "2"
+
+
+class _Pausable:
+    """An engine's pause_generation / continue_generation, logged."""
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    async def pause_generation(self) -> None:
+        self.log.append("pause")
+
+    async def continue_generation(self) -> None:
+        self.log.append("continue")
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_one_pause_for_a_weight_load_chosen_by_the_policy(in_place):
+    """[rl] update_in_flight: the engines pause in place for the load only (the block after it, an evaluation, runs
+    beside the rollouts); otherwise no batch runs for the whole block (the load, then the evaluation)."""
+    log: list[str] = []
+    backend = ThreadBackend((_batch(m) for m in range(1, 2)), threaded=False)
+    with RolloutService(backend, num_steps=1, engines=[_Pausable(log)], in_place=in_place) as source:
+        with source.paused(load=lambda: log.append("load") or 7.5) as loaded:
+            log.append("block, rollouts held" if backend._engines.locked() else "block")
+    assert loaded == 7.5
+    assert log == (["pause", "load", "continue", "block"] if in_place else ["load", "block, rollouts held"])
+
+
+def test_one_policy_derives_the_bound_for_every_part():
+    """How far rollouts run ahead, the version they are measured against and which lag is past the bound: one
+    StalenessPolicy, the config's (the rollout service, the manager's cache and within_staleness read it)."""
+    p = _rl(async_rollout=True, max_staleness=3, sync_every=2).staleness
+    assert (p.engine_lag, p.ahead, p.train_version(5)) == (1, 2, 8)  # started at 5: trains at 5 + 2 + 1, at the latest
+    sync = _rl(max_staleness=2, sync_every=3).staleness
+    assert (sync.ahead, sync.train_version(5)) == (0, 7)
+    assert not past_bound(8, 5, 3) and past_bound(9, 5, 3)
+    assert StalenessPolicy(1, sync_every=3).problem() is not None and StalenessPolicy(2, sync_every=3).problem() is None
 
 
 # ----------------------------------------------------------------------------------------------- the bound
@@ -115,9 +159,10 @@ def test_no_sample_past_the_bound_trains(policy):
     cfg = _rl(max_staleness=2, stale_policy=policy)
     batch = RolloutBatch(samples=_samples([9, 8, 6, 9, 7, 5], [0, 0, 1, 1, 2, 2]))  # lags at version 9: 0 1 3 0 2 4
     sent_back = []
-    kept, metrics = rl.within_staleness(batch, 9, cfg, requeue=sent_back.extend)
+    kept, metrics = within_staleness(batch, 9, cfg.staleness, requeue=sent_back.extend)
     assert all(9 - s.weight_version <= 2 for s in kept.samples)
     assert metrics["staleness/past_bound"] == pytest.approx(2 / 6) and metrics["staleness/max"] == 4.0
+    assert metrics["staleness/mean"] == pytest.approx((0 + 1 + 3 + 0 + 2 + 4) / 6)
     assert metrics["staleness/frac_0"] == pytest.approx(2 / 6) and metrics["staleness/frac_2"] == pytest.approx(1 / 6)
     if policy == "drop":  # only the stale samples go; their groups' baselines are the rest
         assert [s.reward for s in kept.samples] == [0.0, 1.0, 3.0, 4.0] and sent_back == []
@@ -127,10 +172,11 @@ def test_no_sample_past_the_bound_trains(policy):
         assert sorted(len(g) for g in sent_back) == [2, 2]
         assert {s.metadata["group_uid"] for g in sent_back for s in g} == {1, 2}
         assert metrics["staleness/regenerated"] == pytest.approx(4 / 6)
-    fresh, m = rl.within_staleness(RolloutBatch(samples=_samples([9, 9], [0, 0])), 9, cfg, requeue=sent_back.extend)
+    fresh, m = within_staleness(RolloutBatch(samples=_samples([9, 9], [0, 0])), 9, cfg.staleness,
+                                requeue=sent_back.extend)
     assert fresh.samples == _samples([9, 9], [0, 0]) and m["staleness/past_bound"] == 0.0
     with pytest.raises(RuntimeError, match="every sample of this batch is past"):
-        rl.within_staleness(RolloutBatch(samples=_samples([1, 1], [0, 0])), 9, cfg, requeue=sent_back.extend)
+        within_staleness(RolloutBatch(samples=_samples([1, 1], [0, 0])), 9, cfg.staleness, requeue=sent_back.extend)
 
 
 def test_requeued_groups_restart_from_their_prompts_first_in_the_next_batch():
@@ -198,7 +244,7 @@ def test_an_async_run_k_ahead_trains_nothing_past_the_bound(tmp_path, monkeypatc
     rollout = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2, max_new_tokens=4, temperature=1.0, seed=5,
                             apply_chat_template=False)
     _, history = _run_async(tmp_path, rollout, num_steps=6, token_budget=128, max_staleness=2)
-    lags = [h["train_staleness_max"] for h in history]
+    lags = [h["staleness/max"] for h in history]
     assert max(lags) == 2 and all(h["staleness/past_bound"] == 0.0 for h in history), lags
     assert all(abs(sum(h[f"staleness/frac_{j}"] for j in range(3)) - 1.0) < 1e-9 for h in history)
 
@@ -329,7 +375,8 @@ def test_the_rollout_worker_runs_on_its_own_cores():
             yield _batch(len(seen))
 
     mine = os.sched_getaffinity(0)
-    with RolloutSource(batches(), num_steps=2, ahead=1, worker_cpus=(min(mine),)) as source:
+    backend = ThreadBackend(batches(), threaded=True, worker_cpus=(min(mine),))
+    with RolloutService(backend, num_steps=2, ahead=1) as source:
         source.next(1)
         source.next(2)
     assert seen == [{min(mine)}, {min(mine)}] and os.sched_getaffinity(0) == mine

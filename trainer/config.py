@@ -36,6 +36,7 @@ from engines.registry import EngineSpec, launched_by_run
 from kernels import PolicyLossConfig
 from kernels.advantages import ADVANTAGE_ESTIMATORS, Estimator
 from trainer.backend.parallel import ParallelConfig
+from trainer.rollout.staleness import StalenessPolicy
 from trainer.types import _check, _non_negative, _positive
 
 
@@ -356,25 +357,23 @@ class RLTrainingConfig(_PhaseConfig):
                f"{self.stale_policy!r}; choose one of {STALE_POLICIES}")
         _check(self.rollout_worker in ROLLOUT_WORKERS, "rollout_worker",
                f"{self.rollout_worker!r}; choose one of {ROLLOUT_WORKERS}")
-        # Fresh tokens must fit the bound by construction: engines lag the trainer by up to sync_every - 1 versions,
-        # and async generation adds the steps it runs ahead (generation_ahead = k - (sync_every - 1) >= 1).
-        s, k = self.sync_every, self.max_staleness
-        _check(not self.async_rollout or k >= s, "max_staleness",
-               f"async_rollout generates at least one step ahead of training with engines up to sync_every - 1 = "
-               f"{s - 1} versions behind, so samples are up to {s} versions old; set max_staleness >= {s} (got {k}), "
-               f"or async_rollout = false")
-        _check(self.async_rollout or k >= s - 1, "max_staleness",
-               f"with sync_every = {s} the engines sample with weights up to {s - 1} versions old; set max_staleness "
-               f">= {s - 1} (got {k}) or lower sync_every")
+        # Fresh tokens must fit the bound by construction (trainer.rollout.staleness derives how).
+        problem = self.staleness.problem()
+        _check(problem is None, "max_staleness", problem or "")
         # The rollout manager restarts cached partial samples past the same bound (one key, [rl] max_staleness).
         object.__setattr__(self, "rollout", dataclasses.replace(self.rollout, max_staleness=self.max_staleness))
         object.__setattr__(self, "loss", resolve_loss(self.loss, self.rollout, off_policy=self.off_policy))
 
     @property
+    def staleness(self) -> StalenessPolicy:
+        """The staleness bound and what follows from it: how far rollouts run ahead, which samples are past it."""
+        return StalenessPolicy(self.max_staleness, sync_every=self.sync_every, async_rollout=self.async_rollout,
+                               stale_policy=self.stale_policy)
+
+    @property
     def generation_ahead(self) -> int:
-        """Steps the rollouts run ahead of training: 0 synchronous; async, as many as the staleness bound leaves once
-        the engines' own lag (sync_every - 1) is counted."""
-        return self.max_staleness - (self.sync_every - 1) if self.async_rollout else 0
+        """Steps the rollouts run ahead of training (StalenessPolicy.ahead)."""
+        return self.staleness.ahead
 
     @property
     def off_policy(self) -> bool:

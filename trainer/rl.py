@@ -5,15 +5,15 @@ optim_step -> sync -> log -> checkpoint.
                                            tokenizer=tokenizer, reward_fn="arithmetic")
 
 Rollouts come from inference engines (engine objects built by engines.registry: embedded, SGLang, vLLM) through
-`trainer.rollout.manager.generate_rollout_batches` and `trainer.rollout.source.RolloutSource`; the engines get the
+`trainer.rollout.manager.AsyncRolloutManager` behind `trainer.rollout.service.RolloutService`; the engines get the
 new weights every `sync_every` steps by broadcast or shared memory (engines.weight_sync.wire); a disk sync happens
 only when the caller passes a trainer.weight_sync.DiskWeightSync as `sender` (the CLI's opt-in [engines] sync =
 "disk"). In async mode the batch of step n+1 is generated (in a worker thread, by the engine processes) while step n
-trains; the weights that generated it lag by at most `rollout.max_staleness` versions. Whenever the engines may lag
-(async, or sync_every > 1) the loss's off-policy correction ([rl.loss] rollout_correction, "tis" by default there)
-weights each token by the engine-vs-trainer ratio; the trainer side of that ratio is pi_old, the weights at the start
-of the step, which with one optimizer step per batch are the weights of the update's own forward (old log-probs are
-recomputed by a separate forward only for ppo_epochs > 1).
+trains; the weights that generated it lag by at most `max_staleness` versions (trainer.rollout.staleness). Whenever
+the engines may lag (async, or sync_every > 1) the loss's off-policy correction ([rl.loss] rollout_correction, "tis"
+by default there) weights each token by the engine-vs-trainer ratio; the trainer side of that ratio is pi_old, the
+weights at the start of the step, which with one optimizer step per batch are the weights of the update's own
+forward (old log-probs are recomputed by a separate forward only for ppo_epochs > 1).
 The engine-vs-trainer mismatch metrics (mismatch/*) are logged on every step where the engine returned its
 log-probs.
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -56,19 +57,15 @@ from trainer.config import GAE, DataConfig, RLTrainingConfig, RolloutConfig
 from trainer.evaluation import Evaluation
 from trainer.metrics import MetricsLogger, open_logger, progress
 from trainer.rollout.dumps import RolloutDumps, rollout_rows, sample_logprobs, table_rows, write_rollouts
-from trainer.rollout.samples import build_batch_metadata, pad_token_id
-from trainer.rollout.source import ResumePoints, RolloutSource
+from trainer.rollout.resume import ResumePoints
+from trainer.rollout.samples import build_batch_metadata, group_ids, pad_token_id
+from trainer.rollout.service import rollout_service
+from trainer.rollout.staleness import within_staleness
 from trainer.stops import RunStopped
 from trainer.types import RolloutBatch, Sample, Status, TrainingState
 
 if TYPE_CHECKING:
-    from trainer.rewards.sources import RewardSources
-    from trainer.rollout.manager import AsyncRolloutManager
     from trainer.weight_sync import WeightSync
-
-
-def _group_ids(samples: Sequence[Sample]) -> list[Any]:
-    return [s.metadata.get("group_uid", s.group_index) for s in samples]
 
 
 def compute_advantages(samples: Sequence[Sample], estimator: str) -> list[float | None]:
@@ -87,7 +84,7 @@ def compute_advantages(samples: Sequence[Sample], estimator: str) -> list[float 
         return out
     rewards = torch.tensor([0.0 if samples[i].reward is None else samples[i].reward for i in scored],
                            dtype=torch.float64)
-    all_uids = _group_ids(samples)
+    all_uids = group_ids(samples)
     uids = [all_uids[i] for i in scored]
     remap = {u: k for k, u in enumerate(dict.fromkeys(uids))}
     groups = torch.tensor([remap[u] for u in uids], dtype=torch.int64)
@@ -114,7 +111,7 @@ def trained_samples(samples: Sequence[Sample], estimator: str, *,
                       if "reward_error" in s.metadata or "env_error" in s.metadata), "generation failed")
         warnings.warn(f"{len(failed)} of {len(samples)} samples FAILED and are left out of the loss; first error: "
                       f"{first}", stacklevel=2)
-    uids = _group_ids(samples)
+    uids = group_ids(samples)
     scored_per_group = collections.Counter(u for u, s in zip(uids, samples) if s.status != Status.FAILED)
     keep = [i for i, (u, s) in enumerate(zip(uids, samples)) if s.status != Status.FAILED
             and (not needs_groups or scored_per_group[u] >= 2)
@@ -357,7 +354,7 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
         print(describe_objective(config), flush=True)
     with (contextlib.closing(logger), progress(config.num_steps, initial=state.step, desc="rl",
                                                enabled=comp.rank == 0) as bar,
-          _rollout_source(data_buffer, config, manager, sender, comp.rank, on_failure=ckpt.save,
+          rollout_service(data_buffer, config, manager, sender, comp.rank, on_failure=ckpt.save,
                           on_drawn=points.record, rewards=rewards, worker_cpus=tcfg.backend.rollout_cpus,
                           first_step=state.step + 1) as source,
           ckpt, frozen_heap()):
@@ -373,24 +370,23 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
             if warning is not None:
                 bar.warn(warning)
             trained_from = state.weight_version  # the batch's staleness is measured against these weights
-            batch, stale = within_staleness(batch, trained_from, config, requeue=source.requeue)
+            batch, stale = within_staleness(batch, trained_from, config.staleness, requeue=source.requeue)
             seen = _inspect(comp, batch, tcfg, pad_id) if dumps is not None and dumps.due(state.step + 1) else None
             (metrics, state), train_s = _timed(train_on_batch, comp, state, batch, config, tcfg, pad_id=pad_id,
                                                ref_components=ref, critic=critic)
-            metrics = step_metrics(metrics, batch, state, trained_from=trained_from, time_generate_s=gen_s,
+            metrics = step_metrics(metrics, batch, state, time_generate_s=gen_s,
                                    time_train_s=train_s, time_sync_s=sync_s) | stale
             metrics.update(batch.metadata.get("reward_metrics", {}))  # [rewards] sources: reward/<label>_mean, judge/*
             # The step has trained (a checkpoint now holds it): its row is logged even when Ctrl-C stops the sync.
             with _reported(state.step, metrics, logger=logger, history=history, bar=bar, on_step=on_step):
                 metrics["time_step_s"] = time.perf_counter() - t_step
                 if state.step % config.sync_every == 0 or state.step == config.num_steps:
-                    # Between two batches, or (update_in_flight) with the engines paused in place mid-request.
-                    in_flight = config.update_in_flight
-                    with contextlib.nullcontext() if in_flight else source.paused():
-                        with _paused_in_place(engines, comp.rank, enabled=in_flight):
-                            sync_s = metrics["time_sync_s"] = _sync(sender, state.weight_version,
-                                                                    on_failure=ckpt.save)
-                            metrics["sync/bytes"] = float(sender.last_sync_bytes)  # a LoRA run: adapters' only
+                    # The engines paused for the load as the rollout service's policy says: between two batches
+                    # (for the whole block), or ([rl] update_in_flight) in place mid-request (for the load only).
+                    with source.paused(load=functools.partial(_sync, sender, state.weight_version,
+                                                              on_failure=ckpt.save)) as sync_s:
+                        metrics["time_sync_s"] = sync_s
+                        metrics["sync/bytes"] = float(sender.last_sync_bytes)  # a LoRA run: adapters' only
                         # Up to the weights landing: with the sync, the wait for the batch being generated.
                         metrics["time_step_s"] = time.perf_counter() - t_step
                         if config.verify_sync and state.step % config.sync_every == 0:
@@ -402,110 +398,6 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
                 _write_rollouts(dumps, state.step, batch, seen, config, logger=logger, tokenizer=tokenizer)
             ckpt.maybe_save()
     return comp, state, history
-
-
-def _rollout_source(data_buffer: Any, config: RLTrainingConfig, manager: AsyncRolloutManager, sender: WeightSync,
-                    rank: int, *, on_failure: Callable[[], None], on_drawn: Callable[..., None],
-                    rewards: RewardSources, worker_cpus: tuple[int, ...] | None = None,
-                    first_step: int = 1) -> RolloutSource:
-    """Rank 0 drives the rollouts; the source hands every batch, or its failure, to the other ranks, and in async
-    mode generates config.generation_ahead batches ahead. Reward models and judges (`rewards`' per-batch sources)
-    score each batch right after its generation, in the same (worker) thread.
-
-    The manager restarts cached partial samples against the version their batch will train at, at the latest:
-    the engines' version plus the steps it may wait (generation_ahead) plus the engines' own lag (sync_every - 1),
-    which is the staleness bound k in async mode by construction (RLTrainingConfig)."""
-    from trainer.rewards.sources import scored_batches
-    from trainer.rollout.manager import generate_rollout_batches
-
-    lag = config.generation_ahead + config.sync_every - 1
-    if config.rollout_worker == "process" and rank == 0:
-        return _process_source(data_buffer, config, manager, lambda: sender.weight_version + lag, on_failure=on_failure,
-                               on_drawn=on_drawn, rewards=rewards, worker_cpus=worker_cpus, first_step=first_step)
-    batches = generate_rollout_batches(data_buffer, config.rollout, manager=manager,
-                                       weight_version=lambda: sender.weight_version + lag) if rank == 0 else None
-    if batches is not None:
-        batches = scored_batches(batches, rewards)
-    return RolloutSource(batches, num_steps=config.num_steps, ahead=config.generation_ahead, on_failure=on_failure,
-                         on_drawn=on_drawn, worker_cpus=worker_cpus, requeue=manager.requeue, cancel=manager.cancel)
-
-
-def _process_source(data_buffer: Any, config: RLTrainingConfig, manager: AsyncRolloutManager,
-                    version: Callable[[], int], *, on_failure: Callable[[], None], on_drawn: Callable[..., None],
-                    rewards: RewardSources, worker_cpus: tuple[int, ...] | None, first_step: int) -> RolloutSource:
-    """[rl] rollout_worker = "process" (rank 0): the same rollouts, generated by a process of its own from the
-    buffer's and manager's state as they are now (trainer.rollout.process_worker)."""
-    from trainer.rollout.process_worker import RolloutProcess, RolloutRecipe
-    from trainer.rollout.source import ProcessRolloutSource
-
-    if rewards.recipe is None:
-        raise ValueError("[rl] rollout_worker = \"process\" rebuilds the reward sources in the rollout process: "
-                         "build them with trainer.rewards.sources.build_reward_sources (it records the recipe)")
-    recipe = RolloutRecipe(data_buffer=data_buffer, rollout=config.rollout, engines=tuple(manager.engines),
-                           tokenizer=manager.tokenizer, rewards=rewards.recipe, deterministic=config.deterministic,
-                           manager_state=manager.state_dict(), num_steps=config.num_steps,
-                           ahead=config.generation_ahead, first_step=first_step, cpus=worker_cpus)
-    return ProcessRolloutSource(RolloutProcess(recipe), num_steps=config.num_steps, version=version,
-                                on_failure=on_failure, on_drawn=on_drawn)
-
-
-@contextlib.contextmanager
-def _paused_in_place(engines: Sequence[InferenceEngine], rank: int, *, enabled: bool = True) -> Iterator[None]:
-    """The engines stop at their next decode step boundary, their running requests kept in place with their KV
-    cache, for the block (a weight load); then they go on, the tokens after it from the new weights (rank 0: the
-    one that talks to the engines). Not `enabled`: the block runs as it is."""
-    import trio
-
-    if not enabled:
-        yield
-        return
-
-    async def each(pause: bool) -> None:
-        async with trio.open_nursery() as nursery:
-            for engine in engines:
-                nursery.start_soon(engine.pause_generation if pause else engine.continue_generation)
-
-    if rank == 0:
-        trio.run(each, True)
-    try:
-        yield
-    finally:
-        if rank == 0:
-            trio.run(each, False)
-
-
-def within_staleness(batch: RolloutBatch, version: int, config: RLTrainingConfig, *,
-                     requeue: Callable[[list[list[Sample]]], None]) -> tuple[RolloutBatch, dict[str, float]]:
-    """The batch without the samples past the staleness bound (their oldest token generated more than
-    config.max_staleness versions before `version`, the trainer's), and the staleness metrics.
-
-    The rollouts are built so that this does not happen (RLTrainingConfig, _rollout_source): this is the guarantee,
-    counted. [rl] stale_policy "drop" leaves the stale samples out (their groups' baselines are the rest);
-    "regenerate" takes their whole groups out and hands them back to the rollout manager (`requeue`), which
-    generates them again, from their prompts, first in a later batch. A batch left empty is an error."""
-    lags = [version - s.weight_version for s in batch.samples]
-    k = config.max_staleness
-    stale = {i for i, lag in enumerate(lags) if lag > k}
-    if stale and config.stale_policy == "regenerate":
-        ids = _group_ids(batch.samples)
-        uids = {ids[i] for i in stale}
-        groups: dict[Any, list[Sample]] = {}
-        for uid, s in zip(ids, batch.samples):
-            if uid in uids:
-                groups.setdefault(uid, []).append(s)
-        requeue(list(groups.values()))
-        stale = {i for i, uid in enumerate(ids) if uid in uids}
-    n = len(batch.samples)
-    metrics = {f"staleness/frac_{j}": sum(lag == j for lag in lags) / n for j in range(k + 1)}
-    metrics |= {"staleness/max": float(max(lags)), "staleness/past_bound": sum(lag > k for lag in lags) / n,
-                f"staleness/{'regenerated' if config.stale_policy == 'regenerate' else 'dropped'}": len(stale) / n}
-    if not stale:
-        return batch, metrics
-    kept = tuple(s for i, s in enumerate(batch.samples) if i not in stale)
-    if not kept:
-        raise RunStopped(f"every sample of this batch is past [rl] max_staleness = {k} (lags {sorted(set(lags))}); "
-                         f"raise max_staleness or lower sync_every")
-    return RolloutBatch(samples=kept, metadata=batch.metadata), metrics
 
 
 def _inspect(components: TrainingComponents, batch: RolloutBatch, tcfg: TrainerConfig,
@@ -558,17 +450,14 @@ def _report(step: int, metrics: dict[str, float], *, logger: MetricsLogger, hist
     bar.step(metrics)
 
 
-def step_metrics(train: dict[str, float], batch: RolloutBatch, state: TrainingState, *, trained_from: int,
+def step_metrics(train: dict[str, float], batch: RolloutBatch, state: TrainingState, *,
                  time_generate_s: float, time_train_s: float, time_sync_s: float) -> dict[str, float]:
     """The metrics of one RL step, the names the JSONL log, the plot and the tests read: the training metrics
-    (loss, grad_norm, ...), the rollout's batch statistics (`_batch_metrics`), the batch's staleness in versions
-    behind `trained_from` (the weights the step started from: 0 in synchronous mode, 1 in async mode), the
-    step and weight version after it, and the timings (a step without a sync reports the last sync's time)."""
-    lag = [trained_from - s.weight_version for s in batch.samples]
+    (loss, grad_norm, ...), the rollout's batch statistics (`_batch_metrics`), the step and weight version after
+    it, and the timings (a step without a sync reports the last sync's time). The batch's staleness is
+    trainer.rollout.staleness's staleness/* family (within_staleness)."""
     tokens = sum(len(s.tokens) for s in batch.samples)
     return {**train, **_batch_metrics(batch),
-            "train_staleness_max": float(max(lag)), "train_staleness_min": float(min(lag)),
-            "train_staleness_mean": sum(lag) / len(lag),
             "step": state.step, "weight_version": state.weight_version, "time_generate_s": time_generate_s,
             "time_train_s": time_train_s, "time_sync_s": time_sync_s,
             "train_tokens_per_s": tokens / max(time_train_s, 1e-9)}

@@ -588,7 +588,7 @@ class DataBuffer:
     def _exclusive(self, what: str) -> Iterator[None]:
         if not self._reading.acquire(blocking=False):
             raise RuntimeError(f"DataBuffer.{what}: another thread is reading or advancing this buffer; its position "
-                               f"must be read where it is drawn (trainer.rollout.source.ResumePoints)")
+                               f"must be read where it is drawn (trainer.rollout.resume.ResumePoints)")
         try:
             yield
         finally:

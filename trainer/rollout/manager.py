@@ -54,6 +54,7 @@ from trainer.rollout.samples import (
     sample_to_dict,
     stop_token_ids,
 )
+from trainer.rollout.staleness import past_bound
 from trainer.rollout.tools import load_tool_parser
 from trainer.types import RolloutBatch, Sample, Status
 
@@ -182,7 +183,8 @@ class AsyncRolloutManager:
             self._requeued.append([restart_sample(s) for s in g])
 
     def set_weight_version(self, version: int) -> None:
-        """The trainer's current weight version (drives the staleness bound of cached partial samples)."""
+        """The version the next batch is measured against (trainer.rollout.staleness.StalenessPolicy.train_version:
+        the trainer's version it trains at, at the latest); cached partial samples past the bound restart."""
         self.weight_version = int(version)
 
     # ----------------------------------------------------------------------------------------- engine calls
@@ -272,7 +274,7 @@ class AsyncRolloutManager:
         out, restarted = [], 0
         for s in group:
             has_progress = s.response_length > 0 or s.status in (Status.COMPLETED, Status.TRUNCATED)
-            if has_progress and self.weight_version - s.weight_version > self.config.max_staleness:
+            if has_progress and past_bound(self.weight_version, s.weight_version, self.config.max_staleness):
                 out.append(restart_sample(s))
                 restarted += 1
             else:

@@ -10,14 +10,16 @@ recomputing old log-probs (docs/results.md). Here the child has
 its own interpreter, and one long-lived event loop, so its pooled connections to the engines live across batches.
 
 The child generates exactly what the thread worker would, with the same code (AsyncRolloutManager over the same
-data buffer, engines and rewards, rebuilt from a pickled `RolloutRecipe`); only the state lives in the child:
+data buffer, engines and rewards, rebuilt from a pickled `RolloutRecipe`); only the state lives in the child. It is
+the rollout service's process backend (trainer.rollout.service.RolloutBackend): the service says how far it may run
+ahead (`limit`), `version()` is the weight version the batches started next are measured against:
 
     parent (rank 0)                                   child
-    take(step, version)  ──("take", step, version)──►  may generate batches up to step + ahead (and num_steps)
-                         ◄─("batch", step, batch, snapshot)  snapshot: {part: state_dict()} right after drawing it
-    paused(version)      ──("pause",)──►               finishes the batch it is on, then answers
+    take(step, limit)    ──("take", step, limit, version())──►  may generate the batches of steps up to limit
+                         ◄─("batch", step, batch, snapshot)  snapshot: rollout_state() right after drawing it
+    paused()             ──("pause",)──►               finishes the batch it is on, then answers
                          ◄─("paused",)                  and starts no other until
-                         ──("resume", version)──►
+                         ──("resume", version())──►
     requeue(groups)      ──("requeue", groups)──►      (stale groups: generated again, first in a later batch)
     close()              ──("close",)──►               cancels what it is doing and exits
                          ◄─("error", exception)        a failure: raised by the parent's next take()
@@ -39,7 +41,7 @@ import os
 import pickle
 import signal
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from trainer.types import RolloutBatch, Sample
@@ -62,8 +64,6 @@ class RolloutRecipe:
     rewards: Any  # trainer.rewards.sources.RewardsRecipe
     deterministic: bool
     manager_state: dict[str, Any]
-    num_steps: int
-    ahead: int
     first_step: int  # the first step the child generates (state.step + 1 on resume)
     cpus: tuple[int, ...] | None = None
 
@@ -87,8 +87,9 @@ class RolloutProcess:
     """The parent's handle on the child (see the module docstring). Mutable: the pipe, the child, the batches
     received before they were asked for."""
 
-    def __init__(self, recipe: RolloutRecipe, *, poll_s: float = 1.0) -> None:
+    def __init__(self, recipe: RolloutRecipe, *, version: Callable[[], int], poll_s: float = 1.0) -> None:
         check_picklable(recipe)
+        self._version = version
         self._proc, self._conn = _take_spare() or _spawn()
         self._poll_s = poll_s
         self._send("recipe", recipe)
@@ -121,9 +122,9 @@ class RolloutProcess:
             self._ready[msg[1]] = (msg[2], msg[3])
         return msg
 
-    def take(self, step: int, version: int) -> tuple[RolloutBatch, dict[str, Any]]:
-        """The batch of `step` and the rollout state right after it was drawn; lets the child run ahead of it."""
-        self._send("take", step, version)
+    def take(self, step: int, limit: int) -> tuple[RolloutBatch, dict[str, Any]]:
+        """The batch of `step` and the rollout state right after it was drawn; lets the child run on to `limit`."""
+        self._send("take", step, limit, self._version())
         while step not in self._ready:
             self._receive()
         return self._ready.pop(step)
@@ -132,7 +133,7 @@ class RolloutProcess:
         self._send("requeue", [list(g) for g in groups])
 
     @contextlib.contextmanager
-    def paused(self, version: Any) -> Iterator[None]:
+    def paused(self) -> Iterator[None]:
         """The engines idle inside (the child's batch in progress finishes first); `version()` after the block is
         the weight version the next batches start from."""
         self._send("pause")
@@ -142,7 +143,7 @@ class RolloutProcess:
             yield
         finally:
             if not self._closed:
-                self._send("resume", version())
+                self._send("resume", self._version())
 
     def close(self) -> None:
         if self._closed:
@@ -236,6 +237,7 @@ async def _serve(conn: Any, recipe: RolloutRecipe) -> None:
 
     from trainer.rewards.sources import score_batch
     from trainer.rollout.manager import AsyncRolloutManager
+    from trainer.rollout.resume import rollout_state
 
     sources = recipe.rewards.build(engines=recipe.engines, tokenizer=recipe.tokenizer)  # as the parent's
     manager = AsyncRolloutManager(list(recipe.engines), recipe.rollout, tokenizer=recipe.tokenizer,
@@ -249,7 +251,7 @@ async def _serve(conn: Any, recipe: RolloutRecipe) -> None:
     def apply(msg: tuple) -> None:
         kind = msg[0]
         if kind == "take":
-            ctl["limit"], ctl["version"] = max(ctl["limit"], msg[1] + recipe.ahead), msg[2]
+            ctl["limit"], ctl["version"] = max(ctl["limit"], msg[2]), msg[3]
         elif kind == "requeue":
             manager.requeue(msg[1])
         elif kind == "pause":
@@ -276,7 +278,7 @@ async def _serve(conn: Any, recipe: RolloutRecipe) -> None:
         nursery.start_soon(read, nursery.cancel_scope)
         async with manager:  # one event loop for the whole run: connections pooled across batches
             step = recipe.first_step
-            while step <= recipe.num_steps:
+            while True:  # until the parent closes: it never asks past the run's last step
                 while True:  # every message that arrived, then wait while there is nothing to do
                     try:
                         apply(inbox.receive_nowait())
@@ -290,9 +292,5 @@ async def _serve(conn: Any, recipe: RolloutRecipe) -> None:
                 batch = await manager.generate_batch(buffer)
                 if sources.scores_batches:  # synchronous (judges run an event loop of their own): in a worker thread
                     batch = await trio.to_thread.run_sync(score_batch, batch, sources)
-                # under the names trainer.rl's ResumePoints keeps them by
-                snapshot = {"data_buffer": buffer.state_dict(), "rollout_manager": manager.state_dict()}
-                conn.send(("batch", step, batch, snapshot))
+                conn.send(("batch", step, batch, rollout_state(buffer, manager)))
                 step += 1
-            while True:  # all batches made: still answer pauses until the parent closes
-                apply(await inbox.receive())

@@ -101,6 +101,12 @@ def apply_sample_transforms(samples: Sequence[Sample], transforms: Sequence[Samp
     return functools.reduce(lambda acc, t: list(t(acc)), transforms, list(samples))
 
 
+def group_ids(samples: Sequence[Sample]) -> list[Any]:
+    """Each sample's group (the samples of one prompt): the rollout manager's run-wide metadata group_uid, else
+    (samples built elsewhere) its group_index."""
+    return [s.metadata.get("group_uid", s.group_index) for s in samples]
+
+
 def compute_response_lengths(samples: Sequence[Sample]) -> list[int]:
     return [s.response_length for s in samples]
 
@@ -209,7 +215,6 @@ def build_batch_metadata(samples: Sequence[Sample], *, current_weight_version: i
     """Scalar statistics of a batch for logging (all plain Python numbers, JSON-serialisable)."""
     rewards = [0.0 if s.reward is None else s.reward for s in samples]
     lengths = compute_response_lengths(samples)
-    staleness = [current_weight_version - s.weight_version for s in samples]
     meta: dict[str, Any] = {
         "num_samples": len(samples),
         "num_groups": len({s.group_index for s in samples}),
@@ -220,8 +225,6 @@ def build_batch_metadata(samples: Sequence[Sample], *, current_weight_version: i
         "truncated_fraction": _mean([float(s.status == Status.TRUNCATED) for s in samples]),
         "failed_fraction": _mean([float(s.status == Status.FAILED) for s in samples]),
         "weight_version": current_weight_version,
-        "staleness_max": max(staleness, default=0),
-        "staleness_mean": _mean(staleness),
         # Prompt tokens the engines did not prefill (their prefix caches held them: an episode's earlier turns)
         "prefill_tokens_reused": sum(s.metadata.get("prefill_tokens_reused", 0) for s in samples),
     }
