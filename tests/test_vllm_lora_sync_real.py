@@ -10,7 +10,9 @@ adapter on the synced engine object and on a copy pickled before the first sync 
 their default adapter; the second sync replaces the adapter (the first reference is then off); `last_sync_bytes`
 (the RL loop's `sync/bytes`) equals the adapter's bytes from the second sync on; requests naming the base (the
 served model) answer as the trainer's base, unmerged. A merged sync afterwards (lora="merged") clears the default
-and unregisters "policy": requests naming no adapter get the merged weights, naming "policy" is a 404.
+and unregisters "policy": requests naming no adapter get the merged weights, naming "policy" is a 404. Last, a run
+with train_unembed: its lm_head, trained outside the adapters, goes with them on every sync (sync bytes = adapters +
+lm_head; vLLM reloads that one layer), and "policy" is registered again.
 
 Base and adapter requests are never in flight together: vLLM 0.32's CPU build served a base row beside an adapter
 row with the adapter (tests/test_vllm_lora_real.py)."""
@@ -38,13 +40,25 @@ PROMPTS = [[1, 20, 21, 22], [1, 7, 8, 9, 10]]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
 
 
+def lora_trainer(*, train_unembed: bool = False):
+    """The trainer's model: another base than the served folder's (seed 5, not 0), rank-4 adapters on every
+    linear layer, with values."""
+    trainer, _ = tiny_qwen2(seed=5)
+    inject(trainer, LoRAConfig(rank=4, alpha=8.0, target_modules="all-linear", train_unembed=train_unembed))
+    perturb(trainer, 1)
+    return trainer
+
+
 def perturb(model, seed: int) -> None:
-    """New adapter values, as a train step would make (B starts at zero: the adapter would be a no-op)."""
+    """New adapter values (and a trained lm_head), as a train step would make (B starts at zero: the adapter would
+    be a no-op)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if is_adapter(n):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+            elif p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=g) * 0.02)
 
 
 def reference(model, merged: bool = True):
@@ -84,13 +98,12 @@ def stale_gap(ref, groups) -> float:
 
 def test_adapter_only_sync_to_vllm(tmp_path):
     write_model_folder(tmp_path / "model", seed=0)  # the served base: another model than the trainer's
-    trainer, _ = tiny_qwen2(seed=5)
-    inject(trainer, LoRAConfig(rank=4, alpha=8.0, target_modules="all-linear"))
-    perturb(trainer, 1)
+    trainer = lora_trainer()
     base_ref = reference(trainer, merged=False)
     base_bytes = sum(p.nbytes for _, p in named_weights(trainer))
     adapter_bytes = sum(layer.lora_A[ADAPTER].weight.nbytes + layer.lora_B[ADAPTER].weight.nbytes
                         for layer in lora_layers(trainer).values())
+    gaps = []
     port = free_port()
     proc = start_server(tmp_path / "model", port, tmp_path / "server.log",
                         extra=("--enforce-eager", "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2"),
@@ -109,7 +122,7 @@ def test_adapter_only_sync_to_vllm(tmp_path):
         assert eng.default_adapter == "policy"
         first = reference(trainer)
         named = trio.run(lambda: eng.generate(PROMPTS, GREEDY, adapter="policy"))
-        check(first, named)
+        gaps.append(check(first, named))
         check(first, trio.run(lambda: eng.generate(PROMPTS, GREEDY)))  # no name: the default adapter
 
         perturb(trainer, 2)
@@ -117,7 +130,7 @@ def test_adapter_only_sync_to_vllm(tmp_path):
         assert sender.last_sync_bytes == adapter_bytes  # sync/bytes = the adapter's bytes
         second = reference(trainer)
         replaced = trio.run(lambda: eng.generate(PROMPTS, GREEDY, adapter="policy"))
-        check(second, replaced)
+        gaps.append(check(second, replaced))
         assert stale_gap(first, replaced) > 0.1  # the second sync replaced the first adapter
         check(second, trio.run(lambda: copy.generate(PROMPTS, GREEDY)))  # the copy learnt the default from vLLM
         assert copy.default_adapter == "policy" and trio.run(copy.get_weight_version) == 2
@@ -135,6 +148,17 @@ def test_adapter_only_sync_to_vllm(tmp_path):
             trio.run(lambda: eng.generate(PROMPTS, GREEDY, adapter="policy"))
         assert err.value.status == 404
         merged.close()
+
+        unembed = lora_trainer(train_unembed=True)
+        lm_head_bytes = unembed.get_output_embeddings().weight.nbytes
+        sender = WeightSyncSender(unembed, [eng], timeout_s=120.0, weight_version=3)
+        sender.init_group()
+        assert sender.adapter_sync and sender.sync() == 4 and eng.default_adapter == "policy"
+        perturb(unembed, 3)
+        assert sender.sync() == 5 and sender.last_sync_bytes == adapter_bytes + lm_head_bytes
+        gaps.append(check(reference(unembed), trio.run(lambda: eng.generate(PROMPTS, GREEDY))))
+        print(f"vLLM after adapter syncs vs the float64 merged forward: max |log-prob gap| {max(gaps):.1e}; sync "
+              f"bytes: first {base_bytes + adapter_bytes}, then {adapter_bytes} (adapters; merged: {base_bytes})")
     finally:
         sender.close()
         stop_server(proc)
