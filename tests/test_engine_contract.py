@@ -295,9 +295,8 @@ def test_registry_builds_every_kind_from_its_spec():
     from engines.protocol import InferenceEngine
     from engines.registry import ENGINE_KINDS, EngineSpec, build_engine
     from engines.sglang import SGLangEngine
-    from engines.vllm import VLLMEngine
-
     from engines.tinker import TinkerEngine
+    from engines.vllm import VLLMEngine
 
     assert set(ENGINE_KINDS) == {"sglang", "vllm", "embedded", "local", "tinker"}
     sg = build_engine(EngineSpec("sglang", "http://a:1/", tp_size=4), model_folder="/m", api_key="k",
