@@ -10,9 +10,12 @@ sees its id, from `lora_path` (`WorkerLoRAManager._load_adapter`: a PEFT folder)
 - the worker's manager gets a loader for the paths `rlkernels-tensors://<name>` (TENSOR_PATH_SCHEME) that builds
   the LoRAModel from the received tensors with vLLM's own constructor for a PEFT state dict
   (`LoRAModel.from_lora_tensors`); a new name is registered through vLLM's route with that path;
-- a later sync replaces the LoRAModel under the id vLLM gave the name, in the worker's manager (remove + add,
-  between two engine steps). Not through the route with load_inplace=True: vLLM keeps that flag in the name's
-  LoRARequest and then rebuilds the adapter on every scheduler step (tried: log-probs off by several nats).
+- a later sync re-registers the LoRAModel, built from the new tensors, under the id vLLM gave the name, in the
+  worker's manager. vLLM's own finish_weight_update has already dropped every adapter of the worker
+  (`reset_lora_state`: adapters are derived state of the weights), so without this the next request naming it would
+  rebuild it through the loader anyway; building it here makes a bad adapter fail the sync, not a later request.
+  Not through the route with load_inplace=True: vLLM keeps that flag in the name's LoRARequest and then rebuilds the
+  adapter on every scheduler step (tried: log-probs off by several nats).
 An adapter that vLLM evicts from its CPU cache (--max-cpu-loras) is rebuilt by the same loader from the latest
 tensors.
 """
@@ -111,15 +114,15 @@ def install_loader(manager, store: AdapterStore) -> None:
 
 
 def apply_adapter(manager, store: AdapterStore, name: str) -> str:
-    """After a sync of adapter `name`: "replaced" when vLLM already serves the name (its LoRAModel is rebuilt from
-    the new tensors under the same id), else "new" (the caller registers it through /v1/load_lora_adapter with the
-    path `rlkernels-tensors://<name>`, which `install_loader` serves)."""
+    """After a sync of adapter `name`: "replaced" when vLLM already knows the name (its LoRAModel is built from the
+    new tensors and registered under the same id, in place of any previous one), else "new" (the caller registers
+    it through /v1/load_lora_adapter with the path `rlkernels-tensors://<name>`, which `install_loader` serves)."""
     install_loader(manager, store)
     lora_id = store.ids.get(name)
     adapter_manager = manager._adapter_manager
     if lora_id is None:
         return "new"
     lora = build_lora_model(manager, name, store.adapters[name], lora_id)  # before removing: a bad one keeps the old
-    adapter_manager.remove_adapter(lora_id)  # no-op when vLLM evicted it; the next request activates the new one
+    adapter_manager.remove_adapter(lora_id)  # a no-op after vLLM's reset_lora_state or an eviction
     adapter_manager.add_adapter(lora)
     return "replaced"
