@@ -42,3 +42,44 @@ def test_every_library_module_is_on_the_page():
 def test_the_check_sees_a_missing_path_and_a_row_relative_name():
     page = "| `engines/` | `embedded/lora.py` (x), `nothing_here.py` |\nsee `trainer/serve/`\n"
     assert named_paths(page) == {"engines/", "engines/embedded/lora.py", "engines/nothing_here.py", "trainer/serve/"}
+
+
+def long_functions(root: Path, limit: int) -> list[str]:
+    """Every function under `root` longer than `limit` lines (its def line to its last line), as path:name (n)."""
+    import ast
+
+    out = []
+    for p in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                n = node.end_lineno - node.lineno + 1
+                if n > limit:
+                    out.append(f"{p.relative_to(root.parent)}:{node.name} ({n} lines)")
+    return out
+
+
+def test_no_function_in_trainer_is_over_80_lines():
+    """The house rule the page states (a loop is setup + a readable step, not one long function)."""
+    assert long_functions(ROOT / "trainer", 80) == []
+
+
+def test_the_length_check_sees_a_long_function(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "m.py").write_text("def short():\n    return 1\n\n\ndef long():\n" + "    x = 1\n" * 81)
+    assert long_functions(pkg, 80) == ["pkg/m.py:long (82 lines)"]
+
+
+def test_the_library_never_imports_the_demo_tasks():
+    """The demo tasks live outside the library (examples/tasks/): kernels/, engines/ and trainer/ name them only in
+    text (configs, docstrings), never in an import."""
+    import ast
+
+    found = []
+    for pkg in ("kernels", "engines", "trainer"):
+        for p in (ROOT / pkg).rglob("*.py"):
+            for node in ast.walk(ast.parse(p.read_text())):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                found += [f"{p.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] == "examples"]
+    assert found == []
