@@ -6,12 +6,17 @@ through the SDK vs the embedded engine called in process.
     .venv/bin/python bench/bench_tinker.py   (the demo's RL batch: 64 prompts x 8 samples, the demo's model;
                                               a table and bench/results/tinker_<device>.json)
 
-Figures (medians over `repeats` after one warm-up):
+Figures (medians over `repeats` rounds after one warm-up, with their spread):
 - step_s: forward_backward (importance_sampling) + optim_step, submitted back to back, both results read;
-- overhead: sdk step_s / in-process step_s - 1 (goal <= 10 % at the demo's batch);
+- overhead: the median over rounds of sdk / in-process - 1 for the round's two steps (goal <= 10 % at the demo's
+  batch), and its range over rounds;
+- round_trip_over_server_compute: per SDK step, its wall time / the server's own forward_backward + optim_step time
+  on its worker - 1 (the server is started with those two timed, timed_server): what the API adds, measured on
+  the same steps;
 - sample_tok_s: completion tokens per second of `prompts` x n samples (SDK: one asample per prompt, all in flight;
   in process: one engine.generate of every prompt).
-The two sides run in turn (A, B, A, B) so that both see the same machine load; the server is its own process.
+The two sides run in turn, the order flipped each round (A B, B A, ...), so that both see the same machine load;
+the server is its own process. load_avg: the machine's 1-minute load before and after (a shared machine's noise).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import numpy as np
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-DEMO = {"samples": 512, "prompt": 20, "response": 6, "prompts": 64, "n": 8, "repeats": 4}
+DEMO = {"samples": 512, "prompt": 20, "response": 6, "prompts": 64, "n": 8, "repeats": 8}
 SMALL = {"samples": 16, "prompt": 8, "response": 4, "prompts": 4, "n": 2, "repeats": 2}
 RANK = 32  # Tinker's default LoRA rank
 
@@ -60,18 +65,22 @@ def rl_batch(size: dict, vocab: int, seed: int = 0) -> list[tuple[list[int], lis
     return out
 
 
-def _alternate(fns: dict, repeats: int) -> dict[str, float]:
-    """Median seconds of each function, called in turn (A, B, A, B, ...) after one warm-up call each: on a shared
-    machine both sides see the same load."""
+def _alternate(fns: dict, repeats: int) -> dict[str, list[float]]:
+    """Seconds of each call of each function, called in turn after one warm-up call each, the order flipped every
+    round (A B, B A, ...): on a shared machine both sides see the same load."""
     for fn in fns.values():
         fn()
     times = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
+    for r in range(repeats):
+        for k in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
             t = time.perf_counter()
-            fn()
+            fns[k]()
             times[k].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return times
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def local_side(folder: Path, batch, size: dict) -> tuple:
@@ -129,6 +138,37 @@ def sdk_side(url: str, batch, size: dict) -> tuple:
     return step, sample, counted
 
 
+def timed_server(config: str, log: str) -> int:
+    """`python -m trainer serve` with each forward_backward and optim_step the worker runs timed into `log` (lines
+    "run|opt START END"): the server's own compute of each SDK step. The round trip's cost is then measured on the
+    same steps (SDK wall time - the server's compute), which a shared machine's load moves far less than the ratio
+    of two processes' wall times."""
+    from trainer.backend import protocol
+    from trainer.serve import app
+
+    out = open(log, "a", buffering=1)
+
+    def timed(kind: str, fn):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            result = fn(*args, **kwargs)
+            out.write(f"{kind} {start} {time.perf_counter()}\n")
+            return result
+        return run
+
+    cls = protocol.LocalLoraBackend
+    cls._run, cls._optim_step = timed("run", cls._run), timed("opt", cls._optim_step)
+    return app.main(config)
+
+
+def _server_compute(log: Path) -> list[float]:
+    """Seconds of forward_backward + optim_step on the server's worker, per SDK step, in order."""
+    rows = [line.split() for line in log.read_text().splitlines()]
+    runs = [float(b) - float(a) for kind, a, b in rows if kind == "run"]
+    opts = [float(b) - float(a) for kind, a, b in rows if kind == "opt"]
+    return [r + o for r, o in zip(runs, opts)]
+
+
 def measure(size: dict) -> dict:
     from transformers import AutoConfig
 
@@ -140,7 +180,11 @@ def measure(size: dict) -> dict:
     config = root / "serve.toml"
     config.write_text(f'[serve]\nport = 0\noutput_dir = "{root / "out"}"\n'
                       f'models = [{{name = "demo", path = "{folder}"}}]\n')
-    proc, url = start_subprocess(config, env={**os.environ, "RLKERNELS_API_KEY": "tml-bench"})
+    log = root / "server_compute.log"
+    proc, url = start_subprocess(config, env={**os.environ, "RLKERNELS_API_KEY": "tml-bench"},
+                                 argv=[sys.executable, os.path.abspath(__file__), "--timed-server", str(config),
+                                       str(log)])
+    load = [os.getloadavg()[0]]
     try:
         l_step, l_sample, l_count, engine = local_side(folder, batch, size)
         s_step, s_sample, s_count = sdk_side(url, batch, size)
@@ -150,18 +194,26 @@ def measure(size: dict) -> dict:
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
+    load.append(os.getloadavg()[0])
+    ratios = [s / i - 1 for s, i in zip(steps["sdk"], steps["in_process"])]
+    compute = _server_compute(log)[1:]  # the first is the warm-up's
+    round_trip = [s / c - 1 for s, c in zip(steps["sdk"], compute)]
     tokens = {"in_process": statistics.median(l_count), "sdk": statistics.median(s_count)}
-    return {"size": size, "step_s": steps, "overhead": steps["sdk"] / steps["in_process"] - 1,
-            "sample_tok_s": {k: tokens[k] / samples[k] for k in samples}}
+    return {"size": size, "step_s": {**{k: _spread(v) for k, v in steps.items()}, "server_compute": _spread(compute)},
+            "overhead": _spread(ratios), "round_trip_over_server_compute": _spread(round_trip),
+            "sample_tok_s": {k: _spread([tokens[k] / t for t in v]) for k, v in samples.items()},
+            "load_avg": load}
 
 
 def test_tinker_overhead(benchmark):
     figures = benchmark.pedantic(measure, args=(SMALL,), rounds=1, iterations=1)
     benchmark.extra_info.update(figures)
-    assert figures["step_s"]["sdk"] > 0 and figures["sample_tok_s"]["in_process"] > 0
+    assert figures["step_s"]["sdk"]["median"] > 0 and figures["sample_tok_s"]["in_process"]["median"] > 0
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--timed-server"]:
+        sys.exit(timed_server(sys.argv[2], sys.argv[3]))
     import torch
 
     figures = measure(DEMO)

@@ -280,10 +280,11 @@ def main(config_path: str) -> int:
 
 
 
-def start_subprocess(config_path: str | os.PathLike, *, env: dict | None = None,
-                     timeout_s: float = 180.0) -> tuple[subprocess.Popen, str]:
+def start_subprocess(config_path: str | os.PathLike, *, env: dict | None = None, timeout_s: float = 180.0,
+                     argv: list[str] | None = None) -> tuple[subprocess.Popen, str]:
     """`python -m trainer serve --config <config_path>` as a child process (tests, benchmarks): (process, base
-    URL) once it prints its address. Stop it with SIGINT or SIGTERM (exit 0)."""
+    URL) once it prints its address. Stop it with SIGINT or SIGTERM (exit 0). argv: another command that serves
+    the same way (a benchmark's instrumented server)."""
     import sys
     import time
 
@@ -291,7 +292,8 @@ def start_subprocess(config_path: str | os.PathLike, *, env: dict | None = None,
     # TRITON_INTERPRET=0: the embedded engine's kernels take their device's production path, never the Triton
     # interpreter a test process turns on for itself (as engines.embedded.launch.engine_env does for engines).
     env = {**(os.environ if env is None else env), "TRITON_INTERPRET": "0"}
-    proc = subprocess.Popen([sys.executable, "-m", "trainer", "serve", "--config", str(config_path)], cwd=root,
+    argv = argv or [sys.executable, "-m", "trainer", "serve", "--config", str(config_path)]
+    proc = subprocess.Popen(argv, cwd=root,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline, lines = time.monotonic() + timeout_s, []
     while time.monotonic() < deadline:  # readline blocks: the deadline bounds a server that prints and hangs
