@@ -420,7 +420,7 @@ def test_a_value_head_trains_beside_the_adapters():
 
     from trainer.backend.steps import trainer_config_from
     from trainer.config import OptimConfig, RLTrainingConfig, RolloutConfig
-    from trainer.rl import _reference_components, train_on_batch
+    from trainer.rl import _reference_components, local_backend, train_on_batch
     from trainer.types import RolloutBatch
     from trainer.weight_sync.common import named_weights
 
@@ -440,7 +440,7 @@ def test_a_value_head_trains_beside_the_adapters():
     for step in range(2):
         samples = [dataclasses.replace(s, reward=float((i * 7 + step) % 5) / 4)
                    for i, s in enumerate(w.step_samples(step, 12))]
-        m, state = train_on_batch(comp, state, RolloutBatch(samples), rl, tcfg, pad_id=0, ref_components=ref)
+        m, state = train_on_batch(local_backend(comp, rl, tcfg, pad_id=0, ref=ref), state, RolloutBatch(samples), rl)
         metrics.append(m)
     assert all(math.isfinite(m["loss"]) and math.isfinite(m["critic/value_loss"]) for m in metrics)
     assert metrics[1]["kl"] > 0  # the reference is the frozen base (adapters off), the policy moved off it

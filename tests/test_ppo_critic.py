@@ -16,6 +16,7 @@ import torch
 from device_support import cpu_child_env
 from engine_support import digit_fraction
 
+import trainer.backend.local as local_backend_module
 import trainer.rl as rl
 from engines.local import LocalEngine
 from engines.tiny import build_tokenizer, tiny_model_config
@@ -114,7 +115,7 @@ def _reference(s: Sample, values: torch.Tensor, gamma: float, lam: float) -> tup
 
 
 class Captured:
-    """Wraps trainer.rl.forward_backward: keeps the micro-batches each call trains on."""
+    """Wraps trainer.backend.local.forward_backward: keeps the micro-batches each call trains on."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[object, list]] = []
@@ -138,11 +139,11 @@ def test_the_steps_advantages_and_returns_equal_the_reference_per_sample(tmp_pat
     kept = [i for i, s in enumerate(samples) if s.status != Status.FAILED]
     ref_values = {i: _plain_values(critic, samples[i]) for i in kept}  # before the update
     captured = Captured()
-    monkeypatch.setattr(rl, "forward_backward", captured)
+    monkeypatch.setattr(local_backend_module, "forward_backward", captured)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the FAILED sample's warning
-        metrics, _ = rl.train_on_batch(comp, TrainingState(), RolloutBatch(samples), cfg, tcfg, pad_id=0,
-                                       critic=critic)
+        metrics, _ = rl.train_on_batch(rl.local_backend(comp, cfg, tcfg, pad_id=0, critic=critic), TrainingState(),
+                                       RolloutBatch(samples), cfg)
     (pol, mbs), (crit, crit_mbs) = captured.calls
     assert pol is comp and crit is critic and crit_mbs == mbs  # both models train on the same targets
     assert len(mbs) > 1, "the token budget should split the batch into several packed micro-batches"
@@ -270,7 +271,7 @@ def test_the_critic_checkpoint_round_trip_is_bit_exact(tmp_path):
     comp, critic = fresh()
     state = TrainingState()
     for _ in range(2):
-        _, state = rl.train_on_batch(comp, state, batch, cfg, tcfg, pad_id=0, critic=critic)
+        _, state = rl.train_on_batch(rl.local_backend(comp, cfg, tcfg, pad_id=0, critic=critic), state, batch, cfg)
     save_checkpoint(comp, state, critic=critic)
     comp2, critic2 = fresh()
     state2, _ = load_checkpoint(comp2, tmp_path, critic=critic2)
@@ -284,8 +285,8 @@ def test_the_critic_checkpoint_round_trip_is_bit_exact(tmp_path):
         assert len(sa) == len(sb) > 0 and all(torch.equal(x, y) for x, y in zip(sa, sb))
         assert a.scheduler.state_dict() == b.scheduler.state_dict()
     # The next step from the checkpoint is the same step: the same value loss, to the bit.
-    m1, _ = rl.train_on_batch(comp, state, batch, cfg, tcfg, pad_id=0, critic=critic)
-    m2, _ = rl.train_on_batch(comp2, state2, batch, cfg, tcfg, pad_id=0, critic=critic2)
+    m1, _ = rl.train_on_batch(rl.local_backend(comp, cfg, tcfg, pad_id=0, critic=critic), state, batch, cfg)
+    m2, _ = rl.train_on_batch(rl.local_backend(comp2, cfg, tcfg, pad_id=0, critic=critic2), state2, batch, cfg)
     for key in ("critic/value_loss", "critic/grad_norm", "critic/explained_variance", "loss", "grad_norm"):
         assert m1[key] == m2[key], key
     # A checkpoint without a critic does not resume a run with one (nor the reverse).

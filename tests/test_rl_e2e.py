@@ -197,7 +197,7 @@ def test_failed_samples_leave_the_loss_and_their_group_statistics():
 
 def test_train_on_batch_trains_exactly_on_the_scored_samples():
     """The step's loss and gradient equal those of a batch holding only the samples that can be trained on."""
-    from trainer.rl import train_on_batch
+    from trainer.rl import local_backend, train_on_batch
     from trainer.types import TrainingState
 
     cfg = _config("/tmp/unused", loss={"loss_agg": "seq-mean-token-mean"})
@@ -214,9 +214,8 @@ def test_train_on_batch_trains_exactly_on_the_scored_samples():
         comp = build_components(tiny_model_config("llama"), tcfg)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            metrics, _ = train_on_batch(comp, TrainingState(), RolloutBatch(samples=batch), cfg,
-                                        tcfg.replace(optim=OptimConfig(lr=1e-12)),
-                                        pad_id=TOK.pad_token_id)
+            backend = local_backend(comp, cfg, tcfg.replace(optim=OptimConfig(lr=1e-12)), pad_id=TOK.pad_token_id)
+            metrics, _ = train_on_batch(backend, TrainingState(), RolloutBatch(samples=batch), cfg)
         grads.append(metrics["grad_norm"])
         if batch is samples:
             assert metrics["rollout/failed_fraction"] == 4 / 12 and metrics["train/excluded_fraction"] == 5 / 12
@@ -230,11 +229,12 @@ def test_old_logprobs_take_a_forward_of_their_own_only_with_several_epochs(monke
     forward, and the step's numbers equal those of a step that does recompute them (forced here) to float32
     rounding, over several micro-batches, for each objective and correction. ppo_epochs = 2 moves the policy
     between epochs, so it recomputes."""
+    import trainer.backend.local as local
     import trainer.rl as rl
 
     calls = []
-    real = rl.compute_logprobs
-    monkeypatch.setattr(rl, "compute_logprobs", lambda comp, mbs: calls.append(len(mbs)) or real(comp, mbs))
+    real = local.compute_logprobs
+    monkeypatch.setattr(local, "compute_logprobs", lambda comp, mbs: calls.append(len(mbs)) or real(comp, mbs))
     g = torch.Generator().manual_seed(1)
     samples = [dataclasses.replace(s, rollout_logprobs=(-torch.rand(2, generator=g)).tolist())
                for s in _scored_group(0, [0.0, 1.0, 0.5, 0.2]) + _scored_group(1, [0.3, 0.9, 0.1, 0.6])]
@@ -250,8 +250,8 @@ def test_old_logprobs_take_a_forward_of_their_own_only_with_several_epochs(monke
         tcfg = trainer_config_from(cfg, compile=False)
         torch.manual_seed(3)  # the same initial weights on every call
         comp = build_components(tiny_model_config("llama"), tcfg)
-        metrics, _ = rl.train_on_batch(comp, rl.TrainingState(), RolloutBatch(samples=samples), cfg, tcfg,
-                                       pad_id=TOK.pad_token_id)
+        backend = rl.local_backend(comp, cfg, tcfg, pad_id=TOK.pad_token_id)
+        metrics, _ = rl.train_on_batch(backend, rl.TrainingState(), RolloutBatch(samples=samples), cfg)
         monkeypatch.setattr(rl, "needs_old_logprobs", real_needs)
         weights = [p.detach() for p in comp.model.parameters()]  # FSDP2: DTensors
         weights = [w.full_tensor() if hasattr(w, "full_tensor") else w for w in weights]

@@ -203,7 +203,7 @@ def gae_steps(policy, critic, steps: range) -> list[dict]:
     """train_on_batch's metrics of each step on step_samples(step, 12), each sample rewarded by its index."""
     import dataclasses
 
-    from trainer.rl import train_on_batch
+    from trainer.rl import local_backend, train_on_batch
     from trainer.types import RolloutBatch
 
     rl, tcfg = gae_config()
@@ -211,7 +211,8 @@ def gae_steps(policy, critic, steps: range) -> list[dict]:
     for step in steps:
         samples = [dataclasses.replace(s, reward=float((i * 7 + step) % 5) / 4)
                    for i, s in enumerate(step_samples(step, 12))]
-        metrics, state = train_on_batch(policy, state, RolloutBatch(samples), rl, tcfg, pad_id=0, critic=critic)
+        backend = local_backend(policy, rl, tcfg, pad_id=0, critic=critic)
+        metrics, state = train_on_batch(backend, state, RolloutBatch(samples), rl)
         out.append(metrics)
     return out
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import time
 import warnings
@@ -34,29 +35,25 @@ import torch
 from engines.protocol import InferenceEngine
 from engines.weight_sync.wire import WeightSyncError
 from kernels.advantages import advantage_estimator
-from trainer.backend.attention import supports_shared_prompts
 from trainer.backend.checkpoint import Checkpointer, load_latest
-from trainer.backend.critic import attach_gae, build_critic, sum_across_ranks, token_rewards
-from trainer.backend.futures import TrainFuture
+from trainer.backend.critic import build_critic
 from trainer.backend.heap import frozen_heap
-from trainer.backend.lora import adapters_disabled, is_lora
+from trainer.backend.local import LocalBackend, to_datums
+from trainer.backend.lora import is_lora
+from trainer.backend.protocol import TrainingBackend
+from trainer.backend.remote import RemoteCheckpointer, remote_resume
 from trainer.backend.steps import (
     TrainerConfig,
     TrainingComponents,
+    advanced,
     build_components,
-    compute_logprobs,
-    compute_values,
-    forward_backward,
     frozen_copy,
-    optim_step,
     trainer_config_from,
 )
-from trainer.batching.micro_batches import attach_logprobs, build_micro_batches
-from trainer.batching.shared_prompt import build_shared_micro_batches
 from trainer.config import GAE, DataConfig, RLTrainingConfig, RolloutConfig
 from trainer.evaluation import Evaluation
 from trainer.metrics import MetricsLogger, open_logger, progress
-from trainer.rollout.dumps import RolloutDumps, rollout_rows, sample_logprobs, table_rows, write_rollouts
+from trainer.rollout.dumps import RolloutDumps, rollout_rows, table_rows, write_rollouts
 from trainer.rollout.resume import ResumePoints
 from trainer.rollout.samples import build_batch_metadata, group_ids, pad_token_id
 from trainer.rollout.service import rollout_service
@@ -65,6 +62,8 @@ from trainer.stops import RunStopped
 from trainer.types import RolloutBatch, Sample, Status, TrainingState
 
 if TYPE_CHECKING:
+    from trainer.rewards.sources import RewardSources
+    from trainer.rollout.manager import AsyncRolloutManager
     from trainer.weight_sync import WeightSync
 
 
@@ -194,25 +193,9 @@ def _batch_metrics(batch: RolloutBatch) -> dict[str, float]:
             **{k: numeric[k] for k in ("reward_mean", "response_length_mean", "num_samples")}}
 
 
-def train_on_batch(components: TrainingComponents, state: TrainingState, batch: RolloutBatch,
-                   config: RLTrainingConfig, tcfg: TrainerConfig, *, pad_id: int,
-                   ref_components: TrainingComponents | None = None,
-                   critic: TrainingComponents | None = None) -> tuple[dict, TrainingState]:
-    """advantages -> pack -> (old/ref log-probs) -> ppo_epochs x (forward_backward -> optim_step); returns metrics.
-
-    The engine's log-probs ride along whenever the engine returned them: the loss then reports the
-    engine-vs-trainer mismatch metrics, and applies the off-policy correction when one is configured.
-    "gae": the per-token advantages come after packing, from the values of the critic (`critic`, built by
-    trainer.backend.critic.build_critic for [rl.critic] kind = "model"; the policy's own head for kind = "head")
-    before the update; each epoch then also trains the critic (its forward_backward and optim_step), and the metrics
-    gain critic/* (trainer.backend.critic).
-    """
-    gae = config.advantage_estimator == GAE
-    assert gae or critic is None, "a critic is for advantage_estimator = \"gae\" only"
-    if gae and (critic is None) != (config.critic.kind == "head"):
-        need = ("the separate critic: pass critic=trainer.backend.critic.build_critic(components, tcfg)"
-                if critic is None else "no separate critic (the value head is the policy's own)")
-        raise ValueError(f"advantage_estimator = \"gae\" with [rl.critic] kind = {config.critic.kind!r} needs {need}")
+def _trainable(batch: RolloutBatch, config: RLTrainingConfig) -> tuple[list[Sample], list[float], dict[str, float]]:
+    """The samples the step trains on, their advantages ("gae": 0, the backend computes them per token from the
+    critic) and the counts of the ones left out; an error when none is left or the correction lacks its inputs."""
     samples = list(batch.samples)
     keep, metrics = trained_samples(samples, config.advantage_estimator, mask_truncated=config.rollout.mask_truncated)
     if not keep:
@@ -222,7 +205,7 @@ def train_on_batch(components: TrainingComponents, state: TrainingState, batch: 
         raise RunStopped(f"no sample of this batch can be trained on ({len(samples)} samples, {masked} truncated and "
                          f"masked ([rl.rollout] mask_truncated), the others failed or in groups with fewer than two "
                          f"scored samples); first error: {errors[0] if errors else None}")
-    # "gae": 0 for now, per token once the values are known (attach_gae below).
+    gae = config.advantage_estimator == GAE
     advantages = [0.0] * len(samples) if gae else compute_advantages(samples, config.advantage_estimator)
     samples, advantages = [samples[i] for i in keep], [advantages[i] for i in keep]
     correction = config.loss.rollout_correction
@@ -230,57 +213,47 @@ def train_on_batch(components: TrainingComponents, state: TrainingState, batch: 
         raise ValueError(f"loss.rollout_correction={correction!r} needs the engine's log-probs on every sample, "
                          f"but the engine returned none for some; use an engine that returns them or set "
                          f"[rl.loss] rollout_correction = \"none\"")
-    # The shared-prompt layout runs a group's prompt once (the same loss); plain where the attention has no tree mask.
-    build = build_shared_micro_batches if tcfg.share_prompts and supports_shared_prompts(components.model) \
-        else build_micro_batches
-    mbs = build(samples, token_budget=tcfg.token_budget, bucket_size=tcfg.micro_batch_buckets, advantages=advantages,
-                pad_id=pad_id, num_ranks=components.world_size, rank=components.rank)
-    rewards = [token_rewards(mb, [s.reward for s in samples]) for mb in mbs] if gae else None  # host, [L] per mb
-    if needs_old_logprobs(config):
-        mbs = attach_logprobs(mbs, compute_logprobs(components, mbs), "old_logprobs")
-    if ref_components is not None:  # LoRA: the policy itself, its adapters off (trainer.backend.lora)
-        with adapters_disabled(ref_components.model):
-            mbs = attach_logprobs(mbs, compute_logprobs(ref_components, mbs), "ref_logprobs")
-    gae_stats = None
-    if gae:  # the values before the update -> per-token advantages and returns
-        mbs, stats = attach_gae(mbs, compute_values(critic or components, mbs), rewards,
-                                gamma=config.gamma, lam=config.lam, whiten_advantages=config.whiten_advantages,
-                                sum_across=sum_across_ranks(components))
-        gae_stats = TrainFuture.record(stats, components.device)
-    futures = []
-    for _ in range(config.ppo_epochs):
-        fut = forward_backward(components, mbs, tcfg)
-        opt_fut, state = optim_step(components, state, tcfg, num_tokens=fut.num_tokens)
-        futures.append((fut, opt_fut))
-        if critic is not None:
-            c_fut = forward_backward(critic, mbs)
-            c_opt, _ = optim_step(critic, state, num_tokens=c_fut.num_tokens)  # the run's state is the policy's
-            futures.append((_CriticNames(c_fut), _CriticNames(c_opt)))
-    # Reading the futures is the step's only host sync; every epoch's are read so that a deferred input error
-    # of any epoch is raised. The metrics are the last epoch's.
-    for fut, opt_fut in futures:
-        metrics.update(fut.result())
-        metrics.update(opt_fut.result())
-    if gae_stats is not None:
-        metrics.update(gae_stats.result())
+    return samples, advantages, metrics
+
+
+def train_on_batch(backend: TrainingBackend, state: TrainingState, batch: RolloutBatch,
+                   config: RLTrainingConfig) -> tuple[dict, TrainingState]:
+    """advantages -> datums -> ppo_epochs x (forward_backward -> optim_step) through `backend`; returns the metrics
+    and the next state.
+
+    The backend packs and trains (trainer.backend.local.LocalBackend: micro-batches, pi_old, the KL reference, the
+    critic's GAE; trainer.backend.remote.TinkerPolicy: a Tinker-API server). The engine's log-probs ride along in
+    the datums whenever the engine returned them: the loss then reports the engine-vs-trainer mismatch metrics, and
+    applies the off-policy correction when one is configured.
+    """
+    samples, advantages, metrics = _trainable(batch, config)
+    datums, extra = to_datums(samples, advantages)  # extra: prompt lengths, rewards ("gae": the critic's targets)
+    futures = [(backend.forward_backward(datums, "policy", extra), backend.optim_step())
+               for _ in range(config.ppo_epochs)]
+    # Reading the futures is the step's only host sync; every epoch's are read so that a deferred input error of any
+    # epoch is raised. The metrics are the last epoch's.
+    for fb, opt in futures:
+        metrics.update(fb.result().metrics)
+        metrics.update(opt.result())
+    num_tokens = sum(sum(s.effective_loss_mask) for s in samples)  # the loss tokens (every prompt_length >= 1)
+    for _ in futures:
+        state = advanced(state, num_tokens)
     return {k: float(v) for k, v in metrics.items()}, state
 
 
-class _CriticNames:
-    """A separate critic's future read under critic/ names: its loss is critic/value_loss, its grad_norm and lr
-    critic/grad_norm and critic/lr (its own metrics are critic/* already; num_tokens is the policy's)."""
-
-    def __init__(self, fut: Any) -> None:
-        self.fut = fut
-
-    def result(self) -> dict:
-        out = {}
-        for k, v in self.fut.result().items():
-            if k == "loss":
-                out["critic/value_loss"] = v
-            elif k != "num_tokens":
-                out[k if k.startswith("critic/") else f"critic/{k}"] = v
-        return out
+def local_backend(components: TrainingComponents, config: RLTrainingConfig, tcfg: TrainerConfig, *, pad_id: int,
+                  ref: TrainingComponents | None = None, critic: TrainingComponents | None = None) -> LocalBackend:
+    """The RL step's LocalBackend over `components`: the KL reference `ref` (kl_coef > 0: _reference_components),
+    GAE's separate critic (trainer.backend.critic.build_critic for [rl.critic] kind = "model"; the policy's own head
+    for kind = "head"), pi_old by a forward of its own when needs_old_logprobs."""
+    gae = config.advantage_estimator == GAE
+    assert gae or critic is None, "a critic is for advantage_estimator = \"gae\" only"
+    if gae and (critic is None) != (config.critic.kind == "head"):
+        need = ("the separate critic: pass critic=trainer.backend.critic.build_critic(components, tcfg)"
+                if critic is None else "no separate critic (the value head is the policy's own)")
+        raise ValueError(f"advantage_estimator = \"gae\" with [rl.critic] kind = {config.critic.kind!r} needs {need}")
+    return LocalBackend(components, tcfg, pad_id=pad_id, ref=ref, critic=critic,
+                        old_logprobs=needs_old_logprobs(config))
 
 
 def describe_objective(config: RLTrainingConfig) -> str:
@@ -298,29 +271,98 @@ def describe_objective(config: RLTrainingConfig) -> str:
             f"{lo.rollout_correction!r} ({why}; [rl.loss] rollout_correction chooses)")
 
 
+@dataclasses.dataclass(eq=False)
+class _RLRun:
+    """A built RL run (`_setup`): what the loop reads. Mutable state: `state`, the loop's current TrainingState (the
+    checkpointer reads it at save time), and `history`, the metrics of the steps trained so far."""
+
+    config: RLTrainingConfig
+    tcfg: TrainerConfig
+    backend: TrainingBackend
+    components: TrainingComponents | None  # None: the optimisation runs on a Tinker-API server
+    engines: Sequence[InferenceEngine]
+    sender: WeightSync
+    manager: AsyncRolloutManager
+    rewards: RewardSources
+    points: ResumePoints
+    logger: MetricsLogger
+    pad_id: int
+    state: TrainingState
+    ckpt: Checkpointer | None = None
+    probe_prompts: Sequence[Sequence[int]] | None = None
+    on_step: Callable[[int, dict], None] | None = None
+    evaluation: Evaluation | None = None
+    dumps: RolloutDumps | None = None
+    history: list[dict] = dataclasses.field(default_factory=list)
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.components is None else self.components.rank
+
+
+def _setup(model: Any, data_buffer: Any, config: RLTrainingConfig, tcfg: TrainerConfig, *, tokenizer: Any,
+           reward_fn: Any, reward_timeout_s: float | None, components: TrainingComponents | None,
+           backend: TrainingBackend | None, logger: Any, resume: bool, **parts: Any) -> _RLRun:
+    """Build the run: the backend (local: the components, the KL reference and the critic; or the remote one given),
+    the reward sources, the rollout manager, the state (resumed), the checkpointer and the metrics logger."""
+    from trainer.rewards.sources import as_reward_sources
+    from trainer.rollout.manager import AsyncRolloutManager
+
+    pad_id = pad_token_id(tokenizer)  # what packed rows pad with
+    comp = critic = None
+    if backend is None:
+        comp = components or build_components(model, tcfg)
+        ref = _reference_components(comp, tcfg) if config.loss.kl_coef > 0 else None  # frozen starting weights
+        critic = build_critic(comp, tcfg)  # "gae" with a separate critic: from the starting weights; else None
+        backend = local_backend(comp, config, tcfg, pad_id=pad_id, ref=ref, critic=critic)
+    # Built once: per-sample sources score inside the rollout, per-batch ones (models, judges) after it.
+    rewards = as_reward_sources(reward_fn, timeout_s=reward_timeout_s)
+    manager = AsyncRolloutManager(parts["engines"], config.rollout, tokenizer=tokenizer,
+                                  reward_fn=rewards.rollout_reward(), deterministic=config.deterministic)
+    resumable = {"data_buffer": data_buffer, "rollout_manager": manager}  # restored with the weights on resume
+    if comp is None:
+        state = remote_resume(backend, tcfg.output_dir, resumable) if resume else TrainingState()
+    else:
+        state = _resume(comp, tcfg.output_dir, resumable, critic=critic) if resume else TrainingState()
+    # A checkpoint of step n holds the data position and rollout state of when batch n was drawn, not the live
+    # ones (batch n+1 may be drawn already): the resumed run draws exactly the batches an uninterrupted one would.
+    points = ResumePoints(resumable, step=state.step, keep=config.generation_ahead + 2)
+    logger = open_logger(logger, Path(tcfg.output_dir) / "metrics.jsonl", enabled=comp is None or comp.rank == 0,
+                         keep_through=state.step)
+    run = _RLRun(config=config, tcfg=tcfg, backend=backend, components=comp, manager=manager, rewards=rewards,
+                 points=points, logger=logger, pad_id=pad_id, state=state, **parts)
+    extra = lambda: points.at(run.state.step)  # noqa: E731 - read at save time
+    run.ckpt = Checkpointer(comp, lambda: run.state, extra, save_every=tcfg.save_every, critic=critic) if comp \
+        else RemoteCheckpointer(None, lambda: run.state, extra, save_every=tcfg.save_every, backend=backend,
+                                output_dir=tcfg.output_dir)
+    return run
+
+
 def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, engines: Sequence[InferenceEngine],
                     sender: WeightSync, tokenizer: Any, reward_fn: Any, trainer_config: TrainerConfig | None = None,
-                    components: TrainingComponents | None = None,
+                    components: TrainingComponents | None = None, backend: TrainingBackend | None = None,
                     logger: MetricsLogger | Callable[[int], MetricsLogger] | None = None, resume: bool = False,
                     probe_prompts: Sequence[Sequence[int]] | None = None,
                     on_step: Callable[[int, dict], None] | None = None,
                     reward_timeout_s: float | None = DataConfig.reward_timeout_s,
                     evaluation: Evaluation | None = None, dumps: RolloutDumps | None = None,
-                    ) -> tuple[TrainingComponents, TrainingState, list[dict]]:
+                    ) -> tuple[TrainingComponents | None, TrainingState, list[dict]]:
     """Train with GRPO/PPO for config.num_steps steps; returns (components, final state, per-step metrics).
 
-    model: a folder, an HF config or a built TrainModule (ignored when `components` is given, e.g. after SFT).
-    data_buffer: trainer.data.buffer.DataBuffer of prompts (with answers in metadata for verifiable rewards).
+    model: a folder, an HF config or a built TrainModule (ignored when `components` or `backend` is given, e.g.
+    after SFT). backend: where the optimisation runs instead of this process (trainer.backend.remote.TinkerPolicy: a
+    Tinker-API server; the returned components are then None). data_buffer: trainer.data.buffer.DataBuffer of
+    prompts (with answers in metadata for verifiable rewards).
     engines: InferenceEngine objects (built by engines.registry). Their weights are synced from the trainer at the
     start (so they serve the policy being trained) and every `sync_every` steps, through `sender`: a
-    trainer.weight_sync sender (WeightSyncSender, or DiskWeightSync) to those engines whose group is already up;
-    the caller owns it (init_group before, close after). tokenizer: the model's (prompts, stop tokens, the pad
-    id). reward_fn: the reward, as built RewardSources (trainer.rewards.sources.build_reward_sources: [rewards]
-    sources, rules, reward models and judges, each source's metrics logged), or as a function of a Sample or a name
-    trainer.rewards.rules.load_reward_fn resolves (the [data].reward shorthand: one rule), whose call longer than
-    `reward_timeout_s` (None: no limit) marks its sample FAILED instead of stalling the step. None: the episodes'
-    environment or rollout_fn gives each reward ([rl.rollout] env / rollout_fn); an episode given none is FAILED
-    (trainer.rewards.rules.no_reward).
+    trainer.weight_sync sender (WeightSyncSender, or DiskWeightSync; trainer.backend.remote.TinkerSync with a
+    remote backend) to those engines whose group is already up; the caller owns it (init_group before, close
+    after). tokenizer: the model's (prompts, stop tokens, the pad id). reward_fn: the reward, as built RewardSources
+    (trainer.rewards.sources.build_reward_sources: [rewards] sources, rules, reward models and judges, each
+    source's metrics logged), or as a function of a Sample or a name trainer.rewards.rules.load_reward_fn resolves
+    (the [data].reward shorthand: one rule), whose call longer than `reward_timeout_s` (None: no limit) marks its
+    sample FAILED instead of stalling the step. None: the episodes' environment or rollout_fn gives each reward
+    ([rl.rollout] env / rollout_fn); an episode given none is FAILED (trainer.rewards.rules.no_reward).
     Writes metrics.jsonl and checkpoints under config.output_dir (`logger`: where the metrics go instead, e.g.
     trainer.tracking.build_logger's); resume=True continues from the newest complete checkpoint there (data
     position and partial-rollout cache included). Ctrl-C writes a checkpoint first. `evaluation`
@@ -328,83 +370,84 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
     at the last step, logged with the step. `dumps` (trainer.rollout.dumps.RolloutDumps): the samples of every
     N-th step written out (with the trainer's log-probs before the update) and a few shown as a table.
     """
-    from trainer.rewards.sources import as_reward_sources
-    from trainer.rollout.manager import AsyncRolloutManager
-
     tcfg = trainer_config or trainer_config_from(config)
-    comp = components or build_components(model, tcfg)
-    ref = _reference_components(comp, tcfg) if config.loss.kl_coef > 0 else None  # frozen starting weights
-    critic = build_critic(comp, tcfg)  # "gae" with a separate critic: from the starting weights; else None
-    # Built once: per-sample sources score inside the rollout, per-batch ones (models, judges) after it.
-    rewards = as_reward_sources(reward_fn, timeout_s=reward_timeout_s)
-    manager = AsyncRolloutManager(engines, config.rollout, tokenizer=tokenizer, reward_fn=rewards.rollout_reward(),
-                                  deterministic=config.deterministic)
-    resumable = {"data_buffer": data_buffer, "rollout_manager": manager}  # restored with the weights on resume
-    state = _resume(comp, tcfg.output_dir, resumable, critic=critic) if resume else TrainingState()
-    # A checkpoint of step n holds the data position and rollout state of when batch n was drawn, not the live
-    # ones (batch n+1 may be drawn already): the resumed run draws exactly the batches an uninterrupted one would.
-    points = ResumePoints(resumable, step=state.step, keep=config.generation_ahead + 2)
-    ckpt = Checkpointer(comp, lambda: state, lambda: points.at(state.step), save_every=tcfg.save_every,
-                        critic=critic)
-    pad_id = pad_token_id(tokenizer)  # what packed rows pad with
-    logger = open_logger(logger, Path(tcfg.output_dir) / "metrics.jsonl", enabled=comp.rank == 0,
-                         keep_through=state.step)
-    history: list[dict] = []
-    if comp.rank == 0:
+    run = _setup(model, data_buffer, config, tcfg, tokenizer=tokenizer, reward_fn=reward_fn,
+                 reward_timeout_s=reward_timeout_s, components=components, backend=backend, logger=logger,
+                 resume=resume, engines=engines, sender=sender, probe_prompts=probe_prompts, on_step=on_step,
+                 evaluation=evaluation, dumps=dumps)
+    if run.rank == 0:
         print(describe_objective(config), flush=True)
-    with (contextlib.closing(logger), progress(config.num_steps, initial=state.step, desc="rl",
-                                               enabled=comp.rank == 0) as bar,
-          rollout_service(data_buffer, config, manager, sender, comp.rank, on_failure=ckpt.save,
-                          on_drawn=points.record, rewards=rewards, worker_cpus=tcfg.backend.rollout_cpus,
-                          first_step=state.step + 1) as source,
-          ckpt, frozen_heap()):
-        sync_s = _sync(sender, state.weight_version)  # engines serve exactly the weights being trained
-        if comp.rank == 0 and evaluation is not None and evaluation.at_start and state.step == 0:
-            logger.log(0, evaluation.run(0))
+    with (contextlib.closing(run.logger), progress(config.num_steps, initial=run.state.step, desc="rl",
+                                                   enabled=run.rank == 0) as bar,
+          rollout_service(data_buffer, config, run.manager, sender, run.rank, on_failure=run.ckpt.save,
+                          on_drawn=run.points.record, rewards=run.rewards, worker_cpus=tcfg.backend.rollout_cpus,
+                          first_step=run.state.step + 1) as source,
+          run.ckpt, frozen_heap()):
+        sync_s = _sync(sender, run.state.weight_version)  # engines serve exactly the weights being trained
+        if run.rank == 0 and evaluation is not None and evaluation.at_start and run.state.step == 0:
+            run.logger.log(0, evaluation.run(0))
         unfinished = 0  # steps in a row with nothing to learn from (check_finishing)
-        while state.step < config.num_steps:
-            t_step = time.perf_counter()  # time_step_s: the wall time of this step, waits included
-            batch, gen_s = _timed(source.next, state.step + 1)
-            # Every rank gets the same batch, so every rank stops alike (a collective-safe error).
-            unfinished, warning = check_finishing(batch.samples, unfinished, config.rollout, step=state.step + 1)
-            if warning is not None:
-                bar.warn(warning)
-            trained_from = state.weight_version  # the batch's staleness is measured against these weights
-            batch, stale = within_staleness(batch, trained_from, config.staleness, requeue=source.requeue)
-            seen = _inspect(comp, batch, tcfg, pad_id) if dumps is not None and dumps.due(state.step + 1) else None
-            (metrics, state), train_s = _timed(train_on_batch, comp, state, batch, config, tcfg, pad_id=pad_id,
-                                               ref_components=ref, critic=critic)
-            metrics = step_metrics(metrics, batch, state, time_generate_s=gen_s,
-                                   time_train_s=train_s, time_sync_s=sync_s) | stale
-            metrics.update(batch.metadata.get("reward_metrics", {}))  # [rewards] sources: reward/<label>_mean, judge/*
-            # The step has trained (a checkpoint now holds it): its row is logged even when Ctrl-C stops the sync.
-            with _reported(state.step, metrics, logger=logger, history=history, bar=bar, on_step=on_step):
-                metrics["time_step_s"] = time.perf_counter() - t_step
-                if state.step % config.sync_every == 0 or state.step == config.num_steps:
-                    # The engines paused for the load as the rollout service's policy says: between two batches
-                    # (for the whole block), or ([rl] update_in_flight) in place mid-request (for the load only).
-                    with source.paused(load=functools.partial(_sync, sender, state.weight_version,
-                                                              on_failure=ckpt.save)) as sync_s:
-                        metrics["time_sync_s"] = sync_s
-                        metrics["sync/bytes"] = float(sender.last_sync_bytes)  # a LoRA run: adapters' only
-                        # Up to the weights landing: with the sync, the wait for the batch being generated.
-                        metrics["time_step_s"] = time.perf_counter() - t_step
-                        if config.verify_sync and state.step % config.sync_every == 0:
-                            metrics["verify_sync_max_abs_diff"] = _verify_sync(
-                                comp, engines, sender, state.step, probe_prompts or _default_probes(batch))
-                        if comp.rank == 0 and evaluation is not None and evaluation.due(state.step, config.num_steps):
-                            metrics.update(evaluation.run(state.step))  # the engines serve this step's weights
-            if seen is not None and comp.rank == 0:
-                _write_rollouts(dumps, state.step, batch, seen, config, logger=logger, tokenizer=tokenizer)
-            ckpt.maybe_save()
-    return comp, state, history
+        while run.state.step < config.num_steps:
+            sync_s, unfinished = _rl_step(run, source, bar, sync_s=sync_s, unfinished=unfinished)
+    return run.components, run.state, run.history
 
 
-def _inspect(components: TrainingComponents, batch: RolloutBatch, tcfg: TrainerConfig,
-             pad_id: int) -> list[list[float | None]]:
-    """The trainer's per-token log-probs of the batch before the step's update (for the dump's mismatch column)."""
-    return sample_logprobs(components, batch.samples, token_budget=tcfg.token_budget,
-                           bucket_size=tcfg.micro_batch_buckets, pad_id=pad_id)
+def _rl_step(run: _RLRun, source: Any, bar: Any, *, sync_s: float, unfinished: int) -> tuple[float, int]:
+    """One step: take a batch -> train on it -> (every sync_every steps) sync the engines, verify, evaluate -> log
+    -> dump -> checkpoint. Returns the last sync's seconds and the steps in a row with nothing to learn from."""
+    config, state = run.config, run.state
+    t_step = time.perf_counter()  # time_step_s: the wall time of this step, waits included
+    batch, gen_s = _timed(source.next, state.step + 1)
+    # Every rank gets the same batch, so every rank stops alike (a collective-safe error).
+    unfinished, warning = check_finishing(batch.samples, unfinished, config.rollout, step=state.step + 1)
+    if warning is not None:
+        bar.warn(warning)
+    trained_from = state.weight_version  # the batch's staleness is measured against these weights
+    batch, stale = within_staleness(batch, trained_from, config.staleness, requeue=source.requeue)
+    due = run.dumps is not None and run.dumps.due(state.step + 1)
+    seen = _inspect(run.backend, batch) if due else None
+    (metrics, run.state), train_s = _timed(train_on_batch, run.backend, state, batch, config)
+    metrics = step_metrics(metrics, batch, run.state, time_generate_s=gen_s, time_train_s=train_s,
+                           time_sync_s=sync_s) | stale
+    metrics.update(batch.metadata.get("reward_metrics", {}))  # [rewards] sources: reward/<label>_mean, judge/*
+    # The step has trained (a checkpoint now holds it): its row is logged even when Ctrl-C stops the sync.
+    with _reported(run.state.step, metrics, logger=run.logger, history=run.history, bar=bar, on_step=run.on_step):
+        metrics["time_step_s"] = time.perf_counter() - t_step
+        if run.state.step % config.sync_every == 0 or run.state.step == config.num_steps:
+            sync_s = _sync_engines(run, source, metrics, batch, t_step)
+    if seen is not None and run.rank == 0:
+        _write_rollouts(run.dumps, run.state.step, batch, seen, config, logger=run.logger,
+                        tokenizer=run.manager.tokenizer)
+    run.ckpt.maybe_save()
+    return sync_s, unfinished
+
+
+def _sync_engines(run: _RLRun, source: Any, metrics: dict[str, float], batch: RolloutBatch, t_step: float) -> float:
+    """The trained weights to the engines, then verify_sync and the evaluation that is due; returns the sync's
+    seconds. The engines pause for the load as the rollout service's policy says: between two batches (for the whole
+    block), or ([rl] update_in_flight) in place mid-request (for the load only)."""
+    config, state = run.config, run.state
+    with source.paused(load=functools.partial(_sync, run.sender, state.weight_version,
+                                              on_failure=run.ckpt.save)) as sync_s:
+        metrics["time_sync_s"] = sync_s
+        metrics["sync/bytes"] = float(run.sender.last_sync_bytes)  # a LoRA run: adapters' only
+        # Up to the weights landing: with the sync, the wait for the batch being generated.
+        metrics["time_step_s"] = time.perf_counter() - t_step
+        if config.verify_sync and state.step % config.sync_every == 0:
+            metrics["verify_sync_max_abs_diff"] = _verify_sync(
+                run.components, run.engines, run.sender, state.step, run.probe_prompts or _default_probes(batch))
+        if run.rank == 0 and run.evaluation is not None and run.evaluation.due(state.step, config.num_steps):
+            metrics.update(run.evaluation.run(state.step))  # the engines serve this step's weights
+    return sync_s
+
+
+def _inspect(backend: TrainingBackend, batch: RolloutBatch) -> list[list[float | None]]:
+    """The trainer's per-token log-probs of the batch before the step's update (for the dump's mismatch column),
+    None where the loss mask is 0."""
+    datums, extra = to_datums(batch.samples, [0.0] * len(batch.samples))
+    outputs = backend.forward(datums, "cross_entropy", {"prompt_lengths": extra["prompt_lengths"]}).result().outputs
+    return [[float(out["logprobs"][s.prompt_length - 1 + r]) if m else None
+             for r, m in enumerate(s.effective_loss_mask)] for s, out in zip(batch.samples, outputs)]
 
 
 def _write_rollouts(dumps: RolloutDumps, step: int, batch: RolloutBatch, logprobs: list[list[float | None]],

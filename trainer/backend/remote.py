@@ -9,12 +9,17 @@ takes raw weights: sample with `sampling_client()`, move weights with save_state
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import json
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from trainer.backend.checkpoint import Checkpointer
 from trainer.backend.protocol import AdamParams, BackendFuture, Datum, ForwardOutput, LoraSpec
+from trainer.types import TrainingState
 
 
 def _then(api_future: Any, fn: Callable[[Any], Any]) -> BackendFuture:
@@ -96,3 +101,224 @@ class TinkerBackend:
     def sampling_client(self) -> Any:
         """The SDK's SamplingClient of the current weights (save_weights_and_get_sampling_client)."""
         return self.client.save_weights_and_get_sampling_client().result()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The RL loop's policy objective on a Tinker-API server
+# ---------------------------------------------------------------------------------------------------------
+
+# [rl.loss] objective -> the Tinker loss with the same per-token math (trainer/serve/losses.py: ppo's clipped
+# ratio, cispo's clipped stop-gradient weight), their ratio taken against the datum's `logprobs`: the sampler's.
+TINKER_OBJECTIVES = {"ppo": "ppo", "cispo": "cispo"}
+
+
+def aggregation_scales(weights: Sequence[torch.Tensor], loss_agg: str, max_seq_len: int | None) -> list[float]:
+    """Per datum the factor w_i that turns Tinker's summed loss into [rl.loss] loss_agg's (kernels/objective.py):
+    token-mean 1/N_tok, seq-mean-token-mean 1/(len_i N_seq), seq-mean-token-sum 1/N_seq, seq-mean-token-sum-norm
+    1/(N_seq max_seq_len), where len_i is datum i's trained tokens, N_tok all of them and N_seq the datums."""
+    lens = [float(w.sum()) for w in weights]
+    n_tok, n_seq = sum(lens), len(lens)
+    if loss_agg == "token-mean":
+        return [1.0 / max(n_tok, 1.0)] * n_seq
+    if loss_agg == "seq-mean-token-mean":
+        return [1.0 / (n * n_seq) if n else 0.0 for n in lens]
+    if loss_agg == "seq-mean-token-sum":
+        return [1.0 / n_seq] * n_seq
+    assert loss_agg == "seq-mean-token-sum-norm" and max_seq_len, f"loss_agg {loss_agg!r}"
+    return [1.0 / (n_seq * max_seq_len)] * n_seq
+
+
+class TinkerPolicy:
+    """The RL loop's TrainingBackend calls ("policy" = [rl.loss], [rl.optim]'s AdamW and schedule) on a Tinker-API
+    server: the rollouts, rewards and advantages here, the optimisation there. Mutable state: the optimiser steps
+    taken (the learning-rate schedule's position).
+
+    forward_backward(datums of trainer.backend.local.to_datums, "policy"): the loss is Tinker's `ppo` / `cispo` with
+    [rl.loss]'s clip thresholds and each token's advantage times its loss mask times the loss_agg factor
+    (aggregation_scales), so the summed loss is the objective's aggregated one; the ratio is against the engine's
+    log-probs (the tinker engine's sampler). optim_step(None): AdamParams from [rl.optim] at the schedule's step."""
+
+    def __init__(self, remote: TinkerBackend, config: Any, *, step: int = 0) -> None:
+        self.remote, self.config, self.step = remote, config, step
+
+    def forward_backward(self, batch: Sequence[Datum], loss_fn: str,
+                         loss_fn_config: Mapping[str, Any] | None = None) -> BackendFuture:
+        assert loss_fn == "policy", f"loss_fn {loss_fn!r}: the RL loop's objective is 'policy' ([rl.loss])"
+        lo = self.config.loss
+        weights = [d.loss_inputs["weights"] for d in batch]
+        scales = aggregation_scales(weights, lo.loss_agg, lo.max_seq_len)
+        datums = []
+        for i, (d, w, scale) in enumerate(zip(batch, weights, scales)):
+            if "logprobs" not in d.loss_inputs:
+                raise ValueError(f"datum {i}: no engine log-probs: backend = \"tinker\" takes the ratio against the "
+                                 f"sampler's log-probs (the \"tinker\" engine returns them)")
+            datums.append(Datum(d.tokens, {"target_tokens": d.loss_inputs["target_tokens"],
+                                           "logprobs": d.loss_inputs["logprobs"],
+                                           "advantages": d.loss_inputs["advantages"] * w * scale}))
+        config = {"clip_low_threshold": 1.0 - lo.clip_low, "clip_high_threshold": 1.0 + lo.clip_high}
+        num_tokens = float(sum(float(w.sum()) for w in weights))
+        fut = self.remote.forward_backward(datums, TINKER_OBJECTIVES[lo.objective], config)
+        return _mapped(fut, lambda out: ForwardOutput(outputs=out.outputs, metrics={
+            "loss": out.metrics["loss:sum"], "num_tokens": num_tokens}))
+
+    def optim_step(self, adam_params: AdamParams | None = None) -> BackendFuture:
+        from trainer.backend.steps import warmup_cosine
+
+        assert adam_params is None, "the RL loop's optimiser is [rl.optim]"
+        opt = self.config.optim
+        lr = opt.lr * warmup_cosine(self.step, warmup_steps=opt.warmup_steps, num_steps=self.config.num_steps,
+                                    min_lr_ratio=opt.min_lr_ratio)
+        self.step += 1
+        params = AdamParams(learning_rate=lr, beta1=opt.betas[0], beta2=opt.betas[1], eps=opt.eps,
+                            weight_decay=opt.weight_decay, grad_clip_norm=opt.max_grad_norm)
+        return _mapped(self.remote.optim_step(params), lambda m: {"grad_norm": m.get("grad_norm:mean", float("nan")),
+                                                                  "lr": lr})
+
+    def forward(self, batch: Sequence[Datum], loss_fn: str = "cross_entropy",
+                loss_fn_config: Mapping[str, Any] | None = None) -> BackendFuture:
+        plain = [Datum(d.tokens, {"target_tokens": d.loss_inputs["target_tokens"]}) for d in batch]
+        return self.remote.forward(plain, "cross_entropy")
+
+    def save_state(self, name: str) -> BackendFuture:
+        return self.remote.save_state(name)
+
+    def load_state(self, path: str, optimizer: bool = True) -> BackendFuture:
+        return self.remote.load_state(path, optimizer)
+
+    def get_weights(self) -> BackendFuture:
+        return self.remote.get_weights()
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> BackendFuture:
+        return self.remote.load_weights(weights)
+
+
+def _mapped(fut: BackendFuture, fn: Callable[[Any], Any]) -> BackendFuture:
+    """A BackendFuture of fn(fut's result)."""
+    out: concurrent.futures.Future = concurrent.futures.Future()
+
+    def done(src: concurrent.futures.Future) -> None:
+        try:
+            out.set_result(fn(src.result()))
+        except BaseException as e:  # noqa: BLE001 - the caller reads it from the future
+            out.set_exception(e)
+
+    fut._fut.add_done_callback(done)
+    return BackendFuture(out)
+
+
+class TinkerSync:
+    """The weight "sync" of a run on a Tinker-API server (trainer.weight_sync.WeightSync's calls): the server saves
+    its weights for sampling and the tinker engines switch to that SamplingClient, versioned. No tensor moves here.
+    Mutable state: the version the engines sample."""
+
+    def __init__(self, remote: TinkerBackend, engines: Sequence[Any]) -> None:
+        from engines.tinker import TinkerEngine
+
+        for e in engines:
+            if not isinstance(e, TinkerEngine):
+                raise ValueError(f"engine {e.url}: [trainer] backend = \"tinker\" samples from the server's weights: "
+                                 f"every engine must be of kind \"tinker\" ([engines] fleet = [{{kind = \"tinker\", "
+                                 f"url = <the server's base_url>}}])")
+        self.remote, self.engines = remote, list(engines)
+        self.weight_version, self.last_sync_s, self.last_sync_bytes = 0, float("nan"), 0
+
+    def init_group(self) -> None:
+        """Nothing to connect: the engines reach the server through the SDK."""
+
+    def sync(self, weight_version: int | None = None, on_bucket: Any = None) -> int:
+        import time
+
+        t0 = time.perf_counter()
+        version = self.weight_version + 1 if weight_version is None else weight_version
+        sampler = self.remote.sampling_client()
+        for e in self.engines:
+            e.use_sampler(sampler, version)
+        self.weight_version, self.last_sync_s = version, time.perf_counter() - t0
+        return version
+
+    def close(self) -> None:
+        """The SDK's clients close with the process."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Checkpoints of a remote run, and connecting
+# ---------------------------------------------------------------------------------------------------------
+
+REMOTE_CHECKPOINTS = "remote_checkpoints.jsonl"  # under the phase's output_dir: one line per saved step
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteCheckpointer(Checkpointer):
+    """Checkpointer's schedule (every save_every steps, at the end, on Ctrl-C) for a run whose weights live on a
+    Tinker-API server: the server saves the adapter and its optimizer state (save_state), and
+    <output_dir>/remote_checkpoints.jsonl gets a line with the server's tinker:// path, the TrainingState and the
+    loop's resume data (data position, rollout state). `components` is None."""
+
+    backend: Any = None  # TinkerPolicy
+    output_dir: str = ""
+
+    def save(self) -> None:
+        state = self.state()
+        path = self.backend.save_state(f"step_{state.step:08d}").result()
+        line = {"path": path, "state": dataclasses.asdict(state), "extra": self.extra()}
+        folder = Path(self.output_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / REMOTE_CHECKPOINTS, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+def remote_resume(backend: Any, output_dir: str, resumable: Mapping[str, Any]) -> TrainingState:
+    """The newest remote checkpoint of `output_dir` loaded: the server's weights and optimizer state (load_state),
+    the objects that resume with them, the schedule's step; a fresh TrainingState when there is none."""
+    index = Path(output_dir) / REMOTE_CHECKPOINTS
+    lines = index.read_text().splitlines() if index.is_file() else []
+    if not lines:
+        return TrainingState()
+    last = json.loads(lines[-1])
+    backend.load_state(last["path"], optimizer=True).result()
+    for name, part in resumable.items():
+        part.load_state_dict(last["extra"][name])
+    state = TrainingState(**last["state"])
+    backend.step = state.step
+    return state
+
+
+def _loopback(url: str) -> bool:
+    import ipaddress
+    from urllib.parse import urlparse
+
+    host = urlparse(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def connect(trainer: Any, rl: Any, *, model: str) -> TinkerPolicy:
+    """The RL loop's backend on the Tinker-API server of [trainer] base_url (backend = "tinker"): its key from
+    [trainer] api_key or the environment's RLKERNELS_API_KEY (required unless the server is on loopback), one LoRA
+    training client of [rl.lora]'s shape on base model [trainer] base_model (default: `model`, the [model] path).
+    The server is asked for its health first: an unreachable one fails here, naming the URL, before any work."""
+    import os
+
+    import httpx
+
+    url = trainer.base_url
+    key = trainer.api_key or os.environ.get("RLKERNELS_API_KEY")
+    if not key and not _loopback(url):
+        raise ValueError(f"[trainer] base_url = {url!r} is not on this machine: give its key as [trainer] api_key "
+                         f"or in the environment variable RLKERNELS_API_KEY")
+    key = key or "tml-loopback"  # a loopback server started without a key takes any
+    try:
+        reply = httpx.get(f"{url.rstrip('/')}/api/v1/healthz", headers={"X-API-Key": key}, timeout=10.0)
+    except httpx.HTTPError as e:
+        raise ConnectionError(f"[trainer] base_url = {url!r}: no Tinker-API server answers there ({e}); start one "
+                              f"(python -m trainer serve --config <file>) or fix the URL") from e
+    if reply.status_code == 401:
+        raise ValueError(f"[trainer] base_url = {url!r} refused the key: set [trainer] api_key (or "
+                         f"RLKERNELS_API_KEY) to the server's")
+    lora = rl.lora
+    spec = LoraSpec(rank=lora.rank, seed=rl.seed, alpha=lora.alpha, train_unembed=False)
+    return TinkerPolicy(TinkerBackend(url, trainer.base_model or model, spec, api_key=key), rl)
