@@ -129,7 +129,7 @@ class BuildOptions:
     device: str = "cpu"
     connect_timeout_s: float = 10.0
     max_connections: int = 64
-    timeout_s: float = 300.0  # one request's limit (HTTP kinds)
+    request_timeout_s: float = 120.0  # one request's limit (HTTP kinds): the run's [rl.rollout] request_timeout_s
     threads: int | None = None  # an in-process engine's model thread: its torch threads (None: the process's)
     prefix_cache_tokens: int | None = None  # an embedded engine's prefix-cache budget (None: its default; 0: off)
     dtype: str | None = None  # an in-process engine's weights ("float32", "bfloat16"; None: the engine's default)
@@ -206,13 +206,14 @@ def _sglang(spec: EngineSpec, opts: BuildOptions) -> InferenceEngine:
     from engines.sglang import SGLangEngine
 
     return SGLangEngine(spec.url, api_key=opts.api_key, tp_size=spec.tp_size, connect_timeout_s=opts.connect_timeout_s,
-                        max_connections=opts.max_connections, timeout_s=opts.timeout_s)
+                        max_connections=opts.max_connections, timeout_s=opts.request_timeout_s)
 
 
 def _vllm(spec: EngineSpec, opts: BuildOptions) -> InferenceEngine:
     from engines.vllm import VLLMEngine
 
-    return VLLMEngine(spec.url, spec.model or opts.model_folder, api_key=opts.api_key)
+    return VLLMEngine(spec.url, spec.model or opts.model_folder, api_key=opts.api_key,
+                      timeout_s=opts.request_timeout_s)
 
 
 def _local(spec: EngineSpec, opts: BuildOptions) -> InferenceEngine:
@@ -285,7 +286,7 @@ def started_spec(spec: EngineSpec, url: str, api_key: str) -> EngineSpec:
 
 def build_engine(spec: EngineSpec, *, model_folder: str | Path, api_key: str | None = None, seed: int = 0,
                  connect_timeout_s: float = 10.0, max_connections: int = 64, device: str = "cpu",
-                 timeout_s: float = 300.0, threads: int | None = None,
+                 request_timeout_s: float = 120.0, threads: int | None = None,
                  prefix_cache_tokens: int | None = None, dtype: str | None = None) -> InferenceEngine:
     """The engine object for `spec` (its kind's builder). A launchable spec must carry the URL of the started
     engine by now; an in-process engine is started here, in this process, on `device` (give the trainer's: an engine
@@ -297,5 +298,6 @@ def build_engine(spec: EngineSpec, *, model_folder: str | Path, api_key: str | N
                          f"starts one per such entry) and build it from EngineSpec(kind, url=<its URL>)")
     opts = BuildOptions(model_folder=str(model_folder), api_key=spec.api_key or api_key, seed=seed,
                         connect_timeout_s=connect_timeout_s, max_connections=max_connections, device=str(device),
-                        timeout_s=timeout_s, threads=threads, prefix_cache_tokens=prefix_cache_tokens, dtype=dtype)
+                        request_timeout_s=request_timeout_s, threads=threads, prefix_cache_tokens=prefix_cache_tokens,
+                        dtype=dtype)
     return entry.build(spec, opts)

@@ -515,3 +515,30 @@ def test_a_buffer_of_plain_strings_rolls_out_like_prompts(engine):
         assert list(a.tokens) == list(b.tokens) == list(c.tokens)
         assert a.status == b.status == c.status == Status.COMPLETED
         assert b.reward == c.reward == arithmetic_reward(c)
+
+
+def test_one_request_timeout_reaches_the_engine_clients_the_run_builds():
+    """[rl.rollout] request_timeout_s is the one limit of an engine request (issue 41 item 7): the run builds its HTTP
+    engine clients with it (their own limit was a fixed 300 s), so a request outside the rollout manager (evaluation,
+    a judge) stops at it too. Against a server that accepts connections and never answers."""
+    from pathlib import Path
+
+    from engines.protocol import SamplingParams
+    from engines.registry import EngineSpec
+    from trainer.run import build_engines
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    try:
+        fleet = [EngineSpec("sglang", url=url), EngineSpec("vllm", url=url)]
+        engines = build_engines(fleet, Path("tiny"), request_timeout_s=0.5)
+        assert [e.timeout_s for e in engines] == [0.5, 0.5]
+        sg = engines[0]
+        t0 = time.monotonic()
+        with pytest.raises(EngineUnavailableError, match="/generate: no answer"):
+            trio.run(sg.generate, [(1, 2, 3)], SamplingParams(max_new_tokens=2))
+        assert time.monotonic() - t0 < 5
+    finally:
+        silent.close()

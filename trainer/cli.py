@@ -152,7 +152,8 @@ def debug_mode(mode: str, cfg: RunConfig, *, rollouts: str | None, checkpoint: s
     rollout = cfg.rl.rollout
     with engines_for(cfg, model_folder, is_main=True) as fleet:
         engines = build_engines(fleet, model_folder, api_key=cfg.engines.api_key,
-                                connect_timeout_s=rollout.connect_timeout_s, max_connections=rollout.max_concurrency)
+                                connect_timeout_s=rollout.connect_timeout_s, max_connections=rollout.max_concurrency,
+                                request_timeout_s=rollout.request_timeout_s)
         generate(cfg, engines, tokenizer=tokenizer, folder=Path(cfg.output_dir) / "rollouts")
     return 0
 

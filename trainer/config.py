@@ -53,7 +53,7 @@ class RolloutConfig:
     top_k: int = -1  # -1 = off (SGLang's convention)
     stop_token_ids: tuple[int, ...] = ()  # extra stop tokens (EOS and the template's end of turn always stop)
     max_concurrency: int = 64  # in-flight HTTP requests over all engines
-    request_timeout_s: float = 120.0  # one generate request's limit
+    request_timeout_s: float = 120.0  # one engine request's limit (the HTTP clients' and the rollout manager's)
     max_retries: int = 3  # retries of a failed request (engine errors that are not the request's fault)
     dynamic_filters: tuple[str, ...] = ()  # names of trainer.rollout.samples filters, e.g. "check_reward_nonzero_std"
     max_staleness: int = 1  # set from [rl] max_staleness: cached partial samples past it restart from the prompt

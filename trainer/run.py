@@ -161,10 +161,13 @@ def engines_for(cfg: RunConfig, model_folder: Path, *, is_main: bool, device: st
 
 
 def build_engines(fleet: Sequence[Any], model_folder: Path, *, api_key: str | None = None,
-                  connect_timeout_s: float = 10.0, max_connections: int = 64) -> list[InferenceEngine]:
+                  connect_timeout_s: float = 10.0, max_connections: int = 64,
+                  request_timeout_s: float = 120.0) -> list[InferenceEngine]:
     """Engine objects for a fleet, each built by engines.registry.build_engine from its EngineSpec (a dict entry
     {url, kind, tp_size, model, api_key} is read as one). An entry that carries its started object under "engine" (the
-    in-process engine engines_for started and owns) is that object."""
+    in-process engine engines_for started and owns) is that object. request_timeout_s: one request's limit, the run's
+    [rl.rollout] request_timeout_s (the rollout manager bounds its generate requests by it too, in-process ones
+    included; evaluation and judges reach the engines through these clients)."""
     from engines.registry import EngineSpec, build_engine
 
     out = []
@@ -175,7 +178,8 @@ def build_engines(fleet: Sequence[Any], model_folder: Path, *, api_key: str | No
         fields = [f.name for f in dataclasses.fields(EngineSpec)]
         spec = t if isinstance(t, EngineSpec) else EngineSpec(**{k: t[k] for k in fields if k in t})
         out.append(build_engine(spec, model_folder=model_folder, api_key=api_key,
-                                connect_timeout_s=connect_timeout_s, max_connections=max_connections))
+                                connect_timeout_s=connect_timeout_s, max_connections=max_connections,
+                                request_timeout_s=request_timeout_s))
     return out
 
 
@@ -296,7 +300,8 @@ def run(mode: str, cfg: RunConfig, *, resume: bool = False, checked: bool = Fals
     with engines_cm as fleet:
         fleet = broadcast_from_rank0(fleet)  # rank 0 started (or was given) the engines
         engines = build_engines(fleet, model_folder, api_key=cfg.engines.api_key,
-                                connect_timeout_s=rollout.connect_timeout_s, max_connections=rollout.max_concurrency)
+                                connect_timeout_s=rollout.connect_timeout_s, max_connections=rollout.max_concurrency,
+                                request_timeout_s=rollout.request_timeout_s)
         sets = eval_sets(cfg, tokenizer=r.tokenizer) if is_main else []
         evaluator = Evaluator(sets, engines, cfg, tokenizer=r.tokenizer, rollout=rollout)
         sft_components, sender = None, None
