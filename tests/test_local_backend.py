@@ -17,7 +17,7 @@ from trainer.backend.protocol import AdamParams
 from trainer.backend.steps import build_components, forward_backward, optim_step, trainer_config_from
 from trainer.batching.micro_batches import build_micro_batches
 from trainer.batching.shared_prompt import build_shared_micro_batches
-from trainer.config import OptimConfig, RLTrainingConfig, RolloutConfig
+from trainer.config import OptimConfig, RLTrainingConfig, RolloutConfig, SFTTrainingConfig
 from trainer.types import Sample, Status, TrainingState
 
 
@@ -123,3 +123,30 @@ def test_bad_calls_are_refused_naming_the_fix():
         backend.forward_backward(datums, "policy", {"prompt_lengths": [1, 2, 3]})
     with pytest.raises(ValueError, match=r"\[rl.optim\]"):
         backend.optim_step(AdamParams())
+
+
+def test_an_sft_step_through_the_backend_is_the_direct_step_bit_for_bit():
+    """SFT's NLL packs plain (never the shared-prompt layout, whatever [trainer] share_prompts says), and a sample
+    with an empty prompt trains the tokens it trained before (no position predicts its first token)."""
+    cfg = SFTTrainingConfig(optim=OptimConfig(lr=1e-2), token_budget=32, micro_batch_buckets=8)
+    tcfg = trainer_config_from(cfg, compile=False)
+    assert tcfg.loss == "nll" and tcfg.share_prompts
+    g = torch.Generator().manual_seed(4)
+    samples = []
+    for i in range(6):
+        n = 4 + i
+        tokens = torch.randint(6, 90, (n,), generator=g).tolist()
+        mask = tuple(int(x) for x in (torch.rand(n - (i % 2 == 0), generator=g) > 0.3))
+        samples.append(Sample(prompt="", tokens=tokens, response_length=len(mask), loss_mask=mask))
+    assert {s.prompt_length for s in samples} == {0, 1}
+    mbs = build_micro_batches(samples, token_budget=32, bucket_size=8, pad_id=0)
+    comp = build_components(tiny_model_config("llama"), tcfg)
+    fut = forward_backward(comp, mbs, tcfg)
+    opt, _ = optim_step(comp, TrainingState(), tcfg, num_tokens=fut.num_tokens)
+    want = {**fut.result(), **opt.result()}
+    comp = build_components(tiny_model_config("llama"), tcfg)
+    backend = LocalBackend(comp, tcfg, pad_id=0)
+    datums, extra = to_datums(samples, [0.0] * len(samples))
+    got = {**backend.forward_backward(datums, "nll", extra).result().metrics, **backend.optim_step().result()}
+    assert got == want and got["num_tokens"] == sum(sum(s.effective_loss_mask[s.prompt_length == 0:])
+                                                    for s in samples)

@@ -5,8 +5,9 @@ The loss mask comes from span tracking over the chat template, so it works for a
 with the generation prompt and the rendering of messages[:i+1] are the assistant's, minus the template's
 whitespace glue after the end-of-turn token. A conversation becomes a Sample whose "prompt" is its first
 token, so every later token is a response token with loss_mask 1 exactly on assistant tokens, and SFT goes
-through the same packed micro-batches and `forward_backward` as RL, with the token-level NLL
--sum(m * logp) / N_tok (TrainerConfig.loss = "nll").
+through the same TrainingBackend as RL (trainer.backend.local.LocalBackend: Tinker-shaped datums, the same packed
+micro-batches and `forward_backward`), with the token-level NLL -sum(m * logp) / N_tok (TrainerConfig.loss =
+"nll").
 """
 
 from __future__ import annotations
@@ -21,15 +22,8 @@ import numpy as np
 
 from trainer.backend.checkpoint import Checkpointer, load_latest
 from trainer.backend.heap import frozen_heap
-from trainer.backend.steps import (
-    TrainerConfig,
-    TrainingComponents,
-    build_components,
-    forward_backward,
-    optim_step,
-    trainer_config_from,
-)
-from trainer.batching.micro_batches import build_micro_batches
+from trainer.backend.local import LocalBackend, to_datums
+from trainer.backend.steps import TrainerConfig, TrainingComponents, advanced, build_components, trainer_config_from
 from trainer.config import SFTTrainingConfig
 from trainer.evaluation import Evaluation
 from trainer.metrics import MetricsLogger, open_logger, progress
@@ -127,7 +121,7 @@ def run_sft_training(model: Any, conversations: Sequence[Conversation], config: 
     logger = open_logger(logger, Path(tcfg.output_dir) / "metrics.jsonl", enabled=comp.rank == 0,
                          keep_through=state.step)
     history: list[dict] = []
-    pad_id = pad_token_id(tokenizer)
+    backend = LocalBackend(comp, tcfg, pad_id=pad_token_id(tokenizer))
     with (contextlib.closing(logger),
           progress(config.num_steps, initial=state.step, desc="sft", enabled=comp.rank == 0) as bar, ckpt,
           frozen_heap()):
@@ -135,13 +129,11 @@ def run_sft_training(model: Any, conversations: Sequence[Conversation], config: 
             logger.log(0, evaluation.run(0))
         while state.step < config.num_steps:
             idx = _batch_indices(len(samples), position, config.batch_size, config.seed)
-            batch = [samples[i] for i in idx]
-            mbs = build_micro_batches(batch, token_budget=tcfg.token_budget, bucket_size=tcfg.micro_batch_buckets,
-                                      pad_id=pad_id, num_ranks=comp.world_size, rank=comp.rank)
-            fut = forward_backward(comp, mbs, tcfg)
-            opt_fut, state = optim_step(comp, state, tcfg, num_tokens=fut.num_tokens)
+            datums, extra = to_datums([samples[i] for i in idx], [0.0] * len(idx))
+            fut, opt_fut = backend.forward_backward(datums, "nll", extra), backend.optim_step()
             position += config.batch_size
-            metrics = {**fut.result(), **opt_fut.result()}
+            metrics = {**fut.result().metrics, **opt_fut.result()}
+            state = advanced(state, int(metrics["num_tokens"]))
             if evaluation is not None and evaluation.due(state.step, config.num_steps):
                 metrics.update(evaluation.run(state.step))
             logger.log(state.step, metrics)

@@ -58,22 +58,24 @@ def to_datums(samples: Sequence[Sample], advantages: Sequence[float]) -> tuple[l
     targets and 0 on prompt targets; advantages[t] the sample's advantage on every response target (0 on prompt
     targets); logprobs[t] the
     engine's log-prob of a response target (0 on prompt targets), only where the engine returned them."""
-    datums = []
+    datums, prompt_lengths = [], []
     for s, adv in zip(samples, advantages):
-        assert s.prompt_length >= 1, "a datum needs a first input token: prompt_length >= 1"
-        p, n = s.prompt_length, len(s.tokens) - 1  # n targets; the response's start at target p - 1
+        # An empty prompt: no position predicts the first token, so it is the prompt (the same labels and mask).
+        p, n = max(s.prompt_length, 1), len(s.tokens) - 1  # n targets; the response's start at target p - 1
+        cut = p - s.prompt_length
         tokens = torch.tensor(s.tokens, dtype=torch.int64)
         weights = torch.zeros(n, dtype=torch.float32)
-        weights[p - 1:] = torch.tensor(s.effective_loss_mask, dtype=torch.float32)
+        weights[p - 1:] = torch.tensor(s.effective_loss_mask[cut:], dtype=torch.float32)
         advantages = torch.zeros(n, dtype=torch.float32)
         advantages[p - 1:] = float(adv)
         inputs = {"target_tokens": tokens[1:], "weights": weights, "advantages": advantages}
         if s.rollout_logprobs is not None:
             lp = torch.zeros(n, dtype=torch.float32)
-            lp[p - 1:] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+            lp[p - 1:] = torch.tensor(s.rollout_logprobs[cut:], dtype=torch.float32)
             inputs["logprobs"] = lp
         datums.append(Datum(tokens=tokens[:-1], loss_inputs=inputs))
-    return datums, {"prompt_lengths": [s.prompt_length for s in samples],
+        prompt_lengths.append(p)
+    return datums, {"prompt_lengths": prompt_lengths,
                     "rewards": [0.0 if s.reward is None else float(s.reward) for s in samples]}
 
 
@@ -162,8 +164,9 @@ class LocalBackend:
     # -- surface ---------------------------------------------------------------------------------------
     def forward(self, batch: Sequence[Datum], loss_fn: str = "cross_entropy",
                 loss_fn_config: Mapping[str, Any] | None = None) -> BackendFuture:
-        """Per datum its target log-probs [T] under the current weights (ForwardOutput.outputs[i]["logprobs"]);
-        every rank computes every datum (the same micro-batches everywhere, so the FSDP collectives match)."""
+        """Per datum its target log-probs [T] under the current weights (ForwardOutput.outputs[i]["logprobs"]; 0
+        where the datum's weights are 0, and on the prompt targets of loss_fn_config's prompt_lengths); every rank
+        computes every datum (the same micro-batches everywhere, so the FSDP collectives match)."""
         samples, _ = from_datums(batch, (loss_fn_config or {}).get("prompt_lengths") or [1] * len(batch))
         mbs = build_micro_batches(samples, token_budget=self.tcfg.token_budget,
                                   bucket_size=self.tcfg.micro_batch_buckets, advantages=[0.0] * len(samples),
@@ -249,10 +252,10 @@ class LocalBackend:
             raise ValueError("loss_fn_config lacks 'prompt_lengths' (one per datum: trainer.backend.local.to_datums)")
         samples, advantages = from_datums(batch, config["prompt_lengths"])
         comp, tcfg = self.components, self.tcfg
-        # The shared-prompt layout runs a group's prompt once (the same loss); plain where the attention has no tree
-        # mask.
-        build = build_shared_micro_batches if tcfg.share_prompts and supports_shared_prompts(comp.model) \
-            else build_micro_batches
+        # The shared-prompt layout runs a group's prompt once (the same loss): RL, where the attention has the tree
+        # mask; SFT's one-token "prompts" pack plain.
+        shared = tcfg.loss == "policy" and tcfg.share_prompts and supports_shared_prompts(comp.model)
+        build = build_shared_micro_batches if shared else build_micro_batches
         mbs = build(samples, token_budget=tcfg.token_budget, bucket_size=tcfg.micro_batch_buckets,
                     advantages=advantages, pad_id=self.pad_id, num_ranks=comp.world_size, rank=comp.rank)
         rewards = [token_rewards(mb, config["rewards"]) for mb in mbs] if self.gae else None  # host, [L] per mb
