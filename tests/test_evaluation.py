@@ -261,3 +261,43 @@ def test_eval_every_must_fall_on_weight_syncs():
     with pytest.raises(ConfigError, match=r"\[eval\] every = 3.*sync_every = 2"):
         load_run_config(ROOT / "configs" / "demo.toml", ["eval.every=3", "rl.sync_every=2"])
     assert load_run_config(ROOT / "configs" / "demo.toml", ["eval.every=4", "rl.sync_every=2"]).eval.every == 4
+
+
+def test_evaluation_spreads_its_prompts_over_the_whole_fleet():
+    """Issue 41 item 7: evaluation generates on every engine of the fleet (prompt i on engine i mod n), not on the
+    first alone; with engines serving the same weights its figures are the single engine's (each prompt's answers
+    are seeded by the eval seed and the prompt's position, not by the engine)."""
+    from engines.local import LocalEngine
+    from engines.tiny import build_tokenizer
+    from trainer.data.buffer import load_jsonl
+    from trainer.evaluation import evaluate
+
+    class Counted:
+        """One fleet member: the shared engine, with the prompts it was asked counted."""
+
+        def __init__(self, engine):
+            self.engine, self.asked = engine, 0
+
+        def __getattr__(self, name):
+            return getattr(self.engine, name)
+
+        async def generate(self, prompts, params, *, rids=None):
+            self.asked += len(prompts)
+            return await self.engine.generate(prompts, params, rids=rids)
+
+    prompts = load_jsonl(ROOT / "data" / "arithmetic_test.jsonl")[:5]
+    engine = LocalEngine("tiny", seed=0)
+    try:
+        def reward(sample):
+            return float(sum(sample.tokens[sample.prompt_length:]) % 3 == 0)
+
+        kw = dict(tokenizer=build_tokenizer(), reward_fn=reward, max_new_tokens=6, k=2, temperature=1.0, seed=5)
+        alone = Counted(engine)
+        single = evaluate([alone], prompts, **kw)
+        fleet = [Counted(engine), Counted(engine)]
+        spread = evaluate(fleet, prompts, **kw)
+    finally:
+        engine.close()
+    assert spread == single
+    assert alone.asked == 5 + 5  # greedy: one row a prompt; sampled: one request of k rows a prompt
+    assert [e.asked for e in fleet] == [3 + 3, 2 + 2]  # prompts 0, 2, 4 and 1, 3

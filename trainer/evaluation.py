@@ -56,9 +56,11 @@ def evaluate(engines: Sequence[InferenceEngine], prompts: Sequence[Any], *, toke
              max_new_tokens: int, chat: bool = True, max_reward: float = 1.0,
              reward_timeout_s: float | None = DataConfig.reward_timeout_s, rollout: Any = None, k: int = 0,
              temperature: float = 1.0, seed: int = 0) -> dict[str, float]:
-    """Evaluate `prompts` (trainer.data.buffer.Prompt records) on the first engine (an engine object, built by
-    engines.registry like every other): {"reward_mean", "accuracy", "n", "failed"} from one greedy answer a
-    prompt, and with k > 0 also "pass@j" (j in pass_ks(k)), "avg@k" and "reward_mean@k" from k sampled answers.
+    """Evaluate `prompts` (trainer.data.buffer.Prompt records) on the whole fleet `engines` (engine objects, built by
+    engines.registry like every other; prompt i on engines[i % len(engines)], all at once): {"reward_mean",
+    "accuracy", "n", "failed"} from one greedy answer a prompt, and with k > 0 also "pass@j" (j in pass_ks(k)),
+    "avg@k" and "reward_mean@k" from k sampled answers. The figures do not depend on the fleet's size: each prompt's
+    answers are seeded by the eval seed and its position.
 
     Samples whose reward function raised, or outlasted `reward_timeout_s`, count as wrong with reward 0 (their
     errors are printed as they happen). With a `rollout` config that names an env, tools or a rollout_fn, each
@@ -74,7 +76,7 @@ def evaluate(engines: Sequence[InferenceEngine], prompts: Sequence[Any], *, toke
     ids = [prompt_token_ids(tokenizer, p.prompt, chat=chat, system=p.system) for p in prompts]
     # No reward function: each episode's environment or rollout_fn gives its reward; one given none is FAILED.
     score = with_timeout(load_reward_fn(no_reward if reward_fn is None else reward_fn), reward_timeout_s)
-    answer = _Answerer(engines[0], prompts, ids, tokenizer=tokenizer, chat=chat, score=score,
+    answer = _Answerer(tuple(engines), prompts, ids, tokenizer=tokenizer, chat=chat, score=score,
                        max_new_tokens=max_new_tokens, rollout=rollout)
     greedy = trio.run(answer.greedy)
     n_failed = sum(1 for s in greedy if "reward_error" in s.metadata)
@@ -106,9 +108,10 @@ def _correct(sample: Any, max_reward: float) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class _Answerer:
-    """The answers of one evaluation: greedy (one a prompt) or sampled (k a prompt), single-turn or episodes."""
+    """The answers of one evaluation: greedy (one a prompt) or sampled (k a prompt), single-turn or episodes, spread
+    over the fleet (`over_fleet`)."""
 
-    engine: Any
+    engines: tuple[Any, ...]
     prompts: Sequence[Any]
     ids: Sequence[list[int]]
     tokenizer: Any
@@ -140,39 +143,56 @@ class _Answerer:
         return Sample(prompt=p.prompt, tokens=tuple(self.ids[i]), metadata={
             **p.metadata, "answer": p.answer, "sample_index": j, **({"system_prompt": p.system} if p.system else {})})
 
+    async def over_fleet(self, n: int, run: Callable[[Any, list[int]], Any]) -> list[Any]:
+        """`await run(engine, items)` for each engine's share of items 0 .. n-1 (item i on engines[i % len]), all in
+        flight together; one result an item, in item order."""
+        out: list[Any] = [None] * n
+
+        async def share(engine: Any, items: list[int]) -> None:
+            for i, got in zip(items, await run(engine, items), strict=True):
+                out[i] = got
+
+        async with trio.open_nursery() as nursery:
+            for e, engine in enumerate(self.engines):
+                if items := list(range(e, n, len(self.engines))):
+                    nursery.start_soon(share, engine, items)
+        return out
+
     async def greedy(self) -> list[Any]:
         if self.episodes:
-            return await self.run_episodes(self.engine, [self._opening(i, 0) for i in range(len(self.prompts))],
-                                           self.rollout, tokenizer=self.tokenizer,
-                                           max_new_tokens=self.max_new_tokens, score=self.score)
+            return await self.over_fleet(len(self.prompts), lambda engine, items: self.run_episodes(
+                engine, [self._opening(i, 0) for i in items], self.rollout, tokenizer=self.tokenizer,
+                max_new_tokens=self.max_new_tokens, score=self.score))
         from engines.protocol import SamplingParams
 
         params = SamplingParams(temperature=0.0, max_new_tokens=self.max_new_tokens, stop_token_ids=self._stops())
-        outs = await self.engine.generate(self.ids, params)
+        outs = await self.over_fleet(len(self.prompts),
+                                     lambda engine, items: engine.generate([self.ids[i] for i in items], params))
         return [g[0] for g in await self._scored([[g[0]] for g in outs])]
 
     async def sampled(self, k: int, temperature: float, seed: int) -> list[list[Any]]:
         """k answers a prompt at `temperature`, prompt i's seeded by _sample_seed(seed, i): [len(prompts)][k]."""
-        if self.episodes:
-            opening = [self._opening(i, j) for i in range(len(self.prompts)) for j in range(k)]
-            seeds = [_sample_seed(seed, i) + j for i in range(len(self.prompts)) for j in range(k)]
-            flat = await self.run_episodes(self.engine, opening, self.rollout, tokenizer=self.tokenizer,
-                                           max_new_tokens=self.max_new_tokens, score=self.score,
-                                           temperature=temperature, seeds=seeds)
+        if self.episodes:  # item i * k + j: prompt i's answer j
+            flat = await self.over_fleet(len(self.prompts) * k, lambda engine, items: self.run_episodes(
+                engine, [self._opening(x // k, x % k) for x in items], self.rollout, tokenizer=self.tokenizer,
+                max_new_tokens=self.max_new_tokens, score=self.score, temperature=temperature,
+                seeds=[_sample_seed(seed, x // k) + x % k for x in items]))
             return [flat[i * k:(i + 1) * k] for i in range(len(self.prompts))]
         from engines.protocol import SamplingParams
 
-        outs: list[Any] = [None] * len(self.prompts)
+        async def answers(engine: Any, items: list[int]) -> list[Any]:
+            async def one(i: int) -> None:
+                params = SamplingParams(temperature=temperature, max_new_tokens=self.max_new_tokens,
+                                        stop_token_ids=self._stops(), n=k, seed=_sample_seed(seed, i))
+                got[i] = (await engine.generate([self.ids[i]], params))[0]
 
-        async def one(i: int) -> None:
-            params = SamplingParams(temperature=temperature, max_new_tokens=self.max_new_tokens,
-                                    stop_token_ids=self._stops(), n=k, seed=_sample_seed(seed, i))
-            outs[i] = (await self.engine.generate([self.ids[i]], params))[0]
+            got: dict[int, Any] = {}
+            async with trio.open_nursery() as nursery:  # in flight together: the engine batches them
+                for i in items:
+                    nursery.start_soon(one, i)
+            return [got[i] for i in items]
 
-        async with trio.open_nursery() as nursery:  # in flight together: the engine batches them
-            for i in range(len(self.prompts)):
-                nursery.start_soon(one, i)
-        return await self._scored(outs)
+        return await self._scored(await self.over_fleet(len(self.prompts), answers))
 
     def _stops(self) -> tuple[int, ...]:
         from trainer.rollout.samples import stop_token_ids
@@ -244,7 +264,7 @@ def eval_sets(cfg: RunConfig, *, tokenizer: Any = None) -> list[EvalSet]:
 
 
 class Evaluator:
-    """Evaluates every set of a run on the first engine and remembers the last and the best figures of each (by
+    """Evaluates every set of a run on the whole fleet and remembers the last and the best figures of each (by
     greedy accuracy) for the summary. `evaluator(phase, step, label=None)` -> {"eval/<set>/<figure>": value}; a
     `label` ("before_sft", "after_rl", ...) also records the first set's accuracy and mean reward under it, the
     summary's older keys (accuracy_<label>). Mutable (the figures kept): why this is a class."""
