@@ -25,6 +25,7 @@ from trainer.backend.local import to_datums
 from trainer.backend.protocol import LoraSpec
 from trainer.backend.remote import TinkerBackend, TinkerPolicy, TinkerSync, connect
 from trainer.backend.steps import build_components, trainer_config_from
+from trainer.cli import load_run_config
 from trainer.config import ConfigError, OptimConfig, RLTrainingConfig, RolloutConfig, RunConfig, config_from_dict
 from trainer.data.buffer import DataBuffer, load_jsonl
 from trainer.rl import local_backend, run_rl_training, train_on_batch
@@ -208,3 +209,52 @@ def test_bad_server_settings_are_refused_before_any_work(tmp_path, monkeypatch):
     near = _run_config(tmp_path, {"base_url": "http://127.0.0.1:9", "api_key": "k"})  # nothing listens there
     with pytest.raises(ConnectionError, match=r"\[trainer\] base_url = 'http://127.0.0.1:9'"):
         connect(near.trainer, near.rl, model="m")
+
+
+def test_the_cli_runs_rl_through_the_server(server, tmp_path):
+    """`python -m trainer rl` with [trainer] backend = "tinker": the default fleet becomes one "tinker" engine at
+    base_url, the run trains on the server, writes its metrics, a remote checkpoint index and the summary; `sft+rl`
+    is refused before any work, naming the key."""
+    from trainer.cli import main
+
+    url, folder = server
+    config = tmp_path / "remote.toml"
+    config.write_text(f'''output_dir = "{tmp_path / 'run'}"
+[model]
+path = "{folder}"
+[data]
+train = "data/arithmetic_train.jsonl"
+reward = "trainer.rewards.rules:arithmetic_reward"
+format = "plain"
+[rl]
+num_steps = 3
+token_budget = 512
+micro_batch_buckets = 64
+[rl.lora]
+rank = 4
+[rl.rollout]
+rollout_batch_size = 4
+n_samples_per_prompt = 4
+max_new_tokens = 4
+[trainer]
+backend = "tinker"
+base_url = "{url}"
+api_key = "{KEY}"
+''')
+    cfg = load_run_config(config)
+    assert [(s.kind, s.url) for s in cfg.engines.fleet] == [("tinker", url)]
+    assert main(["rl", "--config", str(config)]) == 0
+    run = tmp_path / "run"
+    rows = [json.loads(x) for x in (run / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["weight_version"] == r["step"] for r in rows)
+    saved = [json.loads(x) for x in (run / "rl" / "remote_checkpoints.jsonl").read_text().splitlines()]
+    assert saved[-1]["state"]["step"] == 3 and saved[-1]["path"].startswith("tinker://")
+    assert json.loads((run / "summary.json").read_text())["rl_steps"] == 3
+    assert main(["sft+rl", "--config", str(config)]) == 2
+
+
+def test_a_fleet_of_other_kinds_is_refused_with_the_tinker_backend(tmp_path):
+    table = {"output_dir": str(tmp_path), "trainer": {"backend": "tinker", "base_url": "http://127.0.0.1:1"},
+             "rl": {"lora": {"rank": 4}}, "engines": {"fleet": [{"kind": "vllm", "url": "http://127.0.0.1:2"}]}}
+    with pytest.raises(ValueError, match=r"\[engines\] fleet: kinds \['vllm'\]"):
+        config_from_dict(RunConfig, table)

@@ -1010,6 +1010,19 @@ class RunConfig:
         object.__setattr__(self, "rl", dataclasses.replace(self.rl, output_dir=str(out / "rl"), rollout=rollout))
         if self.trainer.backend == "tinker":
             check_remote_rl(self.rl)
+            object.__setattr__(self, "engines", _remote_fleet(self.engines, self.trainer.base_url))
+
+
+def _remote_fleet(engines: EnginesConfig, base_url: str) -> EnginesConfig:
+    """[trainer] backend = "tinker": the rollouts sample the server's weights, so every engine is of kind "tinker";
+    the default fleet (one embedded engine the run starts) becomes one "tinker" engine at base_url."""
+    if engines.fleet == (EngineSpec("embedded"),):
+        return dataclasses.replace(engines, fleet=(EngineSpec("tinker", url=base_url),))
+    others = sorted({s.kind for s in engines.fleet if s.kind != "tinker"})
+    _check(not others, "[engines] fleet", f"kinds {others}: with [trainer] backend = \"tinker\" the rollouts sample "
+           f"the server's weights: give kind = \"tinker\" engines at its URL, or leave [engines] fleet out (one at "
+           f"[trainer] base_url)")
+    return engines
 
 
 def check_remote_rl(rl: RLTrainingConfig) -> None:

@@ -99,6 +99,9 @@ def check_inputs(cfg: RunConfig, mode: str, *, resume: bool = False) -> None:
     from trainer.rewards.rules import load_reward_fn
     from trainer.run_folder import check_inputs_kept, input_paths, starts_over
 
+    if cfg.trainer.backend == "tinker" and mode != "rl":
+        raise ValueError(f"[trainer] backend = \"tinker\" runs the RL loop on a Tinker-API server: mode {mode!r} "
+                         f"needs this process's trainer; run `rl`, or set [trainer] backend = \"local\"")
     needs = ("eval", "train") if mode in ("rl", "generate") else ("eval", "sft", "train")  # [data] sets read
     if starts_over(mode, resume=resume):  # first: the other checks' errors would not say it would be deleted
         check_inputs_kept(Path(cfg.output_dir), mode, input_paths(cfg, data_keys=needs))

@@ -394,8 +394,6 @@ def _rl_phase(r: _Run, engines: Sequence[InferenceEngine], sft_components: Any, 
               evaluator: Any) -> None:
     """GRPO from the SFT weights (in memory) or the model folder; the engines are synced to them first (the sender
     SFT used, when it had one: the same model)."""
-    from trainer.backend.memory import release_phase_memory
-    from trainer.backend.steps import build_components
     from trainer.data.buffer import config_buffer, warn_unknown_characters
     from trainer.evaluation import Evaluation
     from trainer.plot import plot_metrics
@@ -403,21 +401,11 @@ def _rl_phase(r: _Run, engines: Sequence[InferenceEngine], sft_components: Any, 
     from trainer.rollout.dumps import RolloutDumps
 
     data, rl_cfg, tcfg = r.cfg.data, r.phases.rl, r.phases.rl_trainer
-    if sft_components is not None:  # SFT's AdamW state is not RL's: freed (and on CUDA returned) before RL builds
-        release_phase_memory(sft_components)
-    comp = build_components(sft_components.root if sft_components is not None else str(r.model_folder), tcfg)
-    if tcfg.lora is not None and r.is_main:  # what `export` merges the adapters into: SFT's result, or the folder
-        from trainer.backend.export import record_lora_base
-
-        record_lora_base(rl_cfg.output_dir, **({"sft_dir": r.phases.sft.output_dir} if sft_components is not None
-                                               else {"folder": r.model_folder}))
-    rewards = _reward_sources(r, engines, device=str(comp.device))
-    if sender is not None and comp.model is not sft_components.model:  # a copy: the policy gained a value head
-        sender.close()
-        sender = None
-    if sender is None:
-        sender = build_sender(r.cfg, comp.model, engines)
-        sender.init_group()
+    if r.cfg.trainer.backend == "tinker":  # the optimisation on a Tinker-API server (trainer/backend/remote.py)
+        comp, (backend, sender) = None, _remote_trainer(r, engines)
+    else:
+        (comp, sender), backend = _local_trainer(r, engines, sft_components, sender), None
+    rewards = _reward_sources(r, engines, device=str(comp.device) if comp is not None else "cpu")
     buffer = config_buffer(data.train, data.mapping(), where="[data].train", seed=r.cfg.seed)
     if r.is_main:
         warn_unknown_characters(r.tokenizer, [p.prompt for s in buffer.sets for p in s], where="[data].train")
@@ -433,7 +421,7 @@ def _rl_phase(r: _Run, engines: Sequence[InferenceEngine], sft_components: Any, 
     with cores_left_to_trainer(r.cfg):  # async: the engines generate while the trainer steps
         comp, state, hist = run_rl_training(None, buffer, rl_cfg, engines=engines, tokenizer=r.tokenizer,
                                             reward_fn=rewards, trainer_config=tcfg, components=comp,
-                                            resume=r.resume, sender=sender,
+                                            backend=backend, resume=r.resume, sender=sender,
                                             evaluation=evaluation, dumps=dumps if dumps.every else None,
                                             logger=_logger(r, "rl", rl_cfg.output_dir))
     sender.close()
@@ -441,6 +429,40 @@ def _rl_phase(r: _Run, engines: Sequence[InferenceEngine], sft_components: Any, 
     if r.is_main:
         plot_metrics(Path(rl_cfg.output_dir) / "metrics.jsonl", Path(r.cfg.output_dir) / "rl.png",
                      title=f"{r.cfg.name} {'PPO with a critic' if rl_cfg.critic is not None else 'GRPO'}")
+
+
+def _local_trainer(r: _Run, engines: Sequence[InferenceEngine], sft_components: Any,
+                   sender: WeightSync | None) -> tuple[Any, WeightSync]:
+    """RL's components in this process (from the SFT weights in memory, or the model folder) and the sender that
+    syncs the engines to them (SFT's, when it had one and the policy is the same model)."""
+    from trainer.backend.memory import release_phase_memory
+    from trainer.backend.steps import build_components
+
+    rl_cfg, tcfg = r.phases.rl, r.phases.rl_trainer
+    if sft_components is not None:  # SFT's AdamW state is not RL's: freed (and on CUDA returned) before RL builds
+        release_phase_memory(sft_components)
+    comp = build_components(sft_components.root if sft_components is not None else str(r.model_folder), tcfg)
+    if tcfg.lora is not None and r.is_main:  # what `export` merges the adapters into: SFT's result, or the folder
+        from trainer.backend.export import record_lora_base
+
+        record_lora_base(rl_cfg.output_dir, **({"sft_dir": r.phases.sft.output_dir} if sft_components is not None
+                                               else {"folder": r.model_folder}))
+    if sender is not None and comp.model is not sft_components.model:  # a copy: the policy gained a value head
+        sender.close()
+        sender = None
+    if sender is None:
+        sender = build_sender(r.cfg, comp.model, engines)
+        sender.init_group()
+    return comp, sender
+
+
+def _remote_trainer(r: _Run, engines: Sequence[InferenceEngine]) -> tuple[Any, WeightSync]:
+    """[trainer] backend = "tinker": one LoRA training client on the server (trainer.backend.remote.connect: its
+    health asked first) and the sync that hands the "tinker" engines its newest sampler."""
+    from trainer.backend.remote import TinkerSync, connect
+
+    remote = connect(r.cfg.trainer, r.phases.rl, model=r.cfg.model.path or str(r.model_folder))
+    return remote, TinkerSync(remote.remote, engines)
 
 
 def _reward_sources(r: _Run, engines: Sequence[InferenceEngine], *, device: str) -> Any:
