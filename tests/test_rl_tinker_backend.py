@@ -90,7 +90,7 @@ def _samples(seed: int) -> list[Sample]:
             mask = (1,) * (n - 1) + (int(i % 2),)  # a masked last token on some
             out.append(Sample(prompt="", tokens=(*prompt, *response), response_length=n, loss_mask=mask,
                               reward=float(torch.rand((), generator=g)), group_index=group, index=i,
-                              metadata={"group_uid": group}, status=Status.COMPLETED))
+                              status=Status.COMPLETED))
     return out
 
 
@@ -250,6 +250,10 @@ api_key = "{KEY}"
     saved = [json.loads(x) for x in (run / "rl" / "remote_checkpoints.jsonl").read_text().splitlines()]
     assert saved[-1]["state"]["step"] == 3 and saved[-1]["path"].startswith("tinker://")
     assert json.loads((run / "summary.json").read_text())["rl_steps"] == 3
+    # --resume: the server loads its step-3 checkpoint (weights and Adam moments) and the run goes on from there
+    assert main(["rl", "--config", str(config), "--resume", "--set", "rl.num_steps=5"]) == 0
+    rows = [json.loads(x) for x in (run / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and rows[-1]["weight_version"] == 5
     assert main(["sft+rl", "--config", str(config)]) == 2
 
 
