@@ -471,12 +471,29 @@ def test_serve_reads_trainer_and_engines_tables(tmp_path):
     assert (cfg.trainer.param_dtype, cfg.engines.threads, cfg.engines.dtype) == (None, 1, None)
 
 
-def test_serve_command_exits_2_on_a_bad_config(tmp_path):
+def test_serve_command_exits_2_on_a_bad_config(tmp_path, capsys):
     from trainer.cli import main
 
     path = tmp_path / "serve.toml"
     path.write_text("[serve]\nmodels = []\n")
     assert main(["serve", "--config", str(path)]) == 2
+    assert "error:" in capsys.readouterr().err
+    path.write_text(f'[serve]\nmodels = [{{name = "m", path = "{tmp_path}"}}]\n')
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["serve", "--config", str(path), "--set", "serve.max_clients=0"]) == 2  # --set applies, as for runs
+    assert "max_clients = 0" in capsys.readouterr().err
+    assert main(["serve", "--config", str(path), "--set", "serve.prot=1"]) == 2
+    assert "--set serve.prot" in capsys.readouterr().err
+
+
+def test_serve_set_overrides_apply_over_the_file(tmp_path):
+    from trainer.serve.app import load_serve_config
+
+    (tmp_path / "config.json").write_text("{}")
+    path = tmp_path / "serve.toml"
+    path.write_text(f'[serve]\nmodels = [{{name = "m", path = "{tmp_path}"}}]\n')
+    cfg = load_serve_config(path, environ={}, overrides=["serve.port=0", "trainer.param_dtype=bfloat16"])
+    assert cfg.serve.port == 0 and cfg.trainer.param_dtype == "bfloat16"
 
 
 def test_samples_of_two_clients_in_flight_together_equal_each_alone(service):

@@ -199,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ap.error("serve: --config is required (a TOML file with a [serve] table)")
         from trainer.serve.app import main as serve_main
 
-        return serve_main(args.config)
+        return serve_main(args.config, args.overrides)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # "Loading weights" bars of tiny folders: noise in a run's log

@@ -30,7 +30,7 @@ import os
 import signal
 import subprocess
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from starlette.applications import Starlette
@@ -55,17 +55,26 @@ READS = {"": ("seed", "serve", "trainer", "engines"),
          "engines": ("fleet", "in_process", "threads", "prefix_cache_tokens", "dtype")}
 
 
-def load_serve_config(path: str | os.PathLike, environ: dict | None = None) -> RunConfig:
+def load_serve_config(path: str | os.PathLike, environ: dict | None = None, overrides: Sequence[str] = ()
+                      ) -> RunConfig:
     """The serve file as a RunConfig, validated by the runs' one path (trainer.config.config_from_dict: [serve] is
     ServeConfig, [trainer] BackendConfig, [engines] EnginesConfig), plus what only the service needs: a [serve]
     table with base models whose folders exist, the key from RLKERNELS_API_KEY, no non-loopback host without a
-    key, one in-process engine, and no key the service would ignore. Errors are ConfigErrors naming the key."""
+    key, one in-process engine, and no key the service would ignore. overrides: `--set key=value` pairs, applied
+    over the file as for runs. Errors are ConfigErrors naming the key."""
+    from trainer.cli import merge, parse_overrides
+    from trainer.config_reference import override_value
+
     environ = dict(os.environ) if environ is None else environ
     path = Path(path)
     try:
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from e
+    try:  # each --set key and value checked here, so that its errors name --set, not the file
+        raw = merge(raw, parse_overrides(overrides, convert=override_value))
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     if not isinstance(raw.get("serve"), dict):
         raise ConfigError(f"{path}: no [serve] table (host, port, api_key, output_dir, max_clients, device, models)")
     engines = raw.get("engines", {})
@@ -265,11 +274,11 @@ def serve(cfg: RunConfig) -> int:
     return 0
 
 
-def main(config_path: str) -> int:
+def main(config_path: str, overrides: Sequence[str] = ()) -> int:
     import sys
 
     try:
-        cfg = load_serve_config(config_path)
+        cfg = load_serve_config(config_path, overrides=overrides)
     except (ValueError, OSError) as e:  # ConfigError (names the key) or an unreadable file: nothing is written
         print(f"error: {e}", file=sys.stderr)
         return 2
