@@ -30,7 +30,7 @@ def replay(cfg: RunConfig, model_folder: Path, rollouts: str | Path, *, checkpoi
     from trainer.backend.checkpoint import load_checkpoint, step_folders
     from trainer.backend.steps import TrainerConfig, build_components
     from trainer.metrics import JSONLLogger, read_jsonl
-    from trainer.rl import _reference_components, train_on_batch
+    from trainer.rl import _reference_components, local_backend, train_on_batch
     from trainer.rollout.dumps import read_rollouts, rollout_files
     from trainer.rollout.samples import pad_token_id
     from trainer.types import TrainingState
@@ -57,13 +57,13 @@ def replay(cfg: RunConfig, model_folder: Path, rollouts: str | Path, *, checkpoi
     out_dir = Path(cfg.output_dir) / "replay"
     history = []
     logger = JSONLLogger(out_dir / "metrics.jsonl", enabled=comp.rank == 0, keep_through=0)
+    backend = local_backend(comp, rl_cfg, tcfg, pad_id=pad_token_id(tokenizer), ref=ref)
     try:
         for path in rollout_files(rollouts):
             step, batch = read_rollouts(path)
             if step <= state.step:
                 continue
-            metrics, state = train_on_batch(comp, state, batch, rl_cfg, tcfg, pad_id=pad_token_id(tokenizer),
-                                            ref_components=ref)
+            metrics, state = train_on_batch(backend, state, batch, rl_cfg)
             was = original.get(step, {})
             metrics.update({f"original/{k}": was[k] for k in ("loss", "grad_norm") if k in was})
             logger.log(step, metrics)
