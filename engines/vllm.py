@@ -143,6 +143,7 @@ class VLLMEngine:
         self._running: set[str] = set()  # request ids of this adapter's generate calls in flight
         self.default_adapter: str | None = None  # the LoRA adapter a request naming none uses (None: the base)
         self._default_known = False  # default_adapter set by a sync here, or read from the server once
+        self._max_lora_rank: int | None = None  # the server's --max-lora-rank, read with weight_formats()
 
     async def _call(self, method: str, route: str, body: dict | None = None, params: dict | None = None):
         try:
@@ -252,8 +253,11 @@ class VLLMEngine:
                 raise
             return False
         results = data.get("results") if isinstance(data, dict) else None
-        return isinstance(results, list) and bool(results) and all(
-            isinstance(r, dict) and r.get("adapters") is True for r in results)
+        if not (isinstance(results, list) and results and all(isinstance(r, dict) for r in results)):
+            return False
+        ranks = [r.get("max_lora_rank") for r in results if isinstance(r.get("max_lora_rank"), int)]
+        self._max_lora_rank = min(ranks) if ranks else None
+        return all(r.get("adapters") is True for r in results)
 
     async def colocation_info(self) -> dict:
         """{}: vLLM has no same-device weight path here; the sender broadcasts to it through the plugin."""
@@ -295,6 +299,8 @@ class VLLMEngine:
         previous version, the other tensors load into the base; without one (a full update) requests naming no
         adapter get the base again."""
         lora = lora_adapter_field(meta)  # ValueError names the bad field, before any call
+        if lora is not None:
+            self._check_adapter_rank(meta)
         version = meta.get("weight_version")
         await self._call("POST", "/start_weight_update", {})
         await self._call("POST", "/update_weights", {"update_info": meta})
@@ -311,6 +317,16 @@ class VLLMEngine:
         self._default_known = True
         if version is not None:
             self.weight_version = int(version)
+
+    def _check_adapter_rank(self, meta: dict) -> None:
+        """Refuse an adapter wider than the server's --max-lora-rank before anything is sent or loaded (vLLM would
+        refuse it only once the sync had loaded the rest)."""
+        ranks = {int(shape[0]) for name, shape in zip(meta.get("names") or [], meta.get("shapes") or [])
+                 if str(name).endswith(".lora_A.weight")}
+        if self._max_lora_rank is not None and ranks and max(ranks) > self._max_lora_rank:
+            raise EngineError(f"{self.url}: adapter rank {max(ranks)} is more than this vLLM's --max-lora-rank "
+                              f"{self._max_lora_rank}; restart it with --max-lora-rank >= {max(ranks)} (or use a "
+                              f"smaller [lora] rank)", status=400)
 
     async def _serve_synced_adapter(self, name: str) -> None:
         """The adapter the workers just received becomes vLLM's adapter `name`: rebuilt in place where vLLM serves

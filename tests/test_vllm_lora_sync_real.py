@@ -7,12 +7,14 @@ written. The worker builds vLLM's LoRA model from the tensors under the name "po
 Checked, against a float64 forward of the trainer's model with the adapters merged (tolerance 1e-4: engine vs
 trainer in fp32, design.md): greedy tokens and log-probs of requests naming "policy", and of requests naming no
 adapter on the synced engine object and on a copy pickled before the first sync (as the rollout process's is):
-their default adapter; the second sync replaces the adapter (the first reference is then off); `last_sync_bytes`
-(the RL loop's `sync/bytes`) equals the adapter's bytes from the second sync on; requests naming the base (the
-served model) answer as the trainer's base, unmerged. A merged sync afterwards (lora="merged") clears the default
-and unregisters "policy": requests naming no adapter get the merged weights, naming "policy" is a 404. Last, a run
-with train_unembed: its lm_head, trained outside the adapters, goes with them on every sync (sync bytes = adapters +
-lm_head; vLLM reloads that one layer), and "policy" is registered again.
+their default adapter. The second sync replaces the adapter (the first reference is then off), and
+`last_sync_bytes` (the RL loop's `sync/bytes`) equals the adapter's bytes from the second sync on; requests naming
+the base (the served model) answer as the trainer's base, unmerged. An adapter wider than the server's
+--max-lora-rank fails the sync before anything is loaded, naming the flag, and "policy" keeps its last version. A
+merged sync afterwards (lora="merged") clears the default and unregisters "policy": requests naming no adapter get
+the merged weights, naming "policy" is a 404. Last, a run with train_unembed: its lm_head, trained outside the
+adapters, goes with them on every sync (sync bytes = adapters + lm_head; vLLM reloads that one layer), and "policy"
+is registered again.
 
 Base and adapter requests are never in flight together: vLLM 0.32's CPU build served a base row beside an adapter
 row with the adapter (tests/test_vllm_lora_real.py)."""
@@ -29,6 +31,7 @@ from vllm_support import start_server, stop_server, tiny_qwen2, tiny_qwen2_confi
 from engines.embedded.launch import free_port
 from engines.protocol import EngineError, SamplingParams
 from engines.vllm import VLLMEngine
+from engines.weight_sync.wire import WeightSyncError
 from trainer.backend.lora import ADAPTER, inject, is_adapter, lora_layers
 from trainer.config import LoRAConfig
 from trainer.weight_sync import WeightSyncSender
@@ -40,11 +43,11 @@ PROMPTS = [[1, 20, 21, 22], [1, 7, 8, 9, 10]]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
 
 
-def lora_trainer(*, train_unembed: bool = False):
+def lora_trainer(*, train_unembed: bool = False, rank: int = 4):
     """The trainer's model: another base than the served folder's (seed 5, not 0), rank-4 adapters on every
     linear layer, with values."""
     trainer, _ = tiny_qwen2(seed=5)
-    inject(trainer, LoRAConfig(rank=4, alpha=8.0, target_modules="all-linear", train_unembed=train_unembed))
+    inject(trainer, LoRAConfig(rank=rank, alpha=2.0 * rank, target_modules="all-linear", train_unembed=train_unembed))
     perturb(trainer, 1)
     return trainer
 
@@ -136,6 +139,13 @@ def test_adapter_only_sync_to_vllm(tmp_path):
         assert copy.default_adapter == "policy" and trio.run(copy.get_weight_version) == 2
         check(base_ref, trio.run(lambda: eng.generate(PROMPTS, GREEDY, adapter=folder)))  # the base, unmerged
 
+        sender.close()  # the same base with rank-16 adapters: more than the server's --max-lora-rank
+        sender = WeightSyncSender(lora_trainer(rank=16), [eng], timeout_s=120.0, weight_version=2)
+        sender.init_group()
+        with pytest.raises(WeightSyncError, match="max-lora-rank 8; restart it with --max-lora-rank >= 16"):
+            sender.sync()
+        check(second, trio.run(lambda: eng.generate(PROMPTS, GREEDY, adapter="policy")))  # the last good version
+
         merged = WeightSyncSender(trainer, [eng], timeout_s=120.0, lora="merged", weight_version=2)
         sender.close()
         merged.init_group()
@@ -154,6 +164,7 @@ def test_adapter_only_sync_to_vllm(tmp_path):
         sender = WeightSyncSender(unembed, [eng], timeout_s=120.0, weight_version=3)
         sender.init_group()
         assert sender.adapter_sync and sender.sync() == 4 and eng.default_adapter == "policy"
+        check(reference(unembed), trio.run(lambda: eng.generate(PROMPTS, GREEDY)))  # base and adapters re-sent
         perturb(unembed, 3)
         assert sender.sync() == 5 and sender.last_sync_bytes == adapter_bytes + lm_head_bytes
         gaps.append(check(reference(unembed), trio.run(lambda: eng.generate(PROMPTS, GREEDY))))

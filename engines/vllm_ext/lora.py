@@ -54,8 +54,10 @@ class SyncedAdapter:
 
 @dataclass
 class AdapterStore:
-    """This worker's synced adapters by name, and the LoRA id vLLM's API server gave each name."""
+    """This worker's synced adapters by name (`pending`: received, not yet checked by vLLM's LoRA manager;
+    `adapters`: the versions it serves), and the LoRA id vLLM's API server gave each name."""
 
+    pending: dict[str, SyncedAdapter] = field(default_factory=dict)
     adapters: dict[str, SyncedAdapter] = field(default_factory=dict)
     ids: dict[str, int] = field(default_factory=dict)
 
@@ -85,8 +87,12 @@ def build_lora_model(manager, name: str, adapter: SyncedAdapter, lora_id: int):
     helper.validate_legal(manager.lora_config)  # e.g. r > --max-lora-rank: vLLM's error names the flag
     model = manager._adapter_manager.model
     mapper = getattr(model, "hf_to_vllm_mapper", None)  # what vLLM's own loader applies (a vLLM model attribute)
+    # Copies: vLLM keeps CPU tensors as given and folds the scaling into B in place when it registers the adapter
+    # (LoRALayerWeights.optimize); a second build from the same tensors (a re-registration, a rebuild after vLLM
+    # dropped its adapters) would scale B twice. Its folder loader reads fresh tensors each time; so do we.
+    tensors = {n: t.clone() for n, t in adapter.tensors.items()}
     return manager._lora_model_cls.from_lora_tensors(
-        lora_model_id=lora_id, tensors=adapter.tensors, peft_helper=helper, device="cpu",
+        lora_model_id=lora_id, tensors=tensors, peft_helper=helper, device="cpu",
         dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
         weights_mapper=None if mapper is None else mapper.get_rename_mapper(),
         skip_prefixes=getattr(model, "lora_skip_prefixes", None))
@@ -118,11 +124,14 @@ def apply_adapter(manager, store: AdapterStore, name: str) -> str:
     new tensors and registered under the same id, in place of any previous one), else "new" (the caller registers
     it through /v1/load_lora_adapter with the path `rlkernels-tensors://<name>`, which `install_loader` serves)."""
     install_loader(manager, store)
+    adapter = store.pending.pop(name)
     lora_id = store.ids.get(name)
-    adapter_manager = manager._adapter_manager
+    # Built first: a bad adapter (e.g. rank > --max-lora-rank) raises here and the served version stays the last good
+    lora = build_lora_model(manager, name, adapter, 1 if lora_id is None else lora_id)
+    store.adapters[name] = adapter
     if lora_id is None:
         return "new"
-    lora = build_lora_model(manager, name, store.adapters[name], lora_id)  # before removing: a bad one keeps the old
+    adapter_manager = manager._adapter_manager
     adapter_manager.remove_adapter(lora_id)  # a no-op after vLLM's reset_lora_state or an eviction
     adapter_manager.add_adapter(lora)
     return "replaced"

@@ -117,7 +117,8 @@ class ProcessGroupWeightTransferEngine(WeightTransferEngine[ProcessGroupInitInfo
 
     def receive_weights(self, meta: WeightMeta, lora: dict | None = None) -> None:
         """Receive every tensor of `meta`; with `lora` ({name, scaling, default}) its A/B tensors become that
-        adapter's in `self.adapters` once all arrived (a failed receive keeps the previous version)."""
+        adapter's pending version in `self.adapters` once all arrived (the worker extension's apply checks and
+        serves it; a failed receive keeps the previous version)."""
         if self.group is None:
             raise RuntimeError("no weight-transfer group: POST /init_weight_transfer_engine first")
         lora_names = [n for n in meta.names if is_lora_name(n)]
@@ -136,7 +137,7 @@ class ProcessGroupWeightTransferEngine(WeightTransferEngine[ProcessGroupInitInfo
                 self._recv(bucket, f"broadcast of bucket {k}")
                 self._load(list(zip([meta.names[i] for i in members], unpack_bucket(meta, members, bucket))), adapter)
         if lora is not None:
-            self.adapters.adapters[lora["name"]] = SyncedAdapter(adapter, lora["scaling"])
+            self.adapters.pending[lora["name"]] = SyncedAdapter(adapter, lora["scaling"])
 
     def _load(self, named: list[tuple[str, torch.Tensor]], adapter: dict[str, torch.Tensor]) -> None:
         """Model weights into the model; adapter tensors copied out of the bucket, to the CPU (vLLM's LoRA manager

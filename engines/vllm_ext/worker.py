@@ -17,8 +17,9 @@ class RLKernelsWorker:
         return [gpu_uuid(device)] if device.type == "cuda" else []
 
     def rlkernels_lora_sync(self) -> dict:
-        """{"adapters": whether this server can take a LoRA run's adapter-only sync} (a dict: vLLM's /collective_rpc
-        answers a scalar as its str): started with --enable-lora, with
+        """{"adapters": whether this server can take a LoRA run's adapter-only sync, "max_lora_rank": its
+        --max-lora-rank or None} (a dict: vLLM's /collective_rpc answers a scalar as its str). It can when started
+        with --enable-lora, with
         VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (the API server's /v1/load_lora_adapter, which registers a synced
         adapter's name; the engine processes share the API server's environment) and our weight-transfer back end."""
         from vllm import envs
@@ -26,9 +27,10 @@ class RLKernelsWorker:
         from engines.vllm_ext.receiver import ProcessGroupWeightTransferEngine
 
         engine = self.weight_transfer_engine  # type: ignore[attr-defined]
-        return {"adapters": (self.vllm_config.lora_config is not None  # type: ignore[attr-defined]
-                             and bool(envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING)
-                             and isinstance(engine, ProcessGroupWeightTransferEngine))}
+        lora = self.vllm_config.lora_config  # type: ignore[attr-defined]
+        return {"adapters": (lora is not None and bool(envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+                             and isinstance(engine, ProcessGroupWeightTransferEngine)),
+                "max_lora_rank": None if lora is None else int(lora.max_lora_rank)}
 
     def rlkernels_apply_adapter(self, name: str) -> str:
         """After an adapter sync of `name` (its tensors are in our weight-transfer engine): "replaced" when vLLM
@@ -41,7 +43,7 @@ class RLKernelsWorker:
                                "--max-lora-rank >= the run's rank), VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 and "
                                "--weight-transfer-config '{\"backend\": \"rlkernels\"}'")
         engine = self.weight_transfer_engine  # type: ignore[attr-defined]
-        if name not in engine.adapters.adapters:
-            raise ValueError(f"adapter {name!r} was not synced to this worker (synced: "
-                             f"{sorted(engine.adapters.adapters)}); send it by an update with a lora_adapter field")
+        if name not in engine.adapters.pending:
+            raise ValueError(f"adapter {name!r}: no new version was synced to this worker (pending: "
+                             f"{sorted(engine.adapters.pending)}); send it by an update with a lora_adapter field")
         return apply_adapter(self.model_runner.lora_manager, engine.adapters, name)  # type: ignore[attr-defined]
