@@ -116,7 +116,7 @@ def check_token_exact(samples, recorded: Recording, tok, model=None, *, tol: flo
     again = tok.encode(AGAIN)
     for s in samples:
         turns = s.metadata["turns"]
-        assert turns == s.metadata["sample_index"] % 3 + 1
+        assert turns == s.index % 3 + 1
         opening = tok.apply_chat_template([{"role": "user", "content": s.prompt}], add_generation_prompt=True,
                                           tokenize=True, return_dict=True)["input_ids"]
         tokens, mask, lps = list(opening), [], []

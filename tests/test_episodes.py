@@ -350,7 +350,7 @@ def test_an_abort_stops_episodes_mid_way_and_they_start_again_next_batch():
     manager.config = dataclasses.replace(cfg, over_sampling_factor=1.0)
     second, _ = one_batch([eng], cfg, buffer, manager=manager)
     s = second.samples[0]
-    assert s.prompt == "1+2=" and s.metadata["group_uid"] == cut[0].metadata["group_uid"]
+    assert s.prompt == "1+2=" and s.group_index == cut[0].group_index
     assert s.status == Status.COMPLETED and s.metadata["turns"] == 2 and s.metadata["tool_calls"] == 1
     assert TOK.decode(list(s.tokens[s.prompt_length:])).count("<tool_call>") == 1  # restarted, not appended
     assert len(s.metadata["weight_versions"]) == 2

@@ -176,7 +176,7 @@ def test_an_agent_that_rewrites_its_history_splits_into_exact_sequences(local, m
         assert_exact(s, [(start, None), (c[0].output_ids, c[0])], model)
         assert s.reward == 0.5 and s.status == Status.COMPLETED
     # Both sequences of an episode are in its group (same uid): 2 groups of 2 episodes x 2 sequences.
-    uids = [s.metadata["group_uid"] for s in batch.samples]
+    uids = [s.group_index for s in batch.samples]
     assert sorted(uids.count(u) for u in set(uids)) == [4, 4]
 
 

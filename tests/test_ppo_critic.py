@@ -78,7 +78,7 @@ def _samples() -> list[Sample]:
         out.append(Sample(prompt=f"p{group}", tokens=prompt + resp, response_length=r, loss_mask=mask,
                           reward=None if failed else float(torch.rand((), generator=g)), group_index=group,
                           status=Status.FAILED if failed else Status.COMPLETED,
-                          metadata={"group_uid": group, **({"reward_error": "boom"} if failed else {})}))
+                          metadata={"reward_error": "boom"} if failed else {}))
     return out
 
 

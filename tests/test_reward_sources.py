@@ -56,8 +56,8 @@ def rm_folder(tmp_path_factory):
 def finished_samples(prompts, completions, *, answers=None, group_size=1):
     """Finished samples as the rollout hands them over: the response ends with the template's end marker."""
     return [Sample(prompt=p, tokens=(1, 2, 3), response=c + "<|im_end|>", response_length=1, index=i,
-                   status=Status.COMPLETED,
-                   metadata={"row": i, "group_uid": i // group_size, **({"answer": answers[i]} if answers else {})})
+                   group_index=i // group_size, status=Status.COMPLETED,
+                   metadata={"row": i, **({"answer": answers[i]} if answers else {})})
             for i, (p, c) in enumerate(zip(prompts, completions))]
 
 

@@ -119,7 +119,7 @@ def test_ctrl_c_checkpoint_then_resume_reproduces_the_uninterrupted_run(engine, 
 
 
 def test_advantages_are_grouped_by_prompt():
-    samples = [Sample(prompt="p", tokens=[1, 2], response_length=1, reward=r, metadata={"group_uid": g})
+    samples = [Sample(prompt="p", tokens=[1, 2], response_length=1, reward=r, group_index=g)
                for g, r in [(7, 1.0), (7, 0.0), (3, 0.5), (3, 0.5)]]
     adv = compute_advantages(samples, "grpo")
     assert adv[0] > 0 > adv[1] and adv[0] == pytest.approx(-adv[1])
@@ -151,7 +151,7 @@ def test_trainer_config_is_threaded_from_rl_config(tmp_path):
 
 
 def _raises_on_odd_prompts(sample):
-    if int(sample.metadata["group_uid"]) % 2:
+    if int(sample.group_index) % 2:
         raise ZeroDivisionError(f"cannot score {sample.prompt!r}")
     return digit_fraction(sample)
 
@@ -169,12 +169,12 @@ def _scored_group(uid, rewards, fail=()):
     """Samples of one prompt; the ones in `fail` carry what the reward function's exception leaves."""
     out = []
     for j, r in enumerate(rewards):
-        meta = {"group_uid": uid}
+        meta = {}
         status = Status.COMPLETED
         if j in fail:
             meta["reward_error"], status, r = f"KeyError: 'answer' (group {uid})", Status.FAILED, 0.0
         out.append(Sample(prompt="p", tokens=[5, 6 + j, 7, 8 + uid], response_length=2, reward=r, metadata=meta,
-                          status=status))
+                          status=status, group_index=uid))
     return out
 
 
@@ -208,7 +208,7 @@ def test_train_on_batch_trains_exactly_on_the_scored_samples():
         for s in _scored_group(uid, torch.rand(4, generator=g).tolist(), fail=fail):
             samples.append(dataclasses.replace(s, tokens=torch.randint(6, 90, (9,), generator=g).tolist(),
                                                response_length=5))
-    kept = [s for s in samples if s.status != Status.FAILED and s.metadata["group_uid"] != 1]
+    kept = [s for s in samples if s.status != Status.FAILED and s.group_index != 1]
     grads = []
     for batch in (samples, kept):
         comp = build_components(tiny_model_config("llama"), tcfg)

@@ -19,6 +19,7 @@ from trainer.rollout.samples import (
     compute_response_lengths,
     convert_to_batch,
     get_filter,
+    group_ids,
     resolve_filters,
     sample_from_dict,
     sample_to_dict,
@@ -65,14 +66,18 @@ def test_filter_registry_by_name():
         get_filter("check_typo")
 
 
-def test_convert_to_batch_renumbers_and_summarises():
+def test_convert_to_batch_keeps_each_samples_identity_and_summarises():
     rng = random.Random(5)
-    groups = [[_s(tuple(rng.randint(6, 60) for _ in range(rng.randint(1, 9))), float(rng.random() < 0.5),
-                  version=rng.randint(0, 3)) for _ in range(4)] for _ in range(3)]
+    uids = rng.sample(range(100), 3)  # the manager's run-wide group numbers, in the order the groups were accepted
+    groups = [[dataclasses.replace(_s(tuple(rng.randint(6, 60) for _ in range(rng.randint(1, 9))),
+                                      float(rng.random() < 0.5), version=rng.randint(0, 3)), group_index=u, index=j)
+               for j in range(4)] for u in uids]
     batch = convert_to_batch(groups, current_weight_version=3, counters={"groups_filtered": 2})
     flat = [s for g in groups for s in g]
-    assert [s.group_index for s in batch.samples] == [0] * 4 + [1] * 4 + [2] * 4
-    assert [s.index for s in batch.samples] == list(range(12))
+    # One identity: a sample's group and its number in it, the same before and after (issue 41 item 7; the batch
+    # used to renumber group_index 0..G-1 beside the manager's metadata["group_uid"]).
+    assert list(batch.samples) == flat and group_ids(batch.samples) == [u for u in uids for _ in range(4)]
+    assert [s.index for s in batch.samples] == [0, 1, 2, 3] * 3 and not any("group_uid" in s.metadata for s in flat)
     m = batch.metadata
     rewards = [s.reward for s in flat]
     assert m["reward_mean"] == pytest.approx(sum(rewards) / 12)

@@ -62,14 +62,15 @@ def test_manager_with_embedded_engine_oversamples_filters_and_carries_groups_ove
     # batch starts at once instead of queueing behind them.
     load = httpx.get(engine.url + "/get_server_info", headers={"Authorization": "Bearer k"}, timeout=30).json()
     assert load["num_running_rows"] == 0 and load["num_waiting_rows"] == 0 and m.stats["aborts_sent"] >= 1
-    for g in range(2):
+    assert len(dict.fromkeys(s.group_index for s in batch.samples)) == 2
+    for g in dict.fromkeys(s.group_index for s in batch.samples):
         group = [s for s in batch.samples if s.group_index == g]
         assert statistics.pstdev([s.reward for s in group]) > 0  # zero-variance groups were dropped
     assert md.get("filtered_check_reward_nonzero_std", 0) == md["groups_filtered"]
     cached = m.partial_groups
     # Over-sampled groups that were neither accepted nor dropped are cut and cached (>= 1 by construction).
     assert len(cached) == md["groups_cached"] == md["groups_submitted"] - 2 - md["groups_filtered"] >= 1
-    done_before = {(g[0].metadata["group_uid"], s.metadata["sample_index"]): s for g in cached for s in g
+    done_before = {(g[0].group_index, s.index): s for g in cached for s in g
                    if s.status in (Status.COMPLETED, Status.TRUNCATED)}
 
     model = build_tiny_model(SEED)
@@ -93,6 +94,6 @@ def test_manager_with_embedded_engine_oversamples_filters_and_carries_groups_ove
             s.tokens[-1] == TOK.convert_tokens_to_ids("<|im_end|>")
         # Samples keep the engine's own log-probs (equal to a plain HF forward of the same weights).
         assert torch.allclose(torch.tensor(s.rollout_logprobs), _hf_logprobs(model, s), atol=1e-4, rtol=0)
-        key = (s.metadata["group_uid"], s.metadata["sample_index"])
+        key = (s.group_index, s.index)
         if key in done_before:  # a sample finished before the cut is carried over unchanged
             assert s.tokens == done_before[key].tokens and s.rollout_logprobs == done_before[key].rollout_logprobs

@@ -393,7 +393,7 @@ class Stuck:
     # A user's environment whose step blocks for ever in training (evaluation's episodes go through).
 
     def reset(self, prompt, metadata):
-        self.training = "group_uid" in metadata
+        self.training = "prompt_index" in metadata  # a training row (evaluation's have none)
         return [{"role": "user", "content": prompt}]
 
     def step(self, message):

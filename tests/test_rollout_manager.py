@@ -193,7 +193,8 @@ def test_batch_from_two_engines_keeps_logprobs_versions_and_groups(engines, engi
     m = AsyncRolloutManager(_clients(engines), cfg, tokenizer=TOK, reward_fn="arithmetic")
     batch = _run(m, _arith_buffer())
     assert len(batch) == 12 and all(e.requests > b for e, b in zip(engines, before))  # both engines used
-    for g in range(4):
+    assert len(dict.fromkeys(s.group_index for s in batch.samples)) == 4
+    for g in dict.fromkeys(s.group_index for s in batch.samples):
         group = [s for s in batch.samples if s.group_index == g]
         assert len(group) == 3 and len({s.prompt for s in group}) == 1
     for s in batch.samples:
@@ -220,10 +221,11 @@ def test_oversampling_fills_batch_and_filter_drops_zero_variance_groups(engine):
     batch = _run(m, _buffer(prompts))
     md = batch.metadata
     assert len(batch) == 16
-    for g in range(4):
+    assert len(dict.fromkeys(s.group_index for s in batch.samples)) == 4
+    for k, g in enumerate(dict.fromkeys(s.group_index for s in batch.samples)):
         rewards = [s.reward for s in batch.samples if s.group_index == g]
         assert statistics.pstdev(rewards) > 0
-        assert int(batch.samples[4 * g].prompt.split("+")[0]) % 2 == 1  # even a -> all right -> zero variance
+        assert int(batch.samples[4 * k].prompt.split("+")[0]) % 2 == 1  # even a -> all right -> zero variance
     assert md["groups_filtered"] >= 1 and md["filtered_check_reward_nonzero_std"] == md["groups_filtered"]
     assert 8 < md["groups_submitted"] <= 8 + md["groups_filtered"]  # replacements only for dropped groups
 
@@ -255,7 +257,7 @@ def test_abort_leaves_no_stray_requests_and_partials_resume_with_their_version(e
         assert s.status == Status.ABORTED and s.metadata["weight_versions"] == [7] and s.weight_version == 7
         assert "the answer is".startswith(s.response)  # a prefix of the slow answer, cut mid-way
         _check_logprobs(s)
-    before = {(g[0].prompt, s.metadata["sample_index"]): s.tokens for g in cached for s in g}
+    before = {(g[0].prompt, s.index): s.tokens for g in cached for s in g}
 
     # Next batch under version 8: cached groups go first and finish; partial tokens are kept as a prefix.
     engine.slow_mod, engine.version = 0, 8
@@ -271,7 +273,7 @@ def test_abort_leaves_no_stray_requests_and_partials_resume_with_their_version(e
     resumed = [s for s in batch2.samples if len(s.metadata["weight_versions"]) == 2]
     assert len(resumed) == len(partial)
     for s in batch2.samples:
-        old = before[(s.prompt, s.metadata["sample_index"])]
+        old = before[(s.prompt, s.index)]
         assert s.tokens[: len(old)] == old and s.status == Status.COMPLETED
         _check_logprobs(s)
     for s in resumed:
@@ -384,7 +386,7 @@ def test_any_engine_object_drives_rollouts_one_request_per_group():
     assert len(eng.calls) == 3 and all(c[:2] == (1, 3) for c in eng.calls)  # one request of n=3 per group
     assert len({c[2] for c in eng.calls}) == 3  # distinct request ids
     for s in batch.samples:  # sample 0 of each group is right, the others are off by their index
-        assert s.reward == float(s.metadata["sample_index"] == 0) and s.weight_version == 4
+        assert s.reward == float(s.index == 0) and s.weight_version == 4
         assert s.rollout_logprobs == (-0.5,) * s.response_length
 
 
@@ -445,14 +447,15 @@ def test_no_prompt_is_lost_across_batches_under_random_timing(engines, engine, s
         md = batch.metadata
         assert len(batch) == cfg.rollout_batch_size * cfg.n_samples_per_prompt
         assert md["groups_submitted"] == cfg.rollout_batch_size + md["groups_filtered"] + md["groups_cached"]
-        for g in range(cfg.rollout_batch_size):
+        assert len(dict.fromkeys(s.group_index for s in batch.samples)) == cfg.rollout_batch_size
+        for g in dict.fromkeys(s.group_index for s in batch.samples):
             group = [s for s in batch.samples if s.group_index == g]
-            assert len({s.metadata["group_uid"] for s in group}) == 1
+            assert len(group) == cfg.n_samples_per_prompt
             assert all(fn(group) for _, fn in m.filters)
             _ = [_check_logprobs(s) for s in group]
-        accepted_uids += sorted({s.metadata["group_uid"] for s in batch.samples})
+        accepted_uids += sorted({s.group_index for s in batch.samples})
         filtered += md["groups_filtered"]
-    cached_uids = [g[0].metadata["group_uid"] for g in m.partial_groups]
+    cached_uids = [g[0].group_index for g in m.partial_groups]
     assert len(set(accepted_uids)) == len(accepted_uids) and not set(accepted_uids) & set(cached_uids)
     assert len(accepted_uids) + len(cached_uids) + filtered == m.state_dict()["group_uid"]
     deadline = time.monotonic() + 2

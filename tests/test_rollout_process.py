@@ -65,7 +65,7 @@ def _recipe(buffer, manager, rollout, *, first_step: int = 1, **kw) -> RolloutRe
 
 def _view(batch) -> list[tuple]:
     """What a batch trains on: per sample its prompt, tokens, mask, engine log-probs, reward, group and status."""
-    return [(s.prompt, s.tokens, s.loss_mask, s.rollout_logprobs, s.reward, s.metadata["group_uid"], s.status)
+    return [(s.prompt, s.tokens, s.loss_mask, s.rollout_logprobs, s.reward, s.group_index, s.status)
             for s in batch.samples]
 
 
@@ -132,13 +132,13 @@ def test_requeued_groups_reach_the_process_and_come_back_from_their_prompts(engi
     proc = RolloutProcess(_recipe(buffer, manager, rollout), version=lambda: 0)
     with RolloutService(proc, num_steps=3) as source:
         first = source.next(1)
-        group = [s for s in first.samples if s.metadata["group_uid"] == first.samples[0].metadata["group_uid"]]
+        group = [s for s in first.samples if s.group_index == first.samples[0].group_index]
         source.requeue([group])
         second = source.next(2)
     again = [s for s in second.samples if s.prompt == group[0].prompt]
     assert len(again) == len(group) and all(s.metadata["weight_versions"] == [0] for s in again)
     # The requeued group took one of the second batch's two places: one new prompt was drawn, not two.
-    assert len({s.metadata["group_uid"] for s in second.samples}) == 2
+    assert len({s.group_index for s in second.samples}) == 2
 
 
 def test_paused_waits_for_the_batch_in_flight_and_holds_the_next(engine):

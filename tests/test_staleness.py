@@ -150,7 +150,7 @@ def test_one_policy_derives_the_bound_for_every_part():
 # ----------------------------------------------------------------------------------------------- the bound
 def _samples(versions: list[int], groups: list[int]) -> tuple[Sample, ...]:
     return tuple(Sample(prompt=f"p{g}", tokens=(1, 2, 3), response_length=2, weight_version=v, reward=float(i),
-                        metadata={"group_uid": g, "weight_versions": [v]})
+                        group_index=g, metadata={"weight_versions": [v]})
                  for i, (v, g) in enumerate(zip(versions, groups)))
 
 
@@ -170,7 +170,7 @@ def test_no_sample_past_the_bound_trains(policy):
     else:  # whole groups go back to the manager, to be generated again from their prompts
         assert [s.reward for s in kept.samples] == [0.0, 1.0]
         assert sorted(len(g) for g in sent_back) == [2, 2]
-        assert {s.metadata["group_uid"] for g in sent_back for s in g} == {1, 2}
+        assert {s.group_index for g in sent_back for s in g} == {1, 2}
         assert metrics["staleness/regenerated"] == pytest.approx(4 / 6)
     fresh, m = within_staleness(RolloutBatch(samples=_samples([9, 9], [0, 0])), 9, cfg.staleness,
                                 requeue=sent_back.extend)
@@ -196,12 +196,12 @@ def test_requeued_groups_restart_from_their_prompts_first_in_the_next_batch():
                 return await manager.generate_batch(buffer)
 
         first = trio.run(one)
-        group = [s for s in first.samples if s.metadata["group_uid"] == first.samples[0].metadata["group_uid"]]
+        group = [s for s in first.samples if s.group_index == first.samples[0].group_index]
         manager.requeue([group])
         second = trio.run(one)
     finally:
         eng.close()
-    again = [s for s in second.samples if s.metadata["group_uid"] == group[0].metadata["group_uid"]]
+    again = [s for s in second.samples if s.group_index == group[0].group_index]
     assert [s.prompt for s in again] == [s.prompt for s in group]  # the same prompt, generated again
     assert all(s.metadata["weight_versions"] == [0] for s in again)  # from the prompt: one fresh segment
     assert buffer.state_dict()["draws"] == 2 + 1  # the requeued group took one of the second batch's two places

@@ -140,8 +140,8 @@ class _Answerer:
         from trainer.types import Sample
 
         p = self.prompts[i]
-        return Sample(prompt=p.prompt, tokens=tuple(self.ids[i]), metadata={
-            **p.metadata, "answer": p.answer, "sample_index": j, **({"system_prompt": p.system} if p.system else {})})
+        return Sample(prompt=p.prompt, tokens=tuple(self.ids[i]), group_index=i, index=j, metadata={
+            **p.metadata, "answer": p.answer, **({"system_prompt": p.system} if p.system else {})})
 
     async def over_fleet(self, n: int, run: Callable[[Any, list[int]], Any]) -> list[Any]:
         """`await run(engine, items)` for each engine's share of items 0 .. n-1 (item i on engines[i % len]), all in

@@ -68,7 +68,7 @@ if TYPE_CHECKING:
 
 
 def compute_advantages(samples: Sequence[Sample], estimator: str) -> list[float | None]:
-    """One advantage per sample from its reward and its group (samples of one prompt share metadata group_uid).
+    """One advantage per sample from its reward and its group (samples of one prompt share their group_index).
 
     A FAILED sample has no reward: it gets advantage 0 and stays out of its group's mean and std. `estimator`
     names an entry of kernels.advantages.ADVANTAGE_ESTIMATORS; for "gae" a sample has no one advantage (they are

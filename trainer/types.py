@@ -55,6 +55,8 @@ class Sample:
     response_length: int = 0
     loss_mask: tuple[int, ...] | None = None
     reward: float | None = None
+    # A sample's identity, its only one: its group (the samples of one prompt: the rollout manager numbers the groups
+    # of a run as it draws them, and a group keeps its number across batches) and its number in that group.
     group_index: int = 0
     index: int = 0
     rollout_logprobs: tuple[float, ...] | None = None

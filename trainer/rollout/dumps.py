@@ -69,7 +69,7 @@ def rollout_rows(batch: RolloutBatch, *, step: int, advantages: Sequence[float],
         lps = trainer_logprobs[i] if trainer_logprobs is not None else None
         completion = tokenizer.decode(list(s.tokens[s.prompt_length:])) if tokenizer is not None else s.response
         rows.append({
-            "step": step, "index": i, "group": _jsonable(s.metadata.get("group_uid", s.group_index)),
+            "step": step, "index": i, "group": s.group_index,
             "prompt": s.prompt, "completion": completion, "response": s.response,
             "prompt_tokens": s.prompt_length, "completion_tokens": s.response_length,
             "reward": s.reward, "correct": s.correct, "advantage": advantages[i], "trained": bool(trained[i]),
@@ -80,7 +80,7 @@ def rollout_rows(batch: RolloutBatch, *, step: int, advantages: Sequence[float],
             "loss_mask": list(s.loss_mask) if s.loss_mask is not None else None,
             "rollout_logprobs": list(s.rollout_logprobs) if s.rollout_logprobs is not None else None,
             "trainer_logprobs": list(lps) if lps is not None else None,
-            "group_index": s.group_index, "sample_index": s.index, "metadata": _jsonable(dict(s.metadata)),
+            "sample_index": s.index, "metadata": _jsonable(dict(s.metadata)),
         })
     return rows
 
@@ -109,7 +109,7 @@ def read_rollouts(path: str | os.PathLike) -> tuple[int, RolloutBatch]:
                              f"rollouts_every or `python -m trainer generate`")
     samples = tuple(Sample(prompt=r["prompt"], tokens=tuple(r["tokens"]), response=r.get("response", ""),
                            response_length=r["response_length"], loss_mask=r["loss_mask"], reward=r["reward"],
-                           group_index=r["group_index"], index=r["sample_index"],
+                           group_index=r["group"], index=r["sample_index"],
                            rollout_logprobs=r["rollout_logprobs"], weight_version=r["weight_version"],
                            metadata=r["metadata"], status=Status(r["status"]), correct=r["correct"])
                     for r in rows)

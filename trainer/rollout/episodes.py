@@ -45,7 +45,7 @@ from engines.protocol import Completion, SamplingParams
 from trainer.rewards.rules import acompute_reward
 from trainer.rollout.blocking import BlockedCallTimeout, enter_user_code, run_bounded, user_code
 from trainer.rollout.loading import load_callable
-from trainer.rollout.samples import extend_sample, stop_token_ids
+from trainer.rollout.samples import data_row, extend_sample, stop_token_ids
 from trainer.rollout.tools import ToolEnv, load_tool_parser, load_tools
 from trainer.types import Sample, Status
 
@@ -172,8 +172,8 @@ class Episode:
 
     @property
     def row(self) -> dict[str, Any]:
-        """The data row the episode started from: its fields, "prompt" and "answer"."""
-        return {**self.sample.metadata, "prompt": self.sample.prompt}
+        """The data row the episode started from: its fields, "prompt" and "answer" (samples.data_row)."""
+        return {**data_row(self.sample), "prompt": self.sample.prompt}
 
     async def chat(self, messages: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         """One assistant turn after `messages` (the whole conversation so far); see the module docstring."""
@@ -250,7 +250,7 @@ def env_driver(factory: Callable[[], Any], timeout_s: float | None = None) -> Dr
         env = factory()
         t0 = time.perf_counter()
         try:
-            messages = list(await call(env, "reset", sample.prompt, dict(sample.metadata)))
+            messages = list(await call(env, "reset", sample.prompt, data_row(sample)))
         finally:
             episode.env_seconds += time.perf_counter() - t0
         rewards = []

@@ -53,7 +53,7 @@ from engines.protocol import Completion, EngineError
 from trainer.rollout.blocking import BlockedCallTimeout, enter_user_code
 from trainer.rollout.loading import load_callable
 from trainer.rollout.recording import AgentRecorder, Schema
-from trainer.rollout.samples import sample_to_dict
+from trainer.rollout.samples import data_row, sample_to_dict
 from trainer.types import Sample, Status
 
 # (prompt tokens, n, new-token budget, request number in the episode) -> n completions, or None: the batch filled.
@@ -303,7 +303,7 @@ async def run_agent_episode(sample: Sample, agent: Callable[..., Any], gateway: 
     filled while a request ran). ABORTED, or a cancellation: the episode starts again in a later batch."""
     rec = AgentRecorder(sample, **recorder_kw)
     endpoint = gateway.open_episode(rec, generate)
-    row = {**sample.metadata, "prompt": sample.prompt}
+    row = {**data_row(sample), "prompt": sample.prompt}
     name = getattr(agent, "__name__", str(agent))
     value, error, extra = None, None, {}
     t0 = time.perf_counter()

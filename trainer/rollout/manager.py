@@ -61,7 +61,7 @@ from trainer.types import RolloutBatch, Sample, Status
 
 def _oldest_first(groups: list[list[Sample]]) -> list[list[Sample]]:
     """Cached groups in the order they were drawn from the data buffer (so none starves)."""
-    return sorted(groups, key=lambda g: g[0].metadata["group_uid"])
+    return sorted(groups, key=lambda g: g[0].group_index)
 
 
 _EXC_GROUP = builtins.ExceptionGroup  # trio raises these from nurseries
@@ -263,11 +263,11 @@ class AsyncRolloutManager:
         ids = self._prompt_ids(prompt.prompt, getattr(prompt, "system", None))
         uid = self._group_uid
         self._group_uid += 1
-        meta = {**prompt.metadata, "answer": prompt.answer, "prompt_index": prompt.index, "group_uid": uid}
+        meta = {**prompt.metadata, "answer": prompt.answer, "prompt_index": prompt.index}
         if self.driver is not None and getattr(prompt, "system", None):
             meta["system_prompt"] = prompt.system  # the tool environment opens with it
-        return [Sample(prompt=prompt.prompt, tokens=tuple(ids), rollout_logprobs=(), index=j,
-                       metadata={**meta, "sample_index": j}) for j in range(self.config.n_samples_per_prompt)]
+        return [Sample(prompt=prompt.prompt, tokens=tuple(ids), rollout_logprobs=(), group_index=uid, index=j,
+                       metadata=meta) for j in range(self.config.n_samples_per_prompt)]
 
     def _refresh_cached(self, group: list[Sample]) -> tuple[list[Sample], int]:
         """Restart the samples of a cached group that lag the trainer by more than max_staleness versions."""
@@ -293,7 +293,7 @@ class AsyncRolloutManager:
                 groups[slot][j] = dataclasses.replace(s, status=Status.TRUNCATED)
             return
         c = self.config
-        uid = samples[0].metadata["group_uid"]
+        uid = samples[0].group_index
         seg = len(samples[0].metadata.get("weight_versions", ()))
         seed = request_seed(c.seed, uid, js[0], seg)
         shared = all(s.tokens == samples[0].tokens for s in samples)
@@ -342,7 +342,7 @@ class AsyncRolloutManager:
         if s.status != Status.PENDING or s.response_length:
             s = restart_sample(s)
         c = self.config
-        uid = s.metadata["group_uid"]
+        uid = s.group_index
 
         async def generate(tokens: tuple[int, ...], budget: int, segment: int) -> Completion | None:
             seed = request_seed(c.seed, uid, j, segment)
@@ -364,7 +364,7 @@ class AsyncRolloutManager:
         if s.status != Status.PENDING or s.response_length:
             s = restart_sample(s)
         c = self.config
-        uid = s.metadata["group_uid"]
+        uid = s.group_index
 
         async def generate(tokens: tuple[int, ...], n: int, budget: int, call: int) -> list[Completion] | None:
             seed = request_seed(c.seed, uid, j, call)
@@ -440,7 +440,7 @@ class AsyncRolloutManager:
         # from batch to batch is a leak of threads (and of what they hold) a user should see.
         counters["abandoned_threads"] = abandoned_threads()
         # Deterministic order: by the order groups were drawn, not by the order they finished.
-        order = sorted(accepted, key=lambda sl: groups[sl][0].metadata["group_uid"])
+        order = sorted(accepted, key=lambda sl: groups[sl][0].group_index)
         return convert_to_batch([groups[sl] for sl in order], current_weight_version=self.weight_version,
                                 counters=counters)
 

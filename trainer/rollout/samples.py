@@ -102,9 +102,14 @@ def apply_sample_transforms(samples: Sequence[Sample], transforms: Sequence[Samp
 
 
 def group_ids(samples: Sequence[Sample]) -> list[Any]:
-    """Each sample's group (the samples of one prompt): the rollout manager's run-wide metadata group_uid, else
-    (samples built elsewhere) its group_index."""
-    return [s.metadata.get("group_uid", s.group_index) for s in samples]
+    """Each sample's group (the samples of one prompt): its group_index."""
+    return [s.group_index for s in samples]
+
+
+def data_row(sample: Sample) -> dict[str, Any]:
+    """What a user's environment (reset's metadata), rollout_fn or agent gets of a sample: its data row's fields
+    ("answer", "prompt_index", ...) and its identity, "group_uid" (its group_index) and "sample_index" (its index)."""
+    return {**sample.metadata, "group_uid": sample.group_index, "sample_index": sample.index}
 
 
 def compute_response_lengths(samples: Sequence[Sample]) -> list[int]:
@@ -252,11 +257,8 @@ def build_batch_metadata(samples: Sequence[Sample], *, current_weight_version: i
 
 def convert_to_batch(groups: Sequence[Sequence[Sample]], *, current_weight_version: int = 0,
                      counters: Mapping[str, Any] | None = None) -> RolloutBatch:
-    """Flatten accepted groups into a batch, renumbering group_index 0..G-1 and index 0..N-1."""
-    samples = []
-    for g, group in enumerate(groups):
-        for s in group:
-            samples.append(dataclasses.replace(s, group_index=g, index=len(samples)))
+    """Flatten accepted groups into a batch (each sample keeps its identity: group_index and index)."""
+    samples = [s for group in groups for s in group]
     return RolloutBatch(samples=tuple(samples),
                         metadata=build_batch_metadata(samples, current_weight_version=current_weight_version,
                                                       counters=counters))
