@@ -19,8 +19,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from trainer.types import RolloutBatch, Sample, Status
 
 
@@ -139,24 +137,3 @@ def table_rows(rows: Sequence[dict[str, Any]], n: int) -> list[dict[str, Any]]:
     cols = ("step", "group", "reward", "advantage", "status", "completion_tokens", "prompt", "completion")
     return [{c: scored[p][c] for c in cols} for p in seen[:n]]
 
-
-def sample_logprobs(components: Any, samples: Sequence[Sample], *, token_budget: int, bucket_size: int,
-                    pad_id: int) -> list[list[float | None]]:
-    """The trainer's log-prob of every response token of every sample (None where the loss mask is 0), from the
-    weights the components hold now. Every rank computes all the samples (the same micro-batches everywhere: the
-    FSDP collectives match); only the steps that are written out pay this forward."""
-    from trainer.backend.steps import compute_logprobs
-    from trainer.batching.micro_batches import build_micro_batches
-
-    mbs = build_micro_batches(list(samples), token_budget=token_budget, bucket_size=bucket_size,
-                              advantages=[0.0] * len(samples), pad_id=pad_id, num_ranks=1, rank=0)
-    out: list[list[float | None]] = [[] for _ in samples]
-    for mb, lp in zip(mbs, compute_logprobs(components, mbs)):
-        lp = lp.detach().to("cpu", torch.float64).tolist()  # host read: dump steps only
-        starts = mb.row.cu_seqlens.tolist()
-        for j, idx in enumerate(mb.sample_index):
-            s = samples[idx]
-            first = starts[j] + s.prompt_length - 1  # the label of position t is token t + 1
-            mask = s.effective_loss_mask
-            out[idx] = [lp[first + r] if mask[r] else None for r in range(s.response_length)]
-    return out
