@@ -175,6 +175,7 @@ class VLLMEngine:
         # vLLM refuses n > 1 when greedy; greedy samples are identical, so ask for one and repeat it
         repeat = params.n if params.temperature == 0 and params.n > 1 else 1
         asked = dataclasses.replace(params, n=1) if repeat > 1 else params
+        check_params(params)  # before any request, the default adapter's look-up included
         if adapter is None and not self._default_known:
             await self._learn_default_adapter()
         served = adapter if adapter is not None else self.default_adapter or self.model
