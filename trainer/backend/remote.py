@@ -4,6 +4,11 @@ The same calls as LocalLoraBackend, the optimisation on the server (this project
 any other server of the API) through the official `tinker` SDK: a loop written against TrainingBackend swaps one
 for the other. What the API does not offer: `get_weights` / `load_weights` (a Tinker server neither sends nor
 takes raw weights: sample with `sampling_client()`, move weights with save_state / load_state).
+
+`[trainer] backend = "tinker"` (the RL loop on such a server, issue 39 item 5) adds, below: `TinkerPolicy` (the
+loop's "policy" objective and [rl.optim] as Tinker's ppo / cispo and AdamParams), `TinkerSync` (a weight sync is a
+new SamplingClient for the "tinker" engines, engines/tinker.py), `RemoteCheckpointer` / `remote_resume` (the
+server's save_state, indexed beside the run) and `connect` (the key rules and a health probe before any work).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from trainer.types import TrainingState
 
 
 def _then(api_future: Any, fn: Callable[[Any], Any]) -> BackendFuture:
-    """A BackendFuture of fn(the SDK future's result)."""
+    """A BackendFuture of fn(the result of `api_future`: the SDK's APIFuture, or a BackendFuture)."""
     out: concurrent.futures.Future = concurrent.futures.Future()
 
     def done(src: concurrent.futures.Future) -> None:
@@ -32,7 +37,8 @@ def _then(api_future: Any, fn: Callable[[Any], Any]) -> BackendFuture:
         except BaseException as e:  # noqa: BLE001 - the caller reads it from the future
             out.set_exception(e)
 
-    api_future.future().add_done_callback(done)
+    src = api_future._fut if isinstance(api_future, BackendFuture) else api_future.future()
+    src.add_done_callback(done)
     return BackendFuture(out)
 
 
@@ -158,7 +164,7 @@ class TinkerPolicy:
         config = {"clip_low_threshold": 1.0 - lo.clip_low, "clip_high_threshold": 1.0 + lo.clip_high}
         num_tokens = float(sum(float(w.sum()) for w in weights))
         fut = self.remote.forward_backward(datums, TINKER_OBJECTIVES[lo.objective], config)
-        return _mapped(fut, lambda out: ForwardOutput(outputs=out.outputs, metrics={
+        return _then(fut, lambda out: ForwardOutput(outputs=out.outputs, metrics={
             "loss": out.metrics["loss:sum"], "num_tokens": num_tokens}))
 
     def optim_step(self, adam_params: AdamParams | None = None) -> BackendFuture:
@@ -171,7 +177,7 @@ class TinkerPolicy:
         self.step += 1
         params = AdamParams(learning_rate=lr, beta1=opt.betas[0], beta2=opt.betas[1], eps=opt.eps,
                             weight_decay=opt.weight_decay, grad_clip_norm=opt.max_grad_norm)
-        return _mapped(self.remote.optim_step(params), lambda m: {"grad_norm": m.get("grad_norm:mean", float("nan")),
+        return _then(self.remote.optim_step(params), lambda m: {"grad_norm": m.get("grad_norm:mean", float("nan")),
                                                                   "lr": lr})
 
     def forward(self, batch: Sequence[Datum], loss_fn: str = "cross_entropy",
@@ -190,20 +196,6 @@ class TinkerPolicy:
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> BackendFuture:
         return self.remote.load_weights(weights)
-
-
-def _mapped(fut: BackendFuture, fn: Callable[[Any], Any]) -> BackendFuture:
-    """A BackendFuture of fn(fut's result)."""
-    out: concurrent.futures.Future = concurrent.futures.Future()
-
-    def done(src: concurrent.futures.Future) -> None:
-        try:
-            out.set_result(fn(src.result()))
-        except BaseException as e:  # noqa: BLE001 - the caller reads it from the future
-            out.set_exception(e)
-
-    fut._fut.add_done_callback(done)
-    return BackendFuture(out)
 
 
 class TinkerSync:
