@@ -31,8 +31,9 @@ How TRL's tool loop is matched to ours (`agent_tokenizer`, `trl_agent_args`):
                  episodes with the same tools, max_new_tokens per turn and reward, on an in-process engine built
                  from the folder TRL saved), as is the initial model (equal on both sides by construction)
 Figures per side: samples/s (episodes per second of the training loop; TRL: between optimizer steps, generation
-included), completion tokens/s (model and tool-result tokens, as each side counts a completion), seconds per
-step, the training reward per step, held-out accuracy, peak RSS of the process tree, and ours' parts of a step
+included), tokens/s (the model's own tokens, loss mask 1: TRL's completions/mean_length counts these, its tool_mask
+= 1; ours also reports completion_tokens_per_s with the tool results' tokens), seconds per step, the training
+reward per step, held-out accuracy, peak RSS of the process tree, and ours' parts of a step
 (generate / train / sync, the environment's summed time).
 """
 
@@ -277,7 +278,9 @@ def run_ours_agent(bc: single.BenchConfig, out: Path, side: str, *, profile: boo
     def mean(key: str) -> float:
         return statistics.mean(float(r.get(key, 0.0)) for r in rows) if rows else 0.0
 
-    res.update(tokens_per_s=sum(tokens) / res["loop_s"] if res["loop_s"] > 0 else 0.0,
+    loop = res["loop_s"]
+    res.update(tokens_per_s=sum(generated) / loop if loop > 0 else 0.0,  # the model's tokens, as TRL counts them
+               completion_tokens_per_s=sum(tokens) / loop if loop > 0 else 0.0,  # with the tool results' tokens
                generated_tokens_per_step=generated,
                ms_per_generated_token=[round(1e3 * float(r["time_step_s"]) / g, 4) if g else None
                                        for r, g in zip(rows, generated)],
