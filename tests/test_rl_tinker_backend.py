@@ -130,6 +130,11 @@ def test_one_step_through_the_server_equals_the_local_lora_step(server, tmp_path
     assert m_remote["loss"] == pytest.approx(m_local["loss"], abs=1e-6)
     assert m_remote["grad_norm"] == pytest.approx(m_local["grad_norm"], rel=1e-4) and m_local["grad_norm"] > 0
     assert m_remote["lr"] == m_local["lr"]
+    # the objective's metrics, computed from the server's log-probs by the same layer (kernels.objective)
+    shared = [k for k in m_local if k.startswith("mismatch/") or k in ("approx_kl", "ratio_mean", "clip_frac_low")]
+    assert "mismatch/logprob_abs_diff_max" in shared and set(shared) <= set(m_remote)
+    for key in shared:
+        assert m_remote[key] == pytest.approx(m_local[key], abs=1e-5), key
     after_l, after_r = trained(local), trained(remote)
     moved = float((after_l - before).abs().max())
     assert moved > 1e-3
@@ -163,6 +168,8 @@ def test_a_short_rl_run_trains_through_the_server(server, tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == list(range(1, 7))
     assert all(x["grad_norm"] > 0 and x["lr"] == cfg.optim.lr and "reward_mean" in x for x in lines)
+    # the sampler is the trained weights: its log-probs equal the server's forward to float32 noise
+    assert all(x["mismatch/logprob_abs_diff_max"] < 1e-4 for x in lines)
 
     start = _remote(url, folder, cfg)  # a fresh client of the same seed: the starting weights
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
 import json
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -118,20 +119,22 @@ class TinkerBackend:
 TINKER_OBJECTIVES = {"ppo": "ppo", "cispo": "cispo"}
 
 
-def aggregation_scales(weights: Sequence[torch.Tensor], loss_agg: str, max_seq_len: int | None) -> list[float]:
-    """Per datum the factor w_i that turns Tinker's summed loss into [rl.loss] loss_agg's (kernels/objective.py):
-    token-mean 1/N_tok, seq-mean-token-mean 1/(len_i N_seq), seq-mean-token-sum 1/N_seq, seq-mean-token-sum-norm
-    1/(N_seq max_seq_len), where len_i is datum i's trained tokens, N_tok all of them and N_seq the datums."""
-    lens = [float(w.sum()) for w in weights]
-    n_tok, n_seq = sum(lens), len(lens)
-    if loss_agg == "token-mean":
-        return [1.0 / max(n_tok, 1.0)] * n_seq
-    if loss_agg == "seq-mean-token-mean":
-        return [1.0 / (n * n_seq) if n else 0.0 for n in lens]
-    if loss_agg == "seq-mean-token-sum":
-        return [1.0 / n_seq] * n_seq
-    assert loss_agg == "seq-mean-token-sum-norm" and max_seq_len, f"loss_agg {loss_agg!r}"
-    return [1.0 / (n_seq * max_seq_len)] * n_seq
+def token_inputs(batch: Sequence[Datum], config: Any) -> Any:
+    """The batch's per-token inputs of the policy objective (kernels.objective.prepare_token_inputs over the
+    datums' targets, packed one after another): its aggregation weights w_t ([rl.loss] loss_agg over the trained
+    tokens) and what the mismatch metrics read. The same function the local loss builds its inputs with."""
+    from kernels.objective import LossInputs, prepare_token_inputs
+
+    def cat(key: str) -> torch.Tensor:
+        return torch.cat([d.loss_inputs[key].to(torch.float32) for d in batch])
+
+    lengths = [int(d.tokens.numel()) for d in batch]
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64)
+    labels = torch.cat([d.loss_inputs["target_tokens"].to(torch.int64) for d in batch])
+    inputs = LossInputs(labels=labels, advantages=cat("advantages"), mask=cat("weights"),
+                        rollout_logprobs=cat("logprobs"), cu_seqlens=cu)
+    tok, _ = prepare_token_inputs(inputs, config=config.loss, vocab_size=int(labels.max()) + 1)
+    return tok
 
 
 class TinkerPolicy:
@@ -140,9 +143,10 @@ class TinkerPolicy:
     taken (the learning-rate schedule's position).
 
     forward_backward(datums of trainer.backend.local.to_datums, "policy"): the loss is Tinker's `ppo` / `cispo` with
-    [rl.loss]'s clip thresholds and each token's advantage times its loss mask times the loss_agg factor
-    (aggregation_scales), so the summed loss is the objective's aggregated one; the ratio is against the engine's
-    log-probs (the tinker engine's sampler). optim_step(None): AdamParams from [rl.optim] at the schedule's step."""
+    [rl.loss]'s clip thresholds and each token's advantage times its aggregation weight (token_inputs), so the
+    summed loss is the objective's aggregated one; the ratio is against the engine's log-probs (the tinker engine's
+    sampler); the objective's metrics (mismatch/*, ...) come from the server's log-probs. optim_step(None):
+    AdamParams from [rl.optim] at the schedule's step."""
 
     def __init__(self, remote: TinkerBackend, config: Any, *, step: int = 0) -> None:
         self.remote, self.config, self.step = remote, config, step
@@ -151,21 +155,31 @@ class TinkerPolicy:
                          loss_fn_config: Mapping[str, Any] | None = None) -> BackendFuture:
         assert loss_fn == "policy", f"loss_fn {loss_fn!r}: the RL loop's objective is 'policy' ([rl.loss])"
         lo = self.config.loss
-        weights = [d.loss_inputs["weights"] for d in batch]
-        scales = aggregation_scales(weights, lo.loss_agg, lo.max_seq_len)
-        datums = []
-        for i, (d, w, scale) in enumerate(zip(batch, weights, scales)):
+        for i, d in enumerate(batch):
             if "logprobs" not in d.loss_inputs:
                 raise ValueError(f"datum {i}: no engine log-probs: backend = \"tinker\" takes the ratio against the "
                                  f"sampler's log-probs (the \"tinker\" engine returns them)")
-            datums.append(Datum(d.tokens, {"target_tokens": d.loss_inputs["target_tokens"],
-                                           "logprobs": d.loss_inputs["logprobs"],
-                                           "advantages": d.loss_inputs["advantages"] * w * scale}))
+        tok = token_inputs(batch, self.config)
+        # Tinker's losses are sums with no mask: each token's advantage carries its aggregation weight w_t (0 off
+        # the mask), so the server's summed loss is the objective's aggregated one.
+        scaled = (tok.advantages * tok.weight).split([int(d.tokens.numel()) for d in batch])
+        datums = [Datum(d.tokens, {"target_tokens": d.loss_inputs["target_tokens"],
+                                   "logprobs": d.loss_inputs["logprobs"], "advantages": a})
+                  for d, a in zip(batch, scaled)]
         config = {"clip_low_threshold": 1.0 - lo.clip_low, "clip_high_threshold": 1.0 + lo.clip_high}
-        num_tokens = float(sum(float(w.sum()) for w in weights))
         fut = self.remote.forward_backward(datums, TINKER_OBJECTIVES[lo.objective], config)
-        return _then(fut, lambda out: ForwardOutput(outputs=out.outputs, metrics={
-            "loss": out.metrics["loss:sum"], "num_tokens": num_tokens}))
+        return _then(fut, lambda out: ForwardOutput(outputs=out.outputs, metrics=self._metrics(out, tok)))
+
+    def _metrics(self, out: ForwardOutput, tok: Any) -> dict[str, float]:
+        """The step's loss (the server's sum) and the objective's metrics of the server's log-probs (mismatch/* to
+        the engine's, ratio and clip fractions), computed here by the objective layer (kernels.objective)."""
+        from kernels.objective import policy_objective
+
+        logp = torch.cat([o["logprobs"] for o in out.outputs]).to(torch.float32)
+        _, metrics = policy_objective(torch.where(tok.keep, logp, 0.0), None, tok,
+                                      self.config.loss)
+        return {**{k: float(v) for k, v in metrics.items() if k != "loss"}, "loss": out.metrics["loss:sum"],
+                "num_tokens": float(tok.keep.sum())}
 
     def optim_step(self, adam_params: AdamParams | None = None) -> BackendFuture:
         from trainer.backend.steps import warmup_cosine
