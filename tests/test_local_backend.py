@@ -96,6 +96,12 @@ def test_a_step_through_the_backend_is_the_direct_step_bit_for_bit(share, lora):
         fb, opt = backend.forward_backward(datums, "policy", extra), backend.optim_step()
         got.append({**fb.result().metrics, **opt.result()})
     assert got == want and torch.equal(weights(comp), direct)
+    served = backend.get_weights().result()  # what an engine serves: adapters merged, stock names
+    if lora is None:
+        assert served.keys() == dict(comp.model.named_parameters()).keys()
+        assert torch.equal(torch.cat([w.flatten() for w in served.values()]), direct)
+    else:
+        assert not any("lora" in k for k in served) and "model.embed_tokens.weight" in served
 
     # forward: the log-prob of every trained target, as a plain forward of each sequence alone gives it
     out = backend.forward(datums, "cross_entropy", {"prompt_lengths": extra["prompt_lengths"]}).result().outputs

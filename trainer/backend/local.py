@@ -231,9 +231,12 @@ class LocalBackend:
         raise NotImplementedError("a local run resumes through trainer.backend.checkpoint.load_latest (--resume)")
 
     def get_weights(self) -> BackendFuture:
-        from trainer.backend.lora import sync_weights
+        """The weights an engine serves: {plain HF name: full tensor}, LoRA adapters merged (a stock model's state
+        dict, trainer.backend.lora.merged_state_dict; collective under FSDP2: every rank calls it)."""
+        from trainer.backend.lora import merged_state_dict
 
-        return DeviceFuture(lambda: {name: t for name, t, _ in sync_weights(self.components.model)})
+        weights = dict(merged_state_dict(self.components.model))
+        return DeviceFuture(lambda: weights)
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> BackendFuture:
         raise NotImplementedError("a local run loads weights when it is built (build_components from a folder)")
