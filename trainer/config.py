@@ -1035,7 +1035,8 @@ def check_remote_rl(rl: RLTrainingConfig) -> None:
     _check(lora.alpha == 32.0 and lora.dropout == 0.0 and lora.target_modules == LORA_ALL_LINEAR,
            "[rl.lora] alpha / dropout / target_modules", f"{why} alpha 32, dropout 0, \"{LORA_ALL_LINEAR}\"")
     _check(not lora.train_unembed, "[rl.lora] train_unembed", f"{why} adapters, not the lm_head in full")
-    _check(rl.advantage_estimator != GAE, "advantage_estimator", f"\"gae\" needs a critic; {why} the policy only")
+    _check(not rl.estimator.needs_critic, "advantage_estimator", f"{rl.advantage_estimator!r} needs a critic; {why} "
+           f"the policy only")
     _check(loss.objective in ("ppo", "cispo"), "[rl.loss] objective", f"{loss.objective!r}; {why} ppo or cispo")
     _check(loss.kl_coef == 0, "[rl.loss] kl_coef", f"{why} no KL reference: set kl_coef = 0")
     _check(loss.entropy_coef == 0, "[rl.loss] entropy_coef", f"{why} no entropy bonus: set entropy_coef = 0")

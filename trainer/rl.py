@@ -50,7 +50,7 @@ from trainer.backend.steps import (
     frozen_copy,
     trainer_config_from,
 )
-from trainer.config import GAE, DataConfig, RLTrainingConfig, RolloutConfig
+from trainer.config import DataConfig, RLTrainingConfig, RolloutConfig
 from trainer.evaluation import Evaluation
 from trainer.metrics import MetricsLogger, open_logger, progress
 from trainer.rollout.dumps import RolloutDumps, rollout_rows, table_rows, write_rollouts
@@ -71,12 +71,12 @@ def compute_advantages(samples: Sequence[Sample], estimator: str) -> list[float 
     """One advantage per sample from its reward and its group (samples of one prompt share their group_index).
 
     A FAILED sample has no reward: it gets advantage 0 and stays out of its group's mean and std. `estimator`
-    names an entry of kernels.advantages.ADVANTAGE_ESTIMATORS; for "gae" a sample has no one advantage (they are
-    per token, from the critic's values, computed in the step: trainer.backend.critic), so each is None.
+    names an entry of kernels.advantages.ADVANTAGE_ESTIMATORS; for a per-token one ("gae") a sample has no one
+    advantage (they come per token in the step, from the critic's values: trainer.backend.critic), so each is None.
     """
-    if estimator == GAE:
-        return [None] * len(samples)
     est = advantage_estimator(estimator)
+    if est.per_token:
+        return [None] * len(samples)
     scored = [i for i, s in enumerate(samples) if s.status != Status.FAILED]
     out = [0.0] * len(samples)
     if not scored:
@@ -103,7 +103,7 @@ def trained_samples(samples: Sequence[Sample], estimator: str, *,
     baseline: compute_advantages sees it). Left-out samples are not packed at all, so they count in neither the
     token nor the sequence normaliser of the loss. A warning names the first error. "gae" has no groups.
     """
-    needs_groups = estimator != GAE and advantage_estimator(estimator).needs_groups
+    needs_groups = advantage_estimator(estimator).needs_groups
     failed = [s for s in samples if s.status == Status.FAILED]
     if failed:
         first = next((s.metadata.get("reward_error") or s.metadata["env_error"] for s in failed
@@ -205,8 +205,9 @@ def _trainable(batch: RolloutBatch, config: RLTrainingConfig) -> tuple[list[Samp
         raise RunStopped(f"no sample of this batch can be trained on ({len(samples)} samples, {masked} truncated and "
                          f"masked ([rl.rollout] mask_truncated), the others failed or in groups with fewer than two "
                          f"scored samples); first error: {errors[0] if errors else None}")
-    gae = config.advantage_estimator == GAE
-    advantages = [0.0] * len(samples) if gae else compute_advantages(samples, config.advantage_estimator)
+    # A per-token estimator ("gae"): 0 here, per token in the step once the critic's values are known.
+    per_token = config.estimator.per_token
+    advantages = [0.0] * len(samples) if per_token else compute_advantages(samples, config.advantage_estimator)
     samples, advantages = [samples[i] for i in keep], [advantages[i] for i in keep]
     correction = config.loss.rollout_correction
     if correction != "none" and any(s.rollout_logprobs is None for s in samples):
@@ -246,9 +247,9 @@ def local_backend(components: TrainingComponents, config: RLTrainingConfig, tcfg
     """The RL step's LocalBackend over `components`: the KL reference `ref` (kl_coef > 0: _reference_components),
     GAE's separate critic (trainer.backend.critic.build_critic for [rl.critic] kind = "model"; the policy's own head
     for kind = "head"), pi_old by a forward of its own when needs_old_logprobs."""
-    gae = config.advantage_estimator == GAE
-    assert gae or critic is None, "a critic is for advantage_estimator = \"gae\" only"
-    if gae and (critic is None) != (config.critic.kind == "head"):
+    needs_critic = config.estimator.needs_critic
+    assert needs_critic or critic is None, f"advantage_estimator = {config.advantage_estimator!r} needs no critic"
+    if needs_critic and (critic is None) != (config.critic.kind == "head"):
         need = ("the separate critic: pass critic=trainer.backend.critic.build_critic(components, tcfg)"
                 if critic is None else "no separate critic (the value head is the policy's own)")
         raise ValueError(f"advantage_estimator = \"gae\" with [rl.critic] kind = {config.critic.kind!r} needs {need}")
