@@ -36,7 +36,7 @@ import os
 import sys
 import time
 import tomllib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,7 @@ from trainer.config import (
     RunConfig,
     config_from_dict,
 )
-from trainer.config_reference import override_value
+from trainer.config_reference import merge, override_value, parse_overrides  # noqa: F401  (callers import them here)
 from trainer.data.sft_examples import sft_examples  # noqa: F401  (trainer.cli.sft_examples: where callers found it)
 from trainer.evaluation import evaluate  # noqa: F401  (trainer.cli.evaluate: where callers have found it)
 from trainer.preflight import (
@@ -65,34 +65,8 @@ MODES = ("sft", "rl", "sft+rl", "demo", "export", "generate", "replay", "serve")
 
 
 # ----------------------------------------------------------------------------------------------- config
-def parse_overrides(pairs: Sequence[str], convert: Callable[[str, Any], Any] | None = None) -> dict[str, Any]:
-    """["rl.lr=3e-4", "name=x"] -> nested dict; values parsed as TOML scalars/arrays, else kept as strings.
-    `convert(key, value)`, when given, checks each value against its key and returns the value to use
-    (trainer.config_reference.override_value)."""
-    out: dict[str, Any] = {}
-    for pair in pairs:
-        if "=" not in pair:
-            raise ValueError(f"--set {pair!r}: expected key=value, e.g. --set rl.lr=3e-4")
-        key, raw = pair.split("=", 1)
-        try:
-            value = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
-            value = raw
-        if convert is not None:
-            value = convert(key.strip(), value)
-        node = out
-        *parents, leaf = key.strip().split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return out
 
 
-def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
 
 
 def load_run_config(path: str | Path, overrides: Sequence[str] = (), mode: str | None = None, *,

@@ -20,7 +20,8 @@ import math
 import sys
 import textwrap
 import tokenize
-from collections.abc import Iterator, Mapping
+import tomllib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from engines.registry import EngineSpec
@@ -239,3 +240,34 @@ def to_toml(cfg: Any, path: str = "") -> str:
             lines.append(f"{f.name} = {_toml_value(value)}")
     head = [f"[{path}]"] if path else []
     return "\n".join(head + lines) + "\n" + "".join("\n" + t for t in tables)
+
+
+# ------------------------------------------------------------------ --set overrides (runs and `serve` alike)
+def parse_overrides(pairs: Sequence[str], convert: Callable[[str, Any], Any] | None = None) -> dict[str, Any]:
+    """["rl.lr=3e-4", "name=x"] -> nested dict; values parsed as TOML scalars/arrays, else kept as strings.
+    `convert(key, value)`, when given, checks each value against its key and returns the value to use
+    (trainer.config_reference.override_value)."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ValueError(f"--set {pair!r}: expected key=value, e.g. --set rl.lr=3e-4")
+        key, raw = pair.split("=", 1)
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        if convert is not None:
+            value = convert(key.strip(), value)
+        node = out
+        *parents, leaf = key.strip().split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out

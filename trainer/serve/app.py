@@ -62,8 +62,7 @@ def load_serve_config(path: str | os.PathLike, environ: dict | None = None, over
     table with base models whose folders exist, the key from RLKERNELS_API_KEY, no non-loopback host without a
     key, one in-process engine, and no key the service would ignore. overrides: `--set key=value` pairs, applied
     over the file as for runs. Errors are ConfigErrors naming the key."""
-    from trainer.cli import merge, parse_overrides
-    from trainer.config_reference import override_value
+    from trainer.config_reference import merge, override_value, parse_overrides
 
     environ = dict(os.environ) if environ is None else environ
     path = Path(path)
