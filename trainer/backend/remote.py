@@ -70,6 +70,16 @@ class TinkerBackend:
             base_model=base_model, rank=spec.rank, seed=spec.seed, train_mlp=spec.train_mlp,
             train_attn=spec.train_attn, train_unembed=spec.train_unembed).result()
 
+    def close(self, status: str = "success", timeout_s: float = 30.0) -> None:
+        """Finish the SDK session: its heartbeat thread stops (left running, it prints "Session heartbeat failed"
+        once the server is gone). The server keeps the run's checkpoints. A server already gone is a warning."""
+        import warnings
+
+        try:
+            self.service.close(status).result(timeout=timeout_s)
+        except Exception as e:  # noqa: BLE001 - closing must not hide the run's own outcome
+            warnings.warn(f"closing the Tinker session failed: {type(e).__name__}: {e}", stacklevel=2)
+
     def forward(self, batch: Sequence[Datum], loss_fn: str = "cross_entropy",
                 loss_fn_config: Mapping[str, float] | None = None) -> BackendFuture:
         return _then(self.client.forward(_datums(batch), loss_fn, loss_fn_config), _forward_output)
@@ -243,7 +253,8 @@ class TinkerSync:
         return version
 
     def close(self) -> None:
-        """The SDK's clients close with the process."""
+        """The end of the run's syncs is the end of its session on the server (TinkerBackend.close)."""
+        self.remote.close()
 
 
 # ---------------------------------------------------------------------------------------------------------
