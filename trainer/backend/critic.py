@@ -30,7 +30,7 @@ kernel would be the next step there).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -96,13 +96,16 @@ def token_rewards(mb: MicroBatch, rewards: Sequence[float]) -> torch.Tensor:
 
 
 def attach_gae(micro_batches: Sequence[MicroBatch], values: Sequence[torch.Tensor], rewards: Sequence[torch.Tensor], *,
-               gamma: float, lam: float, whiten_advantages: bool,
-               sum_across: SumAcross | None = None) -> tuple[list[MicroBatch], dict[str, torch.Tensor]]:
+               gamma: float, lam: float, whiten_advantages: bool, sum_across: SumAcross | None = None,
+               estimator: Callable[..., tuple[torch.Tensor, torch.Tensor]] = gae_packed,
+               ) -> tuple[list[MicroBatch], dict[str, torch.Tensor]]:
     """The micro-batches with per-token advantages, old values and returns, and the step's statistics.
 
     micro_batches: this rank's host micro-batches (trainer.batching); values: compute_values' [L] per
     micro-batch (on the device); rewards: `token_rewards` of each micro-batch (host). sum_across
-    (`sum_across_ranks`) makes the whitening and the statistics span every rank's tokens.
+    (`sum_across_ranks`) makes the whitening and the statistics span every rank's tokens. estimator: the per-token
+    estimator's function from the registry (kernels.advantages: rewards, values, mask, cu_seqlens, gamma, lam ->
+    advantages, returns), gae_packed for "gae".
 
     Returns (micro-batches whose advantages, old_values and returns are device tensors, {critic/explained_variance,
     critic/returns_mean, critic/advantages_mean, critic/advantages_std}: 0-d device tensors over the step's trained
@@ -114,7 +117,7 @@ def attach_gae(micro_batches: Sequence[MicroBatch], values: Sequence[torch.Tenso
         dev = v.device
         mask = host_to_device(mb.loss_mask, dev)  # pinned: a non_blocking copy from pageable memory still syncs
         # segments stays on the host: gae_packed reads the sequence lengths from it
-        adv, ret = gae_packed(host_to_device(r, dev), v, mask, mb.segments, gamma=gamma, lam=lam)
+        adv, ret = estimator(host_to_device(r, dev), v, mask, mb.segments, gamma=gamma, lam=lam)
         advs.append(adv)
         rets.append(ret)
         masks.append(mask)

@@ -272,7 +272,7 @@ class LocalBackend:
             cfg = self.tcfg.phase
             mbs, stats = attach_gae(mbs, compute_values(self.critic or comp, mbs), rewards, gamma=cfg.gamma,
                                     lam=cfg.lam, whiten_advantages=cfg.whiten_advantages,
-                                    sum_across=sum_across_ranks(comp))
+                                    sum_across=sum_across_ranks(comp), estimator=cfg.estimator.fn)
             gae_stats = TrainFuture.record(stats, comp.device)
         self._prepared = _Prepared(batch=batch, mbs=list(mbs), gae_stats=gae_stats)
         return self._prepared
