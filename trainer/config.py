@@ -28,7 +28,7 @@ import json
 import math
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -64,12 +64,14 @@ class RolloutConfig:
     abort_grace_s: float = 5.0  # after /abort_request, wait this long for engines to return partial samples
     max_filtered_groups: int = 0  # give up after this many groups dropped by filters in one batch (0 = 10 x batch)
     # Multi-turn episodes (trainer.rollout.episodes); at most one of env / tools / rollout_fn, chat format only.
-    env: Any = None  # "module:factory": called once per episode; returns an object with reset() and step()
+    # "module:factory": called once per episode; returns an object with reset() and step()
+    env: str | Callable[..., Any] | None = None
     tools: tuple[Any, ...] = ()  # "module:function" tools run by the built-in tool environment (trainer.rollout.tools)
-    rollout_fn: Any = None  # "module:function": async fn(client, row) that drives its own episode through `client`
+    # "module:function": async fn(client, row) that drives its own episode through `client`
+    rollout_fn: str | Callable[..., Any] | None = None
     # "module:function": an OpenAI-client agent, `async def fn(row, endpoint)` (or a plain def), trained through the
     # recording gateway (trainer.rollout.gateway); returns the reward, {"reward", "correct", "metadata"} or None
-    agent: Any = None
+    agent: str | Callable[..., Any] | None = None
     agent_timeout_s: float = 300.0  # one agent episode's limit; past it the episode is FAILED (env_timeouts)
     max_turns: int = 4  # assistant turns per episode (an episode still running after them is truncated)
     max_context_tokens: int = 0  # an episode's tokens, prompt and every turn (0: no limit but max_turns)
@@ -185,7 +187,8 @@ class _PhaseConfig:
     keep_last: int = 2  # checkpoints kept (older ones are deleted)
     seed: int = 0  # the trainer's seed (from a run file: the run's seed unless set here)
     output_dir: str = "runs/default"  # checkpoints and metrics (from a run file: <run output_dir>/<phase>)
-    lora: Any = None  # the [<phase>.lora] table (LoRAConfig): train LoRA adapters on a frozen base; absent: full
+    # the [<phase>.lora] table (LoRAConfig): train LoRA adapters on a frozen base; absent: full
+    lora: LoRAConfig | Mapping[str, Any] | None = None
 
     TABLE = "phase"  # the phase's table in a run file, for messages ("sft", "rl")
 
@@ -295,8 +298,10 @@ class RLTrainingConfig(_PhaseConfig):
     gamma: float = 1.0  # "gae": the discount per trained token
     lam: float = 0.95  # "gae": GAE's lambda (1: Monte Carlo returns minus the value; 0: one-step TD)
     whiten_advantages: bool = True  # "gae": advantages to zero mean, unit variance over the step's trained tokens
-    critic: Any = None  # "gae": the [rl.critic] table (CriticConfig; absent: its defaults); other estimators: none
-    loss: Any = None  # kernels.PolicyLossConfig (a dict of its keys is resolved in __post_init__)
+    # "gae": the [rl.critic] table (CriticConfig; absent: its defaults); other estimators: none
+    critic: CriticConfig | Mapping[str, Any] | None = None
+    # kernels.PolicyLossConfig (a dict of its keys is resolved in __post_init__)
+    loss: PolicyLossConfig | Mapping[str, Any] | None = None
     ppo_epochs: int = 1  # optimizer steps per rollout batch (>1 makes old != current policy)
     sync_every: int = 1  # weight sync to engines every N steps (>1: the engines lag the trainer)
     async_rollout: bool = False  # generate the next max_staleness steps' batches while a step trains
@@ -456,9 +461,11 @@ class DataConfig:
     does not set its own.
     """
 
-    train: Any = None  # the RL prompts (and SFT's when `sft` is unset); required by every mode but export
-    eval: Any = None  # held-out prompts: greedy accuracy before / between / after the phases (None: no evaluation)
-    sft: Any = None  # the SFT examples (prompt + answer, or full conversations); None: `train`
+    # the RL prompts (and SFT's when `sft` is unset); required by every mode but export
+    train: str | list[Any] | None = None
+    # held-out prompts: greedy accuracy before / between / after the phases (None: no evaluation)
+    eval: str | list[Any] | None = None
+    sft: str | list[Any] | None = None  # the SFT examples (prompt + answer, or full conversations); None: `train`
     # "module:function" or a built-in name ("arithmetic", "gsm8k", ...); rl and eval need one, unless [rl.rollout] env
     # or rollout_fn returns each episode's reward (an episode given none is FAILED)
     reward: str | None = None
@@ -636,7 +643,8 @@ class EvalSetConfig:
     """
 
     name: str = ""  # the set's name in the metrics (eval/<name>/accuracy); unique among the sets
-    path: Any = None  # a data file or save_to_disk folder, or a list of {path, ...} tables, as [data].eval
+    # a data file or save_to_disk folder, or a list of {path, ...} tables, as [data].eval
+    path: str | list[Any] | None = None
     reward: str | None = None  # None: [data].reward
     reward_timeout_s: float | None = None  # None: [data].reward_timeout_s
     prompt_key: str | None = None  # None: [data].prompt_key
