@@ -114,8 +114,8 @@ def test_plain_sft_examples_train_on_answer_and_eos_only():
     ("trainer.temperature=0.7", r"moved to \[rl\.rollout\] temperature"),
     ("rl.loss.clip_low=1.5", "clip_low"),
     ("rl.loss.objective=\"dpo\"", "objective"),
-    ("engines.embedded=0", "embedded"),
-    ("engines.urls=[\"localhost:1\"]", "urls"),
+    ("engines.embedded=1", r"engines\.embedded moved to \[engines\] fleet"),
+    ("engines.urls=[\"http://h:1\"]", r"engines\.urls moved to \[engines\] fleet"),
     ("rl.rollout.nope=1", "'nope'"),
     ("engines.port=1", "port"),
     ("engines.threads=1.5", r"engines\.threads = 1\.5: expected an integer"),
@@ -335,17 +335,18 @@ def test_trainer_threads_leave_the_embedded_engines_their_cores(monkeypatch):
         return config_from_dict(RunConfig, table, "")
 
     overlapped = {"async_rollout": True}
-    with cores_left_to_trainer(run_config({"engines": {"embedded": 1, "threads": 1}, "rl": overlapped})):
+    one = [{"kind": "embedded"}]  # one engine process the run starts
+    with cores_left_to_trainer(run_config({"engines": {"fleet": one, "threads": 1}, "rl": overlapped})):
         assert torch.get_num_threads() == 3  # 4 cores - 1 engine x 1 thread
     assert torch.get_num_threads() == before
-    with cores_left_to_trainer(run_config({"engines": {"embedded": 3, "threads": 2}, "rl": overlapped})):
+    with cores_left_to_trainer(run_config({"engines": {"fleet": one * 3, "threads": 2}, "rl": overlapped})):
         assert torch.get_num_threads() == 1  # never below one
     synchronous = {"async_rollout": False}
-    with cores_left_to_trainer(run_config({"engines": {"embedded": 1, "threads": 1}, "rl": synchronous})):
+    with cores_left_to_trainer(run_config({"engines": {"fleet": one, "threads": 1}, "rl": synchronous})):
         assert torch.get_num_threads() == before  # synchronous: the engines are idle while the trainer steps
-    with cores_left_to_trainer(run_config({"engines": {"urls": ["http://elsewhere:1"]}, "rl": overlapped})):
+    with cores_left_to_trainer(run_config({"engines": {"fleet": [{"url": "http://elsewhere:1"}]}, "rl": overlapped})):
         assert torch.get_num_threads() == before  # engines on other machines take no core here
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    with cores_left_to_trainer(run_config({"engines": {"embedded": 1, "threads": 1}, "rl": overlapped})):
+    with cores_left_to_trainer(run_config({"engines": {"fleet": one, "threads": 1}, "rl": overlapped})):
         assert torch.get_num_threads() == before  # the user's explicit choice wins
     torch.set_num_threads(original)

@@ -35,7 +35,7 @@ def pids_listening_on(port: int) -> list[int]:
 
 
 def test_run_started_engine_requires_its_random_key_and_hides_it_from_ps():
-    cfg = RunConfig(engines=EnginesConfig(embedded=1, start_timeout_s=120.0))
+    cfg = RunConfig(engines=EnginesConfig(fleet=({"kind": "embedded"},), start_timeout_s=120.0))
     assert cfg.engines.api_key is None  # nothing configured: the run makes a key of its own
     with engines_for(cfg, Path("tiny"), is_main=True) as fleet:
         spec = fleet[0]
@@ -66,7 +66,8 @@ def test_run_started_engine_requires_its_random_key_and_hides_it_from_ps():
 
 
 def test_configured_key_is_used_for_the_started_engine():
-    cfg = RunConfig(engines=EnginesConfig(embedded=1, api_key="configured-key-123", start_timeout_s=120.0))
+    cfg = RunConfig(engines=EnginesConfig(fleet=({"kind": "embedded"},), api_key="configured-key-123",
+                                          start_timeout_s=120.0))
     with engines_for(cfg, Path("tiny"), is_main=True) as fleet:
         assert fleet[0].api_key == "configured-key-123"
         ok = httpx.get(fleet[0].url + "/get_weight_version", timeout=30,

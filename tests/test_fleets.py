@@ -53,8 +53,9 @@ def config_with_engines(tmp_path: Path, engines_toml: str, name: str = "fleet") 
     ('fleet = [{url = "http://h:1", port = 3}]', r"unknown config key\(s\) \['port'\] in \[engines.fleet\[0\]\]"),
     ('fleet = [{kind = "embedded", tp_size = 2}]', "one device"),
     ('fleet = "http://h:1"', "list of tables"),
-    ('urls = ["http://h:1"]\nfleet = [{kind = "embedded"}]', "list every engine in fleet"),
-    ('urls = [{url = "http://h:1", kind = "sglang"}]', "fleet"),
+    ('urls = ["http://h:1"]', r"engines\.urls moved to \[engines\] fleet, one table per server"),
+    ('embedded = 2', r"engines\.embedded moved to \[engines\] fleet, one table per engine the run starts"),
+    ('in_process = true\nfleet = [{kind = "embedded"}]', "in_process = true and \\[engines\\].fleet both given"),
     ('sync = "nfs"', "'group'"),
     ('master_port = 70000', "master_port"),
 ])
@@ -64,11 +65,9 @@ def test_bad_fleets_are_named(tmp_path, engines_toml, message):
 
 
 def test_fleet_forms_and_engine_objects(tmp_path):
-    old = load_run_config(config_with_engines(tmp_path, 'urls = ["http://a:1", "http://b:2"]')).engines
-    assert old.fleet == (EngineSpec(url="http://a:1", kind="sglang", tp_size=1, model=None),
-                         EngineSpec(url="http://b:2", kind="sglang", tp_size=1, model=None))
-    assert [t.kind for t in EnginesConfig(embedded=2).fleet] == ["embedded", "embedded"]
-    assert EnginesConfig(embedded=2).fleet[0].url is None
+    urls = load_run_config(config_with_engines(tmp_path, 'fleet = [{url = "http://a:1"}, {url = "http://b:2"}]'))
+    assert urls.engines.fleet == (EngineSpec(url="http://a:1", kind="sglang", tp_size=1, model=None),
+                                  EngineSpec(url="http://b:2", kind="sglang", tp_size=1, model=None))
     assert EnginesConfig(in_process=True).fleet == (EngineSpec("local"),) and EnginesConfig().fleet == (
         EngineSpec("embedded"),)
     cfg = load_run_config(config_with_engines(tmp_path, '''
@@ -91,7 +90,7 @@ master_address = "10.0.0.5"
 def _run_rl(tmp_path, sync: str):
     """One RL step with an embedded engine started by the run and one more addressed by URL as kind "sglang"."""
     name = f"fleet_{sync}"
-    probe_cfg = load_run_config(config_with_engines(tmp_path, "embedded = 1", name=name))
+    probe_cfg = load_run_config(config_with_engines(tmp_path, 'fleet = [{kind = "embedded"}]', name=name))
 
     folder = prepare_model_folder(probe_cfg)  # the run reuses this folder (same output_dir)
     with EngineProcess(str(folder), seed=0, device="cpu") as remote:  # float32 on the CPU, as the run's trainer

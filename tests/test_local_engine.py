@@ -178,8 +178,9 @@ def test_rl_through_the_cli_with_the_in_process_engine(tmp_path):
 def test_in_process_config_errors_name_the_conflict(monkeypatch):
     from trainer.cli import load_run_config
 
-    with pytest.raises(ValueError, match=r"in_process = true and \[engines\].urls"):
-        load_run_config("configs/demo.toml", ["engines.in_process=true", 'engines.urls=["http://h:1"]'], mode="rl")
+    with pytest.raises(ValueError, match=r"in_process = true and \[engines\].fleet both given"):
+        load_run_config("configs/demo.toml", ["engines.in_process=true", 'engines.fleet=[{url = "http://h:1"}]'],
+                        mode="rl")
     with pytest.raises(ValueError, match="in_process = 1"):
         load_run_config("configs/demo.toml", ["engines.in_process=1"], mode="rl")
     monkeypatch.setenv("WORLD_SIZE", "2")

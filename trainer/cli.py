@@ -3,8 +3,8 @@
 A run config is one TOML file (see configs/demo.toml) read into one typed tree, trainer.config.RunConfig (every
 key, its default and its help are declared there): [model] (a preset or a folder), [data] (prompt sets and the
 reward function), [engines] (the fleet: `fleet = [{url, kind, tp_size, model}, ...]` with kind "sglang", "vllm",
-"embedded" (without url: started by the run) or "local" (in this process); the older `urls`, `embedded = N` and
-`in_process = true` still work; `sync` "group" (default) or "disk"; `master_address` / `master_port` of the
+"embedded" (without url: started by the run) or "local" (in this process); `in_process = true` is the shorthand for
+one "local" engine; `sync` "group" (default) or "disk"; `master_address` / `master_port` of the
 weight-update group), [sft] and [sft.optim], [rl], [rl.optim], [rl.loss] (kernels.PolicyLossConfig) and
 [rl.rollout], [trainer] (backend settings: compile, logprob_chunk_tokens, ...) and [eval]. The run has one
 temperature, [rl.rollout] temperature: the engines sample with it and the trainer's log-probs use it; and one

@@ -497,15 +497,13 @@ class EnginesConfig:
 
     `fleet` is the one form the run reads: a list of engines.registry.EngineSpec tables {kind, url, tp_size, model}
     (kind "sglang", "vllm", "embedded": without url, started by the run; "local": in this process); `kind`
-    defaults to "sglang". The older forms are folded into it when the config is built, then cleared (so
-    `dataclasses.replace` sees one form): `urls` (SGLang-protocol servers), `in_process = true` (one "local"
-    engine), `embedded = N` (N engine processes started by the run; 1 when nothing else is given).
+    defaults to "sglang". `in_process = true` is the shorthand for the one-process demos' fleet = [{kind =
+    "local"}], folded into `fleet` when the config is built and then cleared (so `dataclasses.replace` sees one
+    form). The older `urls` and `embedded = N` keys are gone: MOVED names the fleet entries that replace them.
     """
 
-    fleet: tuple[Any, ...] | None = None  # EngineSpec entries (tables or objects); None: from the older forms below
-    urls: tuple[str, ...] = ()  # older form: SGLang-protocol servers at these http(s):// URLs
-    embedded: int | None = None  # older form: embedded engine processes the run starts (None: 1 if nothing else)
-    in_process: bool = False  # one embedded engine inside the trainer's process, no HTTP (single process only)
+    fleet: tuple[Any, ...] | None = None  # EngineSpec entries (tables or objects); None: one "embedded" (or in_process)
+    in_process: bool = False  # shorthand for fleet = [{kind = "local"}]: one engine inside the trainer's process
     api_key: str | None = None  # the engines' key ("" = None: each engine the run starts gets a random one)
     threads: int = 1  # CPU threads of each embedded engine the run starts (its process, or in process its model thread)
     start_timeout_s: float = 180.0  # wait this long for a started engine to answer /health
@@ -525,24 +523,11 @@ class EnginesConfig:
         object.__setattr__(self, "api_key", self.api_key or None)
         _check(isinstance(self.in_process, bool), f"in_process = {self.in_process!r}",
                "true (one engine inside the trainer's process, no HTTP) or false")
-        urls, emb = self.urls, self.embedded
-        _check(isinstance(urls, tuple | list) and all(isinstance(u, str) and u.startswith(("http://", "https://"))
-                                                      for u in urls), f"urls = {urls!r}",
-               "give a list of http(s):// URLs (or [] to start embedded ones); engines with a kind or tp_size go in "
-               "[engines].fleet = [{url, kind, tp_size}, ...]")
-        _check(emb is None or (isinstance(emb, int) and not isinstance(emb, bool) and emb >= 1),
-               f"embedded = {emb!r}", "must be a number >= 1 (the engine processes the run starts)")
         if self.in_process:
-            given = [k for k, v in (("fleet", self.fleet), ("urls", urls)) if v] + (
-                ["embedded"] if emb not in (None, 1) else [])
-            _check(not given, f"in_process = true and [engines].{given[0] if given else ''} both given",
+            _check(self.fleet is None, "in_process = true and [engines].fleet both given",
                    "the in-process engine is the run's only engine (it replaces the embedded engine process); drop "
                    "one of them")
         if self.fleet is not None:
-            for old, value in (("urls", urls), ("embedded", emb)):
-                _check(value in (None, (), []), f"{old} and [engines].fleet both given",
-                       "list every engine in fleet (a URL as {url = \"...\", kind = \"sglang\"}, a started one as "
-                       "{kind = \"embedded\"})")
             _check(isinstance(self.fleet, tuple | list) and all(isinstance(t, Mapping | EngineSpec)
                                                                 for t in self.fleet), f"fleet = {self.fleet!r}",
                    "give a list of tables, e.g. fleet = [{url = \"http://host:30000\", kind = \"sglang\", "
@@ -550,14 +535,10 @@ class EnginesConfig:
             fleet = tuple(t if isinstance(t, EngineSpec) else
                           config_from_dict(EngineSpec, {"kind": "sglang", **t}, f"engines.fleet[{i}]")
                           for i, t in enumerate(self.fleet))
-        elif urls:
-            fleet = tuple(EngineSpec("sglang", url=u) for u in urls)
-        elif self.in_process:
-            fleet = (EngineSpec("local"),)
         else:
-            fleet = tuple(EngineSpec("embedded") for _ in range(emb or 1))
-        # One form from here on: a dataclasses.replace of this config must not see the older forms again.
-        for name, value in (("fleet", fleet), ("urls", ()), ("embedded", None), ("in_process", False)):
+            fleet = (EngineSpec("local"),) if self.in_process else (EngineSpec("embedded"),)
+        # One form from here on: a dataclasses.replace of this config must not see the shorthand again.
+        for name, value in (("fleet", fleet), ("in_process", False)):
             object.__setattr__(self, name, value)
         _check(self.sync in SYNC_MODES, f"sync = {self.sync!r}",
                "choose 'group' (broadcast / shared memory) or 'disk'")
@@ -1067,6 +1048,10 @@ MOVED: dict[str, str] = {
     "trainer.lr": "[sft.optim] / [rl.optim] lr",
     "trainer.eps": "[sft.optim] / [rl.optim] eps",
     "rl.rollout.max_staleness": "[rl] max_staleness (the one staleness bound: async depth and cached samples)",
+    "engines.urls": "[engines] fleet, one table per server: fleet = [{url = \"http://host:30000\", kind = "
+                    "\"sglang\"}]",
+    "engines.embedded": "[engines] fleet, one table per engine the run starts: fleet = [{kind = \"embedded\"}, "
+                        "...]",
 }
 # Fields a nested table takes from its enclosing table when it does not set them: the run's seed reaches [sft],
 # [rl] and through [rl] (or its own seed) [rl.rollout].
