@@ -28,7 +28,9 @@ def test_a_heap_frozen_by_someone_else_stays_frozen():
         before = gc.get_freeze_count()
         with frozen_heap():
             pass
-        assert gc.get_freeze_count() == before  # leaving the block did not undo the outer freeze
+        # Leaving the block did not undo the outer freeze (an unfreeze would empty it). Frozen objects may die
+        # meanwhile (another thread of the test process freeing them), so the count may shrink a little.
+        assert before * 0.99 <= gc.get_freeze_count() <= before
     finally:
         gc.unfreeze()
     assert gc.get_freeze_count() == 0
