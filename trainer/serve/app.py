@@ -230,6 +230,9 @@ def build_service(cfg: RunConfig) -> Service:
                    engine_factory=engine)
 
 
+STOP_DRAIN_S = 3.0  # after SIGINT / SIGTERM: how long failed futures are still answered before the server exits
+
+
 def serve(cfg: RunConfig) -> int:
     """Serve until SIGINT / SIGTERM: the futures not yet finished answer an error (a training request running on
     the worker finishes there first), in-flight HTTP requests get up to 2 s to finish, checkpoints stay on disk.
@@ -253,10 +256,11 @@ def serve(cfg: RunConfig) -> int:
         loop = asyncio.get_running_loop()
 
         def stop() -> None:
-            # First the work: every unfinished future fails now, so the SDK's long-polls in flight answer its error
-            # while the server still answers them (a poll that meets a closed port is retried by the SDK for ever).
+            # First the work: every unfinished future fails now, and the server keeps answering for STOP_DRAIN_S so
+            # that every SDK poll, the ones in flight and the ones between two polls, gets that error (a poll that
+            # meets a closed port is retried by the SDK for ever); then it exits.
             service.stop_work()
-            server.should_exit = True
+            loop.call_later(STOP_DRAIN_S, setattr, server, "should_exit", True)
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop)

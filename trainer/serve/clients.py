@@ -122,6 +122,7 @@ class Service:
         self.changed = asyncio.Event()
         self._ids = itertools.count(1)
         self._loading = threading.Lock()  # base(), engine(), tokenizer() run in worker threads (asyncio.to_thread)
+        self.stopping = False  # stop_work ran: new requests are answered as cancelled (the server is shutting down)
 
     # -- futures ---------------------------------------------------------------------------------------
     def submit(self, work: Awaitable[tuple[str, Any]], key: tuple | None = None, owner: str | None = None) -> str:
@@ -134,6 +135,8 @@ class Service:
             return self.seen[key]
         request_id = f"req-{next(self._ids)}"
         task = asyncio.ensure_future(work)
+        if self.stopping:  # after SIGINT / SIGTERM: its poll answers "cancelled: the server is shutting down"
+            task.cancel()
         self.futures[request_id] = Entry(task, datetime.now(UTC), key)
         if owner is not None:
             task.add_done_callback(lambda t: self._completed(owner, request_id, t))
@@ -354,7 +357,9 @@ class Service:
 
     def stop_work(self) -> None:
         """Fail every unfinished future now (retrieve_future answers "cancelled: the server is shutting down") and
-        drop the queued training work; the request running on a worker finishes there. Does not block."""
+        drop the queued training work; the request running on a worker finishes there; a request that arrives
+        later is answered the same way (the SDK sends a client's queued requests one by one). Does not block."""
+        self.stopping = True
         for task in (e.task for e in self.futures.values()):
             if not task.done():
                 task.cancel()
