@@ -247,18 +247,24 @@ class VLLMEngine:
     async def _takes_adapters(self) -> bool:
         """Every worker started with --enable-lora, runtime LoRA updating and our back end (engines/vllm_ext/
         worker.py); False when the server does not say (no extension, no VLLM_SERVER_DEV_MODE)."""
-        try:
-            data = await self._call("POST", "/collective_rpc", {"method": LORA_SYNC_METHOD})
-        except EngineError as e:
-            if e.status is None:  # no answer at all: the sync cannot work either, say so now
-                raise
-            return False
+        data = await self._worker_rpc(LORA_SYNC_METHOD)
         results = data.get("results") if isinstance(data, dict) else None
         if not (isinstance(results, list) and results and all(isinstance(r, dict) for r in results)):
             return False
         ranks = [r.get("max_lora_rank") for r in results if isinstance(r.get("max_lora_rank"), int)]
         self._max_lora_rank = min(ranks) if ranks else None
         return all(r.get("adapters") is True for r in results)
+
+    async def _worker_rpc(self, method: str) -> object:
+        """/collective_rpc's answer to our worker extension's `method` (its "results": one per worker); None when the
+        server does not say (no extension: vLLM answers an error; no VLLM_SERVER_DEV_MODE: 404). A server that does
+        not answer at all raises: no sync can work with it either."""
+        try:
+            return await self._call("POST", "/collective_rpc", {"method": method})
+        except EngineError as e:
+            if e.status is None:
+                raise
+            return None
 
     async def colocation_info(self) -> dict:
         """{}: vLLM has no same-device weight path here; the sender broadcasts to it through the plugin."""
@@ -269,11 +275,8 @@ class VLLMEngine:
         CPU. None when the server does not say: started without the extension (vLLM answers with an error) or
         without VLLM_SERVER_DEV_MODE (404). A vLLM that lists the trainer's own GPU is synced from disk (it has no
         path for weights by handle here), never put in an NCCL group with the trainer."""
-        try:
-            data = await self._call("POST", "/collective_rpc", {"method": GPU_UUIDS_METHOD})
-        except EngineError as e:
-            if e.status is None:  # no answer at all: the sync cannot work either, say so now
-                raise
+        data = await self._worker_rpc(GPU_UUIDS_METHOD)
+        if data is None:
             return None
         results = data.get("results") if isinstance(data, dict) else None
         if not isinstance(results, list) or not all(isinstance(r, list) for r in results):
