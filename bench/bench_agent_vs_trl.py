@@ -417,12 +417,7 @@ def compare(bc: single.BenchConfig, sides: tuple[str, ...] = SIDES, workdir: Pat
             out[f"accuracy_diff_{mode}_mean"] = statistics.mean(diffs)
             out[f"accuracy_diff_{mode}_stderr"] = (statistics.stdev(diffs) / len(diffs) ** 0.5
                                                    if len(diffs) > 1 else None)
-    default = "ours-sync" if "ours-sync" in res else next((s for s in res if s.startswith("ours")), None)
-    if default is not None:
-        out.update(ours_mode=default.removeprefix("ours-"), ours_samples_per_s=res[default]["samples_per_s"],
-                   ours_accuracy=res[default]["accuracy"])
-    out["sides"] = res
-    return out
+    return single.with_default_side(out, res)
 
 
 def table(result: dict[str, Any]) -> str:

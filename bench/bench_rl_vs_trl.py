@@ -436,8 +436,14 @@ def compare(bc: BenchConfig, sides: tuple[str, ...] = SIDES, workdir: Path | Non
         out[f"ours_{mode}_samples_per_s"], out[f"ours_{mode}_accuracy"] = r["samples_per_s"], r["accuracy"]
         if "trl" in res and res["trl"]["samples_per_s"] > 0:
             out[f"ratio_{mode}"] = r["samples_per_s"] / res["trl"]["samples_per_s"]
+    return with_default_side(out, res)
+
+
+def with_default_side(out: dict[str, Any], res: dict[str, Any]) -> dict[str, Any]:
+    """`out` with the headline side's figures (the demo config's default mode: synchronous, its one in-process
+    engine; else the first of ours) and every side's under "sides"."""
     default = "ours-sync" if "ours-sync" in res else next((s for s in res if s.startswith("ours")), None)
-    if default is not None:  # the demo config's default mode: synchronous, its one in-process engine
+    if default is not None:
         out.update(ours_mode=default.removeprefix("ours-"), ours_samples_per_s=res[default]["samples_per_s"],
                    ours_accuracy=res[default]["accuracy"])
     out["sides"] = res
