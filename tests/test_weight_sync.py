@@ -2,12 +2,14 @@
 (receivers run on trio worker threads with their own gloo ranks), per-tensor and bucketed, 1 and 2 receivers."""
 
 import os
+import time
 
 import pytest
 import torch
 import trio
 
 from engines.embedded.presets import build_tiny_model
+from engines.protocol import EngineError
 from engines.weight_sync.receiver import WeightReceiver
 from engines.weight_sync.wire import ALIGN, WeightMeta, WeightSyncError, dtype_from_wire, plan_buckets
 from trainer.weight_sync import WeightSyncSender
@@ -117,6 +119,38 @@ def test_sync_without_group_is_a_clear_error():
     sender = WeightSyncSender(trainer, [InProcessEngine(build_tiny_model(seed=1))], timeout_s=5)
     with pytest.raises(WeightSyncError, match="init_group"):
         sender.sync()
+
+
+class RefusingEngine(InProcessEngine):
+    """Joins the group, then refuses the first update before its broadcast (as vLLM's adapter-rank check does)."""
+
+    refuse = True
+
+    async def update_weights_from_distributed(self, body):
+        if self.refuse:
+            self.refuse = False
+            raise EngineError("inproc: adapter rank 16 is more than this engine's limit", status=400)
+        await super().update_weights_from_distributed(body)
+
+
+def test_a_refused_update_fails_at_once_and_a_new_group_syncs():
+    """The sender's broadcast is left unanswered: gloo's group destructor would wait out the whole group timeout
+    (60 s here) before the error reached the caller (wire.shutdown_group)."""
+    trainer = build_tiny_model(seed=1)
+    _perturb(trainer, 5)
+    engine = RefusingEngine(build_tiny_model(seed=1))
+    sender = WeightSyncSender(trainer, [engine], timeout_s=60)
+    sender.init_group()
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError, match="adapter rank 16 is more than"):
+        sender.sync()
+    assert time.monotonic() - t0 < 30  # not the group's 60 s timeout
+    assert engine.version == 0
+    sender.init_group()  # a new group: the next sync goes through
+    assert sender.sync() == 1 and engine.version == 1
+    for (n, p), (_, q) in zip(trainer.named_parameters(), engine.model.named_parameters()):
+        assert torch.equal(p, q), n
+    sender.close()
 
 
 class ProbedEngine(InProcessEngine):

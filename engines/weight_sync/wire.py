@@ -35,6 +35,7 @@ import socket
 import stat
 import struct
 import tempfile
+import threading
 import time
 import uuid
 import weakref
@@ -335,8 +336,13 @@ def build_group(store: dist.Store, *, rank: int, world_size: int, group_name: st
     return pg
 
 
-def shutdown_group(pg, *, broken: bool) -> None:
-    """Release a group; a broken NCCL group (a collective may be stuck) is aborted, not shut down cleanly."""
+def shutdown_group(pg, *, broken: bool, pending_timeout_s: float = 0.0) -> None:
+    """Release a group; a broken NCCL group (a collective may be stuck) is aborted, not shut down cleanly.
+
+    pending_timeout_s > 0: a collective of ours may still be pending (a peer refused the update before joining its
+    broadcast). Gloo's group destructor then blocks until that collective times out (the group's whole timeout:
+    measured 120 s for a refused vLLM adapter sync), and abort() does not cut it short; so a daemon thread holds the
+    last reference until then and the caller gets its error now. At exit the thread is dropped, not joined."""
     try:
         if broken and hasattr(pg, "abort"):
             pg.abort()
@@ -344,6 +350,13 @@ def shutdown_group(pg, *, broken: bool) -> None:
             pg.shutdown()
     except Exception:  # noqa: BLE001 - best effort on a possibly broken group
         pass
+    if pending_timeout_s > 0:
+        threading.Thread(target=_hold_until_timed_out, args=(pg, pending_timeout_s + 5.0), daemon=True,
+                         name="weight-sync-broken-group").start()
+
+
+def _hold_until_timed_out(pg, seconds: float) -> None:
+    time.sleep(seconds)  # returning drops `pg` here, once its pending collective has timed out
 
 
 def broadcast_async(group: dist.ProcessGroup, tensor: torch.Tensor, src: int = 0):

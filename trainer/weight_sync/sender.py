@@ -349,10 +349,11 @@ class WeightSyncSender:
                 _unlink(p)
             remove_channel(address)  # every engine connected (or failed): connections outlive the socket's name
 
-    def close(self) -> None:
-        """Drop the group, the slots and the channel (the engines drop theirs at the next attach)."""
+    def close(self, *, pending: bool = False) -> None:
+        """Drop the group, the slots and the channel (the engines drop theirs at the next attach). pending: a
+        failed sync may have left a broadcast of ours unanswered (wire.shutdown_group)."""
         if self.group is not None:
-            shutdown_group(self.group, broken=True)
+            shutdown_group(self.group, broken=True, pending_timeout_s=self.timeout_s if pending else 0.0)
         for sock in [*self._socks.values(), self._channel]:
             if sock is not None:
                 sock.close()
@@ -440,10 +441,10 @@ class WeightSyncSender:
             if self._disk is not None:
                 self._disk.reload(self._disk.write_tensors(version, kept), version)
         except (WeightSyncError, OSError) as e:  # OSError: a socket to an engine that died (BrokenPipeError, ...)
-            self.close()  # the group may hold a half-done collective, a slot a half-read bucket: force a re-init
+            self.close(pending=True)  # a half-done collective, a slot a half-read bucket: force a re-init
             raise self._explain(e, calls) from e
         except BaseException:
-            self.close()
+            self.close(pending=True)
             raise
         self.last_sync_s = time.perf_counter() - t0
 
