@@ -311,7 +311,7 @@ def test_registry_builds_every_kind_from_its_spec():
     tk = build_engine(EngineSpec("tinker", "http://d:4", api_key="tml-k"), model_folder="/m")
     assert type(tk) is TinkerEngine and (tk.url, tk.api_key) == ("http://d:4", "tml-k")
     assert all(isinstance(e, InferenceEngine) for e in (sg, vl, emb, tk))
-    # (vl.weight_formats asks the server whether it serves synced LoRA adapters: tests/test_vllm_lora_sync_real.py)
+    # (vl.weight_formats asks the server whether it serves synced LoRA adapters: tests/test_vllm_lora_real.py)
     assert trio.run(vl.colocation_info) == {}
     with pytest.raises(ValueError, match="start the engine first"):
         build_engine(EngineSpec("embedded"), model_folder="/m")
