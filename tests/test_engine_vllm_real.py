@@ -1,7 +1,8 @@
 """A real vLLM 0.32 (CPU build, `.venv-vllm`) behind `engines.vllm.VLLMEngine`: generation and log-probs against a
 float64 torch forward of the same weights, n samples, abort, pause/resume, weight versions, a weight sync
 through this project's `rlkernels` weight-transfer back end (a vLLM plugin, gloo on CPU), and an `openai`-SDK agent
-trained through the recording gateway (trainer/rollout/gateway.py) in front of this vLLM, token-exact.
+trained through the recording gateway (trainer/rollout/gateway.py) in front of this vLLM, token-exact, and
+one RL step through the CLI of a fleet of an embedded engine and this vLLM.
 
 One server per module (start-up is about a minute or two on two cores). A missing `.venv-vllm` FAILS with the
 command that builds it: `make test` builds it first, so a skip would only hide a broken install.
@@ -14,11 +15,13 @@ temperature (T = 0.7 vs 1 moves log-probs by ~0.5), a shifted position or stale 
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
 import torch
 import trio
+from fleet_support import config_with_engines, run_one_rl_step
 from vllm_support import ROOT, start_server, stop_server, tiny_qwen2, tiny_qwen2_config, write_model_folder
 
 from engines.embedded.launch import free_port
@@ -379,3 +382,27 @@ def test_grpo_run_with_a_vllm_engine_raises_reward(vllm, tmp_path):
     assert all(m["mismatch/logprob_abs_diff_max"] < 1e-3 for m in history)  # engine vs trainer, every step
     rewards = [m["reward_mean"] for m in history]
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, f"reward did not rise: {rewards}"
+
+
+def test_rl_step_with_an_embedded_and_a_vllm_engine(vllm, tmp_path):
+    """A fleet of an embedded engine started by the run and this real vLLM by URL: one RL step through the CLI,
+    the embedded engine colocated and vLLM over the group through its plugin, both verified after the sync. Last
+    in the module: the run starts from the served folder and its sync replaces the server's weights."""
+    eng = vllm["engine"]
+    if vllm["sender"] is not None:  # the run forms its own group with this server
+        vllm["sender"].close()
+        vllm["sender"] = None
+    cfg = config_with_engines(tmp_path, f'''
+fleet = [{{kind = "embedded"}}, {{url = "{eng.url}", kind = "vllm"}}]
+threads = 1
+''', name="fleet_vllm")
+    text = cfg.read_text()
+    start = text.index("[model]")
+    end = text.index("\n[", start + 1)
+    cfg.write_text(text[:start] + f'[model]\npath = "{eng.model}"\n' + text[end:])
+    run_one_rl_step(cfg)
+    version = trio.run(VLLMEngine(eng.url, eng.model).get_weight_version)
+    rows = [json.loads(line) for line in (tmp_path / "fleet_vllm" / "rl" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "loss" in r]  # the training step (step 0 holds the evaluation before RL)
+    assert len(rows) == 1 and rows[0]["verify_sync_max_abs_diff"] <= 1e-5
+    assert version == rows[0]["weight_version"] == 1  # vLLM got the sync

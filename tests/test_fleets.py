@@ -3,13 +3,11 @@ step through the CLI with two engines of different kinds (an embedded engine sta
 by URL as kind "sglang"), by the weight-update group and by the disk fallback."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import trio
-from device_support import cpu_child_env
+from fleet_support import config_with_engines, run_one_rl_step
 
 from engines.embedded.launch import EngineProcess
 from engines.registry import EngineSpec
@@ -17,32 +15,6 @@ from engines.sglang import SGLangEngine
 from engines.vllm import VLLMEngine
 from trainer.cli import ConfigError, build_engines, load_run_config, prepare_model_folder
 from trainer.config import EnginesConfig
-
-ROOT = Path(__file__).resolve().parents[1]
-DEMO = ROOT / "configs" / "demo.toml"
-
-
-
-def run_one_rl_step(cfg) -> subprocess.CompletedProcess:
-    """`python -m trainer rl` for one verified-sync step of 4 prompts on the run config `cfg`; must exit 0."""
-    cmd = [sys.executable, "-m", "trainer", "rl", "--config", str(cfg), "--set", "rl.num_steps=1",
-           "--set", "rl.rollout.rollout_batch_size=4", "--set", "rl.rollout.dynamic_filters=[]",
-           "--set", "eval.limit=4", "--set", "rl.verify_sync=true"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=cpu_child_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
-
-def config_with_engines(tmp_path: Path, engines_toml: str, name: str = "fleet") -> Path:
-    """demo.toml with its [engines] table replaced, data paths made absolute, output under tmp_path."""
-    text = DEMO.read_text()
-    start = text.index("[engines]")
-    end = text.index("\n[", start + 1)
-    text = text[:start] + "[engines]\n" + engines_toml.strip() + "\n" + text[end:]
-    text = text.replace('"data/', f'"{ROOT}/data/').replace('output_dir = "runs/demo"',
-                                                            f'output_dir = "{tmp_path / name}"')
-    path = tmp_path / f"{name}.toml"
-    path.write_text(text)
-    return path
 
 
 @pytest.mark.parametrize("engines_toml,message", [
@@ -119,39 +91,6 @@ def test_rl_step_with_two_engine_kinds_by_group(tmp_path):
 def test_rl_step_with_two_engine_kinds_by_disk(tmp_path):
     proc = _run_rl(tmp_path, "disk")
     assert "weight sync: disk fallback" in proc.stdout  # opt-in and logged
-
-
-@pytest.mark.slow
-def test_rl_step_with_an_embedded_and_a_vllm_engine(tmp_path):
-    """A fleet of an embedded engine started by the run and a real vLLM (`.venv-vllm`) by URL: one RL step, the
-    embedded engine colocated and vLLM over the group through its plugin, both verified after the sync."""
-    from vllm_support import start_server, stop_server, write_model_folder
-
-    from engines.embedded.launch import free_port
-    from engines.vllm import VLLMEngine
-
-    folder = tmp_path / "model"
-    write_model_folder(folder, seed=0)
-    port = free_port()
-    proc = start_server(folder, port, tmp_path / "vllm.log")
-    try:
-        url = f"http://127.0.0.1:{port}"
-        cfg = config_with_engines(tmp_path, f'''
-fleet = [{{kind = "embedded"}}, {{url = "{url}", kind = "vllm"}}]
-threads = 1
-''', name="fleet_vllm")
-        text = cfg.read_text()
-        start = text.index("[model]")
-        end = text.index("\n[", start + 1)
-        cfg.write_text(text[:start] + f'[model]\npath = "{folder}"\n' + text[end:])
-        run_one_rl_step(cfg)
-        version = trio.run(VLLMEngine(url, str(folder)).get_weight_version)
-    finally:
-        stop_server(proc)
-    rows = [json.loads(line) for line in (tmp_path / "fleet_vllm" / "rl" / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "loss" in r]  # the training step (step 0 holds the evaluation before RL)
-    assert len(rows) == 1 and rows[0]["verify_sync_max_abs_diff"] <= 1e-5
-    assert version == rows[0]["weight_version"] == 1  # vLLM got the sync
 
 
 def test_engine_placement_counts_the_ranks_of_this_host():
