@@ -52,3 +52,19 @@ def random_peft_adapter(base, folder, *, r: int, alpha: float, targets, seed: in
     pm.save_pretrained(str(folder))
     return pm
 
+
+def perturb_lora(model, seed: int, *, adapter_scale: float, base_scale: float) -> None:
+    """New adapter values (B starts at zero: the adapter would be a no-op) and a nudge to the other trainable
+    weights (lm_head with train_unembed), as a train step would make; seeded."""
+    import torch
+
+    from trainer.backend.lora import is_adapter
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if is_adapter(n):
+                p.copy_(torch.randn(p.shape, generator=g) * adapter_scale)
+            elif p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=g) * base_scale)
+

@@ -8,12 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 import trio
+from engine_support import perturb_lora
 
 from engines.embedded.presets import build_tiny_model
 from engines.local import LocalEngine
 from engines.protocol import SamplingParams
 from engines.sglang import SGLangEngine
-from trainer.backend.lora import ADAPTER, inject, is_adapter, lora_layers
+from trainer.backend.lora import ADAPTER, inject, lora_layers
 from trainer.config import LoRAConfig
 from trainer.weight_sync import WeightSyncSender, verify_sync
 
@@ -29,14 +30,7 @@ def lora_trainer(seed: int, *, train_unembed: bool = False):
 
 
 def perturb(model, seed: int) -> None:
-    """New adapter values (and lm_head with train_unembed), as a train step would make."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if is_adapter(n):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-            elif p.requires_grad:
-                p.add_(torch.randn(p.shape, generator=g) * 0.01)
+    perturb_lora(model, seed, adapter_scale=0.1, base_scale=0.01)
 
 
 def adapter_bytes(model) -> int:

@@ -42,14 +42,14 @@ import pickle
 import pytest
 import torch
 import trio
-from engine_support import random_peft_adapter
+from engine_support import perturb_lora, random_peft_adapter
 from vllm_support import start_server, stop_server, tiny_qwen2, tiny_qwen2_config, write_model_folder
 
 from engines.embedded.launch import free_port
 from engines.protocol import EngineError, SamplingParams
 from engines.vllm import VLLMEngine
 from engines.weight_sync.wire import WeightSyncError
-from trainer.backend.lora import ADAPTER, inject, is_adapter, lora_layers
+from trainer.backend.lora import ADAPTER, inject, lora_layers
 from trainer.config import LoRAConfig
 from trainer.weight_sync import WeightSyncSender
 from trainer.weight_sync.common import gathered_weights, named_weights
@@ -86,15 +86,7 @@ def lora_trainer(*, train_unembed: bool = False, rank: int = 4):
 
 
 def perturb(model, seed: int) -> None:
-    """New adapter values (and a trained lm_head), as a train step would make (B starts at zero: the adapter would
-    be a no-op)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if is_adapter(n):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-            elif p.requires_grad:
-                p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    perturb_lora(model, seed, adapter_scale=0.05, base_scale=0.02)
 
 
 def reference(model, merged: bool = True):
