@@ -467,10 +467,7 @@ def main(argv: list[str] | None = None) -> None:
     if bad:
         ap.error(f"--sides {args.sides}: unknown {bad}; choose from {SIDES}")
     result = compare(bc, sides, Path(args.workdir) if args.workdir else None, seeds=args.seeds)
-    text = json.dumps(result, indent=2)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    print(text if args.json else table(result), flush=True)
+    single.emit(result, args.out, args.json, table)
 
 
 if __name__ == "__main__":

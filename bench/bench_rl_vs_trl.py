@@ -439,6 +439,14 @@ def compare(bc: BenchConfig, sides: tuple[str, ...] = SIDES, workdir: Path | Non
     return with_default_side(out, res)
 
 
+def emit(result: dict[str, Any], out: str | None, as_json: bool, table_of) -> None:
+    """A comparison's JSON to `out` (if given), and to stdout the JSON or `table_of(result)`."""
+    text = json.dumps(result, indent=2)
+    if out:
+        Path(out).write_text(text + "\n")
+    print(text if as_json else table_of(result), flush=True)
+
+
 def with_default_side(out: dict[str, Any], res: dict[str, Any]) -> dict[str, Any]:
     """`out` with the headline side's figures (the demo config's default mode: synchronous, its one in-process
     engine; else the first of ours) and every side's under "sides"."""
@@ -520,10 +528,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.seeds < 1:
         ap.error("--seeds must be >= 1")
     result = compare(bc, sides, Path(args.workdir) if args.workdir else None, seeds=args.seeds)
-    text = json.dumps(result, indent=2)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    print(text if args.json else table(result), flush=True)
+    emit(result, args.out, args.json, table)
 
 
 if __name__ == "__main__":
