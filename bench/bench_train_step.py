@@ -4,6 +4,7 @@ sized to fit its memory, or skipped with the reason when one row does not fit).
 
     make bench                                       (pytest-benchmark; extra_info holds tokens/s and peak MB)
     .venv/bin/python bench/bench_train_step.py       (side-by-side table and the ratios)
+    .venv/bin/python bench/bench_train_step.py --long-answers   (bench_long_answers.py's train step by itself, CPU)
 
 Workload: GRPO-like samples (prompt 16-64 tokens, log-normal responses, median 96, clipped) with random
 advantages; a step is forward + backward over every sample, gradient clipping and an AdamW step. Tokens/s counts
@@ -96,15 +97,18 @@ class _PeakRSS:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def ours_step_fn(samples, adv, budget, bucket, device, compile_backend):
+def ours_step_fn(samples, adv, budget, bucket, device, compile_backend, *, shared_prompts: bool = False):
+    """shared_prompts: the RL loop's layout for groups (trainer.batching.shared_prompt: a group's prompt once)."""
     from trainer.backend.steps import build_components, forward_backward, optim_step, trainer_config_from
+    from trainer.batching.shared_prompt import build_shared_micro_batches
     from trainer.config import OptimConfig, RLTrainingConfig
 
     rl = RLTrainingConfig(token_budget=budget, micro_batch_buckets=bucket, optim=OptimConfig(lr=1e-5))
     cfg = trainer_config_from(rl, compile=compile_backend is not None, compile_backend=compile_backend or "inductor")
     comp = build_components(_model_config(device), cfg)
     state = [TrainingState()]
-    mbs = build_micro_batches(samples, token_budget=budget, bucket_size=bucket, advantages=adv)
+    build = build_shared_micro_batches if shared_prompts else build_micro_batches
+    mbs = build(samples, token_budget=budget, bucket_size=bucket, advantages=adv)
 
     def step():
         fut = forward_backward(comp, mbs)
@@ -291,7 +295,53 @@ def test_train_step(benchmark, request, provider):
         benchmark.pedantic(step, rounds=1 if small else 5, iterations=1)
 
 
+def group_samples(groups: int, group_size: int, prompt_len: int, response_len: int, vocab: int,
+                  seed: int = 0) -> tuple[list[Sample], list[float]]:
+    """GRPO groups: `group_size` responses of exactly `response_len` tokens to each of `groups` prompts."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in range(groups):
+        prompt = rng.integers(6, vocab, prompt_len).tolist()
+        out += [Sample(prompt=str(g), tokens=prompt + rng.integers(6, vocab, response_len).tolist(),
+                       response_length=response_len, group_index=g, index=i) for i in range(group_size)]
+    return out, rng.standard_normal(len(out)).tolist()
+
+
+def long_answers() -> None:
+    """The train step of bench_long_answers.py's work on the CPU, by itself: the demo's model (hidden 128, 2 layers,
+    vocabulary 288), 16 prompts of 13 tokens x 8 responses of 256, no reference forward; the padded reference
+    against ours eager in the plain and in the shared-prompt layout, interleaved, one torch thread."""
+    from transformers import Qwen2Config
+
+    global _model_config
+    cfg = Qwen2Config(vocab_size=288, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    _model_config = lambda device: cfg  # noqa: E731 - the step builders read the model from here
+    torch.set_num_threads(1)
+    samples, adv = group_samples(16, 8, 13, 256, cfg.vocab_size)
+    tokens = sum(len(s.tokens) for s in samples)
+    cpu = torch.device("cpu")
+    with use_backend("torch"):
+        steps = {"reference (padded, eager)": reference_step_fn(samples, adv, cpu),
+                 "ours (packed, eager)": ours_step_fn(samples, adv, 4096, 64, cpu, None),
+                 "ours (shared prompts, eager)": ours_step_fn(samples, adv, 4096, 64, cpu, None, shared_prompts=True)}
+        times: dict[str, list[float]] = {k: [] for k in steps}
+        for step in steps.values():
+            step()  # warm-up
+        for _ in range(3):
+            for name, step in steps.items():
+                t = time.perf_counter()
+                step()
+                times[name].append(time.perf_counter() - t)
+    print(f"{len(samples)} samples, {tokens} tokens a step")
+    for name, ts in times.items():
+        med = float(np.median(ts))
+        print(f"{name:32s} {tokens / med:8.0f} tok/s  {med:6.2f} s/step  {[round(t, 2) for t in ts]}")
+
+
 def main() -> None:
+    if "--long-answers" in sys.argv:
+        return long_answers()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     n, max_resp, budget, bucket = _sizes(device, small="--small" in sys.argv)
     cfg = _model_config(device)
