@@ -97,15 +97,17 @@ class _PeakRSS:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def ours_step_fn(samples, adv, budget, bucket, device, compile_backend, *, shared_prompts: bool = False):
-    """shared_prompts: the RL loop's layout for groups (trainer.batching.shared_prompt: a group's prompt once)."""
+def ours_step_fn(samples, adv, budget, bucket, device, compile_backend, *, shared_prompts: bool = False,
+                 model_config=None):
+    """shared_prompts: the RL loop's layout for groups (trainer.batching.shared_prompt: a group's prompt once).
+    model_config: the model to build (default: this device's, _model_config)."""
     from trainer.backend.steps import build_components, forward_backward, optim_step, trainer_config_from
     from trainer.batching.shared_prompt import build_shared_micro_batches
     from trainer.config import OptimConfig, RLTrainingConfig
 
     rl = RLTrainingConfig(token_budget=budget, micro_batch_buckets=bucket, optim=OptimConfig(lr=1e-5))
     cfg = trainer_config_from(rl, compile=compile_backend is not None, compile_backend=compile_backend or "inductor")
-    comp = build_components(_model_config(device), cfg)
+    comp = build_components(model_config or _model_config(device), cfg)
     state = [TrainingState()]
     build = build_shared_micro_batches if shared_prompts else build_micro_batches
     mbs = build(samples, token_budget=budget, bucket_size=bucket, advantages=adv)
@@ -195,7 +197,7 @@ def _device_budget(device: torch.device) -> float | None:
     return REFERENCE_MEMORY_FRACTION * torch.cuda.mem_get_info(device)[0]
 
 
-def reference_step_fn(samples, adv, device, budget_bytes: float | None = None):
+def reference_step_fn(samples, adv, device, budget_bytes: float | None = None, model_config=None):
     """Padded [B, L] batch, full [B, L, V] logits, log_softmax + gather, clipped GRPO loss (seq-mean-token-mean).
 
     On a GPU the batch runs as micro-batches of the rows that fit the device (reference_rows; gradients
@@ -204,7 +206,7 @@ def reference_step_fn(samples, adv, device, budget_bytes: float | None = None):
     from trainer.backend.models import load_hf_model
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    cfg = _model_config(device)
+    cfg = model_config or _model_config(device)
     L = max(len(s.tokens) for s in samples)
     budget = _device_budget(device) if budget_bytes is None else budget_bytes
     rows = reference_rows(len(samples), L, cfg, _n_params(cfg), dtype.itemsize, budget)
@@ -311,20 +313,19 @@ def long_answers() -> None:
     """The train step of bench_long_answers.py's work on the CPU, by itself: the demo's model (hidden 128, 2 layers,
     vocabulary 288), 16 prompts of 13 tokens x 8 responses of 256, no reference forward; the padded reference
     against ours eager in the plain and in the shared-prompt layout, interleaved, one torch thread."""
-    from transformers import Qwen2Config
+    from engines.tiny import tiny_model_config
 
-    global _model_config
-    cfg = Qwen2Config(vocab_size=288, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    _model_config = lambda device: cfg  # noqa: E731 - the step builders read the model from here
+    cfg = tiny_model_config("qwen2", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                            max_position_embeddings=1024)  # configs/demo.toml's [model]
     torch.set_num_threads(1)
     samples, adv = group_samples(16, 8, 13, 256, cfg.vocab_size)
     tokens = sum(len(s.tokens) for s in samples)
     cpu = torch.device("cpu")
     with use_backend("torch"):
-        steps = {"reference (padded, eager)": reference_step_fn(samples, adv, cpu),
-                 "ours (packed, eager)": ours_step_fn(samples, adv, 4096, 64, cpu, None),
-                 "ours (shared prompts, eager)": ours_step_fn(samples, adv, 4096, 64, cpu, None, shared_prompts=True)}
+        steps = {"reference (padded, eager)": reference_step_fn(samples, adv, cpu, model_config=cfg),
+                 "ours (packed, eager)": ours_step_fn(samples, adv, 4096, 64, cpu, None, model_config=cfg),
+                 "ours (shared prompts, eager)": ours_step_fn(samples, adv, 4096, 64, cpu, None, shared_prompts=True,
+                                                              model_config=cfg)}
         times: dict[str, list[float]] = {k: [] for k in steps}
         for step in steps.values():
             step()  # warm-up
