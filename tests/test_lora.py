@@ -352,7 +352,8 @@ def test_sft_then_rl_with_lora_through_the_cli(tmp_path):
         f"output_dir={json.dumps(str(tmp_path))}", "engines.in_process=true", "sft.num_steps=4", "rl.num_steps=3",
         "rl.rollout.rollout_batch_size=8", "rl.rollout.n_samples_per_prompt=4", "eval.limit=8",
         "rl.lora={rank = 8, alpha = 16.0}", "rl.optim.lr=1e-2", 'data.reward="test_lora:even_token_reward"',
-        "rl.rollout.max_truncated_steps=0", "sft.lora={rank = 4}", "sft.optim.lr=1e-2"], mode="sft+rl")
+        "rl.rollout.max_truncated_steps=0", "sft.lora={rank = 4}", "sft.optim.lr=1e-2", "rl.save_every=1",
+        "rl.keep_last=3", "logging.rollouts_every=1"], mode="sft+rl")
     assert cfg.rl.lora == LoRAConfig(rank=8, alpha=16.0) and cfg.sft.lora == LoRAConfig(rank=4)
     summary = run("sft+rl", cfg)
     assert summary["rl_steps"] == 3
@@ -381,6 +382,18 @@ def test_sft_then_rl_with_lora_through_the_cli(tmp_path):
     keys = list(read_dcp_metadata(latest_checkpoint(tmp_path / "rl") / ".metadata").state_dict_metadata)
     tensors = [k for k in keys if not k.startswith("optim.param_groups.")]  # lr, betas, ...: numbers
     assert tensors and all(is_adapter(k) for k in tensors), [k for k in tensors if not is_adapter(k)][:5]
+    # Replay (no engine) from the step-1 checkpoint: its adapters go back onto RL's base, the SFT model with SFT's
+    # adapters merged, and steps 2 and 3 give the logged loss and gradient norm (on the start model's weights they
+    # would not: the adapters alone are in the checkpoint).
+    from trainer.cli import debug_mode
+
+    logged = {r["step"]: r for r in rows}
+    assert debug_mode("replay", cfg, rollouts=None, checkpoint=str(tmp_path / "rl" / "checkpoints" / "step_00000001")) == 0
+    replayed = [json.loads(line) for line in (tmp_path / "replay" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in replayed] == [2, 3]
+    for r in replayed:
+        assert r["loss"] == pytest.approx(logged[r["step"]]["loss"], rel=1e-5, abs=1e-8)
+        assert r["grad_norm"] == pytest.approx(logged[r["step"]]["grad_norm"], rel=1e-5)
 
 
 def test_train_unembed_trains_the_lm_head_and_export_writes_the_merged_model(tmp_path):

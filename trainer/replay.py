@@ -7,8 +7,9 @@ without training (no trainer).
 
 Replay trains each step file (trainer.rollout.dumps) in step order with the RL step function the run uses
 (`trainer.rl.train_on_batch`: the same advantages, packing, loss and optimizer step), from `--checkpoint` (its
-weights, optimizer, schedule and step) or from the run's start model. The KL term's reference is the weights the
-RL phase started from: the SFT phase's last checkpoint when the run has one, else the start model. The step of the
+weights, optimizer, schedule and step) or from the weights the RL phase started from: the SFT phase's last
+checkpoint when the run has one, else the start model. Those are also the KL term's reference and, with [rl.lora],
+the frozen base the checkpoint's adapters are loaded onto. The step of the
 file after the checkpoint's reproduces the logged step's loss and gradient norm (tests/test_evaluation.py).
 """
 
@@ -28,6 +29,7 @@ def replay(cfg: RunConfig, model_folder: Path, rollouts: str | Path, *, checkpoi
     step's metrics (also written to <output_dir>/replay/metrics.jsonl, the original's beside them when the run's
     rl/metrics.jsonl has that step)."""
     from trainer.backend.checkpoint import load_checkpoint, step_folders
+    from trainer.backend.memory import release_phase_memory
     from trainer.backend.steps import TrainerConfig, build_components
     from trainer.metrics import JSONLLogger, read_jsonl
     from trainer.rl import _reference_components, local_backend, train_on_batch
@@ -37,15 +39,20 @@ def replay(cfg: RunConfig, model_folder: Path, rollouts: str | Path, *, checkpoi
 
     rl_cfg, tcfg = cfg.rl, TrainerConfig(phase=cfg.rl, backend=cfg.trainer)  # what trainer.run.phase_configs gives
     sft_dir = Path(cfg.output_dir) / "sft"
-    comp = build_components(str(model_folder), tcfg)
-    ref = None
-    if rl_cfg.loss.kl_coef > 0:  # the RL phase's starting weights: SFT's last checkpoint, else the start model
-        if step_folders(sft_dir):  # its newest intact checkpoint (a damaged newer one: a warning, or the error)
-            start = build_components(str(model_folder), TrainerConfig(phase=cfg.sft, backend=cfg.trainer))
-            load_checkpoint(start, sft_dir)
-            ref = _reference_components(start, tcfg)
-        else:
-            ref = _reference_components(comp, tcfg)
+    # The RL phase's starting weights, built as trainer.run does: SFT's last checkpoint when the run has one (its
+    # newest intact one; a damaged newer one: a warning, or the error), else the start model. A LoRA RL checkpoint
+    # holds the adapters alone, so with [rl.lora] this is also the frozen base they are loaded onto.
+    start: Any = str(model_folder)
+    if step_folders(sft_dir):
+        sft = build_components(str(model_folder), TrainerConfig(phase=cfg.sft, backend=cfg.trainer))
+        load_checkpoint(sft, sft_dir)
+        release_phase_memory(sft)  # SFT's AdamW state is not RL's
+        start = sft.root
+    comp = build_components(start, tcfg)
+    del start
+    # The KL reference, taken before a checkpoint loads: a frozen copy of the starting weights (LoRA: the policy
+    # itself with its adapters off), as trainer.rl makes it.
+    ref = _reference_components(comp, tcfg) if rl_cfg.loss.kl_coef > 0 else None
     state = TrainingState()
     if checkpoint is not None:
         if not Path(checkpoint).exists():
