@@ -96,3 +96,26 @@ def test_adapter_export_of_a_full_checkpoint_is_refused(lora_run, tmp_path, caps
     out = tmp_path / "adapter"
     assert main(["export", "--config", str(tmp_path / "full" / "config.toml"), "--adapter", "--out", str(out)]) == 2
     assert "trains no LoRA adapters" in capsys.readouterr().err and not out.exists()
+
+
+def test_a_run_can_start_from_a_lora_checkpoint(lora_run, tmp_path):
+    """[model] checkpoint = a LoRA run's RL phase: the new run starts from that run's merged weights (SFT's result
+    with RL's adapters merged), the same tensors as `export` writes, not from the adapters' base alone."""
+    from safetensors.torch import load_file
+
+    from trainer.backend.export import start_folder
+    from trainer.run import prepare_model_folder
+
+    merged = tmp_path / "merged"
+    assert export(lora_run, "--out", str(merged)) == 0
+    cfg = load_run_config("configs/demo.toml", [f"output_dir={json.dumps(str(tmp_path / 'next'))}",
+                                                f"model.checkpoint={json.dumps(str(lora_run / 'rl'))}"], mode="rl")
+    start = start_folder(cfg, prepare_model_folder(cfg))
+    assert start == tmp_path / "next" / "start_model"
+    got, want = load_file(start / "model.safetensors"), load_file(merged / "model.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    sft_base = tmp_path / "sft-base"
+    assert main(["export", "--config", str(lora_run / "config.toml"), "--checkpoint", str(lora_run / "sft"),
+                 "--out", str(sft_base)]) == 0
+    sft = load_file(sft_base / "model.safetensors")
+    assert max((got[k] - sft[k]).abs().max().item() for k in sft) > 1e-4  # RL's adapters are in the start weights
