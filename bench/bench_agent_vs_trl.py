@@ -339,8 +339,7 @@ def _patch_engine_timers() -> dict[str, float]:
 
     wrap("step", "step")
     wrap("_decode", "decode")
-    wrap("_prefill", "prefill")
-    wrap("_prefill_reusing", "prefill")
+    wrap("_prefills", "prefill")  # every joining row's prefill forwards, prefix-cache lookups included
     return acc
 
 

@@ -33,6 +33,7 @@ from engines.embedded.generation import (
     Row,
     SamplingTensors,
     filter_logits,
+    generate_rows,
     sample_with_logprobs,
 )
 from engines.embedded.presets import build_tiny_model
@@ -470,3 +471,47 @@ def test_decode_steps_on_cuda_issue_no_host_sync_but_the_read():
     tok, _ = sample_with_logprobs(logits, params, rows, torch.tensor(positions, device="cuda"))
     for i, row in enumerate(rows):
         assert int(tok[i]) == _reference_sample(logits[i], row, positions[i])[0]
+
+
+def test_padding_chunks_bound_the_padding_and_cover_every_row():
+    """Each chunk padded to its longest computes at most twice its real tokens; the chunks partition the rows.
+    An agent step's next turns (69 rows feeding ~25 tokens, 8 feeding 102-180) make two forwards, not one padded
+    to 180 (3,165 tokens computed instead of 13,860)."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        lengths = torch.randint(1, 300, (int(torch.randint(1, 60, (1,), generator=g)),), generator=g).tolist()
+        chunks = generation.padding_chunks(lengths)
+        assert sorted(i for c in chunks for i in c) == list(range(len(lengths)))
+        for c in chunks:
+            assert len(c) * max(lengths[i] for i in c) <= 2.0 * sum(lengths[i] for i in c)
+    agent = [25] * 69 + [102] + [124] * 5 + [180] * 2
+    chunks = generation.padding_chunks(agent)
+    assert [sorted(agent[i] for i in c) for c in chunks] == [[25] * 69, [102] + [124] * 5 + [180] * 2]
+    assert sum(len(c) * max(agent[i] for i in c) for c in chunks) == 69 * 25 + 8 * 180
+    assert generation.padding_chunks([7] * 10) == [list(range(10))]  # alike lengths: one forward
+
+
+def test_rows_of_very_different_lengths_join_in_separate_forwards_with_their_solo_results():
+    """Prompts of 3-7 and 40-50 tokens joining in one step are prefilled in two forwards (no short row padded to
+    50), and every row's tokens and log-probs are what it gives alone."""
+    model = build_tiny_model(3)
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i, n in enumerate([3, 40, 5, 44, 6, 7, 50]):
+        prompt = tuple(torch.randint(4, 200, (n,), generator=g).tolist())
+        rows.append(Row(prompt, 0.9, 1.0, -1, 6, frozenset(), 100 + i, f"r{i}"))
+    solo = [generate_rows(model, [r], pad_id=0)[0] for r in rows]
+    widths = []
+    hook = model.register_forward_pre_hook(lambda m, a, k: widths.append(tuple(k["input_ids"].shape)), with_kwargs=True)
+    try:
+        batch, got = DecodeBatch(model, pad_id=0), {}
+        got.update(batch.step([(r, i) for i, r in enumerate(rows)]))
+        joined = list(widths)
+        while len(batch):
+            got.update(batch.step())
+    finally:
+        hook.remove()
+    assert joined == [(4, 7), (3, 50)]  # two prefills: the short prompts padded to 7, the long ones to 50
+    for i, ref in enumerate(solo):
+        assert got[i].output_ids == ref.output_ids
+        assert torch.allclose(torch.tensor(got[i].logprobs), torch.tensor(ref.logprobs), atol=1e-5, rtol=0)
