@@ -388,7 +388,8 @@ def test_sft_then_rl_with_lora_through_the_cli(tmp_path):
     from trainer.cli import debug_mode
 
     logged = {r["step"]: r for r in rows}
-    assert debug_mode("replay", cfg, rollouts=None, checkpoint=str(tmp_path / "rl" / "checkpoints" / "step_00000001")) == 0
+    step1 = str(tmp_path / "rl" / "checkpoints" / "step_00000001")
+    assert debug_mode("replay", cfg, rollouts=None, checkpoint=step1) == 0
     replayed = [json.loads(line) for line in (tmp_path / "replay" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in replayed] == [2, 3]
     for r in replayed:
