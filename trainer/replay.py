@@ -49,7 +49,6 @@ def replay(cfg: RunConfig, model_folder: Path, rollouts: str | Path, *, checkpoi
         release_phase_memory(sft)  # SFT's AdamW state is not RL's
         start = sft.root
     comp = build_components(start, tcfg)
-    del start
     # The KL reference, taken before a checkpoint loads: a frozen copy of the starting weights (LoRA: the policy
     # itself with its adapters off), as trainer.rl makes it.
     ref = _reference_components(comp, tcfg) if rl_cfg.loss.kl_coef > 0 else None

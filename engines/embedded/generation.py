@@ -351,11 +351,13 @@ class DecodeBatch:
             hits = [self.prefix_cache.lookup(p, a, self.version) for p, a in unique]
         else:
             hits = [(None, 0)] * len(unique)
+        position = {k: i for i, k in enumerate(unique)}
+        owner = [position[r.prompt, r.adapter] for r in rows]  # each row's distinct prompt, hashed once
         out = []
         for chunk in padding_chunks([len(p) - n for (p, _), (_, n) in zip(unique, hits)]):
             chunk = sorted(chunk)  # first-appearance order: without shared prompts, row j is prompt j (_Prefill)
-            keys = {unique[i] for i in chunk}
-            idx = [j for j, r in enumerate(rows) if (r.prompt, r.adapter) in keys]
+            members = set(chunk)
+            idx = [j for j, u in enumerate(owner) if u in members]
             part, part_unique, part_hits = [rows[j] for j in idx], [unique[i] for i in chunk], [hits[i] for i in chunk]
             pre = (self._prefill_reusing(part, part_unique, part_hits) if any(n for _, n in part_hits)
                    else self._prefill(part, part_unique))
