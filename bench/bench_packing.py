@@ -14,6 +14,9 @@ Tokens/s counts real tokens only, so the ratio is the useful work per second.
 test_shared_prompt_attention: packed_sdpa forward + backward on one layer of a shared-prompt row shaped like the
 demo's GRPO step (64 groups of 8, prompts of ~24 tokens, answers of 1-6), one padded sequence per tree (tree mask)
 against one per branch (causal).
+
+test_agent_row_attention: the same on the agent recipe's rows (branches of 113 and of 210-280 tokens), the branches
+in one padded batch against the length-chunked layout (trainer.backend.sdpa_chunks).
 """
 
 from __future__ import annotations
@@ -253,6 +256,55 @@ def test_shared_prompt_attention(benchmark, request, layout):
     benchmark.pedantic(run, rounds=10, iterations=1, warmup_rounds=2)
     benchmark.extra_info["score_elements"] = int(layouts[layout]["packed_gather_index"].shape[0]
                                                  * layouts[layout]["packed_gather_index"].shape[1] ** 2)
+
+
+def agent_row_attention_inputs(n_trees: int, device: str, seed: int = 0):
+    """One layer's q [1, 4, N, 32] and k/v [1, 2, N, 32] (fp32, requiring grad) over shared-prompt rows shaped like
+    the agent recipe's GRPO step (configs/agent_demo.toml; the lengths of its step 1, recorded: 16 groups of 8, prompts
+    of 25 tokens, branches of 111-116 tokens (a tool call and the answer) for 3 in 4, 210-280 (two calls) for 1 in
+    5, 2-100 (cut short) for the rest); and the per-branch layout's kwargs, as one padded batch and in chunks."""
+    from trainer.backend.attention import tree_branch_indices
+    from trainer.backend.sdpa_chunks import branch_chunked_indices
+
+    rng = np.random.default_rng(seed)
+    trees = []
+    for _ in range(n_trees):
+        u = rng.random(8)
+        lens = np.where(u < 0.75, rng.integers(111, 117, 8), np.where(u < 0.95, rng.integers(210, 281, 8),
+                                                                      rng.integers(2, 101, 8)))
+        trees.append((25, tuple(int(x) for x in lens)))
+    trees = tuple(trees)
+    n = sum(p + sum(lens) for p, lens in trees)
+    gather, scatter = tree_branch_indices(trees, n, device)
+    layouts = {"one_batch": dict(packed_gather_index=gather, packed_scatter_index=scatter)}
+    gather, scatter, chunks = branch_chunked_indices(trees, n, device)
+    layouts["chunked"] = dict(packed_gather_index=gather, packed_scatter_index=scatter, packed_chunks=chunks)
+    q = torch.randn(1, 4, n, 32, device=device, requires_grad=True)
+    k, v = (torch.randn(1, 2, n, 32, device=device, requires_grad=True) for _ in range(2))
+    return (q, k, v), layouts, trees
+
+
+@pytest.mark.parametrize("layout", ["one_batch", "chunked"])
+def test_agent_row_attention(benchmark, request, layout):
+    """packed_sdpa forward + backward on one layer of the agent step's shared-prompt rows (branches of 113 and of
+    210-280 tokens): the branches in one batch padded to the longest, or in batches of alike lengths
+    (trainer.backend.sdpa_chunks, what eager blocks get). extra_info: the score elements each computes."""
+    from trainer.backend.attention import packed_sdpa_attention
+    from trainer.backend.sdpa_chunks import chunked_cost
+
+    (q, k, v), layouts, trees = agent_row_attention_inputs(2 if request.config.getoption("benchmark_disable")
+                                                           else 16, _device())
+    up = torch.randn(1, q.shape[2], 4, 32, device=q.device)
+
+    def run():
+        out, _ = packed_sdpa_attention(_CausalAttention(), q, k, v, None, **layouts[layout])
+        torch.autograd.grad((out * up).sum(), (q, k, v))
+        _sync()
+
+    benchmark.pedantic(run, rounds=10, iterations=1, warmup_rounds=2)
+    lengths = [p + r for p, lens in trees for r in lens]
+    benchmark.extra_info["score_elements"] = int(chunked_cost(lengths) if layout == "chunked"
+                                                 else len(lengths) * max(lengths) ** 2)
 
 
 def _best_time(fn, arg) -> float:

@@ -37,7 +37,7 @@ def _torch_path():
 def force_layout(monkeypatch, layout: str | None) -> None:
     """packed_sdpa's shared-prompt layout forced to "tree" or "branch" (tree_block_layout picks by cost)."""
     if layout is not None:
-        monkeypatch.setattr("trainer.backend.attention.tree_block_layout", lambda trees: layout)
+        monkeypatch.setattr("trainer.backend.attention.tree_block_layout", lambda trees, chunked=False: layout)
 
 
 @pytest.fixture(params=["tree", "branch"])

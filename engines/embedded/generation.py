@@ -59,6 +59,7 @@ from transformers import DynamicCache
 
 from engines.embedded.kv_cache import KVCache
 from engines.embedded.prefix_cache import PrefixCache
+from kernels.packing import padding_chunks
 from kernels.sampling import sample_tokens, seed_words
 
 # transformers 5.24 renames the forward's `past_key_values` to `cache` and warns on every decode step; the versions
@@ -219,23 +220,6 @@ def _to_device(parts: Sequence[torch.Tensor], device: torch.device) -> list[torc
     if device.type == "cuda":
         flat = flat.pin_memory()
     return _unpack(flat.to(device, non_blocking=True), parts)
-
-
-def padding_chunks(lengths: Sequence[int], waste: float = 2.0) -> list[list[int]]:
-    """Indices of `lengths` (tokens each row feeds a prefill) grouped so that each group, padded to its longest,
-    computes at most `waste` times its real tokens: shortest first, a new group when the next row would break the
-    bound. Fewer, larger forwards where lengths are alike (one forward's fixed cost is a few ms on a CPU)."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    chunks: list[list[int]] = []
-    real = 0
-    for i in order:
-        if chunks and (len(chunks[-1]) + 1) * lengths[i] <= waste * (real + lengths[i]):
-            chunks[-1].append(i)
-            real += lengths[i]
-        else:
-            chunks.append([i])
-            real = lengths[i]
-    return chunks
 
 
 def _swap_remove(n: int, keep: list[int]) -> tuple[list[int], list[int], list[int]]:

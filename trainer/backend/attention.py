@@ -49,6 +49,7 @@ from transformers.masking_utils import sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kernels.packing import PackedBatch
+from trainer.backend.sdpa_chunks import branch_chunked_indices, chunked_cost, plain_chunked_indices
 from trainer.batching.micro_batches import PromptTrees
 
 _FLASH = ("flash_attention_2", "flash_attention_3")
@@ -282,10 +283,10 @@ def tree_causal_mask(seq_index: torch.Tensor, branch: torch.Tensor, dtype: torch
     return _as_mask(allowed, dtype)
 
 
-def tree_block_layout(trees: tuple[tuple[int, tuple[int, ...]], ...]) -> str:
+def tree_block_layout(trees: tuple[tuple[int, tuple[int, ...]], ...], chunked: bool = False) -> str:
     """Which packed_sdpa layout costs less for a shared-prompt row: "tree" (one padded sequence per tree, its
     prompt once, a tree mask) or "branch" (one padded sequence per branch, each with its own copy of the prompt,
-    plain causal).
+    plain causal; chunked: in trainer.backend.sdpa_chunks' batches of alike lengths, costed as such).
 
     The score elements each computes: T * Lt^2 against S * Lb^2 (Lt, Lb the longest tree and branch sequence,
     every sequence padded to it), halved for branches of 512 tokens or more: from there the CPU flash kernel's
@@ -299,6 +300,8 @@ def tree_block_layout(trees: tuple[tuple[int, tuple[int, ...]], ...]) -> str:
     s = sum(len(lens) for _, lens in trees)
     lb = max(p + r for p, lens in trees for r in lens)
     branch_cost = s * lb * lb / (2 if lb >= 512 else 1)
+    if chunked:
+        branch_cost = chunked_cost([p + r for p, lens in trees for r in lens])
     return "tree" if t * lt * lt <= branch_cost else "branch"
 
 
@@ -380,7 +383,9 @@ def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
                           attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                           packed_gather_index: torch.Tensor | None = None,
                           packed_scatter_index: torch.Tensor | None = None,
-                          packed_block_mask: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                          packed_block_mask: torch.Tensor | None = None,
+                          packed_chunks: tuple[tuple[int, int], ...] | None = None,
+                          **kwargs) -> tuple[torch.Tensor, None]:
     """transformers attention function "packed_sdpa": causal SDPA per segment of a packed row.
 
     query [1, H, N, D], key/value [1, Hkv, N, D] -> ([1, N, H, D], None). With packed_gather_index [S, Lmax] and
@@ -388,7 +393,9 @@ def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     [S, H, Lmax, D], attended with is_causal (a sequence's pad slots sit after its real tokens, so the causal mask
     already hides them from real queries) and scattered back, the padding tail as zeros: O(S * Lmax^2) work, and
     both index ops are differentiable. packed_block_mask [S, 1, Lmax, Lmax] (bool, True = attend, or additive
-    float) replaces is_causal where a segment is a shared-prompt tree (tree_block_indices). Without them this is
+    float) replaces is_causal where a segment is a shared-prompt tree (tree_block_indices). With packed_chunks
+    ((S_c, L_c), ...), packed_gather_index is flat [sum_c S_c * L_c]: the sequences in padded batches of alike
+    lengths (trainer.backend.sdpa_chunks), one causal SDPA each, O(sum_c S_c * L_c^2). Without them this is
     transformers' sdpa (mask from the sdpa mask function), or, given the placeholder mask, one causal sequence
     (sdpa's is_causal, no mask tensor).
     """
@@ -404,6 +411,9 @@ def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
         )
     if not getattr(module, "is_causal", True):
         raise ValueError("packed_sdpa: the packed path is causal only; this attention module is not causal")
+    if packed_chunks is not None:
+        return _chunked_sdpa(query, key, value, packed_gather_index, packed_scatter_index, packed_chunks, dropout,
+                             scaling), None
     s, lmax = packed_gather_index.shape
 
     def gather(x: torch.Tensor) -> torch.Tensor:  # [1, h, N, D] -> [S, h, Lmax, D], one index op
@@ -420,6 +430,26 @@ def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     flat = out.transpose(1, 2).reshape(s * lmax, q.shape[1], q.shape[3])  # [S * Lmax, H, D]
     flat = torch.cat([flat, flat.new_zeros(1, q.shape[1], q.shape[3])])  # + the padding tail's zero row
     return flat[packed_scatter_index][None], None  # [1, N, H, D]
+
+
+def _chunked_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, gather: torch.Tensor,
+                  scatter: torch.Tensor, chunks: tuple[tuple[int, int], ...], dropout: float,
+                  scaling: float | None) -> torch.Tensor:
+    """packed_sdpa over the chunked layout: query [1, H, N, D], key/value [1, Hkv, N, D], gather [sum S_c * L_c],
+    scatter [N] -> [1, N, H, D]. One gather per tensor, one causal SDPA per chunk (on views of the gathered
+    tensors), one scatter back."""
+    q, k, v = (x[0][:, gather] for x in (query, key, value))  # [h, sum S_c * L_c, D]
+    heads, dim = q.shape[0], q.shape[2]
+    outs, offset = [], 0
+    for s, width in chunks:
+        part = slice(offset, offset + s * width)
+        offset += s * width
+        qc, kc, vc = (x[:, part].unflatten(1, (s, width)).transpose(0, 1) for x in (q, k, v))  # [s, h, L_c, D]
+        out = F.scaled_dot_product_attention(qc, kc, vc, dropout_p=dropout, is_causal=True, scale=scaling,
+                                             enable_gqa=qc.shape[1] != kc.shape[1])  # [s, H, L_c, D]
+        outs.append(out.transpose(1, 2).reshape(s * width, heads, dim))
+    outs.append(q.new_zeros(1, heads, dim))  # the padding tail's zero row
+    return torch.cat(outs)[scatter][None]
 
 
 AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
@@ -542,6 +572,11 @@ def _model_dtype(model) -> torch.dtype:
 SHARED_PROMPT_IMPLS = (PACKED_SDPA, "sdpa", "eager", "flex_attention", *_FLASH)  # paths with a tree layout
 
 
+def _blocks_compiled(model) -> bool:
+    """Whether any module of `model` runs compiled (trainer.backend.parallel.compile_blocks: Module.compile)."""
+    return any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+
+
 def supports_shared_prompts(model) -> bool:
     """Whether the model's attn_implementation can run the shared-prompt layout (trainer.batching.shared_prompt).
 
@@ -556,8 +591,12 @@ def _tree_attention_kwargs(impl: str, model, batch: PackedBatch, trees: PromptTr
     if impl == PACKED_SDPA:
         dev = batch.input_ids.device
         kw = {"attention_mask": packed_placeholder_mask(dev)}
-        if tree_block_layout(trees.trees) == "tree":
+        chunked = not _blocks_compiled(model)
+        if tree_block_layout(trees.trees, chunked) == "tree":
             return {**kw, **tree_block_kwargs(batch.seq_index, trees.branch, trees.trees, _model_dtype(model))}
+        if chunked:
+            gather, scatter, chunks = branch_chunked_indices(trees.trees, batch.padded_len, dev)
+            return {**kw, "packed_gather_index": gather, "packed_scatter_index": scatter, "packed_chunks": chunks}
         gather, scatter = tree_branch_indices(trees.trees, batch.padded_len, dev)
         return {**kw, "packed_gather_index": gather, "packed_scatter_index": scatter}
     if impl in ("sdpa", "eager"):
@@ -598,9 +637,13 @@ def packed_attention_kwargs(model, batch: PackedBatch, trees: PromptTrees | None
         # mask.all() check: no host sync), so no N x N tensor exists; the segments travel as the two index tensors.
         kw["attention_mask"] = packed_placeholder_mask(ids.device)
         segments = sum(1 for n in batch.lengths if n > 0) + (batch.padded_len > batch.num_tokens)
-        if segments > 1:  # else one plain causal sequence (or an all-padding row): sdpa with is_causal
+        if segments > 1 and not _blocks_compiled(model):  # sequences in batches of alike lengths (sdpa_chunks)
+            gather, scatter, chunks = plain_chunked_indices(batch.lengths, batch.padded_len, ids.device)
+            kw.update(packed_gather_index=gather, packed_scatter_index=scatter, packed_chunks=chunks)
+        elif segments > 1:  # compiled blocks: one padded batch (no data-dependent number of SDPA calls to specialise)
             gather, scatter = packed_segment_indices(batch.seq_index, batch.lengths)
             kw.update(packed_gather_index=gather, packed_scatter_index=scatter)
+        # else one plain causal sequence (or an all-padding row): sdpa with is_causal
     elif impl == "sdpa":
         kw["attention_mask"] = block_causal_mask(batch.seq_index, torch.bool)
     elif impl == "eager":

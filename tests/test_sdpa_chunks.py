@@ -1,0 +1,185 @@
+"""packed_sdpa's length-chunked layout (trainer.backend.sdpa_chunks): the chunks bound the padding, partition the
+sequences, and attention over them equals SDPA with the dense document / tree mask (float64, forward and gradients);
+compiled blocks keep the one-batch layout."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import pack_batch, use_backend
+from trainer.backend.attention import (
+    PACKED_SDPA,
+    block_causal_mask,
+    packed_attention_kwargs,
+    packed_hidden_states,
+    packed_sdpa_attention,
+    tree_block_layout,
+    tree_causal_mask,
+)
+from trainer.backend.sdpa_chunks import WASTE, branch_chunked_indices, chunked_cost, plain_chunked_indices
+from trainer.batching.shared_prompt import build_shared_micro_batches
+from trainer.types import Sample
+
+
+class _Attn(torch.nn.Module):
+    is_causal = True
+
+
+def _random_lengths(g: torch.Generator, n_max: int = 60, l_max: int = 400) -> list[int]:
+    n = int(torch.randint(1, n_max, (1,), generator=g))
+    return torch.randint(1, l_max, (n,), generator=g).tolist()
+
+
+def _chunk_members(gather: torch.Tensor, chunks, starts: dict[int, int]) -> list[list[int]]:
+    """The sequences (by the row position of their first token) in each chunk, read back from the flat gather."""
+    out, o = [], 0
+    for s, width in chunks:
+        block = gather[o:o + s * width].view(s, width)
+        out.append([starts[int(r[0])] for r in block])
+        o += s * width
+    return out
+
+
+def test_chunks_bound_the_score_elements_and_partition_the_sequences():
+    """Random rows: each chunk, padded to its longest, computes <= WASTE x its real score elements; every sequence is
+    in exactly one chunk, its slots hold its row positions in order and then its last token again; every real row
+    token's output is read from a slot holding that token, the padding tail from the zero row past the chunks."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(100):
+        lengths = _random_lengths(g)
+        total = sum(lengths)
+        padded = total + int(torch.randint(0, 50, (1,), generator=g))
+        gather, scatter, chunks = plain_chunked_indices(lengths, padded)
+        starts = {}
+        o = 0
+        for i, n in enumerate(lengths):
+            starts[o] = i
+            o += n
+        members = _chunk_members(gather, chunks, starts)
+        assert sorted(i for m in members for i in m) == list(range(len(lengths)))
+        for (s, width), m in zip(chunks, members):
+            assert len(m) == s and width == max(lengths[i] for i in m)
+            assert s * width ** 2 <= WASTE * sum(lengths[i] ** 2 for i in m) + 1e-9
+        flat = sum(s * w for s, w in chunks)
+        assert gather.shape == (flat,) and scatter.shape == (padded,)
+        assert torch.equal(gather[scatter[:total]], torch.arange(total))
+        assert bool((scatter[total:] == flat).all())
+        o = 0
+        for (s, width) in chunks:  # a sequence's slots: its positions, then its last token repeated
+            for row in gather[o:o + s * width].view(s, width):
+                n = lengths[starts[int(row[0])]]
+                assert torch.equal(row[:n], torch.arange(int(row[0]), int(row[0]) + n))
+                assert bool((row[n:] == row[n - 1]).all())
+            o += s * width
+    # The agent step's shape: 69 sequences of ~140 and 8 of 240-300 make two chunks, not one padded to 300.
+    lengths = [136] * 60 + [138] * 9 + [240, 256, 258, 271, 290, 293, 297, 297]
+    _, _, chunks = plain_chunked_indices(lengths, sum(lengths))
+    assert sorted(chunks) == [(8, 297), (69, 138)]
+    assert chunked_cost(lengths) == 8 * 297 ** 2 + 69 * 138 ** 2 < len(lengths) * 297 ** 2 / 3
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_chunked_packed_sdpa_equals_dense_block_causal_sdpa(kv_heads, seed):
+    """The attention function on the chunked layout against SDPA over the whole row with the dense document mask:
+    output and q/k/v gradients under a random upstream gradient, float64, lengths 1-120 (several chunks, one-token
+    sequences), a padding tail (zeros out)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [1, 120, 3, 60, 64, 7, 118, 30, 1, 90]
+    with use_backend("torch"):
+        batch = pack_batch([torch.zeros(n, dtype=torch.int64) for n in lengths], pad_to=sum(lengths) + 13)
+    gather, scatter, chunks = plain_chunked_indices(batch.lengths, batch.padded_len)
+    assert len(chunks) >= 4  # the case under test: several SDPA calls
+    n, h, d = batch.padded_len, 4, 8
+    q = torch.randn(1, h, n, d, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(1, kv_heads, n, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    out, _ = packed_sdpa_attention(_Attn(), q, k, v, None, scaling=0.3, packed_gather_index=gather,
+                                   packed_scatter_index=scatter, packed_chunks=chunks)  # [1, N, H, D]
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=block_causal_mask(batch.seq_index), scale=0.3,
+                                          enable_gqa=kv_heads != h).transpose(1, 2)
+    real = batch.num_tokens
+    torch.testing.assert_close(out[:, :real], want[:, :real], atol=1e-12, rtol=0)
+    assert bool((out[:, real:] == 0).all())
+    up = torch.randn(out[:, :real].shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad((out[:, :real] * up).sum(), (q, k, v))
+    ref = torch.autograd.grad((want[:, :real] * up).sum(), (q, k, v))
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+def _uneven_groups(seed: int, groups: int = 5, vocab: int = 90) -> list[Sample]:
+    """Groups of 2-6 samples sharing a prompt of 1-12 tokens, responses of 1-150 tokens: branches of very different
+    lengths in one row (one, two and three-turn episodes)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for gi in range(groups):
+        prompt = torch.randint(3, vocab, (int(torch.randint(1, 13, (1,), generator=g)),), generator=g).tolist()
+        for i in range(int(torch.randint(2, 7, (1,), generator=g))):
+            r = int(torch.randint(1, 151, (1,), generator=g))
+            out.append(Sample(prompt="", tokens=prompt + torch.randint(3, vocab, (r,), generator=g).tolist(),
+                              response_length=r, group_index=gi, index=i))
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_chunked_branch_attention_equals_dense_tree_mask_sdpa(seed):
+    """The shared-prompt row's per-branch layout in chunks against SDPA with the dense tree mask (float64, output
+    and gradients): each branch sees its prompt and itself, a prompt token's output is its own sequence's."""
+    g = torch.Generator().manual_seed(seed + 10)
+    with use_backend("torch"):
+        mb = build_shared_micro_batches(_uneven_groups(seed), token_budget=4096, bucket_size=16)[0]
+    row, trees = mb.row, mb.trees
+    gather, scatter, chunks = branch_chunked_indices(trees.trees, row.padded_len)
+    assert len(chunks) >= 2
+    n, h, d = row.padded_len, 4, 8
+    q = torch.randn(1, h, n, d, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(1, 2, n, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    out, _ = packed_sdpa_attention(_Attn(), q, k, v, None, packed_gather_index=gather, packed_scatter_index=scatter,
+                                   packed_chunks=chunks)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=tree_causal_mask(row.seq_index, trees.branch),
+                                          enable_gqa=True).transpose(1, 2)
+    real = row.num_tokens
+    torch.testing.assert_close(out[:, :real], want[:, :real], atol=1e-12, rtol=0)
+    up = torch.randn(out[:, :real].shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad((out[:, :real] * up).sum(), (q, k, v))
+    ref = torch.autograd.grad((want[:, :real] * up).sum(), (q, k, v))
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+def test_tree_block_layout_costs_the_branches_as_chunked():
+    """One long branch among short ones: padded to it, the branches cost more than the tree (8 x 210^2 = 352,800
+    against 280^2 = 78,400); in chunks they cost less (210^2 + 7 x 20^2 = 46,900)."""
+    trees = ((10, (200,) + (10,) * 7),)
+    assert tree_block_layout(trees) == "tree"
+    assert tree_block_layout(trees, chunked=True) == "branch"
+    assert chunked_cost([210] + [20] * 7) == 210 ** 2 + 7 * 20 ** 2
+
+
+def test_compiled_blocks_keep_one_padded_batch_and_both_equal_each_sequence_alone():
+    """A model whose blocks run compiled gets the one-batch layout ([S, Lmax] gather, no chunk list to specialise
+    on); eager blocks get the chunks. Both forwards equal each sequence run alone."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    model.config._attn_implementation = PACKED_SDPA
+    lengths = [5, 90, 2, 40]
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, 97, (n,), generator=g) for n in lengths]
+    with use_backend("torch"):
+        batch = pack_batch(seqs, pad_to=144)
+    with torch.no_grad():
+        alone = torch.cat([model.model(input_ids=s[None]).last_hidden_state[0] for s in seqs])
+        kw = packed_attention_kwargs(model, batch)
+        assert "packed_chunks" in kw and kw["packed_gather_index"].dim() == 1
+        eager = packed_hidden_states(model, batch)
+        model.model.layers[0].compile(backend="eager")
+        kw = packed_attention_kwargs(model, batch)
+        assert "packed_chunks" not in kw and kw["packed_gather_index"].shape == (4, 90)
+        compiled = packed_hidden_states(model, batch)
+    total = sum(lengths)
+    torch.testing.assert_close(eager[:total], alone, atol=1e-5, rtol=0)
+    torch.testing.assert_close(compiled[:total], alone, atol=1e-5, rtol=0)
