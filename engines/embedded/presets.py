@@ -11,6 +11,7 @@ import os
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
+from engines.embedded.attention import use_engine_attention
 from engines.tiny import BOS, EOS, IM_END, PAD, SPECIAL_TOKENS, build_tokenizer, tiny_model_config
 from engines.tokenizer import load_tokenizer
 
@@ -45,4 +46,6 @@ def load_engine_model(spec: str, *, seed: int = 0, dtype: torch.dtype | None = N
         tok = load_tokenizer(spec)
     else:
         raise ValueError(f"--model {spec!r}: expected 'tiny' or an existing folder with a Hugging Face model")
-    return model.to(device).eval(), tok
+    model = model.to(device).eval()
+    use_engine_attention(model)  # CPU decode steps as matmuls (engines/embedded/attention.py)
+    return model, tok

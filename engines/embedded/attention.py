@@ -1,0 +1,59 @@
+"""The engine's attention on the CPU: transformers' sdpa, except a decode step, which runs as two batched matmuls.
+
+A decode step feeds one token a row against the row's cached keys, under the padding mask of the left-aligned cache
+(engines/embedded/kv_cache.py). transformers' sdpa path for it (sdpa_attention_forward: GQA packed as
+[B, Hkv, n_rep, D] queries, a [B, 1, 1, L] bool mask) costs the CPU's SDPA 0.67 / 0.90 / 1.13 ms a call at L = 60 /
+125 / 250 for 128 rows (4 query heads over 2 KV heads, head dim 32, the cache's strided views); scores = q k^T,
+masked, softmaxed and times v as two matmuls cost 0.27 / 0.39 / 0.69 ms (max difference 8e-7). A decode step of the
+demo's model calls it twice (two layers), ~20 % of the step. Prefill (several query tokens a row), other devices and
+any call this does not recognise go to transformers' sdpa unchanged.
+
+`use_engine_attention(model)` switches a loaded model on the CPU from "sdpa" to ENGINE_SDPA (engines/embedded/
+presets.py does it for every model the engine serves); the mask function stays sdpa's.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+ENGINE_SDPA = "engine_sdpa"
+_OTHER_TERMS = ("softcap", "position_bias", "s_aux")  # attention terms the matmul path does not apply
+
+
+def engine_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers attention function: query [B, H, q, D], key/value [B, Hkv, L, D] -> ([B, q, H, D], None).
+
+    The decode case (q = 1 on the CPU, a bool mask [B, 1, 1, L], no dropout or extra terms) as matmuls: query head h
+    reads KV head h // (H / Hkv) (transformers' repeat_kv order). Masked scores are the dtype's min, not -inf, so a
+    row with every key masked gets finite (unused) outputs instead of NaN."""
+    b, h, q_len, d = query.shape
+    hkv = key.shape[1]
+    plain = (q_len != 1 or query.device.type != "cpu" or attention_mask is None
+             or attention_mask.dtype != torch.bool or attention_mask.shape != (b, 1, 1, key.shape[2])
+             or dropout != 0.0 or h % hkv or any(kwargs.get(k) is not None for k in _OTHER_TERMS))
+    if plain:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    scale = d ** -0.5 if scaling is None else scaling
+    q = query.view(b, hkv, h // hkv, d)  # [B, Hkv, n_rep, D]: the query heads of each KV head
+    scores = torch.matmul(q, key.transpose(-1, -2)) * scale  # [B, Hkv, n_rep, L]
+    scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)  # mask [B, 1, 1, L] broadcasts
+    out = torch.matmul(torch.softmax(scores, dim=-1), value)  # [B, Hkv, n_rep, D]
+    return out.reshape(b, 1, h, d), None
+
+
+def use_engine_attention(model: torch.nn.Module) -> None:
+    """Serve `model` with engine_attention where it would run transformers' sdpa on the CPU; others unchanged."""
+    config = getattr(model, "config", None)
+    device = next(model.parameters()).device
+    if config is not None and device.type == "cpu" and getattr(config, "_attn_implementation", None) == "sdpa":
+        model.set_attn_implementation(ENGINE_SDPA)
+
+
+AttentionInterface.register(ENGINE_SDPA, engine_attention)
+AttentionMaskInterface.register(ENGINE_SDPA, sdpa_mask)

@@ -1,0 +1,88 @@
+"""The engine's CPU decode attention (engines/embedded/attention.py) against transformers' sdpa: the same outputs on
+fresh random inputs (float64), the same decoded log-probs through a whole engine model, and sdpa's path for
+everything else."""
+
+import pytest
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from engines.embedded.attention import ENGINE_SDPA, engine_attention, use_engine_attention
+from engines.embedded.presets import build_tiny_model, load_engine_model
+
+
+class _Attn(torch.nn.Module):
+    is_causal = True
+
+    def __init__(self, groups: int):
+        super().__init__()
+        self.num_key_value_groups = groups
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_decode_attention_equals_transformers_sdpa(kv_heads, seed):
+    """One query token a row against strided cache views of 1-90 keys, random padding masks (every row keeps its
+    last key: the token fed now), a non-default scale: equal to sdpa_attention_forward to 1e-12 in float64."""
+    g = torch.Generator().manual_seed(seed)
+    b, h, d, cap = 7, 4, 16, 128
+    length = int(torch.randint(1, 91, (1,), generator=g))
+    q = torch.randn(b, h, 1, d, generator=g, dtype=torch.float64)
+    k_buf, v_buf = (torch.randn(b, kv_heads, cap, d, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = k_buf[:, :, :length], v_buf[:, :, :length]  # the cache's views: strided
+    real = torch.randint(1, length + 1, (b,), generator=g)  # row i's real keys are its last real[i]
+    mask = (torch.arange(length)[None, :] >= (length - real)[:, None])[:, None, None, :]  # [B, 1, 1, L]
+    module = _Attn(h // kv_heads)
+    got, _ = engine_attention(module, q, k, v, mask, scaling=0.37)
+    want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.37)
+    assert got.shape == want.shape == (b, 1, h, d)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+
+
+def test_a_row_with_every_key_masked_stays_finite_and_prefill_goes_to_sdpa():
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 1, 8, generator=g)
+    k, v = (torch.randn(2, 2, 5, 8, generator=g) for _ in range(2))
+    mask = torch.ones(2, 1, 1, 5, dtype=torch.bool)
+    mask[1] = False
+    out, _ = engine_attention(_Attn(2), q, k, v, mask)
+    assert bool(torch.isfinite(out).all())
+    want, _ = sdpa_attention_forward(_Attn(2), q[:1], k[:1], v[:1], mask[:1])
+    torch.testing.assert_close(out[:1], want, atol=1e-6, rtol=0)
+    # Several query tokens a row (prefill): transformers' own path, bit for bit.
+    q = torch.randn(2, 4, 3, 8, generator=g)
+    pmask = torch.ones(2, 1, 3, 5, dtype=torch.bool).tril(2)
+    a, _ = engine_attention(_Attn(2), q, k, v, pmask)
+    b, _ = sdpa_attention_forward(_Attn(2), q, k, v, pmask)
+    assert torch.equal(a, b)
+
+
+def test_engine_models_use_it_on_the_cpu_and_decode_the_same_logits(tmp_path):
+    """load_engine_model switches a CPU model to ENGINE_SDPA; a batch of left-padded rows decoded step by step with
+    a cache gives the logits of the same model under transformers' sdpa (1e-5, float32)."""
+    build_tiny_model(0, arch="qwen2", hidden_size=64, num_heads=4, num_kv_heads=2).save_pretrained(tmp_path / "m")
+    from engines.tiny import build_tokenizer
+
+    build_tokenizer().save_pretrained(tmp_path / "m")
+    ours, _ = load_engine_model(str(tmp_path / "m"))
+    assert ours.config._attn_implementation == ENGINE_SDPA
+    ref, _ = load_engine_model(str(tmp_path / "m"))
+    ref.set_attn_implementation("sdpa")
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(6, 200, (3, 9), generator=g)
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[0, :4] = 0  # left padding: rows of 9, 5 and 7 real tokens
+    mask[2, :2] = 0
+    outs = []
+    for model in (ours, ref):
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+            cache, m, logits = out.past_key_values, mask, [out.logits[:, -1]]
+            for _ in range(6):
+                nxt = logits[-1].argmax(-1, keepdim=True)
+                m = torch.cat([m, torch.ones(3, 1, dtype=m.dtype)], 1)
+                out = model(input_ids=nxt, attention_mask=m, past_key_values=cache, use_cache=True)
+                logits.append(out.logits[:, -1])
+        outs.append(torch.stack(logits))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
+    use_engine_attention(ref)  # only sdpa models are switched: this one is sdpa again -> switched
+    assert ref.config._attn_implementation == ENGINE_SDPA
