@@ -33,7 +33,7 @@ import torch
 from kernels.packing import padding_chunks
 
 # A chunk computes at most 1.25x its real score elements. One layer's attention forward + backward over an agent
-# step's three micro-batches (bench/results/sdpa_chunks-cpu-2core.json): one batch 216 ms; waste 3.0 201, 2.0 171,
+# step's three micro-batches (bench/results/agent_step_time-cpu-2core.json): one batch 216 ms; waste 3.0 201, 2.0 171,
 # 1.5 132, 1.25 116, 1.1 119 ms. Where lengths are alike (the demo's ~30-token branches) the chunks cost ~6 % more
 # than one batch (more SDPA calls), and tree_block_layout picks the tree layout there anyway.
 WASTE = 1.25
