@@ -242,20 +242,26 @@ class _CausalAttention(torch.nn.Module):
 def test_shared_prompt_attention(benchmark, request, layout):
     """packed_sdpa forward + backward on one layer of a shared-prompt row, in each of its two layouts (the trainer
     picks the one with fewer score elements: trainer.backend.attention.tree_block_layout)."""
-    from trainer.backend.attention import packed_sdpa_attention
-
     (q, k, v), layouts = shared_prompt_attention_inputs(8 if request.config.getoption("benchmark_disable") else 64,
                                                         _device())
-    up = torch.randn(1, q.shape[2], 4, 32, device=q.device)
+    _time_attention(benchmark, (q, k, v), layouts[layout])
+    benchmark.extra_info["score_elements"] = int(layouts[layout]["packed_gather_index"].shape[0]
+                                                 * layouts[layout]["packed_gather_index"].shape[1] ** 2)
+
+
+def _time_attention(benchmark, qkv: tuple[torch.Tensor, ...], kwargs: dict) -> None:
+    """packed_sdpa forward + backward (under a fixed random upstream gradient) on q, k, v with `kwargs`."""
+    from trainer.backend.attention import packed_sdpa_attention
+
+    q = qkv[0]
+    up = torch.randn(1, q.shape[2], q.shape[1], q.shape[3], device=q.device)
 
     def run():
-        out, _ = packed_sdpa_attention(_CausalAttention(), q, k, v, None, **layouts[layout])
-        torch.autograd.grad((out * up).sum(), (q, k, v))
+        out, _ = packed_sdpa_attention(_CausalAttention(), *qkv, None, **kwargs)
+        torch.autograd.grad((out * up).sum(), qkv)
         _sync()
 
     benchmark.pedantic(run, rounds=10, iterations=1, warmup_rounds=2)
-    benchmark.extra_info["score_elements"] = int(layouts[layout]["packed_gather_index"].shape[0]
-                                                 * layouts[layout]["packed_gather_index"].shape[1] ** 2)
 
 
 def agent_row_attention_inputs(n_trees: int, device: str, seed: int = 0):
@@ -289,19 +295,11 @@ def test_agent_row_attention(benchmark, request, layout):
     """packed_sdpa forward + backward on one layer of the agent step's shared-prompt rows (branches of 113 and of
     210-280 tokens): the branches in one batch padded to the longest, or in batches of alike lengths
     (trainer.backend.sdpa_chunks, what eager blocks get). extra_info: the score elements each computes."""
-    from trainer.backend.attention import packed_sdpa_attention
     from trainer.backend.sdpa_chunks import chunked_cost
 
     (q, k, v), layouts, trees = agent_row_attention_inputs(2 if request.config.getoption("benchmark_disable")
                                                            else 16, _device())
-    up = torch.randn(1, q.shape[2], 4, 32, device=q.device)
-
-    def run():
-        out, _ = packed_sdpa_attention(_CausalAttention(), q, k, v, None, **layouts[layout])
-        torch.autograd.grad((out * up).sum(), (q, k, v))
-        _sync()
-
-    benchmark.pedantic(run, rounds=10, iterations=1, warmup_rounds=2)
+    _time_attention(benchmark, (q, k, v), layouts[layout])
     lengths = [p + r for p, lens in trees for r in lens]
     benchmark.extra_info["score_elements"] = int(chunked_cost(lengths) if layout == "chunked"
                                                  else len(lengths) * max(lengths) ** 2)

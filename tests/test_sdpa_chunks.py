@@ -5,6 +5,7 @@ compiled blocks keep the one-batch layout."""
 import pytest
 import torch
 import torch.nn.functional as F
+from attention_support import assert_same_attention
 
 from kernels import pack_batch, use_backend
 from trainer.backend.attention import (
@@ -97,14 +98,8 @@ def test_chunked_packed_sdpa_equals_dense_block_causal_sdpa(kv_heads, seed):
                                    packed_scatter_index=scatter, packed_chunks=chunks)  # [1, N, H, D]
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=block_causal_mask(batch.seq_index), scale=0.3,
                                           enable_gqa=kv_heads != h).transpose(1, 2)
-    real = batch.num_tokens
-    torch.testing.assert_close(out[:, :real], want[:, :real], atol=1e-12, rtol=0)
-    assert bool((out[:, real:] == 0).all())
-    up = torch.randn(out[:, :real].shape, generator=g, dtype=torch.float64)
-    got = torch.autograd.grad((out[:, :real] * up).sum(), (q, k, v))
-    ref = torch.autograd.grad((want[:, :real] * up).sum(), (q, k, v))
-    for a, b in zip(got, ref):
-        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+    assert bool((out[:, batch.num_tokens:] == 0).all())
+    assert_same_attention(out, want, (q, k, v), batch.num_tokens, g)
 
 
 def _uneven_groups(seed: int, groups: int = 5, vocab: int = 90) -> list[Sample]:
@@ -138,13 +133,7 @@ def test_chunked_branch_attention_equals_dense_tree_mask_sdpa(seed):
                                    packed_chunks=chunks)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=tree_causal_mask(row.seq_index, trees.branch),
                                           enable_gqa=True).transpose(1, 2)
-    real = row.num_tokens
-    torch.testing.assert_close(out[:, :real], want[:, :real], atol=1e-12, rtol=0)
-    up = torch.randn(out[:, :real].shape, generator=g, dtype=torch.float64)
-    got = torch.autograd.grad((out[:, :real] * up).sum(), (q, k, v))
-    ref = torch.autograd.grad((want[:, :real] * up).sum(), (q, k, v))
-    for a, b in zip(got, ref):
-        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+    assert_same_attention(out, want, (q, k, v), row.num_tokens, g)
 
 
 def test_tree_block_layout_costs_the_branches_as_chunked():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from attention_support import assert_same_attention
 
 from engines.tiny import tiny_model_config
 from kernels import PolicyLossConfig, use_backend
@@ -250,13 +251,8 @@ def test_tree_block_attention_equals_dense_tree_mask_sdpa(seed, kv_heads, additi
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, scale=0.3,
                                           enable_gqa=kv_heads != h).transpose(1, 2)
     real = row.num_tokens  # the padding tail: zeros from packed_sdpa, its own causal block in the dense mask
-    torch.testing.assert_close(out[:, :real], want[:, :real], atol=1e-12, rtol=0)
     assert bool((out[:, real:] == 0).all())
-    up = torch.randn(out[:, :real].shape, generator=g, dtype=torch.float64)
-    got = torch.autograd.grad((out[:, :real] * up).sum(), (q, k, v))
-    ref = torch.autograd.grad((want[:, :real] * up).sum(), (q, k, v))
-    for a, b in zip(got, ref):
-        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+    assert_same_attention(out, want, (q, k, v), real, g)
 
 
 def test_an_attention_without_a_tree_path_says_how_to_fix_it():
