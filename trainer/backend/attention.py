@@ -21,8 +21,11 @@ position_ids, both host syncs on CUDA; the placeholder skips both and holds no d
 
 packed_sdpa is registered here with transformers' AttentionInterface: the row's segments are gathered into a padded
 batch [S, H, Lmax, D] and run through SDPA with is_causal, so a row costs O(S * Lmax^2) instead of the dense path's
-O(N^2) (bench_train_step measured the dense mask at ~0.95x the padded reference). Without the packing kwargs it is
-plain sdpa (same mask function), so per-sequence calls, generation and references still work on such a model.
+O(N^2) (bench_train_step measured the dense mask at ~0.95x the padded reference). In eager blocks the sequences go
+in a few padded batches of alike lengths instead of one padded to the longest (trainer.backend.sdpa_chunks: an
+agent step's 113-token episodes no longer pay a 300-token one's square); compiled blocks keep the one batch. Without
+the packing kwargs it is plain sdpa (same mask function), so per-sequence calls, generation and references still work
+on such a model.
 
 The shared-prompt (tree) layout (trainer.batching.shared_prompt) has a path on each: a dense tree mask for sdpa /
 eager, a tree mask_mod for flex_attention, for flash-attn the gathered per-branch layout (each branch attends its
