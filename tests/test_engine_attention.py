@@ -48,6 +48,9 @@ def test_a_row_with_every_key_masked_stays_finite_and_prefill_goes_to_sdpa():
     assert bool(torch.isfinite(out).all())
     want, _ = sdpa_attention_forward(_Attn(2), q[:1], k[:1], v[:1], mask[:1])
     torch.testing.assert_close(out[:1], want, atol=1e-6, rtol=0)
+    # Half precision keeps SDPA (float32 accumulation), bit for bit.
+    half = [t.to(torch.bfloat16) for t in (q, k, v)]
+    assert torch.equal(engine_attention(_Attn(2), *half, mask)[0], sdpa_attention_forward(_Attn(2), *half, mask)[0])
     # Several query tokens a row (prefill): transformers' own path, bit for bit.
     q = torch.randn(2, 4, 3, 8, generator=g)
     pmask = torch.ones(2, 1, 3, 5, dtype=torch.bool).tril(2)

@@ -21,6 +21,8 @@ from transformers.masking_utils import sdpa_mask
 
 ENGINE_SDPA = "engine_sdpa"
 _OTHER_TERMS = ("softcap", "position_bias", "s_aux")  # attention terms the matmul path does not apply
+# Half-precision inputs keep SDPA, which accumulates in float32; the matmuls would round the scores to bf16/fp16.
+_FULL_PRECISION = (torch.float32, torch.float64)
 
 
 def engine_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -28,19 +30,19 @@ def engine_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                      **kwargs) -> tuple[torch.Tensor, None]:
     """transformers attention function: query [B, H, q, D], key/value [B, Hkv, L, D] -> ([B, q, H, D], None).
 
-    The decode case (q = 1 on the CPU, a bool mask [B, 1, 1, L], no dropout or extra terms) as matmuls: query head h
-    reads KV head h // (H / Hkv) (transformers' repeat_kv order). Masked scores are the dtype's min, not -inf, so a
-    row with every key masked gets finite (unused) outputs instead of NaN."""
+    The decode case (q = 1 on the CPU in float32/64, a bool mask [B, 1, 1, L], no dropout or extra terms) as
+    matmuls: query head h reads KV head h // (H / Hkv) (transformers' repeat_kv order). Masked scores are the
+    dtype's min, not -inf, so a row with every key masked gets finite (unused) outputs instead of NaN."""
     b, h, q_len, d = query.shape
     hkv = key.shape[1]
-    plain = (q_len != 1 or query.device.type != "cpu" or attention_mask is None
+    plain = (q_len != 1 or query.device.type != "cpu" or query.dtype not in _FULL_PRECISION or attention_mask is None
              or attention_mask.dtype != torch.bool or attention_mask.shape != (b, 1, 1, key.shape[2])
              or dropout != 0.0 or h % hkv or any(kwargs.get(k) is not None for k in _OTHER_TERMS))
     if plain:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     scale = d ** -0.5 if scaling is None else scaling
-    q = query.view(b, hkv, h // hkv, d)  # [B, Hkv, n_rep, D]: the query heads of each KV head
+    q = query.reshape(b, hkv, h // hkv, d)  # [B, Hkv, n_rep, D]: the query heads of each KV head
     scores = torch.matmul(q, key.transpose(-1, -2)) * scale  # [B, Hkv, n_rep, L]
     scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)  # mask [B, 1, 1, L] broadcasts
     out = torch.matmul(torch.softmax(scores, dim=-1), value)  # [B, Hkv, n_rep, D]
