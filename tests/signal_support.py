@@ -9,6 +9,9 @@ import signal
 
 # The reward call (1-based, counted in the process that scores) that sends SIGTERM; unset or 0: none.
 SIGTERM_AT_ENV = "RLKERNELS_TEST_SIGTERM_AT"
+# The training forward (1-based: decoder-layer calls with grad enabled on the main thread) that sends SIGTERM from
+# inside the layer, between FSDP's unshard and reshard of it; unset or 0: none.
+SIGTERM_IN_FORWARD_ENV = "RLKERNELS_TEST_SIGTERM_IN_FORWARD"
 
 _calls = itertools.count(1)
 
@@ -27,3 +30,26 @@ def reward(sample) -> float:
 def failing(sample) -> float:
     """A reward that fails on every sample: the first batch has nothing to train on (a run-time stop)."""
     raise ValueError("this reward fails on purpose")
+
+
+def _sigterm_inside_a_training_forward(nth: int) -> None:
+    """Patch the tiny model's decoder layer (Llama) so that its `nth` training call sends SIGTERM to this process
+    before computing: the signal lands in the middle of a step, where FSDP has swapped the block's parameters."""
+    import threading
+
+    import torch
+    from transformers.models.llama import modeling_llama
+
+    layer_forward, calls = modeling_llama.LlamaDecoderLayer.forward, itertools.count(1)
+
+    def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled() and threading.current_thread() is threading.main_thread() and next(calls) == nth:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return layer_forward(self, *args, **kwargs)
+
+    modeling_llama.LlamaDecoderLayer.forward = forward
+
+
+if int(os.environ.get(SIGTERM_IN_FORWARD_ENV, "0")):  # this module is imported where the run loads its reward
+    _sigterm_inside_a_training_forward(int(os.environ[SIGTERM_IN_FORWARD_ENV]))
+

@@ -23,14 +23,14 @@ from pathlib import Path
 import httpx
 import pytest
 from device_support import cpu_child_env
-from signal_support import SIGTERM_AT_ENV
+from signal_support import SIGTERM_AT_ENV, SIGTERM_IN_FORWARD_ENV
 from test_nothing_lost import _logged_steps
 
 from engines.protocol import EngineError, EngineUnavailableError
 from engines.weight_sync.wire import WeightSyncError
 from trainer.backend.checkpoint import CheckpointMismatch, CorruptCheckpointError
 from trainer.cli import main, run_stop
-from trainer.stops import DEBUG_ENV, RunStopped, Terminated, sigterm_as_interrupt
+from trainer.stops import DEBUG_ENV, RunStopped, Terminated, interrupts_held, sigterm_as_interrupt
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM_STEPS = 4
@@ -80,14 +80,15 @@ def _config(tmp_path: Path) -> Path:
     return path
 
 
-def _cli(config: Path, out: Path, mode: str, *, sigterm_at: int = 0,
+def _cli(config: Path, out: Path, mode: str, *, sigterm_at: int = 0, sigterm_in_forward: int = 0,
          resume: bool = False) -> subprocess.CompletedProcess:
     """`python -m trainer rl` on the tiny config into `out`, in a session of its own (its process group is the
     run's alone, which the reward's SIGTERM goes to)."""
     sets = [f"output_dir=\"{out}\"", *MODES[mode]]
     cmd = [sys.executable, "-m", "trainer", "rl", "--config", str(config), *(a for s in sets for a in ("--set", s)),
            *(["--resume"] if resume else [])]
-    env = cpu_child_env([str(ROOT / "tests")], **{SIGTERM_AT_ENV: str(sigterm_at)})
+    env = cpu_child_env([str(ROOT / "tests")], **{SIGTERM_AT_ENV: str(sigterm_at),
+                                                  SIGTERM_IN_FORWARD_ENV: str(sigterm_in_forward)})
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
                           start_new_session=True)
 
@@ -138,6 +139,56 @@ def test_sigterm_mid_step_checkpoints_and_the_resumed_run_equals_an_uninterrupte
             assert ours == theirs
             assert got[step]["reward_mean"] == want[step]["reward_mean"]
             assert got[step]["grad_norm"] == pytest.approx(want[step]["grad_norm"], rel=1e-5)
+
+
+def test_sigterm_inside_a_training_forward_waits_for_the_step_and_checkpoints_it_whole(tmp_path):
+    """SIGTERM from inside step 2's training forward, where FSDP has the block's parameters swapped in (an interrupt
+    there once made the CLI's Ctrl-C test of an async run die with a KeyError in torch's get_state_dict instead of
+    writing its checkpoint): the step finishes, its row is logged, the checkpoint holds it (without the hold: step
+    1's), exit 143 with no traceback; `--resume` then trains steps 3-4 as the uninterrupted run did."""
+    config = _config(tmp_path)
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    ref = _cli(config, full, "sync")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    stopped = _cli(config, cut, "sync", sigterm_in_forward=2)
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    assert "Traceback" not in stopped.stderr
+    saved = sorted((cut / "rl" / "checkpoints").glob("step_*"))
+    assert [p.name for p in saved][-1:] == ["step_00000002"]
+    assert _logged_steps(cut / "rl") == [1, 2]
+    resumed = _cli(config, cut, "sync", resume=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    want, got = _metrics(full), _metrics(cut)
+    for step in range(1, NUM_STEPS + 1):
+        assert got[step]["reward_mean"] == want[step]["reward_mean"], step
+        assert got[step]["grad_norm"] == pytest.approx(want[step]["grad_norm"], rel=1e-5), step
+
+
+def test_interrupts_held_arrive_when_the_block_ends_and_a_second_one_at_once():
+    """Ctrl-C inside the block: the block runs to its end, then KeyboardInterrupt; SIGTERM under sigterm_as_interrupt
+    likewise arrives as Terminated; `release` delivers earlier; a second signal while held stops the block at once.
+    The handlers are restored in every case."""
+    before = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+    finished = []
+    with pytest.raises(KeyboardInterrupt), interrupts_held():
+        signal.raise_signal(signal.SIGINT)  # to this (the main) thread: held
+        threading.Event().wait(0.05)
+        finished.append("block")
+    assert finished == ["block"]
+    with pytest.raises(Terminated), sigterm_as_interrupt(), interrupts_held() as release:
+        signal.raise_signal(signal.SIGTERM)
+        finished.append("before release")
+        release()
+        finished.append("after release")  # not reached: release delivered it
+    assert finished[-1] == "before release"
+    with pytest.raises(KeyboardInterrupt), interrupts_held():
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)  # the second: at once
+        finished.append("not reached")
+    assert finished[-1] == "before release"
+    with interrupts_held():  # nothing held: nothing raised
+        finished.append("quiet")
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
 
 
 def test_an_engine_a_run_started_leaves_sigterm_and_ctrl_c_to_the_run(engine):

@@ -58,7 +58,7 @@ from trainer.rollout.resume import ResumePoints
 from trainer.rollout.samples import build_batch_metadata, group_ids, pad_token_id
 from trainer.rollout.service import rollout_service
 from trainer.rollout.staleness import within_staleness
-from trainer.stops import RunStopped
+from trainer.stops import RunStopped, interrupts_held
 from trainer.types import RolloutBatch, Sample, Status, TrainingState
 
 if TYPE_CHECKING:
@@ -407,15 +407,20 @@ def _rl_step(run: _RLRun, source: Any, bar: Any, *, sync_s: float, unfinished: i
     batch, stale = within_staleness(batch, trained_from, config.staleness, requeue=source.requeue)
     due = run.dumps is not None and run.dumps.due(state.step + 1)
     seen = _inspect(run.backend, batch) if due else None
-    (metrics, run.state), train_s = _timed(train_on_batch, run.backend, state, batch, config)
-    metrics = step_metrics(metrics, batch, run.state, time_generate_s=gen_s, time_train_s=train_s,
-                           time_sync_s=sync_s) | stale
-    metrics.update(batch.metadata.get("reward_metrics", {}))  # [rewards] sources: reward/<label>_mean, judge/*
-    # The step has trained (a checkpoint now holds it): its row is logged even when Ctrl-C stops the sync.
-    with _reported(run.state.step, metrics, logger=run.logger, history=run.history, bar=bar, on_step=run.on_step):
-        metrics["time_step_s"] = time.perf_counter() - t_step
-        if run.state.step % config.sync_every == 0 or run.state.step == config.num_steps:
-            sync_s = _sync_engines(run, source, metrics, batch, t_step)
+    # A Ctrl-C / SIGTERM during the step waits for its end (trainer.stops.interrupts_held), then arrives inside
+    # _reported: the checkpoint on the way out holds the whole step, and the log its row.
+    with interrupts_held() as release:
+        (metrics, run.state), train_s = _timed(train_on_batch, run.backend, state, batch, config)
+        metrics = step_metrics(metrics, batch, run.state, time_generate_s=gen_s, time_train_s=train_s,
+                               time_sync_s=sync_s) | stale
+        metrics.update(batch.metadata.get("reward_metrics", {}))  # [rewards] sources: reward/<label>_mean, judge/*
+        # The step has trained (a checkpoint now holds it): its row is logged even when Ctrl-C stops the sync.
+        with _reported(run.state.step, metrics, logger=run.logger, history=run.history, bar=bar,
+                       on_step=run.on_step):
+            release()
+            metrics["time_step_s"] = time.perf_counter() - t_step
+            if run.state.step % config.sync_every == 0 or run.state.step == config.num_steps:
+                sync_s = _sync_engines(run, source, metrics, batch, t_step)
     if seen is not None and run.rank == 0:
         _write_rollouts(run.dumps, run.state.step, batch, seen, config, logger=run.logger,
                         tokenizer=run.manager.tokenizer)

@@ -28,6 +28,7 @@ from trainer.config import SFTTrainingConfig
 from trainer.evaluation import Evaluation
 from trainer.metrics import MetricsLogger, open_logger, progress
 from trainer.rollout.samples import pad_token_id
+from trainer.stops import interrupts_held
 from trainer.types import Sample, TrainingState
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -130,13 +131,16 @@ def run_sft_training(model: Any, conversations: Sequence[Conversation], config: 
         while state.step < config.num_steps:
             idx = _batch_indices(len(samples), position, config.batch_size, config.seed)
             datums, extra = to_datums([samples[i] for i in idx], [0.0] * len(idx))
-            fut, opt_fut = backend.forward_backward(datums, "nll", extra), backend.optim_step()
-            position += config.batch_size
-            metrics = {**fut.result().metrics, **opt_fut.result()}
-            state = advanced(state, int(metrics["num_tokens"]))
-            if evaluation is not None and evaluation.due(state.step, config.num_steps):
-                metrics.update(evaluation.run(state.step))
-            logger.log(state.step, metrics)
+            # A Ctrl-C / SIGTERM during the step waits for its row to be logged (trainer.stops.interrupts_held): the
+            # checkpoint on the way out then holds the whole step, and the log its row.
+            with interrupts_held():
+                fut, opt_fut = backend.forward_backward(datums, "nll", extra), backend.optim_step()
+                position += config.batch_size
+                metrics = {**fut.result().metrics, **opt_fut.result()}
+                state = advanced(state, int(metrics["num_tokens"]))
+                if evaluation is not None and evaluation.due(state.step, config.num_steps):
+                    metrics.update(evaluation.run(state.step))
+                logger.log(state.step, metrics)
             history.append(metrics)
             bar.step(metrics)
             ckpt.maybe_save()

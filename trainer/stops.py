@@ -23,7 +23,7 @@ import contextlib
 import os
 import signal
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 DEBUG_ENV = "RLKERNELS_DEBUG"  # set to 1: a run-time stop prints its traceback too
 SIGTERM_EXIT = 128 + signal.SIGTERM  # 143
@@ -74,3 +74,47 @@ def sigterm_as_interrupt() -> Iterator[threading.Event]:
         yield received
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def interrupts_held() -> Iterator[Callable[[], None]]:
+    """Within the block, Ctrl-C (SIGINT) and SIGTERM wait: the handlers the block replaced run when it ends, as if the
+    signal came then, or earlier where the block calls the function it is given (`release`: from there signals
+    arrive as usual). A second one while held stops the block at once (the way out of a step that hangs).
+
+    For a training step. An interrupt raises where the main thread happens to be; inside a step that is between
+    FSDP's unshard and reshard of a block, or inside the optimizer's update, and the checkpoint Ctrl-C writes on the
+    way out then failed (torch's get_state_dict: a KeyError on a parameter FSDP had swapped out, seen in the CLI's
+    Ctrl-C test of an async run) or held a step half applied. Held, the interrupt comes after the step, and the
+    checkpoint holds the whole step. Outside the main thread (where no signal is delivered) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: None
+        return
+    held: list[tuple[int, object]] = []
+    released = threading.Event()
+
+    def release() -> None:
+        """Put the handlers back, then run the first held signal's (it raises KeyboardInterrupt / Terminated)."""
+        if released.is_set():
+            return
+        released.set()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum, frame in held[:1]:
+            handler = previous[signum]
+            if callable(handler):
+                handler(signum, frame)
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(signum)
+
+    def hold(signum: int, frame: object) -> None:
+        held.append((signum, frame))
+        if len(held) > 1:  # the second: now
+            release()
+
+    previous = {s: signal.signal(s, hold) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield release
+    finally:
+        release()
+
