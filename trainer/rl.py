@@ -406,10 +406,10 @@ def _rl_step(run: _RLRun, source: Any, bar: Any, *, sync_s: float, unfinished: i
     trained_from = state.weight_version  # the batch's staleness is measured against these weights
     batch, stale = within_staleness(batch, trained_from, config.staleness, requeue=source.requeue)
     due = run.dumps is not None and run.dumps.due(state.step + 1)
-    seen = _inspect(run.backend, batch) if due else None
     # A Ctrl-C / SIGTERM during the step waits for its end (trainer.stops.interrupts_held), then arrives inside
     # _reported: the checkpoint on the way out holds the whole step, and the log its row.
     with interrupts_held() as release:
+        seen = _inspect(run.backend, batch) if due else None  # a forward too: held as the step's
         (metrics, run.state), train_s = _timed(train_on_batch, run.backend, state, batch, config)
         metrics = step_metrics(metrics, batch, run.state, time_generate_s=gen_s, time_train_s=train_s,
                                time_sync_s=sync_s) | stale
@@ -440,8 +440,9 @@ def _sync_engines(run: _RLRun, source: Any, metrics: dict[str, float], batch: Ro
         # Up to the weights landing: with the sync, the wait for the batch being generated.
         metrics["time_step_s"] = time.perf_counter() - t_step
         if config.verify_sync and state.step % config.sync_every == 0:
-            metrics["verify_sync_max_abs_diff"] = _verify_sync(
-                run.components, run.engines, run.sender, state.step, run.probe_prompts or _default_probes(batch))
+            with interrupts_held():  # the trainer's forward on the probes: no interrupt inside FSDP's forward
+                metrics["verify_sync_max_abs_diff"] = _verify_sync(
+                    run.components, run.engines, run.sender, state.step, run.probe_prompts or _default_probes(batch))
         if run.rank == 0 and run.evaluation is not None and run.evaluation.due(state.step, config.num_steps):
             metrics.update(run.evaluation.run(state.step))  # the engines serve this step's weights
     return sync_s
