@@ -41,6 +41,7 @@ times a zero loss mask is still NaN in the backward); packed_sdpa skips it inste
 from __future__ import annotations
 
 import importlib.util
+import math
 from collections.abc import Callable
 
 import torch
@@ -52,7 +53,7 @@ from transformers.masking_utils import sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kernels.packing import PackedBatch
-from trainer.backend.sdpa_chunks import branch_chunked_indices, chunked_cost, plain_chunked_indices
+from trainer.backend.sdpa_chunks import WASTE, branch_chunked_indices, chunked_cost, plain_chunked_indices
 from trainer.batching.micro_batches import PromptTrees
 
 _FLASH = ("flash_attention_2", "flash_attention_3")
@@ -300,11 +301,8 @@ def tree_block_layout(trees: tuple[tuple[int, tuple[int, ...]], ...], chunked: b
     modelled: the tree layout also holds its [T, 1, Lt, Lt] mask, once per row (packed_attention_kwargs)."""
     t = len(trees)
     lt = max(p + sum(lens) for p, lens in trees)
-    s = sum(len(lens) for _, lens in trees)
-    lb = max(p + r for p, lens in trees for r in lens)
-    branch_cost = s * lb * lb / (2 if lb >= 512 else 1)
-    if chunked:
-        branch_cost = chunked_cost([p + r for p, lens in trees for r in lens])
+    # One padded batch is the chunking that never splits (waste unbounded): S * Lb^2, halved from 512 tokens.
+    branch_cost = chunked_cost([p + r for p, lens in trees for r in lens], waste=WASTE if chunked else math.inf)
     return "tree" if t * lt * lt <= branch_cost else "branch"
 
 
