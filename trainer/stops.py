@@ -91,13 +91,14 @@ def interrupts_held() -> Iterator[Callable[[], None]]:
         yield lambda: None
         return
     held: list[tuple[int, object]] = []
-    released = threading.Event()
+    released = False  # one thread (the main one) reads and writes it: signal handlers run there
 
     def release() -> None:
         """Put the handlers back, then run the first held signal's (it raises KeyboardInterrupt / Terminated)."""
-        if released.is_set():
+        nonlocal released
+        if released:
             return
-        released.set()
+        released = True
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         for signum, frame in held[:1]:
