@@ -119,6 +119,9 @@ class Completion:
     # Prompt tokens the engine did not prefill: their KV came from its prefix cache (SGLang's meta_info
     # "cached_tokens"; the embedded engine: engines/embedded/prefix_cache.py). 0 where the engine does not say.
     cached_tokens: int = 0
+    # Output tokens drawn as speculative decoding's draft said, each a forward saved (the embedded engine's meta_info
+    # "spec_accepted_tokens"; engines/embedded/drafts.py). 0 where the engine does not say or does not speculate.
+    spec_accepted_tokens: int = 0
 
     @property
     def oldest_version(self) -> int:

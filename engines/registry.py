@@ -132,6 +132,7 @@ class BuildOptions:
     request_timeout_s: float = 120.0  # one request's limit (HTTP kinds): the run's [rl.rollout] request_timeout_s
     threads: int | None = None  # an in-process engine's model thread: its torch threads (None: the process's)
     prefix_cache_tokens: int | None = None  # an embedded engine's prefix-cache budget (None: its default; 0: off)
+    speculative_tokens: int = 0  # an embedded engine's draft tokens a row and step (engines/embedded/drafts.py; 0: off)
     dtype: str | None = None  # an in-process engine's weights ("float32", "bfloat16"; None: the engine's default)
 
 
@@ -147,6 +148,7 @@ class LaunchOptions:
     start_timeout_s: float = 180.0
     device: str | None = None  # placed by the run (trainer.run.engine_devices); None: the engine's default
     prefix_cache_tokens: int | None = None  # the embedded engine's prefix-cache budget (None: its default; 0: off)
+    speculative_tokens: int = 0  # the embedded engine's draft tokens a row and step (0: off)
 
 
 class LaunchedEngine(Protocol):
@@ -224,7 +226,8 @@ def _local(spec: EngineSpec, opts: BuildOptions) -> InferenceEngine:
     given = {} if opts.prefix_cache_tokens is None else {"prefix_cache_tokens": opts.prefix_cache_tokens}
     if opts.dtype is not None:  # else the engine's default for its device
         given["dtype"] = getattr(torch, opts.dtype)
-    return LocalEngine(opts.model_folder, seed=opts.seed, device=opts.device, threads=opts.threads, **given)
+    return LocalEngine(opts.model_folder, seed=opts.seed, device=opts.device, threads=opts.threads,
+                       speculative_tokens=opts.speculative_tokens, **given)
 
 
 def _tinker(spec: EngineSpec, opts: BuildOptions) -> InferenceEngine:
@@ -239,8 +242,9 @@ def _launch_embedded(spec: EngineSpec, opts: LaunchOptions) -> LaunchedEngine:
 
     return EngineProcess(opts.model_folder, api_key=opts.api_key, seed=opts.seed, start_timeout_s=opts.start_timeout_s,
                          threads=len(spec.cpus) if spec.cpus else opts.threads, device=opts.device, cpus=spec.cpus,
-                         extra_args=() if opts.prefix_cache_tokens is None else
-                         ("--prefix-cache-tokens", str(opts.prefix_cache_tokens)))
+                         extra_args=(() if opts.prefix_cache_tokens is None else
+                                     ("--prefix-cache-tokens", str(opts.prefix_cache_tokens)))
+                         + (("--speculative-tokens", str(opts.speculative_tokens)) if opts.speculative_tokens else ()))
 
 
 ENGINE_KINDS: dict[str, EngineKind] = {
@@ -287,7 +291,8 @@ def started_spec(spec: EngineSpec, url: str, api_key: str) -> EngineSpec:
 def build_engine(spec: EngineSpec, *, model_folder: str | Path, api_key: str | None = None, seed: int = 0,
                  connect_timeout_s: float = 10.0, max_connections: int = 64, device: str = "cpu",
                  request_timeout_s: float = 120.0, threads: int | None = None,
-                 prefix_cache_tokens: int | None = None, dtype: str | None = None) -> InferenceEngine:
+                 prefix_cache_tokens: int | None = None, speculative_tokens: int = 0,
+                 dtype: str | None = None) -> InferenceEngine:
     """The engine object for `spec` (its kind's builder). A launchable spec must carry the URL of the started
     engine by now; an in-process engine is started here, in this process, on `device` (give the trainer's: an engine
     on another device than the trainer cannot take its weights by handle; close it with `close()`). The spec's own
@@ -299,5 +304,5 @@ def build_engine(spec: EngineSpec, *, model_folder: str | Path, api_key: str | N
     opts = BuildOptions(model_folder=str(model_folder), api_key=spec.api_key or api_key, seed=seed,
                         connect_timeout_s=connect_timeout_s, max_connections=max_connections, device=str(device),
                         request_timeout_s=request_timeout_s, threads=threads, prefix_cache_tokens=prefix_cache_tokens,
-                        dtype=dtype)
+                        speculative_tokens=speculative_tokens, dtype=dtype)
     return entry.build(spec, opts)

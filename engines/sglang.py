@@ -136,7 +136,8 @@ def parse_generate(resp: Any, prompts: Sequence[Sequence[int]], n: int,
                                     finish_reason=parse_finish_reason(meta.get("finish_reason")),
                                     weight_version=version, prompt_ids=list(prompt),
                                     weight_versions=spans if ids else (),
-                                    cached_tokens=int(meta.get("cached_tokens") or 0)))
+                                    cached_tokens=int(meta.get("cached_tokens") or 0),
+                                    spec_accepted_tokens=int(meta.get("spec_accepted_tokens") or 0)))
         groups.append(group)
     return groups
 

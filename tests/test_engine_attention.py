@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from engines.embedded.attention import ENGINE_SDPA, engine_attention, use_engine_attention
+from engines.embedded.attention import ENGINE_SDPA, MAX_QUERY_TOKENS, engine_attention, use_engine_attention
 from engines.embedded.presets import build_tiny_model, load_engine_model
 
 
@@ -20,21 +20,26 @@ class _Attn(torch.nn.Module):
 
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_decode_attention_equals_transformers_sdpa(kv_heads, seed):
-    """One query token a row against strided cache views of 1-90 keys, random padding masks (every row keeps its
-    last key: the token fed now), a non-default scale: equal to sdpa_attention_forward to 1e-12 in float64."""
+@pytest.mark.parametrize("q_len", [1, 3, MAX_QUERY_TOKENS])
+def test_decode_attention_equals_transformers_sdpa(kv_heads, seed, q_len):
+    """q_len query tokens a row (a decode step: 1; a speculative step: the last token and its draft, causal among
+    themselves) against strided cache views of q_len-90 keys, random padding masks (every row keeps the keys of the
+    tokens fed now), a non-default scale: equal to sdpa_attention_forward to 1e-12 in float64."""
     g = torch.Generator().manual_seed(seed)
     b, h, d, cap = 7, 4, 16, 128
-    length = int(torch.randint(1, 91, (1,), generator=g))
-    q = torch.randn(b, h, 1, d, generator=g, dtype=torch.float64)
+    length = int(torch.randint(q_len, 91, (1,), generator=g))
+    q = torch.randn(b, h, q_len, d, generator=g, dtype=torch.float64)
     k_buf, v_buf = (torch.randn(b, kv_heads, cap, d, generator=g, dtype=torch.float64) for _ in range(2))
     k, v = k_buf[:, :, :length], v_buf[:, :, :length]  # the cache's views: strided
-    real = torch.randint(1, length + 1, (b,), generator=g)  # row i's real keys are its last real[i]
-    mask = (torch.arange(length)[None, :] >= (length - real)[:, None])[:, None, None, :]  # [B, 1, 1, L]
+    real = torch.randint(q_len, length + 1, (b,), generator=g)  # row i's real keys are its last real[i]
+    columns = torch.arange(length)
+    padding = columns[None, :] >= (length - real)[:, None]  # [B, L]
+    causal = columns[None, :] <= (length - q_len + torch.arange(q_len))[:, None]  # [q, L]: query j at L - q + j
+    mask = (padding[:, None, :] & causal[None])[:, None]  # [B, 1, q, L]
     module = _Attn(h // kv_heads)
     got, _ = engine_attention(module, q, k, v, mask, scaling=0.37)
     want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.37)
-    assert got.shape == want.shape == (b, 1, h, d)
+    assert got.shape == want.shape == (b, q_len, h, d)
     torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
 
 
@@ -51,9 +56,11 @@ def test_a_row_with_every_key_masked_stays_finite_and_prefill_goes_to_sdpa():
     # Half precision keeps SDPA (float32 accumulation), bit for bit.
     half = [t.to(torch.bfloat16) for t in (q, k, v)]
     assert torch.equal(engine_attention(_Attn(2), *half, mask)[0], sdpa_attention_forward(_Attn(2), *half, mask)[0])
-    # Several query tokens a row (prefill): transformers' own path, bit for bit.
-    q = torch.randn(2, 4, 3, 8, generator=g)
-    pmask = torch.ones(2, 1, 3, 5, dtype=torch.bool).tril(2)
+    # More query tokens a row than a speculative step feeds (prefill): transformers' own path, bit for bit.
+    n = MAX_QUERY_TOKENS + 1
+    q = torch.randn(2, 4, n, 8, generator=g)
+    k, v = (torch.randn(2, 2, n + 2, 8, generator=g) for _ in range(2))
+    pmask = torch.ones(2, 1, n, n + 2, dtype=torch.bool).tril(2)
     a, _ = engine_attention(_Attn(2), q, k, v, pmask)
     b, _ = sdpa_attention_forward(_Attn(2), q, k, v, pmask)
     assert torch.equal(a, b)

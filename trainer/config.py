@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from engines.embedded.drafts import MAX_SPECULATIVE_TOKENS
 from engines.registry import EngineSpec, launched_by_run
 from kernels import PolicyLossConfig
 from kernels.advantages import ADVANTAGE_ESTIMATORS, Estimator
@@ -511,6 +512,10 @@ class EnginesConfig:
     # prefills only its new tokens; engines/embedded/prefix_cache.py), in tokens, LRU; 0: off. None: the engine's
     # default (32768 tokens) for multi-turn rollouts ([rl.rollout] env, tools, rollout_fn, agent), off for single-turn
     prefix_cache_tokens: int | None = None
+    # Embedded engines: speculative decoding by n-gram lookup (engines/embedded/drafts.py): up to this many draft
+    # tokens a row and step, taken from the row's own context or from finished rows, checked in one forward; the
+    # tokens are the ones plain decoding draws (same seeds), only the number of forwards changes. 0: off
+    speculative_tokens: int = 0
     sync: str = "group"  # weight sync: "group" (broadcast / shared memory) or "disk" (safetensors, opt-in fallback)
     sync_folder: str | None = None  # disk sync: the run makes its private folder here (None: /dev/shm or temp dir)
     master_address: str = ""  # the weight-update group's address ("": this host's address the engines reach)
@@ -554,6 +559,10 @@ class EnginesConfig:
         p = self.prefix_cache_tokens
         _check(p is None or (isinstance(p, int) and not isinstance(p, bool) and p >= 0), f"prefix_cache_tokens = {p!r}",
                "a whole number of tokens >= 0 (0: off), or unset (the engine's default)")
+        k = self.speculative_tokens
+        _check(not isinstance(k, bool) and isinstance(k, int) and 0 <= k <= MAX_SPECULATIVE_TOKENS,
+               f"speculative_tokens = {k!r}",
+               f"a whole number of draft tokens from 0 (off) to {MAX_SPECULATIVE_TOKENS} (e.g. 4)")
         v = self.start_timeout_s
         _check(not isinstance(v, bool) and isinstance(v, int | float) and v > 0, f"start_timeout_s = {v!r}",
                "must be > 0")
@@ -922,8 +931,8 @@ class ServeModelConfig:
 class ServeConfig:
     """[serve]: `python -m trainer serve`, the Tinker API over this project's LoRA backend and embedded engine
     (trainer/serve/app.py). Only that mode reads it; it also reads the top-level seed, [trainer] param_dtype and
-    logprob_chunk_tokens, and [engines] (one in-process engine: fleet, threads, prefix_cache_tokens, dtype), and
-    refuses any other key."""
+    logprob_chunk_tokens, and [engines] (one in-process engine: fleet, threads, prefix_cache_tokens,
+    speculative_tokens, dtype), and refuses any other key."""
 
     host: str = "127.0.0.1"  # the address it listens on; a non-loopback host needs an api_key
     port: int = 8000  # its TCP port (0: any free one; the line "serving on http://HOST:PORT" names it)

@@ -138,7 +138,8 @@ def engines_for(cfg: RunConfig, model_folder: Path, *, is_main: bool, device: st
                             cuda_count=torch.cuda.device_count() if torch.cuda.is_available() else 0)
     procs = [launch_engine(fleet[i], LaunchOptions(str(model_folder), api_key=key, seed=cfg.seed, threads=e.threads,
                                                    start_timeout_s=e.start_timeout_s, device=place,
-                                                   prefix_cache_tokens=prefix_cache_tokens(cfg)))
+                                                   prefix_cache_tokens=prefix_cache_tokens(cfg),
+                                                   speculative_tokens=e.speculative_tokens))
              for i, place in zip(to_start, places)]
     started: list[InProcessEngine] = []
     try:
@@ -146,7 +147,8 @@ def engines_for(cfg: RunConfig, model_folder: Path, *, is_main: bool, device: st
             p.launch()
         for i in local:
             started.append(build_engine(fleet[i], model_folder=model_folder, seed=cfg.seed, device=device,
-                                        threads=e.threads, prefix_cache_tokens=prefix_cache_tokens(cfg)))
+                                        threads=e.threads, prefix_cache_tokens=prefix_cache_tokens(cfg),
+                                        speculative_tokens=e.speculative_tokens))
             fleet[i] = {"engine": started[-1]}
         for p in procs:
             p.wait_healthy()

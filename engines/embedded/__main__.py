@@ -87,6 +87,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prefix-cache-tokens", type=int, default=None,
                     help="KV budget in tokens of the prefix cache (finished rows' KV reused by prompts that start "
                          "with them, e.g. an episode's next turn; LRU); 0: off; default: the engine's")
+    ap.add_argument("--speculative-tokens", type=int, default=0,
+                    help="speculative decoding by n-gram lookup: up to this many draft tokens a row and step "
+                         "(the tokens drawn are plain decoding's); 0: off")
     ap.add_argument("--cpus", default=None, help="pin the engine to these CPU cores, e.g. 0 or 0,2 (one thread each "
                                                  "unless --threads says otherwise)")
     parent = os.environ.pop(PARENT_ENV, None)
@@ -129,6 +132,7 @@ def serve(args: argparse.Namespace, api_key: str | None, *, owned: bool = False)
     model, tok = load_engine_model(args.model, seed=args.seed, dtype=dtype, device=device)
     server = EngineServer(model, tok, model_path=args.model, seed=args.seed, max_batch_rows=args.max_batch_rows,
                           compile_decode=False if args.no_compile else None,
+                          speculative_tokens=args.speculative_tokens,
                           **({} if args.prefix_cache_tokens is None else
                              {"prefix_cache_tokens": args.prefix_cache_tokens}))
     app = build_app(server, api_key=api_key)

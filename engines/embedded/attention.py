@@ -5,8 +5,10 @@ A decode step feeds one token a row against the row's cached keys, under the pad
 [B, Hkv, n_rep, D] queries, a [B, 1, 1, L] bool mask) costs the CPU's SDPA 0.67 / 0.90 / 1.13 ms a call at L = 60 /
 125 / 250 for 128 rows (4 query heads over 2 KV heads, head dim 32, the cache's strided views); scores = q k^T,
 masked, softmaxed and times v as two matmuls cost 0.27 / 0.39 / 0.69 ms (max difference 8e-7). A decode step of the
-demo's model calls it twice (two layers), ~20 % of the step. Prefill (several query tokens a row), other devices and
-any call this does not recognise go to transformers' sdpa unchanged.
+demo's model calls it twice (two layers), ~20 % of the step. A speculative step (engines/embedded/drafts.py) feeds a
+few tokens a row (its last token and its draft, causal among themselves) and runs the same way, the query tokens of
+a KV head's query heads stacked. Prefill (more tokens a row), other devices and any call this does not recognise go
+to transformers' sdpa unchanged.
 
 `use_engine_attention(model)` switches a loaded model on the CPU from "sdpa" to ENGINE_SDPA (engines/embedded/
 presets.py does it for every model the engine serves); the mask function stays sdpa's.
@@ -19,10 +21,15 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from engines.embedded.drafts import MAX_SPECULATIVE_TOKENS
+
 ENGINE_SDPA = "engine_sdpa"
 _OTHER_TERMS = ("softcap", "position_bias", "s_aux")  # attention terms the matmul path does not apply
 # Half-precision inputs keep SDPA, which accumulates in float32; the matmuls would round the scores to bf16/fp16.
 _FULL_PRECISION = (torch.float32, torch.float64)
+# The most query tokens a row the matmul path takes: a decode step (1) or a speculative one (1 + its drafts); a
+# prefill of more tokens is SDPA's (its flash kernel skips the masked blocks of a long causal mask).
+MAX_QUERY_TOKENS = 1 + MAX_SPECULATIVE_TOKENS
 
 
 def engine_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -30,23 +37,30 @@ def engine_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                      **kwargs) -> tuple[torch.Tensor, None]:
     """transformers attention function: query [B, H, q, D], key/value [B, Hkv, L, D] -> ([B, q, H, D], None).
 
-    The decode case (q = 1 on the CPU in float32/64, a bool mask [B, 1, 1, L], no dropout or extra terms) as
-    matmuls: query head h reads KV head h // (H / Hkv) (transformers' repeat_kv order). Masked scores are the
-    dtype's min, not -inf, so a row with every key masked gets finite (unused) outputs instead of NaN."""
+    The decode case (1 <= q <= MAX_QUERY_TOKENS on the CPU in float32/64, a bool mask [B, 1, q, L], no dropout or
+    extra terms) as matmuls: query head h reads KV head h // (H / Hkv) (transformers' repeat_kv order). Masked scores
+    are the dtype's min, not -inf, so a row with every key masked gets finite (unused) outputs instead of NaN."""
     b, h, q_len, d = query.shape
-    hkv = key.shape[1]
-    plain = (q_len != 1 or query.device.type != "cpu" or query.dtype not in _FULL_PRECISION or attention_mask is None
-             or attention_mask.dtype != torch.bool or attention_mask.shape != (b, 1, 1, key.shape[2])
+    hkv, n_keys = key.shape[1], key.shape[2]
+    plain = (q_len > MAX_QUERY_TOKENS or query.device.type != "cpu" or query.dtype not in _FULL_PRECISION
+             or attention_mask is None or attention_mask.dtype != torch.bool
+             or attention_mask.shape != (b, 1, q_len, n_keys)
              or dropout != 0.0 or h % hkv or any(kwargs.get(k) is not None for k in _OTHER_TERMS))
     if plain:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     scale = d ** -0.5 if scaling is None else scaling
-    q = query.reshape(b, hkv, h // hkv, d)  # [B, Hkv, n_rep, D]: the query heads of each KV head
-    scores = torch.matmul(q, key.transpose(-1, -2)) * scale  # [B, Hkv, n_rep, L]
-    scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)  # mask [B, 1, 1, L] broadcasts
-    out = torch.matmul(torch.softmax(scores, dim=-1), value)  # [B, Hkv, n_rep, D]
-    return out.reshape(b, 1, h, d), None
+    n_rep = h // hkv
+    # [B, Hkv, n_rep * q, D]: the query heads of each KV head, each with its q tokens (head-major)
+    q = query.reshape(b, hkv, n_rep * q_len, d)
+    scores = torch.matmul(q, key.transpose(-1, -2)) * scale  # [B, Hkv, n_rep * q, L]
+    if q_len == 1:
+        scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)  # [B, 1, 1, L] broadcasts
+    else:  # the mask [B, 1, q, L] broadcast over the n_rep heads of a KV head
+        scores = scores.view(b, hkv, n_rep, q_len, n_keys).masked_fill(
+            ~attention_mask[:, :, None], torch.finfo(scores.dtype).min).view(b, hkv, n_rep * q_len, n_keys)
+    out = torch.matmul(torch.softmax(scores, dim=-1), value)  # [B, Hkv, n_rep * q, D]
+    return out.view(b, h, q_len, d).transpose(1, 2), None
 
 
 def use_engine_attention(model: torch.nn.Module) -> None:

@@ -57,6 +57,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from engines.embedded.drafts import NgramDrafts, index_tail
 from engines.embedded.kv_cache import KVCache
 from engines.embedded.prefix_cache import PrefixCache
 from kernels.packing import padding_chunks
@@ -93,6 +94,10 @@ class RowResult:
     # weights changed while the row was paused in the batch (an update in flight).
     versions: tuple[tuple[int, int], ...] = ()
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache, not prefilled (SGLang's meta "cached_tokens")
+    # Speculative decoding (DecodeBatch's `drafts`): forwards that fed the row a draft, and the draft tokens the row
+    # drew itself (each saved a forward).
+    verify_steps: int = 0
+    accepted_tokens: int = 0
 
 
 @dataclass
@@ -104,6 +109,12 @@ class _Active:
     out_lp: list[float] = field(default_factory=list)
     spans: list[tuple[int, int]] = field(default_factory=list)  # (first token index, version): RowResult.versions
     reused: int = 0  # prompt tokens taken from the prefix cache
+    # Speculative decoding only: the row's tokens (prompt, then output) and the index of their n-grams
+    # (engines/embedded/drafts.py), and the counts RowResult reports.
+    ctx: list[int] | None = None
+    seen: dict[tuple[int, ...], int] | None = None
+    verify_steps: int = 0
+    accepted: int = 0
 
     @property
     def to_append(self) -> int:
@@ -111,7 +122,8 @@ class _Active:
         return self.row.max_new_tokens - max(len(self.out_ids), 1)
 
     def result(self, finish_reason: str) -> RowResult:
-        return RowResult(self.out_ids, self.out_lp, finish_reason, tuple(self.spans), self.reused)
+        return RowResult(self.out_ids, self.out_lp, finish_reason, tuple(self.spans), self.reused, self.verify_steps,
+                         self.accepted)
 
 
 # ---------------------------------------------------------------------------------------------------- sampling
@@ -253,12 +265,13 @@ class DecodeBatch:
     docstring). Not thread-safe: one thread (the engine's model thread) calls `step`."""
 
     def __init__(self, model, *, pad_id: int, decode_fn: Callable | None = None, adapters: Any = None,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, drafts: NgramDrafts | None = None):
         """adapters: the engine's AdapterSet (engines/embedded/lora.py), told each forward's row slots; None: the
         base model only. prefix_cache: where finished rows leave their KV and joining rows look for their prompt's
-        prefix (engines/embedded/prefix_cache.py); None: every prompt is prefilled whole."""
+        prefix (engines/embedded/prefix_cache.py); None: every prompt is prefilled whole. drafts: speculative
+        decoding's draft source (engines/embedded/drafts.py; `_verify`); None: one token a row and forward."""
         self.model, self.pad_id, self.adapters = model, pad_id, adapters
-        self.prefix_cache = prefix_cache
+        self.prefix_cache, self.drafts = prefix_cache, drafts
         self.decode_fn = decode_fn or model.forward
         self.device = next(model.parameters()).device
         self.version = 0  # the weight version of the model's weights now (the server sets it after a load)
@@ -279,12 +292,14 @@ class DecodeBatch:
         """The most columns the cache can need from filled `length` on: the longest the rows may still append."""
         return length + max([a.to_append for a in self.rows] + [r.max_new_tokens - 1 for r in new])
 
-    def _compact(self, rows_capacity: int, length: int | None = None, new: Sequence[Row] = ()) -> None:
+    def _compact(self, rows_capacity: int, length: int | None = None, new: Sequence[Row] = (),
+                 reserve: int = 1) -> None:
         """Rebuild the cache without the leading columns no running row attends to, filled up to `length` (default:
-        just the attended columns), with room for `rows_capacity` rows."""
+        just the attended columns), with room for `rows_capacity` rows and at least `reserve` + 1 free columns."""
         first = self.cache.length - max(a.cached for a in self.rows)
         length = self.cache.length - first if length is None else length
-        self.cache = self.cache.rebuilt(rows_capacity, first, length, _capacity(length, self._limit(length, new)))
+        capacity = max(_capacity(length, self._limit(length, new)), length + reserve + 1)
+        self.cache = self.cache.rebuilt(rows_capacity, first, length, capacity)
 
     def _adapted(self, rows: Sequence[Row]) -> bool:
         """Whether any of `rows` has an adapter (an engine that never loaded one skips the scan)."""
@@ -453,7 +468,12 @@ class DecodeBatch:
         self.pos, self.params = torch.cat([self.pos, pre.pos]), self.params.cat(pre.params)
         self.slots = torch.cat([self.slots, pre.slots])
         reused = pre.reused or (0,) * len(new)
-        self.rows += [_Active(r, h, len(r.prompt), reused=n) for (r, h), n in zip(new, reused)]
+        joined = [_Active(r, h, len(r.prompt), reused=n) for (r, h), n in zip(new, reused)]
+        if self.drafts is not None:
+            for a in joined:
+                a.ctx, a.seen = list(a.row.prompt), {}
+                index_tail(a.ctx, a.seen, self.drafts.n, 0)
+        self.rows += joined
 
     def _keep(self, keep: list[int]) -> None:
         """Keep only rows `keep` (ascending indices): the last kept rows move into the places of removed ones."""
@@ -488,56 +508,133 @@ class DecodeBatch:
         self._keep([i for i in range(len(self.rows)) if i not in cut_set])
         return out
 
+    def _drafts(self) -> list[list[int]]:
+        """Each running row's draft (at most what it may still sample but one, so that the tokens it feeds never pass
+        its limit); [] when no row has one (or the batch does not speculate): the step decodes one token a row."""
+        if self.drafts is None or not self.rows:
+            return []
+        drafts = [self.drafts.propose(a.ctx, a.seen, a.to_append - 1) for a in self.rows]
+        return drafts if any(drafts) else []
+
+    def _verify(self, drafts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+        """Speculative decode step: feed each running row its last token and its draft d (one forward of [B, q],
+        q = 1 + the longest draft; shorter drafts padded), draw a token at every fed position as `step` would (keyed
+        by the row's seed and the position it takes), and keep for row i its draws up to the first one that differs
+        from its draft: the a_i drafts it drew itself plus the draw after them (a_i + 1 tokens, cut after a stop
+        token). Those are the tokens the row draws decoding one at a time, since each draw sees the same prefix.
+
+        The cache: the forward wrote q columns a row; row i keeps the first a_i + 1 (the fed tokens its kept draws
+        follow) and is shifted right to end at the new length (length + max of a_i + 1), restoring the layout of
+        the module docstring. Returns each running row's (tokens, log-probs)."""
+        B, q = len(self.rows), 1 + max(len(d) for d in drafts)
+        if self.cache.length + q + 1 > self.cache.capacity:  # room for the q columns and one spare (see _capacity)
+            self._compact(self.cache.rows_capacity, reserve=q)
+        length = self.cache.length
+        padded = torch.tensor([d + [self.pad_id] * (q - 1 - len(d)) for d in drafts], dtype=torch.long)  # [B, q-1]
+        (padded,) = _to_device([padded], self.device)
+        ids = torch.cat([self.last[:, None], padded], dim=1)  # [B, q]
+        offsets = torch.arange(q, device=self.device)
+        positions = self.pos[:, None] + offsets  # [B, q]: the fed tokens' position ids
+        # Row i's real tokens are its last pos_i columns, then the q fed now (transformers adds the causal part).
+        mask = torch.arange(length + q, device=self.device)[None, :] >= (length - self.pos)[:, None]
+        rows = [a.row for a in self.rows]
+        with self._adapter_rows(self.slots, rows):
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
+                                use_cache=True).logits.float()  # [B, q, V]
+        each = torch.arange(B, device=self.device).repeat_interleave(q)
+        tok, lp = sample_with_logprobs(logits.flatten(0, 1), self.params.select(each), [r for r in rows for _ in
+                                       range(q)], (positions + 1).flatten())
+        host_tok, host_lp = torch.stack([tok.to(torch.float64), lp.to(torch.float64)]).view(2, B, q).tolist()
+        self._check_finite(host_lp)
+        out, kept = [], []
+        for a, d, toks, lps in zip(self.rows, drafts, host_tok, host_lp):
+            n = 0
+            while n < len(d) and int(toks[n]) == d[n] and int(toks[n]) not in a.row.stop_ids:
+                n += 1
+            out.append(([int(t) for t in toks[:n + 1]], lps[:n + 1]))
+            kept.append(n + 1)  # fed tokens whose keys and values stay: the last one and the n drafts drawn
+            a.verify_steps += bool(d)
+            a.accepted += n
+            a.cached += n + 1
+        width = max(kept)
+        self.cache.align([width - k for k in kept], length + width, max(a.cached for a in self.rows))
+        shift = torch.tensor(kept, dtype=torch.long)
+        last = torch.tensor([toks[-1] for toks, _ in out], dtype=torch.long)
+        shift, last = _to_device([shift, last], self.device)
+        self.pos, self.last = self.pos + shift, last
+        return out
+
+    def _check_finite(self, host_lp: list[list[float]]) -> None:
+        """host_lp: each row's log-probs drawn this step (rows in batch order, from the first)."""
+        bad = [a.row.rid or str(i) for i, (a, lps) in enumerate(zip(self.rows, host_lp)) if any(p != p for p in lps)]
+        if bad:  # NaN logits make NaN log-probs: the draw (argmax of NaN ratios) would be a silent wrong token
+            raise RuntimeError(f"the model's logits are not finite (NaN log-probs) for rows {bad[:8]}: its weights or "
+                               f"activations overflowed or were loaded wrong; check the last weight update")
+
     @torch.inference_mode()
     def step(self, new: list[tuple[Row, Any]] = ()) -> list[tuple[Any, RowResult]]:
-        """One decode step for the running rows plus the prefill of `new` (row, handle) pairs; returns the
-        (handle, result) of every row that finished in this step."""
+        """One decode step for the running rows (a speculative one when any has a draft: `_verify`) plus the
+        prefill of `new` (row, handle) pairs; returns the (handle, result) of every row that finished in this
+        step."""
         done = [(h, RowResult([], [], "length")) for r, h in new if r.max_new_tokens == 0]
         new = [(r, h) for r, h in new if r.max_new_tokens > 0]
         for r, _ in new:
             if not r.prompt:
                 raise ValueError("a prompt is empty: give at least one input token (e.g. the bos id)")
-        logits = [self._decode()] if self.rows else []
+        drafts = self._drafts()
+        drawn = self._verify(drafts) if drafts else []  # per running row: (tokens, log-probs), in batch order
+        logits = [self._decode()] if self.rows and not drafts else []
         if new:
             for idx, pre in self._prefills([r for r, _ in new]):
                 self._join([new[j] for j in idx], pre)
                 logits.append(pre.logits)
         if not self.rows:
             return done
-        # self.pos is each row's next position id: the position of the token drawn now (its prompt's length for
-        # a joining row, one past the token just fed for a decoding one).
-        tok, lp = sample_with_logprobs(torch.cat(logits), self.params, [a.row for a in self.rows], self.pos)
-        # The step's one host read: tokens (exact in float64, ids < 2^53) and log-probs in one transfer.
-        host_tok, host_lp = torch.stack([tok.to(torch.float64), lp.to(torch.float64)]).tolist()
-        bad = [a.row.rid or str(i) for i, (a, p) in enumerate(zip(self.rows, host_lp)) if p != p]
-        if bad:  # NaN logits make NaN log-probs: the draw (argmax of NaN ratios) would be a silent wrong token
-            raise RuntimeError(f"the model's logits are not finite (NaN log-probs) for rows {bad[:8]}: its weights or "
-                               f"activations overflowed or were loaded wrong; check the last weight update")
-        self.last = tok
+        if logits:  # one token for each row after the first len(drawn) (all of them unless the step verified)
+            first = len(drawn)
+            later = torch.arange(first, len(self.rows), device=self.device)
+            params = self.params.select(later) if first else self.params
+            # self.pos is each row's next position id: the position of the token drawn now (its prompt's length for
+            # a joining row, one past the token just fed for a decoding one).
+            tok, lp = sample_with_logprobs(torch.cat(logits), params, [a.row for a in self.rows[first:]],
+                                           self.pos[first:])
+            # The step's one host read: tokens (exact in float64, ids < 2^53) and log-probs in one transfer.
+            host_tok, host_lp = torch.stack([tok.to(torch.float64), lp.to(torch.float64)]).tolist()
+            self._check_finite([lps for _, lps in drawn] + [[p] for p in host_lp])
+            drawn += [([int(t)], [p]) for t, p in zip(host_tok, host_lp)]
+            self.last = torch.cat([self.last[:first], tok]) if first else tok
         keep, finished = [], []
-        for i, (a, t, p) in enumerate(zip(self.rows, host_tok, host_lp)):
-            t = int(t)
+        for i, (a, (toks, lps)) in enumerate(zip(self.rows, drawn)):
             if not a.spans or a.spans[-1][1] != self.version:  # this step's forward ran on these weights
                 a.spans.append((len(a.out_ids), self.version))
-            a.out_ids.append(t)
-            a.out_lp.append(p)
-            if t in a.row.stop_ids:
-                done.append((a.handle, a.result("stop")))
-            elif len(a.out_ids) >= a.row.max_new_tokens:
-                done.append((a.handle, a.result("length")))
+            for t, p in zip(toks, lps):
+                a.out_ids.append(t)
+                a.out_lp.append(p)
+                if a.ctx is not None:
+                    a.ctx.append(t)
+                    index_tail(a.ctx, a.seen, self.drafts.n, len(a.ctx) - 1)
+                if t in a.row.stop_ids:
+                    done.append((a.handle, a.result("stop")))
+                    break
+                if len(a.out_ids) >= a.row.max_new_tokens:
+                    done.append((a.handle, a.result("length")))
+                    break
             else:
                 keep.append(i)
                 continue
             finished.append(i)
+            if self.drafts is not None:
+                self.drafts.remember(a.ctx)
         if self.prefix_cache is not None and finished:
             self._remember(finished)
         self._keep(keep)
         return done
 
 
-def generate_rows(model, rows: list[Row], *, pad_id: int, decode_fn: Callable | None = None) -> list[RowResult]:
+def generate_rows(model, rows: list[Row], *, pad_id: int, decode_fn: Callable | None = None,
+                  drafts: NgramDrafts | None = None) -> list[RowResult]:
     """Generate every row to the end in one batch (benchmarks, tests); the server steps a DecodeBatch itself."""
-    batch = DecodeBatch(model, pad_id=pad_id, decode_fn=decode_fn)
+    batch = DecodeBatch(model, pad_id=pad_id, decode_fn=decode_fn, drafts=drafts)
     results: dict[int, RowResult] = {}
     pending = [(r, i) for i, r in enumerate(rows)]
     while pending or len(batch):

@@ -129,6 +129,22 @@ class KVCache(Cache):
             layer.value_buffer[rows:rows + count, :, length - v.shape[2]:length] = v
         self.view(rows + count, length)
 
+    def align(self, shifts: list[int], length: int, span: int) -> None:
+        """Shift row i's columns right by shifts[i] (>= 0), then view the columns [0, length): a speculative step
+        (engines/embedded/generation.py, `_verify`) wrote the same number of columns for every row but keeps a
+        different number of them, and this puts each row's kept columns back to end at `length`. Only the columns
+        [length - span, length) are written (span: the most columns a row attends to); rows without a shift are not
+        touched. One copy per distinct shift (a few: at most the draft length), of whole column ranges."""
+        start = length - span
+        for s in sorted(set(shifts) - {0}):
+            rows = torch.tensor([i for i, x in enumerate(shifts) if x == s], dtype=torch.long,
+                                device=self.layers[0].key_buffer.device)
+            lo = max(start - s, 0)  # columns left of 0 hold nothing a row attends to
+            for layer in self.layers:
+                for buf in (layer.key_buffer, layer.value_buffer):
+                    buf[:, :, lo + s:length].index_copy_(0, rows, buf[:, :, lo:length - s].index_select(0, rows))
+        self.view(self.rows, length)
+
     def move_rows(self, dst: torch.Tensor, src: torch.Tensor, rows: int) -> None:
         """Copy rows src into rows dst (all columns of the filled length), then keep the first `rows` rows."""
         length = self.length

@@ -45,6 +45,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from engines.embedded.drafts import NgramDrafts
 from engines.embedded.generation import DecodeBatch, Row, RowResult
 from engines.embedded.lora import AdapterSet, read_peft_folder
 from engines.embedded.openai_routes import openai_routes
@@ -138,11 +139,14 @@ class EngineServer:
 
     prefix_cache_tokens: the budget of the prefix cache (engines/embedded/prefix_cache.py: finished rows' KV, reused
     by later prompts that start with them, e.g. an episode's next turn; LRU by tokens); 0: off.
+
+    speculative_tokens: draft tokens a row and step for speculative decoding by n-gram lookup
+    (engines/embedded/drafts.py; the tokens drawn are those of plain decoding); 0: off.
     """
 
     def __init__(self, model, tokenizer, *, model_path: str, seed: int = 0, max_batch_rows: int = 256,
                  compile_decode: bool | None = None, threads: int | None = None,
-                 prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS):
+                 prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS, speculative_tokens: int = 0):
         self.model, self.tokenizer, self.model_path = model, tokenizer, model_path
         self.device = next(model.parameters()).device
         self.pad_id = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
@@ -160,6 +164,8 @@ class EngineServer:
         self.adapters = AdapterSet(model)  # named LoRA adapters, applied per row (engines/embedded/lora.py)
         self._adapter_lock = asyncio.Lock()
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
+        # Speculative decoding's draft source; kept across batches (its index of finished rows is weight-free)
+        self.drafts = NgramDrafts(speculative_tokens) if speculative_tokens else None
         self.batch = self._new_batch()
         self.admitting: list = []  # rows taken from the queue for the step on the model thread now
         self.waiting: collections.deque[tuple[Row, tuple[_Request, int]]] = collections.deque()
@@ -173,7 +179,7 @@ class EngineServer:
 
     def _new_batch(self) -> DecodeBatch:
         return DecodeBatch(self.model, pad_id=self.pad_id, decode_fn=self.decode_fn, adapters=self.adapters,
-                           prefix_cache=self.prefix_cache)
+                           prefix_cache=self.prefix_cache, drafts=self.drafts)
 
     def _write_adapter(self, slot: int, modules) -> None:
         """On the model thread: write an adapter into `slot`; the prefix cache forgets that slot's KV."""
@@ -450,6 +456,9 @@ def _output(server: EngineServer, r: RowResult, prompt_len: int, version: int, r
             "prompt_tokens": prompt_len,
             "completion_tokens": len(r.output_ids),
             "cached_tokens": r.cached_tokens,  # prompt tokens taken from the prefix cache (as SGLang reports)
+            # speculative decoding: forwards that fed the row a draft (SGLang's name) and draft tokens it drew
+            "spec_verify_ct": r.verify_steps,
+            "spec_accepted_tokens": r.accepted_tokens,
             "output_token_logprobs": [[lp, t, None] for lp, t in zip(r.logprobs, r.output_ids)],
             "weight_version": str(version),
             # ours: (first token index, version) of each run of tokens one weight version produced

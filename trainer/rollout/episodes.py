@@ -209,7 +209,7 @@ class Episode:
             raise EpisodeEnd("abort")
         self.sample = extend_sample(self.sample, out.output_ids, out.logprobs, status=self.sample.status,
                                     weight_version=out.oldest_version, spans=out.weight_versions, loss_mask_value=1,
-                                    cached_tokens=out.cached_tokens)
+                                    cached_tokens=out.cached_tokens, spec_accepted_tokens=out.spec_accepted_tokens)
         self.turns += out.finish_reason != "abort"  # a turn cut by a limit is still one the model took
         if out.finish_reason == "length" and budget < self.max_new_tokens:
             raise EpisodeEnd("context")  # cut by the context limit, not by the turn's own

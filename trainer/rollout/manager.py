@@ -307,7 +307,8 @@ class AsyncRolloutManager:
             groups[slot][j] = extend_sample(s, out.output_ids, out.logprobs, status=_STATUS[out.finish_reason],
                                             weight_version=out.oldest_version, spans=out.weight_versions,
                                             tokenizer=self.tokenizer, max_new_tokens=c.max_new_tokens,
-                                            cached_tokens=out.cached_tokens)
+                                            cached_tokens=out.cached_tokens,
+                                            spec_accepted_tokens=out.spec_accepted_tokens)
 
     async def _run_group(self, slot: int, groups: dict[int, list[Sample]], engine: InferenceEngine,
                          done: trio.MemorySendChannel) -> None:

@@ -160,7 +160,8 @@ class AgentRecorder:
         ids, lps = list(out.output_ids[:keep]), list(out.logprobs[:keep])
         spans = tuple((i, v) for i, v in out.weight_versions if i < max(keep, 1))
         sample = extend_sample(prompt, ids, lps, status=prompt.status, weight_version=out.oldest_version,
-                               spans=spans, loss_mask_value=1, cached_tokens=out.cached_tokens)
+                               spans=spans, loss_mask_value=1, cached_tokens=out.cached_tokens,
+                               spec_accepted_tokens=out.spec_accepted_tokens)
         ended = bool(ids) and ids[-1] in self.turn_end_ids
         self.calls.append(Call(sample=sample, parent=parent, ended=ended, **call))
         return len(self.calls) - 1

@@ -161,7 +161,7 @@ def _mean(xs: Sequence[float]) -> float:
 def extend_sample(sample: Sample, new_ids: Sequence[int], new_logprobs: Sequence[float], *, status: Status,
                   weight_version: int | None, tokenizer: Any = None, max_new_tokens: int | None = None,
                   loss_mask_value: int | None = None, spans: Sequence[tuple[int, int]] = (),
-                  cached_tokens: int = 0) -> Sample:
+                  cached_tokens: int = 0, spec_accepted_tokens: int = 0) -> Sample:
     """Append one segment to a (possibly partial) sample: tokens the engine generated, or (multi-turn episodes)
     tokens an environment's messages rendered to.
 
@@ -172,7 +172,8 @@ def extend_sample(sample: Sample, new_ids: Sequence[int], new_logprobs: Sequence
     them as [response offset, version] pairs, one a run of tokens (one pair a segment when the engine gives none).
     `loss_mask_value` (1: the model's tokens, 0: the environment's) extends an explicit loss mask; None leaves it
     unset (every response token trained). `cached_tokens` (the engine's Completion.cached_tokens: prompt tokens of
-    this request it took from its prefix cache, not prefilled) add up in `metadata["prefill_tokens_reused"]`.
+    this request it took from its prefix cache, not prefilled) add up in `metadata["prefill_tokens_reused"]`, and
+    `spec_accepted_tokens` (Completion.spec_accepted_tokens) in `metadata["spec_accepted_tokens"]`.
     """
     old_lp = list(sample.rollout_logprobs or ())
     tokens = tuple(sample.tokens) + tuple(new_ids)
@@ -187,8 +188,9 @@ def extend_sample(sample: Sample, new_ids: Sequence[int], new_logprobs: Sequence
     response = sample.response
     if tokenizer is not None:
         response = tokenizer.decode(list(tokens[len(tokens) - resp_len:]), skip_special_tokens=False)
-    reused = {"prefill_tokens_reused": sample.metadata.get("prefill_tokens_reused", 0) + cached_tokens} if (
-        cached_tokens or "prefill_tokens_reused" in sample.metadata) else {}
+    reused = {key: sample.metadata.get(key, 0) + n for key, n in (("prefill_tokens_reused", cached_tokens),
+                                                                   ("spec_accepted_tokens", spec_accepted_tokens))
+              if n or key in sample.metadata}
     mask = sample.loss_mask
     if loss_mask_value is not None:
         mask = tuple(mask or ()) + (loss_mask_value,) * len(new_ids)
@@ -203,7 +205,7 @@ def extend_sample(sample: Sample, new_ids: Sequence[int], new_logprobs: Sequence
 PROGRESS_KEYS = frozenset({"weight_versions", "token_versions", "turns", "tool_calls", "tool_errors", "env_seconds",
                            "env_error", "messages", "truncated_by", "reward_error", "reward_traceback",
                            "agent_seconds", "agent_splits", "agent_error", "agent_parts", "agent_part",
-                           "prefill_tokens_reused"})
+                           "prefill_tokens_reused", "spec_accepted_tokens"})
 
 
 def restart_sample(sample: Sample) -> Sample:
@@ -232,6 +234,9 @@ def build_batch_metadata(samples: Sequence[Sample], *, current_weight_version: i
         "weight_version": current_weight_version,
         # Prompt tokens the engines did not prefill (their prefix caches held them: an episode's earlier turns)
         "prefill_tokens_reused": sum(s.metadata.get("prefill_tokens_reused", 0) for s in samples),
+        # Generated tokens drawn as an engine's speculative draft said (each a forward saved; [engines]
+        # speculative_tokens)
+        "spec_accepted_tokens": sum(s.metadata.get("spec_accepted_tokens", 0) for s in samples),
     }
     episodes = [s for s in samples if "turns" in s.metadata]  # multi-turn episodes (trainer.rollout.episodes)
     if episodes:
