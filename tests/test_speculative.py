@@ -95,6 +95,32 @@ def test_speculative_decoding_draws_the_tokens_of_plain_decoding(dtype, tol, per
     assert spec_total < plain_total
 
 
+def test_the_step_budget_limits_the_drafts_by_the_rows():
+    """step_tokens: a batch of B rows drafts at most step_tokens // B - 1 tokens a row; none when that is 0 (a
+    plain decode step), so a speculative forward never feeds more than step_tokens tokens."""
+    model = repeating_model(torch.float32)
+    rows = _rows(4, model.config.vocab_size, count=12)
+    want, _ = _run(DecodeBatch(model, pad_id=0), rows, None)
+    fed = []  # (rows, tokens fed) of each speculative forward
+    original = DecodeBatch._verify
+
+    def verify(self, drafts):
+        fed.append((len(self.rows), len(self.rows) * (1 + max(len(d) for d in drafts))))
+        return original(self, drafts)
+
+    for budget in (12, 23, 24, 40):  # 12 rows: 24 tokens a step let each draft one
+        fed.clear()
+        DecodeBatch._verify = verify
+        try:
+            got, _ = _run(DecodeBatch(model, pad_id=0, drafts=NgramDrafts(8, n=2, step_tokens=budget)), rows, None)
+        finally:
+            DecodeBatch._verify = original
+        _same(got, want, 1e-5)
+        assert fed, budget  # fewer rows as they finish: each budget speculates once few enough are left
+        assert all(n <= budget and b <= budget // 2 for b, n in fed), (budget, fed)
+        assert any(b == 12 for b, _ in fed) == (budget >= 24), (budget, fed)  # all 12 rows speculate from 24 on
+
+
 def test_speculation_with_the_prefix_cache_over_multi_turn_episodes():
     """Turn t+1's prompt = turn t's prompt + output + new tokens: its own context drafts the repeats, the prefix
     cache gives the earlier turns' KV; both on against both off, turn by turn."""

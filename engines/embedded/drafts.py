@@ -32,11 +32,17 @@ def index_tail(ctx: Sequence[int], seen: dict[tuple[int, ...], int], n: int, sta
 class NgramDrafts:
     """The engine's draft source (module docstring): `tokens` drafts a row and step at most, n-grams of `n` tokens;
     the index of finished rows' n-grams is its state, kept across batches and weight versions (a draft never
-    changes a token, only the number of forwards)."""
+    changes a token, only the number of forwards).
 
-    def __init__(self, tokens: int, n: int = 3, capacity: int = 1 << 16):
-        assert 1 <= tokens <= MAX_SPECULATIVE_TOKENS and n >= 1 and capacity >= 1, (tokens, n, capacity)
-        self.tokens, self.n, self.capacity = tokens, n, capacity
+    `step_tokens`: the most tokens a speculative forward feeds (rows x (1 + draft)); a batch of B rows drafts at
+    most step_tokens // B - 1 tokens a row, none once B reaches step_tokens. A forward costs a fixed part plus a part
+    per token fed; drafts pay where the fixed part dominates (few rows, or a device whose decode is bound by reading
+    the weights), not where the per-token part does (many rows on a CPU, whose linears are then compute-bound)."""
+
+    def __init__(self, tokens: int, n: int = 3, capacity: int = 1 << 16, step_tokens: int = 128):
+        assert 1 <= tokens <= MAX_SPECULATIVE_TOKENS and n >= 1 and capacity >= 1 and step_tokens >= 2, (
+            tokens, n, capacity, step_tokens)
+        self.tokens, self.n, self.capacity, self.step_tokens = tokens, n, capacity, step_tokens
         self.shared: dict[tuple[int, ...], tuple[Sequence[int], int]] = {}
 
     def propose(self, ctx: Sequence[int], seen: dict[tuple[int, ...], int], limit: int) -> list[int]:

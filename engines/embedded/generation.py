@@ -510,10 +510,14 @@ class DecodeBatch:
 
     def _drafts(self) -> list[list[int]]:
         """Each running row's draft (at most what it may still sample but one, so that the tokens it feeds never pass
-        its limit); [] when no row has one (or the batch does not speculate): the step decodes one token a row."""
+        its limit, and within the drafts' step_tokens); [] when no row has one (or the batch does not speculate, or
+        has too many rows to): the step decodes one token a row."""
         if self.drafts is None or not self.rows:
             return []
-        drafts = [self.drafts.propose(a.ctx, a.seen, a.to_append - 1) for a in self.rows]
+        room = self.drafts.step_tokens // len(self.rows) - 1  # draft tokens a row within the step's budget
+        if room < 1:
+            return []
+        drafts = [self.drafts.propose(a.ctx, a.seen, min(room, a.to_append - 1)) for a in self.rows]
         return drafts if any(drafts) else []
 
     def _verify(self, drafts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
