@@ -173,9 +173,8 @@ class EngineServer:
         self._adapter_lock = asyncio.Lock()
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
         # Speculative decoding's draft source; kept across batches (its index of finished rows is weight-free)
-        self.drafts = (NgramDrafts(speculative_tokens, step_tokens=SPECULATIVE_STEP_TOKENS_CPU if self.device.type == "cpu"
-                                    else SPECULATIVE_STEP_TOKENS_OTHER)
-                       if speculative_tokens else None)
+        step_tokens = SPECULATIVE_STEP_TOKENS_CPU if self.device.type == "cpu" else SPECULATIVE_STEP_TOKENS_OTHER
+        self.drafts = NgramDrafts(speculative_tokens, step_tokens=step_tokens) if speculative_tokens else None
         self.batch = self._new_batch()
         self.admitting: list = []  # rows taken from the queue for the step on the model thread now
         self.waiting: collections.deque[tuple[Row, tuple[_Request, int]]] = collections.deque()
