@@ -247,10 +247,10 @@ def test_decode_batch_matches_a_full_forward_without_a_cache(arch, monkeypatch):
     batch = DecodeBatch(model, pad_id=0)
     seen_logits: dict[tuple[int, int], torch.Tensor] = {}  # (row, token index) -> decode logits [V]
 
-    def decode(**kw):  # the batch's decode forward, recording each row's logits
+    def decode(**kw):  # the batch's decode forward, recording each row's logits (its cache row's)
         out = model(**kw)
-        for a, logits in zip(batch.rows, out.logits[:, -1].float()):
-            seen_logits[(a.handle, len(a.out_ids))] = logits.clone()
+        for a in batch.rows:
+            seen_logits[(a.handle, len(a.out_ids))] = out.logits[a.phys, -1].float().clone()
         return out
 
     batch.decode_fn = decode

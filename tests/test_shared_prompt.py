@@ -24,7 +24,7 @@ from trainer.backend.attention import (
 from trainer.backend.models import load_hf_model
 from trainer.backend.steps import build_components, compute_logprobs, forward_backward, trainer_config_from
 from trainer.batching.micro_batches import attach_logprobs, build_micro_batches
-from trainer.batching.shared_prompt import build_shared_micro_batches, prompt_trees, tree_cost
+from trainer.batching.shared_prompt import build_shared_micro_batches, prompt_trees, shared_length, tree_cost
 from trainer.config import OptimConfig, RLTrainingConfig, RolloutConfig, SFTTrainingConfig
 from trainer.types import Sample
 
@@ -47,19 +47,22 @@ def packed_sdpa_layout(request, monkeypatch):
     return request.param
 
 
-def grouped_samples(seed: int, groups: int = 6, vocab: int = 90) -> list[Sample]:
+def grouped_samples(seed: int, groups: int = 6, vocab: int = 90, alike: bool = False) -> list[Sample]:
     """Groups of 1-5 samples sharing a random prompt (1-12 tokens), responses of 0-9 tokens with random loss masks
     and engine log-probs, the groups interleaved (a fleet returns them out of order); plus a sample with an empty
-    prompt and a second group with the first group's prompt (same tokens, another group id: they share too)."""
+    prompt and a second group with the first group's prompt (same tokens, another group id: they share too).
+    alike: a group's responses begin with the same 0-6 tokens (then 0-5 of their own; some whole responses equal),
+    so the trees share more than the prompt."""
     g = torch.Generator().manual_seed(seed)
     rnd = lambda lo, hi: int(torch.randint(lo, hi, (), generator=g))  # noqa: E731
     prompts = [torch.randint(6, vocab, (rnd(1, 13),), generator=g).tolist() for _ in range(groups)]
     prompts.append(prompts[0])
     out = []
     for gi, prompt in enumerate(prompts):
+        opening = torch.randint(6, vocab, (rnd(0, 7),), generator=g).tolist() if alike else []
         for _ in range(rnd(1, 6)):
-            r = rnd(0, 10)
-            resp = torch.randint(6, vocab, (r,), generator=g).tolist()
+            resp = opening + torch.randint(6, vocab, (rnd(0, 6) if alike else rnd(0, 10),), generator=g).tolist()
+            r = len(resp)
             out.append(Sample(prompt="", tokens=prompt + resp, response_length=r, group_index=gi,
                               loss_mask=(torch.rand(r, generator=g) > 0.25).long().tolist(),
                               rollout_logprobs=(-torch.rand(r, generator=g) * 3).tolist()))
@@ -125,6 +128,26 @@ def test_prompt_trees_share_identical_prompts_only_and_fit_the_budget():
     unshared = sum(len(s.tokens) for s in samples)
     shared = sum(tree_cost(samples, t) for t in prompt_trees(samples, 10_000))
     assert shared < unshared
+
+
+def test_a_tree_shares_its_longest_common_prefix_leaving_each_sample_a_token():
+    def sample(prompt, resp):
+        return Sample(prompt="", tokens=tuple(prompt + resp), response_length=len(resp))
+
+    samples = [sample([1, 2], [5, 6, 7, 8]), sample([1, 2], [5, 6, 9]), sample([1, 2], [5, 6, 7, 8]),
+               sample([1, 2], [5, 6, 7, 8]), sample([1, 2], []), sample([3], [4, 4])]
+    assert shared_length(samples, [0, 1]) == 4  # prompt + [5, 6]
+    assert shared_length(samples, [0, 2]) == 5  # identical: all but the last token
+    assert shared_length(samples, [0, 1, 4]) == 2  # an empty response: the prompt only
+    assert shared_length(samples, [4]) == 2 and shared_length(samples, [5]) == 2
+    assert tree_cost(samples, [0, 1, 2, 3]) == 4 + 2 + 1 + 2 + 2  # shared 4, then [7, 8], [9], [7, 8], [7, 8]
+    (mb,) = build_shared_micro_batches(samples[:4], token_budget=64, bucket_size=1)
+    assert mb.row.input_ids.tolist() == [1, 2, 5, 6, 7, 8, 9, 7, 8, 7, 8]
+    assert mb.trees.trees == ((4, (2, 1, 2, 2)),)
+    # Each sample's response tokens are still trained once each: 4 + 3 + 4 + 4 loss rows, with their own labels;
+    # a token inside the shared part is predicted by the shared hidden state before it.
+    assert mb.labels.tolist() == [5, 6, 7, 8, 5, 6, 9, 5, 6, 7, 8, 5, 6, 7, 8]
+    assert mb.trees.hidden_index.tolist() == [1, 2, 3, 4, 1, 2, 3, 1, 2, 3, 7, 1, 2, 3, 9]
 
 
 def test_tree_mask_is_each_samples_own_causal_mask():
@@ -275,9 +298,10 @@ def _components(loss: str, seed: int = 3, temperature: float = 0.7):
     return build_components(tiny_model_config("qwen2"), trainer_config_from(phase, compile=False))
 
 
+@pytest.mark.parametrize("alike", [False, True])
 @pytest.mark.parametrize("seed", [4, 5])
-def test_shared_prompt_logprobs_match_the_float64_reference(seed):
-    samples = grouped_samples(seed)
+def test_shared_prompt_logprobs_match_the_float64_reference(seed, alike):
+    samples = grouped_samples(seed, alike=alike)
     comp = _components("policy", temperature=1.0)
     ref_model = load_hf_model(tiny_model_config("qwen2"), dtype=torch.float64, seed=3)
     mbs = build_shared_micro_batches(samples, token_budget=64, bucket_size=16)
@@ -290,10 +314,12 @@ def test_shared_prompt_logprobs_match_the_float64_reference(seed):
             torch.testing.assert_close(got[i].double(), want * mask, atol=1e-5, rtol=0)  # 0 off the loss mask
 
 
+@pytest.mark.parametrize("alike", [False, True])
 @pytest.mark.parametrize("seed", [6, 7])
-def test_shared_prompt_loss_metrics_and_gradients_equal_the_plain_layout(seed, packed_sdpa_layout):
-    """The whole policy step (KL to a reference, TIS, entropy, per-sequence aggregation) in both layouts."""
-    samples = grouped_samples(seed)
+def test_shared_prompt_loss_metrics_and_gradients_equal_the_plain_layout(seed, packed_sdpa_layout, alike):
+    """The whole policy step (KL to a reference, TIS, entropy, per-sequence aggregation) in both layouts; with
+    alike responses the trees also share the start of the responses (shared_length > the prompt)."""
+    samples = grouped_samples(seed, alike=alike)
     g = torch.Generator().manual_seed(seed)
     adv = (torch.randn(len(samples), generator=g)).tolist()
     old = [(-torch.rand(s.response_length, generator=g) * 2).tolist() for s in samples]

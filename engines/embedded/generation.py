@@ -109,6 +109,7 @@ class _Active:
     out_lp: list[float] = field(default_factory=list)
     spans: list[tuple[int, int]] = field(default_factory=list)  # (first token index, version): RowResult.versions
     reused: int = 0  # prompt tokens taken from the prefix cache
+    phys: int = 0  # its row of the KV cache, shared with every row of the batch fed the same tokens (DecodeBatch)
     # Speculative decoding only: the row's tokens (prompt, then output) and the index of their n-grams
     # (engines/embedded/drafts.py), and the counts RowResult reports.
     ctx: list[int] | None = None
@@ -251,12 +252,13 @@ def _swap_remove(n: int, keep: list[int]) -> tuple[list[int], list[int], list[in
 class _Prefill:
     """The prefill of rows joining the batch, on the device."""
 
-    logits: torch.Tensor  # [b, V] fp32, one per row
+    logits: torch.Tensor  # [u, V] fp32, one per distinct (prompt, adapter)
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values) [u, H, L', D], one per distinct prompt
-    where: torch.Tensor | None  # [b]: the distinct prompt of each row; None: row j is prompt j
-    pos: torch.Tensor  # [b] next position id (the prompt's length)
-    slots: torch.Tensor  # [b] each row's adapter slot
-    params: SamplingTensors
+    where: torch.Tensor  # [b]: the distinct prompt of each row (device)
+    owners: tuple[int, ...]  # the same on the host
+    pos: torch.Tensor  # [u] next position id (the prompt's length)
+    slots: torch.Tensor  # [u] the adapter slot
+    params: SamplingTensors  # [b], one per row
     reused: tuple[int, ...] = ()  # per row: prompt tokens taken from the prefix cache (() : none)
 
 
@@ -279,11 +281,14 @@ class DecodeBatch:
 
     def _clear(self) -> None:
         self.rows: list[_Active] = []
-        self.cache: KVCache | None = None  # per layer: keys, values [B, H, length, D] (views of the buffers)
-        self.pos = torch.zeros((0,), dtype=torch.long, device=self.device)  # [B] next position id
-        self.last = torch.zeros((0,), dtype=torch.long, device=self.device)  # [B] token not yet fed
-        self.slots = torch.zeros((0,), dtype=torch.long, device=self.device)  # [B] adapter slot (0: base)
-        self.params = SamplingTensors(*(t.to(self.device) for t in SamplingTensors.of([]).tensors()))
+        # The cache's P rows: one for each distinct run of tokens fed (rows whose tokens are all the same share one
+        # until they draw different ones, `_fork`); per layer keys, values [P, H, length, D] (views of the buffers)
+        self.cache: KVCache | None = None
+        self.pos = torch.zeros((0,), dtype=torch.long, device=self.device)  # [P] next position id
+        self.last = torch.zeros((0,), dtype=torch.long, device=self.device)  # [P] token not yet fed
+        self.slots = torch.zeros((0,), dtype=torch.long, device=self.device)  # [P] adapter slot (0: base)
+        self.phys_idx = torch.zeros((0,), dtype=torch.long, device=self.device)  # [B] each row's cache row
+        self.params = SamplingTensors(*(t.to(self.device) for t in SamplingTensors.of([]).tensors()))  # [B]
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -366,25 +371,23 @@ class DecodeBatch:
     def _prefill(self, rows: list[Row], unique: list[tuple[tuple[int, ...], int]]) -> _Prefill:
         """Left-padded prefill of new rows, one row per distinct (prompt, adapter) `unique` (the n samples of a
         group share one). Its inputs are built on the host and moved in one copy."""
-        u, L = len(unique), max(len(p) for p, _ in unique)
+        L = max(len(p) for p, _ in unique)
         ids = torch.tensor([[self.pad_id] * (L - len(p)) + list(p) for p, _ in unique], dtype=torch.long)
         mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p, _ in unique], dtype=torch.long)
         index = {k: i for i, k in enumerate(unique)}
-        where = torch.tensor([index[r.prompt, r.adapter] for r in rows], dtype=torch.long)
-        pos = torch.tensor([len(r.prompt) for r in rows], dtype=torch.long)
-        slots = torch.tensor([r.adapter for r in rows], dtype=torch.long)
+        owners = tuple(index[r.prompt, r.adapter] for r in rows)
+        where = torch.tensor(owners, dtype=torch.long)
+        pos = torch.tensor([len(p) for p, _ in unique], dtype=torch.long)
         unique_slots = torch.tensor([a for _, a in unique], dtype=torch.long)
-        ids, mask, where, pos, slots, unique_slots, *params = _to_device(
-            [ids, mask, where, pos, slots, unique_slots, *SamplingTensors.of(rows).tensors()], self.device)
+        ids, mask, where, pos, unique_slots, *params = _to_device(
+            [ids, mask, where, pos, unique_slots, *SamplingTensors.of(rows).tensors()], self.device)
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
         cache = DynamicCache()
         with self._adapter_rows(unique_slots, rows):
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                                 use_cache=True, logits_to_keep=1).logits[:, -1].float()
-        shared = u < len(rows)
-        return _Prefill(logits.index_select(0, where) if shared else logits,
-                        [(layer.keys, layer.values) for layer in cache.layers], where if shared else None, pos,
-                        slots, SamplingTensors(*params))
+        return _Prefill(logits, [(layer.keys, layer.values) for layer in cache.layers], where, owners, pos,
+                        unique_slots, SamplingTensors(*params))
 
     def _prefill_reusing(self, rows: list[Row], unique: list[tuple[tuple[int, ...], int]],
                          hits: list[tuple[Any, int]]) -> _Prefill:
@@ -408,12 +411,11 @@ class DecodeBatch:
             # Source column of each of the row's L output columns (padding: any real column, P + S - 1).
             gather.append([P + S - 1] * (L - n - s) + list(range(P - n, P)) + list(range(P + S - s, P + S)))
         index = {k: i for i, k in enumerate(unique)}
-        where = torch.tensor([index[r.prompt, r.adapter] for r in rows], dtype=torch.long)
+        owners = tuple(index[r.prompt, r.adapter] for r in rows)
         host = [torch.tensor(x, dtype=torch.long) for x in (ids, mask, positions, gather)]
-        host += [where, torch.tensor([len(r.prompt) for r in rows], dtype=torch.long),
-                 torch.tensor([r.adapter for r in rows], dtype=torch.long),
+        host += [torch.tensor(owners, dtype=torch.long), torch.tensor([len(p) for p, _ in unique], dtype=torch.long),
                  torch.tensor([a for _, a in unique], dtype=torch.long)]
-        ids, mask, positions, gather, where, pos, slots, unique_slots, *params = _to_device(
+        ids, mask, positions, gather, where, pos, unique_slots, *params = _to_device(
             host + list(SamplingTensors.of(rows).tensors()), self.device)
         like = next(e for e, _ in hits if e is not None).kv
         past = KVCache.allocate([(k[None], v[None]) for k, v in like], u, P + S)
@@ -427,14 +429,18 @@ class DecodeBatch:
                                 use_cache=True, logits_to_keep=1).logits[:, -1].float()
         idx = gather[:, None, :, None].expand(u, like[0][0].shape[0], L, like[0][0].shape[2])
         kv = [(layer.keys.gather(2, idx), layer.values.gather(2, idx)) for layer in past.layers]
-        shared = u < len(rows)
-        return _Prefill(logits.index_select(0, where) if shared else logits, kv, where if shared else None, pos,
-                        slots, SamplingTensors(*params), tuple(reuse[index[r.prompt, r.adapter]] for r in rows))
+        return _Prefill(logits, kv, where, owners, pos, unique_slots, SamplingTensors(*params),
+                        tuple(reuse[j] for j in owners))
 
     def _remember(self, finished: list[int]) -> None:
         """Leave the KV of rows `finished` (indices into the batch) in the prefix cache: every token each fed the
         model, when all of it came from the weights now (a row paused across a weight update is not kept)."""
-        kept = [i for i in finished if self.rows[i].spans == [(0, self.version)]]
+        kept, rows_seen = [], set()
+        for i in finished:  # rows that share a cache row fed the same tokens: one entry for them
+            a = self.rows[i]
+            if a.spans == [(0, self.version)] and a.phys not in rows_seen:
+                rows_seen.add(a.phys)
+                kept.append(i)
         if not kept:
             return
         # One copy per layer for all of them: each row's last `cached` columns, packed [sum of cached, H, D] (an
@@ -442,7 +448,7 @@ class DecodeBatch:
         counts = torch.tensor([self.rows[i].cached for i in kept], dtype=torch.long)
         starts = counts.cumsum(0) - counts
         flat = torch.arange(int(counts.sum()))
-        rows_idx = torch.tensor(kept, dtype=torch.long).repeat_interleave(counts)
+        rows_idx = torch.tensor([self.rows[i].phys for i in kept], dtype=torch.long).repeat_interleave(counts)
         cols = self.cache.length - counts.repeat_interleave(counts) + flat - starts.repeat_interleave(counts)
         rows_idx, cols = _to_device([rows_idx, cols], self.device)
         packed = [(layer.keys[rows_idx, :, cols], layer.values[rows_idx, :, cols]) for layer in self.cache.layers]
@@ -454,21 +460,26 @@ class DecodeBatch:
             self.prefix_cache.store(tokens, a.row.adapter, self.version, kv, owned=False)
 
     def _join(self, new: list[tuple[Row, Any]], pre: _Prefill) -> None:
-        """Append the prefilled rows: their cache after the running rows', right-aligned at the batch's length (a
-        new cache when they do not fit: more rows than the buffers hold, or a prompt longer than the filled
-        length), their positions and parameters after the running rows'."""
-        rows, prompt_len = [r for r, _ in new], pre.kv[0][0].shape[2]
+        """Append the prefilled rows: one cache row per distinct prompt after the running ones, right-aligned at
+        the batch's length (a new cache when they do not fit: more rows than the buffers hold, or a prompt longer
+        than the filled length), their positions after the running rows', and each row's parameters. The buffers
+        hold a row for every row of the batch, the most it can need once all of them diverge (`_fork`)."""
+        rows, u, prompt_len = [r for r, _ in new], pre.kv[0][0].shape[0], pre.kv[0][0].shape[2]
+        first = self.cache.rows if self.cache is not None else 0
+        needed = max(first + u, len(self.rows) + len(rows))
         if self.cache is None:
-            self.cache = KVCache.allocate(pre.kv, len(rows), _capacity(prompt_len, self._limit(prompt_len, rows)))
+            self.cache = KVCache.allocate(pre.kv, needed, _capacity(prompt_len, self._limit(prompt_len, rows)))
             self.cache.view(0, prompt_len)
-        elif self.cache.rows + len(rows) > self.cache.rows_capacity or prompt_len > self.cache.length:
+        elif needed > self.cache.rows_capacity or prompt_len > self.cache.length:
             live = max(a.cached for a in self.rows)
-            self._compact(max(self.cache.rows_capacity, self.cache.rows + len(rows)), max(live, prompt_len), rows)
-        self.cache.append_rows(pre.kv, pre.where, len(rows))
+            self._compact(max(self.cache.rows_capacity, needed), max(live, prompt_len), rows)
+        self.cache.append_rows(pre.kv, None, u)
         self.pos, self.params = torch.cat([self.pos, pre.pos]), self.params.cat(pre.params)
         self.slots = torch.cat([self.slots, pre.slots])
+        self.phys_idx = torch.cat([self.phys_idx, pre.where + first])
         reused = pre.reused or (0,) * len(new)
-        joined = [_Active(r, h, len(r.prompt), reused=n) for (r, h), n in zip(new, reused)]
+        joined = [_Active(r, h, len(r.prompt), reused=n, phys=first + j)
+                  for (r, h), n, j in zip(new, reused, pre.owners)]
         if self.drafts is not None:
             for a in joined:
                 a.ctx, a.seen = list(a.row.prompt), {}
@@ -476,26 +487,42 @@ class DecodeBatch:
         self.rows += joined
 
     def _keep(self, keep: list[int]) -> None:
-        """Keep only rows `keep` (ascending indices): the last kept rows move into the places of removed ones."""
-        if len(keep) == len(self.rows):
-            return
+        """Keep only rows `keep` (ascending indices) and the cache rows they use: the last kept cache rows move into
+        the places of removed ones."""
         if not keep:
             self._clear()
             return
-        order, dst, src = _swap_remove(len(self.rows), keep)
-        self.rows = [self.rows[i] for i in order]
-        order_t, dst_t, src_t = _to_device([torch.tensor(x, dtype=torch.long) for x in (order, dst, src)],
-                                           self.device)
-        self.pos, self.last = self.pos.index_select(0, order_t), self.last.index_select(0, order_t)
-        self.slots = self.slots.index_select(0, order_t)
-        self.params = self.params.select(order_t)
-        if dst:
-            self.cache.move_rows(dst_t, src_t, len(keep))
-        else:
-            self.cache.view(len(keep), self.cache.length)
+        if len(keep) < len(self.rows):
+            self.rows = [self.rows[i] for i in keep]
+            (keep_t,) = _to_device([torch.tensor(keep, dtype=torch.long)], self.device)
+            self.params = self.params.select(keep_t)
+        used = sorted({a.phys for a in self.rows})
+        if len(used) < self.cache.rows:
+            order, dst, src = _swap_remove(self.cache.rows, used)
+            place = {old: new for new, old in enumerate(order)}
+            for a in self.rows:
+                a.phys = place[a.phys]
+            order_t, dst_t, src_t = _to_device([torch.tensor(x, dtype=torch.long) for x in (order, dst, src)],
+                                               self.device)
+            self.pos, self.last = self.pos.index_select(0, order_t), self.last.index_select(0, order_t)
+            self.slots = self.slots.index_select(0, order_t)
+            if dst:
+                self.cache.move_rows(dst_t, src_t, len(used))
+            else:
+                self.cache.view(len(used), self.cache.length)
+        (self.phys_idx,) = _to_device([torch.tensor([a.phys for a in self.rows], dtype=torch.long)], self.device)
         # Leading columns no kept row attends to: dropped once they are half the cache (a rebuild).
         if 2 * max(a.cached for a in self.rows) <= self.cache.length:
             self._compact(self.cache.rows_capacity)
+
+    def _fork(self, src: list[int]) -> None:
+        """New cache rows, copies of rows `src` (their keys, values, positions, adapter slots), after the batch's:
+        for rows that shared a cache row and drew different tokens (the buffers have room: see `_join`)."""
+        assert self.cache.rows + len(src) <= self.cache.rows_capacity, (self.cache.rows, len(src))
+        (src_t,) = _to_device([torch.tensor(src, dtype=torch.long)], self.device)
+        self.cache.copy_rows(src_t)
+        self.pos = torch.cat([self.pos, self.pos.index_select(0, src_t)])
+        self.slots = torch.cat([self.slots, self.slots.index_select(0, src_t)])
 
     @torch.inference_mode()  # the cache's buffers are inference tensors, updated in place
     def abort(self, rids: Collection[str] | None) -> list[tuple[Any, RowResult]]:
@@ -509,63 +536,82 @@ class DecodeBatch:
         return out
 
     def _drafts(self) -> list[list[int]]:
-        """Each running row's draft (at most what it may still sample but one, so that the tokens it feeds never pass
-        its limit, and within the drafts' step_tokens); [] when no row has one (or the batch does not speculate, or
-        has too many rows to): the step decodes one token a row."""
+        """Each cache row's draft (from the context of its rows, all the same; at most what each of them may still
+        sample but one, so that the tokens fed never pass a row's limit, and within the drafts' step_tokens); []
+        when no cache row has one (or the batch does not speculate, or has too many cache rows to): the step
+        decodes one token a row."""
         if self.drafts is None or not self.rows:
             return []
-        room = self.drafts.step_tokens // len(self.rows) - 1  # draft tokens a row within the step's budget
+        room = self.drafts.step_tokens // self.cache.rows - 1  # draft tokens a cache row within the step's budget
         if room < 1:
             return []
-        drafts = [self.drafts.propose(a.ctx, a.seen, min(room, a.to_append - 1)) for a in self.rows]
+        limit, context = [room] * self.cache.rows, [None] * self.cache.rows
+        for a in self.rows:
+            limit[a.phys] = min(limit[a.phys], a.to_append - 1)
+            context[a.phys] = a
+        drafts = [self.drafts.propose(a.ctx, a.seen, n) for a, n in zip(context, limit)]
         return drafts if any(drafts) else []
 
     def _verify(self, drafts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
-        """Speculative decode step: feed each running row its last token and its draft d (one forward of [B, q],
-        q = 1 + the longest draft; shorter drafts padded), draw a token at every fed position as `step` would (keyed
-        by the row's seed and the position it takes), and keep for row i its draws up to the first one that differs
-        from its draft: the a_i drafts it drew itself plus the draw after them (a_i + 1 tokens, cut after a stop
-        token). Those are the tokens the row draws decoding one at a time, since each draw sees the same prefix.
+        """Speculative decode step: feed each cache row its last token and its draft d (one forward of [P, q],
+        q = 1 + the longest draft; shorter drafts padded), draw a token at every fed position for each row as
+        `step` would (keyed by the row's seed and the position it takes), and keep for a row its draws up to the
+        first one that differs from its draft: the a drafts it drew itself plus the draw after them (a + 1 tokens,
+        cut after a stop token). Those are the tokens the row draws decoding one at a time, since each draw sees
+        the same prefix.
 
-        The cache: the forward wrote q columns a row; row i keeps the first a_i + 1 (the fed tokens its kept draws
-        follow) and is shifted right to end at the new length (length + max of a_i + 1), restoring the layout of
-        the module docstring. Returns each running row's (tokens, log-probs)."""
-        B, q = len(self.rows), 1 + max(len(d) for d in drafts)
+        The cache: the forward wrote q columns a cache row. Rows of one cache row that kept different tokens part
+        (`_fork`, copies with those columns); then each cache row keeps the first a + 1 of them (the fed tokens its
+        rows' kept draws follow) and is shifted right to end at the new length (length + max of a + 1), restoring
+        the layout of the module docstring. Returns each row's (tokens, log-probs)."""
+        P, q = self.cache.rows, 1 + max(len(d) for d in drafts)
         if self.cache.length + q + 1 > self.cache.capacity:  # room for the q columns and one spare (see _capacity)
             self._compact(self.cache.rows_capacity, reserve=q)
         length = self.cache.length
-        padded = torch.tensor([d + [self.pad_id] * (q - 1 - len(d)) for d in drafts], dtype=torch.long)  # [B, q-1]
+        padded = torch.tensor([d + [self.pad_id] * (q - 1 - len(d)) for d in drafts], dtype=torch.long)  # [P, q-1]
         (padded,) = _to_device([padded], self.device)
-        ids = torch.cat([self.last[:, None], padded], dim=1)  # [B, q]
-        offsets = torch.arange(q, device=self.device)
-        positions = self.pos[:, None] + offsets  # [B, q]: the fed tokens' position ids
+        ids = torch.cat([self.last[:, None], padded], dim=1)  # [P, q]
+        positions = self.pos[:, None] + torch.arange(q, device=self.device)  # [P, q]: the fed tokens' position ids
         # Row i's real tokens are its last pos_i columns, then the q fed now (transformers adds the causal part).
         mask = torch.arange(length + q, device=self.device)[None, :] >= (length - self.pos)[:, None]
         rows = [a.row for a in self.rows]
         with self._adapter_rows(self.slots, rows):
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
-                                use_cache=True).logits.float()  # [B, q, V]
+                                use_cache=True).logits.float()  # [P, q, V]
+        B = len(rows)
         each = torch.arange(B, device=self.device).repeat_interleave(q)
-        tok, lp = sample_with_logprobs(logits.flatten(0, 1), self.params.select(each), [r for r in rows for _ in
-                                       range(q)], (positions + 1).flatten())
+        tok, lp = sample_with_logprobs(logits.index_select(0, self.phys_idx).flatten(0, 1), self.params.select(each),
+                                       [r for r in rows for _ in range(q)],
+                                       (positions + 1).index_select(0, self.phys_idx).flatten())
         host_tok, host_lp = torch.stack([tok.to(torch.float64), lp.to(torch.float64)]).view(2, B, q).tolist()
         self._check_finite(host_lp)
-        out, kept = [], []
-        for a, d, toks, lps in zip(self.rows, drafts, host_tok, host_lp):
+        out, kept = [], [1] * P  # kept: fed tokens whose keys and values stay, a cache row (the last one, drafts)
+        parts: dict[int, dict[tuple[int, ...], list[_Active]]] = {}  # cache row -> the rows' kept tokens -> rows
+        for a, toks, lps in zip(self.rows, host_tok, host_lp):
+            d = drafts[a.phys]
             n = 0
             while n < len(d) and int(toks[n]) == d[n] and int(toks[n]) not in a.row.stop_ids:
                 n += 1
             out.append(([int(t) for t in toks[:n + 1]], lps[:n + 1]))
-            kept.append(n + 1)  # fed tokens whose keys and values stay: the last one and the n drafts drawn
+            parts.setdefault(a.phys, {}).setdefault(tuple(out[-1][0]), []).append(a)
             a.verify_steps += bool(d)
             a.accepted += n
             a.cached += n + 1
+        src = []
+        for p, by_tokens in parts.items():
+            (tokens, _), *others = by_tokens.items()
+            kept[p] = len(tokens)
+            for tokens, moving in others:
+                for a in moving:
+                    a.phys = P + len(src)
+                src.append(p)
+                kept.append(len(tokens))
+        if src:
+            self._fork(src)
         width = max(kept)
         self.cache.align([width - k for k in kept], length + width, max(a.cached for a in self.rows))
-        shift = torch.tensor(kept, dtype=torch.long)
-        last = torch.tensor([toks[-1] for toks, _ in out], dtype=torch.long)
-        shift, last = _to_device([shift, last], self.device)
-        self.pos, self.last = self.pos + shift, last
+        (shift,) = _to_device([torch.tensor(kept, dtype=torch.long)], self.device)
+        self.pos = self.pos + shift
         return out
 
     def _check_finite(self, host_lp: list[list[float]]) -> None:
@@ -575,11 +621,34 @@ class DecodeBatch:
             raise RuntimeError(f"the model's logits are not finite (NaN log-probs) for rows {bad[:8]}: its weights or "
                                f"activations overflowed or were loaded wrong; check the last weight update")
 
+    def _next_tokens(self, keep: list[int]) -> None:
+        """Set each cache row's next token to feed (`last`): the last token its continuing rows (`keep`) drew.
+        Rows of one cache row that drew different tokens part: each other token gets a copy of the cache row
+        (`_fork`) and its rows move there; a cache row no continuing row uses gets the pad id (it leaves in
+        `_keep`)."""
+        drew: dict[int, dict[int, list[_Active]]] = {}
+        for i in keep:
+            a = self.rows[i]
+            drew.setdefault(a.phys, {}).setdefault(a.out_ids[-1], []).append(a)
+        last, src = [self.pad_id] * self.cache.rows, []
+        for p, by_token in drew.items():
+            (token, _), *others = by_token.items()
+            last[p] = token
+            for token, moving in others:
+                for a in moving:
+                    a.phys = len(last)
+                last.append(token)
+                src.append(p)
+        if src:
+            self._fork(src)
+        (self.last,) = _to_device([torch.tensor(last, dtype=torch.long)], self.device)
+
     @torch.inference_mode()
     def step(self, new: list[tuple[Row, Any]] = ()) -> list[tuple[Any, RowResult]]:
         """One decode step for the running rows (a speculative one when any has a draft: `_verify`) plus the
         prefill of `new` (row, handle) pairs; returns the (handle, result) of every row that finished in this
-        step."""
+        step. Rows fed the same tokens so far (the samples of a prompt, until they draw different tokens) share a
+        cache row and its forward; each draws its own token from the shared logits."""
         done = [(h, RowResult([], [], "length")) for r, h in new if r.max_new_tokens == 0]
         new = [(r, h) for r, h in new if r.max_new_tokens > 0]
         for r, _ in new:
@@ -587,26 +656,25 @@ class DecodeBatch:
                 raise ValueError("a prompt is empty: give at least one input token (e.g. the bos id)")
         drafts = self._drafts()
         drawn = self._verify(drafts) if drafts else []  # per running row: (tokens, log-probs), in batch order
-        logits = [self._decode()] if self.rows and not drafts else []
+        logits = [self._decode().index_select(0, self.phys_idx)] if self.rows and not drafts else []
         if new:
             for idx, pre in self._prefills([r for r, _ in new]):
                 self._join([new[j] for j in idx], pre)
-                logits.append(pre.logits)
+                logits.append(pre.logits.index_select(0, pre.where))
         if not self.rows:
             return done
         if logits:  # one token for each row after the first len(drawn) (all of them unless the step verified)
             first = len(drawn)
             later = torch.arange(first, len(self.rows), device=self.device)
             params = self.params.select(later) if first else self.params
-            # self.pos is each row's next position id: the position of the token drawn now (its prompt's length for
-            # a joining row, one past the token just fed for a decoding one).
-            tok, lp = sample_with_logprobs(torch.cat(logits), params, [a.row for a in self.rows[first:]],
-                                           self.pos[first:])
+            # self.pos is each cache row's next position id: the position of the token drawn now (its prompt's
+            # length for a joining row, one past the token just fed for a decoding one).
+            pos = self.pos.index_select(0, self.phys_idx[first:])
+            tok, lp = sample_with_logprobs(torch.cat(logits), params, [a.row for a in self.rows[first:]], pos)
             # The step's one host read: tokens (exact in float64, ids < 2^53) and log-probs in one transfer.
             host_tok, host_lp = torch.stack([tok.to(torch.float64), lp.to(torch.float64)]).tolist()
             self._check_finite([lps for _, lps in drawn] + [[p] for p in host_lp])
             drawn += [([int(t)], [p]) for t, p in zip(host_tok, host_lp)]
-            self.last = torch.cat([self.last[:first], tok]) if first else tok
         keep, finished = [], []
         for i, (a, (toks, lps)) in enumerate(zip(self.rows, drawn)):
             if not a.spans or a.spans[-1][1] != self.version:  # this step's forward ran on these weights
@@ -629,6 +697,7 @@ class DecodeBatch:
             finished.append(i)
             if self.drafts is not None:
                 self.drafts.remember(a.ctx)
+        self._next_tokens(keep)
         if self.prefix_cache is not None and finished:
             self._remember(finished)
         self._keep(keep)

@@ -145,6 +145,15 @@ class KVCache(Cache):
                     buf[:, :, lo + s:length].index_copy_(0, rows, buf[:, :, lo:length - s].index_select(0, rows))
         self.view(self.rows, length)
 
+    def copy_rows(self, src: torch.Tensor) -> None:
+        """Append copies of rows `src` (all columns of the filled length) after the batch's rows. Needs rows +
+        len(src) <= rows_capacity."""
+        rows, length, n = self.rows, self.length, src.shape[0]
+        for layer in self.layers:
+            for buf in (layer.key_buffer, layer.value_buffer):
+                buf[rows:rows + n, :, :length] = buf[:, :, :length].index_select(0, src)
+        self.view(rows + n, length)
+
     def move_rows(self, dst: torch.Tensor, src: torch.Tensor, rows: int) -> None:
         """Copy rows src into rows dst (all columns of the filled length), then keep the first `rows` rows."""
         length = self.length

@@ -19,6 +19,12 @@ the sum over its branches, as in the plain layout, where each copy of the prompt
 
 Samples share a tree only when their prompt tokens are identical (not merely the same group id); a tree larger
 than the token budget is split into several trees, each with its own copy of the prompt.
+
+The shared part is the tree's longest common prefix, not only the prompt: the samples of a group often begin
+their responses alike (a tool call's boilerplate, a format's opening), and those tokens, the same in every sample
+of the tree, are run once too (`shared_length`). A response token inside the shared part is still trained once per
+sample (its loss row reads the shared hidden state, with the sample's own label, mask and advantage), so the loss
+is unchanged; each branch keeps at least its last token.
 """
 
 from __future__ import annotations
@@ -66,20 +72,33 @@ def prompt_trees(samples: Sequence[Sample], token_budget: int) -> list[list[int]
     return trees
 
 
+def shared_length(samples: Sequence[Sample], tree: Sequence[int]) -> int:
+    """Tokens the tree's samples run once: their longest common prefix (the prompt, and the start of the responses
+    where every sample has the same tokens), leaving each sample at least one token of its own."""
+    seqs = [samples[i].tokens for i in tree]
+    limit = min(len(t) for t in seqs) - 1
+    n = samples[tree[0]].prompt_length
+    first = seqs[0]
+    while n < limit and all(t[n] == first[n] for t in seqs):
+        n += 1
+    return max(n, samples[tree[0]].prompt_length)
+
+
 def tree_cost(samples: Sequence[Sample], tree: Sequence[int]) -> int:
-    """Row tokens of one tree: its prompt once plus every response."""
-    return samples[tree[0]].prompt_length + sum(samples[i].response_length for i in tree)
+    """Row tokens of one tree: its shared prefix once plus the rest of every sample."""
+    shared = shared_length(samples, tree)
+    return shared + sum(len(samples[i].tokens) - shared for i in tree)
 
 
 class _TreeRow(NamedTuple):
     """One row's host lists before padding: N row tokens, M loss rows (one per trained response position)."""
 
-    ids: list[int]  # [N] prompt once, then each branch
+    ids: list[int]  # [N] shared prefix once, then each branch
     pos: list[int]  # [N] positions of the sample's own sequence
     seq: list[int]  # [N] tree index
-    branch: list[int]  # [N] branch index in row order, -1 on prompts
+    branch: list[int]  # [N] branch index in row order, -1 on shared prefixes
     cu_trees: list[int]  # [trees + 1] row offsets of the trees
-    shapes: list[tuple[int, tuple[int, ...]]]  # (prompt length, response lengths) per tree
+    shapes: list[tuple[int, tuple[int, ...]]]  # (shared length, branch lengths) per tree
     order: list[int]  # sample index of each branch, in row order (= the loss rows' sequence order)
     rows: list[int]  # [M] hidden_index: the row token whose hidden state predicts the label
     labels: list[int]  # [M]
@@ -88,38 +107,41 @@ class _TreeRow(NamedTuple):
 
 
 def _walk_trees(samples: Sequence[Sample], trees: Sequence[Sequence[int]]) -> _TreeRow:
-    """Lay out each tree's prompt once, then its responses, and the loss rows that read them."""
+    """Lay out each tree's shared prefix once, then the rest of each sample, and the loss rows that read them."""
     r = _TreeRow([], [], [], [], [0], [], [], [], [], [], [0])
     for t, tree in enumerate(trees):
         p = samples[tree[0]].prompt_length
-        prompt = samples[tree[0]].tokens[:p]
-        assert all(samples[i].tokens[:p] == prompt and samples[i].prompt_length == p for i in tree), \
+        shared = shared_length(samples, tree)
+        prefix = samples[tree[0]].tokens[:shared]
+        assert all(samples[i].tokens[:shared] == prefix and samples[i].prompt_length == p for i in tree), \
             "a tree's samples must share their prompt tokens"
         start = len(r.ids)
-        r.ids.extend(prompt)
-        r.pos.extend(range(p))
-        r.seq.extend([t] * p)
-        r.branch.extend([-1] * p)
+        r.ids.extend(prefix)
+        r.pos.extend(range(shared))
+        r.seq.extend([t] * shared)
+        r.branch.extend([-1] * shared)
         lens = []
         for i in tree:
             s = samples[i]
-            resp = s.tokens[p:]
+            own = s.tokens[shared:]
             b0 = len(r.ids)
-            r.ids.extend(resp)
-            r.pos.extend(range(p, p + len(resp)))
-            r.seq.extend([t] * len(resp))
-            r.branch.extend([len(r.order)] * len(resp))
-            lens.append(len(resp))
+            r.ids.extend(own)
+            r.pos.extend(range(shared, shared + len(own)))
+            r.seq.extend([t] * len(own))
+            r.branch.extend([len(r.order)] * len(own))
+            lens.append(len(own))
             m = s.effective_loss_mask
-            # Response token k is predicted by the prompt's last token (k = 0) or by response token k - 1; with an
-            # empty prompt token 0 has no predictor and is never trained (as in the plain layout).
-            for k in range(0 if p else 1, len(resp)):
-                r.rows.append(start + p - 1 if k == 0 else b0 + k - 1)
-                r.labels.append(resp[k])
+            # Response token k (position p + k) is predicted by the token before it: in the shared prefix or in
+            # the sample's own part; with an empty prompt token 0 has no predictor and is never trained (as in the
+            # plain layout).
+            for k in range(0 if p else 1, s.response_length):
+                before = p + k - 1
+                r.rows.append(start + before if before < shared else b0 + before - shared)
+                r.labels.append(s.tokens[p + k])
                 r.mask.append(float(m[k]))
             r.cu_rows.append(len(r.rows))
             r.order.append(i)
-        r.shapes.append((p, tuple(lens)))
+        r.shapes.append((shared, tuple(lens)))
         r.cu_trees.append(len(r.ids))
     return r
 
