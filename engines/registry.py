@@ -226,8 +226,9 @@ def _local(spec: EngineSpec, opts: BuildOptions) -> InferenceEngine:
     given = {} if opts.prefix_cache_tokens is None else {"prefix_cache_tokens": opts.prefix_cache_tokens}
     if opts.dtype is not None:  # else the engine's default for its device
         given["dtype"] = getattr(torch, opts.dtype)
-    return LocalEngine(opts.model_folder, seed=opts.seed, device=opts.device, threads=opts.threads,
-                       speculative_tokens=opts.speculative_tokens, **given)
+    if opts.speculative_tokens:
+        given["speculative_tokens"] = opts.speculative_tokens
+    return LocalEngine(opts.model_folder, seed=opts.seed, device=opts.device, threads=opts.threads, **given)
 
 
 def _tinker(spec: EngineSpec, opts: BuildOptions) -> InferenceEngine:
