@@ -1,4 +1,5 @@
-"""The embedded engine's decode loop (engines/embedded/generation.py; issue 26 item 7).
+"""The embedded engine's decode loop (engines/embedded/generation.py, its sampling engines/embedded/sampling.py;
+issue 26 item 7).
 
 - Batched sampling (one kernels.sampling call for the batch, keyed by each row's seed and token position) draws the
   token the float64 reference draws from the row's own probabilities (softmax(logits / T), top-k/top-p-filtered
@@ -26,17 +27,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engines.embedded import generation
-from engines.embedded.generation import (
-    DecodeBatch,
-    KVCache,
-    Row,
-    SamplingTensors,
-    filter_logits,
-    generate_rows,
-    sample_with_logprobs,
-)
+from engines.embedded import generation, sampling
+from engines.embedded.generation import DecodeBatch, KVCache, Row, generate_rows
 from engines.embedded.presets import build_tiny_model
+from engines.embedded.sampling import SamplingTensors, filter_logits, sample_with_logprobs
 from kernels import use_backend
 from kernels.reference import sample_tokens_reference
 
@@ -122,13 +116,13 @@ def test_only_the_rows_that_filter_are_sorted(monkeypatch):
     # a batch without such rows never calls it; the plain rows' tokens equal the ones they draw in a batch of
     # plain rows only (the unfiltered path).
     calls = []
-    real = generation.filter_logits
+    real = sampling.filter_logits
 
     def spy(logits, temperature, top_k, top_p):
         calls.append((logits.clone(), top_k.tolist()))
         return real(logits, temperature, top_k, top_p)
 
-    monkeypatch.setattr(generation, "filter_logits", spy)
+    monkeypatch.setattr(sampling, "filter_logits", spy)
     g = torch.Generator().manual_seed(77)
     V = 1271
     plain = dict(top_k=-1, top_p=1.0)

@@ -6,8 +6,8 @@ import pytest
 import torch
 import trio
 
-from engines.embedded.generation import filter_logits
 from engines.embedded.presets import build_tiny_model
+from engines.embedded.sampling import filter_logits
 from engines.protocol import SamplingParams
 from engines.sglang import EngineError, SGLangEngine
 
