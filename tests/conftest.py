@@ -1,8 +1,19 @@
 """Fixtures shared by the test modules (the root conftest.py holds the device policy and the `backend` fixture)."""
 
 import pytest
+import torch
 
 from engines.embedded.launch import EngineProcess
+
+
+@pytest.fixture
+def one_torch_thread():
+    """One torch thread for the test, restored after: the tiny model's steps are microseconds, and two threads on a
+    shared, loaded machine make each op wait for the other thread (25x slower here)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,21 @@
 
 from __future__ import annotations
 
+import torch
+
 from engines.tiny import build_tokenizer
+
+
+def repeating_model(seed: int = 7, scale: float = 4.0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The tiny qwen2 model with lm_head = scale x the token embedding: its next token is often its last one again,
+    so the samples of a prompt often draw alike for a while and n-gram drafts are often right (a random model's
+    samples part at once and its drafts are almost never drawn)."""
+    from engines.embedded.presets import build_tiny_model
+
+    model = build_tiny_model(seed, arch="qwen2", dtype=dtype)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(scale * model.model.embed_tokens.weight)
+    return model
 
 
 class Counted:

@@ -28,14 +28,7 @@ from engines.protocol import SamplingParams
 TOL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread: the tiny model's steps are microseconds, and two threads on a shared, loaded machine make
-    each op wait for the other thread (25x slower here). Restored after each test."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

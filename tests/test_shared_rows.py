@@ -10,28 +10,18 @@ cache rows, `_next_tokens`, `_fork`).
 
 from __future__ import annotations
 
+import engine_support
 import pytest
 import torch
 
 from engines.embedded.generation import DecodeBatch, Row
-from engines.embedded.presets import build_tiny_model
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def repeating_model() -> torch.nn.Module:
-    """lm_head = 6 x the embedding: the model tends to repeat its last token, so sampled rows of one prompt often
-    draw the same tokens for a while, then part."""
-    model = build_tiny_model(11, arch="qwen2")
-    with torch.no_grad():
-        model.lm_head.weight.copy_(6.0 * model.model.embed_tokens.weight)
-    return model
+    """lm_head = 6 x the embedding: sampled rows of one prompt draw the same tokens for a while, then part."""
+    return engine_support.repeating_model(seed=11, scale=6.0)
 
 
 def _alone(model, row: Row):

@@ -16,29 +16,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_support import repeating_model
 
 from engines.embedded.drafts import MAX_SPECULATIVE_TOKENS, NgramDrafts, index_tail
 from engines.embedded.generation import DecodeBatch, KVCache, Row
 from engines.embedded.prefix_cache import PrefixCache
-from engines.embedded.presets import build_tiny_model
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread (the tiny model's ops are microseconds; see tests/test_prefix_cache.py). Restored after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def repeating_model(dtype: torch.dtype) -> torch.nn.Module:
-    """The tiny qwen2 model with lm_head = 4 x the token embedding: its next token is often its last one again, so
-    n-gram drafts are often right and often wrong (a random model's drafts are almost never drawn)."""
-    model = build_tiny_model(7, arch="qwen2", dtype=dtype)
-    with torch.no_grad():
-        model.lm_head.weight.copy_(4.0 * model.model.embed_tokens.weight)
-    return model
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _run(batch: DecodeBatch, rows: list[Row], per_step: int | None) -> tuple[list, int]:
@@ -76,7 +60,7 @@ def _same(got, want, tol):
 @pytest.mark.parametrize("per_step", [None, 4])
 @pytest.mark.parametrize("tokens", [1, 4, MAX_SPECULATIVE_TOKENS])
 def test_speculative_decoding_draws_the_tokens_of_plain_decoding(dtype, tol, per_step, tokens):
-    model = repeating_model(dtype)
+    model = repeating_model(dtype=dtype)
     drafts = NgramDrafts(tokens, n=2)
     accepted = verified = short = spec_total = plain_total = 0
     for seed in (1, 2, 3):  # later seeds also draft from the rows the earlier ones finished
@@ -98,7 +82,7 @@ def test_speculative_decoding_draws_the_tokens_of_plain_decoding(dtype, tol, per
 def test_the_step_budget_limits_the_drafts_by_the_rows():
     """step_tokens: a batch of B rows drafts at most step_tokens // B - 1 tokens a row; none when that is 0 (a
     plain decode step), so a speculative forward never feeds more than step_tokens tokens."""
-    model = repeating_model(torch.float32)
+    model = repeating_model()
     rows = _rows(4, model.config.vocab_size, count=12)
     want, _ = _run(DecodeBatch(model, pad_id=0), rows, None)
     fed = []  # (rows, tokens fed) of each speculative forward
@@ -124,7 +108,7 @@ def test_the_step_budget_limits_the_drafts_by_the_rows():
 def test_speculation_with_the_prefix_cache_over_multi_turn_episodes():
     """Turn t+1's prompt = turn t's prompt + output + new tokens: its own context drafts the repeats, the prefix
     cache gives the earlier turns' KV; both on against both off, turn by turn."""
-    model = repeating_model(torch.float32)
+    model = repeating_model()
     g = torch.Generator().manual_seed(5)
     vocab = model.config.vocab_size
     spec = DecodeBatch(model, pad_id=0, prefix_cache=PrefixCache(1 << 20), drafts=NgramDrafts(4, n=2))
@@ -206,7 +190,7 @@ def test_the_engine_with_speculative_tokens_completes_as_without(tmp_path):
     assert EnginesConfig().speculative_tokens == 0
     with pytest.raises(ValueError, match="speculative_tokens"):
         EnginesConfig(speculative_tokens=MAX_SPECULATIVE_TOKENS + 1)
-    repeating_model(torch.float32).save_pretrained(tmp_path)
+    repeating_model().save_pretrained(tmp_path)
     build_tokenizer().save_pretrained(tmp_path)
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12]]
     requests = [SamplingParams(temperature=1.0, max_new_tokens=24, n=4, seed=11),
@@ -255,3 +239,4 @@ def test_the_accepted_count_reaches_the_rollout_batch_metrics():
     assert "spec_accepted_tokens" not in other.metadata
     assert build_batch_metadata([s, other])["spec_accepted_tokens"] == 7
     assert build_batch_metadata([other])["spec_accepted_tokens"] == 0
+    assert build_batch_metadata([s, other])["generated_tokens"] == 3 * 3 + 1  # loss mask 1: not the tool tokens

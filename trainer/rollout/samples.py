@@ -234,6 +234,8 @@ def build_batch_metadata(samples: Sequence[Sample], *, current_weight_version: i
         "weight_version": current_weight_version,
         # Prompt tokens the engines did not prefill (their prefix caches held them: an episode's earlier turns)
         "prefill_tokens_reused": sum(s.metadata.get("prefill_tokens_reused", 0) for s in samples),
+        # The model's own tokens (loss mask 1; an episode's tool results are 0; the whole response without a mask)
+        "generated_tokens": sum(sum(s.loss_mask) if s.loss_mask is not None else s.response_length for s in samples),
         # Generated tokens drawn as an engine's speculative draft said (each a forward saved; [engines]
         # speculative_tokens)
         "spec_accepted_tokens": sum(s.metadata.get("spec_accepted_tokens", 0) for s in samples),
