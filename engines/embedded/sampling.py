@@ -11,14 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from kernels.sampling import sample_tokens, seed_words
 
-if TYPE_CHECKING:
-    from engines.embedded.generation import Row
+# The rows sampled: engines.embedded.generation.Row, of which this reads temperature, top_k, top_p and seed (not
+# imported: generation imports this module).
+Row = Any
 
 
 @dataclass(frozen=True)
