@@ -56,9 +56,9 @@ def _same(got, want, tol):
         assert max([abs(x - y) for x, y in zip(a.logprobs, b.logprobs)] or [0.0]) <= tol, k
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-9)])
-@pytest.mark.parametrize("per_step", [None, 4])
-@pytest.mark.parametrize("tokens", [1, 4, MAX_SPECULATIVE_TOKENS])
+@pytest.mark.parametrize("dtype,tol,per_step,tokens", [  # each value of each axis, in four runs
+    (torch.float32, 1e-5, None, 4), (torch.float32, 1e-5, 4, MAX_SPECULATIVE_TOKENS),
+    (torch.float64, 1e-9, 4, 1), (torch.float64, 1e-9, None, MAX_SPECULATIVE_TOKENS)])
 def test_speculative_decoding_draws_the_tokens_of_plain_decoding(dtype, tol, per_step, tokens):
     model = repeating_model(dtype=dtype)
     drafts = NgramDrafts(tokens, n=2)

@@ -42,7 +42,9 @@ def open_sessions(url: str) -> list:
 
     from tinker.lib.internal_client_holder import InternalClientHolder
 
-    return [h for h in gc.get_objects() if isinstance(h, InternalClientHolder) and not h._closed
+    # type(h), not isinstance(h, ...): isinstance follows a weakref proxy in the heap to its object, and raises
+    # ReferenceError when that object is gone (seen in a fresh-clone run).
+    return [h for h in gc.get_objects() if issubclass(type(h), InternalClientHolder) and not h._closed
             and getattr(h, "_session_id", None) and h._base_url.rstrip("/") == url.rstrip("/")]
 
 
