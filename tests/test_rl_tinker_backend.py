@@ -57,6 +57,8 @@ def server(tmp_path_factory):
                       f'models = [{{name = "{folder}", path = "{folder}"}}]\n')
     proc, url = start_subprocess(config, env={**os.environ, "RLKERNELS_API_KEY": KEY})
     yield url, folder
+    while OPENED:  # the tests' SDK sessions end before the server does (else their heartbeats outlive it)
+        OPENED.pop().close()
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=60)
     assert proc.returncode == 0, f"server exit {proc.returncode}:\n{''.join(proc.tail)}"
@@ -73,9 +75,13 @@ def _config(tmp_path, **kw) -> RLTrainingConfig:
     return RLTrainingConfig(**base)
 
 
+OPENED: list[TinkerBackend] = []  # the module's SDK sessions, closed when the server fixture ends
+
+
 def _remote(url, folder, cfg) -> TinkerPolicy:
     spec = LoraSpec(rank=RANK, seed=SEED, alpha=32.0, train_unembed=False)
-    return TinkerPolicy(TinkerBackend(url, str(folder), spec, api_key=KEY), cfg)
+    OPENED.append(TinkerBackend(url, str(folder), spec, api_key=KEY))
+    return TinkerPolicy(OPENED[-1], cfg)
 
 
 def _samples(seed: int) -> list[Sample]:
