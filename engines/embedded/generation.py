@@ -428,12 +428,14 @@ class DecodeBatch:
         if not keep:
             self._clear()
             return
-        if len(keep) < len(self.rows):
+        changed = len(keep) < len(self.rows)
+        if changed:
             self.rows = [self.rows[i] for i in keep]
             (keep_t,) = _to_device([torch.tensor(keep, dtype=torch.long)], self.device)
             self.params = self.params.select(keep_t)
         used = sorted({a.phys for a in self.rows})
         if len(used) < self.cache.rows:
+            changed = True
             order, dst, src = _swap_remove(self.cache.rows, used)
             place = {old: new for new, old in enumerate(order)}
             for a in self.rows:
@@ -446,7 +448,9 @@ class DecodeBatch:
                 self.cache.move_rows(dst_t, src_t, len(used))
             else:
                 self.cache.view(len(used), self.cache.length)
-        (self.phys_idx,) = _to_device([torch.tensor([a.phys for a in self.rows], dtype=torch.long)], self.device)
+        if changed:  # (forks rebuilt it already: `_part`)
+            (self.phys_idx,) = _to_device([torch.tensor([a.phys for a in self.rows], dtype=torch.long)],
+                                          self.device)
         # Leading columns no kept row attends to: dropped once they are half the cache (a rebuild).
         if 2 * max(a.cached for a in self.rows) <= self.cache.length:
             self._compact(self.cache.rows_capacity)
@@ -500,7 +504,7 @@ class DecodeBatch:
         (`_fork`, copies with those columns); then each cache row keeps the first a + 1 of them (the fed tokens its
         rows' kept draws follow) and is shifted right to end at the new length (length + max of a + 1), restoring
         the layout of the module docstring. Returns each row's (tokens, log-probs)."""
-        P, q = self.cache.rows, 1 + max(len(d) for d in drafts)
+        q = 1 + max(len(d) for d in drafts)
         if self.cache.length + q + 1 > self.cache.capacity:  # room for the q columns and one spare (see _capacity)
             self._compact(self.cache.rows_capacity, reserve=q)
         length = self.cache.length
@@ -521,7 +525,7 @@ class DecodeBatch:
                                        (positions + 1).index_select(0, self.phys_idx).flatten())
         host_tok, host_lp = torch.stack([tok.to(torch.float64), lp.to(torch.float64)]).view(2, B, q).tolist()
         self._check_finite(host_lp)
-        out, kept = [], [1] * P  # kept: fed tokens whose keys and values stay, a cache row (the last one, drafts)
+        out = []
         parts: dict[int, dict[tuple[int, ...], list[_Active]]] = {}  # cache row -> the rows' kept tokens -> rows
         for a, toks, lps in zip(self.rows, host_tok, host_lp):
             d = drafts[a.phys]
@@ -533,17 +537,8 @@ class DecodeBatch:
             a.verify_steps += bool(d)
             a.accepted += n
             a.cached += n + 1
-        src = []
-        for p, by_tokens in parts.items():
-            (tokens, _), *others = by_tokens.items()
-            kept[p] = len(tokens)
-            for tokens, moving in others:
-                for a in moving:
-                    a.phys = P + len(src)
-                src.append(p)
-                kept.append(len(tokens))
-        if src:
-            self._fork(src)
+        # kept: fed tokens whose keys and values stay, a cache row (the last one, and the drafts its rows drew)
+        kept = [len(tokens) for tokens in self._part(parts)]
         width = max(kept)
         self.cache.align([width - k for k in kept], length + width, max(a.cached for a in self.rows))
         (shift,) = _to_device([torch.tensor(kept, dtype=torch.long)], self.device)
@@ -557,26 +552,33 @@ class DecodeBatch:
             raise RuntimeError(f"the model's logits are not finite (NaN log-probs) for rows {bad[:8]}: its weights or "
                                f"activations overflowed or were loaded wrong; check the last weight update")
 
+    def _part(self, groups: dict[int, dict[Any, list[_Active]]]) -> list[Any]:
+        """Part the rows of each cache row by what they drew (groups: cache row -> key -> its rows, e.g. the tokens
+        drawn): the first key's rows stay, each other key's rows move to a copy of the cache row (`_fork`, after
+        the batch's). Returns the key of every cache row after the part (None where no group names one)."""
+        keys: list[Any] = [None] * self.cache.rows
+        src = []
+        for p, by_key in groups.items():
+            (keys[p], _), *others = by_key.items()
+            for key, moving in others:
+                for a in moving:
+                    a.phys = len(keys)
+                keys.append(key)
+                src.append(p)
+        if src:
+            self._fork(src)
+            (self.phys_idx,) = _to_device([torch.tensor([a.phys for a in self.rows], dtype=torch.long)], self.device)
+        return keys
+
     def _next_tokens(self, keep: list[int]) -> None:
-        """Set each cache row's next token to feed (`last`): the last token its continuing rows (`keep`) drew.
-        Rows of one cache row that drew different tokens part: each other token gets a copy of the cache row
-        (`_fork`) and its rows move there; a cache row no continuing row uses gets the pad id (it leaves in
-        `_keep`)."""
+        """Set each cache row's next token to feed (`last`): the last token its continuing rows (`keep`) drew (rows
+        of one cache row that drew different tokens part, `_part`); a cache row no continuing row uses gets the pad
+        id (it leaves in `_keep`)."""
         drew: dict[int, dict[int, list[_Active]]] = {}
         for i in keep:
             a = self.rows[i]
             drew.setdefault(a.phys, {}).setdefault(a.out_ids[-1], []).append(a)
-        last, src = [self.pad_id] * self.cache.rows, []
-        for p, by_token in drew.items():
-            (token, _), *others = by_token.items()
-            last[p] = token
-            for token, moving in others:
-                for a in moving:
-                    a.phys = len(last)
-                last.append(token)
-                src.append(p)
-        if src:
-            self._fork(src)
+        last = [self.pad_id if t is None else t for t in self._part(drew)]
         (self.last,) = _to_device([torch.tensor(last, dtype=torch.long)], self.device)
 
     @torch.inference_mode()
