@@ -74,14 +74,15 @@ def prompt_trees(samples: Sequence[Sample], token_budget: int) -> list[list[int]
 
 def shared_length(samples: Sequence[Sample], tree: Sequence[int]) -> int:
     """Tokens the tree's samples run once: their longest common prefix (the prompt, and the start of the responses
-    where every sample has the same tokens), leaving each sample at least one token of its own."""
+    where every sample has the same tokens), leaving each sample at least one token of its own (none past the
+    prompt where a response is empty)."""
     seqs = [samples[i].tokens for i in tree]
     limit = min(len(t) for t in seqs) - 1
-    n = samples[tree[0]].prompt_length
+    n = samples[tree[0]].prompt_length  # never less: the loop only moves it forward
     first = seqs[0]
     while n < limit and all(t[n] == first[n] for t in seqs):
         n += 1
-    return max(n, samples[tree[0]].prompt_length)
+    return n
 
 
 def tree_cost(samples: Sequence[Sample], tree: Sequence[int]) -> int:
