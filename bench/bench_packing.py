@@ -224,9 +224,9 @@ def shared_prompt_attention_inputs(n_trees: int, device: str, seed: int = 0):
                                   response_length=r, group_index=t))
     mb = build_shared_micro_batches(samples, token_budget=64 * n_trees, bucket_size=64)[0]
     row, trees = mb.row, mb.trees
-    layouts = {"tree": tree_block_kwargs(row.seq_index.to(device), trees.branch.to(device), trees.trees,
+    layouts = {"tree": tree_block_kwargs(row.seq_index.to(device), trees.end.to(device), row.lengths,
                                          torch.float32)}  # what the trainer passes
-    gather, scatter = tree_branch_indices(trees.trees, row.padded_len, device)
+    gather, scatter = tree_branch_indices(trees.paths, row.padded_len, device)
     layouts["branch"] = dict(packed_gather_index=gather, packed_scatter_index=scatter)
     n = row.padded_len
     q = torch.randn(1, 4, n, 32, device=device, requires_grad=True)
@@ -281,9 +281,16 @@ def agent_row_attention_inputs(n_trees: int, device: str, seed: int = 0):
         trees.append((25, tuple(int(x) for x in lens)))
     trees = tuple(trees)
     n = sum(p + sum(lens) for p, lens in trees)
-    gather, scatter = tree_branch_indices(trees, n, device)
+    paths, o = [], 0  # each branch: its tree's prompt, then its own tokens (PromptTrees.paths)
+    for p, lens in trees:
+        b = o + p
+        for r in lens:
+            paths.append(((o, o + p), (b, b + r)))
+            b += r
+        o = b
+    gather, scatter = tree_branch_indices(paths, n, device)
     layouts = {"one_batch": dict(packed_gather_index=gather, packed_scatter_index=scatter)}
-    gather, scatter, chunks = branch_chunked_indices(trees, n, device)
+    gather, scatter, chunks = branch_chunked_indices(paths, n, device)
     layouts["chunked"] = dict(packed_gather_index=gather, packed_scatter_index=scatter, packed_chunks=chunks)
     q = torch.randn(1, 4, n, 32, device=device, requires_grad=True)
     k, v = (torch.randn(1, 2, n, 32, device=device, requires_grad=True) for _ in range(2))

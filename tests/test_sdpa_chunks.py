@@ -103,35 +103,37 @@ def test_chunked_packed_sdpa_equals_dense_block_causal_sdpa(kv_heads, seed):
 
 
 def _uneven_groups(seed: int, groups: int = 5, vocab: int = 90) -> list[Sample]:
-    """Groups of 2-6 samples sharing a prompt of 1-12 tokens, responses of 1-150 tokens: branches of very different
-    lengths in one row (one, two and three-turn episodes)."""
+    """Groups of 2-6 samples sharing a prompt of 1-12 tokens, responses of 1-150 tokens (one of the group's two
+    0-39-token openings, then 1-110 of their own): branches of very different lengths in one row (one, two and
+    three-turn episodes), some sharing more than the prompt."""
     g = torch.Generator().manual_seed(seed)
+    rnd = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=g))  # noqa: E731
     out = []
     for gi in range(groups):
-        prompt = torch.randint(3, vocab, (int(torch.randint(1, 13, (1,), generator=g)),), generator=g).tolist()
-        for i in range(int(torch.randint(2, 7, (1,), generator=g))):
-            r = int(torch.randint(1, 151, (1,), generator=g))
-            out.append(Sample(prompt="", tokens=prompt + torch.randint(3, vocab, (r,), generator=g).tolist(),
-                              response_length=r, group_index=gi, index=i))
+        prompt = torch.randint(3, vocab, (rnd(1, 13),), generator=g).tolist()
+        openings = [torch.randint(3, vocab, (rnd(0, 40),), generator=g).tolist() for _ in range(2)]
+        for i in range(rnd(2, 7)):
+            resp = openings[rnd(0, 2)] + torch.randint(3, vocab, (rnd(1, 111),), generator=g).tolist()
+            out.append(Sample(prompt="", tokens=prompt + resp, response_length=len(resp), group_index=gi, index=i))
     return out
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_chunked_branch_attention_equals_dense_tree_mask_sdpa(seed):
     """The shared-prompt row's per-branch layout in chunks against SDPA with the dense tree mask (float64, output
-    and gradients): each branch sees its prompt and itself, a prompt token's output is its own sequence's."""
+    and gradients): each branch sees what it shares and itself, a shared token's output is its own sequence's."""
     g = torch.Generator().manual_seed(seed + 10)
     with use_backend("torch"):
         mb = build_shared_micro_batches(_uneven_groups(seed), token_budget=4096, bucket_size=16)[0]
     row, trees = mb.row, mb.trees
-    gather, scatter, chunks = branch_chunked_indices(trees.trees, row.padded_len)
+    gather, scatter, chunks = branch_chunked_indices(trees.paths, row.padded_len)
     assert len(chunks) >= 2
     n, h, d = row.padded_len, 4, 8
     q = torch.randn(1, h, n, d, generator=g, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(1, 2, n, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
     out, _ = packed_sdpa_attention(_Attn(), q, k, v, None, packed_gather_index=gather, packed_scatter_index=scatter,
                                    packed_chunks=chunks)
-    want = F.scaled_dot_product_attention(q, k, v, attn_mask=tree_causal_mask(row.seq_index, trees.branch),
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=tree_causal_mask(trees.end),
                                           enable_gqa=True).transpose(1, 2)
     assert_same_attention(out, want, (q, k, v), row.num_tokens, g)
 
@@ -139,9 +141,9 @@ def test_chunked_branch_attention_equals_dense_tree_mask_sdpa(seed):
 def test_tree_block_layout_costs_the_branches_as_chunked():
     """One long branch among short ones: padded to it, the branches cost more than the tree (8 x 210^2 = 352,800
     against 280^2 = 78,400); in chunks they cost less (210^2 + 7 x 20^2 = 46,900)."""
-    trees = ((10, (200,) + (10,) * 7),)
-    assert tree_block_layout(trees) == "tree"
-    assert tree_block_layout(trees, chunked=True) == "branch"
+    trees, branches = [10 + 200 + 7 * 10], [210] + [20] * 7
+    assert tree_block_layout(trees, branches) == "tree"
+    assert tree_block_layout(trees, branches, chunked=True) == "branch"
     assert chunked_cost([210] + [20] * 7) == 210 ** 2 + 7 * 20 ** 2
 
 

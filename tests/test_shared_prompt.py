@@ -24,7 +24,7 @@ from trainer.backend.attention import (
 from trainer.backend.models import load_hf_model
 from trainer.backend.steps import build_components, compute_logprobs, forward_backward, trainer_config_from
 from trainer.batching.micro_batches import attach_logprobs, build_micro_batches
-from trainer.batching.shared_prompt import build_shared_micro_batches, prompt_trees, shared_length, tree_cost
+from trainer.batching.shared_prompt import build_shared_micro_batches, prompt_trees, tree_cost, trie_nodes
 from trainer.config import OptimConfig, RLTrainingConfig, RolloutConfig, SFTTrainingConfig
 from trainer.types import Sample
 
@@ -38,7 +38,7 @@ def _torch_path():
 def force_layout(monkeypatch, layout: str | None) -> None:
     """packed_sdpa's shared-prompt layout forced to "tree" or "branch" (tree_block_layout picks by cost)."""
     if layout is not None:
-        monkeypatch.setattr("trainer.backend.attention.tree_block_layout", lambda trees, chunked=False: layout)
+        monkeypatch.setattr("trainer.backend.attention.tree_block_layout", lambda *args, **kw: layout)
 
 
 @pytest.fixture(params=["tree", "branch"])
@@ -51,8 +51,8 @@ def grouped_samples(seed: int, groups: int = 6, vocab: int = 90, alike: bool = F
     """Groups of 1-5 samples sharing a random prompt (1-12 tokens), responses of 0-9 tokens with random loss masks
     and engine log-probs, the groups interleaved (a fleet returns them out of order); plus a sample with an empty
     prompt and a second group with the first group's prompt (same tokens, another group id: they share too).
-    alike: a group's responses begin with the same 0-6 tokens (then 0-5 of their own; some whole responses equal),
-    so the trees share more than the prompt."""
+    alike: a group's responses begin with the same 0-6 tokens, then one of two 0-4-token continuations (so some
+    of its samples share more than others: a trie), then 0-5 of their own (some whole responses equal)."""
     g = torch.Generator().manual_seed(seed)
     rnd = lambda lo, hi: int(torch.randint(lo, hi, (), generator=g))  # noqa: E731
     prompts = [torch.randint(6, vocab, (rnd(1, 13),), generator=g).tolist() for _ in range(groups)]
@@ -60,8 +60,10 @@ def grouped_samples(seed: int, groups: int = 6, vocab: int = 90, alike: bool = F
     out = []
     for gi, prompt in enumerate(prompts):
         opening = torch.randint(6, vocab, (rnd(0, 7),), generator=g).tolist() if alike else []
+        middles = [torch.randint(6, vocab, (rnd(0, 5),), generator=g).tolist() for _ in range(2)] if alike else [[]]
         for _ in range(rnd(1, 6)):
-            resp = opening + torch.randint(6, vocab, (rnd(0, 6) if alike else rnd(0, 10),), generator=g).tolist()
+            own = torch.randint(6, vocab, (rnd(0, 6) if alike else rnd(0, 10),), generator=g).tolist()
+            resp = opening + middles[rnd(0, len(middles))] + own
             r = len(resp)
             out.append(Sample(prompt="", tokens=prompt + resp, response_length=r, group_index=gi,
                               loss_mask=(torch.rand(r, generator=g) > 0.25).long().tolist(),
@@ -130,38 +132,55 @@ def test_prompt_trees_share_identical_prompts_only_and_fit_the_budget():
     assert shared < unshared
 
 
-def test_a_tree_shares_its_longest_common_prefix_leaving_each_sample_a_token():
+def test_trie_nodes_lay_out_every_run_that_samples_share_once():
+    seqs = [(1, 2, 5, 6, 7, 8), (1, 2, 5, 6, 9), (1, 2, 5, 6, 7, 8), (1, 2, 5, 6, 7, 8, 3), (1, 2)]
+    assert list(trie_nodes(seqs)) == [
+        ([0, 1, 2, 3, 4], 0, 2, 0),  # the prompt: sample 4 ends here
+        ([0, 1, 2, 3], 2, 4, 1),  # [5, 6], alike in the rest
+        ([0, 2, 3], 4, 6, 2),  # [7, 8]: samples 0 and 2 end here, 3 goes on
+        ([3], 6, 7, 3),  # [3]
+        ([1], 4, 5, 2),  # [9]
+    ]
+    assert list(trie_nodes([(4, 4)])) == [([0], 0, 2, 0)] and list(trie_nodes([])) == []
+    assert list(trie_nodes([(1,), (2,)])) == [([0, 1], 0, 0, 0), ([0], 0, 1, 1), ([1], 0, 1, 1)]  # empty root
+
+
+def test_a_tree_is_its_samples_trie_and_each_sample_keeps_its_loss_rows():
     def sample(prompt, resp):
         return Sample(prompt="", tokens=tuple(prompt + resp), response_length=len(resp))
 
     samples = [sample([1, 2], [5, 6, 7, 8]), sample([1, 2], [5, 6, 9]), sample([1, 2], [5, 6, 7, 8]),
-               sample([1, 2], [5, 6, 7, 8]), sample([1, 2], []), sample([3], [4, 4])]
-    assert shared_length(samples, [0, 1]) == 4  # prompt + [5, 6]
-    assert shared_length(samples, [0, 2]) == 5  # identical: all but the last token
-    assert shared_length(samples, [0, 1, 4]) == 2  # an empty response: the prompt only
-    assert shared_length(samples, [4]) == 2 and shared_length(samples, [5]) == 2
-    assert tree_cost(samples, [0, 1, 2, 3]) == 4 + 2 + 1 + 2 + 2  # shared 4, then [7, 8], [9], [7, 8], [7, 8]
-    (mb,) = build_shared_micro_batches(samples[:4], token_budget=64, bucket_size=1)
-    assert mb.row.input_ids.tolist() == [1, 2, 5, 6, 7, 8, 9, 7, 8, 7, 8]
-    assert mb.trees.trees == ((4, (2, 1, 2, 2)),)
-    # Each sample's response tokens are still trained once each: 4 + 3 + 4 + 4 loss rows, with their own labels;
-    # a token inside the shared part is predicted by the shared hidden state before it.
-    assert mb.labels.tolist() == [5, 6, 7, 8, 5, 6, 9, 5, 6, 7, 8, 5, 6, 7, 8]
-    assert mb.trees.hidden_index.tolist() == [1, 2, 3, 4, 1, 2, 3, 1, 2, 3, 7, 1, 2, 3, 9]
+               sample([1, 2], [5, 6, 7, 8, 3]), sample([1, 2], [5, 6, 7, 4])]
+    # [1, 2, 5, 6] once, then [7] (under it [8] -> [3], and [4]), then [9]
+    assert tree_cost(samples, range(5)) == 4 + 1 + 1 + 1 + 1 + 1
+    (mb,) = build_shared_micro_batches(samples, token_budget=64, bucket_size=1)
+    assert mb.row.input_ids.tolist() == [1, 2, 5, 6, 7, 8, 3, 4, 9]
+    assert mb.row.position_ids.tolist() == [0, 1, 2, 3, 4, 5, 6, 5, 4]
+    assert mb.trees.end.tolist() == [9, 9, 9, 9, 8, 7, 7, 8, 9]  # each node's subtree ends there
+    assert mb.trees.paths == (((0, 4), (4, 5), (5, 6)), ((0, 4), (8, 9)), ((0, 4), (4, 5), (5, 6)),
+                              ((0, 4), (4, 5), (5, 6), (6, 7)), ((0, 4), (4, 5), (7, 8)))
+    # Each sample's response tokens are still trained once each, with their own labels; a token is predicted by
+    # the hidden state of the token before it on the sample's own path.
+    assert mb.labels.tolist() == [5, 6, 7, 8, 5, 6, 9, 5, 6, 7, 8, 5, 6, 7, 8, 3, 5, 6, 7, 4]
+    assert mb.trees.hidden_index.tolist() == [1, 2, 3, 4, 1, 2, 3, 1, 2, 3, 4, 1, 2, 3, 4, 5, 1, 2, 3, 4]
 
 
 def test_tree_mask_is_each_samples_own_causal_mask():
     # Tree 0: prompt of 2, branches of 2 and 1; tree 1: prompt of 1, one branch of 2; then a 2-token padding tail.
-    seq = torch.tensor([0, 0, 0, 0, 0, 1, 1, 1, -1, -1])
-    branch = torch.tensor([-1, -1, 0, 0, 1, -1, 2, 2, -1, -1])
-    m = tree_causal_mask(seq, branch)[0, 0]
+    end = torch.tensor([5, 5, 4, 4, 5, 8, 8, 8, 10, 10])
+    m = tree_causal_mask(end)[0, 0]
     allowed = {i: set(torch.nonzero(m[i]).flatten().tolist()) for i in range(10)}
     assert allowed[1] == {0, 1}  # prompt: itself causally
     assert allowed[3] == {0, 1, 2, 3}  # branch 0: prompt + own branch
     assert allowed[4] == {0, 1, 4}  # branch 1 does not see branch 0
     assert allowed[7] == {5, 6, 7} and allowed[9] == {8, 9}  # next tree; the tail is its own causal block
-    f = tree_causal_mask(seq, branch, torch.float32)[0, 0]
+    f = tree_causal_mask(end, torch.float32)[0, 0]
     assert torch.equal(f == 0, m)
+    # A deeper trie (the module docstring's): [p0 p1 p2 x0 x1 | y0 y1 | z0 | w0 w1], z under y, w beside y.
+    m = tree_causal_mask(torch.tensor([10] * 5 + [8, 8, 8, 10, 10]))[0, 0]
+    allowed = {i: set(torch.nonzero(m[i]).flatten().tolist()) for i in range(10)}
+    assert allowed[7] == {0, 1, 2, 3, 4, 5, 6, 7}  # z0: the prefix, its parent y, itself
+    assert allowed[9] == {0, 1, 2, 3, 4, 8, 9}  # w1: the prefix and w, not its sibling y's subtree
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -177,11 +196,11 @@ def test_flex_tree_block_mask_equals_the_dense_tree_mask(block_size):
     mbs = build_shared_micro_batches(grouped_samples(3), token_budget=128, bucket_size=16)
     g = torch.Generator().manual_seed(7)
     for mb in mbs:
-        seq, branch = mb.row.seq_index, mb.trees.branch
-        n = seq.shape[0]
+        end = mb.trees.end
+        n = end.shape[0]
         q, k, v = (torch.randn(1, 2, n, 16, generator=g) for _ in range(3))
-        mask = flex_tree_block_mask(seq, branch, block_size)
-        dense = tree_causal_mask(seq, branch)
+        mask = flex_tree_block_mask(end, block_size)
+        dense = tree_causal_mask(end)
         torch.testing.assert_close(flex_attention(q, k, v, block_mask=mask),
                                    F.scaled_dot_product_attention(q, k, v, attn_mask=dense), rtol=0, atol=1e-5)
         allowed = dense[0, 0]
@@ -207,38 +226,41 @@ def test_shared_prompt_hidden_states_equal_each_samples_own_forward(arch, attn, 
     force_layout(monkeypatch, layout)
     model = load_hf_model(tiny_model_config(arch), dtype=torch.float32, seed=1)
     model.set_attn_implementation(attn)
-    samples = grouped_samples(1)
+    samples = grouped_samples(1, alike=True)
     mbs = build_shared_micro_batches(samples, token_budget=64, bucket_size=16)
     assert len(mbs) >= 2 and all(mb.trees is not None for mb in mbs)
+    assert any(len(path) > 2 for mb in mbs for path in mb.trees.paths)  # a trie deeper than prompt + branches
     got = {}
     with torch.no_grad():
         for mb in mbs:
             hidden = packed_hidden_states(model, mb.row, mb.trees)  # [N, H]
-            o = 0
-            for p, lens in mb.trees.trees:  # walk the row: each branch's sequence is prompt + branch tokens
-                b = o + p
-                for r in lens:
-                    got.setdefault("rows", []).append(torch.cat([hidden[o:o + p], hidden[b:b + r]]))
-                    b += r
-                o = b
+            for path in mb.trees.paths:  # each branch's sequence: its row ranges
+                got.setdefault("rows", []).append(torch.cat([hidden[a:b] for a, b in path]))
         order = [i for mb in mbs for i in mb.sample_index]
         for i, h in zip(order, got["rows"]):
             ref = model.model(input_ids=torch.tensor(samples[i].tokens)[None]).last_hidden_state[0]
             torch.testing.assert_close(h, ref, atol=2e-5, rtol=1e-5)
 
 
+def two_level(trees) -> tuple[list[int], list[int]]:
+    """(prompt length, branch lengths) per tree -> tree_block_layout's (tree lengths, branch sequence lengths)."""
+    return [p + sum(lens) for p, lens in trees], [p + r for p, lens in trees for r in lens]
+
+
 def test_tree_block_layout_picks_the_fewer_score_elements():
     # 64 trees of 24 + 8 x 3 tokens (the demo): 64 * 48^2 < 512 * 27^2; long answers: 1 * 8100^2 > 8 * 1100^2 / 2.
-    assert tree_block_layout(((24, (3,) * 8),) * 64) == "tree"
-    assert tree_block_layout(((100, (1000,) * 8),)) == "branch"
+    assert tree_block_layout(*two_level(((24, (3,) * 8),) * 64)) == "tree"
+    assert tree_block_layout(*two_level(((100, (1000,) * 8),))) == "branch"
     # At the tie: one tree of 8 + 4 x 4 (24^2 = 576) against 4 branches of 12 (4 * 144 = 576) -> tree; one token
     # more per answer tips it: 28^2 = 784 against 4 * 13^2 = 676.
-    assert tree_block_layout(((8, (4, 4, 4, 4)),)) == "tree"
-    assert tree_block_layout(((8, (5, 5, 5, 5)),)) == "branch"
+    assert tree_block_layout(*two_level(((8, (4, 4, 4, 4)),))) == "tree"
+    assert tree_block_layout(*two_level(((8, (5, 5, 5, 5)),))) == "branch"
     # Branches of 512 tokens or more count half (causal block skipping): 624^2 = 389k against 2 * 512^2 / 2 = 262k
     # -> branch; two tokens shorter, 622^2 = 387k against the full 2 * 510^2 = 520k -> tree.
-    assert tree_block_layout(((400, (112, 112)),)) == "branch"
-    assert tree_block_layout(((398, (112, 112)),)) == "tree"
+    assert tree_block_layout(*two_level(((400, (112, 112)),))) == "branch"
+    assert tree_block_layout(*two_level(((398, (112, 112)),))) == "tree"
+    # A deeper trie: the tree is shorter than its prompt plus its branches' own parts (here 40 + 30 + 4 x 5).
+    assert tree_block_layout([90], [75] * 4) == "tree"
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -254,23 +276,23 @@ def test_tree_block_attention_equals_dense_tree_mask_sdpa(seed, kv_heads, additi
         is_causal = True
 
     g = torch.Generator().manual_seed(seed)
-    mb = build_shared_micro_batches(grouped_samples(seed), token_budget=256, bucket_size=16)[0]
+    mb = build_shared_micro_batches(grouped_samples(seed, alike=seed > 0), token_budget=256, bucket_size=16)[0]
     row, trees = mb.row, mb.trees
     n, h, d = row.padded_len, 4, 8
     q = torch.randn(1, h, n, d, generator=g, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(1, kv_heads, n, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
-    gather, scatter, mask = tree_block_indices(row.seq_index, trees.branch, trees.trees)
-    assert gather.shape[0] == len(trees.trees) and mask.shape == (len(trees.trees), 1, *gather.shape[1:] * 2)
+    gather, scatter, mask = tree_block_indices(row.seq_index, trees.end, row.lengths)
+    assert gather.shape[0] == len(row.lengths) and mask.shape == (len(row.lengths), 1, *gather.shape[1:] * 2)
     if additive:  # what packed_attention_kwargs passes: 0 / the dtype's min, made once for every layer
         # (kv_heads 1: a float32 mask under float64 q/k/v, a compute dtype other than the model's: converted)
         dt = torch.float32 if kv_heads == 1 else torch.float64
-        kw = tree_block_kwargs(row.seq_index, trees.branch, trees.trees, dt)
+        kw = tree_block_kwargs(row.seq_index, trees.end, row.lengths, dt)
         assert kw["packed_gather_index"].equal(gather) and kw["packed_scatter_index"].equal(scatter)
         mask = kw["packed_block_mask"]
-        assert mask.dtype == dt and mask.shape == (len(trees.trees), 1, *gather.shape[1:] * 2)
+        assert mask.dtype == dt and mask.shape == (len(row.lengths), 1, *gather.shape[1:] * 2)
     out, _ = packed_sdpa_attention(_Attn(), q, k, v, None, scaling=0.3, packed_gather_index=gather,
                                    packed_scatter_index=scatter, packed_block_mask=mask)  # [1, N, H, D]
-    dense = tree_causal_mask(row.seq_index, trees.branch)
+    dense = tree_causal_mask(trees.end)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, scale=0.3,
                                           enable_gqa=kv_heads != h).transpose(1, 2)
     real = row.num_tokens  # the padding tail: zeros from packed_sdpa, its own causal block in the dense mask
@@ -318,7 +340,7 @@ def test_shared_prompt_logprobs_match_the_float64_reference(seed, alike):
 @pytest.mark.parametrize("seed", [6, 7])
 def test_shared_prompt_loss_metrics_and_gradients_equal_the_plain_layout(seed, packed_sdpa_layout, alike):
     """The whole policy step (KL to a reference, TIS, entropy, per-sequence aggregation) in both layouts; with
-    alike responses the trees also share the start of the responses (shared_length > the prompt)."""
+    alike responses the trees also share parts of the responses (a trie deeper than prompt + branches)."""
     samples = grouped_samples(seed, alike=alike)
     g = torch.Generator().manual_seed(seed)
     adv = (torch.randn(len(samples), generator=g)).tolist()

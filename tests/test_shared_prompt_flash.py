@@ -92,46 +92,59 @@ def random_trees(g: torch.Generator) -> tuple[tuple[tuple[int, tuple[int, ...]],
     return tuple(trees), total + rnd(0, 6)
 
 
+def paths_of(trees) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """(prompt length, branch lengths) per tree -> PromptTrees.paths: each branch's row ranges, its tree's prompt
+    (none when empty) then its own tokens (none when empty), as pack_tree_micro_batch lays a two-level trie."""
+    paths, o = [], 0
+    for p, lens in trees:
+        b = o + p
+        for r in lens:
+            paths.append(tuple(x for x in ((o, o + p), (b, b + r)) if x[1] > x[0]))
+            b += r
+        o = b
+    return tuple(paths)
+
+
 def row_labels(trees, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N] tree ids and [N] branch ids (-1 on prompts and the tail) of a row, as pack_tree_micro_batch lays it."""
-    seq, branch, b = [], [], 0
+    """[N] tree ids (-1 on the tail) and [N] subtree ends (PromptTrees.end: a prompt token's is its tree's end, a
+    branch token's its branch's, the tail's N) of a row, as pack_tree_micro_batch lays a two-level trie."""
+    seq, end, o = [], [], 0
     for t, (p, lens) in enumerate(trees):
+        tree_end = o + p + sum(lens)
         seq += [t] * p
-        branch += [-1] * p
+        end += [tree_end] * p
+        b = o + p
         for r in lens:
             seq += [t] * r
-            branch += [b] * r
-            b += 1
+            end += [b + r] * r
+            b += r
+        o = tree_end
     tail = n - len(seq)
-    return torch.tensor(seq + [-1] * tail), torch.tensor(branch + [-1] * tail)
+    return torch.tensor(seq + [-1] * tail), torch.tensor(end + [n] * tail)
 
 
-def expected_indices(trees, seq: torch.Tensor, branch: torch.Tensor):
-    """(cu, gather, scatter, max_len) built the plain way: branch b's segment is every row token of its tree that
-    is a prompt token or in branch b; a row token's output comes from its branch's segment, or for a prompt token
-    from its tree's first branch, or (the tail) from the zero row T."""
-    seq, branch = seq.tolist(), branch.tolist()
-    tree_of = [t for t, (_, lens) in enumerate(trees) for _ in lens]
-    segs = [[i for i in range(len(seq)) if seq[i] == tree_of[b] and branch[i] in (-1, b)]
-            for b in range(len(tree_of))]
+def expected_indices(paths, end: torch.Tensor):
+    """(cu, gather, scatter, max_len) built another way: branch b's segment is every row token its last token
+    attends (j <= last < end[j], the mask rule); a row token's output comes from the first segment holding it, or
+    (the tail) from the zero row T."""
+    end = end.tolist()
+    lasts = [path[-1][1] - 1 for path in paths]
+    segs = [[j for j in range(last + 1) if last < end[j]] for last in lasts]
     starts = [sum(len(s) for s in segs[:b]) for b in range(len(segs) + 1)]
     total = starts[-1]
     scatter = []
-    for i in range(len(seq)):
-        if seq[i] < 0:
-            scatter.append(total)
-            continue
-        b = branch[i] if branch[i] >= 0 else tree_of.index(seq[i])
-        scatter.append(starts[b] + segs[b].index(i))
+    for i in range(len(end)):
+        b = next((b for b, seg in enumerate(segs) if i in seg), None)
+        scatter.append(total if b is None else starts[b] + segs[b].index(i))
     return starts, [i for s in segs for i in s], scatter, max(len(s) for s in segs)
 
 
 @pytest.mark.parametrize("seed", range(25))
 def test_tree_varlen_indices_equal_a_construction_from_the_row(seed):
     trees, n = random_trees(torch.Generator().manual_seed(seed))
-    seq, branch = row_labels(trees, n)
-    cu, gather, scatter, max_len = tree_varlen_indices(trees, n)
-    want_cu, want_gather, want_scatter, want_max = expected_indices(trees, seq, branch)
+    seq, end = row_labels(trees, n)
+    cu, gather, scatter, max_len = tree_varlen_indices(paths_of(trees), n)
+    want_cu, want_gather, want_scatter, want_max = expected_indices(paths_of(trees), end)
     assert cu.tolist() == want_cu and gather.tolist() == want_gather and scatter.tolist() == want_scatter
     assert max_len == want_max and isinstance(max_len, int)
     assert cu.dtype == gather.dtype == scatter.dtype == torch.int32  # flash-attn takes int32 cu_seqlens
@@ -145,22 +158,28 @@ def test_tree_varlen_indices_equal_a_construction_from_the_row(seed):
 
 
 def test_tree_varlen_indices_on_real_micro_batches():
-    """The packer's rows (trees, tree ids and branch ids from build_shared_micro_batches) give the same indices."""
-    mbs = build_shared_micro_batches(random_samples(11), token_budget=64, bucket_size=16)
-    assert len(mbs) >= 2
+    """The packer's rows (tries deeper than prompt + branches, from build_shared_micro_batches) give the same
+    indices, and each segment's tokens are its sample's, in order."""
+    samples = random_samples(11)
+    mbs = build_shared_micro_batches(samples, token_budget=64, bucket_size=16)
+    assert len(mbs) >= 2 and any(len(path) > 2 for mb in mbs for path in mb.trees.paths)
     for mb in mbs:
-        cu, gather, scatter, max_len = tree_varlen_indices(mb.trees.trees, mb.row.padded_len)
-        want = expected_indices(mb.trees.trees, mb.row.seq_index, mb.trees.branch)
+        cu, gather, scatter, max_len = tree_varlen_indices(mb.trees.paths, mb.row.padded_len)
+        want = expected_indices(mb.trees.paths, mb.trees.end)
         assert (cu.tolist(), gather.tolist(), scatter.tolist(), max_len) == want
+        ids, c = mb.row.input_ids[gather.long()].tolist(), cu.tolist()
+        assert [tuple(ids[a:b]) for a, b in zip(c, c[1:])] == [samples[i].tokens for i in mb.sample_index]
 
 
 def test_tree_varlen_indices_reject_a_bad_tree_structure():
-    with pytest.raises(ValueError, match="PromptTrees.trees"):
-        tree_varlen_indices(((3, ()),), 8)  # a tree without a branch
+    with pytest.raises(ValueError, match="PromptTrees.paths"):
+        tree_varlen_indices((), 8)  # no branch
     with pytest.raises(ValueError, match="padded_len=4"):
-        tree_varlen_indices(((3, (2,)),), 4)  # more tokens than the row
+        tree_varlen_indices((((0, 3), (3, 5)),), 4)  # more tokens than the row
     with pytest.raises(ValueError, match="non-empty"):
-        tree_varlen_indices(((0, (0,)),), 4)  # an empty sequence
+        tree_varlen_indices(((),), 4)  # an empty sequence
+    with pytest.raises(ValueError, match=r"row positions \[2\] lie on no branch"):
+        tree_varlen_indices((((0, 2), (3, 4)),), 8)  # a hole in the row
 
 
 def attention_module(impl: str = "flash_attention_2") -> SimpleNamespace:
@@ -180,14 +199,14 @@ def test_tree_flash_attention_equals_the_dense_tree_mask(reference_kernel, impl,
     dense tree mask, float64; the kernel receives the gathered layout's cu_seqlens and max length."""
     g = torch.Generator().manual_seed(100 + seed)
     trees, n = random_trees(g)
-    seq, branch = row_labels(trees, n)
+    seq, end = row_labels(trees, n)
     real = int((seq >= 0).sum())
     h, d, scale = 4, 8, 0.3
     q = torch.randn(1, h, n, d, generator=g, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(1, kv_heads, n, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
     up = torch.randn(1, n, h, d, generator=g, dtype=torch.float64)
     up[:, real:] = 0  # the tail's outputs feed nothing in training
-    cu, gather, scatter, max_len = tree_varlen_indices(trees, n)
+    cu, gather, scatter, max_len = tree_varlen_indices(paths_of(trees), n)
     kw = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len,
               tree_gather_index=gather, tree_scatter_index=scatter, position_ids=torch.arange(n)[None])
     out, weights = tree_flash_attention(attention_module(impl), q, k, v, packed_placeholder_mask("cpu"),
@@ -196,7 +215,7 @@ def test_tree_flash_attention_equals_the_dense_tree_mask(reference_kernel, impl,
     grads = torch.autograd.grad(out, (q, k, v), up)
     rep = h // kv_heads
     dense = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
-                                           attn_mask=tree_causal_mask(seq, branch), scale=scale).transpose(1, 2)
+                                           attn_mask=tree_causal_mask(end), scale=scale).transpose(1, 2)
     want = torch.autograd.grad(dense, (q, k, v), up)
     torch.testing.assert_close(out[:, :real], dense[:, :real], rtol=0, atol=1e-5)
     assert not out[:, real:].any()  # the padding tail: zeros, never computed
@@ -212,7 +231,7 @@ def test_the_gather_sums_the_prompt_gradients_over_the_branches(reference_kernel
     """The prompt's K/V gradient is the sum of its copies' gradients: run the gathered layout on leaf copies (the
     plain layout, one prompt copy per sample) and add each copy's gradient into its row position."""
     trees, n = ((5, (3, 0, 4)), (2, (1, 2))), 20
-    cu, gather, scatter, max_len = tree_varlen_indices(trees, n)
+    cu, gather, scatter, max_len = tree_varlen_indices(paths_of(trees), n)
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, 2, n, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
     up = torch.randn(1, n, 2, 8, generator=g, dtype=torch.float64)
@@ -249,17 +268,18 @@ def test_without_tree_kwargs_it_is_transformers_flash_attention(reference_kernel
 
 
 def random_samples(seed: int, groups: int = 5, vocab: int = 90) -> list[Sample]:
-    """Groups of 1-5 samples sharing a random prompt of 1-12 tokens, responses of 0-9 tokens, interleaved; plus one
-    sample with an empty prompt."""
+    """Groups of 1-5 samples sharing a random prompt of 1-12 tokens, responses of 0-11 tokens (one of the group's
+    two 0-3-token openings, so some samples share more than the prompt, then 0-7 of their own), interleaved; plus
+    one sample with an empty prompt."""
     g = torch.Generator().manual_seed(seed)
     rnd = lambda lo, hi: int(torch.randint(lo, hi, (), generator=g))  # noqa: E731
     out = []
     for gi in range(groups):
         prompt = torch.randint(6, vocab, (rnd(1, 13),), generator=g).tolist()
+        openings = [torch.randint(6, vocab, (rnd(0, 4),), generator=g).tolist() for _ in range(2)]
         for _ in range(rnd(1, 6)):
-            r = rnd(0, 10)
-            out.append(Sample(prompt="", tokens=prompt + torch.randint(6, vocab, (r,), generator=g).tolist(),
-                              response_length=r, group_index=gi))
+            resp = openings[rnd(0, 2)] + torch.randint(6, vocab, (rnd(0, 8),), generator=g).tolist()
+            out.append(Sample(prompt="", tokens=prompt + resp, response_length=len(resp), group_index=gi))
     out.append(Sample(prompt="", tokens=torch.randint(6, vocab, (5,), generator=g).tolist(), response_length=5))
     return [out[i] for i in torch.randperm(len(out), generator=g).tolist()]
 

@@ -42,8 +42,9 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
@@ -53,7 +54,13 @@ from transformers.masking_utils import sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kernels.packing import PackedBatch
-from trainer.backend.sdpa_chunks import WASTE, branch_chunked_indices, chunked_cost, plain_chunked_indices
+from trainer.backend.sdpa_chunks import (
+    WASTE,
+    branch_chunked_indices,
+    branch_segments,
+    chunked_cost,
+    plain_chunked_indices,
+)
 from trainer.batching.micro_batches import PromptTrees
 
 _FLASH = ("flash_attention_2", "flash_attention_3")
@@ -175,71 +182,46 @@ def _tile_min(x: torch.Tensor, fill: int, nb: int, block_size: int) -> torch.Ten
     return torch.cat([x, pad]).view(nb, block_size).amin(dim=1)
 
 
-def flex_tree_block_tiles(seq_index: torch.Tensor, branch: torch.Tensor,
-                          block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N] tree ids and [N] branch ids (-1 on prompts) -> (partial, full) [nb, nb] bool tile tables of
-    tree_causal_mask's rule, nb = ceil(N / bs): a tile is listed iff it holds an allowed pair, full iff all its pairs
-    are allowed.
+def flex_tree_block_tiles(end: torch.Tensor, block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N] subtree ends of a shared-prompt row (PromptTrees.end) -> (partial, full) [nb, nb] bool tile tables of
+    tree_causal_mask's rule (query i attends key j iff j <= i < end[j]), nb = ceil(N / bs): a tile is listed iff it
+    holds an allowed pair, full iff all its pairs are allowed.
 
     The document tables of the trees (flex_block_tiles) list every causal tile of a tree, so a branch's queries also
     visit the key tiles of all earlier branches of its tree, where mask_mod is false everywhere: with a prompt of P
     and B branches of R tokens, ~(P + B R)^2 / 2 scores where ~P^2 / 2 + B R (P + R / 2) are needed (P = 200,
-    8 x R = 500, bs = 128: 561 causal tiles, 164 of them hold an allowed pair). An allowed pair (q, k) is either
-      (a) same run: k <= q in one run of equal (tree, branch), the prompt being a run: flex_block_tiles over the
-          run ids gives these tiles (and the full ones among them);
-      (b) prompt key, branch query: k in the prompt of q's tree, q in one of its branches (so k < q).
-    For (b), the trees whose branch tokens lie in q tile i are contiguous in row order and every one but the first
-    starts inside tile i, so its prompt (before its branches) lies in tile i too, whose diagonal (a) lists anyway;
-    the first one's prompt spans the key tiles [plo_i, phi_i], the minima over the tile's branch tokens of their
-    tree's first and last prompt tile (both grow with the tree). So the listed tiles are exactly (a) | (b).
-    Full: the tiles lie in one tree (document-full: complete, kv tile before q tile) and every key is a prompt
-    token or in the one branch all the queries are in. Every op runs on the device with sizes the host knows (no
-    sync): cumsum / cummax / cummin over [N], minima over [nb, bs], [nb, nb] comparisons.
+    8 x R = 500, bs = 128: 561 causal tiles, 164 of them hold an allowed pair). Key j allows the queries [j, end[j]),
+    so for a key tile before the query tile [qs, qe] some pair is allowed iff the key tile's greatest end exceeds qs,
+    and all are iff its least end exceeds qe (both tiles complete: slots past N are never allowed); a diagonal tile
+    always holds its diagonal and masks its upper triangle. Every op runs on the device with sizes the host knows
+    (no sync): minima over [nb, bs], [nb, nb] comparisons.
     """
-    n, dev = seq_index.shape[0], seq_index.device
+    n, dev = end.shape[0], end.device
     nb = -(-n // block_size)
-    pos = torch.arange(n, device=dev)
-    tree_change = seq_index[1:] != seq_index[:-1]  # [N-1]: token p+1 starts a new tree
-    run_change = tree_change | (branch[1:] != branch[:-1])  # [N-1]: ... or a new branch / the prompt's end
-    run = torch.zeros(n, dtype=torch.int64, device=dev)
-    run[1:] = torch.cumsum(run_change, 0)  # [N] run ids, one per (tree, branch) run
-    same_run_partial, same_run_full = flex_block_tiles(run, block_size)  # (a)
-    _, doc_full = flex_block_tiles(seq_index, block_size)
-
-    # (b): each token's tree start and the last token of its tree's first run (the prompt when branch < 0 there).
-    edge = torch.ones(1, dtype=torch.bool, device=dev)  # the row's first token starts, its last ends, a run
-    tree_start = torch.cummax(torch.where(torch.cat([edge, tree_change]), pos, 0), 0).values  # [N]
-    run_end = torch.where(torch.cat([run_change, edge]), pos, n).flip(0).cummin(0).values.flip(0)  # [N]
-    prompt_last = run_end[tree_start]  # [N]
-    has_prompt_key = (branch >= 0) & (branch[tree_start] < 0)  # [N] branch token of a tree with a prompt
-    plo = _tile_min(torch.where(has_prompt_key, tree_start // block_size, nb), nb, nb, block_size)  # [nb]
-    phi = _tile_min(torch.where(has_prompt_key, prompt_last // block_size, nb), nb, nb, block_size)  # [nb]
-    t = torch.arange(nb, device=dev)
-    prompt_keys = (plo[:, None] <= t[None, :]) & (t[None, :] <= phi[:, None])  # [nb q, nb kv]
-
-    # Full: kv tile j holds no branch token, or its branch tokens and all of q tile i's tokens are one branch b.
     big = torch.iinfo(torch.int64).max
-    b64 = branch.to(torch.int64)
-    kmin = _tile_min(torch.where(branch >= 0, b64, big), big, nb, block_size)  # [nb] least branch among keys
-    kmax = -_tile_min(torch.where(branch >= 0, -b64, 1), 1, nb, block_size)  # [nb] greatest (-1: none)
-    qmin, qmax = _tile_min(b64, big, nb, block_size), -_tile_min(-b64, 1, nb, block_size)  # [nb] over all tokens
-    one_branch = (kmin[None, :] == kmax[None, :]) & (qmin[:, None] == kmax[None, :]) & (qmax[:, None] == kmax[None, :])
-    full = doc_full & ((kmax[None, :] < 0) | one_branch)
-    listed = same_run_partial | same_run_full | prompt_keys
+    e = end.to(torch.int64)
+    max_end = -_tile_min(-e, 0, nb, block_size)  # [nb] greatest end among each tile's keys (slots past N: 0)
+    min_end = _tile_min(e, big, nb, block_size)  # [nb] least end
+    t = torch.arange(nb, device=dev)
+    first = t * block_size  # [nb] first query of each tile
+    last = torch.clamp((t + 1) * block_size, max=n) - 1  # [nb] its last real query
+    below = t[None, :] < t[:, None]  # [nb q, nb kv]: kv tile strictly before the q tile
+    complete = t < n // block_size  # [nb] no slot past N
+    listed = (below & (max_end[None, :] > first[:, None])) | (t[None, :] == t[:, None])
+    full = below & complete[:, None] & complete[None, :] & (min_end[None, :] > last[:, None])
     return listed & ~full, full
 
 
-def flex_tree_block_mask(seq_index: torch.Tensor, branch: torch.Tensor, block_size: int = 128):
-    """BlockMask for FlexAttention in the shared-prompt layout: tree_causal_mask's rule over [N] tree ids and [N]
-    branch ids (-1 on prompts), as a mask_mod, over flex_tree_block_tiles' tables (only the tiles holding an
-    allowed pair; mask_mod skipped on the full ones). Everything runs on the device with sizes the host knows."""
+def flex_tree_block_mask(end: torch.Tensor, block_size: int = 128):
+    """BlockMask for FlexAttention in the shared-prompt layout: tree_causal_mask's rule over the row's [N] subtree
+    ends (PromptTrees.end), as a mask_mod, over flex_tree_block_tiles' tables (only the tiles holding an allowed
+    pair; mask_mod skipped on the full ones). Everything runs on the device with sizes the host knows."""
 
     def tree_causal(b, h, q_idx, kv_idx):
-        return ((seq_index[q_idx] == seq_index[kv_idx]) & (kv_idx <= q_idx)
-                & ((branch[kv_idx] < 0) | (branch[kv_idx] == branch[q_idx])))
+        return (kv_idx <= q_idx) & (q_idx < end[kv_idx])
 
-    partial, full = flex_tree_block_tiles(seq_index, branch, block_size)
-    return _block_mask(partial, full, tree_causal, seq_index.shape[0], block_size)
+    partial, full = flex_tree_block_tiles(end, block_size)
+    return _block_mask(partial, full, tree_causal, end.shape[0], block_size)
 
 
 def packed_segment_indices(seq_index: torch.Tensor, lengths: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,24 +255,24 @@ def packed_segment_indices(seq_index: torch.Tensor, lengths: tuple[int, ...]) ->
     return gather, torch.where(i < total, real, s * lmax)
 
 
-def tree_causal_mask(seq_index: torch.Tensor, branch: torch.Tensor, dtype: torch.dtype = torch.bool) -> torch.Tensor:
-    """[N] tree ids and [N] branch ids (-1 on shared prompts) -> [1, 1, N, N] shared-prompt mask (bool / additive).
+def tree_causal_mask(end: torch.Tensor, dtype: torch.dtype = torch.bool) -> torch.Tensor:
+    """[N] subtree ends of a shared-prompt row (PromptTrees.end) -> [1, 1, N, N] mask (bool / additive).
 
-    Query i attends key j iff j <= i in the same tree and j is a prompt token or in i's own branch: a branch sees
-    its prompt and itself, a prompt sees only the prompt (trainer.batching.shared_prompt). The padding tail (tree -1,
-    branch -1) is one causal block, as in block_causal_mask.
+    Query i attends key j iff j <= i < end[j]: a token sees the tokens before it on its own path through its
+    tree's trie (its node's earlier tokens, its ancestors'), never a sibling subtree or another tree
+    (trainer.batching.shared_prompt). The padding tail (end N) is one causal block, as in block_causal_mask.
     """
-    n = seq_index.shape[0]
-    i = torch.arange(n, device=seq_index.device)
-    allowed = ((seq_index[:, None] == seq_index[None, :]) & (i[None, :] <= i[:, None])
-               & ((branch[None, :] < 0) | (branch[None, :] == branch[:, None])))
+    n = end.shape[0]
+    i = torch.arange(n, device=end.device)
+    allowed = (i[None, :] <= i[:, None]) & (i[:, None] < end[None, :])
     return _as_mask(allowed, dtype)
 
 
-def tree_block_layout(trees: tuple[tuple[int, tuple[int, ...]], ...], chunked: bool = False) -> str:
-    """Which packed_sdpa layout costs less for a shared-prompt row: "tree" (one padded sequence per tree, its
-    prompt once, a tree mask) or "branch" (one padded sequence per branch, each with its own copy of the prompt,
-    plain causal; chunked: in trainer.backend.sdpa_chunks' batches of alike lengths, costed as such).
+def tree_block_layout(tree_lengths: Sequence[int], branch_lengths: Sequence[int], chunked: bool = False) -> str:
+    """Which packed_sdpa layout costs less for a shared-prompt row: "tree" (one padded sequence per tree, each of
+    its trie's tokens once, a tree mask) or "branch" (one padded sequence per branch, each with its own copy of
+    what it shares, plain causal; chunked: in trainer.backend.sdpa_chunks' batches of alike lengths, costed as
+    such). tree_lengths: the row tokens of each tree; branch_lengths: each branch's sequence length.
 
     The score elements each computes: T * Lt^2 against S * Lb^2 (Lt, Lb the longest tree and branch sequence,
     every sequence padded to it), halved for branches of 512 tokens or more: from there the CPU flash kernel's
@@ -299,72 +281,55 @@ def tree_block_layout(trees: tuple[tuple[int, tuple[int, ...]], ...], chunked: b
     against 512 * 31^2 = 492k elements, and SDPA's per-(sequence, head) cost on the CPU makes the gap 3x: 3.7 vs
     11.4 ms a layer); long answers favour branches (P = 100, 8 x R = 1000: 66M against 4.8M). Memory is not
     modelled: the tree layout also holds its [T, 1, Lt, Lt] mask, once per row (packed_attention_kwargs)."""
-    t = len(trees)
-    lt = max(p + sum(lens) for p, lens in trees)
+    lengths = [n for n in tree_lengths if n > 0]
+    t, lt = len(lengths), max(lengths)
     # One padded batch is the chunking that never splits (waste unbounded): S * Lb^2, halved from 512 tokens.
-    branch_cost = chunked_cost([p + r for p, lens in trees for r in lens], waste=WASTE if chunked else math.inf)
+    branch_cost = chunked_cost(list(branch_lengths), waste=WASTE if chunked else math.inf)
     return "tree" if t * lt * lt <= branch_cost else "branch"
 
 
-def tree_block_indices(seq_index: torch.Tensor, branch: torch.Tensor,
-                       trees: tuple[tuple[int, tuple[int, ...]], ...]
+def tree_block_indices(seq_index: torch.Tensor, end: torch.Tensor, lengths: tuple[int, ...]
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Shared-prompt row -> (gather [T, Lt], scatter [N], mask [T, 1, Lt, Lt] bool) for packed_sdpa, T = trees.
 
-    Each tree is one padded sequence of the batch (packed_segment_indices over the tree ids seq_index [N]), so
-    a prompt runs once in attention too; mask is tree_causal_mask's rule inside each tree: query i attends key j
-    iff j <= i and j is a prompt token (branch -1) or in i's branch. A tree's pad slots repeat its last token,
-    after every real token (no real query sees them) and each sees itself (no empty softmax row); their outputs
-    are never scattered back. Device ops on seq_index and branch [N], sizes from the host's trees: no sync.
+    Each tree is one padded sequence of the batch (packed_segment_indices over the tree ids seq_index [N] and the
+    host tree lengths), so each of its trie's tokens runs once in attention too; mask is tree_causal_mask's rule
+    inside each tree: slot q attends slot k iff k <= q and q's row position < end[k's]. A tree's pad slots repeat
+    its last token, after every real token (no real query sees them) and each sees itself (no empty softmax row);
+    their outputs are never scattered back. Device ops on seq_index and end [N], sizes from the host: no sync.
     """
-    gather, scatter = packed_segment_indices(seq_index, tuple(p + sum(lens) for p, lens in trees))
-    lab = branch[gather]  # [T, Lt] branch of each slot, -1 on prompts
+    gather, scatter = packed_segment_indices(seq_index, lengths)
     lt = gather.shape[1]
     causal = torch.ones(lt, lt, dtype=torch.bool, device=gather.device).tril()
-    mask = causal & ((lab[:, None, :] < 0) | (lab[:, None, :] == lab[:, :, None]))  # [T, Lt q, Lt kv]
+    mask = causal & (gather[:, :, None] < end[gather][:, None, :])  # [T, Lt q, Lt kv]
     return gather, scatter, mask[:, None]
 
 
-def tree_block_kwargs(seq_index: torch.Tensor, branch: torch.Tensor, trees: tuple[tuple[int, tuple[int, ...]], ...],
+def tree_block_kwargs(seq_index: torch.Tensor, end: torch.Tensor, lengths: tuple[int, ...],
                       dtype: torch.dtype) -> dict:
     """packed_sdpa's keyword arguments for a shared-prompt row in the tree layout: tree_block_indices' gather and
     scatter, and its mask additive in `dtype` (the model's), made once for every layer: SDPA turns a bool mask into a
     new float tensor in each call, and the CPU flash backward keeps each copy (L x T x Lt^2 x 4 bytes in fp32)."""
-    gather, scatter, allowed = tree_block_indices(seq_index, branch, trees)
+    gather, scatter, allowed = tree_block_indices(seq_index, end, lengths)
     return {"packed_gather_index": gather, "packed_scatter_index": scatter,
             "packed_block_mask": _additive(allowed, dtype)}
 
 
-def tree_branch_indices(trees: tuple[tuple[int, tuple[int, ...]], ...], padded_len: int,
+def tree_branch_indices(paths: Sequence[Sequence[tuple[int, int]]], padded_len: int,
                         device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """Shared-prompt row -> (gather [S, Lmax], scatter [N]) for packed_sdpa, S = number of branches.
 
-    trees: (prompt length P, branch lengths) of each tree in row order (PromptTrees.trees). Segment s is branch
-    s's own sequence, prompt positions then its branch positions (P + R_s tokens), so the per-segment causal SDPA
-    is the sample's unshared attention; every branch reads the prompt's keys and values (their gradients sum over
-    the branches through the gather). Each row token's output is taken from one segment: a prompt token from its
-    tree's first branch, a branch token from its own; the padding tail from the zero row S * Lmax.
+    paths: each branch's row ranges (PromptTrees.paths). Segment s is branch s's own sequence (sdpa_chunks.
+    branch_segments), so the per-segment causal SDPA is the sample's unshared attention; every branch reads the
+    keys and values of the tokens it shares (their gradients sum over the branches through the gather). Each row
+    token's output is taken from the first branch through it; the padding tail from the zero row S * Lmax.
     """
-    segs: list[list[int]] = []  # per branch: the row positions of its sequence
-    owner: list[tuple[int, int]] = []  # per row token: (segment, slot) its output is read from
-    o = 0
-    for p, lens in trees:
-        assert lens, "a tree has at least one branch"
-        prompt = list(range(o, o + p))
-        owner += [(len(segs), k) for k in range(p)]
-        b = o + p
-        for r in lens:
-            owner += [(len(segs), p + k) for k in range(r)]
-            segs.append(prompt + list(range(b, b + r)))
-            b += r
-        o = b
-    if not segs or o > padded_len or any(not g for g in segs):
-        raise ValueError(f"trees={trees}: need at least one branch, non-empty sequences and at most "
-                         f"padded_len={padded_len} tokens; pass the row's own PromptTrees.trees")
+    segs, seg_of, slot_of = branch_segments(paths, padded_len)
     lmax = max(len(g) for g in segs)
-    gather = torch.tensor([g + [g[-1]] * (lmax - len(g)) for g in segs], dtype=torch.int64, device=device)
-    scatter = [sg * lmax + k for sg, k in owner] + [len(segs) * lmax] * (padded_len - o)
-    return gather, torch.tensor(scatter, dtype=torch.int64, device=device)
+    gather = np.stack([np.concatenate([g, np.full(lmax - len(g), g[-1])]) for g in segs])
+    scatter = np.full(padded_len, len(segs) * lmax, dtype=np.int64)
+    scatter[:len(seg_of)] = seg_of * lmax + slot_of
+    return torch.from_numpy(gather).to(device), torch.from_numpy(scatter).to(device)
 
 
 def packed_placeholder_mask(device: torch.device | str) -> torch.Tensor:
@@ -457,50 +422,34 @@ AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
 AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)  # plain calls (no packing kwargs) build sdpa's masks
 
 
-def tree_varlen_indices(trees: tuple[tuple[int, tuple[int, ...]], ...], padded_len: int,
+def tree_varlen_indices(paths: Sequence[Sequence[tuple[int, int]]], padded_len: int,
                         device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Shared-prompt row -> (cu_seqlens [S+1], gather [T], scatter [N], max_len) for flash-attn's varlen kernel.
 
-    trees: (prompt length P, branch lengths) of each tree in row order (PromptTrees.trees); S = number of branches.
-    Segment s is branch s's own sequence, its tree's prompt positions then its branch positions (P + R_s tokens),
-    laid end to end: gather[t] is the row position of token t of that layout (T = sum over branches of P + R_s),
-    cu_seqlens the segments' offsets in it and max_len the longest (a host int, as flash-attn takes it). scatter[n]
-    is where row token n's output is read: a branch token from its own segment, a prompt token from its tree's first
-    branch (every branch's copy of the prompt sees the same keys, so the copies are equal), the padding tail from
-    the zero row T (never computed: loss mask 0, and no real token attends it).
+    paths: each branch's row ranges (PromptTrees.paths); S = number of branches. Segment s is branch s's own
+    sequence (sdpa_chunks.branch_segments: what it shares, then its own tokens), laid end to end: gather[t] is the
+    row position of token t of that layout (T = sum of the branches' lengths), cu_seqlens the segments' offsets in
+    it and max_len the longest (a host int, as flash-attn takes it). scatter[n] is where row token n's output is
+    read: from the first branch through it (every branch's copy of a shared token sees the same keys, so the
+    copies are equal), the padding tail from the zero row T (never computed: loss mask 0, and no real token
+    attends it).
 
-    Built on the host from the host tree structure and moved in one copy (one int32 buffer; the three tensors are
-    views of it), non-blocking from page-locked memory on CUDA: no device value is read and the copy does not wait
-    for the queued work.
+    Built on the host from the host paths and moved in one copy (one int32 buffer; the three tensors are views of
+    it), non-blocking from page-locked memory on CUDA: no device value is read and the copy does not wait for the
+    queued work.
     """
-    cu, gather, scatter = [0], [], []
-    o = 0  # row offset of the current tree
-    for p, lens in trees:
-        if not lens:
-            raise ValueError(f"trees={trees}: a tree has at least one branch; pass the row's own PromptTrees.trees")
-        first = len(gather)  # the first branch's segment starts here: its prompt copy feeds the prompt's outputs
-        scatter += range(first, first + p)
-        b = o + p  # row offset of the current branch
-        for r in lens:
-            start = len(gather)
-            gather += range(o, o + p)
-            gather += range(b, b + r)
-            scatter += range(start + p, start + p + r)
-            cu.append(len(gather))
-            b += r
-        o = b
-    lengths = [hi - lo for lo, hi in zip(cu, cu[1:])]
-    if not lengths or min(lengths) == 0 or o > padded_len:
-        raise ValueError(f"trees={trees}: need at least one branch, non-empty sequences and at most "
-                         f"padded_len={padded_len} tokens; pass the row's own PromptTrees.trees")
-    scatter += [len(gather)] * (padded_len - o)
-    host = torch.tensor(cu + gather + scatter, dtype=torch.int32)  # [S+1 + T + N]: cu first (flash reads it as is)
+    segs, seg_of, slot_of = branch_segments(paths, padded_len)
+    lengths = np.asarray([len(g) for g in segs], dtype=np.int64)
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    scatter = np.full(padded_len, cu[-1], dtype=np.int64)
+    scatter[:len(seg_of)] = cu[seg_of] + slot_of
+    host = torch.from_numpy(np.concatenate([cu, *segs, scatter]).astype(np.int32))  # [S+1 + T + N]: cu first
     device = torch.device(device)
     if device.type == "cuda":
         host = host.pin_memory()
     buf = host.to(device, non_blocking=True)
-    s, t = len(cu), len(gather)
-    return buf[:s], buf[s:s + t], buf[s + t:], max(lengths)
+    s, t = len(cu), int(cu[-1])
+    return buf[:s], buf[s:s + t], buf[s + t:], int(lengths.max())
 
 
 def tree_flash_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -593,18 +542,19 @@ def _tree_attention_kwargs(impl: str, model, batch: PackedBatch, trees: PromptTr
         dev = batch.input_ids.device
         kw = {"attention_mask": packed_placeholder_mask(dev)}
         chunked = not _blocks_compiled(model)
-        if tree_block_layout(trees.trees, chunked) == "tree":
-            return {**kw, **tree_block_kwargs(batch.seq_index, trees.branch, trees.trees, _model_dtype(model))}
+        branch_lengths = [sum(b - a for a, b in path) for path in trees.paths]
+        if tree_block_layout(batch.lengths, branch_lengths, chunked) == "tree":
+            return {**kw, **tree_block_kwargs(batch.seq_index, trees.end, batch.lengths, _model_dtype(model))}
         if chunked:
-            gather, scatter, chunks = branch_chunked_indices(trees.trees, batch.padded_len, dev)
+            gather, scatter, chunks = branch_chunked_indices(trees.paths, batch.padded_len, dev)
             return {**kw, "packed_gather_index": gather, "packed_scatter_index": scatter, "packed_chunks": chunks}
-        gather, scatter = tree_branch_indices(trees.trees, batch.padded_len, dev)
+        gather, scatter = tree_branch_indices(trees.paths, batch.padded_len, dev)
         return {**kw, "packed_gather_index": gather, "packed_scatter_index": scatter}
     if impl in ("sdpa", "eager"):
         dtype = torch.bool if impl == "sdpa" else _model_dtype(model)
-        return {"attention_mask": tree_causal_mask(batch.seq_index, trees.branch, dtype)}
+        return {"attention_mask": tree_causal_mask(trees.end, dtype)}
     if impl == "flex_attention":
-        return {"attention_mask": flex_tree_block_mask(batch.seq_index, trees.branch)}
+        return {"attention_mask": flex_tree_block_mask(trees.end)}
     if impl in _FLASH:
         if ALL_ATTENTION_FUNCTIONS.get(impl) is not tree_flash_attention:
             # Another function under this name would ignore the tree kwargs and attend the row as one sequence.
@@ -614,7 +564,7 @@ def _tree_attention_kwargs(impl: str, model, batch: PackedBatch, trees: PromptTr
         # The placeholder mask, as for packed_sdpa: transformers returns it untouched, so its mask code reads
         # neither a mask nor the position_ids (attention_mask=None would make it scan position_ids on the host).
         dev = batch.input_ids.device
-        cu, gather, scatter, max_len = tree_varlen_indices(trees.trees, batch.padded_len, dev)
+        cu, gather, scatter, max_len = tree_varlen_indices(trees.paths, batch.padded_len, dev)
         return {"attention_mask": packed_placeholder_mask(dev), "cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
                 "max_length_q": max_len, "max_length_k": max_len,
                 "tree_gather_index": gather, "tree_scatter_index": scatter}

@@ -85,33 +85,39 @@ def plain_chunked_indices(lengths: Sequence[int], padded_len: int, device: torch
     return chunked_layout(segments, seg_of, slot_of, padded_len, device, waste)
 
 
-def branch_chunked_indices(trees: tuple[tuple[int, tuple[int, ...]], ...], padded_len: int,
+def branch_segments(paths: Sequence[Sequence[tuple[int, int]]], padded_len: int
+                    ) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """A shared-prompt row's branches as sequences: (segments, seg_of [T], slot_of [T]) for chunked_layout and the
+    per-branch layouts of trainer.backend.attention. paths: each branch's row ranges [start, stop) in order
+    (PromptTrees.paths); segment s is branch s's own sequence (its ancestors' tokens, then its own). Each of the
+    row's T real tokens (the first T, every one on some path) reads its output from the first branch through it:
+    every branch through a token computes the same output for it (the same keys before it)."""
+    segments = [np.concatenate([np.arange(a, b) for a, b in path]) if path else np.zeros(0, dtype=np.int64)
+                for path in paths]
+    if not segments or any(not len(g) for g in segments):
+        raise ValueError(f"paths={paths}: need at least one branch and non-empty sequences; pass the row's own "
+                         f"PromptTrees.paths")
+    total = max(int(g.max()) for g in segments) + 1
+    if total > padded_len:
+        raise ValueError(f"paths={paths}: tokens up to row position {total - 1}, past padded_len={padded_len}; pass "
+                         f"the row's own PromptTrees.paths")
+    seg_of = np.full(total, -1, dtype=np.int64)
+    slot_of = np.zeros(total, dtype=np.int64)
+    for s in reversed(range(len(segments))):  # the first branch through a token is written last
+        seg_of[segments[s]] = s
+        slot_of[segments[s]] = np.arange(len(segments[s]))
+    if (seg_of < 0).any():
+        raise ValueError(f"paths={paths}: row positions {np.flatnonzero(seg_of < 0).tolist()} lie on no branch; "
+                         f"pass the row's own PromptTrees.paths")
+    return segments, seg_of, slot_of
+
+
+def branch_chunked_indices(paths: Sequence[Sequence[tuple[int, int]]], padded_len: int,
                            device: torch.device | str = "cpu", waste: float = WASTE
                            ) -> tuple[torch.Tensor, torch.Tensor, tuple[tuple[int, int], ...]]:
-    """The shared-prompt row's per-branch layout (attention.tree_branch_indices: each branch a sequence of its
-    tree's prompt then its own tokens; a prompt token's output read from its tree's first branch) in the chunked
-    layout. trees: (prompt length P, branch lengths) of each tree in row order (PromptTrees.trees)."""
-    segments: list[np.ndarray] = []
-    seg_of: list[np.ndarray] = []
-    slot_of: list[np.ndarray] = []
-    o = 0
-    for p, lens in trees:
-        if not lens:
-            raise ValueError(f"trees={trees}: a tree has at least one branch; pass the row's own PromptTrees.trees")
-        prompt = np.arange(o, o + p)
-        seg_of.append(np.full(p, len(segments)))  # the prompt's outputs: from the tree's first branch
-        slot_of.append(np.arange(p))
-        b = o + p
-        for r in lens:
-            seg_of.append(np.full(r, len(segments)))
-            slot_of.append(np.arange(p, p + r))
-            segments.append(np.concatenate([prompt, np.arange(b, b + r)]))
-            b += r
-        o = b
-    if not segments or o > padded_len or any(not len(g) for g in segments):
-        raise ValueError(f"trees={trees}: need at least one branch, non-empty sequences and at most "
-                         f"padded_len={padded_len} tokens; pass the row's own PromptTrees.trees")
-    return chunked_layout(segments, np.concatenate(seg_of), np.concatenate(slot_of), padded_len, device, waste)
+    """The shared-prompt row's per-branch layout (branch_segments: each branch its own sequence, a shared token's
+    output read from the first branch through it) in the chunked layout. paths: PromptTrees.paths."""
+    return chunked_layout(*branch_segments(paths, padded_len), padded_len, device, waste)
 
 
 def chunked_cost(lengths: Sequence[int], waste: float = WASTE) -> float:

@@ -47,17 +47,22 @@ def _move(obj, fn):
 class PromptTrees:
     """The shared-prompt layout of a packed row (trainer.batching.shared_prompt builds it).
 
-    The samples of one prompt (a GRPO group) form a tree: the prompt's P tokens once, then each sample's response
-    as a branch. Row positions keep the unshared sequence's numbering (prompt 0..P-1, branch tokens P, P+1, ...), and
-    a branch token attends the prompt and its own branch causally, so every hidden state equals the one of the
-    sample's own sequence (trainer.backend.attention builds the per-branch attention from `trees` or `branch`).
-    Loss rows: the hidden state of the prompt's last token predicts the first response token of every branch, so
-    the loss runs on M gathered rows, not on the N row tokens.
+    The samples of one prompt (a GRPO group) form a prefix tree (a trie): every run of tokens that several samples
+    have alike at the same positions (the prompt, the start the responses share, a later part some of them share)
+    is one node, laid out once, in depth-first order, so a node's subtree is a contiguous run of the row. Row
+    positions keep the unshared sequence's numbering, and a token attends the tokens before it on its own path
+    (its node's earlier tokens and its ancestors'), so every hidden state equals the one of the sample's own
+    sequence (trainer.backend.attention builds the attention from `end` or `paths`). Loss rows: a node's last token
+    predicts the first token of each child, so the loss runs on M gathered rows, not on the N row tokens.
+
+    The attention rule in one vector: query i attends key j iff j <= i < end[j] (end[j]: the row end of j's node's
+    subtree; the padding tail's tokens have end N, one causal block).
     """
 
-    branch: torch.Tensor  # [N] int64: the branch (sample, in row order) of each token; -1 on prompts and the tail
+    end: torch.Tensor  # [N] int64: one past the last row token that attends token j (its node's subtree end)
     hidden_index: torch.Tensor  # [M] int64: the row position whose hidden state feeds loss row m
-    trees: tuple[tuple[int, tuple[int, ...]], ...]  # host: (prompt length, branch lengths) of each tree, in row order
+    # host: each branch's (sample's, in row order) sequence as row ranges [start, stop), ancestors first
+    paths: tuple[tuple[tuple[int, int], ...], ...]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -7,7 +7,6 @@ the packed row:
 
     row:        [ p0 p1 ... pP-1 | a0 a1 a2 | b0 b1 | c0 ... ]       one prompt, then each response (a branch)
     positions:    0  1  ... P-1  | P  P+1 P+2 | P  P+1 | P  ...       the unshared sequence's positions
-    branch:      -1 -1  ...  -1  | 0  0  0  | 1  1  | 2  ...         (row order; -1 on prompts and the padding tail)
 
 A branch token attends the prompt and its own branch causally (trainer.backend.attention), so every hidden state is
 the one of the sample's own sequence and the loss is the plain layout's loss: the same per-token values, the same
@@ -20,16 +19,22 @@ the sum over its branches, as in the plain layout, where each copy of the prompt
 Samples share a tree only when their prompt tokens are identical (not merely the same group id); a tree larger
 than the token budget is split into several trees, each with its own copy of the prompt.
 
-The shared part is the tree's longest common prefix, not only the prompt: the samples of a group often begin
-their responses alike (a tool call's boilerplate, a format's opening), and those tokens, the same in every sample
-of the tree, are run once too (`shared_length`). A response token inside the shared part is still trained once per
-sample (its loss row reads the shared hidden state, with the sample's own label, mask and advantage), so the loss
-is unchanged; each branch keeps at least its last token.
+Beyond the prompt the tree is a prefix tree (a trie) of the samples: the samples of a group often write alike
+tokens (a tool call's boilerplate, a format's opening) and part later, some of them sharing more than others (two
+that call the tool alike get the same tool output and go on alike). Every run of tokens some samples have alike at
+the same positions is one node, run once (`trie_nodes`); a response token inside a shared node is still trained
+once per sample (its loss row reads the shared hidden state, with the sample's own label, mask and advantage), so
+the loss is unchanged. The agent recipe's step: 18.3k row tokens plain, 9.5k sharing the group's common prefix,
+6.4k as a trie.
+
+    row:        [ p0 p1 p2 x0 x1 | y0 y1 | z0 | w0 w1 ]   prompt + common start, then two children: y (whose
+    positions:     0  1  2  3  4 |  5  6 |  7 |  5  6     subtree holds z and a sample that ends at y1), and w
+    end:          10 10 10 10 10 |  8  8 |  8 | 10 10     query i attends key j iff j <= i < end[j]
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -72,34 +77,45 @@ def prompt_trees(samples: Sequence[Sample], token_budget: int) -> list[list[int]
     return trees
 
 
-def shared_length(samples: Sequence[Sample], tree: Sequence[int]) -> int:
-    """Tokens the tree's samples run once: their longest common prefix (the prompt, and the start of the responses
-    where every sample has the same tokens), leaving each sample at least one token of its own (none past the
-    prompt where a response is empty)."""
-    seqs = [samples[i].tokens for i in tree]
-    limit = min(len(t) for t in seqs) - 1
-    n = samples[tree[0]].prompt_length  # never less: the loop only moves it forward
-    first = seqs[0]
-    while n < limit and all(t[n] == first[n] for t in seqs):
-        n += 1
-    return n
+def trie_nodes(seqs: Sequence[Sequence[int]]) -> Iterator[tuple[list[int], int, int, int]]:
+    """The prefix trie of `seqs` in depth-first preorder: (members, start, stop, level) per node, where members are
+    the indices of the sequences through it, [start, stop) the positions of its tokens (the same in every member)
+    and level its depth in the trie (the root 0). A node ends where its members' tokens differ (its children, in
+    the order their first member comes) or where one of them ends (which then has no own tokens past it). Only
+    the root may be empty (no sequence, or sequences that differ at their first token)."""
+    if not seqs:
+        return
+    stack = [(list(range(len(seqs))), 0, 0)]
+    while stack:
+        members, depth, level = stack.pop()
+        group = [seqs[m] for m in members]
+        # The lexicographically least and greatest member share exactly the members' common prefix.
+        lo, hi = min(group), max(group)
+        n, limit = depth, min(len(lo), len(hi))
+        while n < limit and lo[n] == hi[n]:
+            n += 1
+        yield members, depth, n, level
+        children: dict[int, list[int]] = {}
+        for m in members:
+            if len(seqs[m]) > n:
+                children.setdefault(seqs[m][n], []).append(m)
+        stack.extend((sub, n, level + 1) for sub in reversed(list(children.values())))
 
 
 def tree_cost(samples: Sequence[Sample], tree: Sequence[int]) -> int:
-    """Row tokens of one tree: its shared prefix once plus the rest of every sample."""
-    shared = shared_length(samples, tree)
-    return shared + sum(len(samples[i].tokens) - shared for i in tree)
+    """Row tokens of one tree: each node of its samples' trie once."""
+    return sum(stop - start for _, start, stop, _ in trie_nodes([samples[i].tokens for i in tree]))
 
 
 class _TreeRow(NamedTuple):
     """One row's host lists before padding: N row tokens, M loss rows (one per trained response position)."""
 
-    ids: list[int]  # [N] shared prefix once, then each branch
+    ids: list[int]  # [N] each trie node once, depth first
     pos: list[int]  # [N] positions of the sample's own sequence
     seq: list[int]  # [N] tree index
-    branch: list[int]  # [N] branch index in row order, -1 on shared prefixes
+    end: list[int]  # [N] row end of each token's node's subtree
     cu_trees: list[int]  # [trees + 1] row offsets of the trees
-    shapes: list[tuple[int, tuple[int, ...]]]  # (shared length, branch lengths) per tree
+    paths: list[tuple[tuple[int, int], ...]]  # per branch: its sequence's row ranges
     order: list[int]  # sample index of each branch, in row order (= the loss rows' sequence order)
     rows: list[int]  # [M] hidden_index: the row token whose hidden state predicts the label
     labels: list[int]  # [M]
@@ -108,42 +124,44 @@ class _TreeRow(NamedTuple):
 
 
 def _walk_trees(samples: Sequence[Sample], trees: Sequence[Sequence[int]]) -> _TreeRow:
-    """Lay out each tree's shared prefix once, then the rest of each sample, and the loss rows that read them."""
+    """Lay out each tree's trie once, node by node, and the loss rows that read each sample's path through it."""
     r = _TreeRow([], [], [], [], [0], [], [], [], [], [], [0])
     for t, tree in enumerate(trees):
         p = samples[tree[0]].prompt_length
-        shared = shared_length(samples, tree)
-        prefix = samples[tree[0]].tokens[:shared]
-        assert all(samples[i].tokens[:shared] == prefix and samples[i].prompt_length == p for i in tree), \
+        seqs = [samples[i].tokens for i in tree]
+        assert all(s[:p] == seqs[0][:p] and samples[i].prompt_length == p for i, s in zip(tree, seqs)), \
             "a tree's samples must share their prompt tokens"
-        start = len(r.ids)
-        r.ids.extend(prefix)
-        r.pos.extend(range(shared))
-        r.seq.extend([t] * shared)
-        r.branch.extend([-1] * shared)
-        lens = []
-        for i in tree:
+        nodes = list(trie_nodes(seqs))
+        paths: list[list[tuple[int, int]]] = [[] for _ in tree]
+        starts = []
+        for members, start, stop, _ in nodes:
+            row = len(r.ids)
+            starts.append(row)
+            r.ids.extend(seqs[members[0]][start:stop])
+            r.pos.extend(range(start, stop))
+            r.seq.extend([t] * (stop - start))
+            if stop > start:
+                for m in members:
+                    paths[m].append((row, row + stop - start))
+        tree_end = len(r.ids)
+        for k, (_, start, stop, level) in enumerate(nodes):
+            # A node's subtree ends where the next node of its level or above starts (depth-first order).
+            after = next((starts[j] for j in range(k + 1, len(nodes)) if nodes[j][3] <= level), tree_end)
+            r.end.extend([after] * (stop - start))
+        for i, path in zip(tree, paths):
             s = samples[i]
-            own = s.tokens[shared:]
-            b0 = len(r.ids)
-            r.ids.extend(own)
-            r.pos.extend(range(shared, shared + len(own)))
-            r.seq.extend([t] * len(own))
-            r.branch.extend([len(r.order)] * len(own))
-            lens.append(len(own))
+            at = [x for a, b in path for x in range(a, b)]  # [len(tokens)] row position of each of its tokens
             m = s.effective_loss_mask
-            # Response token k (position p + k) is predicted by the token before it: in the shared prefix or in
-            # the sample's own part; with an empty prompt token 0 has no predictor and is never trained (as in the
-            # plain layout).
+            # Response token k (position p + k) is predicted by the token before it, wherever on the sample's path
+            # that lies; with an empty prompt token 0 has no predictor and is never trained (as in the plain layout).
             for k in range(0 if p else 1, s.response_length):
-                before = p + k - 1
-                r.rows.append(start + before if before < shared else b0 + before - shared)
+                r.rows.append(at[p + k - 1])
                 r.labels.append(s.tokens[p + k])
                 r.mask.append(float(m[k]))
             r.cu_rows.append(len(r.rows))
             r.order.append(i)
-        r.shapes.append((shared, tuple(lens)))
-        r.cu_trees.append(len(r.ids))
+            r.paths.append(tuple(path))
+        r.cu_trees.append(tree_end)
     return r
 
 
@@ -156,8 +174,8 @@ def pack_tree_micro_batch(samples: Sequence[Sample], trees: Sequence[Sequence[in
     segment.
     """
     walked = _walk_trees(samples, trees)
-    ids, pos, seq, branch = walked.ids, walked.pos, walked.seq, walked.branch
-    cu_trees, shapes, order, rows = walked.cu_trees, walked.shapes, walked.order, walked.rows
+    ids, pos, seq, end = walked.ids, walked.pos, walked.seq, walked.end
+    cu_trees, order, rows = walked.cu_trees, walked.order, walked.rows
     labels, mask, cu_rows = walked.labels, walked.mask, walked.cu_rows
     total, m_real = len(ids), len(rows)
     n, m_len = bucketed_length(total, bucket_size), bucketed_length(m_real, bucket_size)
@@ -165,7 +183,7 @@ def pack_tree_micro_batch(samples: Sequence[Sample], trees: Sequence[Sequence[in
     ids += [pad_id] * tail
     pos += range(tail)
     seq += [-1] * tail
-    branch += [-1] * tail
+    end += [n] * tail  # the tail: one causal block
     pad_rows = m_len - m_real
 
     def per_row(values) -> torch.Tensor:
@@ -183,8 +201,8 @@ def pack_tree_micro_batch(samples: Sequence[Sample], trees: Sequence[Sequence[in
                       seq_index=torch.tensor(seq, dtype=torch.int64),
                       cu_seqlens=torch.tensor(cu_trees, dtype=torch.int32), loss_mask=is_real,
                       lengths=tuple(b - a for a, b in zip(cu_trees, cu_trees[1:])))
-    layout = PromptTrees(branch=torch.tensor(branch, dtype=torch.int64),
-                         hidden_index=torch.tensor(rows + [0] * pad_rows, dtype=torch.int64), trees=tuple(shapes))
+    layout = PromptTrees(end=torch.tensor(end, dtype=torch.int64),
+                         hidden_index=torch.tensor(rows + [0] * pad_rows, dtype=torch.int64), paths=tuple(walked.paths))
     adv = torch.tensor([float(advantages[i]) for i in order], dtype=torch.float32)
     counts = torch.tensor([b - a for a, b in zip(cu_rows, cu_rows[1:])], dtype=torch.int64)
     has_rollout = any(samples[i].rollout_logprobs is not None for i in order)
