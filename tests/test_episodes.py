@@ -28,7 +28,7 @@ from engines.sglang import SGLangEngine
 from engines.tiny import IM_END, SPECIAL_TOKENS, build_tokenizer
 from trainer.config import RolloutConfig
 from trainer.rl import compute_advantages, trained_samples
-from trainer.rollout.episodes import as_env_step, render_continuation
+from trainer.rollout.episodes import _rendered, as_env_step, render_continuation, render_opening
 from trainer.rollout.manager import AsyncRolloutManager
 from trainer.rollout.tools import parse_hermes
 from trainer.types import Status
@@ -90,6 +90,24 @@ def test_continuation_rendering_is_what_the_template_writes_after_a_turn():
                               turn_end_ids=turn_end)
     assert TOK.decode(ids) == ("\n<|im_start|>tool\n408<|im_end|>\n<|im_start|>user\nok?<|im_end|>\n"
                                "<|im_start|>assistant\n")
+
+
+def test_a_conversation_renders_once_per_template_and_as_the_template_writes_it():
+    """The samples of a group open alike: the second rendering comes from the cache, equal to apply_chat_template's
+    (tools as schemas from the function); another template, or other tools, render anew."""
+    tok = build_tokenizer()
+    opening = [{"role": "user", "content": f"{time.perf_counter_ns()} * 2 ="}]  # a conversation no test rendered
+    want = tok.apply_chat_template(opening, tools=[calculator], add_generation_prompt=True, tokenize=True,
+                                   return_dict=True)["input_ids"]
+    before = _rendered.cache_info()
+    assert render_opening(tok, opening, [calculator]) == list(want)
+    assert render_opening(tok, opening, [calculator]) == list(want)
+    after = _rendered.cache_info()
+    assert (after.misses - before.misses, after.hits - before.hits) == (1, 1)
+    assert render_opening(tok, opening) == list(tok.apply_chat_template(
+        opening, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+    tok.chat_template = "{% for m in messages %}[{{ m.content }}]{% endfor %}"
+    assert TOK.decode(render_opening(tok, opening, [calculator])) == f"[{opening[0]['content']}]"
 
 
 # ----------------------------------------------------------------------------------------------- a scripted engine

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import json
 import math
 import sys
 import time
@@ -110,11 +111,39 @@ class EpisodeEnd(BaseException):
 _PLACEHOLDER = ({"role": "user", "content": "x"}, {"role": "assistant", "content": "y"})
 
 
-def _render(tokenizer: Any, messages: Sequence[Mapping[str, Any]], tools: Sequence[Callable] | None, *,
+@functools.lru_cache(maxsize=256)
+def _tool_schema(tool: Callable) -> dict:
+    """A tool function's JSON schema, as apply_chat_template derives it (from its signature and docstring)."""
+    from transformers.utils import get_json_schema
+
+    return get_json_schema(tool)
+
+
+@functools.lru_cache(maxsize=4096)
+def _rendered(tokenizer: Any, template: Any, key: str, generation_prompt: bool) -> tuple[int, ...]:
+    """The tokens of the conversation `key` (JSON [messages, tool schemas]) under `template` (the tokenizer's
+    chat_template, part of the key so that a changed template renders anew)."""
+    messages, tools = json.loads(key)
+    out = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=generation_prompt,
+                                        tokenize=True, return_dict=True)
+    return tuple(out["input_ids"])
+
+
+def _render(tokenizer: Any, messages: Sequence[Mapping[str, Any]], tools: Sequence[Callable | dict] | None, *,
             generation_prompt: bool) -> list[int]:
-    out = tokenizer.apply_chat_template([dict(m) for m in messages], tools=list(tools) if tools else None,
-                                        add_generation_prompt=generation_prompt, tokenize=True, return_dict=True)
-    return list(out["input_ids"])
+    """apply_chat_template's token ids, rendered once per distinct conversation: the samples of a group open alike
+    and often get the same tool output, and rendering (the Jinja template, each tool's JSON schema from its
+    docstring, the tokenizer) was most of an agent step's client CPU, held under the GIL beside the engine's
+    thread (the agent recipe: 57 % of the episodes' Python)."""
+    # Functions become their schemas as apply_chat_template makes them; anything else goes to it as given.
+    schemas = [_tool_schema(t) if inspect.isfunction(t) or inspect.ismethod(t) else t for t in tools or ()]
+    try:
+        key = json.dumps([[dict(m) for m in messages], schemas])  # key order kept: a template may print it
+    except (TypeError, ValueError):  # not JSON (a message holding another object): render it as it is
+        out = tokenizer.apply_chat_template([dict(m) for m in messages], tools=schemas or None,
+                                            add_generation_prompt=generation_prompt, tokenize=True, return_dict=True)
+        return list(out["input_ids"])
+    return list(_rendered(tokenizer, repr(getattr(tokenizer, "chat_template", None)), key, generation_prompt))
 
 
 def render_opening(tokenizer: Any, messages: Sequence[Mapping[str, Any]], tools: Sequence[Callable] = ()) -> list[int]:
