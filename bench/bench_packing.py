@@ -268,9 +268,10 @@ def agent_row_attention_inputs(n_trees: int, device: str, seed: int = 0):
     """One layer's q [1, 4, N, 32] and k/v [1, 2, N, 32] (fp32, requiring grad) over shared-prompt rows shaped like
     the agent recipe's GRPO step (configs/agent_demo.toml; the lengths of its step 1, recorded: 16 groups of 8, prompts
     of 25 tokens, branches of 111-116 tokens (a tool call and the answer) for 3 in 4, 210-280 (two calls) for 1 in
-    5, 2-100 (cut short) for the rest); and the per-branch layout's kwargs, as one padded batch and in chunks."""
+    5, 2-100 (cut short) for the rest); and the per-branch layout's kwargs, as one padded batch and in chunks of
+    each branch's owned queries (what eager blocks get)."""
     from trainer.backend.attention import tree_branch_indices
-    from trainer.backend.sdpa_chunks import branch_chunked_indices
+    from trainer.backend.sdpa_chunks import branch_owned_chunks
 
     rng = np.random.default_rng(seed)
     trees = []
@@ -290,8 +291,10 @@ def agent_row_attention_inputs(n_trees: int, device: str, seed: int = 0):
         o = b
     gather, scatter = tree_branch_indices(paths, n, device)
     layouts = {"one_batch": dict(packed_gather_index=gather, packed_scatter_index=scatter)}
-    gather, scatter, chunks = branch_chunked_indices(paths, n, device)
-    layouts["chunked"] = dict(packed_gather_index=gather, packed_scatter_index=scatter, packed_chunks=chunks)
+    owned = branch_owned_chunks(paths, n, device)
+    layouts["chunked"] = dict(packed_query_index=owned.query_index, packed_gather_index=owned.key_index,
+                              packed_scatter_index=owned.scatter, packed_chunks=owned.chunks,
+                              packed_chunk_masks=owned.masks, cost=owned.cost)
     q = torch.randn(1, 4, n, 32, device=device, requires_grad=True)
     k, v = (torch.randn(1, 2, n, 32, device=device, requires_grad=True) for _ in range(2))
     return (q, k, v), layouts, trees
@@ -300,16 +303,16 @@ def agent_row_attention_inputs(n_trees: int, device: str, seed: int = 0):
 @pytest.mark.parametrize("layout", ["one_batch", "chunked"])
 def test_agent_row_attention(benchmark, request, layout):
     """packed_sdpa forward + backward on one layer of the agent step's shared-prompt rows (branches of 113 and of
-    210-280 tokens): the branches in one batch padded to the longest, or in batches of alike lengths
-    (trainer.backend.sdpa_chunks, what eager blocks get). extra_info: the score elements each computes."""
-    from trainer.backend.sdpa_chunks import chunked_cost
-
+    210-280 tokens): the branches in one batch padded to the longest, or each branch's owned queries in batches of
+    alike shapes (trainer.backend.sdpa_chunks.branch_owned_chunks, what eager blocks get). extra_info: the score
+    elements each computes."""
     (q, k, v), layouts, trees = agent_row_attention_inputs(2 if request.config.getoption("benchmark_disable")
                                                            else 16, _device())
-    _time_attention(benchmark, (q, k, v), layouts[layout])
+    kwargs = dict(layouts[layout])
+    cost = kwargs.pop("cost", None)
+    _time_attention(benchmark, (q, k, v), kwargs)
     lengths = [p + r for p, lens in trees for r in lens]
-    benchmark.extra_info["score_elements"] = int(chunked_cost(lengths) if layout == "chunked"
-                                                 else len(lengths) * max(lengths) ** 2)
+    benchmark.extra_info["score_elements"] = int(cost if cost is not None else len(lengths) * max(lengths) ** 2)
 
 
 def _best_time(fn, arg) -> float:

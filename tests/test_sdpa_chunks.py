@@ -17,7 +17,7 @@ from trainer.backend.attention import (
     tree_block_layout,
     tree_causal_mask,
 )
-from trainer.backend.sdpa_chunks import WASTE, branch_chunked_indices, chunked_cost, plain_chunked_indices
+from trainer.backend.sdpa_chunks import WASTE, branch_owned_chunks, chunked_cost, plain_chunked_indices
 from trainer.batching.shared_prompt import build_shared_micro_batches
 from trainer.types import Sample
 
@@ -118,33 +118,56 @@ def _uneven_groups(seed: int, groups: int = 5, vocab: int = 90) -> list[Sample]:
     return out
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_chunked_branch_attention_equals_dense_tree_mask_sdpa(seed):
-    """The shared-prompt row's per-branch layout in chunks against SDPA with the dense tree mask (float64, output
-    and gradients): each branch sees what it shares and itself, a shared token's output is its own sequence's."""
+@pytest.mark.parametrize("kv_heads", [2, 4])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_owned_branch_attention_equals_dense_tree_mask_sdpa(seed, kv_heads):
+    """The shared-prompt row's per-branch layout, each branch's queries cut to the tokens it owns, in chunks,
+    against SDPA with the dense tree mask (float64, output and gradients): each branch sees what it shares and
+    itself, a shared token's output is its first branch's. Also: it computes fewer score elements than the whole
+    sequences, and its chunks bound their padding."""
     g = torch.Generator().manual_seed(seed + 10)
     with use_backend("torch"):
         mb = build_shared_micro_batches(_uneven_groups(seed), token_budget=4096, bucket_size=16)[0]
     row, trees = mb.row, mb.trees
-    gather, scatter, chunks = branch_chunked_indices(trees.paths, row.padded_len)
-    assert len(chunks) >= 2
+    owned = branch_owned_chunks(trees.paths, row.padded_len)
+    assert len(owned.chunks) >= 2 and any(m is not None for m in owned.masks)
+    lengths = [sum(b - a for a, b in path) for path in trees.paths]
+    assert owned.cost < chunked_cost(lengths, waste=1.5)
+    assert owned.cost == sum(s * qc * kc for s, qc, kc in owned.chunks)
     n, h, d = row.padded_len, 4, 8
     q = torch.randn(1, h, n, d, generator=g, dtype=torch.float64, requires_grad=True)
-    k, v = (torch.randn(1, 2, n, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
-    out, _ = packed_sdpa_attention(_Attn(), q, k, v, None, packed_gather_index=gather, packed_scatter_index=scatter,
-                                   packed_chunks=chunks)
+    k, v = (torch.randn(1, kv_heads, n, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    masks = owned.masks if seed % 2 else tuple(None if m is None else torch.where(m, 0.0, -1e30) for m in owned.masks)
+    out, _ = packed_sdpa_attention(_Attn(), q, k, v, None, packed_query_index=owned.query_index,
+                                   packed_gather_index=owned.key_index, packed_scatter_index=owned.scatter,
+                                   packed_chunks=owned.chunks, packed_chunk_masks=masks)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=tree_causal_mask(trees.end),
-                                          enable_gqa=True).transpose(1, 2)
+                                          enable_gqa=kv_heads != h).transpose(1, 2)
     assert_same_attention(out, want, (q, k, v), row.num_tokens, g)
 
 
-def test_tree_block_layout_costs_the_branches_as_chunked():
+def test_owned_chunks_skip_a_branch_that_owns_nothing():
+    """Two equal samples and one that is a prefix of them: only the first owns tokens, one chunk of one branch,
+    causal, its whole sequence; every row token reads its output from it."""
+    prompt, resp = [3, 4, 5], [6, 7, 8]
+    samples = [Sample(prompt="", tokens=prompt + resp, response_length=3),
+               Sample(prompt="", tokens=prompt + resp, response_length=3),
+               Sample(prompt="", tokens=prompt + resp[:1], response_length=1)]
+    with use_backend("torch"):
+        (mb,) = build_shared_micro_batches(samples, token_budget=64, bucket_size=8)
+    owned = branch_owned_chunks(mb.trees.paths, mb.row.padded_len)
+    assert owned.chunks == ((1, 6, 6),) and owned.masks == (None,) and owned.cost == 36
+    assert owned.scatter.tolist() == [0, 1, 2, 3, 4, 5, 6, 6]  # then the padding tail: the zero row
+
+
+def test_tree_block_layout_compares_the_tree_with_the_branch_cost():
     """One long branch among short ones: padded to it, the branches cost more than the tree (8 x 210^2 = 352,800
     against 280^2 = 78,400); in chunks they cost less (210^2 + 7 x 20^2 = 46,900)."""
     trees, branches = [10 + 200 + 7 * 10], [210] + [20] * 7
-    assert tree_block_layout(trees, branches) == "tree"
-    assert tree_block_layout(trees, branches, chunked=True) == "branch"
+    assert tree_block_layout(trees, chunked_cost(branches, waste=float("inf"))) == "tree"
+    assert tree_block_layout(trees, chunked_cost(branches)) == "branch"
     assert chunked_cost([210] + [20] * 7) == 210 ** 2 + 7 * 20 ** 2
+    assert tree_block_layout(trees, 280 ** 2) == "tree" and tree_block_layout(trees, 280 ** 2 - 1) == "branch"
 
 
 def test_compiled_blocks_keep_one_padded_batch_and_both_equal_each_sequence_alone():

@@ -27,13 +27,14 @@ agent step's 113-token episodes no longer pay a 300-token one's square); compile
 the packing kwargs it is plain sdpa (same mask function), so per-sequence calls, generation and references still work
 on such a model.
 
-The shared-prompt (tree) layout (trainer.batching.shared_prompt) has a path on each: a dense tree mask for sdpa /
-eager, a tree mask_mod for flex_attention, for flash-attn the gathered per-branch layout (each branch attends its
-own copy of the prompt, so the kernel stays a plain causal one; see tree_flash_attention), and for packed_sdpa either
-one padded sequence per tree under the tree mask (the prompt once) or that per-branch layout, whichever computes
-fewer score elements (tree_block_layout).
+The shared-prompt (tree) layout (trainer.batching.shared_prompt: each group a prefix trie, PromptTrees.end says
+what a token attends) has a path on each: a dense tree mask for sdpa / eager, a tree mask_mod for flex_attention,
+for flash-attn the gathered per-branch layout (each branch attends its own copy of what it shares, so the kernel
+stays a plain causal one; see tree_flash_attention), and for packed_sdpa either one padded sequence per tree under
+the tree mask (each trie token once) or the per-branch layout (in eager blocks each branch's owned queries only:
+sdpa_chunks.branch_owned_chunks), whichever computes fewer score elements (tree_block_layout).
 
-Mask semantics (all paths): query i attends key j iff j <= i and seq_index[i] == seq_index[j]. The padding tail
+Mask semantics (plain rows): query i attends key j iff j <= i and seq_index[i] == seq_index[j]. The padding tail
 (seq_index -1) is one more causal block, so no softmax row is empty (an all-masked SDPA row is NaN, and NaN
 times a zero loss mask is still NaN in the backward); packed_sdpa skips it instead (its attention output is 0).
 """
@@ -55,8 +56,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kernels.packing import PackedBatch
 from trainer.backend.sdpa_chunks import (
-    WASTE,
-    branch_chunked_indices,
+    branch_owned_chunks,
     branch_segments,
     chunked_cost,
     plain_chunked_indices,
@@ -268,24 +268,21 @@ def tree_causal_mask(end: torch.Tensor, dtype: torch.dtype = torch.bool) -> torc
     return _as_mask(allowed, dtype)
 
 
-def tree_block_layout(tree_lengths: Sequence[int], branch_lengths: Sequence[int], chunked: bool = False) -> str:
+def tree_block_layout(tree_lengths: Sequence[int], branch_cost: float) -> str:
     """Which packed_sdpa layout costs less for a shared-prompt row: "tree" (one padded sequence per tree, each of
-    its trie's tokens once, a tree mask) or "branch" (one padded sequence per branch, each with its own copy of
-    what it shares, plain causal; chunked: in trainer.backend.sdpa_chunks' batches of alike lengths, costed as
-    such). tree_lengths: the row tokens of each tree; branch_lengths: each branch's sequence length.
+    its trie's tokens once, a tree mask) or "branch" (a sequence per branch: branch_cost, the score elements it
+    computes, from chunked_cost over the branches' lengths, or sdpa_chunks.branch_owned_chunks' cost where each
+    branch runs only the queries it owns). tree_lengths: the row tokens of each tree.
 
-    The score elements each computes: T * Lt^2 against S * Lb^2 (Lt, Lb the longest tree and branch sequence,
-    every sequence padded to it), halved for branches of 512 tokens or more: from there the CPU flash kernel's
-    causal path skips the key blocks above the diagonal, which it does not under a mask. GRPO groups with short
-    answers favour trees (the demo's rows, 64 prompts of 23-25 tokens and 8 answers of 1-6 each: 64 * 62^2 = 246k
-    against 512 * 31^2 = 492k elements, and SDPA's per-(sequence, head) cost on the CPU makes the gap 3x: 3.7 vs
-    11.4 ms a layer); long answers favour branches (P = 100, 8 x R = 1000: 66M against 4.8M). Memory is not
-    modelled: the tree layout also holds its [T, 1, Lt, Lt] mask, once per row (packed_attention_kwargs)."""
+    The score elements each computes: T * Lt^2 (Lt the longest tree, every tree padded to it) against branch_cost.
+    GRPO groups with short answers favour trees (the demo's rows, 64 prompts of 23-25 tokens and 8 answers of 1-6
+    each: 64 * 62^2 = 246k against 512 * 31^2 = 492k elements, and SDPA's per-(sequence, head) cost on the CPU
+    makes the gap 3x: 3.7 vs 11.4 ms a layer); long answers favour branches (P = 100, 8 x R = 1000: 66M against
+    4.8M). Memory is not modelled: the tree layout also holds its [T, 1, Lt, Lt] mask, once per row
+    (packed_attention_kwargs)."""
     lengths = [n for n in tree_lengths if n > 0]
-    t, lt = len(lengths), max(lengths)
-    # One padded batch is the chunking that never splits (waste unbounded): S * Lb^2, halved from 512 tokens.
-    branch_cost = chunked_cost(list(branch_lengths), waste=WASTE if chunked else math.inf)
-    return "tree" if t * lt * lt <= branch_cost else "branch"
+    lt = max(lengths)
+    return "tree" if len(lengths) * lt * lt <= branch_cost else "branch"
 
 
 def tree_block_indices(seq_index: torch.Tensor, end: torch.Tensor, lengths: tuple[int, ...]
@@ -350,7 +347,9 @@ def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
                           packed_gather_index: torch.Tensor | None = None,
                           packed_scatter_index: torch.Tensor | None = None,
                           packed_block_mask: torch.Tensor | None = None,
-                          packed_chunks: tuple[tuple[int, int], ...] | None = None,
+                          packed_chunks: tuple[tuple[int, ...], ...] | None = None,
+                          packed_query_index: torch.Tensor | None = None,
+                          packed_chunk_masks: tuple[torch.Tensor | None, ...] | None = None,
                           **kwargs) -> tuple[torch.Tensor, None]:
     """transformers attention function "packed_sdpa": causal SDPA per segment of a packed row.
 
@@ -361,7 +360,10 @@ def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     both index ops are differentiable. packed_block_mask [S, 1, Lmax, Lmax] (bool, True = attend, or additive
     float) replaces is_causal where a segment is a shared-prompt tree (tree_block_indices). With packed_chunks
     ((S_c, L_c), ...), packed_gather_index is flat [sum_c S_c * L_c]: the sequences in padded batches of alike
-    lengths (trainer.backend.sdpa_chunks), one causal SDPA each, O(sum_c S_c * L_c^2). Without them this is
+    lengths (trainer.backend.sdpa_chunks), one causal SDPA each, O(sum_c S_c * L_c^2). With packed_query_index too
+    (sdpa_chunks.branch_owned_chunks: chunks (S_c, Q_c, K_c), packed_gather_index the key slots), each chunk's
+    queries are its own gathered slots, under packed_chunk_masks (or causal where None): O(sum_c S_c Q_c K_c).
+    Without them this is
     transformers' sdpa (mask from the sdpa mask function), or, given the placeholder mask, one causal sequence
     (sdpa's is_causal, no mask tensor).
     """
@@ -377,6 +379,9 @@ def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
         )
     if not getattr(module, "is_causal", True):
         raise ValueError("packed_sdpa: the packed path is causal only; this attention module is not causal")
+    if packed_query_index is not None:
+        return _owned_chunked_sdpa(query, key, value, packed_query_index, packed_gather_index, packed_scatter_index,
+                                   packed_chunks, packed_chunk_masks, dropout, scaling), None
     if packed_chunks is not None:
         return _chunked_sdpa(query, key, value, packed_gather_index, packed_scatter_index, packed_chunks, dropout,
                              scaling), None
@@ -414,6 +419,30 @@ def _chunked_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g
         out = F.scaled_dot_product_attention(qc, kc, vc, dropout_p=dropout, is_causal=True, scale=scaling,
                                              enable_gqa=qc.shape[1] != kc.shape[1])  # [s, H, L_c, D]
         outs.append(out.transpose(1, 2).reshape(s * width, heads, dim))
+    outs.append(q.new_zeros(1, heads, dim))  # the padding tail's zero row
+    return torch.cat(outs)[scatter][None]
+
+
+def _owned_chunked_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_index: torch.Tensor,
+                        kv_index: torch.Tensor, scatter: torch.Tensor, chunks: tuple[tuple[int, ...], ...],
+                        masks: tuple[torch.Tensor | None, ...], dropout: float, scaling: float | None) -> torch.Tensor:
+    """packed_sdpa over sdpa_chunks.branch_owned_chunks' layout: query [1, H, N, D], key/value [1, Hkv, N, D],
+    q_index [sum S_c * Q_c], kv_index [sum S_c * K_c], scatter [N] -> [1, N, H, D]. One gather per tensor, one SDPA
+    per chunk under its mask (additive or bool; causal where None), one scatter back."""
+    q = query[0][:, q_index]  # [h, sum S_c * Q_c, D]
+    k, v = (x[0][:, kv_index] for x in (key, value))  # [hkv, sum S_c * K_c, D]
+    heads, dim = q.shape[0], q.shape[2]
+    outs, q_off, k_off = [], 0, 0
+    for (s, qc, kc), mask in zip(chunks, masks):
+        qs = q[:, q_off:q_off + s * qc].unflatten(1, (s, qc)).transpose(0, 1)  # [s, h, Q_c, D]
+        ks, vs = (x[:, k_off:k_off + s * kc].unflatten(1, (s, kc)).transpose(0, 1) for x in (k, v))  # [s, hkv, K_c, D]
+        q_off += s * qc
+        k_off += s * kc
+        if mask is not None and mask.dtype not in (torch.bool, qs.dtype):  # computing in another dtype
+            mask = mask.to(qs.dtype)
+        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
+                                             scale=scaling, enable_gqa=qs.shape[1] != ks.shape[1])  # [s, H, Q_c, D]
+        outs.append(out.transpose(1, 2).reshape(s * qc, heads, dim))
     outs.append(q.new_zeros(1, heads, dim))  # the padding tail's zero row
     return torch.cat(outs)[scatter][None]
 
@@ -541,13 +570,19 @@ def _tree_attention_kwargs(impl: str, model, batch: PackedBatch, trees: PromptTr
     if impl == PACKED_SDPA:
         dev = batch.input_ids.device
         kw = {"attention_mask": packed_placeholder_mask(dev)}
-        chunked = not _blocks_compiled(model)
+        dtype = _model_dtype(model)
+        if not _blocks_compiled(model):  # eager: each branch's owned queries, in chunks of alike shapes
+            owned = branch_owned_chunks(trees.paths, batch.padded_len, dev)
+            if tree_block_layout(batch.lengths, owned.cost) == "tree":
+                return {**kw, **tree_block_kwargs(batch.seq_index, trees.end, batch.lengths, dtype)}
+            # Additive in the model's dtype, made once for every layer (as tree_block_kwargs' mask).
+            masks = tuple(None if m is None else _additive(m, dtype) for m in owned.masks)
+            return {**kw, "packed_query_index": owned.query_index, "packed_gather_index": owned.key_index,
+                    "packed_scatter_index": owned.scatter, "packed_chunks": owned.chunks,
+                    "packed_chunk_masks": masks}
         branch_lengths = [sum(b - a for a, b in path) for path in trees.paths]
-        if tree_block_layout(batch.lengths, branch_lengths, chunked) == "tree":
-            return {**kw, **tree_block_kwargs(batch.seq_index, trees.end, batch.lengths, _model_dtype(model))}
-        if chunked:
-            gather, scatter, chunks = branch_chunked_indices(trees.paths, batch.padded_len, dev)
-            return {**kw, "packed_gather_index": gather, "packed_scatter_index": scatter, "packed_chunks": chunks}
+        if tree_block_layout(batch.lengths, chunked_cost(branch_lengths, waste=math.inf)) == "tree":
+            return {**kw, **tree_block_kwargs(batch.seq_index, trees.end, batch.lengths, dtype)}
         gather, scatter = tree_branch_indices(trees.paths, batch.padded_len, dev)
         return {**kw, "packed_gather_index": gather, "packed_scatter_index": scatter}
     if impl in ("sdpa", "eager"):

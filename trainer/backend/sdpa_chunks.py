@@ -18,14 +18,19 @@ back once (one index op each way, as in the one-batch layout):
                                        row sum_c S_c * L_c appended after the chunks (never computed: loss mask 0)
     chunks   ((S_c, L_c), ...)         host ints: the shape of each chunk
 
+A shared-prompt row's branches (branch_segments: each sample's own sequence, gathered from the prefix trie it
+shares) go one step further: a shared token's output is read from one branch only, so each branch runs queries for
+the tokens it owns and keys for all of its sequence (branch_owned_chunks: chunks (S_c, Q_c, K_c) under a mask).
+
 The host ints make the number of SDPA calls data-dependent, which a compiled block would specialise on (a recompile
-per new chunk list): trainer.backend.attention uses this layout in eager blocks only and keeps the one-batch layout
+per new chunk list): trainer.backend.attention uses these layouts in eager blocks only and keeps the one-batch layout
 where the blocks are compiled.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -112,12 +117,75 @@ def branch_segments(paths: Sequence[Sequence[tuple[int, int]]], padded_len: int
     return segments, seg_of, slot_of
 
 
-def branch_chunked_indices(paths: Sequence[Sequence[tuple[int, int]]], padded_len: int,
-                           device: torch.device | str = "cpu", waste: float = WASTE
-                           ) -> tuple[torch.Tensor, torch.Tensor, tuple[tuple[int, int], ...]]:
-    """The shared-prompt row's per-branch layout (branch_segments: each branch its own sequence, a shared token's
-    output read from the first branch through it) in the chunked layout. paths: PromptTrees.paths."""
-    return chunked_layout(*branch_segments(paths, padded_len), padded_len, device, waste)
+class OwnedChunks(NamedTuple):
+    """branch_owned_chunks' layout: each branch's queries only for the tokens whose output it gives (see there)."""
+
+    query_index: torch.Tensor  # [sum_c S_c * Q_c] int64: row position of each query slot, chunk after chunk
+    key_index: torch.Tensor  # [sum_c S_c * K_c] int64: row position of each key/value slot
+    scatter: torch.Tensor  # [N] int64: the query slot each row token's output is read from; the tail: the zero row
+    chunks: tuple[tuple[int, int, int], ...]  # host: (S_c, Q_c, K_c) of each chunk
+    masks: tuple[torch.Tensor | None, ...]  # per chunk: bool [S_c, 1, Q_c, K_c] (True = attend), None: causal
+    cost: int  # score elements computed: sum_c S_c * Q_c * K_c
+
+
+def branch_owned_chunks(paths: Sequence[Sequence[tuple[int, int]]], padded_len: int,
+                        device: torch.device | str = "cpu", waste: float = 1.5) -> OwnedChunks:
+    """The shared-prompt row's per-branch layout with each branch's queries cut to the tokens it owns.
+
+    A branch's sequence (branch_segments) holds every token on its path, but a shared token's output is read from
+    the first branch through it, so the others need its key and value only: branch s computes queries for its
+    owned tokens, the last Q_s of its K_s (owned tokens are a suffix: a branch that owns a node owns every node
+    after it on its path), against all K_s keys, query i attending keys j <= K_s - Q_s + i. The agent recipe's
+    step: 1.0M score elements where the whole sequences compute 2.7M. A branch that owns nothing (a sample equal
+    to an earlier one, or a prefix of it) computes nothing.
+
+    Chunks: the branches sorted by (K, Q), a new chunk when padding every member to the chunk's (Q_c, K_c) would
+    compute more than `waste` times their real Q x K score elements. A chunk whose members all own their whole
+    sequence runs causal (mask None); the others get a mask (True = attend), also letting each padding query slot
+    attend its branch's real keys (no empty softmax row; its output is never read)."""
+    segments, seg_of, slot_of = branch_segments(paths, padded_len)
+    owned = np.bincount(seg_of, minlength=len(segments))  # [S] Q_s
+    first = np.full(len(segments), np.iinfo(np.int64).max)
+    np.minimum.at(first, seg_of, slot_of)  # each branch's first owned slot
+    k_len = np.asarray([len(g) for g in segments])
+    live = np.flatnonzero(owned)
+    assert (first[live] == k_len[live] - owned[live]).all(), "a branch's owned tokens are a suffix of its sequence"
+    order = sorted(live.tolist(), key=lambda b: (k_len[b], owned[b]))
+    groups: list[list[int]] = []
+    real = 0
+    for b in order:
+        cand = (groups[-1] if groups else []) + [b]
+        area = len(cand) * max(owned[c] for c in cand) * max(k_len[c] for c in cand)
+        if groups and area <= waste * (real + owned[b] * k_len[b]):
+            groups[-1].append(b)
+            real += owned[b] * k_len[b]
+        else:
+            groups.append([b])
+            real = owned[b] * k_len[b]
+    q_parts, k_parts, chunks, masks = [], [], [], []
+    q_base = np.zeros(len(segments), dtype=np.int64)  # flat query slot of each branch's first owned token
+    q_off = cost = 0
+    for group in groups:
+        qc, kc = int(max(owned[b] for b in group)), int(max(k_len[b] for b in group))
+        causal = all(owned[b] == k_len[b] for b in group)
+        mask = None if causal else np.zeros((len(group), 1, qc, kc), dtype=bool)
+        for j, b in enumerate(group):
+            g, q, k = segments[b], int(owned[b]), int(k_len[b])
+            q_parts.append(np.concatenate([g[k - q:], np.full(qc - q, g[-1])]))
+            k_parts.append(np.concatenate([g, np.full(kc - k, g[-1])]))
+            q_base[b] = q_off + j * qc
+            if mask is not None:  # query slot i is sequence position k - q + i (pads: the last), keys up to it
+                last = np.minimum(np.arange(qc) + k - q, k - 1)
+                mask[j, 0] = np.arange(kc)[None, :] <= last[:, None]
+        q_off += len(group) * qc
+        cost += len(group) * qc * kc
+        chunks.append((len(group), qc, kc))
+        masks.append(None if mask is None else torch.from_numpy(mask).to(device))
+    scatter = np.full(padded_len, q_off, dtype=np.int64)  # the tail reads the zero row after the chunks
+    scatter[:len(seg_of)] = q_base[seg_of] + slot_of - first[seg_of]
+    return OwnedChunks(torch.from_numpy(np.concatenate(q_parts)).to(device),
+                       torch.from_numpy(np.concatenate(k_parts)).to(device),
+                       torch.from_numpy(scatter).to(device), tuple(chunks), tuple(masks), int(cost))
 
 
 def chunked_cost(lengths: Sequence[int], waste: float = WASTE) -> float:
