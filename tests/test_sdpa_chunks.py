@@ -9,6 +9,7 @@ from attention_support import assert_same_attention
 
 from kernels import pack_batch, use_backend
 from trainer.backend.attention import (
+    MIN_BRANCH_QUERIES,
     PACKED_SDPA,
     block_causal_mask,
     packed_attention_kwargs,
@@ -168,6 +169,33 @@ def test_tree_block_layout_compares_the_tree_with_the_branch_cost():
     assert tree_block_layout(trees, chunked_cost(branches)) == "branch"
     assert chunked_cost([210] + [20] * 7) == 210 ** 2 + 7 * 20 ** 2
     assert tree_block_layout(trees, 280 ** 2) == "tree" and tree_block_layout(trees, 280 ** 2 - 1) == "branch"
+    # Branches of a few queries each pay SDPA's per-sequence share: fewer score elements, still the tree.
+    assert tree_block_layout(trees, 1000, branch_queries=MIN_BRANCH_QUERIES) == "branch"
+    assert tree_block_layout(trees, 1000, branch_queries=MIN_BRANCH_QUERIES - 0.5) == "tree"
+
+
+@pytest.mark.parametrize("answers, layout", [((1, 7), "tree"), ((5, 20), "tree"), ((30, 60), "owned")])
+def test_a_row_gets_owned_queries_where_they_pay(answers, layout):
+    """64 groups of 8 with 24-token prompts: the demo's short answers keep the tree layout (one layer's forward +
+    backward 19 ms against 49 ms with owned queries, measured), long answers get the owned queries (21 vs 37 ms)."""
+    from engines.tiny import tiny_model_config
+    from trainer.backend.models import load_hf_model
+
+    model = load_hf_model(tiny_model_config("qwen2"), dtype=torch.float32)
+    model.set_attn_implementation(PACKED_SDPA)
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for t in range(64):
+        prompt = torch.randint(6, 90, (24,), generator=g).tolist()
+        for _ in range(8):
+            r = int(torch.randint(*answers, (), generator=g))
+            samples.append(Sample(prompt="", tokens=prompt + torch.randint(6, 90, (r,), generator=g).tolist(),
+                                  response_length=r, group_index=t))
+    with use_backend("torch"):
+        (mb,) = build_shared_micro_batches(samples, token_budget=100_000, bucket_size=64)
+    kw = packed_attention_kwargs(model, mb.row, mb.trees)
+    assert ("packed_query_index" in kw) == (layout == "owned")
+    assert ("packed_block_mask" in kw) == (layout == "tree")
 
 
 def test_compiled_blocks_keep_one_padded_batch_and_both_equal_each_sequence_alone():

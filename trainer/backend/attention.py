@@ -268,21 +268,31 @@ def tree_causal_mask(end: torch.Tensor, dtype: torch.dtype = torch.bool) -> torc
     return _as_mask(allowed, dtype)
 
 
-def tree_block_layout(tree_lengths: Sequence[int], branch_cost: float) -> str:
-    """Which packed_sdpa layout costs less for a shared-prompt row: "tree" (one padded sequence per tree, each of
-    its trie's tokens once, a tree mask) or "branch" (a sequence per branch: branch_cost, the score elements it
-    computes, from chunked_cost over the branches' lengths, or sdpa_chunks.branch_owned_chunks' cost where each
-    branch runs only the queries it owns). tree_lengths: the row tokens of each tree.
+# The fewest query tokens a branch runs on average for the per-branch layout to be worth its score count: the CPU's
+# SDPA pays a share per sequence and head that the count misses, most with a few queries against many keys. One layer's
+# forward + backward on 64 groups of 8 (bench_packing-shaped rows, 25-token prompts): answers of 1-6 tokens, tree
+# 19.4 ms against owned queries 48.6 ms (2.5x fewer score elements); 5-19: 23.1 against 36.2 ms; 10-29: 24.7 against
+# 24.2 ms; 30-59: 36.6 against 20.8 ms (bench/results/agent_step_time-cpu-2core.json, training_trie).
+MIN_BRANCH_QUERIES = 16
 
-    The score elements each computes: T * Lt^2 (Lt the longest tree, every tree padded to it) against branch_cost.
-    GRPO groups with short answers favour trees (the demo's rows, 64 prompts of 23-25 tokens and 8 answers of 1-6
-    each: 64 * 62^2 = 246k against 512 * 31^2 = 492k elements, and SDPA's per-(sequence, head) cost on the CPU
-    makes the gap 3x: 3.7 vs 11.4 ms a layer); long answers favour branches (P = 100, 8 x R = 1000: 66M against
-    4.8M). Memory is not modelled: the tree layout also holds its [T, 1, Lt, Lt] mask, once per row
-    (packed_attention_kwargs)."""
+
+def tree_block_layout(tree_lengths: Sequence[int], branch_cost: float, branch_queries: float = math.inf) -> str:
+    """Which packed_sdpa layout runs a shared-prompt row: "tree" (one padded sequence per tree, each of its trie's
+    tokens once, a tree mask) or "branch" (a sequence per branch: branch_cost, the score elements it computes, from
+    chunked_cost over the branches' lengths, or sdpa_chunks.branch_owned_chunks' cost where each branch runs only
+    the queries it owns; branch_queries, the query tokens a branch runs on average). tree_lengths: the row tokens of
+    each tree.
+
+    "branch" when it computes fewer score elements, T * Lt^2 (Lt the longest tree, every tree padded to it) against
+    branch_cost, and its branches run at least MIN_BRANCH_QUERIES queries on average. GRPO groups with short
+    answers favour trees (the demo's rows, 64 prompts of 23-25 tokens and 8 answers of 1-6 each: 64 * 62^2 = 246k
+    against 512 * 31^2 = 492k elements for whole branches, and SDPA's per-(sequence, head) cost on the CPU makes the
+    gap 3x: 3.7 vs 11.4 ms a layer); long answers favour branches (P = 100, 8 x R = 1000: 66M against 4.8M). Memory
+    is not modelled: the tree layout also holds its [T, 1, Lt, Lt] mask, once per row (packed_attention_kwargs)."""
     lengths = [n for n in tree_lengths if n > 0]
     lt = max(lengths)
-    return "tree" if len(lengths) * lt * lt <= branch_cost else "branch"
+    fewer = branch_cost < len(lengths) * lt * lt
+    return "branch" if fewer and branch_queries >= MIN_BRANCH_QUERIES else "tree"
 
 
 def tree_block_indices(seq_index: torch.Tensor, end: torch.Tensor, lengths: tuple[int, ...]
@@ -573,7 +583,8 @@ def _tree_attention_kwargs(impl: str, model, batch: PackedBatch, trees: PromptTr
         dtype = _model_dtype(model)
         if not _blocks_compiled(model):  # eager: each branch's owned queries, in chunks of alike shapes
             owned = branch_owned_chunks(trees.paths, batch.padded_len, dev)
-            if tree_block_layout(batch.lengths, owned.cost) == "tree":
+            queries = batch.num_tokens / max(1, sum(c[0] for c in owned.chunks))  # each real token: one query
+            if tree_block_layout(batch.lengths, owned.cost, queries) == "tree":
                 return {**kw, **tree_block_kwargs(batch.seq_index, trees.end, batch.lengths, dtype)}
             # Additive in the model's dtype, made once for every layer (as tree_block_kwargs' mask).
             masks = tuple(None if m is None else _additive(m, dtype) for m in owned.masks)
@@ -581,7 +592,8 @@ def _tree_attention_kwargs(impl: str, model, batch: PackedBatch, trees: PromptTr
                     "packed_scatter_index": owned.scatter, "packed_chunks": owned.chunks,
                     "packed_chunk_masks": masks}
         branch_lengths = [sum(b - a for a, b in path) for path in trees.paths]
-        if tree_block_layout(batch.lengths, chunked_cost(branch_lengths, waste=math.inf)) == "tree":
+        cost = chunked_cost(branch_lengths, waste=math.inf)
+        if tree_block_layout(batch.lengths, cost, sum(branch_lengths) / len(branch_lengths)) == "tree":
             return {**kw, **tree_block_kwargs(batch.seq_index, trees.end, batch.lengths, dtype)}
         gather, scatter = tree_branch_indices(trees.paths, batch.padded_len, dev)
         return {**kw, "packed_gather_index": gather, "packed_scatter_index": scatter}

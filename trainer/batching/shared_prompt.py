@@ -123,15 +123,18 @@ class _TreeRow(NamedTuple):
     cu_rows: list[int]  # [branches + 1] loss-row offsets of the branches
 
 
-def _walk_trees(samples: Sequence[Sample], trees: Sequence[Sequence[int]]) -> _TreeRow:
-    """Lay out each tree's trie once, node by node, and the loss rows that read each sample's path through it."""
+def _walk_trees(samples: Sequence[Sample], trees: Sequence[Sequence[int]],
+                tries: Sequence[list] | None = None) -> _TreeRow:
+    """Lay out each tree's trie once, node by node, and the loss rows that read each sample's path through it.
+    tries: each tree's trie_nodes when already built."""
     r = _TreeRow([], [], [], [], [0], [], [], [], [], [], [0])
     for t, tree in enumerate(trees):
         p = samples[tree[0]].prompt_length
         seqs = [samples[i].tokens for i in tree]
-        assert all(s[:p] == seqs[0][:p] and samples[i].prompt_length == p for i, s in zip(tree, seqs)), \
+        prompt = seqs[0][:p]
+        assert all(s[:p] == prompt and samples[i].prompt_length == p for i, s in zip(tree, seqs)), \
             "a tree's samples must share their prompt tokens"
-        nodes = list(trie_nodes(seqs))
+        nodes = tries[t] if tries is not None else list(trie_nodes(seqs))
         paths: list[list[tuple[int, int]]] = [[] for _ in tree]
         starts = []
         for members, start, stop, _ in nodes:
@@ -143,37 +146,48 @@ def _walk_trees(samples: Sequence[Sample], trees: Sequence[Sequence[int]]) -> _T
             if stop > start:
                 for m in members:
                     paths[m].append((row, row + stop - start))
-        tree_end = len(r.ids)
-        for k, (_, start, stop, level) in enumerate(nodes):
-            # A node's subtree ends where the next node of its level or above starts (depth-first order).
-            after = next((starts[j] for j in range(k + 1, len(nodes)) if nodes[j][3] <= level), tree_end)
-            r.end.extend([after] * (stop - start))
+        # A node's subtree ends where the next node of its level or above starts (depth-first order): one pass
+        # from the back with a stack of the later nodes that can still be that next one.
+        after, later = [len(r.ids)] * len(nodes), []
+        for k in reversed(range(len(nodes))):
+            level = nodes[k][3]
+            while later and later[-1][0] > level:
+                later.pop()
+            if later:
+                after[k] = later[-1][1]
+            later.append((level, starts[k]))
+        for (_, start, stop, _), e in zip(nodes, after):
+            r.end.extend([e] * (stop - start))
         for i, path in zip(tree, paths):
             s = samples[i]
-            at = [x for a, b in path for x in range(a, b)]  # [len(tokens)] row position of each of its tokens
-            m = s.effective_loss_mask
             # Response token k (position p + k) is predicted by the token before it, wherever on the sample's path
             # that lies; with an empty prompt token 0 has no predictor and is never trained (as in the plain layout).
-            for k in range(0 if p else 1, s.response_length):
-                r.rows.append(at[p + k - 1])
-                r.labels.append(s.tokens[p + k])
-                r.mask.append(float(m[k]))
+            lo, hi = max(p - 1, 0), len(s.tokens) - 1  # the predicting positions [lo, hi)
+            o = 0  # the sequence position of each range's first token
+            for a, b in path:
+                first, last = max(lo, o), min(hi, o + b - a)
+                if first < last:
+                    r.rows.extend(range(a + first - o, a + last - o))
+                o += b - a
+            r.labels.extend(s.tokens[lo + 1:])
+            r.mask.extend(map(float, s.effective_loss_mask[0 if p else 1:]))
             r.cu_rows.append(len(r.rows))
             r.order.append(i)
             r.paths.append(tuple(path))
-        r.cu_trees.append(tree_end)
+        r.cu_trees.append(len(r.ids))
     return r
 
 
 def pack_tree_micro_batch(samples: Sequence[Sample], trees: Sequence[Sequence[int]], *, advantages: Sequence[float],
-                          bucket_size: int, pad_id: int, num_tokens: int, num_seqs: int) -> MicroBatch:
+                          bucket_size: int, pad_id: int, num_tokens: int, num_seqs: int,
+                          tries: Sequence[list] | None = None) -> MicroBatch:
     """Pack `trees` (lists of sample indices sharing one prompt) into one row; host tensors.
 
     Row tokens (N, bucketed) and loss rows (M, bucketed) are padded separately: the row's tail is one more causal
     block (seq_index -1), the loss rows' tail reads hidden state 0 with label IGNORE_INDEX and mask 0, as one more
     segment.
     """
-    walked = _walk_trees(samples, trees)
+    walked = _walk_trees(samples, trees, tries)
     ids, pos, seq, end = walked.ids, walked.pos, walked.seq, walked.end
     cu_trees, order, rows = walked.cu_trees, walked.order, walked.rows
     labels, mask, cu_rows = walked.labels, walked.mask, walked.cu_rows
@@ -229,9 +243,11 @@ def build_shared_micro_batches(samples: Sequence[Sample], *, token_budget: int, 
     adv, num_tokens = check_batch_inputs(samples, token_budget=token_budget, bucket_size=bucket_size,
                                          advantages=advantages, num_ranks=num_ranks, rank=rank)
     trees = prompt_trees(samples, token_budget)
-    plan = plan_micro_batches([tree_cost(samples, t) for t in trees], token_budget=token_budget, num_ranks=num_ranks)
+    tries = [list(trie_nodes([samples[i].tokens for i in t])) for t in trees]  # built once: costed, then laid out
+    costs = [sum(stop - start for _, start, stop, _ in nodes) for nodes in tries]  # tree_cost
+    plan = plan_micro_batches(costs, token_budget=token_budget, num_ranks=num_ranks)
     mine = rank_micro_batches(plan, rank)
     common = dict(advantages=adv, bucket_size=bucket_size, pad_id=pad_id, num_tokens=num_tokens,
                   num_seqs=len(samples))
-    return [pack_tree_micro_batch(samples, [trees[t] for t in idx], **common) if idx
+    return [pack_tree_micro_batch(samples, [trees[t] for t in idx], tries=[tries[t] for t in idx], **common) if idx
             else pack_micro_batch(samples, [], **common) for idx in mine]
