@@ -1,7 +1,15 @@
 """Fixtures shared by the test modules (the root conftest.py holds the device policy and the `backend` fixture)."""
 
+import signal
+
 import pytest
 import torch
+
+# Ctrl-C as a terminal run has it. A test runner started in the background by a non-interactive shell inherits SIGINT
+# ignored (POSIX: its asynchronous commands ignore SIGINT), and Python then installs no KeyboardInterrupt handler: the
+# tests of Ctrl-C would see nothing, and every run they start would inherit the ignored signal too.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 from engines.embedded.launch import EngineProcess
 

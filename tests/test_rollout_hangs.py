@@ -188,10 +188,14 @@ def test_ctrl_c_ends_a_batch_whose_async_env_steps_block_the_event_loop():
     # Three groups: the cancellation reaches each group's nursery in turn.
     cfg = RolloutConfig(rollout_batch_size=3, n_samples_per_prompt=2, max_new_tokens=8, seed=1, env=LoopBlocker,
                         env_timeout_s=60.0)
-    threading.Thread(target=ctrl_c, daemon=True).start()
+    sender = threading.Thread(target=ctrl_c, daemon=True)
+    sender.start()
     t0 = time.monotonic()
-    with pytest.raises(BaseException) as e:  # noqa: PT011 - KeyboardInterrupt, alone or in trio's exception group
-        run_batch(cfg, engine=Scripted(lambda text: "7"), buffer=arithmetic_buffer(3))
+    try:
+        with pytest.raises(BaseException) as e:  # noqa: PT011 - KeyboardInterrupt, alone or in trio's exception group
+            run_batch(cfg, engine=Scripted(lambda text: "7"), buffer=arithmetic_buffer(3))
+    finally:
+        sender.join(timeout=5)  # its signal never lands in a later test
     took = time.monotonic() - t0
     assert is_interrupt(e.value), repr(e.value)
     assert len(started) == 1 and took < 2.0, (len(started), took)
