@@ -18,7 +18,7 @@ from trainer.backend.attention import (
     tree_block_layout,
     tree_causal_mask,
 )
-from trainer.backend.sdpa_chunks import WASTE, branch_owned_chunks, chunked_cost, plain_chunked_indices
+from trainer.backend.sdpa_chunks import WASTE, branch_owned_chunks, chunked_cost, owned_queries, plain_chunked_indices
 from trainer.batching.shared_prompt import build_shared_micro_batches
 from trainer.types import Sample
 
@@ -132,6 +132,9 @@ def test_owned_branch_attention_equals_dense_tree_mask_sdpa(seed, kv_heads):
     row, trees = mb.row, mb.trees
     owned = branch_owned_chunks(trees.paths, row.padded_len)
     assert len(owned.chunks) >= 2 and any(m is not None for m in owned.masks)
+    # The host count the layout choice reads first: each branch's owned tokens, as the layout runs them.
+    counts = owned_queries(trees.paths)
+    assert sum(counts) == row.num_tokens and sum(1 for q in counts if q) == sum(c[0] for c in owned.chunks)
     lengths = [sum(b - a for a, b in path) for path in trees.paths]
     assert owned.cost < chunked_cost(lengths, waste=1.5)
     assert owned.cost == sum(s * qc * kc for s, qc, kc in owned.chunks)

@@ -59,6 +59,7 @@ from trainer.backend.sdpa_chunks import (
     branch_owned_chunks,
     branch_segments,
     chunked_cost,
+    owned_queries,
     plain_chunked_indices,
 )
 from trainer.batching.micro_batches import PromptTrees
@@ -582,9 +583,11 @@ def _tree_attention_kwargs(impl: str, model, batch: PackedBatch, trees: PromptTr
         kw = {"attention_mask": packed_placeholder_mask(dev)}
         dtype = _model_dtype(model)
         if not _blocks_compiled(model):  # eager: each branch's owned queries, in chunks of alike shapes
-            owned = branch_owned_chunks(trees.paths, batch.padded_len, dev)
-            queries = batch.num_tokens / max(1, sum(c[0] for c in owned.chunks))  # each real token: one query
-            if tree_block_layout(batch.lengths, owned.cost, queries) == "tree":
+            live = sum(1 for q in owned_queries(trees.paths) if q)
+            queries = batch.num_tokens / max(1, live)  # each real token: one query
+            # Short answers take the tree without building the owned layout (a few ms of host work a forward).
+            owned = branch_owned_chunks(trees.paths, batch.padded_len, dev) if queries >= MIN_BRANCH_QUERIES else None
+            if owned is None or tree_block_layout(batch.lengths, owned.cost, queries) == "tree":
                 return {**kw, **tree_block_kwargs(batch.seq_index, trees.end, batch.lengths, dtype)}
             # Additive in the model's dtype, made once for every layer (as tree_block_kwargs' mask).
             masks = tuple(None if m is None else _additive(m, dtype) for m in owned.masks)

@@ -117,6 +117,21 @@ def branch_segments(paths: Sequence[Sequence[tuple[int, int]]], padded_len: int
     return segments, seg_of, slot_of
 
 
+def owned_queries(paths: Sequence[Sequence[tuple[int, int]]]) -> list[int]:
+    """Each branch's owned tokens (branch_owned_chunks' Q_s): those of the ranges on its path that no earlier branch
+    holds. Host arithmetic over the ranges, cheap enough to decide a layout before building one."""
+    seen: set[int] = set()
+    out = []
+    for path in paths:
+        q = 0
+        for a, b in path:
+            if a not in seen:  # a range is a trie node's: the same (start, stop) on every path through it
+                seen.add(a)
+                q += b - a
+        out.append(q)
+    return out
+
+
 class OwnedChunks(NamedTuple):
     """branch_owned_chunks' layout: each branch's queries only for the tokens whose output it gives (see there)."""
 
