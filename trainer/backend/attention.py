@@ -390,12 +390,13 @@ def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
         )
     if not getattr(module, "is_causal", True):
         raise ValueError("packed_sdpa: the packed path is causal only; this attention module is not causal")
-    if packed_query_index is not None:
-        return _owned_chunked_sdpa(query, key, value, packed_query_index, packed_gather_index, packed_scatter_index,
-                                   packed_chunks, packed_chunk_masks, dropout, scaling), None
-    if packed_chunks is not None:
-        return _chunked_sdpa(query, key, value, packed_gather_index, packed_scatter_index, packed_chunks, dropout,
-                             scaling), None
+    if packed_query_index is not None:  # branch_owned_chunks: (S_c, Q_c, K_c) chunks, their masks
+        return _chunked_sdpa(query, key, value, packed_query_index, packed_gather_index, packed_scatter_index,
+                             packed_chunks, packed_chunk_masks, dropout, scaling), None
+    if packed_chunks is not None:  # the plain chunks (S_c, L_c): queries at the key slots, all causal
+        chunks = tuple((n, width, width) for n, width in packed_chunks)
+        return _chunked_sdpa(query, key, value, packed_gather_index, packed_gather_index, packed_scatter_index,
+                             chunks, (None,) * len(chunks), dropout, scaling), None
     s, lmax = packed_gather_index.shape
 
     def gather(x: torch.Tensor) -> torch.Tensor:  # [1, h, N, D] -> [S, h, Lmax, D], one index op
@@ -414,32 +415,13 @@ def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     return flat[packed_scatter_index][None], None  # [1, N, H, D]
 
 
-def _chunked_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, gather: torch.Tensor,
-                  scatter: torch.Tensor, chunks: tuple[tuple[int, int], ...], dropout: float,
-                  scaling: float | None) -> torch.Tensor:
-    """packed_sdpa over the chunked layout: query [1, H, N, D], key/value [1, Hkv, N, D], gather [sum S_c * L_c],
-    scatter [N] -> [1, N, H, D]. One gather per tensor, one causal SDPA per chunk (on views of the gathered
-    tensors), one scatter back."""
-    q, k, v = (x[0][:, gather] for x in (query, key, value))  # [h, sum S_c * L_c, D]
-    heads, dim = q.shape[0], q.shape[2]
-    outs, offset = [], 0
-    for s, width in chunks:
-        part = slice(offset, offset + s * width)
-        offset += s * width
-        qc, kc, vc = (x[:, part].unflatten(1, (s, width)).transpose(0, 1) for x in (q, k, v))  # [s, h, L_c, D]
-        out = F.scaled_dot_product_attention(qc, kc, vc, dropout_p=dropout, is_causal=True, scale=scaling,
-                                             enable_gqa=qc.shape[1] != kc.shape[1])  # [s, H, L_c, D]
-        outs.append(out.transpose(1, 2).reshape(s * width, heads, dim))
-    outs.append(q.new_zeros(1, heads, dim))  # the padding tail's zero row
-    return torch.cat(outs)[scatter][None]
-
-
-def _owned_chunked_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_index: torch.Tensor,
-                        kv_index: torch.Tensor, scatter: torch.Tensor, chunks: tuple[tuple[int, ...], ...],
-                        masks: tuple[torch.Tensor | None, ...], dropout: float, scaling: float | None) -> torch.Tensor:
-    """packed_sdpa over sdpa_chunks.branch_owned_chunks' layout: query [1, H, N, D], key/value [1, Hkv, N, D],
-    q_index [sum S_c * Q_c], kv_index [sum S_c * K_c], scatter [N] -> [1, N, H, D]. One gather per tensor, one SDPA
-    per chunk under its mask (additive or bool; causal where None), one scatter back."""
+def _chunked_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_index: torch.Tensor,
+                  kv_index: torch.Tensor, scatter: torch.Tensor, chunks: tuple[tuple[int, int, int], ...],
+                  masks: tuple[torch.Tensor | None, ...], dropout: float, scaling: float | None) -> torch.Tensor:
+    """packed_sdpa over a chunked layout: query [1, H, N, D], key/value [1, Hkv, N, D], q_index [sum S_c * Q_c],
+    kv_index [sum S_c * K_c], scatter [N] -> [1, N, H, D], chunks (S_c, Q_c, K_c). One gather per tensor, one SDPA
+    per chunk on views of the gathered tensors, under its mask (additive or bool; causal where None), one scatter
+    back. The plain layout's chunks are (S_c, L_c, L_c), its queries the key slots, every one causal."""
     q = query[0][:, q_index]  # [h, sum S_c * Q_c, D]
     k, v = (x[0][:, kv_index] for x in (key, value))  # [hkv, sum S_c * K_c, D]
     heads, dim = q.shape[0], q.shape[2]

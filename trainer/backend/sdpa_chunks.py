@@ -167,16 +167,15 @@ def branch_owned_chunks(paths: Sequence[Sequence[tuple[int, int]]], padded_len: 
     assert (first[live] == k_len[live] - owned[live]).all(), "a branch's owned tokens are a suffix of its sequence"
     order = sorted(live.tolist(), key=lambda b: (k_len[b], owned[b]))
     groups: list[list[int]] = []
-    real = 0
+    real = q_max = 0  # the open chunk's real score elements and its widest query run (its keys: the last K)
     for b in order:
-        cand = (groups[-1] if groups else []) + [b]
-        area = len(cand) * max(owned[c] for c in cand) * max(k_len[c] for c in cand)
-        if groups and area <= waste * (real + owned[b] * k_len[b]):
+        wider = max(q_max, owned[b])
+        if groups and (len(groups[-1]) + 1) * wider * k_len[b] <= waste * (real + owned[b] * k_len[b]):
             groups[-1].append(b)
-            real += owned[b] * k_len[b]
+            real, q_max = real + owned[b] * k_len[b], wider
         else:
             groups.append([b])
-            real = owned[b] * k_len[b]
+            real, q_max = owned[b] * k_len[b], owned[b]
     q_parts, k_parts, chunks, masks = [], [], [], []
     q_base = np.zeros(len(segments), dtype=np.int64)  # flat query slot of each branch's first owned token
     q_off = cost = 0

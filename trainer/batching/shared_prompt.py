@@ -102,9 +102,14 @@ def trie_nodes(seqs: Sequence[Sequence[int]]) -> Iterator[tuple[list[int], int, 
         stack.extend((sub, n, level + 1) for sub in reversed(list(children.values())))
 
 
+def _trie_tokens(nodes: Sequence[tuple[list[int], int, int, int]]) -> int:
+    """Row tokens of a trie (trie_nodes' nodes): each node's tokens once."""
+    return sum(stop - start for _, start, stop, _ in nodes)
+
+
 def tree_cost(samples: Sequence[Sample], tree: Sequence[int]) -> int:
     """Row tokens of one tree: each node of its samples' trie once."""
-    return sum(stop - start for _, start, stop, _ in trie_nodes([samples[i].tokens for i in tree]))
+    return _trie_tokens(list(trie_nodes([samples[i].tokens for i in tree])))
 
 
 class _TreeRow(NamedTuple):
@@ -123,10 +128,9 @@ class _TreeRow(NamedTuple):
     cu_rows: list[int]  # [branches + 1] loss-row offsets of the branches
 
 
-def _walk_trees(samples: Sequence[Sample], trees: Sequence[Sequence[int]],
-                tries: Sequence[list] | None = None) -> _TreeRow:
+def _walk_trees(samples: Sequence[Sample], trees: Sequence[Sequence[int]], tries: Sequence[list]) -> _TreeRow:
     """Lay out each tree's trie once, node by node, and the loss rows that read each sample's path through it.
-    tries: each tree's trie_nodes when already built."""
+    tries: each tree's trie_nodes."""
     r = _TreeRow([], [], [], [], [0], [], [], [], [], [], [0])
     for t, tree in enumerate(trees):
         p = samples[tree[0]].prompt_length
@@ -134,7 +138,7 @@ def _walk_trees(samples: Sequence[Sample], trees: Sequence[Sequence[int]],
         prompt = seqs[0][:p]
         assert all(s[:p] == prompt and samples[i].prompt_length == p for i, s in zip(tree, seqs)), \
             "a tree's samples must share their prompt tokens"
-        nodes = tries[t] if tries is not None else list(trie_nodes(seqs))
+        nodes = tries[t]
         paths: list[list[tuple[int, int]]] = [[] for _ in tree]
         starts = []
         for members, start, stop, _ in nodes:
@@ -179,9 +183,10 @@ def _walk_trees(samples: Sequence[Sample], trees: Sequence[Sequence[int]],
 
 
 def pack_tree_micro_batch(samples: Sequence[Sample], trees: Sequence[Sequence[int]], *, advantages: Sequence[float],
-                          bucket_size: int, pad_id: int, num_tokens: int, num_seqs: int,
-                          tries: Sequence[list] | None = None) -> MicroBatch:
-    """Pack `trees` (lists of sample indices sharing one prompt) into one row; host tensors.
+                          tries: Sequence[list], bucket_size: int, pad_id: int, num_tokens: int,
+                          num_seqs: int) -> MicroBatch:
+    """Pack `trees` (lists of sample indices sharing one prompt; `tries`: each one's trie_nodes) into one row; host
+    tensors.
 
     Row tokens (N, bucketed) and loss rows (M, bucketed) are padded separately: the row's tail is one more causal
     block (seq_index -1), the loss rows' tail reads hidden state 0 with label IGNORE_INDEX and mask 0, as one more
@@ -244,8 +249,8 @@ def build_shared_micro_batches(samples: Sequence[Sample], *, token_budget: int, 
                                          advantages=advantages, num_ranks=num_ranks, rank=rank)
     trees = prompt_trees(samples, token_budget)
     tries = [list(trie_nodes([samples[i].tokens for i in t])) for t in trees]  # built once: costed, then laid out
-    costs = [sum(stop - start for _, start, stop, _ in nodes) for nodes in tries]  # tree_cost
-    plan = plan_micro_batches(costs, token_budget=token_budget, num_ranks=num_ranks)
+    plan = plan_micro_batches([_trie_tokens(nodes) for nodes in tries], token_budget=token_budget,
+                              num_ranks=num_ranks)
     mine = rank_micro_batches(plan, rank)
     common = dict(advantages=adv, bucket_size=bucket_size, pad_id=pad_id, num_tokens=num_tokens,
                   num_seqs=len(samples))
