@@ -1,7 +1,7 @@
 """Seeded sampling (kernels/sampling.py): one token per row by inverse CDF, the uniform from Philox4x32-10 keyed by
 (seed, position).
 
-- Philox: the torch path's int64 words and the reference's Python integers equal Random123's known answers and each
+- Philox: the torch path's words (numpy uint64 on the CPU, int64 torch ops elsewhere) and the reference's Python integers equal Random123's known answers and each
   other; the Triton kernel calls Triton's randint4x, so equal tokens prove its words too.
 - Both paths (Triton through the interpreter, also at the CUDA launch's one row a program) draw exactly the float64
   reference's tokens on fresh random rows: odd vocabularies (1, 2, 7, 1271, 50257), zeros, unnormalised rows, seeds
@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -22,7 +23,9 @@ from kernels.sampling import (
     U_SCALE,
     _sample_triton,
     inverse_cdf,
+    MASK32,
     philox4x32,
+    philox4x32_u64,
     philox_uniform,
     sample_tokens,
     seed_words,
@@ -41,22 +44,47 @@ KNOWN_ANSWERS = [
 CHI2_49_999 = 85.35
 
 
-def test_philox_equals_random123_known_answers():
+def _numpy_words(counter, key):
+    """philox4x32_u64 (the CPU path's words) on int64 torch words, back as torch tensors."""
+    out = philox4x32_u64(tuple(c.numpy().astype(np.uint64) for c in counter),
+                         tuple(k.numpy().astype(np.uint64) for k in key))
+    return tuple(torch.from_numpy(o.astype(np.int64)) for o in out)
+
+
+PHILOX_WORDS = {"torch-int64": philox4x32, "numpy-uint64": _numpy_words}
+
+
+@pytest.mark.parametrize("impl", list(PHILOX_WORDS))
+def test_philox_equals_random123_known_answers(impl):
     for counter, key, expected in KNOWN_ANSWERS:
         assert philox4x32_reference(counter, key) == expected
-        words = philox4x32(tuple(torch.tensor([c]) for c in counter), tuple(torch.tensor([k]) for k in key))
+        words = PHILOX_WORDS[impl](tuple(torch.tensor([c]) for c in counter), tuple(torch.tensor([k]) for k in key))
         assert tuple(int(w) for w in words) == expected
 
 
-def test_torch_philox_equals_the_reference_on_random_words():
+@pytest.mark.parametrize("impl", list(PHILOX_WORDS))
+def test_philox_equals_the_reference_on_random_words(impl):
     g = torch.Generator().manual_seed(3)
     words = torch.randint(0, 2**32, (6, 300), generator=g)
     words[:, :4] = torch.tensor([0, 1, M, M - 1])[None, :]  # the edges of the 32-bit range
-    out = philox4x32(tuple(words[:4]), (words[4], words[5]))
+    out = PHILOX_WORDS[impl](tuple(words[:4]), (words[4], words[5]))
     for j in range(words.shape[1]):
         c = tuple(int(x) for x in words[:4, j])
         k = (int(words[4, j]), int(words[5, j]))
         assert tuple(int(o[j]) for o in out) == philox4x32_reference(c, k)
+
+
+def test_cpu_uniforms_equal_the_int64_torch_words():
+    """philox_uniform on the CPU (numpy words) gives the bits the int64 torch words give, positions past 2^32."""
+    g = torch.Generator().manual_seed(11)
+    key = torch.randint(0, 2**32, (500, 2), generator=g)
+    position = torch.cat([torch.randint(0, 2**62, (250,), generator=g), torch.randint(0, 4096, (250,), generator=g)])
+    zero = torch.zeros_like(position)
+    w0, w1, _, _ = philox4x32((position & MASK32, (position >> 32) & MASK32, zero, zero), (key[:, 0], key[:, 1]))
+    expected = (((w0 >> 12) << 32) | w1).to(torch.float64) * U_SCALE
+    u = philox_uniform(key, position)
+    assert u.dtype == torch.float64 and torch.equal(u, expected)
+    assert 0.0 <= float(u.min()) and float(u.max()) <= 1 - 2**-52
 
 
 def random_case(g: torch.Generator, V: int) -> tuple[torch.Tensor, list[int], list[int]]:
