@@ -11,12 +11,12 @@ least one float64 spacing below C_{V-1} and the count is at most V - 1 (a row of
 engine reads the NaN in its log-probs and raises). float64 sums make the boundaries exact to ~1e-16 of the mass; the
 two paths sum in different orders, so they could differ only where u * C falls within that rounding of a boundary.
 
-Randomness: Philox4x32-10 (Salmon et al., SC'11; Random123's known answers are in the tests), key = the row's
-64-bit seed as two 32-bit words `key` [B, 2], counter = (position mod 2^32, position // 2^32, 0, 0): the first two
-output words give the 52 bits of u = n * 2^-52. This is Triton's `tl.randint4x(seed, position)`, so the Triton
-kernel calls it and the torch path computes the same words: numpy uint64 arithmetic on the CPU, int64 torch ops
-elsewhere (16-bit halves, no overflow). A token therefore depends on (seed, position, the row's probabilities) only: not on the other rows of the batch, their
-number or order, or how many tokens were drawn before (no generator state).
+Randomness: Philox4x32-10 (Salmon et al., SC'11; Random123's known answers are in the tests), key = the row's 64-bit
+seed as two 32-bit words `key` [B, 2], counter = (position mod 2^32, position // 2^32, 0, 0): the first two output
+words give the 52 bits of u = n * 2^-52. This is Triton's `tl.randint4x(seed, position)`, so the Triton kernel calls
+it and the torch path computes the same words: numpy uint64 arithmetic on the CPU, int64 torch ops elsewhere (16-bit
+halves, no overflow). A token therefore depends on (seed, position, the row's probabilities) only: not on the other
+rows of the batch, their number or order, or how many tokens were drawn before (no generator state).
 
 Cost: one uniform per row (B Philox calls, not B x V as an exponential race needs) and one pass over each row for the
 mass and one for the count. On CUDA one kernel (one program per row); on the CPU a float64 cumsum and searchsorted.

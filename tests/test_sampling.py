@@ -1,8 +1,9 @@
 """Seeded sampling (kernels/sampling.py): one token per row by inverse CDF, the uniform from Philox4x32-10 keyed by
 (seed, position).
 
-- Philox: the torch path's words (numpy uint64 on the CPU, int64 torch ops elsewhere) and the reference's Python integers equal Random123's known answers and each
-  other; the Triton kernel calls Triton's randint4x, so equal tokens prove its words too.
+- Philox: the torch path's words (numpy uint64 on the CPU, int64 torch ops elsewhere) and the reference's Python
+  integers equal Random123's known answers and each other; the Triton kernel calls Triton's randint4x, so equal
+  tokens prove its words too.
 - Both paths (Triton through the interpreter, also at the CUDA launch's one row a program) draw exactly the float64
   reference's tokens on fresh random rows: odd vocabularies (1, 2, 7, 1271, 50257), zeros, unnormalised rows, seeds
   past 2^63 and negative, positions past 2^32.
@@ -20,10 +21,10 @@ import torch
 from kernels import use_backend
 from kernels.reference import philox4x32_reference, sample_tokens_reference
 from kernels.sampling import (
+    MASK32,
     U_SCALE,
     _sample_triton,
     inverse_cdf,
-    MASK32,
     philox4x32,
     philox4x32_u64,
     philox_uniform,

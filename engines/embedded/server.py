@@ -46,6 +46,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from engines.embedded.drafts import NgramDrafts
+from engines.embedded.fast_decode import plain_decode
 from engines.embedded.generation import DecodeBatch, Row, RowResult
 from engines.embedded.lora import AdapterSet, read_peft_folder
 from engines.embedded.openai_routes import openai_routes
@@ -168,8 +169,9 @@ class EngineServer:
         self.model_thread = _model_thread(threads)
         if compile_decode is None:
             compile_decode = self.device.type == "cuda"
-        # Decode is the hot loop (one token per row per call): compiled on CUDA only, CPU stays eager.
-        self.decode_fn = torch.compile(model.forward, dynamic=True) if compile_decode else None
+        # Decode is the hot loop (one token per row per call): compiled on CUDA only; on the CPU eager, through
+        # engines/embedded/fast_decode.py where it is exact for the model (its logits equal the forward's).
+        self.decode_fn = torch.compile(model.forward, dynamic=True) if compile_decode else plain_decode(model)
         self.adapters = AdapterSet(model)  # named LoRA adapters, applied per row (engines/embedded/lora.py)
         self._adapter_lock = asyncio.Lock()
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
