@@ -10,6 +10,9 @@ the interpreter, and match torch), then the stages, in this order:
     benchmarks   every bench/bench_*.py suite at its CUDA sizes, one process each (kernel GB/s against a copy, Liger
                  side by side where it is importable, the train step, the engine's generation on the GPU)
     weight_sync  a Qwen2.5-0.5B-shaped model, colocated and broadcast (bench/bench_weight_sync.py --json)
+    kernel_configs  the from-logits kernels' launch-config sweep (bench/tune_logits.py): each candidate checked
+                 against fp32 log_softmax, then timed against a copy and Liger; the report names the best config
+                 per size and mode (issue 42 item 9: the configs the kernels should ship)
 
 Writes bench/results/<gpu-name>.json and .md after every stage. `--dry-run` prints the plan (every stage, its
 commands, timeout, or why it is skipped; every benchmark case with its planned peak device bytes, marked where it
@@ -195,6 +198,10 @@ def weight_sync_cmd() -> list[str]:
     return [sys.executable, "bench/bench_weight_sync.py", "--json", "--device", "cuda"]
 
 
+def kernel_configs_cmd(js: Path) -> list[str]:
+    return [sys.executable, "bench/tune_logits.py", "--json", str(js)]
+
+
 def demo_cmd(out: Path) -> list[str]:
     return [sys.executable, "-m", "trainer", "demo", "--set", f"output_dir={out}"]
 
@@ -205,7 +212,8 @@ def stage_commands(work: Path) -> dict[str, list[list[str]]]:
             "demo": [demo_cmd(work / "demo")],
             "distributed": [pytest_marker_cmd("distributed", work / "distributed.xml")],
             "benchmarks": [benchmark_cmd(f, work / f"benchmarks-{Path(f).stem}.json") for f in benchmark_files()],
-            "weight_sync": [weight_sync_cmd()]}
+            "weight_sync": [weight_sync_cmd()],
+            "kernel_configs": [kernel_configs_cmd(work / "tune_logits.json")]}
 
 
 def stage_skip_reason(stage: str, gpus: int) -> str | None:
@@ -361,6 +369,47 @@ def weight_sync(work: Path, timeout_s: float) -> dict:
             "seconds": round(secs, 1), "log": str(log)}
 
 
+def best_configs(sweep: list[dict]) -> list[dict]:
+    """Per size of a tune_logits.py sweep: the fastest correct forward (with and without entropy) and backward
+    variant, its GB/s and its fraction of a copy's, beside Liger's forward. Raises on a variant marked wrong."""
+    rows = []
+    for size in sweep:
+        wrong = [k for part in ("fwd", "bwd") for k, v in size[part].items() if v.get("wrong")]
+        if wrong:
+            raise AssertionError(f"T{size['T']}-V{size['V']}: variants {wrong} disagree with fp32 log_softmax")
+        copy = size.get("copy_GBps")
+        for part, ent in (("fwd", False), ("fwd", True), ("bwd", True)):
+            timed = {k: v for k, v in size[part].items() if "ms" in v and k.endswith("-ent") == ent}
+            if not timed:
+                continue
+            key = min(timed, key=lambda k: timed[k]["ms"])
+            row = {"size": f"T{size['T']}-V{size['V']}", "mode": part + ("-ent" if ent else ""), "best": key,
+                   "ms": timed[key]["ms"], "GBps": timed[key]["GBps"]}
+            shipped = "tiles-8192-16" + ("-ent" if ent else "")
+            if shipped in timed:
+                row["shipped_ms"] = timed[shipped]["ms"]
+            if copy:
+                row["vs_copy"] = timed[key]["GBps"] / copy
+            if part == "fwd" and "GBps" in size.get("liger_fwd", {}):
+                row["liger_GBps"] = size["liger_fwd"]["GBps"]
+            rows.append(row)
+    return rows
+
+
+def kernel_configs(work: Path, timeout_s: float) -> dict:
+    """bench/tune_logits.py; judged by the JSON it wrote (every variant right), not by its exit status alone."""
+    js, log = work / "tune_logits.json", work / "tune_logits.log"
+    js.unlink(missing_ok=True)
+    rc, secs = _run(kernel_configs_cmd(js), log, timeout_s)
+    try:
+        best = best_configs(json.loads(js.read_text())) if js.exists() else None
+        missing = "wrote no tune_logits.json"
+    except AssertionError as e:
+        best, missing = None, str(e)
+    return {**({"best": best} if best is not None else {}), **judge(rc, best is not None, missing),
+            "seconds": round(secs, 1), "log": str(log)}
+
+
 def _verdict_note(stage: dict) -> str:
     """What the Markdown adds to a stage's line: a crash after it passed, or why it failed."""
     notes = [f"passed, then its process exited {stage['exit_after_pass']}"] if "exit_after_pass" in stage else []
@@ -391,6 +440,14 @@ def markdown(report: dict) -> str:
                 "memcpy_gbps"):
         if key in ws:
             lines.append(f"- {key}: {ws[key]:.3f}" if isinstance(ws[key], float) else f"- {key}: {ws[key]}")
+    kc = report.get("kernel_configs", {})
+    if kc.get("best"):
+        lines += ["", "## From-logits kernel configs (bench/tune_logits.py, bf16, median)", "",
+                  "| size | mode | best | ms | GB/s | vs copy | shipped ms | Liger GB/s |",
+                  "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['size']} | {r['mode']} | {r['best']} | {r['ms']:.3f} | {r['GBps']:.0f} | "
+                  f"{r.get('vs_copy', float('nan')):.2f} | {r.get('shipped_ms', float('nan')):.3f} | "
+                  f"{r.get('liger_GBps', float('nan')):.0f} |" for r in kc["best"]]
     lines += ["", "## Benchmarks (median)", ""]
     bench = report.get("benchmarks", {})
     lines += [f"- `{f}`: exit {r['returncode']}" + (f" ({r['skipped']})" if "skipped" in r else "")
@@ -429,7 +486,7 @@ def run_stages(report: dict, stages: dict[str, Callable[[], dict]], write: Calla
 
 
 SKIP_NAMES = {"tests": "gpu_tests", "demo": "demo", "distributed": "distributed", "benchmarks": "benchmarks",
-              "weight_sync": "weight_sync"}  # --skip -> stage
+              "weight_sync": "weight_sync", "tune": "kernel_configs"}  # --skip -> stage
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -483,7 +540,8 @@ def main(argv: list[str] | None = None) -> int:
            "demo": lambda: demo(work, args.timeout),
            "distributed": lambda: distributed(work, args.timeout, gpus),
            "benchmarks": lambda: benchmarks(work, args.timeout, bench_progress),
-           "weight_sync": lambda: weight_sync(work, args.timeout)}
+           "weight_sync": lambda: weight_sync(work, args.timeout),
+           "kernel_configs": lambda: kernel_configs(work, args.timeout)}
     assert list(run) == list(stage_commands(work)), "a stage without a plan (or a plan without a stage)"
     for s in skip:
         report[SKIP_NAMES[s]] = {"skipped": "--skip", "seconds": 0}

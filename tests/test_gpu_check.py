@@ -173,7 +173,7 @@ def test_gpu_check_writes_each_stage_as_it_finishes(tmp_path, monkeypatch):
     assert "exit 124" in gc.markdown({**report, "status": "failed"})
 
 
-STAGES = ["gpu_tests", "demo", "distributed", "benchmarks", "weight_sync"]
+STAGES = ["gpu_tests", "demo", "distributed", "benchmarks", "weight_sync", "kernel_configs"]
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +209,7 @@ def test_dry_run_plans_every_stage_with_its_commands(dry_runs):
     assert "one GPU" in one["distributed"]["skipped"]  # skipped with the reason, not failed
     assert any("bench/bench_generate.py" in c for c in one["benchmarks"]["commands"])
     assert "bench/bench_weight_sync.py --json --device cuda" in one["weight_sync"]["commands"][0]
+    assert "bench/tune_logits.py --json" in one["kernel_configs"]["commands"][0]
     two = _dry_run(dry_runs, gpus=2)
     assert not any("skipped" in s for s in two.values())
 
@@ -391,3 +392,45 @@ def test_weight_sync_stage_is_judged_by_the_figures_it_printed(tmp_path, monkeyp
     assert (got["returncode"], got["error"]) == (-11, "printed no JSON with colocated_ms")
     monkeypatch.setattr(gc, "weight_sync_cmd", lambda: [sys.executable, "-c", "print('done')"])
     assert gc.weight_sync(tmp_path, 60.0)["returncode"] == 1  # exit 0 without figures fails too
+
+
+def _sweep(wrong: bool = False) -> list[dict]:
+    """A tune_logits.py sweep of one size in its JSON shape: two forward configs (each with and without entropy),
+    two backward ones, a copy and Liger's forward."""
+    def row(ms, nbytes=1e9):
+        return {"max_abs_err": 1e-6, "ms": ms, "GBps": nbytes / ms / 1e6}
+    fwd = {"tiles-8192-16": row(0.5), "tiles-8192-16-ent": row(0.6), "lanes-2048-4": row(0.4),
+           "lanes-2048-4-ent": row(0.7)}
+    if wrong:
+        fwd["lanes-4096-8"] = {"max_abs_err": 0.3, "wrong": True}
+    return [{"T": 4096, "V": 32000, "dtype": "torch.bfloat16", "copy_GBps": 4000.0, "fwd": fwd,
+             "bwd": {"tiles-8192-16-ent": {"ms": 1.5, "GBps": 2000.0}, "tiles-4096-8-ent": {"ms": 1.2, "GBps": 2500.0}},
+             "liger_fwd": {"ms": 0.3, "GBps": 3333.0}}]
+
+
+def test_kernel_config_stage_names_the_fastest_correct_variant(tmp_path, monkeypatch):
+    import json as _json
+
+    import bench.gpu_check as gc
+
+    def writes(sweep, tail=""):
+        code = f"import sys, json; open(sys.argv[1], 'w').write({_json.dumps(_json.dumps(sweep))}); {tail}"
+        return lambda js: [sys.executable, "-c", code, str(js)]
+
+    monkeypatch.setattr(gc, "kernel_configs_cmd", writes(_sweep(), SEGFAULT))
+    got = gc.kernel_configs(tmp_path, 60.0)
+    assert got["returncode"] == 0 and got["exit_after_pass"] == -11  # judged by its JSON, not the crash after
+    best = {r["mode"]: r for r in got["best"]}
+    assert (best["fwd"]["best"], best["fwd-ent"]["best"], best["bwd-ent"]["best"]) == (
+        "lanes-2048-4", "tiles-8192-16-ent", "tiles-4096-8-ent")
+    assert best["fwd"]["shipped_ms"] == 0.5 and abs(best["fwd"]["vs_copy"] - 2500.0 / 4000.0) < 1e-12
+    assert best["fwd"]["liger_GBps"] == 3333.0 and "liger_GBps" not in best["bwd-ent"]
+    md = gc.markdown({"date": "d", "status": "passed", "versions": {"gpu": "H200"}, "kernel_configs": got})
+    assert "| T4096-V32000 | fwd | lanes-2048-4 | 0.400 | 2500 | 0.62 | 0.500 | 3333 |" in md
+
+    monkeypatch.setattr(gc, "kernel_configs_cmd", writes(_sweep(wrong=True)))
+    got = gc.kernel_configs(tmp_path, 60.0)  # a wrong variant fails the stage and is named
+    assert got["returncode"] == 1 and "lanes-4096-8" in got["error"] and "best" not in got
+    monkeypatch.setattr(gc, "kernel_configs_cmd", lambda js: [sys.executable, "-c", "print('no json')"])
+    got = gc.kernel_configs(tmp_path, 60.0)
+    assert (got["returncode"], got["error"]) == (1, "wrote no tune_logits.json")
