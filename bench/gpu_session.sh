@@ -1,0 +1,63 @@
+#!/bin/bash
+# One prepared device call for a session that is lent a GPU (the device tool: 15 minutes a task, one call ~8 min).
+#
+#   run(command="bash bench/gpu_session.sh", carry=[".whl"], timeout_s=560)
+#
+# .whl: the py3.12 wheels the GPU image lacks (trio, outcome, sniffio, starlette, uvicorn, liger-kernel, datasets,
+# dill, multiprocess, math-verify, latex2sympy2_extended, antlr4-python3-runtime; py-spy for the profile), fetched
+# here with `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl
+# NAME==VERSION` (see the device tool's README); the folder is git-ignored.
+#
+# In order, each under its own timeout so a hang loses only its stage: the from-logits kernels' config sweep (issue
+# 42 item 9), a short demo with compile off under py-spy (where the GPU step's time goes: issue 42's demo < 30 s), a
+# short demo with compile on (item 5: the compiled trainer on CUDA), gpu_check's gpu tests and weight sync. Writes
+# $OUT/all.tgz (every log, JSON and metrics file) and prints the stage times last.
+set -u
+OUT=${OUT:-/tmp/gpu_session_out}
+R=/tmp/gpu_session; rm -rf "$R"; mkdir -p "$R" "$OUT"
+T0=$(date +%s)
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    > "$R/pip.log" 2>&1
+fi
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
+unset TRITON_INTERPRET
+git rev-parse HEAD > "$R/commit.txt" 2>/dev/null || echo "no git" > "$R/commit.txt"
+nvidia-smi -L > "$R/nvidia-smi.txt" 2>&1
+python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" \
+  > "$R/versions.txt" 2>&1
+stage() { echo "== $1 $(($(date +%s) - T0)) s" | tee -a "$R/stages.txt"; }
+
+stage tune_logits
+timeout 90 python3 bench/tune_logits.py --json "$R/tune_logits.json" > "$R/tune_logits.log" 2>&1
+echo "rc=$?" >> "$R/tune_logits.log"
+
+stage demo_profiled
+DEMO=(-m trainer demo --set sft.num_steps=100 --set rl.num_steps=30)
+if command -v py-spy > /dev/null; then
+  timeout 110 py-spy record -r 200 --idle --threads --nonblocking --format raw -o "$R/demo_pyspy.txt" -- \
+    python3 "${DEMO[@]}" --set output_dir=/tmp/gs_demo > "$R/demo.log" 2>&1
+else
+  timeout 110 python3 "${DEMO[@]}" --set output_dir=/tmp/gs_demo > "$R/demo.log" 2>&1
+fi
+echo "rc=$?" >> "$R/demo.log"
+
+stage demo_compiled
+timeout 140 python3 "${DEMO[@]}" --set trainer.compile=true --set output_dir=/tmp/gs_democ > "$R/demo_compiled.log" 2>&1
+echo "rc=$?" >> "$R/demo_compiled.log"
+for d in gs_demo gs_democ; do
+  mkdir -p "$R/$d"
+  cp /tmp/$d/summary.json /tmp/$d/sft/metrics.jsonl "$R/$d/" 2>/dev/null
+  cp /tmp/$d/rl/metrics.jsonl "$R/$d/rl_metrics.jsonl" 2>/dev/null
+done
+
+stage gpu_check
+timeout 175 python3 bench/gpu_check.py --out "$R/gpu_check" --timeout 120 --skip demo,distributed,benchmarks,tune \
+  > "$R/gpu_check.log" 2>&1
+echo "rc=$?" >> "$R/gpu_check.log"
+
+stage done
+tar czf "$OUT/all.tgz" -C "$R" .
+cp "$R/stages.txt" "$R/tune_logits.log" "$R/demo.log" "$R/demo_compiled.log" "$R/gpu_check.log" "$OUT/" 2>/dev/null
+tail -n 3 "$R/demo.log" "$R/demo_compiled.log" "$R/gpu_check.log"
+cat "$R/stages.txt"
