@@ -385,7 +385,7 @@ def best_configs(sweep: list[dict]) -> list[dict]:
             key = min(timed, key=lambda k: timed[k]["ms"])
             row = {"size": f"T{size['T']}-V{size['V']}", "mode": part + ("-ent" if ent else ""), "best": key,
                    "ms": timed[key]["ms"], "GBps": timed[key]["GBps"]}
-            shipped = "tiles-8192-16" + ("-ent" if ent else "")
+            shipped = size["shipped"] + ("-ent" if ent else "")  # the config kernels.logprobs launches
             if shipped in timed:
                 row["shipped_ms"] = timed[shipped]["ms"]
             if copy:

@@ -25,11 +25,17 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kernels._softmax_tiles import M_INIT_TL, softmax_stats_finalize  # noqa: E402
-from kernels.logprobs import _token_logprobs_bwd_kernel, _token_logprobs_fwd_kernel, token_logprobs  # noqa: E402
+from kernels.logprobs import (  # noqa: E402
+    _block_v,
+    _token_logprobs_bwd_kernel,
+    _token_logprobs_fwd_kernel,
+    token_logprobs,
+)
 
-FWD_CONFIGS = [(8192, 16), (8192, 8), (16384, 16), (16384, 32), (32768, 32)]
+# Candidates besides the shipped config (kernels.logprobs._block_v for the size, always swept first).
+FWD_CONFIGS = [(8192, 8), (16384, 16), (16384, 32), (32768, 32)]
 VEC_CONFIGS = [(1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16)]
-BWD_CONFIGS = [(8192, 16), (4096, 8), (2048, 4), (16384, 16), (16384, 32)]
+BWD_CONFIGS = [(4096, 8), (2048, 4), (16384, 16), (16384, 32)]
 
 
 @triton.jit
@@ -104,7 +110,8 @@ def run_size(T: int, V: int, dtype, device: str, timed: bool) -> dict:
     ref_ent = torch.where(keep, -(ref.exp() * ref).sum(-1), 0.0)
     del ref
     e = x.element_size()
-    out = {"T": T, "V": V, "dtype": str(dtype), "fwd": {}, "bwd": {}}
+    shipped = _block_v(V, dtype, x.device)  # (BLOCK_V, num_warps) the op launches at this size
+    out = {"T": T, "V": V, "dtype": str(dtype), "shipped": f"tiles-{shipped[0]}-{shipped[1]}", "fwd": {}, "bwd": {}}
     if timed:
         src = torch.empty(T * V * e, dtype=torch.uint8, device=device)
         dst = torch.empty_like(src)
@@ -112,7 +119,8 @@ def run_size(T: int, V: int, dtype, device: str, timed: bool) -> dict:
         out["copy_GBps"] = 2 * src.numel() / t / 1e6
         del src, dst
     fwd_bytes, bwd_bytes = T * V * e, 3 * T * V * e
-    for name, kernel, configs in (("tiles", _token_logprobs_fwd_kernel, FWD_CONFIGS),
+    tiles, bwd_configs = ([shipped] + [c for c in configs if c != shipped] for configs in (FWD_CONFIGS, BWD_CONFIGS))
+    for name, kernel, configs in (("tiles", _token_logprobs_fwd_kernel, tiles),
                                   ("lanes", _fwd_lanes_kernel, VEC_CONFIGS)):
         for block, warps in configs:
             for with_ent in (False, True):
@@ -129,9 +137,9 @@ def run_size(T: int, V: int, dtype, device: str, timed: bool) -> dict:
                     ms = _bench(launch)
                     row.update(ms=ms, GBps=fwd_bytes / ms / 1e6)
                 out["fwd"][key] = row
-    _, ent, lse = _launch_fwd(_token_logprobs_fwd_kernel, x, labels, keep, True, 8192, 16)
-    dx_ref = None
-    for block, warps in BWD_CONFIGS:
+    _, ent, lse = _launch_fwd(_token_logprobs_fwd_kernel, x, labels, keep, True, *shipped)
+    dx_ref = None  # the shipped config's gradient, which the others are compared with
+    for block, warps in bwd_configs:
         dx = torch.empty_like(x)
         launch = functools.partial(_launch_bwd, x, dx, labels, keep, lse, ent, gl, ge, True, block, warps)
         launch()

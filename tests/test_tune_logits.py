@@ -56,3 +56,15 @@ def test_backward_configs_give_the_reference_gradient():
         tune._launch_bwd(x, dx, labels, keep, lse, ent, gl, ge, True, block, warps)
         rel = ((dx.double() - xr.grad).norm() / xr.grad.norm()).item()
         assert rel < 1e-4, (block, warps, rel)
+
+
+def test_the_sweep_starts_from_the_shipped_config_and_marks_no_variant_wrong():
+    from kernels.logprobs import _block_v
+
+    out = tune.run_size(5, 300, torch.bfloat16, "cpu", timed=False)
+    block, warps = _block_v(300, torch.bfloat16, torch.device("cpu"))
+    assert out["shipped"] == f"tiles-{block}-{warps}"
+    assert next(iter(out["fwd"])) == out["shipped"] and next(iter(out["bwd"])) == out["shipped"] + "-ent"
+    assert not [k for part in ("fwd", "bwd") for k, v in out[part].items() if v.get("wrong")]
+    assert all(v["max_abs_err"] < 1e-5 for v in out["fwd"].values())
+    assert all(v["max_abs_diff_vs_first"] == 0.0 for v in out["bwd"].values())  # every config, the same gradient
