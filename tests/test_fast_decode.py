@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from engines.embedded.attention import use_engine_attention
 from engines.embedded.fast_decode import plain_decode, supports_plain_decode
@@ -74,10 +75,7 @@ def test_plain_decode_equals_the_forward_bit_for_bit(arch, dtype):
         assert out.shape == ref.shape and out.dtype == ref.dtype
         assert torch.equal(out, ref), (out - ref).abs().max()
         compared.append(out.shape[0])
-        return out_wrap(out)
-
-    def out_wrap(logits):
-        return type("Out", (), {"logits": logits})()
+        return CausalLMOutputWithPast(logits=out)
 
     results = _run(model, rows, joins, aborts, both)
     assert len(compared) > 40 and max(compared) >= 4
