@@ -80,6 +80,16 @@ def test_chunks_bound_the_score_elements_and_partition_the_sequences():
     assert chunked_cost(lengths) == 8 * 297 ** 2 + 69 * 138 ** 2 < len(lengths) * 297 ** 2 / 3
 
 
+def _qkv(g: torch.Generator, n: int, h: int, kv_heads: int, d: int, *, token_major: bool):
+    """q [1, h, n, d], k/v [1, kv_heads, n, d], float64, requiring grad; `token_major`: views of [1, n, heads, d]
+    memory, the layout a model's projections hand the attention function (the gathers read whole token rows)."""
+    def one(heads: int) -> torch.Tensor:
+        if token_major:
+            return torch.randn(1, n, heads, d, generator=g, dtype=torch.float64, requires_grad=True).transpose(1, 2)
+        return torch.randn(1, heads, n, d, generator=g, dtype=torch.float64, requires_grad=True)
+    return one(h), one(kv_heads), one(kv_heads)
+
+
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_chunked_packed_sdpa_equals_dense_block_causal_sdpa(kv_heads, seed):
@@ -93,8 +103,7 @@ def test_chunked_packed_sdpa_equals_dense_block_causal_sdpa(kv_heads, seed):
     gather, scatter, chunks = plain_chunked_indices(batch.lengths, batch.padded_len)
     assert len(chunks) >= 4  # the case under test: several SDPA calls
     n, h, d = batch.padded_len, 4, 8
-    q = torch.randn(1, h, n, d, generator=g, dtype=torch.float64, requires_grad=True)
-    k, v = (torch.randn(1, kv_heads, n, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    q, k, v = _qkv(g, n, h, kv_heads, d, token_major=seed % 2 == 1)
     out, _ = packed_sdpa_attention(_Attn(), q, k, v, None, scaling=0.3, packed_gather_index=gather,
                                    packed_scatter_index=scatter, packed_chunks=chunks)  # [1, N, H, D]
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=block_causal_mask(batch.seq_index), scale=0.3,
@@ -139,8 +148,7 @@ def test_owned_branch_attention_equals_dense_tree_mask_sdpa(seed, kv_heads):
     assert owned.cost < chunked_cost(lengths, waste=1.5)
     assert owned.cost == sum(s * qc * kc for s, qc, kc in owned.chunks)
     n, h, d = row.padded_len, 4, 8
-    q = torch.randn(1, h, n, d, generator=g, dtype=torch.float64, requires_grad=True)
-    k, v = (torch.randn(1, kv_heads, n, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    q, k, v = _qkv(g, n, h, kv_heads, d, token_major=seed >= 2)
     masks = owned.masks if seed % 2 else tuple(None if m is None else torch.where(m, 0.0, -1e30) for m in owned.masks)
     out, _ = packed_sdpa_attention(_Attn(), q, k, v, None, packed_query_index=owned.query_index,
                                    packed_gather_index=owned.key_index, packed_scatter_index=owned.scatter,

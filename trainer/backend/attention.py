@@ -400,7 +400,7 @@ def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     s, lmax = packed_gather_index.shape
 
     def gather(x: torch.Tensor) -> torch.Tensor:  # [1, h, N, D] -> [S, h, Lmax, D], one index op
-        return x[0][:, packed_gather_index].transpose(0, 1)
+        return _rows(x, packed_gather_index.flatten()).unflatten(0, (s, lmax)).transpose(1, 2)
 
     q, k, v = gather(query), gather(key), gather(value)
     # GQA natively (query head h reads kv head h // (H / Hkv), transformers' repeat_kv order); no repeated copies.
@@ -412,7 +412,15 @@ def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
                                          scale=scaling, enable_gqa=gqa)  # [S, H, Lmax, D]
     flat = out.transpose(1, 2).reshape(s * lmax, q.shape[1], q.shape[3])  # [S * Lmax, H, D]
     flat = torch.cat([flat, flat.new_zeros(1, q.shape[1], q.shape[3])])  # + the padding tail's zero row
-    return flat[packed_scatter_index][None], None  # [1, N, H, D]
+    return flat.index_select(0, packed_scatter_index)[None], None  # [1, N, H, D]
+
+
+def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """[1, h, N, D] (the projections' token-major memory seen head-major) -> [len(index), h, D]: the tokens at
+    `index`, gathered along the token dimension. index_select over whole token rows, not advanced indexing over dim
+    1: its backward is index_add_ over contiguous [h * D] rows, where advanced indexing's is an accumulating
+    index_put_ (on the CPU ~8x slower at the agent step's 7k tokens -> 16k key slots)."""
+    return x[0].transpose(0, 1).index_select(0, index)
 
 
 def _chunked_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_index: torch.Tensor,
@@ -422,13 +430,13 @@ def _chunked_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q
     kv_index [sum S_c * K_c], scatter [N] -> [1, N, H, D], chunks (S_c, Q_c, K_c). One gather per tensor, one SDPA
     per chunk on views of the gathered tensors, under its mask (additive or bool; causal where None), one scatter
     back. The plain layout's chunks are (S_c, L_c, L_c), its queries the key slots, every one causal."""
-    q = query[0][:, q_index]  # [h, sum S_c * Q_c, D]
-    k, v = (x[0][:, kv_index] for x in (key, value))  # [hkv, sum S_c * K_c, D]
-    heads, dim = q.shape[0], q.shape[2]
+    q = _rows(query, q_index)  # [sum S_c * Q_c, h, D]
+    k, v = (_rows(x, kv_index) for x in (key, value))  # [sum S_c * K_c, hkv, D]
+    heads, dim = q.shape[1], q.shape[2]
     outs, q_off, k_off = [], 0, 0
     for (s, qc, kc), mask in zip(chunks, masks):
-        qs = q[:, q_off:q_off + s * qc].unflatten(1, (s, qc)).transpose(0, 1)  # [s, h, Q_c, D]
-        ks, vs = (x[:, k_off:k_off + s * kc].unflatten(1, (s, kc)).transpose(0, 1) for x in (k, v))  # [s, hkv, K_c, D]
+        qs = q[q_off:q_off + s * qc].unflatten(0, (s, qc)).transpose(1, 2)  # [s, h, Q_c, D]
+        ks, vs = (x[k_off:k_off + s * kc].unflatten(0, (s, kc)).transpose(1, 2) for x in (k, v))  # [s, hkv, K_c, D]
         q_off += s * qc
         k_off += s * kc
         if mask is not None and mask.dtype not in (torch.bool, qs.dtype):  # computing in another dtype
@@ -437,7 +445,7 @@ def _chunked_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q
                                              scale=scaling, enable_gqa=qs.shape[1] != ks.shape[1])  # [s, H, Q_c, D]
         outs.append(out.transpose(1, 2).reshape(s * qc, heads, dim))
     outs.append(q.new_zeros(1, heads, dim))  # the padding tail's zero row
-    return torch.cat(outs)[scatter][None]
+    return torch.cat(outs).index_select(0, scatter)[None]
 
 
 AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
