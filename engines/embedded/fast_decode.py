@@ -32,9 +32,13 @@ from engines.embedded.attention import ENGINE_SDPA, engine_attention
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """[..., D] -> [..., D]: sin with its first half negated, so that rope(x) = x * cos + x.roll(D / 2) * it.
+    transformers' rope is x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1); x.roll(D / 2) = cat(x2, x1)
+    times cat(-sin1, sin2) gives each element the same product (only the sign moves from one factor to the other,
+    which is exact), so the result is equal bit for bit, in one roll instead of two slices, a negation and a cat."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
 def supports_plain_decode(model: torch.nn.Module) -> bool:
@@ -72,7 +76,8 @@ def plain_decode(model: torch.nn.Module) -> Callable | None:
         mask = attention_mask[:, None, None, :]  # [B, 1, 1, L + 1]: what sdpa's mask function makes of it
         h = base.embed_tokens(input_ids)  # [B, 1, H]
         cos, sin = base.rotary_emb(h, position_ids)  # [B, 1, D] each, the forward's own
-        cos, sin = cos[:, None], sin[:, None]  # [B, 1, 1, D]: broadcast over heads
+        cos, sin = cos[:, None], _signed_sin(sin)[:, None]  # [B, 1, 1, D]: broadcast over heads
+        half = cos.shape[-1] // 2
         for layer in base.layers:
             attn = layer.self_attn
             x = layer.input_layernorm(h)
@@ -80,8 +85,8 @@ def plain_decode(model: torch.nn.Module) -> Callable | None:
             q = attn.q_proj(x).view(shape).transpose(1, 2)  # [B, heads, 1, D]
             k = attn.k_proj(x).view(shape).transpose(1, 2)  # [B, kv heads, 1, D]
             v = attn.v_proj(x).view(shape).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q = q * cos + q.roll(half, -1) * sin
+            k = k * cos + k.roll(half, -1) * sin
             keys, values = past_key_values.update(k, v, attn.layer_idx)
             out, _ = engine_attention(attn, q, keys, values, mask, scaling=attn.scaling)  # [B, 1, heads, D]
             h = h + attn.o_proj(out.reshape(b, q_len, -1).contiguous())

@@ -524,7 +524,7 @@ class DecodeBatch:
                                        [r for r in rows for _ in range(q)],
                                        (positions + 1).index_select(0, self.phys_idx).flatten())
         host_tok, host_lp = torch.stack([tok.to(torch.float64), lp.to(torch.float64)]).view(2, B, q).tolist()
-        self._check_finite(host_lp)
+        self._check_finite(host_lp, [])
         out = []
         parts: dict[int, dict[tuple[int, ...], list[_Active]]] = {}  # cache row -> the rows' kept tokens -> rows
         for a, toks, lps in zip(self.rows, host_tok, host_lp):
@@ -545,9 +545,15 @@ class DecodeBatch:
         self.pos = self.pos + shift
         return out
 
-    def _check_finite(self, host_lp: list[list[float]]) -> None:
-        """host_lp: each row's log-probs drawn this step (rows in batch order, from the first)."""
-        bad = [a.row.rid or str(i) for i, (a, lps) in enumerate(zip(self.rows, host_lp)) if any(p != p for p in lps)]
+    def _check_finite(self, drawn_lp: list[list[float]], host_lp: list[float]) -> None:
+        """drawn_lp: the log-probs each of the first len(drawn_lp) rows drew (a speculative step), host_lp: the one
+        each later row drew (rows in batch order)."""
+        # One sum first: NaN exactly when some log-prob is (they are <= 0, so no inf - inf); the per-row scan only then.
+        total = sum(host_lp) + sum(p for lps in drawn_lp for p in lps)
+        if total == total:
+            return
+        per_row = drawn_lp + [[p] for p in host_lp]
+        bad = [a.row.rid or str(i) for i, (a, lps) in enumerate(zip(self.rows, per_row)) if any(p != p for p in lps)]
         if bad:  # NaN logits make NaN log-probs: the draw (argmax of NaN ratios) would be a silent wrong token
             raise RuntimeError(f"the model's logits are not finite (NaN log-probs) for rows {bad[:8]}: its weights or "
                                f"activations overflowed or were loaded wrong; check the last weight update")
@@ -611,7 +617,7 @@ class DecodeBatch:
             tok, lp = sample_with_logprobs(torch.cat(logits), params, [a.row for a in self.rows[first:]], pos)
             # The step's one host read: tokens (exact in float64, ids < 2^53) and log-probs in one transfer.
             host_tok, host_lp = torch.stack([tok.to(torch.float64), lp.to(torch.float64)]).tolist()
-            self._check_finite([lps for _, lps in drawn] + [[p] for p in host_lp])
+            self._check_finite([lps for _, lps in drawn], host_lp)
             drawn += [([int(t)], [p]) for t, p in zip(host_tok, host_lp)]
         keep, finished = [], []
         for i, (a, (toks, lps)) in enumerate(zip(self.rows, drawn)):
