@@ -1,10 +1,15 @@
-"""The device policy: CUDA -> Triton, CPU -> torch, TRITON_INTERPRET=1 -> Triton's interpreter."""
+"""The device policy: CUDA -> Triton, CPU -> torch, TRITON_INTERPRET=1 -> Triton's interpreter; the CPU host's malloc."""
+
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
+from device_support import cpu_child_env
 
 from kernels import backend_for, masked_scale, use_backend
-from kernels.device import triton_interpret
+from kernels.device import HOST_MALLOC, triton_interpret
 
 
 def test_interpreter_is_on_for_tests():
@@ -63,3 +68,39 @@ def test_masked_scale_compiled_triton_on_cuda():
     m = (torch.rand(10_000, device="cuda") < 0.5).int()
     assert backend_for(x) == "triton"
     torch.testing.assert_close(masked_scale(x, m, 2.0), torch.where(m.bool(), 2 * x, 0.0))
+
+
+_MALLOC_CHILD = r"""
+import json, os, torch
+from kernels.device import tune_host_malloc
+
+def rss_mb():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+applied = tune_host_malloc()
+base = rss_mb()
+x = torch.ones(16 << 20)  # 64 MiB, every page touched
+held = rss_mb()
+del x
+print(json.dumps({"applied": applied, "grew": held - base, "kept": rss_mb() - base}))
+"""
+
+
+def _malloc_child(env: dict) -> dict:
+    out = subprocess.run([sys.executable, "-c", _MALLOC_CHILD], env={**cpu_child_env(), **env}, check=True,
+                         capture_output=True, text=True, timeout=120)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc: Linux only")
+def test_tuned_host_malloc_keeps_a_freed_step_buffer_and_the_user_setting_wins():
+    """In a fresh process: tune_host_malloc sets glibc's three parameters, and a freed 64 MiB tensor stays in the
+    process (the next step reuses it) where glibc's defaults give its pages back (an mmap of its own). A user's own
+    malloc setting (here LD_PRELOAD, empty) leaves malloc alone."""
+    tuned = _malloc_child({})
+    assert tuned["applied"] == HOST_MALLOC
+    assert tuned["grew"] > 60 and tuned["kept"] > 60, tuned
+    left = _malloc_child({"LD_PRELOAD": ""})
+    assert left["applied"] == {}
+    assert left["grew"] > 60 and left["kept"] < 8, left

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engines.protocol import InferenceEngine, InProcessEngine
+from kernels.device import tune_host_malloc
 from trainer.config import (
     ConfigError,
     RunConfig,
@@ -279,6 +280,8 @@ def run(mode: str, cfg: RunConfig, *, resume: bool = False, checked: bool = Fals
     t_start = time.time()
     out = Path(cfg.output_dir)
     pin_trainer(cfg)
+    if not torch.cuda.is_available():  # a CPU run: its steps reuse the memory the last one freed (the docstring)
+        tune_host_malloc()
     mesh = init_distributed()
     is_main = mesh.get_rank() == 0
     if is_main and mode in ("rl", "sft+rl", "demo") and cfg.rl.rollout_worker == "process":

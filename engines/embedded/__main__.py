@@ -124,10 +124,13 @@ def serve(args: argparse.Namespace, api_key: str | None, *, owned: bool = False)
 
     from engines.embedded.presets import load_engine_model
     from engines.embedded.server import EngineServer, build_app
+    from kernels.device import tune_host_malloc
 
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if torch.device(device).type == "cpu":  # its decode steps reuse the memory the last one freed (the docstring)
+        tune_host_malloc()
     dtype = getattr(torch, args.dtype) if args.dtype else None
     model, tok = load_engine_model(args.model, seed=args.seed, dtype=dtype, device=device)
     server = EngineServer(model, tok, model_path=args.model, seed=args.seed, max_batch_rows=args.max_batch_rows,
