@@ -1,4 +1,4 @@
-"""The device policy: CUDA -> Triton, CPU -> torch, TRITON_INTERPRET=1 -> Triton's interpreter; the CPU host's malloc."""
+"""The device policy: CUDA -> Triton, CPU -> torch, TRITON_INTERPRET=1 -> Triton's interpreter; the host's malloc."""
 
 import json
 import subprocess
