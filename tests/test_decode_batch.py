@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import traceback
 from pathlib import Path
 
@@ -386,6 +387,28 @@ def test_non_finite_logits_are_an_error_not_a_silent_token():
         model.lm_head.weight[3].fill_(float("nan"))  # one vocabulary row: every row's softmax turns NaN
     out_before = [list(a.out_ids) for a in batch.rows]
     with pytest.raises(RuntimeError, match=r"not finite \(NaN log-probs\) for rows \['r0', 'r1', 'r2'\]"):
+        batch.step()
+    assert [list(a.out_ids) for a in batch.rows] == out_before
+
+
+def test_non_finite_logits_of_some_rows_name_only_those_rows():
+    """The check sums the step's log-probs first and scans rows only when the sum is NaN: with NaN logits in some
+    rows only (the embedding of the token those rows feed next), the error names exactly them, and no row takes a
+    token."""
+    g = torch.Generator().manual_seed(7)
+    model = build_tiny_model(7, arch="qwen2")
+    rows = [_random_row(g, 1000, prompt=(5 + k, 6, 7 + k), max_new_tokens=5, rid=f"r{k}", temperature=1.0, top_k=0,
+                        top_p=1.0) for k in range(6)]
+    batch = DecodeBatch(model, pad_id=0)
+    batch.step([(r, k) for k, r in enumerate(rows)])
+    last = {a.row.rid: a.out_ids[-1] for a in batch.rows}
+    poisoned = last["r0"]
+    want = [rid for rid, t in last.items() if t == poisoned]
+    assert len(want) < len(rows), last  # some rows stay finite (else the seeds drew one token for all)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[poisoned].fill_(float("nan"))
+    out_before = [list(a.out_ids) for a in batch.rows]
+    with pytest.raises(RuntimeError, match=re.escape(f"for rows {want}")):
         batch.step()
     assert [list(a.out_ids) for a in batch.rows] == out_before
 
