@@ -134,6 +134,7 @@ class BuildOptions:
     prefix_cache_tokens: int | None = None  # an embedded engine's prefix-cache budget (None: its default; 0: off)
     speculative_tokens: int = 0  # an embedded engine's draft tokens a row and step (engines/embedded/drafts.py; 0: off)
     dtype: str | None = None  # an in-process engine's weights ("float32", "bfloat16"; None: the engine's default)
+    borrow_cores: bool = False  # an in-process engine: its callers wait while it generates (engines.local.LocalEngine)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,7 +229,8 @@ def _local(spec: EngineSpec, opts: BuildOptions) -> InferenceEngine:
         given["dtype"] = getattr(torch, opts.dtype)
     if opts.speculative_tokens:
         given["speculative_tokens"] = opts.speculative_tokens
-    return LocalEngine(opts.model_folder, seed=opts.seed, device=opts.device, threads=opts.threads, **given)
+    return LocalEngine(opts.model_folder, seed=opts.seed, device=opts.device, threads=opts.threads,
+                       borrow_cores=opts.borrow_cores, **given)
 
 
 def _tinker(spec: EngineSpec, opts: BuildOptions) -> InferenceEngine:
@@ -293,7 +295,7 @@ def build_engine(spec: EngineSpec, *, model_folder: str | Path, api_key: str | N
                  connect_timeout_s: float = 10.0, max_connections: int = 64, device: str = "cpu",
                  request_timeout_s: float = 120.0, threads: int | None = None,
                  prefix_cache_tokens: int | None = None, speculative_tokens: int = 0,
-                 dtype: str | None = None) -> InferenceEngine:
+                 dtype: str | None = None, borrow_cores: bool = False) -> InferenceEngine:
     """The engine object for `spec` (its kind's builder). A launchable spec must carry the URL of the started
     engine by now; an in-process engine is started here, in this process, on `device` (give the trainer's: an engine
     on another device than the trainer cannot take its weights by handle; close it with `close()`). The spec's own
@@ -305,5 +307,5 @@ def build_engine(spec: EngineSpec, *, model_folder: str | Path, api_key: str | N
     opts = BuildOptions(model_folder=str(model_folder), api_key=spec.api_key or api_key, seed=seed,
                         connect_timeout_s=connect_timeout_s, max_connections=max_connections, device=str(device),
                         request_timeout_s=request_timeout_s, threads=threads, prefix_cache_tokens=prefix_cache_tokens,
-                        speculative_tokens=speculative_tokens, dtype=dtype)
+                        speculative_tokens=speculative_tokens, dtype=dtype, borrow_cores=borrow_cores)
     return entry.build(spec, opts)

@@ -507,6 +507,10 @@ class EnginesConfig:
     in_process: bool = False  # shorthand for fleet = [{kind = "local"}]: one engine inside the trainer's process
     api_key: str | None = None  # the engines' key ("" = None: each engine the run starts gets a random one)
     threads: int = 1  # CPU threads of each embedded engine the run starts (its process, or in process its model thread)
+    # An in-process engine on CPU in synchronous RL (and evaluation): the trainer waits while it generates, so the
+    # engine decodes on the trainer's cores instead of `threads`, each side releasing its OpenMP pool when it hands
+    # them over (engines/local.py). Async RL always uses `threads`: there the two compute at once
+    lend_cores: bool = True
     start_timeout_s: float = 180.0  # wait this long for a started engine to answer /health
     # Embedded engines: KV of finished rows kept for reuse by prompts that start with them (an episode's next turn
     # prefills only its new tokens; engines/embedded/prefix_cache.py), in tokens, LRU; 0: off. None: the engine's
@@ -556,6 +560,7 @@ class EnginesConfig:
                "a host name or IP address (string) the engines can reach")
         t = self.threads
         _check(not isinstance(t, bool) and isinstance(t, int) and t > 0, f"threads = {t!r}", "a whole number >= 1")
+        _check(isinstance(self.lend_cores, bool), f"lend_cores = {self.lend_cores!r}", "true or false")
         p = self.prefix_cache_tokens
         _check(p is None or (isinstance(p, int) and not isinstance(p, bool) and p >= 0), f"prefix_cache_tokens = {p!r}",
                "a whole number of tokens >= 0 (0: off), or unset (the engine's default)")

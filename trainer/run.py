@@ -109,6 +109,14 @@ def prefix_cache_tokens(cfg: RunConfig) -> int | None:
     return None if (r.env or r.tools or r.rollout_fn or r.agent) else 0
 
 
+def lends_cores(cfg: RunConfig, device: str, *, in_process: int, processes: int) -> bool:
+    """Whether the run's one in-process engine decodes on the trainer's cores ([engines] lend_cores): on CPU, in
+    synchronous RL (the trainer waits while it generates), with no other engine this run starts beside it (engine
+    processes and a second in-process engine would generate at the same time on the same cores)."""
+    return (cfg.engines.lend_cores and not cfg.rl.async_rollout and str(device) == "cpu" and in_process == 1
+            and processes == 0)
+
+
 @contextlib.contextmanager
 def engines_for(cfg: RunConfig, model_folder: Path, *, is_main: bool, device: str = "cpu"):
     """Yield the fleet ([engines].fleet, EngineSpecs) with every engine reachable: the entries of a launchable kind
@@ -143,12 +151,14 @@ def engines_for(cfg: RunConfig, model_folder: Path, *, is_main: bool, device: st
                                                    speculative_tokens=e.speculative_tokens))
              for i, place in zip(to_start, places)]
     started: list[InProcessEngine] = []
+    lend = lends_cores(cfg, device, in_process=len(local), processes=len(to_start))
     try:
         for p in procs:
             p.launch()
         for i in local:
             started.append(build_engine(fleet[i], model_folder=model_folder, seed=cfg.seed, device=device,
-                                        threads=e.threads, prefix_cache_tokens=prefix_cache_tokens(cfg),
+                                        threads=torch.get_num_threads() if lend else e.threads, borrow_cores=lend,
+                                        prefix_cache_tokens=prefix_cache_tokens(cfg),
                                         speculative_tokens=e.speculative_tokens))
             fleet[i] = {"engine": started[-1]}
         for p in procs:

@@ -37,6 +37,7 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import anyio
 import torch
@@ -61,6 +62,9 @@ from engines.weight_sync.receiver import (
     read_safetensors_folder,
 )
 from engines.weight_sync.wire import WEIGHT_UPDATE_FORMATS, WeightMeta, lora_adapter_field
+from kernels.device import release_host_threads
+
+T = TypeVar("T")
 
 SAMPLING_KEYS = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "n", "seed", "sampling_seed",
                  "ignore_eos"}
@@ -226,7 +230,6 @@ class EngineServer:
         self._scheduler = asyncio.create_task(self._loop())
 
     async def _loop(self):
-        loop = asyncio.get_running_loop()
         while True:
             if not (self.abort_all or self.abort_rids):
                 await self.running.wait()  # paused: rows stay in place
@@ -246,7 +249,7 @@ class EngineServer:
             t0 = time.perf_counter()
             self.admitting = admit
             try:
-                done = await loop.run_in_executor(self.model_thread, self._step, cut if has_cut else False, admit,
+                done = await self.on_model_thread(self._step, cut if has_cut else False, admit,
                                                   self.running.is_set())
             except Exception as e:  # noqa: BLE001 - delivered to every request that had a row in the batch
                 self._fail([h for _, h in admit] + [a.handle for a in self.batch.rows], e)
@@ -258,6 +261,19 @@ class EngineServer:
                 self.step_seconds += time.perf_counter() - t0
             for (req, k), result in done:
                 req.deliver(k, result, self.weight_version)
+
+    async def on_model_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) on the model thread. When that leaves the engine with no running row on a CPU, the thread then
+        releases its OpenMP pool (kernels.device.release_host_threads): the cores go back to whoever computes next
+        (the trainer, when this engine shares its process) without libgomp throttling two pools on them."""
+        return await asyncio.get_running_loop().run_in_executor(self.model_thread, self._then_idle, fn, *args)
+
+    def _then_idle(self, fn: Callable[..., T], *args: Any) -> T:
+        try:
+            return fn(*args)
+        finally:
+            if self.device.type == "cpu" and not len(self.batch) and torch.get_num_threads() > 1:
+                release_host_threads()
 
     def _step(self, cut, admit: list, advance: bool) -> list:
         """On the model thread: cut aborted rows (False: none, None: all, else a set of rids), then one step
@@ -311,7 +327,7 @@ class EngineServer:
         modules = self.adapters.parse(tensors, scaling)
         async with self._adapter_lock:  # one load at a time: each picks a free slot
             slot = self.adapters.free_slot(name, self._slots_in_use())
-            await asyncio.get_running_loop().run_in_executor(self.model_thread, self._write_adapter, slot, modules)
+            await self.on_model_thread(self._write_adapter, slot, modules)
             self.adapters.names[name] = slot
             if default:
                 self.adapters.default = name
@@ -509,7 +525,7 @@ def route_handlers(server: EngineServer) -> dict[str, Endpoint]:
 
     async def flush_cache(body: dict):
         # The prefix cache's entries (the running rows' own cache stays with them).
-        await asyncio.get_running_loop().run_in_executor(server.model_thread, server.flush_prefix_cache)
+        await server.on_model_thread(server.flush_prefix_cache)
         return {"success": True, "message": "Cache flushed."}
 
     async def generate(body: dict):
@@ -594,10 +610,9 @@ def route_handlers(server: EngineServer) -> dict[str, Endpoint]:
             raise BadRequest("weight_version must be a non-negative integer (as a string or int)")
         lora = lora_adapter_field(body)  # a LoRA run's adapter sync (engines/weight_sync/wire.py)
         targets = server.receiver.check(meta, group, lora is not None)  # 400 before joining any broadcast
-        loop = asyncio.get_running_loop()
         async with server.exclusive():
             try:
-                await loop.run_in_executor(server.model_thread, server.receiver.receive, meta, group, targets)
+                await server.on_model_thread(server.receiver.receive, meta, group, targets)
                 await load_synced_adapter(server, lora, meta, targets)
             except BaseException:
                 server.weights_consistent = False
@@ -619,10 +634,8 @@ def route_handlers(server: EngineServer) -> dict[str, Endpoint]:
             raise BadRequest("weight_version must be a non-negative integer (as a string or int)")
         tensors = await anyio.to_thread.run_sync(read_safetensors_folder, path)
         targets = disk_targets(server.model, tensors)  # 400 before any weight changes
-        loop = asyncio.get_running_loop()
         async with server.exclusive():
-            await loop.run_in_executor(server.model_thread, load_into, list(targets.values()),
-                                       [tensors[n] for n in targets])
+            await server.on_model_thread(load_into, list(targets.values()), [tensors[n] for n in targets])
             server.adapters.default = None  # a whole model: requests naming no adapter get it (load_synced_adapter)
         server.weights_consistent = True
         v = _bump(body)
@@ -638,9 +651,8 @@ def route_handlers(server: EngineServer) -> dict[str, Endpoint]:
             raise BadRequest("field 'ipc_buckets' (list) is required")
         if server.device.type != "cuda":
             raise BadRequest("update_weights_from_tensor (CUDA IPC) needs a CUDA engine; use the broadcast path")
-        loop = asyncio.get_running_loop()
         async with server.exclusive():
-            await loop.run_in_executor(server.model_thread, server.receiver.receive_ipc, buckets)
+            await server.on_model_thread(server.receiver.receive_ipc, buckets)
             server.adapters.default = None  # a whole model: requests naming no adapter get it (load_synced_adapter)
         v = _bump(body)
         return {"success": True, "message": "updated", "weight_version": str(v)}
