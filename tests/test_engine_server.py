@@ -302,6 +302,46 @@ def test_new_rows_join_a_running_batch_and_keep_their_seeded_results(engine):
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
 
 
+def test_rows_admitted_together_are_answered_as_each_finishes(engine):
+    """The model thread steps on without the loop while only the running rows need a step (EngineServer._steps); a
+    request whose rows finish in such a step is answered then, not when the batch drains. Both requests are queued
+    while the engine is paused, so they join in one step and nothing else arrives: the short one finishes
+    mid-run."""
+    client = SGLangEngine(engine.url, api_key=KEY)
+    long = SamplingParams(temperature=0.8, max_new_tokens=200, seed=8, ignore_eos=True)
+    short = SamplingParams(temperature=1.0, max_new_tokens=3, n=2, seed=9, ignore_eos=True)
+    solo_short = trio.run(client.generate, [[40, 41]], short)[0]
+    seen = {}
+
+    async def main():
+        await client.pause_generation()
+
+        async def gen_long():
+            seen["long"] = (await client.generate([[7, 8, 9, 10]], long))[0][0]
+
+        async def gen_short():
+            seen["short"] = (await client.generate([[40, 41]], short))[0]
+            seen["when_short_done"] = _load(engine)
+
+        async with trio.open_nursery() as n:
+            n.start_soon(gen_long)
+            n.start_soon(gen_short)
+            while _load(engine)["num_waiting_rows"] < 3:
+                await trio.sleep(0.005)
+            steps_before = _load(engine)["decode_steps"]
+            await client.continue_generation()
+        seen["steps_before"] = steps_before
+
+    trio.run(main)
+    done = seen["when_short_done"]
+    assert done["num_running_rows"] == 1, done  # the long row still ran when the short request was answered
+    assert done["decode_steps"] - seen["steps_before"] < 100, done  # answered within a few steps of finishing
+    assert len(seen["long"].output_ids) == 200 and seen["long"].finish_reason == "length"
+    for a, b in zip(solo_short, seen["short"]):
+        assert a.output_ids == b.output_ids and len(b.output_ids) == 3
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
 def test_decode_batch_admitting_rows_between_steps_gives_the_solo_results():
     """In process: rows admitted one per step (ragged caches merged, finished rows retired, a shared prefill for
     identical prompts) give the tokens and log-probs each row gives alone."""

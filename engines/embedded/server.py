@@ -20,7 +20,8 @@ OpenAI's API for the `openai` SDK (engines/embedded/openai_routes.py): POST /v1/
 GET /v1/models.
 
 Concurrency: one "model thread" runs everything that touches the model (decode steps, weight loads), so a weight
-update never overlaps a forward; group joins run on other threads; the event loop parses and schedules.
+update never overlaps a forward; group joins run on other threads; the event loop parses and schedules, and the
+model thread steps on by itself while the running rows are all a step needs (`EngineServer._steps`).
 Continuous batching: rows of every /generate request join the running batch between decode steps (up to
 `max_batch_rows` rows) and leave it when they finish; an aborted row leaves at the next step with what it has.
 """
@@ -249,8 +250,8 @@ class EngineServer:
             t0 = time.perf_counter()
             self.admitting = admit
             try:
-                done = await self.on_model_thread(self._step, cut if has_cut else False, admit,
-                                                  self.running.is_set())
+                done = await self.on_model_thread(self._steps, cut if has_cut else False, admit,
+                                                  self.running.is_set(), asyncio.get_running_loop())
             except Exception as e:  # noqa: BLE001 - delivered to every request that had a row in the batch
                 self._fail([h for _, h in admit] + [a.handle for a in self.batch.rows], e)
                 self.batch = self._new_batch()
@@ -259,8 +260,12 @@ class EngineServer:
             finally:
                 self.stepping, self.admitting = False, []
                 self.step_seconds += time.perf_counter() - t0
-            for (req, k), result in done:
-                req.deliver(k, result, self.weight_version)
+            self._deliver(done)
+
+    def _deliver(self, done: list) -> None:
+        """On the loop: hand finished rows to their requests."""
+        for (req, k), result in done:
+            req.deliver(k, result, self.weight_version)
 
     async def on_model_thread(self, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args) on the model thread. When that leaves the engine with no running row on a CPU, the thread then
@@ -274,6 +279,27 @@ class EngineServer:
         finally:
             if self.device.type == "cpu" and not len(self.batch) and torch.get_num_threads() > 1:
                 release_host_threads()
+
+    def _steps(self, cut, admit: list, advance: bool, loop: asyncio.AbstractEventLoop) -> list:
+        """On the model thread: `_step`, then further steps for as long as the running rows are all a step needs
+        (nothing queued to admit, no abort, hold or pause: `_wanted`), the rows each one finishes delivered on the
+        loop as they finish. Returns the last step's finished rows.
+
+        Why: a step handed over from the loop costs two thread hand-offs (~70 us median, ~200 us at p90 beside a
+        busy rollout client); an agent step's ~185 batch steps spent ~45 ms of its ~0.41 s generation on them."""
+        done = self._step(cut, admit, advance)
+        while advance and len(self.batch) and not self._wanted():
+            if done:
+                loop.call_soon_threadsafe(self._deliver, done)
+            self.steps += 1
+            done = self.batch.step([])
+        return done
+
+    def _wanted(self) -> bool:
+        """Whether the loop has something for the next step (read on the model thread: the loop thread sets these
+        between steps, and a step that misses one is followed by a look at it, as a step in flight is now)."""
+        return (bool(self.waiting) or self.abort_all or bool(self.abort_rids) or self.holds > 0
+                or not self.running.is_set())
 
     def _step(self, cut, admit: list, advance: bool) -> list:
         """On the model thread: cut aborted rows (False: none, None: all, else a set of rids), then one step
