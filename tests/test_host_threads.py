@@ -10,8 +10,8 @@ import subprocess
 import sys
 
 import pytest
-
 from device_support import cpu_child_env
+
 from trainer.cli import load_run_config
 from trainer.run import lends_cores
 
