@@ -19,7 +19,7 @@ the trainer share the cores, and the engine gets [engines] threads (1). In synch
 the engine generates, so the run lends it the trainer's cores ([engines] lend_cores): `borrow_cores=True`, and each
 call releases the calling thread's OpenMP pool while the model thread releases its own once its batch drains
 (kernels.device.release_host_threads: two pools holding more threads than there are cores make libgomp sleep at
-every barrier). Measured on the 2-core machine, the demo's GRPO step (512 samples): generation 0.13 -> 0.10 s with
+every barrier). Measured on the 2-core machine, the demo's GRPO step (512 samples): generation 0.13 -> 0.11 s with
 the train step unchanged; without the releases, 2 engine threads generated no faster than 1 and the train step
 slowed 0.20 -> 0.24 s (what an earlier round measured as "one thread is faster").
 """

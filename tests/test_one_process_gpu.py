@@ -82,7 +82,8 @@ def test_the_in_process_engine_is_built_on_the_trainers_device(monkeypatch, tmp_
     monkeypatch.setattr(engines.local, "LocalEngine", _RecordedEngine)
     _RecordedEngine.built = []
     build_engine(EngineSpec(kind="local"), model_folder="tiny", seed=3, device="cuda:0")
-    assert _RecordedEngine.built[-1] == {"model": "tiny", "seed": 3, "device": "cuda:0", "threads": None}
+    assert _RecordedEngine.built[-1] == {"model": "tiny", "seed": 3, "device": "cuda:0", "threads": None,
+                                         "borrow_cores": False}
     build_engine(EngineSpec(kind="local"), model_folder="tiny")  # CPU callers (tests, examples) are unchanged
     assert _RecordedEngine.built[-1]["device"] == "cpu"
 

@@ -191,6 +191,7 @@ class EngineServer:
         self.steps = 0  # decode steps started
         self.step_seconds = 0.0  # time spent in steps (the engine's busy time)
         self.stepping = False  # a step is on the model thread
+        self.model_work = 0  # other work queued for (or on) the model thread: on_model_thread
         self.running, self.wakeup = asyncio.Event(), asyncio.Event()
         self._scheduler: asyncio.Task | None = None
 
@@ -250,8 +251,9 @@ class EngineServer:
             t0 = time.perf_counter()
             self.admitting = admit
             try:
-                done = await self.on_model_thread(self._steps, cut if has_cut else False, admit,
-                                                  self.running.is_set(), asyncio.get_running_loop())
+                loop = asyncio.get_running_loop()
+                done = await loop.run_in_executor(self.model_thread, self._then_idle, self._steps,
+                                                  cut if has_cut else False, admit, self.running.is_set(), loop)
             except Exception as e:  # noqa: BLE001 - delivered to every request that had a row in the batch
                 self._fail([h for _, h in admit] + [a.handle for a in self.batch.rows], e)
                 self.batch = self._new_batch()
@@ -268,10 +270,16 @@ class EngineServer:
             req.deliver(k, result, self.weight_version)
 
     async def on_model_thread(self, fn: Callable[..., T], *args: Any) -> T:
-        """fn(*args) on the model thread. When that leaves the engine with no running row on a CPU, the thread then
-        releases its OpenMP pool (kernels.device.release_host_threads): the cores go back to whoever computes next
-        (the trainer, when this engine shares its process) without libgomp throttling two pools on them."""
-        return await asyncio.get_running_loop().run_in_executor(self.model_thread, self._then_idle, fn, *args)
+        """fn(*args) on the model thread (a load, an adapter write, a flush), between two decode steps: the steps
+        the model thread runs by itself stop for it (`_wanted`). When it leaves the engine with no running row on a
+        CPU, the thread then releases its OpenMP pool (kernels.device.release_host_threads): the cores go back to
+        whoever computes next (the trainer, when this engine shares its process) without libgomp throttling two
+        pools on them."""
+        self.model_work += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.model_thread, self._then_idle, fn, *args)
+        finally:
+            self.model_work -= 1
 
     def _then_idle(self, fn: Callable[..., T], *args: Any) -> T:
         try:
@@ -282,8 +290,8 @@ class EngineServer:
 
     def _steps(self, cut, admit: list, advance: bool, loop: asyncio.AbstractEventLoop) -> list:
         """On the model thread: `_step`, then further steps for as long as the running rows are all a step needs
-        (nothing queued to admit, no abort, hold or pause: `_wanted`), the rows each one finishes delivered on the
-        loop as they finish. Returns the last step's finished rows.
+        (nothing queued to admit, no abort, hold, pause or other model-thread work: `_wanted`), the rows each one
+        finishes delivered on the loop as they finish. Returns the last step's finished rows.
 
         Why: a step handed over from the loop costs two thread hand-offs (~70 us median, ~200 us at p90 beside a
         busy rollout client); an agent step's ~185 batch steps spent ~45 ms of its ~0.41 s generation on them."""
@@ -299,7 +307,7 @@ class EngineServer:
         """Whether the loop has something for the next step (read on the model thread: the loop thread sets these
         between steps, and a step that misses one is followed by a look at it, as a step in flight is now)."""
         return (bool(self.waiting) or self.abort_all or bool(self.abort_rids) or self.holds > 0
-                or not self.running.is_set())
+                or self.model_work > 0 or not self.running.is_set())
 
     def _step(self, cut, admit: list, advance: bool) -> list:
         """On the model thread: cut aborted rows (False: none, None: all, else a set of rids), then one step
