@@ -56,7 +56,8 @@ def test_a_row_with_every_key_masked_stays_finite_and_prefill_goes_to_sdpa():
     # Half precision keeps SDPA (float32 accumulation), bit for bit.
     half = [t.to(torch.bfloat16) for t in (q, k, v)]
     assert torch.equal(engine_attention(_Attn(2), *half, mask)[0], sdpa_attention_forward(_Attn(2), *half, mask)[0])
-    # More query tokens a row than a speculative step feeds (prefill): transformers' own path, bit for bit.
+    # More query tokens a row than a speculative step feeds (prefill): SDPA with enable_gqa, bit for bit the path
+    # transformers takes (test_prefill_attention_is_transformers_sdpa_bit_for_bit).
     n = MAX_QUERY_TOKENS + 1
     q = torch.randn(2, 4, n, 8, generator=g)
     k, v = (torch.randn(2, 2, n + 2, 8, generator=g) for _ in range(2))
@@ -64,6 +65,33 @@ def test_a_row_with_every_key_masked_stays_finite_and_prefill_goes_to_sdpa():
     a, _ = engine_attention(_Attn(2), q, k, v, pmask)
     b, _ = sdpa_attention_forward(_Attn(2), q, k, v, pmask)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_prefill_attention_is_transformers_sdpa_bit_for_bit(kv_heads, dtype, seed):
+    """A prefill (more query tokens a row than a speculative step feeds) reads each KV head for its query heads
+    (SDPA's enable_gqa) where transformers' sdpa path copies the keys and values per query head first: the same
+    numbers, bit for bit, on strided cache views with left padding and the causal part (an agent's turn-2 prefill:
+    new tokens after a reused prefix)."""
+    g = torch.Generator().manual_seed(seed)
+    b, h, d, cap = 5, 4, 16, 160
+    q_len = MAX_QUERY_TOKENS + 1 + int(torch.randint(0, 30, (1,), generator=g))
+    length = q_len + int(torch.randint(0, 100, (1,), generator=g))
+    q = torch.randn(b, h, q_len, d, generator=g, dtype=dtype)
+    k_buf, v_buf = (torch.randn(b, kv_heads, cap, d, generator=g, dtype=dtype) for _ in range(2))
+    k, v = k_buf[:, :, :length], v_buf[:, :, :length]
+    real = torch.randint(q_len, length + 1, (b,), generator=g)
+    columns = torch.arange(length)
+    padding = columns[None, :] >= (length - real)[:, None]
+    causal = columns[None, :] <= (length - q_len + torch.arange(q_len))[:, None]
+    mask = (padding[:, None, :] & causal[None])[:, None]  # [B, 1, q, L]
+    module = _Attn(h // kv_heads)
+    got, _ = engine_attention(module, q, k, v, mask, scaling=0.29)
+    want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.29)
+    assert got.shape == want.shape == (b, q_len, h, d) and got.is_contiguous()
+    assert torch.equal(got, want)
 
 
 def test_engine_models_use_it_on_the_cpu_and_decode_the_same_logits(tmp_path):
