@@ -49,7 +49,10 @@ def _hf_logprobs(model, s):
 
 
 def test_manager_with_embedded_engine_oversamples_filters_and_carries_groups_over(engine):
-    cfg = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2, over_sampling_factor=2.0, max_new_tokens=12,
+    # 48 new tokens: a group launched when an earlier one finishes is still decoding when the batch fills, also when
+    # the test process is descheduled for a while (the full suite on two cores); with 12 the engine, stepping on by
+    # itself between requests, once finished it before the client had accepted the second group, and no abort was due.
+    cfg = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2, over_sampling_factor=2.0, max_new_tokens=48,
                         max_concurrency=3, temperature=1.0, dynamic_filters=("check_reward_nonzero_std",), seed=7,
                         apply_chat_template=True, abort_grace_s=2.0)
     m = AsyncRolloutManager([Counted(SGLangEngine(engine.url, api_key="k"))], cfg, tokenizer=TOK,
