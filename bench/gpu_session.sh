@@ -9,9 +9,10 @@
 # NAME==VERSION` (see the device tool's README); the folder is git-ignored.
 #
 # In order, each under its own timeout so a hang loses only its stage: the from-logits kernels' config sweep (issue
-# 42 item 9), a short demo with compile off under py-spy (where the GPU step's time goes: issue 42's demo < 30 s), a
-# short demo with compile on (item 5: the compiled trainer on CUDA), gpu_check's gpu tests and weight sync. Writes
-# $OUT/all.tgz (every log, JSON and metrics file) and prints the stage times last.
+# 42 item 9), a short demo with compile off under py-spy (where the GPU step's time goes: issue 42's demo < 30 s), the
+# same demo with the engine decoding by CUDA graphs ([engines] cuda_graphs, item 8), a short demo with compile on
+# (item 5: the compiled trainer on CUDA), gpu_check's gpu tests (tests/test_cuda_graphs.py's capture among them) and
+# weight sync. Writes $OUT/all.tgz (every log, JSON and metrics file) and prints the stage times last.
 set -u
 OUT=${OUT:-/tmp/gpu_session_out}
 R=/tmp/gpu_session; rm -rf "$R"; mkdir -p "$R" "$OUT"
@@ -29,35 +30,40 @@ python3 -c "import torch, triton, transformers; print(torch.__version__, triton.
 stage() { echo "== $1 $(($(date +%s) - T0)) s" | tee -a "$R/stages.txt"; }
 
 stage tune_logits
-timeout 90 python3 bench/tune_logits.py --json "$R/tune_logits.json" > "$R/tune_logits.log" 2>&1
+timeout 80 python3 bench/tune_logits.py --json "$R/tune_logits.json" > "$R/tune_logits.log" 2>&1
 echo "rc=$?" >> "$R/tune_logits.log"
 
 stage demo_profiled
 DEMO=(-m trainer demo --set sft.num_steps=100 --set rl.num_steps=30)
 if command -v py-spy > /dev/null; then
-  timeout 110 py-spy record -r 200 --idle --threads --nonblocking --format raw -o "$R/demo_pyspy.txt" -- \
+  timeout 100 py-spy record -r 200 --idle --threads --nonblocking --format raw -o "$R/demo_pyspy.txt" -- \
     python3 "${DEMO[@]}" --set output_dir=/tmp/gs_demo > "$R/demo.log" 2>&1
 else
-  timeout 110 python3 "${DEMO[@]}" --set output_dir=/tmp/gs_demo > "$R/demo.log" 2>&1
+  timeout 100 python3 "${DEMO[@]}" --set output_dir=/tmp/gs_demo > "$R/demo.log" 2>&1
 fi
 echo "rc=$?" >> "$R/demo.log"
 
+stage demo_graphs
+timeout 90 python3 "${DEMO[@]}" --set engines.cuda_graphs=true --set output_dir=/tmp/gs_demog > "$R/demo_graphs.log" 2>&1
+echo "rc=$?" >> "$R/demo_graphs.log"
+
 stage demo_compiled
-timeout 140 python3 "${DEMO[@]}" --set trainer.compile=true --set output_dir=/tmp/gs_democ > "$R/demo_compiled.log" 2>&1
+timeout 120 python3 "${DEMO[@]}" --set trainer.compile=true --set output_dir=/tmp/gs_democ > "$R/demo_compiled.log" 2>&1
 echo "rc=$?" >> "$R/demo_compiled.log"
-for d in gs_demo gs_democ; do
+for d in gs_demo gs_demog gs_democ; do
   mkdir -p "$R/$d"
   cp /tmp/$d/summary.json /tmp/$d/sft/metrics.jsonl "$R/$d/" 2>/dev/null
   cp /tmp/$d/rl/metrics.jsonl "$R/$d/rl_metrics.jsonl" 2>/dev/null
 done
 
 stage gpu_check
-timeout 175 python3 bench/gpu_check.py --out "$R/gpu_check" --timeout 120 --skip demo,distributed,benchmarks,tune \
+timeout 150 python3 bench/gpu_check.py --out "$R/gpu_check" --timeout 110 --skip demo,distributed,benchmarks,tune \
   > "$R/gpu_check.log" 2>&1
 echo "rc=$?" >> "$R/gpu_check.log"
 
 stage done
 tar czf "$OUT/all.tgz" -C "$R" .
-cp "$R/stages.txt" "$R/tune_logits.log" "$R/demo.log" "$R/demo_compiled.log" "$R/gpu_check.log" "$OUT/" 2>/dev/null
-tail -n 3 "$R/demo.log" "$R/demo_compiled.log" "$R/gpu_check.log"
+cp "$R/stages.txt" "$R/tune_logits.log" "$R/demo.log" "$R/demo_graphs.log" "$R/demo_compiled.log" "$R/gpu_check.log" \
+  "$OUT/" 2>/dev/null
+tail -n 3 "$R/demo.log" "$R/demo_graphs.log" "$R/demo_compiled.log" "$R/gpu_check.log"
 cat "$R/stages.txt"

@@ -135,6 +135,7 @@ class BuildOptions:
     speculative_tokens: int = 0  # an embedded engine's draft tokens a row and step (engines/embedded/drafts.py; 0: off)
     dtype: str | None = None  # an in-process engine's weights ("float32", "bfloat16"; None: the engine's default)
     borrow_cores: bool = False  # an in-process engine: its callers wait while it generates (engines.local.LocalEngine)
+    cuda_graphs: bool = False  # an embedded engine's decode steps as CUDA graphs (engines/embedded/graphs.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +151,7 @@ class LaunchOptions:
     device: str | None = None  # placed by the run (trainer.run.engine_devices); None: the engine's default
     prefix_cache_tokens: int | None = None  # the embedded engine's prefix-cache budget (None: its default; 0: off)
     speculative_tokens: int = 0  # the embedded engine's draft tokens a row and step (0: off)
+    cuda_graphs: bool = False  # the embedded engine's decode steps as CUDA graphs (engines/embedded/graphs.py)
 
 
 class LaunchedEngine(Protocol):
@@ -229,6 +231,8 @@ def _local(spec: EngineSpec, opts: BuildOptions) -> InferenceEngine:
         given["dtype"] = getattr(torch, opts.dtype)
     if opts.speculative_tokens:
         given["speculative_tokens"] = opts.speculative_tokens
+    if opts.cuda_graphs:
+        given["cuda_graphs"] = True
     return LocalEngine(opts.model_folder, seed=opts.seed, device=opts.device, threads=opts.threads,
                        borrow_cores=opts.borrow_cores, **given)
 
@@ -247,7 +251,8 @@ def _launch_embedded(spec: EngineSpec, opts: LaunchOptions) -> LaunchedEngine:
                          threads=len(spec.cpus) if spec.cpus else opts.threads, device=opts.device, cpus=spec.cpus,
                          extra_args=(() if opts.prefix_cache_tokens is None else
                                      ("--prefix-cache-tokens", str(opts.prefix_cache_tokens)))
-                         + (("--speculative-tokens", str(opts.speculative_tokens)) if opts.speculative_tokens else ()))
+                         + (("--speculative-tokens", str(opts.speculative_tokens)) if opts.speculative_tokens else ())
+                         + (("--cuda-graphs",) if opts.cuda_graphs else ()))
 
 
 ENGINE_KINDS: dict[str, EngineKind] = {
@@ -295,7 +300,7 @@ def build_engine(spec: EngineSpec, *, model_folder: str | Path, api_key: str | N
                  connect_timeout_s: float = 10.0, max_connections: int = 64, device: str = "cpu",
                  request_timeout_s: float = 120.0, threads: int | None = None,
                  prefix_cache_tokens: int | None = None, speculative_tokens: int = 0,
-                 dtype: str | None = None, borrow_cores: bool = False) -> InferenceEngine:
+                 dtype: str | None = None, borrow_cores: bool = False, cuda_graphs: bool = False) -> InferenceEngine:
     """The engine object for `spec` (its kind's builder). A launchable spec must carry the URL of the started
     engine by now; an in-process engine is started here, in this process, on `device` (give the trainer's: an engine
     on another device than the trainer cannot take its weights by handle; close it with `close()`). The spec's own
@@ -307,5 +312,6 @@ def build_engine(spec: EngineSpec, *, model_folder: str | Path, api_key: str | N
     opts = BuildOptions(model_folder=str(model_folder), api_key=spec.api_key or api_key, seed=seed,
                         connect_timeout_s=connect_timeout_s, max_connections=max_connections, device=str(device),
                         request_timeout_s=request_timeout_s, threads=threads, prefix_cache_tokens=prefix_cache_tokens,
-                        speculative_tokens=speculative_tokens, dtype=dtype, borrow_cores=borrow_cores)
+                        speculative_tokens=speculative_tokens, dtype=dtype, borrow_cores=borrow_cores,
+                        cuda_graphs=cuda_graphs)
     return entry.build(spec, opts)

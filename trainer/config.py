@@ -520,6 +520,11 @@ class EnginesConfig:
     # tokens a row and step, taken from the row's own context or from finished rows, checked in one forward; the
     # tokens are the ones plain decoding draws (same seeds), only the number of forwards changes. 0: off
     speculative_tokens: int = 0
+    # Embedded engines on CUDA: each decode step replays a CUDA graph, one captured per bucketed row count (the next
+    # power of two) and cache buffers (engines/embedded/graphs.py), instead of running a torch.compile'd forward: no
+    # compile time, one launch a step. Off until measured on a GPU (issue 42); on the CPU the same static step runs
+    # uncaptured (the tests' proof, no faster)
+    cuda_graphs: bool = False
     sync: str = "group"  # weight sync: "group" (broadcast / shared memory) or "disk" (safetensors, opt-in fallback)
     sync_folder: str | None = None  # disk sync: the run makes its private folder here (None: /dev/shm or temp dir)
     master_address: str = ""  # the weight-update group's address ("": this host's address the engines reach)
@@ -568,6 +573,7 @@ class EnginesConfig:
         _check(not isinstance(k, bool) and isinstance(k, int) and 0 <= k <= MAX_SPECULATIVE_TOKENS,
                f"speculative_tokens = {k!r}",
                f"a whole number of draft tokens from 0 (off) to {MAX_SPECULATIVE_TOKENS} (e.g. 4)")
+        _check(isinstance(self.cuda_graphs, bool), f"cuda_graphs = {self.cuda_graphs!r}", "true or false")
         v = self.start_timeout_s
         _check(not isinstance(v, bool) and isinstance(v, int | float) and v > 0, f"start_timeout_s = {v!r}",
                "must be > 0")

@@ -148,7 +148,8 @@ def engines_for(cfg: RunConfig, model_folder: Path, *, is_main: bool, device: st
     procs = [launch_engine(fleet[i], LaunchOptions(str(model_folder), api_key=key, seed=cfg.seed, threads=e.threads,
                                                    start_timeout_s=e.start_timeout_s, device=place,
                                                    prefix_cache_tokens=prefix_cache_tokens(cfg),
-                                                   speculative_tokens=e.speculative_tokens))
+                                                   speculative_tokens=e.speculative_tokens,
+                                                   cuda_graphs=e.cuda_graphs))
              for i, place in zip(to_start, places)]
     started: list[InProcessEngine] = []
     lend = lends_cores(cfg, device, in_process=len(local), processes=len(to_start))
@@ -159,7 +160,7 @@ def engines_for(cfg: RunConfig, model_folder: Path, *, is_main: bool, device: st
             started.append(build_engine(fleet[i], model_folder=model_folder, seed=cfg.seed, device=device,
                                         threads=torch.get_num_threads() if lend else e.threads, borrow_cores=lend,
                                         prefix_cache_tokens=prefix_cache_tokens(cfg),
-                                        speculative_tokens=e.speculative_tokens))
+                                        speculative_tokens=e.speculative_tokens, cuda_graphs=e.cuda_graphs))
             fleet[i] = {"engine": started[-1]}
         for p in procs:
             p.wait_healthy()

@@ -83,6 +83,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="default: float32 on CPU, bfloat16 on CUDA")
     ap.add_argument("--max-batch-rows", type=int, default=256, help="rows merged into one generation batch")
     ap.add_argument("--no-compile", action="store_true", help="do not torch.compile the decode step on CUDA")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="decode steps as CUDA graphs, one per bucketed row count, instead of a compiled step")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     ap.add_argument("--prefix-cache-tokens", type=int, default=None,
                     help="KV budget in tokens of the prefix cache (finished rows' KV reused by prompts that start "
@@ -135,7 +137,7 @@ def serve(args: argparse.Namespace, api_key: str | None, *, owned: bool = False)
     model, tok = load_engine_model(args.model, seed=args.seed, dtype=dtype, device=device)
     server = EngineServer(model, tok, model_path=args.model, seed=args.seed, max_batch_rows=args.max_batch_rows,
                           compile_decode=False if args.no_compile else None,
-                          speculative_tokens=args.speculative_tokens,
+                          speculative_tokens=args.speculative_tokens, cuda_graphs=args.cuda_graphs,
                           **({} if args.prefix_cache_tokens is None else
                              {"prefix_cache_tokens": args.prefix_cache_tokens}))
     app = build_app(server, api_key=api_key)

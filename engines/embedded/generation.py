@@ -69,6 +69,7 @@ import torch
 from transformers import DynamicCache
 
 from engines.embedded.drafts import NgramDrafts, index_tail
+from engines.embedded.graphs import GraphDecode
 from engines.embedded.kv_cache import KVCache
 from engines.embedded.prefix_cache import PrefixCache
 from engines.embedded.sampling import SamplingTensors, sample_with_logprobs
@@ -203,12 +204,15 @@ class DecodeBatch:
     docstring). Not thread-safe: one thread (the engine's model thread) calls `step`."""
 
     def __init__(self, model, *, pad_id: int, decode_fn: Callable | None = None, adapters: Any = None,
-                 prefix_cache: PrefixCache | None = None, drafts: NgramDrafts | None = None):
+                 prefix_cache: PrefixCache | None = None, drafts: NgramDrafts | None = None,
+                 graphs: GraphDecode | None = None):
         """adapters: the engine's AdapterSet (engines/embedded/lora.py), told each forward's row slots; None: the
         base model only. prefix_cache: where finished rows leave their KV and joining rows look for their prompt's
         prefix (engines/embedded/prefix_cache.py); None: every prompt is prefilled whole. drafts: speculative
-        decoding's draft source (engines/embedded/drafts.py; `_verify`); None: one token a row and forward."""
-        self.model, self.pad_id, self.adapters = model, pad_id, adapters
+        decoding's draft source (engines/embedded/drafts.py; `_verify`); None: one token a row and forward.
+        graphs: the decode step as CUDA graphs (engines/embedded/graphs.py: the cache's buffers then come from its
+        pool and stay with it across batches); None: `decode_fn`."""
+        self.model, self.pad_id, self.adapters, self.graphs = model, pad_id, adapters, graphs
         self.prefix_cache, self.drafts = prefix_cache, drafts
         self.decode_fn = decode_fn or model.forward
         self.device = next(model.parameters()).device
@@ -216,6 +220,8 @@ class DecodeBatch:
         self._clear()
 
     def _clear(self) -> None:
+        if self.graphs is not None:
+            self.graphs.pool.give(getattr(self, "cache", None))
         self.rows: list[_Active] = []
         # The cache's P rows: one for each distinct run of tokens fed (rows whose tokens are all the same share one
         # until they draw different ones, `_fork`); per layer keys, values [P, H, length, D] (views of the buffers)
@@ -240,7 +246,15 @@ class DecodeBatch:
         first = self.cache.length - max(a.cached for a in self.rows)
         length = self.cache.length - first if length is None else length
         capacity = max(_capacity(length, self._limit(length, new)), length + reserve + 1)
-        self.cache = self.cache.rebuilt(rows_capacity, first, length, capacity)
+        old = self.cache
+        self.cache = old.rebuilt(rows_capacity, first, length, capacity, allocate=self._allocate)
+        if self.graphs is not None:
+            self.graphs.pool.give(old)
+
+    @property
+    def _allocate(self) -> Callable[..., KVCache]:
+        """Where new cache buffers come from: the graphs' pool (kept across batches), or fresh ones."""
+        return self.graphs.pool.allocate if self.graphs is not None else KVCache.allocate
 
     def _adapted(self, rows: Sequence[Row]) -> bool:
         """Whether any of `rows` has an adapter (an engine that never loaded one skips the scan)."""
@@ -264,16 +278,21 @@ class DecodeBatch:
         if self.cache.length + 2 > self.cache.capacity:  # room for this column and one spare (see _capacity)
             self._compact(self.cache.rows_capacity)
         length = self.cache.length
-        # Row i's real tokens are its last pos_i columns, and the one it is fed now: mask [B, length + 1].
-        columns = torch.arange(length + 1, device=self.device)
-        mask = columns[None, :] >= (length - self.pos)[:, None]
         rows = [a.row for a in self.rows]
-        # Rows with an adapter decode eagerly: a compiled forward does not see hooks added after it was compiled
-        # (torch._dynamo's skip_nnmodule_hook_guards), and the adapters' hooks come and go with loads.
-        decode = self.model.forward if self._adapted(rows) else self.decode_fn
-        with self._adapter_rows(self.slots, rows):
-            logits = decode(input_ids=self.last[:, None], attention_mask=mask, position_ids=self.pos[:, None],
-                            past_key_values=self.cache, use_cache=True).logits[:, -1].float()
+        # Rows with an adapter decode eagerly: a compiled forward (or a graph) does not see hooks added after it was
+        # compiled (torch._dynamo's skip_nnmodule_hook_guards), and the adapters' hooks come and go with loads.
+        adapted = self._adapted(rows)
+        logits = None
+        if self.graphs is not None and not adapted and self.graphs.usable(self.cache):
+            logits = self.graphs.decode(self.cache, self.last, self.pos)  # None: capturing failed, decode eagerly
+        if logits is None:
+            # Row i's real tokens are its last pos_i columns, and the one it is fed now: mask [B, length + 1].
+            columns = torch.arange(length + 1, device=self.device)
+            mask = columns[None, :] >= (length - self.pos)[:, None]
+            decode = self.model.forward if adapted else self.decode_fn
+            with self._adapter_rows(self.slots, rows):
+                logits = decode(input_ids=self.last[:, None], attention_mask=mask, position_ids=self.pos[:, None],
+                                past_key_values=self.cache, use_cache=True).logits[:, -1].float()
         self.pos = self.pos + 1
         for a in self.rows:
             a.cached += 1
@@ -404,7 +423,7 @@ class DecodeBatch:
         first = self.cache.rows if self.cache is not None else 0
         needed = max(first + u, len(self.rows) + len(rows))
         if self.cache is None:
-            self.cache = KVCache.allocate(pre.kv, needed, _capacity(prompt_len, self._limit(prompt_len, rows)))
+            self.cache = self._allocate(pre.kv, needed, _capacity(prompt_len, self._limit(prompt_len, rows)))
             self.cache.view(0, prompt_len)
         elif needed > self.cache.rows_capacity or prompt_len > self.cache.length:
             live = max(a.cached for a in self.rows)
@@ -649,9 +668,9 @@ class DecodeBatch:
 
 
 def generate_rows(model, rows: list[Row], *, pad_id: int, decode_fn: Callable | None = None,
-                  drafts: NgramDrafts | None = None) -> list[RowResult]:
+                  drafts: NgramDrafts | None = None, graphs: GraphDecode | None = None) -> list[RowResult]:
     """Generate every row to the end in one batch (benchmarks, tests); the server steps a DecodeBatch itself."""
-    batch = DecodeBatch(model, pad_id=pad_id, decode_fn=decode_fn, drafts=drafts)
+    batch = DecodeBatch(model, pad_id=pad_id, decode_fn=decode_fn, drafts=drafts, graphs=graphs)
     results: dict[int, RowResult] = {}
     pending = [(r, i) for i, r in enumerate(rows)]
     while pending or len(batch):

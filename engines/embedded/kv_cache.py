@@ -9,6 +9,8 @@ rows, appends joined ones and rebuilds it when it must grow (DecodeBatch).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -106,11 +108,14 @@ class KVCache(Cache):
         for layer in self.layers:
             layer.view(rows, length)
 
-    def rebuilt(self, rows_capacity: int, first: int, length: int, capacity: int) -> KVCache:
+    def rebuilt(self, rows_capacity: int, first: int, length: int, capacity: int,
+                allocate: Callable[..., KVCache] | None = None) -> KVCache:
         """A new cache with the same rows, their columns [first, self.length) moved to end at column `length`
-        (>= self.length - first), in new buffers [rows_capacity, H, capacity, D]."""
+        (>= self.length - first), in new buffers [rows_capacity, H, capacity, D] (from `allocate(like,
+        rows_capacity, capacity)`: KVCache.allocate, or a pool's that may round both up)."""
         width = self.length - first
-        new = KVCache.allocate([(layer.keys, layer.values) for layer in self.layers], rows_capacity, capacity)
+        new = (allocate or KVCache.allocate)([(layer.keys, layer.values) for layer in self.layers], rows_capacity,
+                                             capacity)
         for old, layer in zip(self.layers, new.layers):
             layer.key_buffer[:self.rows, :, length - width:length] = old.keys[:, :, first:]
             layer.value_buffer[:self.rows, :, length - width:length] = old.values[:, :, first:]

@@ -51,6 +51,7 @@ from starlette.routing import Route
 from engines.embedded.drafts import NgramDrafts
 from engines.embedded.fast_decode import plain_decode
 from engines.embedded.generation import DecodeBatch, Row, RowResult
+from engines.embedded.graphs import GraphDecode
 from engines.embedded.lora import AdapterSet, read_peft_folder
 from engines.embedded.openai_routes import openai_routes
 from engines.embedded.prefix_cache import PrefixCache
@@ -158,11 +159,15 @@ class EngineServer:
 
     speculative_tokens: draft tokens a row and step for speculative decoding by n-gram lookup
     (engines/embedded/drafts.py; the tokens drawn are those of plain decoding); 0: off.
+
+    cuda_graphs: decode steps as CUDA graphs, one per bucketed row count (engines/embedded/graphs.py), instead of a
+    torch.compile'd forward; on the CPU the same static step runs uncaptured (what the tests prove; no faster).
     """
 
     def __init__(self, model, tokenizer, *, model_path: str, seed: int = 0, max_batch_rows: int = 256,
                  compile_decode: bool | None = None, threads: int | None = None,
-                 prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS, speculative_tokens: int = 0):
+                 prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS, speculative_tokens: int = 0,
+                 cuda_graphs: bool = False):
         self.model, self.tokenizer, self.model_path = model, tokenizer, model_path
         self.device = next(model.parameters()).device
         self.pad_id = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
@@ -173,11 +178,13 @@ class EngineServer:
         self.rng = random.Random(seed)
         self.receiver = WeightReceiver(model, self.device)
         self.model_thread = _model_thread(threads)
-        if compile_decode is None:
-            compile_decode = self.device.type == "cuda"
+        if compile_decode is None:  # graphs replace the compiled step (no compile time; the eager forward is their
+            # fallback if capturing fails)
+            compile_decode = self.device.type == "cuda" and not cuda_graphs
         # Decode is the hot loop (one token per row per call): compiled on CUDA only; on the CPU eager, through
         # engines/embedded/fast_decode.py where it is exact for the model (its logits equal the forward's).
         self.decode_fn = torch.compile(model.forward, dynamic=True) if compile_decode else plain_decode(model)
+        self.graphs = GraphDecode(model, pad_id=self.pad_id) if cuda_graphs else None
         self.adapters = AdapterSet(model)  # named LoRA adapters, applied per row (engines/embedded/lora.py)
         self._adapter_lock = asyncio.Lock()
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
@@ -199,7 +206,7 @@ class EngineServer:
 
     def _new_batch(self) -> DecodeBatch:
         return DecodeBatch(self.model, pad_id=self.pad_id, decode_fn=self.decode_fn, adapters=self.adapters,
-                           prefix_cache=self.prefix_cache, drafts=self.drafts)
+                           prefix_cache=self.prefix_cache, drafts=self.drafts, graphs=self.graphs)
 
     def _write_adapter(self, slot: int, modules) -> None:
         """On the model thread: write an adapter into `slot`; the prefix cache forgets that slot's KV."""

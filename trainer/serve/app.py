@@ -17,8 +17,8 @@ RequestFailedError with the cause); a bad route-level request is an HTTP 4xx wit
     models = [{name = "tiny", path = "<HF folder>"}]
 
 The same file may hold the run config's `seed`, `[trainer]` (param_dtype, logprob_chunk_tokens) and `[engines]` (one
-in-process engine: fleet = [{kind = "local"}], threads, prefix_cache_tokens, speculative_tokens, dtype); they are
-validated as in runs (trainer/config.py) and any other key is refused (READS).
+in-process engine: fleet = [{kind = "local"}], threads, prefix_cache_tokens, speculative_tokens, dtype, cuda_graphs);
+they are validated as in runs (trainer/config.py) and any other key is refused (READS).
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ RETRIEVE_WAIT_S = 20.0  # a retrieve_future long-polls this long before "try_aga
 # backend) and samples through one in-process engine that takes adapters as tensors (no weight-sync group, no disk).
 READS = {"": ("seed", "serve", "trainer", "engines"),
          "trainer": ("param_dtype", "logprob_chunk_tokens"),
-         "engines": ("fleet", "in_process", "threads", "prefix_cache_tokens", "speculative_tokens", "dtype")}
+         "engines": ("fleet", "in_process", "threads", "prefix_cache_tokens", "speculative_tokens", "dtype",
+                     "cuda_graphs")}
 
 
 def load_serve_config(path: str | os.PathLike, environ: dict | None = None, overrides: Sequence[str] = ()
@@ -221,7 +222,8 @@ def build_service(cfg: RunConfig) -> Service:
     def engine(path: str) -> TensorAdapterEngine:  # the trainer's dtype by default: the sampler's log-probs are its own
         built = build_engine(engines.fleet[0], model_folder=path, seed=cfg.seed, device=serve.device,
                              threads=engines.threads, prefix_cache_tokens=engines.prefix_cache_tokens,
-                             speculative_tokens=engines.speculative_tokens, dtype=engines.dtype or dtype)
+                             speculative_tokens=engines.speculative_tokens, dtype=engines.dtype or dtype,
+                             cuda_graphs=engines.cuda_graphs)
         assert isinstance(built, TensorAdapterEngine), f"{built!r} takes no adapter tensors (load_serve_config checks)"
         return built
 
