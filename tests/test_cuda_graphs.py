@@ -10,6 +10,8 @@ column, pooled buffers). Proven here against the engine's eager step:
 - a second batch gets the same buffers back from the pool and reuses every static step built by the first (no new
   buffers, no new captures), with the same results;
 - a capture that fails warns once and the engine decodes eagerly from then on, with the same tokens;
+- a model the static step would not compute (a sliding window, flex or flash attention) decodes without graphs, with
+  a warning;
 - the server and the in-process engine take the switch ([engines] cuda_graphs -> build_engine -> LocalEngine):
   their completions equal an engine's without it.
 On a GPU (`gpu` mark): the captured graphs replay the eager decode's tokens.
@@ -118,6 +120,35 @@ def test_pooled_buffers_come_back_zeroed():
     assert torch.count_nonzero(again.layers[0].value_buffer) == 0
 
 
+@pytest.mark.parametrize("engine_attention", [False, True])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_static_step_reads_nothing_on_the_host(arch, engine_attention):
+    """A capture fails on any device-to-host read (a scalar read, a data-dependent size): the static step makes none,
+    through transformers' sdpa (the CUDA path) and the engine's CPU attention alike."""
+    from test_decode_batch import _HostReads
+
+    g = torch.Generator().manual_seed(15)
+    model = build_tiny_model(9, arch=arch)
+    if engine_attention:
+        use_engine_attention(model)
+    graphs = GraphDecode(model, pad_id=0)
+    rows, joins, aborts = _rows(g, model.config.vocab_size)
+    batch = DecodeBatch(model, pad_id=0, graphs=graphs)
+    batch.step([(rows[i], i) for i in (0, 1, 2, 3, 4, 5)])
+    checked = 0
+    with torch.inference_mode():
+        for _ in range(6):
+            step = graphs._step(batch.cache, bucket(batch.cache.rows))
+            step.col.fill_(batch.cache.length)
+            with _HostReads() as rec:
+                logits = graphs._forward(step)
+            assert rec.events == [], rec.events
+            assert logits.shape == (bucket(batch.cache.rows), model.config.vocab_size)
+            checked += 1
+            batch.step()
+    assert checked == 6
+
+
 def test_a_failed_capture_warns_and_decodes_eagerly(monkeypatch):
     g = torch.Generator().manual_seed(14)
     model = build_tiny_model(8, arch="llama")
@@ -163,6 +194,34 @@ def test_the_config_switch_reaches_the_in_process_engine():
         for x, y in zip(a, b):
             assert x.output_ids == y.output_ids and x.finish_reason == y.finish_reason
             assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) <= 1e-5
+
+
+def test_models_the_static_step_would_not_compute_decode_without_graphs():
+    from transformers import AutoModelForCausalLM
+
+    from engines.embedded.graphs import unsupported
+    from engines.embedded.presets import build_tokenizer
+    from engines.embedded.server import EngineServer
+    from engines.tiny import tiny_model_config
+
+    plain = build_tiny_model(1, arch="qwen2")
+    assert unsupported(plain) is None
+    use_engine_attention(plain)
+    assert unsupported(plain) is None
+    config = tiny_model_config("qwen2")
+    config.use_sliding_window, config.sliding_window, config.max_window_layers = True, 8, 0
+    config.layer_types = ["sliding_attention"] * config.num_hidden_layers
+    sliding = AutoModelForCausalLM.from_config(config).eval()
+    assert "sliding" in unsupported(sliding)
+    flex = build_tiny_model(1, arch="llama")
+    flex.set_attn_implementation("flex_attention")
+    assert "flex_attention" in unsupported(flex)
+    with pytest.warns(RuntimeWarning, match="cuda_graphs: this model decodes without graphs: layer types"):
+        server = EngineServer(sliding, build_tokenizer(), model_path="tiny", cuda_graphs=True)
+    try:
+        assert server.graphs is None and server.batch.graphs is None
+    finally:
+        server.model_thread.shutdown(wait=True)
 
 
 @pytest.mark.gpu

@@ -35,9 +35,26 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from engines.embedded.attention import ENGINE_SDPA
 from engines.embedded.kv_cache import KVCache
 
 MIN_CAPACITY = 16  # the pool's smallest column capacity
+# Attention implementations that apply a given 4D mask as it is (flash-attn's and flex's build their own layouts)
+GRAPH_ATTENTION = ("sdpa", "eager", ENGINE_SDPA)
+
+
+def unsupported(model: torch.nn.Module) -> str | None:
+    """Why the static step would not compute `model`'s decode (None: it would): its attention must take the given
+    mask, and every layer must attend to all of a row's columns (a sliding window would need its own mask)."""
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in GRAPH_ATTENTION:
+        return f"attention {impl!r} (graphs take {', '.join(GRAPH_ATTENTION)})"
+    if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or ())):
+        return f"layer types {sorted(set(config.layer_types))} (a sliding window needs its own mask)"
+    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
+        return f"sliding_window = {config.sliding_window}"
+    return None
 
 
 def bucket(n: int) -> int:

@@ -36,6 +36,7 @@ import random
 import secrets
 import threading
 import time
+import warnings
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ from engines.embedded.drafts import NgramDrafts
 from engines.embedded.fast_decode import plain_decode
 from engines.embedded.generation import DecodeBatch, Row, RowResult
 from engines.embedded.graphs import GraphDecode
+from engines.embedded.graphs import unsupported as unsupported_graphs
 from engines.embedded.lora import AdapterSet, read_peft_folder
 from engines.embedded.openai_routes import openai_routes
 from engines.embedded.prefix_cache import PrefixCache
@@ -178,6 +180,11 @@ class EngineServer:
         self.rng = random.Random(seed)
         self.receiver = WeightReceiver(model, self.device)
         self.model_thread = _model_thread(threads)
+        why_not = unsupported_graphs(model) if cuda_graphs else None
+        if why_not is not None:
+            warnings.warn(f"[engines] cuda_graphs: this model decodes without graphs: {why_not}", RuntimeWarning,
+                          stacklevel=2)
+            cuda_graphs = False
         if compile_decode is None:  # graphs replace the compiled step (no compile time; the eager forward is their
             # fallback if capturing fails)
             compile_decode = self.device.type == "cuda" and not cuda_graphs
