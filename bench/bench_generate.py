@@ -1,10 +1,13 @@
 """Generation throughput: the embedded engine's batched KV-cache sampler vs plain `transformers` `generate`.
 
 Same model, same prompts, same number of new tokens (no early stop: both produce exactly B x new tokens), greedy
-and sampled. The figure is generated tokens/s (extra_info["tokens_per_s"]); the ratio of the two providers in one
-run is what to compare. The engine's HTTP layer is not timed here (tests/test_engine_server.py covers it). On a
-CUDA machine both run on the GPU (model, prompts and the engine's cache; the clock stops after a device sync),
-otherwise on the CPU; extra_info["device"] says which.
+and sampled. The engine runs three ways: its eager decode ("engine"), its decode as CUDA graphs ("engine-graphs",
+[engines] cuda_graphs: on the CPU the same static step uncaptured) and, on CUDA, the torch.compile'd decode the
+server uses there by default ("engine-compiled"; its compile is the warm-up round's). The figure is generated
+tokens/s (extra_info["tokens_per_s"]); the ratio of providers in one run is what to compare. The engine's HTTP
+layer is not timed here (tests/test_engine_server.py covers it). On a CUDA machine all run on the GPU (model,
+prompts and the engine's cache; the clock stops after a device sync), otherwise on the CPU; extra_info["device"]
+says which.
 
     .venv/bin/python -m pytest bench/bench_generate.py --benchmark-only      # full size
 """
@@ -18,6 +21,7 @@ import torch
 from _bench_utils import plan_entry, skip_unless_fits
 
 from engines.embedded.generation import Row, generate_rows
+from engines.embedded.graphs import GraphDecode
 from engines.embedded.presets import build_tiny_model
 from kernels import use_backend
 
@@ -50,7 +54,7 @@ def planned_cases(memory_bytes: float) -> list[dict]:
     """Every case this file runs on a GPU (FULL), with its planned bytes against `memory_bytes`."""
     nbytes = case_bytes(FULL)
     return [plan_entry(f"test_generate_throughput[{p}-{t}]", nbytes, memory_bytes)
-            for t in ("greedy", "sampled") for p in ("engine", "transformers")]
+            for t in ("greedy", "sampled") for p in PROVIDERS]
 
 
 def build_setup(size: dict, device: str):
@@ -80,11 +84,12 @@ def _synced(fn):
     return run
 
 
-def _engine(model, prompts, new, temperature):
+def _engine(model, prompts, new, temperature, **decode):
+    """decode: generate_rows' decode_fn or graphs (the other engine providers)."""
     rows = [Row(prompt=tuple(p.tolist()), temperature=temperature, top_p=1.0, top_k=-1, max_new_tokens=new,
                 stop_ids=frozenset(), seed=i) for i, p in enumerate(prompts)]
-    with torch.no_grad():
-        out = generate_rows(model, rows, pad_id=0)
+    with torch.inference_mode():
+        out = generate_rows(model, rows, pad_id=0, **decode)
     return sum(len(r.output_ids) for r in out)
 
 
@@ -97,11 +102,30 @@ def _hf(model, prompts, new, temperature):
     return (out.shape[1] - prompts.shape[1]) * out.shape[0]
 
 
+PROVIDERS = ("engine", "engine-graphs", "engine-compiled", "transformers")
+_DECODERS: dict = {}  # per model: the graphs (captured once, replayed by every round) and the compiled forward
+
+
+def _provider(provider: str, model):
+    """The provider's function of (model, prompts, new, temperature)."""
+    if provider == "transformers":
+        return _hf
+    if provider == "engine-graphs":
+        graphs = _DECODERS.setdefault((id(model), provider), GraphDecode(model, pad_id=0))
+        return lambda *a: _engine(*a, graphs=graphs)
+    if provider == "engine-compiled":
+        compiled = _DECODERS.setdefault((id(model), provider), torch.compile(model.forward, dynamic=True))
+        return lambda *a: _engine(*a, decode_fn=compiled)
+    return _engine
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
-@pytest.mark.parametrize("provider", ["engine", "transformers"])
+@pytest.mark.parametrize("provider", PROVIDERS)
 def test_generate_throughput(benchmark, setup, provider, temperature):
     model, prompts, size = setup
-    fn = _synced(_engine if provider == "engine" else _hf)
+    if provider == "engine-compiled" and prompts.device.type != "cuda":
+        pytest.skip("the compiled decode is the server's CUDA default; on the CPU the engine decodes eagerly")
+    fn = _synced(_provider(provider, model))
     device = prompts.device.type
     # On CPU the torch kernels (conftest sets the Triton interpreter there); on CUDA the device's own choice.
     with use_backend("torch") if device == "cpu" else contextlib.nullcontext():

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One prepared device call for a session that is lent a GPU (the device tool: 15 minutes a task, one call ~8 min).
 #
-#   run(command="bash bench/gpu_session.sh", carry=[".whl"], timeout_s=560)
+#   run(command="bash bench/gpu_session.sh", carry=[".whl"], timeout_s=590)
 #
 # .whl: the py3.12 wheels the GPU image lacks (trio, outcome, sniffio, starlette, uvicorn, liger-kernel, datasets,
 # dill, multiprocess, math-verify, latex2sympy2_extended, antlr4-python3-runtime; py-spy for the profile), fetched
@@ -10,7 +10,8 @@
 #
 # In order, each under its own timeout so a hang loses only its stage: the from-logits kernels' config sweep (issue
 # 42 item 9), a short demo with compile off under py-spy (where the GPU step's time goes: issue 42's demo < 30 s), the
-# same demo with the engine decoding by CUDA graphs ([engines] cuda_graphs, item 8), a short demo with compile on
+# same demo with the engine decoding by CUDA graphs ([engines] cuda_graphs, item 8), the engine's decode eager vs
+# graphs vs compiled (bench_generate.py, greedy, full size), a short demo with compile on
 # (item 5: the compiled trainer on CUDA), gpu_check's gpu tests (tests/test_cuda_graphs.py's capture among them) and
 # weight sync. Writes $OUT/all.tgz (every log, JSON and metrics file) and prints the stage times last.
 set -u
@@ -30,25 +31,30 @@ python3 -c "import torch, triton, transformers; print(torch.__version__, triton.
 stage() { echo "== $1 $(($(date +%s) - T0)) s" | tee -a "$R/stages.txt"; }
 
 stage tune_logits
-timeout 80 python3 bench/tune_logits.py --json "$R/tune_logits.json" > "$R/tune_logits.log" 2>&1
+timeout 75 python3 bench/tune_logits.py --json "$R/tune_logits.json" > "$R/tune_logits.log" 2>&1
 echo "rc=$?" >> "$R/tune_logits.log"
 
 stage demo_profiled
 DEMO=(-m trainer demo --set sft.num_steps=100 --set rl.num_steps=30)
 if command -v py-spy > /dev/null; then
-  timeout 100 py-spy record -r 200 --idle --threads --nonblocking --format raw -o "$R/demo_pyspy.txt" -- \
+  timeout 95 py-spy record -r 200 --idle --threads --nonblocking --format raw -o "$R/demo_pyspy.txt" -- \
     python3 "${DEMO[@]}" --set output_dir=/tmp/gs_demo > "$R/demo.log" 2>&1
 else
-  timeout 100 python3 "${DEMO[@]}" --set output_dir=/tmp/gs_demo > "$R/demo.log" 2>&1
+  timeout 95 python3 "${DEMO[@]}" --set output_dir=/tmp/gs_demo > "$R/demo.log" 2>&1
 fi
 echo "rc=$?" >> "$R/demo.log"
 
 stage demo_graphs
-timeout 90 python3 "${DEMO[@]}" --set engines.cuda_graphs=true --set output_dir=/tmp/gs_demog > "$R/demo_graphs.log" 2>&1
+timeout 80 python3 "${DEMO[@]}" --set engines.cuda_graphs=true --set output_dir=/tmp/gs_demog > "$R/demo_graphs.log" 2>&1
 echo "rc=$?" >> "$R/demo_graphs.log"
 
+stage engine_decode
+timeout 50 python3 -m pytest -q -p no:cacheprovider bench/bench_generate.py --benchmark-only -k "engine and greedy" \
+  --benchmark-json="$R/bench_generate.json" > "$R/bench_generate.log" 2>&1
+echo "rc=$?" >> "$R/bench_generate.log"
+
 stage demo_compiled
-timeout 120 python3 "${DEMO[@]}" --set trainer.compile=true --set output_dir=/tmp/gs_democ > "$R/demo_compiled.log" 2>&1
+timeout 110 python3 "${DEMO[@]}" --set trainer.compile=true --set output_dir=/tmp/gs_democ > "$R/demo_compiled.log" 2>&1
 echo "rc=$?" >> "$R/demo_compiled.log"
 for d in gs_demo gs_demog gs_democ; do
   mkdir -p "$R/$d"
@@ -57,13 +63,13 @@ for d in gs_demo gs_demog gs_democ; do
 done
 
 stage gpu_check
-timeout 150 python3 bench/gpu_check.py --out "$R/gpu_check" --timeout 110 --skip demo,distributed,benchmarks,tune \
+timeout 140 python3 bench/gpu_check.py --out "$R/gpu_check" --timeout 100 --skip demo,distributed,benchmarks,tune \
   > "$R/gpu_check.log" 2>&1
 echo "rc=$?" >> "$R/gpu_check.log"
 
 stage done
 tar czf "$OUT/all.tgz" -C "$R" .
-cp "$R/stages.txt" "$R/tune_logits.log" "$R/demo.log" "$R/demo_graphs.log" "$R/demo_compiled.log" "$R/gpu_check.log" \
-  "$OUT/" 2>/dev/null
+cp "$R/stages.txt" "$R/tune_logits.log" "$R/demo.log" "$R/demo_graphs.log" "$R/bench_generate.log" \
+  "$R/demo_compiled.log" "$R/gpu_check.log" "$OUT/" 2>/dev/null
 tail -n 3 "$R/demo.log" "$R/demo_graphs.log" "$R/demo_compiled.log" "$R/gpu_check.log"
 cat "$R/stages.txt"
