@@ -10,7 +10,9 @@
 #
 # In order, each under its own timeout so a hang loses only its stage: the from-logits kernels' config sweep (issue
 # 42 item 9), a short demo with compile off under py-spy (where the GPU step's time goes: issue 42's demo < 30 s), the
-# same demo with the engine decoding by CUDA graphs ([engines] cuda_graphs, item 8), the engine's decode eager vs
+# same demo with nothing compiled: the engine decoding by CUDA graphs ([engines] cuda_graphs, item 8) and training
+# through packed_sdpa ([trainer] attention: torch's own SDPA kernels, no FlexAttention compile; the per-step
+# time_generate_s / time_train_s and SFT's first step tell the two apart), the engine's decode eager vs
 # graphs vs compiled (bench_generate.py, greedy, full size), a short demo with compile on
 # (item 5: the compiled trainer on CUDA), gpu_check's gpu tests (tests/test_cuda_graphs.py's capture among them) and
 # weight sync. Writes $OUT/all.tgz (every log, JSON and metrics file) and prints the stage times last.
@@ -45,7 +47,8 @@ fi
 echo "rc=$?" >> "$R/demo.log"
 
 stage demo_graphs
-timeout 80 python3 "${DEMO[@]}" --set engines.cuda_graphs=true --set output_dir=/tmp/gs_demog > "$R/demo_graphs.log" 2>&1
+timeout 80 python3 "${DEMO[@]}" --set engines.cuda_graphs=true --set trainer.attention=packed_sdpa \
+  --set output_dir=/tmp/gs_demog > "$R/demo_graphs.log" 2>&1
 echo "rc=$?" >> "$R/demo_graphs.log"
 
 stage engine_decode

@@ -236,3 +236,35 @@ def test_compiled_blocks_keep_one_padded_batch_and_both_equal_each_sequence_alon
     total = sum(lengths)
     torch.testing.assert_close(eager[:total], alone, atol=1e-5, rtol=0)
     torch.testing.assert_close(compiled[:total], alone, atol=1e-5, rtol=0)
+
+
+def test_index_tensors_reach_cuda_through_pinned_memory(monkeypatch):
+    """packed_sdpa on CUDA ([trainer] attention = "packed_sdpa"): every index or mask tensor its layouts build on
+    the host goes to the device through kernels.packing.host_to_device (pinned memory, non_blocking), never by a
+    plain `.to(device)` from pageable memory, which waits for the device's queued work. Asked for "cuda" here
+    (no GPU), each must pass through it: a plain `.to("cuda")` would raise."""
+    import trainer.backend.attention as attention
+    import trainer.backend.sdpa_chunks as sdpa_chunks
+
+    moved = []
+
+    def to_device(host, device):
+        assert host.device.type == "cpu"
+        if torch.device(device).type == "cuda":
+            moved.append(host)
+        return host
+
+    monkeypatch.setattr(sdpa_chunks, "host_to_device", to_device)
+    monkeypatch.setattr(attention, "host_to_device", to_device)
+    with use_backend("torch"):
+        mb = build_shared_micro_batches(_uneven_groups(1), token_budget=4096, bucket_size=16)[0]
+    lengths = [5, 17, 3, 40, 9]
+    gather, scatter, chunks = plain_chunked_indices(lengths, sum(lengths) + 6, device="cuda")
+    want = plain_chunked_indices(lengths, sum(lengths) + 6)
+    assert torch.equal(gather, want[0]) and torch.equal(scatter, want[1]) and chunks == want[2]
+    owned = branch_owned_chunks(mb.trees.paths, mb.row.padded_len, device="cuda")
+    tensors = [owned.query_index, owned.key_index, owned.scatter, *[m for m in owned.masks if m is not None]]
+    branches = attention.tree_branch_indices(mb.trees.paths, mb.row.padded_len, device="cuda")
+    for t in (gather, scatter, *tensors, *branches):
+        assert any(t is m for m in moved)
+    assert len(moved) == 2 + len(tensors) + 2

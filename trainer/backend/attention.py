@@ -54,7 +54,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from kernels.packing import PackedBatch
+from kernels.packing import PackedBatch, host_to_device
 from trainer.backend.sdpa_chunks import (
     branch_owned_chunks,
     branch_segments,
@@ -76,11 +76,26 @@ def flash_attn_available() -> bool:
 FLASH_DTYPES = (torch.float16, torch.bfloat16)  # flash-attn's kernels take half-precision q/k/v only
 
 
-def choose_attn_implementation(device: torch.device | str,
-                               dtype: torch.dtype = torch.bfloat16) -> tuple[str, str]:
+def choose_attn_implementation(device: torch.device | str, dtype: torch.dtype = torch.bfloat16,
+                               requested: str = "auto") -> tuple[str, str]:
     """(attn_implementation, why) for packed training on `device` with attention inputs (the compute dtype) of
     `dtype`: flash-attn only where it is installed and the inputs are half precision (it rejects fp32 ones, e.g.
-    [trainer] param_dtype = "float32"), FlexAttention on other CUDA runs, packed_sdpa on the CPU."""
+    [trainer] param_dtype = "float32"), FlexAttention on other CUDA runs, packed_sdpa on the CPU. `requested`
+    ([trainer] attention): "auto" for that choice, or an implementation by name, checked against what it needs
+    (flash-attn: installed, CUDA, half-precision inputs); an error names the fix."""
+    if requested != "auto":
+        if requested in _FLASH:
+            why = ("flash-attn is not installed (pip install -e '.[flash]')" if not flash_attn_available() else
+                   "flash-attn runs on CUDA only" if torch.device(device).type != "cuda" else
+                   f"flash-attn takes float16/bfloat16 inputs and this model computes in {dtype}"
+                   if dtype not in FLASH_DTYPES else None)
+            if why is not None:
+                raise ValueError(f"[trainer] attention = {requested!r}: {why}; set attention = \"auto\" (or "
+                                 f"\"packed_sdpa\" / \"flex_attention\")")
+        if requested == "flex_attention" and torch.device(device).type != "cuda":
+            raise ValueError("[trainer] attention = 'flex_attention': torch has no FlexAttention backward on the "
+                             "CPU; set attention = \"auto\" (packed_sdpa there) or train on CUDA")
+        return requested, "[trainer] attention"
     if torch.device(device).type != "cuda":
         return PACKED_SDPA, "not CUDA: per-sequence SDPA over the packed row"
     if not flash_attn_available():
@@ -94,10 +109,11 @@ def choose_attn_implementation(device: torch.device | str,
     return "flash_attention_2", f"flash-attn's varlen kernel on {dtype} inputs"
 
 
-def default_attn_implementation(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> str:
+def default_attn_implementation(device: torch.device | str, dtype: torch.dtype = torch.bfloat16,
+                                requested: str = "auto") -> str:
     """The attn_implementation to load a model with for packed training on `device`, computing in `dtype`
-    (choose_attn_implementation says why)."""
-    return choose_attn_implementation(device, dtype)[0]
+    (choose_attn_implementation says why; `requested`: [trainer] attention)."""
+    return choose_attn_implementation(device, dtype, requested)[0]
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -337,7 +353,7 @@ def tree_branch_indices(paths: Sequence[Sequence[tuple[int, int]]], padded_len: 
     gather = np.stack([np.concatenate([g, np.full(lmax - len(g), g[-1])]) for g in segs])
     scatter = np.full(padded_len, len(segs) * lmax, dtype=np.int64)
     scatter[:len(seg_of)] = seg_of * lmax + slot_of
-    return torch.from_numpy(gather).to(device), torch.from_numpy(scatter).to(device)
+    return host_to_device(torch.from_numpy(gather), device), host_to_device(torch.from_numpy(scatter), device)
 
 
 def packed_placeholder_mask(device: torch.device | str) -> torch.Tensor:

@@ -172,7 +172,8 @@ def load_hf_model(path_or_config: str | os.PathLike | PretrainedConfig, *, dtype
     parallel = parallel or ParallelConfig()
     # The attention sees the compute dtype: `dtype` itself, or under a mesh the mixed-precision policy's (flash-attn
     # rejects fp32 inputs, so an fp32 run takes another path).
-    impl = default_attn_implementation(device, dtype if mesh is None else compute_dtype(device.type, parallel))
+    impl = default_attn_implementation(device, dtype if mesh is None else compute_dtype(device.type, parallel),
+                                       parallel.attention)
     model = _build_meta(config, impl)
     if value_head:
         _add_value_head(model)

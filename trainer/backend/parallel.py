@@ -30,6 +30,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from trainer.backend.memory import auto_activation_checkpointing
 
 ROOT_PREFIX = "lm."
+# [trainer] attention: "auto" or an attn_implementation with a packed path (trainer.backend.attention)
+ATTENTION_CHOICES = ("auto", "packed_sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "sdpa", "eager")
 VALUE_HEAD = "value_head"  # the attribute of the causal LM that holds a value model's head
 
 
@@ -50,6 +52,11 @@ class ParallelConfig:
     activation_checkpointing: bool | None = None
     param_dtype: str | None = None  # "float32" | "bfloat16" | None
     liger: bool = True  # Liger's RMSNorm / SwiGLU: CUDA only, in eager blocks only (compile = false)
+    # The packed training attention (trainer.backend.attention): "auto" picks per device (packed_sdpa on the CPU;
+    # flash-attn's varlen kernel on CUDA where it is installed and the compute dtype is half, FlexAttention
+    # otherwise), or by name: packed_sdpa, flex_attention, flash_attention_2 / _3 (CUDA, flash-attn), sdpa or eager
+    # (a dense mask: references, debugging)
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
         if self.param_dtype not in (None, "float32", "bfloat16"):
@@ -57,6 +64,8 @@ class ParallelConfig:
         if self.activation_checkpointing not in (None, True, False):
             raise ValueError(f"activation_checkpointing: expected true, false or unset (auto: on above 1B "
                              f"parameters), got {self.activation_checkpointing!r}")
+        if self.attention not in ATTENTION_CHOICES:
+            raise ValueError(f"attention: expected one of {', '.join(ATTENTION_CHOICES)}, got {self.attention!r}")
         if self.compile_backend not in ("inductor", "aot_eager", "eager"):
             raise ValueError(f"compile_backend: expected inductor, aot_eager or eager, got {self.compile_backend!r}")
 

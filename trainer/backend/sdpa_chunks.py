@@ -35,7 +35,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kernels.packing import padding_chunks
+from kernels.packing import host_to_device, padding_chunks
 
 # A chunk computes at most 1.25x its real score elements. One layer's attention forward + backward over an agent
 # step's three micro-batches (bench/results/agent_step_time-cpu-2core.json): one batch 216 ms; waste 3.0 201, 2.0 171,
@@ -71,7 +71,9 @@ def chunked_layout(segments: Sequence[np.ndarray], seg_of: np.ndarray, slot_of: 
     scatter = np.full(padded_len, offset, dtype=np.int64)  # the tail reads the zero row
     scatter[:len(seg_of)] = base[seg_of] + slot_of
     gather = np.concatenate(parts)
-    return torch.from_numpy(gather).to(device), torch.from_numpy(scatter).to(device), tuple(chunks)
+    # Through pinned memory: a copy from pageable memory to CUDA would wait for the device's queued work
+    return (host_to_device(torch.from_numpy(gather), device), host_to_device(torch.from_numpy(scatter), device),
+            tuple(chunks))
 
 
 def plain_chunked_indices(lengths: Sequence[int], padded_len: int, device: torch.device | str = "cpu",
@@ -194,12 +196,12 @@ def branch_owned_chunks(paths: Sequence[Sequence[tuple[int, int]]], padded_len: 
         q_off += len(group) * qc
         cost += len(group) * qc * kc
         chunks.append((len(group), qc, kc))
-        masks.append(None if mask is None else torch.from_numpy(mask).to(device))
+        masks.append(None if mask is None else host_to_device(torch.from_numpy(mask), device))
     scatter = np.full(padded_len, q_off, dtype=np.int64)  # the tail reads the zero row after the chunks
     scatter[:len(seg_of)] = q_base[seg_of] + slot_of - first[seg_of]
-    return OwnedChunks(torch.from_numpy(np.concatenate(q_parts)).to(device),
-                       torch.from_numpy(np.concatenate(k_parts)).to(device),
-                       torch.from_numpy(scatter).to(device), tuple(chunks), tuple(masks), int(cost))
+    return OwnedChunks(host_to_device(torch.from_numpy(np.concatenate(q_parts)), device),
+                       host_to_device(torch.from_numpy(np.concatenate(k_parts)), device),
+                       host_to_device(torch.from_numpy(scatter), device), tuple(chunks), tuple(masks), int(cost))
 
 
 def chunked_cost(lengths: Sequence[int], waste: float = WASTE) -> float:

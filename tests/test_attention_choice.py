@@ -1,0 +1,77 @@
+"""[trainer] attention: the packed training attention by name (trainer.backend.attention.choose_attn_implementation).
+
+- Every implementation with a packed path that trains on the CPU trains the same step: packed_sdpa (the CPU default)
+  and a dense mask through sdpa or eager; plain packed rows and the shared-prompt trees alike, the loss and every
+  gradient equal to the default's (fp32, 1e-5 relative). (FlexAttention has no CPU backward in torch: its packed
+  layouts are proven forward-only in tests/test_packed_attention.py and tests/test_flex_tree_tiles.py, its training
+  by the `gpu` tests.)
+- "auto" keeps the per-device choice; flash-attn or FlexAttention asked for where they cannot train, or a name
+  without a packed path, is an error naming the fix, before any model is built.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_local_backend import _samples  # three groups of four: shared prompts, masks, engine log-probs
+
+from engines.tiny import tiny_model_config
+from kernels import use_backend
+from trainer.backend.attention import PACKED_SDPA, choose_attn_implementation, flash_attn_available
+from trainer.backend.steps import build_components, forward_backward, trainer_config_from
+from trainer.batching.micro_batches import build_micro_batches
+from trainer.batching.shared_prompt import build_shared_micro_batches
+from trainer.config import BackendConfig, OptimConfig, RLTrainingConfig, RolloutConfig
+
+IMPLEMENTATIONS = (PACKED_SDPA, "sdpa", "eager")
+
+
+def _step(attention: str, share: bool) -> tuple[dict, dict[str, torch.Tensor], str]:
+    """One forward_backward of the same micro-batches: (metrics, gradients by name, the model's implementation)."""
+    cfg = RLTrainingConfig(optim=OptimConfig(lr=1e-2), token_budget=32, micro_batch_buckets=8,
+                           loss={"loss_agg": "seq-mean-token-mean", "rollout_correction": "tis"},
+                           rollout=RolloutConfig(apply_chat_template=False, max_new_tokens=16))
+    tcfg = trainer_config_from(cfg, compile=False, share_prompts=share, attention=attention)
+    samples = _samples(3)
+    advantages = torch.randn(len(samples), generator=torch.Generator().manual_seed(4)).tolist()
+    comp = build_components(tiny_model_config("llama"), tcfg)
+    build = build_shared_micro_batches if share else build_micro_batches
+    mbs = build(samples, token_budget=32, bucket_size=8, advantages=advantages, pad_id=0)
+    assert len(mbs) > 1 and all((mb.trees is not None) == share for mb in mbs)
+    metrics = forward_backward(comp, mbs, tcfg).result()
+    grads = {n: p.grad.detach().clone() for n, p in comp.model.named_parameters() if p.grad is not None}
+    return metrics, grads, comp.model.config._attn_implementation
+
+
+@pytest.mark.parametrize("share", [False, True], ids=["plain", "shared_prompts"])
+def test_every_packed_implementation_trains_the_same_step(share):
+    with use_backend("torch"):
+        runs = {impl: _step(impl, share) for impl in ("auto", *IMPLEMENTATIONS)}
+    assert runs["auto"][2] == PACKED_SDPA  # the CPU's choice
+    want_metrics, want_grads, _ = runs[PACKED_SDPA]
+    assert len(want_grads) > 10
+    for impl in IMPLEMENTATIONS:
+        metrics, grads, used = runs[impl]
+        assert used == impl
+        assert metrics.keys() == want_metrics.keys()
+        assert abs(metrics["loss"] - want_metrics["loss"]) <= 1e-5 * max(1.0, abs(want_metrics["loss"])), impl
+        assert grads.keys() == want_grads.keys()
+        for name, g in grads.items():
+            ref = want_grads[name]
+            assert (g - ref).norm() <= 1e-5 * max(ref.norm(), 1e-6), (impl, name, (g - ref).norm(), ref.norm())
+
+
+def test_names_that_cannot_train_here_are_errors_naming_the_fix():
+    with pytest.raises(ValueError, match=r"attention: expected one of auto, packed_sdpa, .*got 'flash'"):
+        BackendConfig(attention="flash")
+    assert choose_attn_implementation("cpu", torch.float32, "auto")[0] == PACKED_SDPA
+    assert choose_attn_implementation("cuda", torch.float32, "flex_attention") == ("flex_attention",
+                                                                                   "[trainer] attention")
+    with pytest.raises(ValueError, match="no FlexAttention backward on the CPU"):
+        choose_attn_implementation("cpu", torch.float32, "flex_attention")
+    want = "is not installed" if not flash_attn_available() else "runs on CUDA only"
+    with pytest.raises(ValueError, match=rf"attention = 'flash_attention_2': flash-attn {want}.*attention = \"auto\""):
+        choose_attn_implementation("cpu", torch.bfloat16, "flash_attention_2")
+    with pytest.raises(ValueError, match="flash_attention_2"):  # before any model exists: at build time
+        build_components(tiny_model_config("llama"),
+                         trainer_config_from(RLTrainingConfig(), compile=False, attention="flash_attention_2"))
