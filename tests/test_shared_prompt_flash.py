@@ -337,6 +337,39 @@ def test_tree_layout_on_flash_equals_the_plain_layout_in_a_model(reference_kerne
     assert segments == sorted([len(s.tokens) for s in samples] * layers)
 
 
+def test_the_plain_flash_layout_skips_transformers_packed_sequence_detection(reference_kernel, monkeypatch):
+    """The plain layout on flash passes the placeholder mask, so transformers' mask code returns it untouched and
+    never runs find_packed_sequence_indices on the position_ids (a host read on CUDA: issue 42 item 7); the
+    cu_seq_lens say where the sequences start. Each sequence's hidden states equal its own forward."""
+    import transformers.masking_utils as masking_utils
+
+    def detect(*args, **kwargs):
+        raise AssertionError("find_packed_sequence_indices ran: a host read of the position_ids on CUDA")
+
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", detect)
+    samples = random_samples(3)
+    model = load_hf_model(tiny_model_config("qwen2"), dtype=torch.float64, seed=2)
+    model.config._attn_implementation = "flash_attention_2"  # flash-attn is not installed: set, not loaded
+    mbs = build_micro_batches(samples, token_budget=64, bucket_size=16)
+    assert len(mbs) >= 2
+    for mb in mbs:
+        kw = packed_attention_kwargs(model, mb.row)
+        assert kw["attention_mask"].shape == packed_placeholder_mask("cpu").shape
+        with torch.no_grad():
+            hidden = packed_hidden_states(model, mb.row)  # [N, H]
+        cu = mb.row.cu_seqlens.tolist()
+        model.config._attn_implementation = "sdpa"  # each sequence alone, no packing: plain causal sdpa
+        try:
+            for k, i in enumerate(mb.sample_index):
+                ids = torch.tensor([samples[i].tokens])
+                with torch.no_grad():
+                    alone = model.model(input_ids=ids).last_hidden_state[0]
+                torch.testing.assert_close(hidden[cu[k]:cu[k + 1]], alone, rtol=0, atol=1e-10)
+        finally:
+            model.config._attn_implementation = "flash_attention_2"
+    assert reference_kernel and all(call["causal"] for call in reference_kernel)
+
+
 def test_a_flash_name_registered_to_another_function_fails_clearly(monkeypatch):
     """If something re-registers flash_attention_2 after this module, the tree kwargs would be ignored: refuse."""
     model = load_hf_model(tiny_model_config("qwen2"), dtype=torch.float32)

@@ -103,9 +103,8 @@ def choose_attn_implementation(device: torch.device | str, dtype: torch.dtype = 
     if dtype not in FLASH_DTYPES:
         return "flex_attention", (f"flash-attn takes float16/bfloat16 inputs only and this model computes in "
                                   f"{dtype}: FlexAttention instead (compute in bfloat16 to use flash-attn)")
-    # Not verified free of host syncs: in the plain layout transformers' packed-sequence detection reads
-    # position_ids when the mask is None (packed_attention_kwargs says more; the shared-prompt layout passes the
-    # placeholder mask instead); only a GPU with flash-attn can check it.
+    # Both layouts pass the placeholder mask (no packed-sequence detection on the position_ids); that the call is
+    # free of host syncs only a GPU with flash-attn can check.
     return "flash_attention_2", f"flash-attn's varlen kernel on {dtype} inputs"
 
 
@@ -656,12 +655,12 @@ def packed_attention_kwargs(model, batch: PackedBatch, trees: PromptTrees | None
     elif impl == "eager":
         kw["attention_mask"] = block_causal_mask(batch.seq_index, _model_dtype(model))
     elif impl in _FLASH:
-        # Not verified sync-free (needs flash-attn on a GPU; tests/test_sync_free.py covers packed_sdpa only):
-        # attention_mask=None makes transformers' _preprocess_mask_arguments call find_packed_sequence_indices on
-        # position_ids, a host read on CUDA, although the cu_seq_lens below already say where sequences start.
-        # test_three_rl_steps_on_cuda_under_sync_debug_mode_error is the check, on a GPU with flash-attn.
-        # Varlen segments: the real sequences, then the padding tail as one more segment (so every row of the
-        # packed tensor belongs to some segment and the output shape stays [1, N, H]).
+        # The placeholder mask, as for packed_sdpa: with attention_mask=None transformers' _preprocess_mask_arguments
+        # would call find_packed_sequence_indices on the position_ids (a host read on CUDA) although the
+        # cu_seq_lens below already say where sequences start; tree_flash_attention (registered over the flash
+        # names) takes the placeholder as no mask. Varlen segments: the real sequences, then the padding tail as
+        # one more segment (so every row of the packed tensor belongs to some segment and the output shape stays
+        # [1, N, H]).
         # The tail's end is appended by a fill (F.pad's value), not a tensor from a Python list (a blocking copy).
         cu = batch.cu_seqlens
         seg = list(batch.lengths)
@@ -670,8 +669,8 @@ def packed_attention_kwargs(model, batch: PackedBatch, trees: PromptTrees | None
             cu = F.pad(cu, (0, 1), value=batch.padded_len)  # [S+2]
             seg.append(tail)
         max_len = max(seg) if seg else 0
-        kw.update(attention_mask=None, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len,
-                  max_length_k=max_len)
+        kw.update(attention_mask=packed_placeholder_mask(ids.device), cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                  max_length_q=max_len, max_length_k=max_len)
     elif impl == "flex_attention":
         kw["attention_mask"] = flex_block_mask(batch.seq_index)
     else:
