@@ -57,3 +57,50 @@ def test_reference_is_a_frozen_compute_dtype_copy_with_the_same_logprobs(param_d
     assert max((a - b).abs().max().item() for a, b in zip(after, before, strict=True)) > 1e-4  # the policy moved
     for a, b in zip(compute_logprobs(ref, mbs), before, strict=True):
         assert torch.equal(a, b)  # the reference did not
+
+
+def test_copies_in_memory_never_build_the_model_in_full_on_the_host(monkeypatch):
+    """The KL reference, a critic from the policy and a LoRA phase after a full one are copies of a model in memory
+    (load_hf_model(trunk=False), issue 42 item 10): none builds and random-initialises the whole model on the host
+    first (30 GB and minutes for a 7B, on every rank). Each still holds the source's weights, and starts fresh only
+    what it adds: the critic's value head and the LoRA adapters, as a fresh build would draw them."""
+    import trainer.backend.models as models
+    from trainer.backend.lora import adapter_init, hf_name, is_adapter
+    from trainer.backend.models import value_head_init
+
+    rl = RLTrainingConfig(token_budget=256, micro_batch_buckets=64, optim=OptimConfig(lr=1e-2))
+    tcfg = trainer_config_from(rl, BackendConfig(compile=False))
+    policy = build_components(tiny_model_config("qwen2"), tcfg)
+
+    def full(model) -> dict[str, torch.Tensor]:  # every tensor whole (FSDP2 holds DTensor shards)
+        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+                for k, v in model.state_dict().items()}
+
+    source = full(policy.model)
+
+    def full_build(*args, **kwargs):
+        raise AssertionError("a copy in memory built the whole model on the host")
+
+    monkeypatch.setattr(models, "_full_state_dict", full_build)
+    reference = frozen_copy(policy, tcfg)
+    for k, v in full(reference.model).items():
+        assert torch.equal(v, source[k].to(v.dtype)), k
+
+    critic_cfg = trainer_config_from(RLTrainingConfig(advantage_estimator="gae", token_budget=256,
+                                                      micro_batch_buckets=64), BackendConfig(compile=False))
+    critic = build_components(policy.root, critic_cfg.for_critic())
+    state = full(critic.model)
+    head = value_head_init(policy.model.config, critic_cfg.seed, torch.float32)
+    assert head and all(torch.equal(state[k], v) for k, v in head.items())
+    for k, v in source.items():
+        assert torch.equal(state[k], v), k
+
+    lora_cfg = trainer_config_from(RLTrainingConfig(token_budget=256, micro_batch_buckets=64, lora={"rank": 4}),
+                                   BackendConfig(compile=False))
+    adapted = build_components(policy.root, lora_cfg)
+    state = full(adapted.model)
+    fresh = adapter_init(adapted.model, lora_cfg.seed)
+    assert fresh and all(torch.equal(state[k], v) for k, v in fresh.items())
+    for k, v in state.items():
+        if not is_adapter(k):
+            assert torch.equal(v, source[hf_name(k)]), k

@@ -156,7 +156,7 @@ def _frozen_in_compute_dtype(model: nn.Module, dtype: torch.dtype) -> None:
 def load_hf_model(path_or_config: str | os.PathLike | PretrainedConfig, *, dtype: torch.dtype = torch.float32,
                   device: torch.device | str = "cpu", mesh: DeviceMesh | None = None,
                   parallel: ParallelConfig | None = None, seed: int = 0, value_head: bool = False,
-                  lora: Any = None, lora_table: str = "lora") -> nn.Module:
+                  lora: Any = None, lora_table: str = "lora", trunk: bool = True) -> nn.Module:
     """Any HF causal LM from a local folder (safetensors) or from a config (seeded random weights).
 
     Without `mesh`: the plain HF model on `device` in `dtype` (for engines, exports and references).
@@ -166,6 +166,10 @@ def load_hf_model(path_or_config: str | os.PathLike | PretrainedConfig, *, dtype
     compute may be bf16 through the mixed-precision policy. `value_head`: add a fresh value head (a critic's).
     `lora` (a trainer.config.LoRAConfig; `lora_table` names its table in errors): PEFT adapters injected before
     sharding, initialised from `seed`, the base frozen (trainer.backend.lora).
+    `trunk=False`: the caller loads the model's weights itself (a copy of a model in memory: the KL reference, a
+    critic from the policy); only what such a copy starts fresh (a value head, LoRA adapters) is initialised here,
+    and the model is never built and random-initialised in full on the host (30 GB and minutes for a 7B, on every
+    rank). The other tensors hold whatever memory they were given until the caller loads them.
     """
     config, folder = _read_config(path_or_config)
     device = torch.device(device)
@@ -187,8 +191,9 @@ def load_hf_model(path_or_config: str | os.PathLike | PretrainedConfig, *, dtype
     if mesh is None:
         model = model.to_empty(device=device).to(dtype)
         model.tie_weights()  # to_empty gives tied parameters separate storage; one Parameter again
-        sd = _lora_names(_full_state_dict(config, folder, model, seed, dtype), model, seed, lora)
-        model.load_state_dict(sd, strict=True)
+        sd = (_lora_names(_full_state_dict(config, folder, model, seed, dtype), model, seed, lora) if trunk
+              else _fresh_parts(config, model, seed, dtype))
+        model.load_state_dict(sd, strict=trunk)
         _init_buffers(model, device)
         return model.eval()
     model.to(dtype)  # on the meta device: the shards materialise in the storage dtype (a bf16 frozen copy)
@@ -196,12 +201,25 @@ def load_hf_model(path_or_config: str | os.PathLike | PretrainedConfig, *, dtype
         _frozen_in_compute_dtype(model, compute_dtype(device.type, parallel))
     root = parallelize(model, mesh, parallel)
     root.to_empty(device=device)
-    sd = _lora_names(_full_state_dict(config, folder, model, seed, dtype), model, seed, lora)
+    sd = (_lora_names(_full_state_dict(config, folder, model, seed, dtype), model, seed, lora) if trunk
+          else _fresh_parts(config, model, seed, dtype))
     # Each rank holds the full tensors on the CPU and keeps its own shard (distribute_tensor slices locally).
-    set_model_state_dict(root, {ROOT_PREFIX + k: v for k, v in sd.items()},
-                         options=StateDictOptions(full_state_dict=True, strict=True))
+    if sd:
+        set_model_state_dict(root, {ROOT_PREFIX + k: v for k, v in sd.items()},
+                             options=StateDictOptions(full_state_dict=True, strict=trunk))
     _init_buffers(model, device)
     return root
+
+
+def _fresh_parts(config: PretrainedConfig, model: nn.Module, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """What a copy of another model starts fresh (`load_hf_model(trunk=False)`): a value head and LoRA adapters,
+    when the model has them, initialised as `_full_state_dict` and `with_adapters` would."""
+    out = value_head_init(config, seed, dtype) if has_value_head(model) else {}
+    from trainer.backend.lora import adapter_init, is_adapter
+
+    if any(is_adapter(k) for k in model.state_dict()):
+        out.update({k: v.to(dtype) for k, v in adapter_init(model, seed).items()})
+    return out
 
 
 def _lora_names(sd: dict[str, torch.Tensor], model: nn.Module, seed: int, lora: Any) -> dict[str, torch.Tensor]:

@@ -316,7 +316,7 @@ def _copy_of(source: TrainModule, config: TrainerConfig, mesh: DeviceMesh, devic
 
     root = load_hf_model(source.lm.config, dtype=torch.float32, device=device, mesh=mesh, parallel=config.parallel(),
                          seed=config.seed, value_head=config.value_head, lora=config.lora,
-                         lora_table=config.lora_table)
+                         lora_table=config.lora_table, trunk=False)  # the trunk is the source's, loaded below
     own = get_model_state_dict(root)
     merged = is_lora(source.lm)
     src = ({ROOT_PREFIX + k: v for k, v in merged_state_dict(source.lm)} if merged
@@ -345,7 +345,8 @@ def frozen_copy(source: TrainingComponents, config: TrainerConfig) -> TrainingCo
     dtype = compute_dtype(source.device.type, config.parallel())
     root = load_hf_model(source.model.config, dtype=dtype, device=source.device, mesh=source.mesh,
                          parallel=config.parallel(), seed=config.seed, value_head=config.value_head,
-                         lora=config.lora, lora_table=config.lora_table)  # LoRA: the same names, adapters copied too
+                         lora=config.lora, lora_table=config.lora_table,
+                         trunk=False)  # every tensor is the source's (LoRA: the same names, adapters copied too)
     set_model_state_dict(root, get_model_state_dict(source.root))  # copy_ into each shard casts to `dtype`
     root.requires_grad_(False)
     root.train()  # as the policy's forward: the same modules in the same mode
