@@ -152,6 +152,7 @@ class LaunchOptions:
     prefix_cache_tokens: int | None = None  # the embedded engine's prefix-cache budget (None: its default; 0: off)
     speculative_tokens: int = 0  # the embedded engine's draft tokens a row and step (0: off)
     cuda_graphs: bool = False  # the embedded engine's decode steps as CUDA graphs (engines/embedded/graphs.py)
+    dtype: str | None = None  # the embedded engine's weights ("float32", "bfloat16"; None: its default for its device)
 
 
 class LaunchedEngine(Protocol):
@@ -252,7 +253,8 @@ def _launch_embedded(spec: EngineSpec, opts: LaunchOptions) -> LaunchedEngine:
                          extra_args=(() if opts.prefix_cache_tokens is None else
                                      ("--prefix-cache-tokens", str(opts.prefix_cache_tokens)))
                          + (("--speculative-tokens", str(opts.speculative_tokens)) if opts.speculative_tokens else ())
-                         + (("--cuda-graphs",) if opts.cuda_graphs else ()))
+                         + (("--cuda-graphs",) if opts.cuda_graphs else ())
+                         + (("--dtype", opts.dtype) if opts.dtype else ()))
 
 
 ENGINE_KINDS: dict[str, EngineKind] = {

@@ -328,3 +328,33 @@ def test_nothing_in_trainer_probes_an_engine():
     found = {str(p.relative_to(ROOT)): engine_probes(p.read_text(), members)
              for p in sorted((ROOT / "trainer").rglob("*.py"))}
     assert {p: f for p, f in found.items() if f} == {}
+
+
+def test_started_engines_serve_the_trainers_compute_dtype(new_kinds, tmp_path, monkeypatch):
+    """The embedded engines a run starts load their weights in the dtype the trainer computes in on their device
+    (issue 42 item 10: an fp32 trainer on CUDA got bfloat16 engines); [engines] dtype wins."""
+    from trainer.run import engine_dtype
+
+    default = load_run_config(DEMO, [])
+    fp32 = load_run_config(DEMO, ['trainer.param_dtype="float32"'])
+    assert (engine_dtype(default, "cpu"), engine_dtype(default, "cuda:1")) == ("float32", "bfloat16")
+    assert engine_dtype(fp32, "cuda:0") == "float32"
+    assert engine_dtype(load_run_config(DEMO, ['engines.dtype="float16"']), "cuda") == "float16"
+    built = []
+
+    def build_engine(spec, **kw):
+        built.append(kw)
+        return InProcessSumEngine("inproc://sum", str(tmp_path))
+
+    monkeypatch.setattr(registry, "build_engine", build_engine)
+    for dtype in ("float32", "bfloat16"):
+        cfg = load_run_config(DEMO, ["engines.in_process=false", f'trainer.param_dtype="{dtype}"',
+                                     'engines.fleet=[{kind = "sum"}, {kind = "suminproc"}]'])
+        new_kinds.clear()
+        with engines_for(cfg, tmp_path, is_main=True, device="cpu"):
+            assert [p.opts.dtype for p in new_kinds] == [dtype]
+        assert built[-1]["dtype"] == dtype
+    # The embedded kind hands it to its process.
+    proc = registry.ENGINE_KINDS["embedded"].launch(registry.EngineSpec("embedded"),
+                                                    registry.LaunchOptions("tiny", api_key="k", dtype="float32"))
+    assert proc.extra_args[-2:] == ("--dtype", "float32")

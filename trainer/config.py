@@ -529,8 +529,9 @@ class EnginesConfig:
     sync_folder: str | None = None  # disk sync: the run makes its private folder here (None: /dev/shm or temp dir)
     master_address: str = ""  # the weight-update group's address ("": this host's address the engines reach)
     master_port: int = 0  # the weight-update group's TCP port (0: pick a free one)
-    # What engines that do not report their dtype (a stock SGLang, vLLM) serve: weights are sent in it. None: the
-    # trainer's compute dtype ([trainer] param_dtype: bfloat16 on CUDA, float32 on CPU)
+    # The dtype the embedded engines the run starts load their weights in, and what engines that do not report
+    # theirs (a stock SGLang, vLLM) are sent. None: the trainer's compute dtype on the engine's device ([trainer]
+    # param_dtype: bfloat16 on CUDA, float32 on CPU; an fp32 run samples from fp32 weights)
     dtype: str | None = None
 
     def __post_init__(self) -> None:

@@ -149,7 +149,7 @@ def engines_for(cfg: RunConfig, model_folder: Path, *, is_main: bool, device: st
                                                    start_timeout_s=e.start_timeout_s, device=place,
                                                    prefix_cache_tokens=prefix_cache_tokens(cfg),
                                                    speculative_tokens=e.speculative_tokens,
-                                                   cuda_graphs=e.cuda_graphs))
+                                                   cuda_graphs=e.cuda_graphs, dtype=engine_dtype(cfg, place)))
              for i, place in zip(to_start, places)]
     started: list[InProcessEngine] = []
     lend = lends_cores(cfg, device, in_process=len(local), processes=len(to_start))
@@ -160,7 +160,8 @@ def engines_for(cfg: RunConfig, model_folder: Path, *, is_main: bool, device: st
             started.append(build_engine(fleet[i], model_folder=model_folder, seed=cfg.seed, device=device,
                                         threads=torch.get_num_threads() if lend else e.threads, borrow_cores=lend,
                                         prefix_cache_tokens=prefix_cache_tokens(cfg),
-                                        speculative_tokens=e.speculative_tokens, cuda_graphs=e.cuda_graphs))
+                                        speculative_tokens=e.speculative_tokens, cuda_graphs=e.cuda_graphs,
+                                        dtype=engine_dtype(cfg, device)))
             fleet[i] = {"engine": started[-1]}
         for p in procs:
             p.wait_healthy()
@@ -216,11 +217,20 @@ def build_sender(cfg: RunConfig, model: Any, engines: Sequence[InferenceEngine])
 def served_dtype(cfg: RunConfig, model: Any) -> torch.dtype:
     """The dtype engines that do not report theirs (a stock SGLang, vLLM) are sent: [engines] dtype, else the one
     the trainer computes in ([trainer] param_dtype: bfloat16 on CUDA, float32 on CPU), not its fp32 masters."""
+    return getattr(torch, engine_dtype(cfg, next(model.parameters()).device.type))
+
+
+def engine_dtype(cfg: RunConfig, device: str | None) -> str:
+    """The dtype an engine on `device` serves (None: the embedded engine's default device, CUDA when there is one):
+    [engines] dtype, else the one the trainer computes in there ([trainer] param_dtype: bfloat16 on CUDA, float32
+    on CPU), so that an fp32 run samples from fp32 weights (issue 42: embedded engines took bfloat16 on CUDA
+    whatever the trainer computed in, and the engine-vs-trainer mismatch was bf16's)."""
     from trainer.backend.parallel import compute_dtype
 
     if cfg.engines.dtype is not None:
-        return getattr(torch, cfg.engines.dtype)
-    return compute_dtype(next(model.parameters()).device.type, cfg.trainer)
+        return cfg.engines.dtype
+    kind = str(device).split(":")[0] if device else ("cuda" if torch.cuda.is_available() else "cpu")
+    return str(compute_dtype(kind, cfg.trainer)).removeprefix("torch.")
 
 
 def pin_trainer(cfg: RunConfig) -> None:
