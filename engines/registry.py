@@ -136,6 +136,7 @@ class BuildOptions:
     dtype: str | None = None  # an in-process engine's weights ("float32", "bfloat16"; None: the engine's default)
     borrow_cores: bool = False  # an in-process engine: its callers wait while it generates (engines.local.LocalEngine)
     cuda_graphs: bool = False  # an embedded engine's decode steps as CUDA graphs (engines/embedded/graphs.py)
+    kv_cache_tokens: int | None = None  # an embedded engine's KV budget in cells (None: its default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +154,7 @@ class LaunchOptions:
     speculative_tokens: int = 0  # the embedded engine's draft tokens a row and step (0: off)
     cuda_graphs: bool = False  # the embedded engine's decode steps as CUDA graphs (engines/embedded/graphs.py)
     dtype: str | None = None  # the embedded engine's weights ("float32", "bfloat16"; None: its default for its device)
+    kv_cache_tokens: int | None = None  # the embedded engine's KV budget in cells (None: its default)
 
 
 class LaunchedEngine(Protocol):
@@ -234,6 +236,8 @@ def _local(spec: EngineSpec, opts: BuildOptions) -> InferenceEngine:
         given["speculative_tokens"] = opts.speculative_tokens
     if opts.cuda_graphs:
         given["cuda_graphs"] = True
+    if opts.kv_cache_tokens is not None:
+        given["kv_cache_tokens"] = opts.kv_cache_tokens
     return LocalEngine(opts.model_folder, seed=opts.seed, device=opts.device, threads=opts.threads,
                        borrow_cores=opts.borrow_cores, **given)
 
@@ -254,7 +258,8 @@ def _launch_embedded(spec: EngineSpec, opts: LaunchOptions) -> LaunchedEngine:
                                      ("--prefix-cache-tokens", str(opts.prefix_cache_tokens)))
                          + (("--speculative-tokens", str(opts.speculative_tokens)) if opts.speculative_tokens else ())
                          + (("--cuda-graphs",) if opts.cuda_graphs else ())
-                         + (("--dtype", opts.dtype) if opts.dtype else ()))
+                         + (("--dtype", opts.dtype) if opts.dtype else ())
+                         + (("--kv-cache-tokens", str(opts.kv_cache_tokens)) if opts.kv_cache_tokens else ()))
 
 
 ENGINE_KINDS: dict[str, EngineKind] = {
@@ -302,7 +307,8 @@ def build_engine(spec: EngineSpec, *, model_folder: str | Path, api_key: str | N
                  connect_timeout_s: float = 10.0, max_connections: int = 64, device: str = "cpu",
                  request_timeout_s: float = 120.0, threads: int | None = None,
                  prefix_cache_tokens: int | None = None, speculative_tokens: int = 0,
-                 dtype: str | None = None, borrow_cores: bool = False, cuda_graphs: bool = False) -> InferenceEngine:
+                 dtype: str | None = None, borrow_cores: bool = False, cuda_graphs: bool = False,
+                 kv_cache_tokens: int | None = None) -> InferenceEngine:
     """The engine object for `spec` (its kind's builder). A launchable spec must carry the URL of the started
     engine by now; an in-process engine is started here, in this process, on `device` (give the trainer's: an engine
     on another device than the trainer cannot take its weights by handle; close it with `close()`). The spec's own
@@ -315,5 +321,5 @@ def build_engine(spec: EngineSpec, *, model_folder: str | Path, api_key: str | N
                         connect_timeout_s=connect_timeout_s, max_connections=max_connections, device=str(device),
                         request_timeout_s=request_timeout_s, threads=threads, prefix_cache_tokens=prefix_cache_tokens,
                         speculative_tokens=speculative_tokens, dtype=dtype, borrow_cores=borrow_cores,
-                        cuda_graphs=cuda_graphs)
+                        cuda_graphs=cuda_graphs, kv_cache_tokens=kv_cache_tokens)
     return entry.build(spec, opts)

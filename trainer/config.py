@@ -525,6 +525,11 @@ class EnginesConfig:
     # compile time, one launch a step. Off until measured on a GPU (issue 42); on the CPU the same static step runs
     # uncaptured (the tests' proof, no faster)
     cuda_graphs: bool = False
+    # Embedded engines: the KV-cache cells (a row's column: its keys and values in every layer) the running rows
+    # may hold; queued rows wait until the batch's worst case fits (engines/embedded/server.py kv_cells_needed), a
+    # row that cannot fit alone is refused. None: unlimited on the CPU, 40 % of the memory free at the engine's
+    # start on CUDA
+    kv_cache_tokens: int | None = None
     sync: str = "group"  # weight sync: "group" (broadcast / shared memory) or "disk" (safetensors, opt-in fallback)
     sync_folder: str | None = None  # disk sync: the run makes its private folder here (None: /dev/shm or temp dir)
     master_address: str = ""  # the weight-update group's address ("": this host's address the engines reach)
@@ -575,6 +580,9 @@ class EnginesConfig:
                f"speculative_tokens = {k!r}",
                f"a whole number of draft tokens from 0 (off) to {MAX_SPECULATIVE_TOKENS} (e.g. 4)")
         _check(isinstance(self.cuda_graphs, bool), f"cuda_graphs = {self.cuda_graphs!r}", "true or false")
+        n = self.kv_cache_tokens
+        _check(n is None or (isinstance(n, int) and not isinstance(n, bool) and n > 0), f"kv_cache_tokens = {n!r}",
+               "a whole number of KV-cache cells > 0, or unset (the engine's default)")
         v = self.start_timeout_s
         _check(not isinstance(v, bool) and isinstance(v, int | float) and v > 0, f"start_timeout_s = {v!r}",
                "must be > 0")

@@ -149,7 +149,8 @@ def engines_for(cfg: RunConfig, model_folder: Path, *, is_main: bool, device: st
                                                    start_timeout_s=e.start_timeout_s, device=place,
                                                    prefix_cache_tokens=prefix_cache_tokens(cfg),
                                                    speculative_tokens=e.speculative_tokens,
-                                                   cuda_graphs=e.cuda_graphs, dtype=engine_dtype(cfg, place)))
+                                                   cuda_graphs=e.cuda_graphs, dtype=engine_dtype(cfg, place),
+                                                   kv_cache_tokens=e.kv_cache_tokens))
              for i, place in zip(to_start, places)]
     started: list[InProcessEngine] = []
     lend = lends_cores(cfg, device, in_process=len(local), processes=len(to_start))
@@ -161,7 +162,7 @@ def engines_for(cfg: RunConfig, model_folder: Path, *, is_main: bool, device: st
                                         threads=torch.get_num_threads() if lend else e.threads, borrow_cores=lend,
                                         prefix_cache_tokens=prefix_cache_tokens(cfg),
                                         speculative_tokens=e.speculative_tokens, cuda_graphs=e.cuda_graphs,
-                                        dtype=engine_dtype(cfg, device)))
+                                        dtype=engine_dtype(cfg, device), kv_cache_tokens=e.kv_cache_tokens))
             fleet[i] = {"engine": started[-1]}
         for p in procs:
             p.wait_healthy()

@@ -83,6 +83,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="default: float32 on CPU, bfloat16 on CUDA")
     ap.add_argument("--max-batch-rows", type=int, default=256, help="rows merged into one generation batch")
     ap.add_argument("--no-compile", action="store_true", help="do not torch.compile the decode step on CUDA")
+    ap.add_argument("--kv-cache-tokens", type=int, default=None,
+                    help="KV-cache cells the running rows may hold (default: unlimited on CPU, 40%% of free memory "
+                         "on CUDA)")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="decode steps as CUDA graphs, one per bucketed row count, instead of a compiled step")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
@@ -138,6 +141,7 @@ def serve(args: argparse.Namespace, api_key: str | None, *, owned: bool = False)
     server = EngineServer(model, tok, model_path=args.model, seed=args.seed, max_batch_rows=args.max_batch_rows,
                           compile_decode=False if args.no_compile else None,
                           speculative_tokens=args.speculative_tokens, cuda_graphs=args.cuda_graphs,
+                          kv_cache_tokens=args.kv_cache_tokens,
                           **({} if args.prefix_cache_tokens is None else
                              {"prefix_cache_tokens": args.prefix_cache_tokens}))
     app = build_app(server, api_key=api_key)

@@ -63,14 +63,23 @@ def bucket(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-class BufferPool:
-    """KV-cache buffers kept across batches, by shape (rows and columns rounded up to powers of two), so the same
-    addresses come back and their graphs replay. `take` hands out zeroed buffers (the semantics of a new cache: a
-    column no row attends to holds zeros, never a NaN an earlier batch left); `give` takes a cache's buffers back.
-    Mutable (the free lists): a class."""
+def pooled_shape(rows: int, columns: int) -> tuple[int, int]:
+    """The (rows, columns) of the buffers the pool gives for a cache of at least `rows` x `columns`."""
+    return bucket(rows), max(bucket(columns), MIN_CAPACITY)
 
-    def __init__(self) -> None:
+
+class BufferPool:
+    """KV-cache buffers kept across batches, by shape (rows and columns rounded up to powers of two: `pooled_shape`),
+    so the same addresses come back and their graphs replay. `allocate` hands out zeroed buffers (the semantics of a
+    new cache: a column no row attends to holds zeros, never a NaN an earlier batch left); `give` takes a cache's
+    buffers back, keeping at most `max_idle_cells` KV cells idle (None: no limit; past it the oldest sets go, with
+    `on_drop(their first key buffer)`: the graphs over them are dropped too, so the memory is freed). Mutable (the
+    free lists): a class."""
+
+    def __init__(self, max_idle_cells: int | None = None, on_drop=lambda buffer: None) -> None:
         self.free: dict[tuple, list[list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+        self.order: list[tuple[tuple, list]] = []  # (key, buffer set) of every idle set, oldest first
+        self.max_idle_cells, self.on_drop = max_idle_cells, on_drop
         self.allocated = 0  # buffer sets created (a test reads it: reuse means no new ones)
 
     @staticmethod
@@ -80,10 +89,11 @@ class BufferPool:
 
     def allocate(self, like: list[tuple[torch.Tensor, torch.Tensor]], rows_capacity: int, capacity: int) -> KVCache:
         """An empty KVCache like `KVCache.allocate`'s, with at least `rows_capacity` rows and `capacity` columns."""
-        rows, cols = bucket(rows_capacity), max(bucket(capacity), MIN_CAPACITY)
+        rows, cols = pooled_shape(rows_capacity, capacity)
         free = self.free.get(self._key(like, rows, cols))
         if free:
             buffers = free.pop(0)  # the oldest: a batch like the last one gets its buffers in the same order
+            self.order = [(k, b) for k, b in self.order if b is not buffers]
             for k, v in buffers:
                 k.zero_()
                 v.zero_()
@@ -98,6 +108,12 @@ class BufferPool:
         buffers = [(layer.key_buffer, layer.value_buffer) for layer in cache.layers]
         key = self._key(buffers, cache.rows_capacity, cache.capacity)
         self.free.setdefault(key, []).append(buffers)
+        self.order.append((key, buffers))
+        cells = lambda k: k[0] * k[1]  # noqa: E731 - rows x columns of a set's buffers
+        while self.max_idle_cells is not None and sum(cells(k) for k, _ in self.order) > self.max_idle_cells:
+            old_key, old = self.order.pop(0)
+            self.free[old_key] = [b for b in self.free[old_key] if b is not old]
+            self.on_drop(old[0][0])
 
 
 class _StaticLayer(CacheLayerMixin):
@@ -150,18 +166,25 @@ class GraphDecode:
     """The decode step by graphs: `decode(cache, last, pos)` -> logits [P, V] fp32 for the cache's P rows, each fed
     its token `last` [P] at position `pos` [P]; the cache's view moves one column on, as the eager step's does.
     Graphs are keyed by (Bb, the cache's buffers); at most `max_graphs` are kept (all are dropped past that: a
-    workload whose shapes keep changing falls back to capturing again, never to unbounded memory).
+    workload whose shapes keep changing falls back to capturing again, never to unbounded memory), and the pool
+    keeps at most `max_idle_cells` KV cells of buffers between batches (None: no limit).
     Mutable (the graphs): a class."""
 
-    def __init__(self, model: torch.nn.Module, *, pad_id: int, max_graphs: int = 64):
+    def __init__(self, model: torch.nn.Module, *, pad_id: int, max_graphs: int = 64,
+                 max_idle_cells: int | None = None):
         self.model, self.pad_id, self.max_graphs = model, pad_id, max_graphs
         self.device = next(model.parameters()).device
         self.capture = self.device.type == "cuda"
-        self.pool = BufferPool()
+        self.pool = BufferPool(max_idle_cells, on_drop=self._drop)
         self.steps: dict[tuple, _Step] = {}
         self.captures = 0  # graphs captured (CUDA) or static steps built (CPU)
         self.failed: str | None = None  # why capturing failed (CUDA): graphs are off for this engine from then on
         self._mempool = torch.cuda.graph_pool_handle() if self.capture else None
+
+    def _drop(self, buffer: torch.Tensor) -> None:
+        """The pool let `buffer`'s set go: the graphs over it go too (they hold its memory)."""
+        ptr = buffer.data_ptr()
+        self.steps = {k: v for k, v in self.steps.items() if k[1] != ptr}
 
     def usable(self, cache: KVCache) -> bool:
         """Whether this step can run as a graph: capture has not failed, and the cache's buffers are the pool's."""

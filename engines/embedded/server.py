@@ -52,7 +52,7 @@ from starlette.routing import Route
 from engines.embedded.drafts import NgramDrafts
 from engines.embedded.fast_decode import plain_decode
 from engines.embedded.generation import DecodeBatch, Row, RowResult
-from engines.embedded.graphs import GraphDecode
+from engines.embedded.graphs import GraphDecode, pooled_shape
 from engines.embedded.graphs import unsupported as unsupported_graphs
 from engines.embedded.lora import AdapterSet, read_peft_folder
 from engines.embedded.openai_routes import openai_routes
@@ -145,6 +145,35 @@ def _model_thread(threads: int | None) -> ThreadPoolExecutor:
     return pool
 
 
+KV_FREE_FRACTION = 0.4  # [engines] kv_cache_tokens unset on CUDA: this share of the memory free at the engine's start
+
+
+def kv_cell_bytes(model: torch.nn.Module) -> int:
+    """Bytes of one KV-cache cell of `model` (a row's column: keys and values of every layer, in its dtype)."""
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return cfg.num_hidden_layers * 2 * kv_heads * head_dim * next(model.parameters()).element_size()
+
+
+def auto_kv_cache_tokens(model: torch.nn.Module) -> int | None:
+    """The KV budget when none is given: on CUDA, KV_FREE_FRACTION of the device memory free now, in cells; on
+    other devices None (no limit: host memory is the operating system's to refuse)."""
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(1, int(KV_FREE_FRACTION * free) // kv_cell_bytes(model))
+
+
+def kv_cells_needed(rows: int, columns: int) -> int:
+    """The most KV-cache cells a batch of `rows` rows, `columns` wide at most, holds at once: a row each (a
+    group's samples share a cache row only until they part, DecodeBatch._fork), twice while a growing cache copies
+    into new buffers (KVCache.rebuilt holds the old and the new)."""
+    return 2 * rows * columns
+
+
 class EngineServer:
     """The engine's mutable state: the model, its weight version, the running batch, the queue, the weight groups.
 
@@ -164,12 +193,17 @@ class EngineServer:
 
     cuda_graphs: decode steps as CUDA graphs, one per bucketed row count (engines/embedded/graphs.py), instead of a
     torch.compile'd forward; on the CPU the same static step runs uncaptured (what the tests prove; no faster).
+
+    kv_cache_tokens: the KV-cache cells (a row's column: its keys and values in every layer; `kv_cell_bytes`) the
+    running rows may hold; a queued row is admitted only while the batch's worst case fits (`kv_cells_needed`),
+    and a row that cannot fit even alone is refused (400) naming it. None: unlimited on the CPU; on CUDA
+    `KV_FREE_FRACTION` of the memory free when the engine starts (a colocated trainer keeps the rest).
     """
 
     def __init__(self, model, tokenizer, *, model_path: str, seed: int = 0, max_batch_rows: int = 256,
                  compile_decode: bool | None = None, threads: int | None = None,
                  prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS, speculative_tokens: int = 0,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, kv_cache_tokens: int | None = None):
         self.model, self.tokenizer, self.model_path = model, tokenizer, model_path
         self.device = next(model.parameters()).device
         self.pad_id = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
@@ -177,6 +211,8 @@ class EngineServer:
         self.weight_version = 0
         self.weights_consistent = True  # False after a failed sync left a partial update
         self.max_batch_rows = max_batch_rows
+        assert kv_cache_tokens is None or kv_cache_tokens > 0, kv_cache_tokens
+        self.kv_cache_tokens = kv_cache_tokens if kv_cache_tokens is not None else auto_kv_cache_tokens(model)
         self.rng = random.Random(seed)
         self.receiver = WeightReceiver(model, self.device)
         self.model_thread = _model_thread(threads)
@@ -191,7 +227,9 @@ class EngineServer:
         # Decode is the hot loop (one token per row per call): compiled on CUDA only; on the CPU eager, through
         # engines/embedded/fast_decode.py where it is exact for the model (its logits equal the forward's).
         self.decode_fn = torch.compile(model.forward, dynamic=True) if compile_decode else plain_decode(model)
-        self.graphs = GraphDecode(model, pad_id=self.pad_id) if cuda_graphs else None
+        # Idle pooled buffers between batches: half the KV budget (a batch's worst case counts its rebuild twice)
+        idle = None if self.kv_cache_tokens is None else self.kv_cache_tokens // 2
+        self.graphs = GraphDecode(model, pad_id=self.pad_id, max_idle_cells=idle) if cuda_graphs else None
         self.adapters = AdapterSet(model)  # named LoRA adapters, applied per row (engines/embedded/lora.py)
         self._adapter_lock = asyncio.Lock()
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
@@ -257,7 +295,8 @@ class EngineServer:
             self.abort_all, self.abort_rids = False, set()
             admit = []
             if not self.holds and self.running.is_set():
-                while self.waiting and len(self.batch) + len(admit) < self.max_batch_rows:
+                while (self.waiting and len(self.batch) + len(admit) < self.max_batch_rows
+                       and self._fits(admit, self.waiting[0][0])):
                     admit.append(self.waiting.popleft())
             if not admit and not has_cut and (not len(self.batch) or not self.running.is_set()):
                 await self.wakeup.wait()
@@ -324,9 +363,31 @@ class EngineServer:
 
     def _wanted(self) -> bool:
         """Whether the loop has something for the next step (read on the model thread: the loop thread sets these
-        between steps, and a step that misses one is followed by a look at it, as a step in flight is now)."""
-        return (bool(self.waiting) or self.abort_all or bool(self.abort_rids) or self.holds > 0
+        between steps, and a step that misses one is followed by a look at it, as a step in flight is now). A
+        queued row counts once the batch could admit it (room under max_batch_rows and the KV budget)."""
+        waiting = self.waiting  # the loop thread may replace the deque (an abort): read one
+        head = waiting[0][0] if waiting else None
+        admissible = head is not None and len(self.batch) < self.max_batch_rows and self._fits([], head)
+        return (admissible or self.abort_all or bool(self.abort_rids) or self.holds > 0
                 or self.model_work > 0 or not self.running.is_set())
+
+    def _fits(self, admit: list, row: Row) -> bool:
+        """Whether `row` may join the running rows and those being admitted under the KV budget (always, into an
+        empty batch: `submit` refused a row that cannot fit alone)."""
+        if self.kv_cache_tokens is None or not (len(self.batch) or admit):
+            return True
+        joining = [r for r, _ in admit] + [row]
+        cache = self.batch.cache
+        # Rows are left-padded to one filled length (the batch's, or a longer joining prompt), then each may append
+        # what it may still sample.
+        columns = (max([cache.length if cache is not None else 0] + [len(r.prompt) for r in joining])
+                   + max([a.to_append for a in self.batch.rows] + [r.max_new_tokens for r in joining]))
+        rows = len(self.batch) + len(joining)
+        if cache is not None:  # the buffers keep their rows while the batch runs (rows leave, joiners take them)
+            rows, columns = max(rows, cache.rows_capacity), max(columns, cache.capacity)
+        if self.graphs is not None:  # its pool rounds both up
+            rows, columns = pooled_shape(rows, columns)
+        return kv_cells_needed(rows, columns) <= self.kv_cache_tokens
 
     def _step(self, cut, admit: list, advance: bool) -> list:
         """On the model thread: cut aborted rows (False: none, None: all, else a set of rids), then one step
@@ -341,6 +402,14 @@ class EngineServer:
                 req.future.set_exception(error)
 
     async def submit(self, rows: list[Row]) -> tuple[list[RowResult], int]:
+        if self.kv_cache_tokens is not None:
+            for r in rows:
+                need = kv_cells_needed(1, len(r.prompt) + r.max_new_tokens)
+                if need > self.kv_cache_tokens:
+                    raise ValueError(f"a row of {len(r.prompt)} prompt tokens and up to {r.max_new_tokens} new ones "
+                                     f"needs {need} KV-cache cells and this engine holds {self.kv_cache_tokens} "
+                                     f"([engines] kv_cache_tokens): shorten the prompt or max_new_tokens, or raise "
+                                     f"the budget")
         req = _Request(rows, asyncio.get_running_loop().create_future())
         self.waiting.extend((r, (req, k)) for k, r in enumerate(rows))
         self.wakeup.set()

@@ -17,8 +17,8 @@ RequestFailedError with the cause); a bad route-level request is an HTTP 4xx wit
     models = [{name = "tiny", path = "<HF folder>"}]
 
 The same file may hold the run config's `seed`, `[trainer]` (param_dtype, logprob_chunk_tokens) and `[engines]` (one
-in-process engine: fleet = [{kind = "local"}], threads, prefix_cache_tokens, speculative_tokens, dtype, cuda_graphs);
-they are validated as in runs (trainer/config.py) and any other key is refused (READS).
+in-process engine: fleet = [{kind = "local"}], threads, prefix_cache_tokens, speculative_tokens, dtype, cuda_graphs,
+kv_cache_tokens); they are validated as in runs (trainer/config.py) and any other key is refused (READS).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ RETRIEVE_WAIT_S = 20.0  # a retrieve_future long-polls this long before "try_aga
 READS = {"": ("seed", "serve", "trainer", "engines"),
          "trainer": ("param_dtype", "logprob_chunk_tokens"),
          "engines": ("fleet", "in_process", "threads", "prefix_cache_tokens", "speculative_tokens", "dtype",
-                     "cuda_graphs")}
+                     "cuda_graphs", "kv_cache_tokens")}
 
 
 def load_serve_config(path: str | os.PathLike, environ: dict | None = None, overrides: Sequence[str] = ()
@@ -223,7 +223,7 @@ def build_service(cfg: RunConfig) -> Service:
         built = build_engine(engines.fleet[0], model_folder=path, seed=cfg.seed, device=serve.device,
                              threads=engines.threads, prefix_cache_tokens=engines.prefix_cache_tokens,
                              speculative_tokens=engines.speculative_tokens, dtype=engines.dtype or dtype,
-                             cuda_graphs=engines.cuda_graphs)
+                             cuda_graphs=engines.cuda_graphs, kv_cache_tokens=engines.kv_cache_tokens)
         assert isinstance(built, TensorAdapterEngine), f"{built!r} takes no adapter tensors (load_serve_config checks)"
         return built
 
