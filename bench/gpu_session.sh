@@ -33,7 +33,7 @@ python3 -c "import torch, triton, transformers; print(torch.__version__, triton.
 stage() { echo "== $1 $(($(date +%s) - T0)) s" | tee -a "$R/stages.txt"; }
 
 stage tune_logits
-timeout 75 python3 bench/tune_logits.py --json "$R/tune_logits.json" > "$R/tune_logits.log" 2>&1
+timeout 70 python3 bench/tune_logits.py --json "$R/tune_logits.json" > "$R/tune_logits.log" 2>&1
 echo "rc=$?" >> "$R/tune_logits.log"
 
 stage demo_profiled
@@ -57,7 +57,7 @@ timeout 50 python3 -m pytest -q -p no:cacheprovider bench/bench_generate.py --be
 echo "rc=$?" >> "$R/bench_generate.log"
 
 stage demo_compiled
-timeout 110 python3 "${DEMO[@]}" --set trainer.compile=true --set output_dir=/tmp/gs_democ > "$R/demo_compiled.log" 2>&1
+timeout 95 python3 "${DEMO[@]}" --set trainer.compile=true --set output_dir=/tmp/gs_democ > "$R/demo_compiled.log" 2>&1
 echo "rc=$?" >> "$R/demo_compiled.log"
 for d in gs_demo gs_demog gs_democ; do
   mkdir -p "$R/$d"
@@ -66,7 +66,7 @@ for d in gs_demo gs_demog gs_democ; do
 done
 
 stage gpu_check
-timeout 140 python3 bench/gpu_check.py --out "$R/gpu_check" --timeout 100 --skip demo,distributed,benchmarks,tune \
+timeout 165 python3 bench/gpu_check.py --out "$R/gpu_check" --timeout 150 --skip demo,distributed,benchmarks,tune \
   > "$R/gpu_check.log" 2>&1
 echo "rc=$?" >> "$R/gpu_check.log"
 

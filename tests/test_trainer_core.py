@@ -179,27 +179,41 @@ def test_micro_batch_targets_and_global_counts():
 
 
 def test_recompiles_bounded_by_buckets():
+    """The compiled step (aot_eager on the CPU: dynamo and AOT autograd, the same graphs and recompiles as inductor)
+    over packed rows of several bucketed shapes: at most one graph per bucket."""
+    with use_backend("torch"):
+        _recompiles_bounded_by_buckets("aot_eager")
+
+
+@pytest.mark.gpu
+def test_the_compiled_step_on_cuda_recompiles_within_the_buckets():
+    """Issue 42 item 5: the compiled trainer on CUDA (inductor, the default packed attention, Triton kernels; Liger
+    stays out of compiled blocks) trains over >= 3 packed shapes with finite losses and a bounded graph count."""
+    assert torch.cuda.is_available()
+    _recompiles_bounded_by_buckets("inductor")
+
+
+def _recompiles_bounded_by_buckets(backend: str) -> None:
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
     budget, bucket = 128, 32
-    with use_backend("torch"):
-        sft = SFTTrainingConfig(token_budget=budget, micro_batch_buckets=bucket, optim=OptimConfig(lr=1e-3))
-        cfg = trainer_config_from(sft, compile=True, compile_backend="aot_eager")
-        comp = build_components(tiny_model_config(), cfg)
-        state, shapes = TrainingState(), set()
-        for step in range(10):
-            g = torch.Generator().manual_seed(step)
-            n = int(torch.randint(1, 4, (), generator=g))
-            samples = [Sample(prompt="", tokens=torch.randint(6, 90, (int(torch.randint(4, 120, (), generator=g)),),
-                                                              generator=g).tolist(), response_length=3)
-                       for _ in range(n)]
-            mbs = build_micro_batches(samples, token_budget=budget, bucket_size=bucket)
-            shapes |= {mb.row.padded_len for mb in mbs}
-            fut = forward_backward(comp, mbs)
-            _, state = optim_step(comp, state, num_tokens=fut.num_tokens)
-            assert math.isfinite(fut.result()["loss"])
+    sft = SFTTrainingConfig(token_budget=budget, micro_batch_buckets=bucket, optim=OptimConfig(lr=1e-3))
+    cfg = trainer_config_from(sft, compile=True, compile_backend=backend)
+    comp = build_components(tiny_model_config(), cfg)
+    state, shapes = TrainingState(), set()
+    for step in range(10):
+        g = torch.Generator().manual_seed(step)
+        n = int(torch.randint(1, 4, (), generator=g))
+        samples = [Sample(prompt="", tokens=torch.randint(6, 90, (int(torch.randint(4, 120, (), generator=g)),),
+                                                          generator=g).tolist(), response_length=3)
+                   for _ in range(n)]
+        mbs = build_micro_batches(samples, token_budget=budget, bucket_size=bucket)
+        shapes |= {mb.row.padded_len for mb in mbs}
+        fut = forward_backward(comp, mbs)
+        _, state = optim_step(comp, state, num_tokens=fut.num_tokens)
+        assert math.isfinite(fut.result()["loss"])
     graphs = counters["stats"]["unique_graphs"]
     n_buckets = budget // bucket
     assert len(shapes) >= 3, shapes  # the test really varied the packed shapes
