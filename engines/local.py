@@ -74,7 +74,8 @@ class LocalEngine(SGLangEngine):
     def __init__(self, model: str, *, seed: int = 0, device: str = "cpu", dtype: Any = None,
                  max_batch_rows: int = 1024, timeout_s: float = 300.0, threads: int | None = None,
                  prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS, speculative_tokens: int = 0,
-                 borrow_cores: bool = False, cuda_graphs: bool = False, kv_cache_tokens: int | None = None):
+                 borrow_cores: bool = False, cuda_graphs: bool = False, kv_cache_tokens: int | None = None,
+                 share_stream: bool = False):
         """model: a Hugging Face folder or "tiny" (engines/embedded/presets.py). max_batch_rows: rows decoded
         together (a step of 64 prompts x 8 samples fits in one batch at the default). threads: the model thread's
         torch threads (None: the process's intra-op pool). prefix_cache_tokens: the KV budget of the engine's prefix
@@ -82,14 +83,15 @@ class LocalEngine(SGLangEngine):
         (engines/embedded/drafts.py; 0: off). borrow_cores: the callers wait while it works (synchronous RL), so
         each call first releases the calling thread's OpenMP pool (the module docstring). cuda_graphs: decode steps
         as CUDA graphs (engines/embedded/graphs.py). kv_cache_tokens: the KV cells its running rows may hold
-        (EngineServer; None: its default)."""
+        (EngineServer; None: its default). share_stream: on CUDA, generate on the trainer's compute stream
+        (kernels.device.shared_stream: the callers wait while it generates, so the two share cached memory)."""
         self.borrow_cores = borrow_cores and str(device) == "cpu"
         net, tokenizer = load_engine_model(model, seed=seed, dtype=dtype, device=device)
         super().__init__(f"local://localhost/{next(_ids)}", timeout_s=timeout_s)
         self.server = EngineServer(net, tokenizer, model_path=model, seed=seed, max_batch_rows=max_batch_rows,
                                    threads=threads, prefix_cache_tokens=prefix_cache_tokens,
                                    speculative_tokens=speculative_tokens, cuda_graphs=cuda_graphs,
-                                   kv_cache_tokens=kv_cache_tokens)
+                                   kv_cache_tokens=kv_cache_tokens, share_stream=share_stream)
         self._routes = route_handlers(self.server)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="local-engine", daemon=True)

@@ -137,6 +137,7 @@ class BuildOptions:
     borrow_cores: bool = False  # an in-process engine: its callers wait while it generates (engines.local.LocalEngine)
     cuda_graphs: bool = False  # an embedded engine's decode steps as CUDA graphs (engines/embedded/graphs.py)
     kv_cache_tokens: int | None = None  # an embedded engine's KV budget in cells (None: its default)
+    share_stream: bool = False  # an in-process engine on CUDA: generate on the trainer's compute stream
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,6 +239,8 @@ def _local(spec: EngineSpec, opts: BuildOptions) -> InferenceEngine:
         given["cuda_graphs"] = True
     if opts.kv_cache_tokens is not None:
         given["kv_cache_tokens"] = opts.kv_cache_tokens
+    if opts.share_stream:
+        given["share_stream"] = True
     return LocalEngine(opts.model_folder, seed=opts.seed, device=opts.device, threads=opts.threads,
                        borrow_cores=opts.borrow_cores, **given)
 
@@ -308,7 +311,7 @@ def build_engine(spec: EngineSpec, *, model_folder: str | Path, api_key: str | N
                  request_timeout_s: float = 120.0, threads: int | None = None,
                  prefix_cache_tokens: int | None = None, speculative_tokens: int = 0,
                  dtype: str | None = None, borrow_cores: bool = False, cuda_graphs: bool = False,
-                 kv_cache_tokens: int | None = None) -> InferenceEngine:
+                 kv_cache_tokens: int | None = None, share_stream: bool = False) -> InferenceEngine:
     """The engine object for `spec` (its kind's builder). A launchable spec must carry the URL of the started
     engine by now; an in-process engine is started here, in this process, on `device` (give the trainer's: an engine
     on another device than the trainer cannot take its weights by handle; close it with `close()`). The spec's own
@@ -321,5 +324,5 @@ def build_engine(spec: EngineSpec, *, model_folder: str | Path, api_key: str | N
                         connect_timeout_s=connect_timeout_s, max_connections=max_connections, device=str(device),
                         request_timeout_s=request_timeout_s, threads=threads, prefix_cache_tokens=prefix_cache_tokens,
                         speculative_tokens=speculative_tokens, dtype=dtype, borrow_cores=borrow_cores,
-                        cuda_graphs=cuda_graphs, kv_cache_tokens=kv_cache_tokens)
+                        cuda_graphs=cuda_graphs, kv_cache_tokens=kv_cache_tokens, share_stream=share_stream)
     return entry.build(spec, opts)

@@ -8,7 +8,9 @@ Tests run both paths in one process with `use_backend("torch")` / `use_backend("
 on a CPU tensor without TRITON_INTERPRET=1 is an error, never a silent fallback.
 
 The CPU host's allocator and OpenMP pools are policy too: `tune_host_malloc` (called by the runs and the engine
-processes on CPU) and `release_host_threads` (a thread handing its cores to another: the embedded engine's).
+processes on CPU) and `release_host_threads` (a thread handing its cores to another: the embedded engine's). On
+CUDA, `shared_stream` is the one stream a process's trainer computes on and an in-process engine that generates
+while the trainer waits queues its work on, so the two share the caching allocator's blocks.
 """
 
 from __future__ import annotations
@@ -127,6 +129,23 @@ def _omp_pause() -> Callable[[int], int] | None:
         fn.argtypes, fn.restype = (ctypes.c_int,), ctypes.c_int
         return fn
     return None
+
+
+_SHARED_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def shared_stream(device: torch.device | str) -> torch.cuda.Stream:
+    """The CUDA stream of `device` that this process's trainer computes on (trainer.backend.futures.DeviceStreams)
+    and that an in-process engine generating while the trainer waits (synchronous RL) queues its work on too.
+
+    Why one stream: the caching allocator keeps a freed block for the stream that allocated it. On two streams the
+    engine's freed KV cache and the trainer's freed activations each stay reserved for their own stream, so a
+    colocated run needs the two peaks side by side instead of the larger one (issue 42: a 7B run on one GPU)."""
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SHARED_STREAMS:
+        _SHARED_STREAMS[index] = torch.cuda.Stream(torch.device("cuda", index))
+    return _SHARED_STREAMS[index]
 
 
 def release_host_threads() -> bool:

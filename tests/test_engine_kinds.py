@@ -353,7 +353,14 @@ def test_started_engines_serve_the_trainers_compute_dtype(new_kinds, tmp_path, m
         new_kinds.clear()
         with engines_for(cfg, tmp_path, is_main=True, device="cpu"):
             assert [p.opts.dtype for p in new_kinds] == [dtype]
-        assert built[-1]["dtype"] == dtype
+        assert built[-1]["dtype"] == dtype and built[-1]["share_stream"] is False  # the CPU: no stream to share
+    # On CUDA, in synchronous RL, the in-process engine generates on the trainer's compute stream; not in async RL.
+    for async_rollout, shares in ((False, True), (True, False)):
+        cfg = load_run_config(DEMO, ["engines.in_process=false", 'engines.fleet=[{kind = "suminproc"}]',
+                                     f"rl.async_rollout={str(async_rollout).lower()}"])
+        with engines_for(cfg, tmp_path, is_main=True, device="cuda:0"):
+            pass
+        assert built[-1]["share_stream"] is shares and built[-1]["dtype"] == "bfloat16"
     # The embedded kind hands it to its process.
     proc = registry.ENGINE_KINDS["embedded"].launch(registry.EngineSpec("embedded"),
                                                     registry.LaunchOptions("tiny", api_key="k", dtype="float32"))

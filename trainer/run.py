@@ -117,6 +117,13 @@ def lends_cores(cfg: RunConfig, device: str, *, in_process: int, processes: int)
             and processes == 0)
 
 
+def shares_stream(cfg: RunConfig, device: str) -> bool:
+    """Whether the run's in-process engines generate on the trainer's compute stream (kernels.device.shared_stream):
+    on CUDA, in synchronous RL, where the trainer waits while they generate, so sharing one pool of cached blocks
+    costs no overlap. Async RL keeps them on their own stream (they generate while the trainer trains)."""
+    return not cfg.rl.async_rollout and str(device).startswith("cuda")
+
+
 @contextlib.contextmanager
 def engines_for(cfg: RunConfig, model_folder: Path, *, is_main: bool, device: str = "cpu"):
     """Yield the fleet ([engines].fleet, EngineSpecs) with every engine reachable: the entries of a launchable kind
@@ -162,7 +169,8 @@ def engines_for(cfg: RunConfig, model_folder: Path, *, is_main: bool, device: st
                                         threads=torch.get_num_threads() if lend else e.threads, borrow_cores=lend,
                                         prefix_cache_tokens=prefix_cache_tokens(cfg),
                                         speculative_tokens=e.speculative_tokens, cuda_graphs=e.cuda_graphs,
-                                        dtype=engine_dtype(cfg, device), kv_cache_tokens=e.kv_cache_tokens))
+                                        dtype=engine_dtype(cfg, device), kv_cache_tokens=e.kv_cache_tokens,
+                                        share_stream=shares_stream(cfg, device)))
             fleet[i] = {"engine": started[-1]}
         for p in procs:
             p.wait_healthy()

@@ -67,7 +67,7 @@ from engines.weight_sync.receiver import (
     read_safetensors_folder,
 )
 from engines.weight_sync.wire import WEIGHT_UPDATE_FORMATS, WeightMeta, lora_adapter_field
-from kernels.device import release_host_threads
+from kernels.device import release_host_threads, shared_stream
 
 T = TypeVar("T")
 
@@ -198,12 +198,16 @@ class EngineServer:
     running rows may hold; a queued row is admitted only while the batch's worst case fits (`kv_cells_needed`),
     and a row that cannot fit even alone is refused (400) naming it. None: unlimited on the CPU; on CUDA
     `KV_FREE_FRACTION` of the memory free when the engine starts (a colocated trainer keeps the rest).
+
+    share_stream: on CUDA, the model thread queues its work on the process's shared compute stream
+    (kernels.device.shared_stream, the trainer's), so the engine and a trainer that waits while it generates
+    allocate from one pool of cached blocks; ignored elsewhere.
     """
 
     def __init__(self, model, tokenizer, *, model_path: str, seed: int = 0, max_batch_rows: int = 256,
                  compile_decode: bool | None = None, threads: int | None = None,
                  prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS, speculative_tokens: int = 0,
-                 cuda_graphs: bool = False, kv_cache_tokens: int | None = None):
+                 cuda_graphs: bool = False, kv_cache_tokens: int | None = None, share_stream: bool = False):
         self.model, self.tokenizer, self.model_path = model, tokenizer, model_path
         self.device = next(model.parameters()).device
         self.pad_id = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
@@ -216,6 +220,7 @@ class EngineServer:
         self.rng = random.Random(seed)
         self.receiver = WeightReceiver(model, self.device)
         self.model_thread = _model_thread(threads)
+        self.stream = shared_stream(self.device) if share_stream and self.device.type == "cuda" else None
         why_not = unsupported_graphs(model) if cuda_graphs else None
         if why_not is not None:
             warnings.warn(f"[engines] cuda_graphs: this model decodes without graphs: {why_not}", RuntimeWarning,
@@ -337,8 +342,11 @@ class EngineServer:
             self.model_work -= 1
 
     def _then_idle(self, fn: Callable[..., T], *args: Any) -> T:
+        """On the model thread, every piece of its work: on the shared stream when the engine has one (share_stream),
+        then, once it leaves the engine idle on a CPU, the OpenMP pool released (on_model_thread says why)."""
         try:
-            return fn(*args)
+            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+                return fn(*args)
         finally:
             if self.device.type == "cpu" and not len(self.batch) and torch.get_num_threads() > 1:
                 release_host_threads()

@@ -14,6 +14,8 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from kernels.device import shared_stream
+
 T = TypeVar("T")
 
 _POLL_S = 0.002  # trio polling period while a CUDA event is pending
@@ -91,7 +93,9 @@ class DeviceStreams:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.compute = torch.cuda.Stream(device)
+        # The process's shared compute stream: an in-process engine generating while the trainer waits queues its
+        # work on it too (one pool of cached blocks for both: kernels.device.shared_stream)
+        self.compute = shared_stream(device)
         self.copy = torch.cuda.Stream(device)
 
     def current(self) -> Any:
