@@ -225,7 +225,9 @@ class GraphDecode:
                 self._forward(step)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool):
+        # thread_local: the trainer's thread may run CUDA work meanwhile (async RL, an in-process engine); the
+        # default ("global") would make its allocations fail the capture
+        with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
             step.logits = self._forward(step)
         step.graph = graph
 
