@@ -73,6 +73,11 @@ def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
+def flash_attn_3_available() -> bool:
+    """FlashAttention 3 (the `flash_attn_interface` package of flash-attn's hopper build) importable."""
+    return importlib.util.find_spec("flash_attn_interface") is not None
+
+
 FLASH_DTYPES = (torch.float16, torch.bfloat16)  # flash-attn's kernels take half-precision q/k/v only
 
 
@@ -85,7 +90,8 @@ def choose_attn_implementation(device: torch.device | str, dtype: torch.dtype = 
     (flash-attn: installed, CUDA, half-precision inputs); an error names the fix."""
     if requested != "auto":
         if requested in _FLASH:
-            why = ("flash-attn is not installed (pip install -e '.[flash]')" if not flash_attn_available() else
+            installed = flash_attn_available() if requested == "flash_attention_2" else flash_attn_3_available()
+            why = ("flash-attn is not installed (pip install -e '.[flash]')" if not installed else
                    "flash-attn runs on CUDA only" if torch.device(device).type != "cuda" else
                    f"flash-attn takes float16/bfloat16 inputs and this model computes in {dtype}"
                    if dtype not in FLASH_DTYPES else None)
@@ -658,9 +664,10 @@ def packed_attention_kwargs(model, batch: PackedBatch, trees: PromptTrees | None
         # The placeholder mask, as for packed_sdpa: with attention_mask=None transformers' _preprocess_mask_arguments
         # would call find_packed_sequence_indices on the position_ids (a host read on CUDA) although the
         # cu_seq_lens below already say where sequences start; tree_flash_attention (registered over the flash
-        # names) takes the placeholder as no mask. Varlen segments: the real sequences, then the padding tail as
-        # one more segment (so every row of the packed tensor belongs to some segment and the output shape stays
-        # [1, N, H]).
+        # names) takes the placeholder as no mask. Another function registered under the name gets None, as
+        # transformers' own expects (correct, with that host read). Varlen segments: the real sequences, then the
+        # padding tail as one more segment (so every row of the packed tensor belongs to some segment and the output
+        # shape stays [1, N, H]).
         # The tail's end is appended by a fill (F.pad's value), not a tensor from a Python list (a blocking copy).
         cu = batch.cu_seqlens
         seg = list(batch.lengths)
@@ -669,8 +676,9 @@ def packed_attention_kwargs(model, batch: PackedBatch, trees: PromptTrees | None
             cu = F.pad(cu, (0, 1), value=batch.padded_len)  # [S+2]
             seg.append(tail)
         max_len = max(seg) if seg else 0
-        kw.update(attention_mask=packed_placeholder_mask(ids.device), cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-                  max_length_q=max_len, max_length_k=max_len)
+        ours = ALL_ATTENTION_FUNCTIONS.get(impl) is tree_flash_attention
+        kw.update(attention_mask=packed_placeholder_mask(ids.device) if ours else None, cu_seq_lens_q=cu,
+                  cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len)
     elif impl == "flex_attention":
         kw["attention_mask"] = flex_block_mask(batch.seq_index)
     else:
