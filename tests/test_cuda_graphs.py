@@ -6,12 +6,13 @@ column, pooled buffers). Proven here against the engine's eager step:
 - through a DecodeBatch run with joins (in place and by a cache rebuild), shared group rows, aborts, stops and
   growth, every decode step runs the eager forward and the static step on the same cache state: the logits and the
   written key/value agree (float64: to 1e-12; float32: to 1e-5), row counts that are not a power of two included
-  (pad rows), and the run's tokens equal the eager run's;
+  (pad rows), and the run's tokens equal the eager run's; through the engine's CPU attention and through
+  transformers' sdpa (what a CUDA model attends with);
 - a second batch gets the same buffers back from the pool and reuses every static step built by the first (no new
   buffers, no new captures), with the same results;
 - a capture that fails warns once and the engine decodes eagerly from then on, with the same tokens;
-- a model the static step would not compute (a sliding window, flex or flash attention) decodes without graphs, with
-  a warning;
+- a model the static step would not compute (a sliding window; eager, flex or flash attention) decodes without
+  graphs, with a warning;
 - the server and the in-process engine take the switch ([engines] cuda_graphs -> build_engine -> LocalEngine):
   their completions equal an engine's without it.
 On a GPU (`gpu` mark): the captured graphs replay the eager decode's tokens.
@@ -48,12 +49,15 @@ def test_buckets_are_the_next_power_of_two():
         bucket(0)
 
 
+@pytest.mark.parametrize("attention", ["engine", "sdpa"])  # the CPU's, and transformers' sdpa (the CUDA path's)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_static_steps_decode_what_the_eager_forward_does(arch, dtype):
+def test_static_steps_decode_what_the_eager_forward_does(arch, dtype, attention):
     g = torch.Generator().manual_seed(11 if arch == "llama" else 12)
     model = build_tiny_model(int(torch.randint(0, 1000, (), generator=g)), arch=arch, dtype=dtype)
-    use_engine_attention(model)
+    if attention == "engine":
+        use_engine_attention(model)
+    assert model.config._attn_implementation == ("engine_sdpa" if attention == "engine" else "sdpa")
     rows, joins, aborts = _rows(g, model.config.vocab_size)
     graphs = GraphDecode(model, pad_id=0)
     static = graphs.decode
@@ -216,6 +220,9 @@ def test_models_the_static_step_would_not_compute_decode_without_graphs():
     flex = build_tiny_model(1, arch="llama")
     flex.set_attn_implementation("flex_attention")
     assert "flex_attention" in unsupported(flex)
+    eager = build_tiny_model(1, arch="llama")
+    eager.set_attn_implementation("eager")  # adds a given mask to its scores: a bool one would mask nothing
+    assert "'eager'" in unsupported(eager)
     with pytest.warns(RuntimeWarning, match="cuda_graphs: this model decodes without graphs: layer types"):
         server = EngineServer(sliding, build_tokenizer(), model_path="tiny", cuda_graphs=True)
     try:

@@ -18,7 +18,8 @@ static:
   them. Weight loads copy into the parameters in place (engines/weight_sync/receiver.py): graphs see new weights.
 
 The step is the model's own forward (any architecture whose attention writes through the transformers Cache and
-takes a 4D mask as given: sdpa, eager, the engine's CPU attention; not flash-attn's varlen kernels), so its logits
+takes a 4D bool mask as given: sdpa, the engine's CPU attention; not eager attention, which adds a mask to its
+scores, nor flash-attn's or flex's layouts), so its logits
 are the eager decode's up to the order of the softmax's sums over the masked columns (they add exact zeros).
 LoRA rows and speculative steps decode eagerly as before (engines/embedded/generation.py).
 
@@ -39,8 +40,9 @@ from engines.embedded.attention import ENGINE_SDPA
 from engines.embedded.kv_cache import KVCache
 
 MIN_CAPACITY = 16  # the pool's smallest column capacity
-# Attention implementations that apply a given 4D mask as it is (flash-attn's and flex's build their own layouts)
-GRAPH_ATTENTION = ("sdpa", "eager", ENGINE_SDPA)
+# Attention implementations that take the step's 4D bool mask as it is (eager attention adds a given mask to the
+# scores, so a bool one would mask nothing; flash-attn's and flex's build their own layouts)
+GRAPH_ATTENTION = ("sdpa", ENGINE_SDPA)
 
 
 def unsupported(model: torch.nn.Module) -> str | None:
