@@ -251,3 +251,51 @@ def test_captured_graphs_replay_the_eager_decode_on_cuda():
     for e, c, a in zip(eager, captured, again):
         assert c.output_ids == e.output_ids == a.output_ids
         assert max([abs(p - q) for p, q in zip(c.logprobs, e.logprobs)] + [0.0]) <= 1e-4
+
+
+def test_graphs_past_the_limit_go_least_recently_used_first():
+    g = torch.Generator().manual_seed(16)
+    model = build_tiny_model(10, arch="qwen2")
+    use_engine_attention(model)
+    rows, joins, aborts = _rows(g, model.config.vocab_size)
+    graphs = GraphDecode(model, pad_id=0, max_graphs=2)
+    sizes = []
+    decode = graphs.decode
+
+    def tracked(cache, last, pos):
+        out = decode(cache, last, pos)
+        sizes.append(len(graphs.steps))
+        return out
+
+    graphs.decode = tracked
+    results = _run(model, rows, joins, aborts, graphs)
+    assert max(sizes) == 2 and graphs.captures > 2  # evicted ones were built again when needed
+    reference = _run(model, rows, joins, aborts)
+    for i in reference:
+        assert results[i].output_ids == reference[i].output_ids
+
+
+def test_a_capture_that_fails_a_few_times_leaves_those_steps_eager(monkeypatch):
+    """Two failed captures (e.g. another thread's work in the way) decode those steps eagerly and keep graphs on;
+    the third capture succeeds and replays. (The capture is a stand-in that records the step's forward as its
+    replay: no CUDA here.)"""
+    g = torch.Generator().manual_seed(17)
+    model = build_tiny_model(11, arch="llama")
+    use_engine_attention(model)
+    rows, joins, aborts = _rows(g, model.config.vocab_size)
+    graphs = GraphDecode(model, pad_id=0)
+    graphs.capture = True
+    attempts = []
+
+    def capture(step):
+        attempts.append(1)
+        if len(attempts) <= 2:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        step.graph = type("Replay", (), {"replay": lambda self: setattr(step, "logits", graphs._forward(step))})()
+
+    monkeypatch.setattr(graphs, "_capture", capture)
+    results = _run(model, rows, joins, aborts, graphs)
+    assert graphs.failures == 2 and graphs.failed is None and graphs.captures >= 3
+    reference = _run(model, rows, joins, aborts)
+    for i in reference:
+        assert results[i].output_ids == reference[i].output_ids

@@ -123,3 +123,49 @@ def test_the_graph_pool_keeps_at_most_its_idle_cells_and_drops_their_graphs():
     graphs.steps = {(4, 111, 16): "a", (4, 222, 16): "b"}
     graphs._drop(type("B", (), {"data_ptr": lambda self: 111})())
     assert list(graphs.steps) == [(4, 222, 16)]
+
+
+def test_the_default_budget_is_measured_when_a_batch_starts(monkeypatch):
+    """Unset, the budget is measured when a batch starts (on CUDA: a share of the memory free then, after the run's
+    trainer has built its model), not when the engine starts; here the measurement is a stand-in that returns 1,600
+    cells, and the batch is held to it as to a given budget."""
+    import engines.embedded.server as server_mod
+
+    calls = []
+
+    def measured(model, idle_bytes=0):
+        calls.append(idle_bytes)
+        return 1600
+
+    monkeypatch.setattr(server_mod, "auto_kv_cache_tokens", measured)
+    prompts = _prompts(24, seed=1)
+    params = SamplingParams(temperature=1.0, max_new_tokens=20, n=2, seed=9)
+    _, seen = _generate(None, prompts, params, monkeypatch, graphs=True)
+    assert calls and all(isinstance(c, int) and c >= 0 for c in calls)
+    assert 2 * max(cells for _, cells in seen) <= 1600 and max(rows for rows, _ in seen) < 40
+
+
+def test_a_failed_step_gives_its_buffers_back_to_the_pool(monkeypatch):
+    """A step that raises fails its requests; with graphs, the batch's cache buffers go back to the pool (its
+    graphs would hold them otherwise) and the next request runs."""
+    engine = build_engine(EngineSpec("local"), model_folder="tiny", seed=0, cuda_graphs=True)
+    step = DecodeBatch.step
+    calls = []
+
+    def failing(self, new=()):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("a step failed")
+        return step(self, new)
+
+    try:
+        monkeypatch.setattr(DecodeBatch, "step", failing)
+        with pytest.raises(Exception, match="a step failed"):
+            trio.run(engine.generate, [[5, 6, 7]], SamplingParams(max_new_tokens=8, seed=1))
+        pool = engine.server.graphs.pool
+        assert len(pool.order) == 1 and engine.server.batch.cache is None
+        monkeypatch.setattr(DecodeBatch, "step", step)
+        out = trio.run(engine.generate, [[5, 6, 7]], SamplingParams(max_new_tokens=8, seed=1))
+        assert len(out[0][0].output_ids) == 8 and pool.allocated == 1  # the same buffers, reused
+    finally:
+        engine.close()

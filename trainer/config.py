@@ -526,9 +526,9 @@ class EnginesConfig:
     # uncaptured (the tests' proof, no faster)
     cuda_graphs: bool = False
     # Embedded engines: the KV-cache cells (a row's column: its keys and values in every layer) the running rows
-    # may hold; queued rows wait until the batch's worst case fits (engines/embedded/server.py kv_cells_needed), a
-    # row that cannot fit alone is refused. None: unlimited on the CPU, 40 % of the memory free at the engine's
-    # start on CUDA
+    # may hold; queued rows wait until the batch's worst case fits (engines/embedded/server.py EngineServer._cells),
+    # a row that cannot fit alone is refused. None: unlimited on the CPU; on CUDA 40 % of the memory free when a
+    # batch starts (the device's, plus this process's cached free blocks), a batch's first row admitted whatever
     kv_cache_tokens: int | None = None
     sync: str = "group"  # weight sync: "group" (broadcast / shared memory) or "disk" (safetensors, opt-in fallback)
     sync_folder: str | None = None  # disk sync: the run makes its private folder here (None: /dev/shm or temp dir)

@@ -84,8 +84,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-batch-rows", type=int, default=256, help="rows merged into one generation batch")
     ap.add_argument("--no-compile", action="store_true", help="do not torch.compile the decode step on CUDA")
     ap.add_argument("--kv-cache-tokens", type=int, default=None,
-                    help="KV-cache cells the running rows may hold (default: unlimited on CPU, 40%% of free memory "
-                         "on CUDA)")
+                    help="KV-cache cells the running rows may hold (default: unlimited on CPU, 40%% of the memory "
+                         "free when a batch starts on CUDA)")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="decode steps as CUDA graphs, one per bucketed row count, instead of a compiled step")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")

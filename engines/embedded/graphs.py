@@ -30,6 +30,7 @@ off for the engine with one warning (the eager decode goes on: a speed fallback,
 
 from __future__ import annotations
 
+import collections
 import warnings
 from dataclasses import dataclass
 
@@ -40,6 +41,7 @@ from engines.embedded.attention import ENGINE_SDPA
 from engines.embedded.kv_cache import KVCache
 
 MIN_CAPACITY = 16  # the pool's smallest column capacity
+MAX_CAPTURE_FAILURES = 3  # captures that may fail (e.g. another thread's work in the way) before graphs are off
 # Attention implementations that take the step's 4D bool mask as it is (eager attention adds a given mask to the
 # scores, so a bool one would mask nothing; flash-attn's and flex's build their own layouts)
 GRAPH_ATTENTION = ("sdpa", ENGINE_SDPA)
@@ -167,9 +169,11 @@ class _Step:
 class GraphDecode:
     """The decode step by graphs: `decode(cache, last, pos)` -> logits [P, V] fp32 for the cache's P rows, each fed
     its token `last` [P] at position `pos` [P]; the cache's view moves one column on, as the eager step's does.
-    Graphs are keyed by (Bb, the cache's buffers); at most `max_graphs` are kept (all are dropped past that: a
-    workload whose shapes keep changing falls back to capturing again, never to unbounded memory), and the pool
-    keeps at most `max_idle_cells` KV cells of buffers between batches (None: no limit).
+    Graphs are keyed by (Bb, the cache's buffers); at most `max_graphs` are kept (the least recently replayed go
+    first: a workload whose shapes keep changing captures again, never grows memory without bound), and the pool
+    keeps at most `max_idle_cells` KV cells of buffers between batches (None: no limit). A capture that fails
+    leaves that step eager; MAX_CAPTURE_FAILURES of them turn graphs off for the engine, with a warning.
+    A capture costs a device synchronize and an empty_cache (torch.cuda.graph's entry): once per graph.
     Mutable (the graphs): a class."""
 
     def __init__(self, model: torch.nn.Module, *, pad_id: int, max_graphs: int = 64,
@@ -178,15 +182,17 @@ class GraphDecode:
         self.device = next(model.parameters()).device
         self.capture = self.device.type == "cuda"
         self.pool = BufferPool(max_idle_cells, on_drop=self._drop)
-        self.steps: dict[tuple, _Step] = {}
+        self.steps: collections.OrderedDict[tuple, _Step] = collections.OrderedDict()  # least recently used first
         self.captures = 0  # graphs captured (CUDA) or static steps built (CPU)
-        self.failed: str | None = None  # why capturing failed (CUDA): graphs are off for this engine from then on
+        self.failures = 0  # captures that failed
+        self.failed: str | None = None  # why capturing failed (CUDA) when graphs are off for this engine
         self._mempool = torch.cuda.graph_pool_handle() if self.capture else None
 
     def _drop(self, buffer: torch.Tensor) -> None:
         """The pool let `buffer`'s set go: the graphs over it go too (they hold its memory)."""
         ptr = buffer.data_ptr()
-        self.steps = {k: v for k, v in self.steps.items() if k[1] != ptr}
+        for key in [k for k in self.steps if k[1] == ptr]:
+            del self.steps[key]
 
     def usable(self, cache: KVCache) -> bool:
         """Whether this step can run as a graph: capture has not failed, and the cache's buffers are the pool's."""
@@ -195,9 +201,11 @@ class GraphDecode:
     def _step(self, cache: KVCache, rows: int) -> _Step:
         key = (rows, cache.layers[0].key_buffer.data_ptr(), cache.capacity)
         step = self.steps.get(key)
-        if step is None:
-            if len(self.steps) >= self.max_graphs:
-                self.steps.clear()
+        if step is not None:
+            self.steps.move_to_end(key)
+        else:
+            while len(self.steps) >= self.max_graphs:
+                self.steps.popitem(last=False)
             long = dict(dtype=torch.long, device=self.device)
             col = torch.zeros((1,), **long)
             layers = [_StaticLayer(layer.key_buffer[:rows], layer.value_buffer[:rows], col, 0)
@@ -256,10 +264,14 @@ class GraphDecode:
                 try:
                     self._capture(step)
                 except Exception as e:  # noqa: BLE001 - a step that cannot be captured decodes eagerly
-                    self.failed = f"{type(e).__name__}: {e}"
-                    self.steps.clear()
-                    warnings.warn(f"[engines] cuda_graphs: capturing the decode step failed ({self.failed}); this "
-                                  f"engine decodes without graphs from now on", RuntimeWarning, stacklevel=2)
+                    self.failures += 1
+                    self.steps = collections.OrderedDict((k, v) for k, v in self.steps.items() if v is not step)
+                    if self.failures >= MAX_CAPTURE_FAILURES:
+                        self.failed = f"{type(e).__name__}: {e}"
+                        self.steps.clear()
+                        warnings.warn(f"[engines] cuda_graphs: capturing the decode step failed {self.failures} "
+                                      f"times (last: {self.failed}); this engine decodes without graphs from now on",
+                                      RuntimeWarning, stacklevel=2)
                     return None
                 self.captures += 1
             step.graph.replay()

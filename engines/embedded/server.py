@@ -145,26 +145,30 @@ def _model_thread(threads: int | None) -> ThreadPoolExecutor:
     return pool
 
 
-KV_FREE_FRACTION = 0.4  # [engines] kv_cache_tokens unset on CUDA: this share of the memory free at the engine's start
+KV_FREE_FRACTION = 0.4  # [engines] kv_cache_tokens unset on CUDA: this share of the memory free when a batch starts
 
 
 def kv_cell_bytes(model: torch.nn.Module) -> int:
     """Bytes of one KV-cache cell of `model` (a row's column: keys and values of every layer, in its dtype)."""
-    cfg = model.config
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     return cfg.num_hidden_layers * 2 * kv_heads * head_dim * next(model.parameters()).element_size()
 
 
-def auto_kv_cache_tokens(model: torch.nn.Module) -> int | None:
-    """The KV budget when none is given: on CUDA, KV_FREE_FRACTION of the device memory free now, in cells; on
-    other devices None (no limit: host memory is the operating system's to refuse)."""
+def auto_kv_cache_tokens(model: torch.nn.Module, idle_bytes: int = 0) -> int | None:
+    """The KV budget when none is given, measured when a batch starts: on CUDA, KV_FREE_FRACTION of the memory free
+    now (the device's, this process's cached free blocks: what a trainer in this process freed, and `idle_bytes`
+    of pooled cache buffers the batch would reuse), in cells; on other devices None (no limit: host memory is the
+    operating system's to refuse). Measured then, not when the engine starts: a run starts its engines before its
+    trainer builds the model, so the free memory at start would not leave the trainer its share."""
     device = next(model.parameters()).device
     if device.type != "cuda":
         return None
     free, _ = torch.cuda.mem_get_info(device)
-    return max(1, int(KV_FREE_FRACTION * free) // kv_cell_bytes(model))
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return max(1, int(KV_FREE_FRACTION * (free + cached + idle_bytes)) // kv_cell_bytes(model))
 
 
 def kv_cells_needed(rows: int, columns: int) -> int:
@@ -195,9 +199,9 @@ class EngineServer:
     torch.compile'd forward; on the CPU the same static step runs uncaptured (what the tests prove; no faster).
 
     kv_cache_tokens: the KV-cache cells (a row's column: its keys and values in every layer; `kv_cell_bytes`) the
-    running rows may hold; a queued row is admitted only while the batch's worst case fits (`kv_cells_needed`),
-    and a row that cannot fit even alone is refused (400) naming it. None: unlimited on the CPU; on CUDA
-    `KV_FREE_FRACTION` of the memory free when the engine starts (a colocated trainer keeps the rest).
+    running rows may hold; a queued row is admitted only while the batch's worst case fits (`_cells`), and a row
+    that cannot fit even alone is refused (400) naming it. None: unlimited on the CPU; on CUDA `KV_FREE_FRACTION`
+    of the memory free when a batch starts (`auto_kv_cache_tokens`; a first row is admitted whatever it needs).
 
     share_stream: on CUDA, the model thread queues its work on the process's shared compute stream
     (kernels.device.shared_stream, the trainer's), so the engine and a trainer that waits while it generates
@@ -216,7 +220,8 @@ class EngineServer:
         self.weights_consistent = True  # False after a failed sync left a partial update
         self.max_batch_rows = max_batch_rows
         assert kv_cache_tokens is None or kv_cache_tokens > 0, kv_cache_tokens
-        self.kv_cache_tokens = kv_cache_tokens if kv_cache_tokens is not None else auto_kv_cache_tokens(model)
+        self.kv_cache_tokens = kv_cache_tokens  # the given budget (None: auto)
+        self.kv_budget = kv_cache_tokens  # the budget the running batch is admitted under (`_start_budget`)
         self.rng = random.Random(seed)
         self.receiver = WeightReceiver(model, self.device)
         self.model_thread = _model_thread(threads)
@@ -233,7 +238,7 @@ class EngineServer:
         # engines/embedded/fast_decode.py where it is exact for the model (its logits equal the forward's).
         self.decode_fn = torch.compile(model.forward, dynamic=True) if compile_decode else plain_decode(model)
         # Idle pooled buffers between batches: half the KV budget (a batch's worst case counts its rebuild twice)
-        idle = None if self.kv_cache_tokens is None else self.kv_cache_tokens // 2
+        idle = None if self.kv_budget is None else self.kv_budget // 2
         self.graphs = GraphDecode(model, pad_id=self.pad_id, max_idle_cells=idle) if cuda_graphs else None
         self.adapters = AdapterSet(model)  # named LoRA adapters, applied per row (engines/embedded/lora.py)
         self._adapter_lock = asyncio.Lock()
@@ -300,6 +305,8 @@ class EngineServer:
             self.abort_all, self.abort_rids = False, set()
             admit = []
             if not self.holds and self.running.is_set():
+                if self.waiting and not len(self.batch):
+                    self._start_budget()
                 while (self.waiting and len(self.batch) + len(admit) < self.max_batch_rows
                        and self._fits(admit, self.waiting[0][0])):
                     admit.append(self.waiting.popleft())
@@ -316,6 +323,8 @@ class EngineServer:
                                                   cut if has_cut else False, admit, self.running.is_set(), loop)
             except Exception as e:  # noqa: BLE001 - delivered to every request that had a row in the batch
                 self._fail([h for _, h in admit] + [a.handle for a in self.batch.rows], e)
+                if self.graphs is not None:  # its buffers go back to the pool (its graphs hold them otherwise)
+                    self.graphs.pool.give(self.batch.cache)
                 self.batch = self._new_batch()
                 self.batch.version = self.weight_version
                 continue
@@ -379,23 +388,39 @@ class EngineServer:
         return (admissible or self.abort_all or bool(self.abort_rids) or self.holds > 0
                 or self.model_work > 0 or not self.running.is_set())
 
+    def _start_budget(self) -> None:
+        """On the loop, when a batch starts: the budget it is admitted under (the given one, or measured now) and the
+        idle pooled buffers the graphs may keep (half of it)."""
+        if self.kv_cache_tokens is None:
+            idle = 0 if self.graphs is None else sum(k[0] * k[1] for k, _ in self.graphs.pool.order)
+            self.kv_budget = auto_kv_cache_tokens(self.model, idle * kv_cell_bytes(self.model))
+        if self.graphs is not None and self.kv_budget is not None:
+            self.graphs.pool.max_idle_cells = self.kv_budget // 2
+
+    def _cells(self, rows: int, length: int, append: int, capacity: tuple[int, int] = (0, 0)) -> int:
+        """The KV cells a batch of `rows` rows holds at most: rows left-padded to the filled `length`, each
+        appending up to `append` columns (at least the two spare columns DecodeBatch keeps; with drafts, a
+        speculative step's), in buffers of at least `capacity` (rows, columns) (they keep their rows while the batch
+        runs), rounded up as the graphs' pool does; twice that while a growing cache copies (kv_cells_needed)."""
+        spare = 2 if self.drafts is None else max(2, self.drafts.tokens + 2)
+        rows, columns = max(rows, capacity[0]), max(length + max(append, spare), capacity[1])
+        if self.graphs is not None:
+            rows, columns = pooled_shape(rows, columns)
+        return kv_cells_needed(rows, columns)
+
     def _fits(self, admit: list, row: Row) -> bool:
         """Whether `row` may join the running rows and those being admitted under the KV budget (always, into an
-        empty batch: `submit` refused a row that cannot fit alone)."""
-        if self.kv_cache_tokens is None or not (len(self.batch) or admit):
+        empty batch: a row that cannot fit alone under a given budget was refused by `submit`)."""
+        if self.kv_budget is None or not (len(self.batch) or admit):
             return True
         joining = [r for r, _ in admit] + [row]
         cache = self.batch.cache
         # Rows are left-padded to one filled length (the batch's, or a longer joining prompt), then each may append
         # what it may still sample.
-        columns = (max([cache.length if cache is not None else 0] + [len(r.prompt) for r in joining])
-                   + max([a.to_append for a in self.batch.rows] + [r.max_new_tokens for r in joining]))
-        rows = len(self.batch) + len(joining)
-        if cache is not None:  # the buffers keep their rows while the batch runs (rows leave, joiners take them)
-            rows, columns = max(rows, cache.rows_capacity), max(columns, cache.capacity)
-        if self.graphs is not None:  # its pool rounds both up
-            rows, columns = pooled_shape(rows, columns)
-        return kv_cells_needed(rows, columns) <= self.kv_cache_tokens
+        length = max([cache.length if cache is not None else 0] + [len(r.prompt) for r in joining])
+        append = max([a.to_append for a in self.batch.rows] + [r.max_new_tokens for r in joining])
+        held = (cache.rows_capacity, cache.capacity) if cache is not None else (0, 0)
+        return self._cells(len(self.batch) + len(joining), length, append, held) <= self.kv_budget
 
     def _step(self, cut, admit: list, advance: bool) -> list:
         """On the model thread: cut aborted rows (False: none, None: all, else a set of rids), then one step
@@ -412,7 +437,7 @@ class EngineServer:
     async def submit(self, rows: list[Row]) -> tuple[list[RowResult], int]:
         if self.kv_cache_tokens is not None:
             for r in rows:
-                need = kv_cells_needed(1, len(r.prompt) + r.max_new_tokens)
+                need = self._cells(1, len(r.prompt), r.max_new_tokens)
                 if need > self.kv_cache_tokens:
                     raise ValueError(f"a row of {len(r.prompt)} prompt tokens and up to {r.max_new_tokens} new ones "
                                      f"needs {need} KV-cache cells and this engine holds {self.kv_cache_tokens} "
