@@ -23,24 +23,12 @@ from __future__ import annotations
 import pytest
 import torch
 import trio
-from test_fast_decode import _rows
+from test_fast_decode import _rows, _run
 
 from engines.embedded.attention import use_engine_attention
 from engines.embedded.generation import DecodeBatch, Row, generate_rows
 from engines.embedded.graphs import GraphDecode, bucket
 from engines.embedded.presets import build_tiny_model
-
-
-def _run(model, rows, joins, aborts, graphs=None):
-    """The schedule of tests/test_fast_decode.py (joins, aborts by step) through one DecodeBatch."""
-    batch = DecodeBatch(model, pad_id=0, graphs=graphs)
-    results, step = {}, 0
-    while step <= max(joins) or len(batch):
-        if step in aborts:
-            results.update(batch.abort(aborts[step]))
-        results.update(batch.step([(rows[i], i) for i in joins.get(step, [])]))
-        step += 1
-    return results
 
 
 def test_buckets_are_the_next_power_of_two():
@@ -83,7 +71,7 @@ def test_static_steps_decode_what_the_eager_forward_does(arch, dtype, attention)
         return out
 
     graphs.decode = both
-    results = _run(model, rows, joins, aborts, graphs)
+    results = _run(model, rows, joins, aborts, graphs=graphs)
     assert len(seen) > 40 and any(p != bucket(p) for p in seen) and max(seen) >= 4  # pad rows were decoded too
     reference = _run(model, rows, joins, aborts)
     assert set(results) == set(reference) == set(range(len(rows)))
@@ -99,10 +87,10 @@ def test_a_second_batch_reuses_the_pooled_buffers_and_every_step():
     use_engine_attention(model)
     rows, joins, aborts = _rows(g, model.config.vocab_size)
     graphs = GraphDecode(model, pad_id=0)
-    first = _run(model, rows, joins, aborts, graphs)
+    first = _run(model, rows, joins, aborts, graphs=graphs)
     allocated, captured, steps = graphs.pool.allocated, graphs.captures, len(graphs.steps)
     assert allocated >= 2 and captured >= 4  # rebuilds took new shapes; several buckets ran
-    second = _run(model, rows, joins, aborts, graphs)
+    second = _run(model, rows, joins, aborts, graphs=graphs)
     assert (graphs.pool.allocated, graphs.captures, len(graphs.steps)) == (allocated, captured, steps)
     for i in first:
         assert (second[i].output_ids, second[i].logprobs) == (first[i].output_ids, first[i].logprobs)
@@ -166,7 +154,7 @@ def test_a_failed_capture_warns_and_decodes_eagerly(monkeypatch):
 
     monkeypatch.setattr(graphs, "_capture", fail)
     with pytest.warns(RuntimeWarning, match="cuda_graphs: capturing the decode step failed"):
-        results = _run(model, rows, joins, aborts, graphs)
+        results = _run(model, rows, joins, aborts, graphs=graphs)
     assert graphs.failed is not None and "not permitted" in graphs.failed and not graphs.steps
     reference = _run(model, rows, joins, aborts)
     for i in reference:
@@ -268,7 +256,7 @@ def test_graphs_past_the_limit_go_least_recently_used_first():
         return out
 
     graphs.decode = tracked
-    results = _run(model, rows, joins, aborts, graphs)
+    results = _run(model, rows, joins, aborts, graphs=graphs)
     assert max(sizes) == 2 and graphs.captures > 2  # evicted ones were built again when needed
     reference = _run(model, rows, joins, aborts)
     for i in reference:
@@ -294,7 +282,7 @@ def test_a_capture_that_fails_a_few_times_leaves_those_steps_eager(monkeypatch):
         step.graph = type("Replay", (), {"replay": lambda self: setattr(step, "logits", graphs._forward(step))})()
 
     monkeypatch.setattr(graphs, "_capture", capture)
-    results = _run(model, rows, joins, aborts, graphs)
+    results = _run(model, rows, joins, aborts, graphs=graphs)
     assert graphs.failures == 2 and graphs.failed is None and graphs.captures >= 3
     reference = _run(model, rows, joins, aborts)
     for i in reference:

@@ -40,8 +40,9 @@ def _rows(g: torch.Generator, vocab: int) -> tuple[list[Row], dict[int, list[int
     return rows, joins, aborts
 
 
-def _run(model, rows, joins, aborts, decode_fn):
-    batch = DecodeBatch(model, pad_id=0, decode_fn=decode_fn)
+def _run(model, rows, joins, aborts, decode_fn=None, graphs=None):
+    """The schedule (joins and aborts by step) through one DecodeBatch; its results by row index."""
+    batch = DecodeBatch(model, pad_id=0, decode_fn=decode_fn, graphs=graphs)
     results, step = {}, 0
     while step <= max(joins) or len(batch):
         if step in aborts:
