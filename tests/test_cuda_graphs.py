@@ -23,7 +23,7 @@ from __future__ import annotations
 import pytest
 import torch
 import trio
-from test_fast_decode import _rows, _run
+from test_fast_decode import _rows, _run, sliding_window_model
 
 from engines.embedded.attention import use_engine_attention
 from engines.embedded.generation import DecodeBatch, Row, generate_rows
@@ -189,21 +189,16 @@ def test_the_config_switch_reaches_the_in_process_engine():
 
 
 def test_models_the_static_step_would_not_compute_decode_without_graphs():
-    from transformers import AutoModelForCausalLM
 
     from engines.embedded.graphs import unsupported
     from engines.embedded.presets import build_tokenizer
     from engines.embedded.server import EngineServer
-    from engines.tiny import tiny_model_config
 
     plain = build_tiny_model(1, arch="qwen2")
     assert unsupported(plain) is None
     use_engine_attention(plain)
     assert unsupported(plain) is None
-    config = tiny_model_config("qwen2")
-    config.use_sliding_window, config.sliding_window, config.max_window_layers = True, 8, 0
-    config.layer_types = ["sliding_attention"] * config.num_hidden_layers
-    sliding = AutoModelForCausalLM.from_config(config).eval()
+    sliding = sliding_window_model()
     assert "sliding" in unsupported(sliding)
     flex = build_tiny_model(1, arch="llama")
     flex.set_attn_implementation("flex_attention")

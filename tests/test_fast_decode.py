@@ -52,6 +52,16 @@ def _run(model, rows, joins, aborts, decode_fn=None, graphs=None):
     return results
 
 
+def sliding_window_model():
+    """A tiny qwen2 whose every layer attends through a sliding window of 8 tokens."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_model_config("qwen2")
+    config.use_sliding_window, config.sliding_window, config.max_window_layers = True, 8, 0
+    config.layer_types = ["sliding_attention"] * config.num_hidden_layers
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_plain_decode_equals_the_forward_bit_for_bit(arch, dtype):
@@ -98,10 +108,7 @@ def test_models_where_it_would_not_be_exact_keep_the_forward():
     assert plain_decode(half) is None
     from transformers import AutoModelForCausalLM, GPT2Config
 
-    config = tiny_model_config("qwen2")
-    config.use_sliding_window, config.sliding_window, config.max_window_layers = True, 8, 0
-    config.layer_types = ["sliding_attention"] * config.num_hidden_layers
-    sliding = AutoModelForCausalLM.from_config(config).eval()
+    sliding = sliding_window_model()
     use_engine_attention(sliding)
     assert any(t == "sliding_attention" for t in sliding.config.layer_types)
     assert plain_decode(sliding) is None
