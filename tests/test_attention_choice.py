@@ -26,12 +26,13 @@ from trainer.config import BackendConfig, OptimConfig, RLTrainingConfig, Rollout
 IMPLEMENTATIONS = (PACKED_SDPA, "sdpa", "eager")
 
 
-def _step(attention: str, share: bool) -> tuple[dict, dict[str, torch.Tensor], str]:
-    """One forward_backward of the same micro-batches: (metrics, gradients by name, the model's implementation)."""
+def _step(attention: str, share: bool, **backend) -> tuple[dict, dict[str, torch.Tensor], str]:
+    """One forward_backward of the same micro-batches: (metrics, gradients by name, the model's implementation);
+    `backend`: other [trainer] settings."""
     cfg = RLTrainingConfig(optim=OptimConfig(lr=1e-2), token_budget=32, micro_batch_buckets=8,
                            loss={"loss_agg": "seq-mean-token-mean", "rollout_correction": "tis"},
                            rollout=RolloutConfig(apply_chat_template=False, max_new_tokens=16))
-    tcfg = trainer_config_from(cfg, compile=False, share_prompts=share, attention=attention)
+    tcfg = trainer_config_from(cfg, compile=False, share_prompts=share, attention=attention, **backend)
     samples = _samples(3)
     advantages = torch.randn(len(samples), generator=torch.Generator().manual_seed(4)).tolist()
     comp = build_components(tiny_model_config("llama"), tcfg)
@@ -39,7 +40,8 @@ def _step(attention: str, share: bool) -> tuple[dict, dict[str, torch.Tensor], s
     mbs = build(samples, token_budget=32, bucket_size=8, advantages=advantages, pad_id=0)
     assert len(mbs) > 1 and all((mb.trees is not None) == share for mb in mbs)
     metrics = forward_backward(comp, mbs, tcfg).result()
-    grads = {n: p.grad.detach().clone() for n, p in comp.model.named_parameters() if p.grad is not None}
+    grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().cpu().clone()
+             for n, p in comp.model.named_parameters() if p.grad is not None}
     return metrics, grads, comp.model.config._attn_implementation
 
 
@@ -75,3 +77,18 @@ def test_names_that_cannot_train_here_are_errors_naming_the_fix():
     with pytest.raises(ValueError, match="flash_attention_2"):  # before any model exists: at build time
         build_components(tiny_model_config("llama"),
                          trainer_config_from(RLTrainingConfig(), compile=False, attention="flash_attention_2"))
+
+
+@pytest.mark.gpu
+def test_packed_sdpa_trains_flex_attentions_step_on_cuda():
+    """On CUDA ([trainer] attention = "packed_sdpa": torch's own SDPA kernels, no FlexAttention compile) the step
+    equals FlexAttention's (the CUDA default without flash-attn), fp32, plain and shared-prompt layouts."""
+    assert torch.cuda.is_available()
+    for share in (False, True):
+        runs = {impl: _step(impl, share, param_dtype="float32") for impl in (PACKED_SDPA, "flex_attention")}
+        (m_a, g_a, used_a), (m_b, g_b, used_b) = runs[PACKED_SDPA], runs["flex_attention"]
+        assert (used_a, used_b) == (PACKED_SDPA, "flex_attention")
+        assert abs(m_a["loss"] - m_b["loss"]) <= 1e-4 * max(1.0, abs(m_b["loss"]))
+        for name, g in g_a.items():
+            ref = g_b[name]
+            assert (g - ref).norm() <= 1e-3 * max(ref.norm(), 1e-6), (share, name)

@@ -169,3 +169,28 @@ def test_a_failed_step_gives_its_buffers_back_to_the_pool(monkeypatch):
         assert len(out[0][0].output_ids) == 8 and pool.allocated == 1  # the same buffers, reused
     finally:
         engine.close()
+
+
+@pytest.mark.gpu
+def test_the_measured_budget_on_cuda_admits_and_bounds(monkeypatch):
+    """On CUDA the unset budget is measured when a batch starts: a positive number of cells, 40 % of the free memory
+    in this model's cell size; an engine generates under it the tokens it generates under a given large budget."""
+    model = build_tiny_model(0, arch="qwen2", dtype=torch.bfloat16).cuda()
+    measured = auto_kv_cache_tokens(model)
+    free, _ = torch.cuda.mem_get_info()
+    assert measured is not None and 0 < measured <= 0.41 * (free + torch.cuda.memory_reserved()) / kv_cell_bytes(model)
+    engine = build_engine(EngineSpec("local"), model_folder="tiny", seed=0, device="cuda", dtype="float32")
+    try:
+        params = SamplingParams(temperature=1.0, max_new_tokens=12, n=4, seed=2)
+        out = trio.run(engine.generate, _prompts(8, seed=3), params)
+        assert engine.server.kv_budget is not None and engine.server.kv_budget > 0
+    finally:
+        engine.close()
+    given = build_engine(EngineSpec("local"), model_folder="tiny", seed=0, device="cuda", dtype="float32",
+                         kv_cache_tokens=10 ** 9)
+    try:
+        want = trio.run(given.generate, _prompts(8, seed=3), params)
+    finally:
+        given.close()
+    for a, b in zip(out, want):
+        assert [c.output_ids for c in a] == [c.output_ids for c in b]
