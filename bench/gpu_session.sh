@@ -8,14 +8,17 @@
 # here with `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl
 # NAME==VERSION` (see the device tool's README); the folder is git-ignored.
 #
-# In order, each under its own timeout so a hang loses only its stage: the from-logits kernels' config sweep (issue
-# 42 item 9), a short demo with compile off under py-spy (where the GPU step's time goes: issue 42's demo < 30 s), the
-# same demo with nothing compiled: the engine decoding by CUDA graphs ([engines] cuda_graphs, item 8) and training
-# through packed_sdpa ([trainer] attention: torch's own SDPA kernels, no FlexAttention compile; the per-step
-# time_generate_s / time_train_s and SFT's first step tell the two apart), the engine's decode eager vs
-# graphs vs compiled (bench_generate.py, greedy, full size), a short demo with compile on
-# (item 5: the compiled trainer on CUDA), gpu_check's gpu tests (tests/test_cuda_graphs.py's capture among them) and
-# weight sync. Writes $OUT/all.tgz (every log, JSON and metrics file) and prints the stage times last.
+# In order, each under its own timeout so a hang loses only its stage (timeouts sum to 570 s):
+#   tune_logits      the from-logits kernels' config sweep (issue 42 item 9);
+#   demo_profiled    a short demo, compile off, under py-spy (where the GPU step's time goes: the demo < 30 s);
+#   demo_graphs      the same demo with nothing compiled: the engine by CUDA graphs ([engines] cuda_graphs, item 8),
+#                    training through packed_sdpa ([trainer] attention: no FlexAttention compile); the per-step
+#                    time_generate_s / time_train_s and SFT's first step tell the two apart;
+#   engine_decode    bench_generate.py's engine decode eager vs graphs vs compiled (greedy, full size);
+#   new_gpu_tests    this round's gpu tests on their own (graph capture, KV budget, packed_sdpa vs flex, compiled step);
+#   demo_compiled    a short demo with compile on (item 5: the compiled trainer on CUDA);
+#   gpu_check        every gpu test and the weight sync.
+# Each stage copies what came before to $OUT/run; the end writes $OUT/all.tgz and prints the stage times.
 set -u
 OUT=${OUT:-/tmp/gpu_session_out}
 R=/tmp/gpu_session; rm -rf "$R"; mkdir -p "$R" "$OUT"
@@ -30,10 +33,12 @@ git rev-parse HEAD > "$R/commit.txt" 2>/dev/null || echo "no git" > "$R/commit.t
 nvidia-smi -L > "$R/nvidia-smi.txt" 2>&1
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" \
   > "$R/versions.txt" 2>&1
-stage() { echo "== $1 $(($(date +%s) - T0)) s" | tee -a "$R/stages.txt"; }
+# Each stage first copies what the earlier ones wrote to $OUT/run: a call cut at its limit still brings them back.
+stage() { echo "== $1 $(($(date +%s) - T0)) s" | tee -a "$R/stages.txt"; mkdir -p "$OUT/run"; cp -r "$R"/. "$OUT/run/" \
+  2> /dev/null; }
 
 stage tune_logits
-timeout 70 python3 bench/tune_logits.py --json "$R/tune_logits.json" > "$R/tune_logits.log" 2>&1
+timeout 60 python3 bench/tune_logits.py --json "$R/tune_logits.json" > "$R/tune_logits.log" 2>&1
 echo "rc=$?" >> "$R/tune_logits.log"
 
 stage demo_profiled
@@ -47,7 +52,7 @@ fi
 echo "rc=$?" >> "$R/demo.log"
 
 stage demo_graphs
-timeout 80 python3 "${DEMO[@]}" --set engines.cuda_graphs=true --set trainer.attention=packed_sdpa \
+timeout 70 python3 "${DEMO[@]}" --set engines.cuda_graphs=true --set trainer.attention=packed_sdpa \
   --set output_dir=/tmp/gs_demog > "$R/demo_graphs.log" 2>&1
 echo "rc=$?" >> "$R/demo_graphs.log"
 
@@ -56,8 +61,13 @@ timeout 50 python3 -m pytest -q -p no:cacheprovider bench/bench_generate.py --be
   --benchmark-json="$R/bench_generate.json" > "$R/bench_generate.log" 2>&1
 echo "rc=$?" >> "$R/bench_generate.log"
 
+stage new_gpu_tests  # this round's gpu tests first, on their own (gpu_check below runs every gpu test again)
+timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_graphs.py tests/test_kv_budget.py \
+  tests/test_attention_choice.py tests/test_trainer_core.py --junitxml="$R/new_gpu_tests.xml" > "$R/new_gpu_tests.log" 2>&1
+echo "rc=$?" >> "$R/new_gpu_tests.log"
+
 stage demo_compiled
-timeout 95 python3 "${DEMO[@]}" --set trainer.compile=true --set output_dir=/tmp/gs_democ > "$R/demo_compiled.log" 2>&1
+timeout 85 python3 "${DEMO[@]}" --set trainer.compile=true --set output_dir=/tmp/gs_democ > "$R/demo_compiled.log" 2>&1
 echo "rc=$?" >> "$R/demo_compiled.log"
 for d in gs_demo gs_demog gs_democ; do
   mkdir -p "$R/$d"
@@ -66,13 +76,13 @@ for d in gs_demo gs_demog gs_democ; do
 done
 
 stage gpu_check
-timeout 165 python3 bench/gpu_check.py --out "$R/gpu_check" --timeout 150 --skip demo,distributed,benchmarks,tune \
+timeout 150 python3 bench/gpu_check.py --out "$R/gpu_check" --timeout 135 --skip demo,distributed,benchmarks,tune \
   > "$R/gpu_check.log" 2>&1
 echo "rc=$?" >> "$R/gpu_check.log"
 
 stage done
 tar czf "$OUT/all.tgz" -C "$R" .
 cp "$R/stages.txt" "$R/tune_logits.log" "$R/demo.log" "$R/demo_graphs.log" "$R/bench_generate.log" \
-  "$R/demo_compiled.log" "$R/gpu_check.log" "$OUT/" 2>/dev/null
-tail -n 3 "$R/demo.log" "$R/demo_graphs.log" "$R/demo_compiled.log" "$R/gpu_check.log"
+  "$R/new_gpu_tests.log" "$R/demo_compiled.log" "$R/gpu_check.log" "$OUT/" 2>/dev/null
+tail -n 3 "$R/demo.log" "$R/demo_graphs.log" "$R/new_gpu_tests.log" "$R/demo_compiled.log" "$R/gpu_check.log"
 cat "$R/stages.txt"
