@@ -19,13 +19,15 @@ static:
 
 The step is the model's own forward (any architecture whose attention writes through the transformers Cache and
 takes a 4D bool mask as given: sdpa, the engine's CPU attention; not eager attention, which adds a mask to its
-scores, nor flash-attn's or flex's layouts), so its logits
-are the eager decode's up to the order of the softmax's sums over the masked columns (they add exact zeros).
+scores, nor flash-attn's or flex's layouts), so its logits are the eager decode's up to the order of the softmax's
+sums over the masked columns (they add exact zeros).
 LoRA rows and speculative steps decode eagerly as before (engines/embedded/generation.py).
 
 On the CPU `GraphDecode` runs the same static step without capturing it (no CUDA graphs there): how the tests prove
-the step, the padding and the pool against the engine's ordinary decode. On CUDA a capture that fails turns graphs
-off for the engine with one warning (the eager decode goes on: a speed fallback, never a different answer).
+the step, the padding and the pool against the engine's ordinary decode. On CUDA a capture that fails leaves that
+step eager, and MAX_CAPTURE_FAILURES of them turn graphs off for the engine with one warning (a speed fallback,
+never a different answer). Costs not yet measured on a GPU: with a mask, transformers' sdpa copies each KV head per
+query head (repeat_kv) over the whole capacity C, and each graph's private memory pool is outside the KV budget.
 """
 
 from __future__ import annotations
