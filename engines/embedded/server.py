@@ -307,8 +307,9 @@ class EngineServer:
             if not self.holds and self.running.is_set():
                 if self.waiting and not len(self.batch):
                     self._start_budget()
+                fits = self._admission()
                 while (self.waiting and len(self.batch) + len(admit) < self.max_batch_rows
-                       and self._fits(admit, self.waiting[0][0])):
+                       and fits(self.waiting[0][0])):
                     admit.append(self.waiting.popleft())
             if not admit and not has_cut and (not len(self.batch) or not self.running.is_set()):
                 await self.wakeup.wait()
@@ -384,7 +385,7 @@ class EngineServer:
         queued row counts once the batch could admit it (room under max_batch_rows and the KV budget)."""
         waiting = self.waiting  # the loop thread may replace the deque (an abort): read one
         head = waiting[0][0] if waiting else None
-        admissible = head is not None and len(self.batch) < self.max_batch_rows and self._fits([], head)
+        admissible = head is not None and len(self.batch) < self.max_batch_rows and self._admission()(head)
         return (admissible or self.abort_all or bool(self.abort_rids) or self.holds > 0
                 or self.model_work > 0 or not self.running.is_set())
 
@@ -408,19 +409,27 @@ class EngineServer:
             rows, columns = pooled_shape(rows, columns)
         return kv_cells_needed(rows, columns)
 
-    def _fits(self, admit: list, row: Row) -> bool:
-        """Whether `row` may join the running rows and those being admitted under the KV budget (always, into an
-        empty batch: a row that cannot fit alone under a given budget was refused by `submit`)."""
-        if self.kv_budget is None or not (len(self.batch) or admit):
-            return True
-        joining = [r for r, _ in admit] + [row]
+    def _admission(self) -> Callable[[Row], bool]:
+        """`fits(row)`, asked of queued rows in turn: whether `row` may join the running rows and the rows it said
+        yes to before under the KV budget (always, into an empty batch: a row that cannot fit alone under a given
+        budget was refused by `submit`). It keeps running maxima, so admitting n rows costs O(n), not O(n^2)."""
+        if self.kv_budget is None:
+            return lambda row: True
         cache = self.batch.cache
         # Rows are left-padded to one filled length (the batch's, or a longer joining prompt), then each may append
-        # what it may still sample.
-        length = max([cache.length if cache is not None else 0] + [len(r.prompt) for r in joining])
-        append = max([a.to_append for a in self.batch.rows] + [r.max_new_tokens for r in joining])
+        # what it may still sample; the buffers keep their rows and columns while the batch runs.
         held = (cache.rows_capacity, cache.capacity) if cache is not None else (0, 0)
-        return self._cells(len(self.batch) + len(joining), length, append, held) <= self.kv_budget
+        state = [len(self.batch), cache.length if cache is not None else 0,
+                 max((a.to_append for a in self.batch.rows), default=0)]  # rows, length, append
+
+        def fits(row: Row) -> bool:
+            rows, length, append = state[0] + 1, max(state[1], len(row.prompt)), max(state[2], row.max_new_tokens)
+            if state[0] and self._cells(rows, length, append, held) > self.kv_budget:
+                return False
+            state[:] = rows, length, append
+            return True
+
+        return fits
 
     def _step(self, cut, admit: list, advance: bool) -> list:
         """On the model thread: cut aborted rows (False: none, None: all, else a set of rids), then one step
