@@ -117,7 +117,7 @@ def test_the_graph_pool_keeps_at_most_its_idle_cells_and_drops_their_graphs():
     assert not dropped  # 128 + 128 + 128 cells idle: within the cap
     pool.give(pool.allocate(like, 16, 16))  # 256 more: the two oldest sets go
     assert [d is c.layers[0].key_buffer for d, c in zip(dropped, caches)] == [True, True]
-    assert sum(len(v) for v in pool.free.values()) == 2
+    assert len(pool.idle) == 2 and pool.idle_cells == 4 * 32 + 16 * 16
     model = build_tiny_model(0, arch="llama")
     graphs = GraphDecode(model, pad_id=0, max_idle_cells=0)
     graphs.steps = {(4, 111, 16): "a", (4, 222, 16): "b"}
@@ -163,7 +163,7 @@ def test_a_failed_step_gives_its_buffers_back_to_the_pool(monkeypatch):
         with pytest.raises(Exception, match="a step failed"):
             trio.run(engine.generate, [[5, 6, 7]], SamplingParams(max_new_tokens=8, seed=1))
         pool = engine.server.graphs.pool
-        assert len(pool.order) == 1 and engine.server.batch.cache is None
+        assert len(pool.idle) == 1 and engine.server.batch.cache is None
         monkeypatch.setattr(DecodeBatch, "step", step)
         out = trio.run(engine.generate, [[5, 6, 7]], SamplingParams(max_new_tokens=8, seed=1))
         assert len(out[0][0].output_ids) == 8 and pool.allocated == 1  # the same buffers, reused

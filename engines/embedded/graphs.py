@@ -80,11 +80,10 @@ class BufferPool:
     new cache: a column no row attends to holds zeros, never a NaN an earlier batch left); `give` takes a cache's
     buffers back, keeping at most `max_idle_cells` KV cells idle (None: no limit; past it the oldest sets go, with
     `on_drop(their first key buffer)`: the graphs over them are dropped too, so the memory is freed). Mutable (the
-    free lists): a class."""
+    idle sets): a class."""
 
     def __init__(self, max_idle_cells: int | None = None, on_drop=lambda buffer: None) -> None:
-        self.free: dict[tuple, list[list[tuple[torch.Tensor, torch.Tensor]]]] = {}
-        self.order: list[tuple[tuple, list]] = []  # (key, buffer set) of every idle set, oldest first
+        self.idle: list[tuple[tuple, list]] = []  # (key, buffer set) of every idle set, oldest first
         self.max_idle_cells, self.on_drop = max_idle_cells, on_drop
         self.allocated = 0  # buffer sets created (a test reads it: reuse means no new ones)
 
@@ -96,10 +95,11 @@ class BufferPool:
     def allocate(self, like: list[tuple[torch.Tensor, torch.Tensor]], rows_capacity: int, capacity: int) -> KVCache:
         """An empty KVCache like `KVCache.allocate`'s, with at least `rows_capacity` rows and `capacity` columns."""
         rows, cols = pooled_shape(rows_capacity, capacity)
-        free = self.free.get(self._key(like, rows, cols))
-        if free:
-            buffers = free.pop(0)  # the oldest: a batch like the last one gets its buffers in the same order
-            self.order = [(k, b) for k, b in self.order if b is not buffers]
+        key = self._key(like, rows, cols)
+        # The oldest set of that shape: a batch like the last one gets its buffers in the same order
+        i = next((i for i, (k, _) in enumerate(self.idle) if k == key), None)
+        if i is not None:
+            _, buffers = self.idle.pop(i)
             for k, v in buffers:
                 k.zero_()
                 v.zero_()
@@ -112,14 +112,15 @@ class BufferPool:
         if cache is None:
             return
         buffers = [(layer.key_buffer, layer.value_buffer) for layer in cache.layers]
-        key = self._key(buffers, cache.rows_capacity, cache.capacity)
-        self.free.setdefault(key, []).append(buffers)
-        self.order.append((key, buffers))
-        cells = lambda k: k[0] * k[1]  # noqa: E731 - rows x columns of a set's buffers
-        while self.max_idle_cells is not None and sum(cells(k) for k, _ in self.order) > self.max_idle_cells:
-            old_key, old = self.order.pop(0)
-            self.free[old_key] = [b for b in self.free[old_key] if b is not old]
+        self.idle.append((self._key(buffers, cache.rows_capacity, cache.capacity), buffers))
+        while self.max_idle_cells is not None and self.idle_cells > self.max_idle_cells:
+            _, old = self.idle.pop(0)
             self.on_drop(old[0][0])
+
+    @property
+    def idle_cells(self) -> int:
+        """KV cells (rows x columns) of the idle buffer sets."""
+        return sum(key[0] * key[1] for key, _ in self.idle)
 
 
 class _StaticLayer(CacheLayerMixin):

@@ -393,7 +393,7 @@ class EngineServer:
         """On the loop, when a batch starts: the budget it is admitted under (the given one, or measured now) and the
         idle pooled buffers the graphs may keep (half of it)."""
         if self.kv_cache_tokens is None:
-            idle = 0 if self.graphs is None else sum(k[0] * k[1] for k, _ in self.graphs.pool.order)
+            idle = 0 if self.graphs is None else self.graphs.pool.idle_cells
             self.kv_budget = auto_kv_cache_tokens(self.model, idle * kv_cell_bytes(self.model))
         if self.graphs is not None and self.kv_budget is not None:
             self.graphs.pool.max_idle_cells = self.kv_budget // 2
