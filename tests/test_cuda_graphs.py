@@ -130,7 +130,8 @@ def test_the_static_step_reads_nothing_on_the_host(arch, engine_attention):
     checked = 0
     with torch.inference_mode():
         for _ in range(6):
-            step = graphs._step(batch.cache, bucket(batch.cache.rows))
+            rows = bucket(batch.cache.rows)
+            step = graphs._step(graphs._key(batch.cache, rows), batch.cache, rows)
             step.col.fill_(batch.cache.length)
             with _HostReads() as rec:
                 logits = graphs._forward(step)

@@ -201,8 +201,13 @@ class GraphDecode:
         """Whether this step can run as a graph: capture has not failed, and the cache's buffers are the pool's."""
         return self.failed is None and cache.rows_capacity == bucket(cache.rows_capacity)
 
-    def _step(self, cache: KVCache, rows: int) -> _Step:
-        key = (rows, cache.layers[0].key_buffer.data_ptr(), cache.capacity)
+    @staticmethod
+    def _key(cache: KVCache, rows: int) -> tuple:
+        """A step's key: its row bucket and its buffers (their address and columns)."""
+        return rows, cache.layers[0].key_buffer.data_ptr(), cache.capacity
+
+    def _step(self, key: tuple, cache: KVCache, rows: int) -> _Step:
+        """The static step of `key` (built now if it is not kept), as the most recently used."""
         step = self.steps.get(key)
         if step is not None:
             self.steps.move_to_end(key)
@@ -250,8 +255,9 @@ class GraphDecode:
         assert last.shape == pos.shape == (p,) and length + 1 <= cache.capacity, (last.shape, length, cache.capacity)
         rows = bucket(p)
         assert rows <= cache.rows_capacity, (rows, cache.rows_capacity)
-        fresh = (rows, cache.layers[0].key_buffer.data_ptr(), cache.capacity) not in self.steps
-        step = self._step(cache, rows)
+        key = self._key(cache, rows)
+        fresh = key not in self.steps
+        step = self._step(key, cache, rows)
         step.ids[:p, 0].copy_(last)
         step.ids[p:].fill_(self.pad_id)
         step.pos[:p, 0].copy_(pos)
@@ -268,7 +274,7 @@ class GraphDecode:
                     self._capture(step)
                 except Exception as e:  # noqa: BLE001 - a step that cannot be captured decodes eagerly
                     self.failures += 1
-                    self.steps = collections.OrderedDict((k, v) for k, v in self.steps.items() if v is not step)
+                    del self.steps[key]
                     if self.failures >= MAX_CAPTURE_FAILURES:
                         self.failed = f"{type(e).__name__}: {e}"
                         self.steps.clear()
