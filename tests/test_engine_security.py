@@ -290,3 +290,29 @@ def test_disk_sync_folder_is_private_unguessable_and_removed(tmp_path):
         assert os.stat(default.folder).st_mode & 0o777 == 0o700
     finally:
         default.close()
+
+
+def test_a_picked_port_taken_before_the_engine_binds_it_starts_it_on_another():
+    """free_port only finds a port free now: another process (a parallel test, another run) may bind it first. The
+    engine then exits with "address already in use", and EngineProcess starts it again on a new port; /health is
+    accepted only from its own process (the other one answers on the old port)."""
+    import socket
+
+    from engines.embedded.launch import EngineProcess
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        proc = EngineProcess("tiny", start_timeout_s=120)
+        proc.port = taken.getsockname()[1]  # as if another process had taken the port picked for it
+        with proc.launch().wait_healthy():
+            assert proc.port != taken.getsockname()[1] and proc.port_retries < 3  # started again (at least once)
+            health = httpx.get(proc.url + "/health", timeout=10).json()
+            assert health["pid"] == proc.proc.pid
+        given = EngineProcess("tiny", port=taken.getsockname()[1], start_timeout_s=120)  # a port the caller chose
+        with pytest.raises(RuntimeError, match="address already in use"):
+            given.launch().wait_healthy()
+        given.kill()
+    finally:
+        taken.close()

@@ -90,6 +90,9 @@ def engine_env(api_key: str | None, root: str, base: dict[str, str]) -> dict[str
     return env
 
 
+PORT_RETRIES = 3  # a picked port taken before the engine bound it: start again on another, this many times
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -108,6 +111,9 @@ class EngineProcess:
                  extra_args: tuple[str, ...] = (), start_timeout_s: float = 120.0, threads: int = 1,
                  device: str | None = None, cpus: tuple[int, ...] | None = None):
         self.model, self.port, self.api_key, self.seed = model, port or free_port(), api_key, seed
+        # A port we picked may be taken by another process before the engine binds it (free_port only finds one
+        # free now): wait_healthy then starts the engine again on another, up to PORT_RETRIES times.
+        self.port_retries = PORT_RETRIES if port is None else 0
         self.extra_args, self.start_timeout_s, self.threads = extra_args, start_timeout_s, threads
         self.device = device  # None: the engine's default (cuda when available, else cpu)
         self.cpus = cpus  # None: not pinned; else the cores it runs on (its threads: their number)
@@ -149,11 +155,19 @@ class EngineProcess:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
                     err = self.stderr_tail()
+                    if self.port_retries and "address already in use" in err:
+                        self.port_retries -= 1
+                        self.stderr_file.close()
+                        self.port = free_port()
+                        self.launch()
+                        continue
                     raise RuntimeError(f"engine exited with code {self.proc.returncode} while starting:\n{err}")
                 try:
-                    if client.get(self.url + "/health").status_code == 200:
+                    r = client.get(self.url + "/health")
+                    # Our engine's answer (another process that took the port could answer too)
+                    if r.status_code == 200 and r.json().get("pid", self.proc.pid) == self.proc.pid:
                         return self
-                except httpx.HTTPError:
+                except (httpx.HTTPError, ValueError):
                     pass
                 time.sleep(0.2)
         self.kill()

@@ -32,6 +32,7 @@ import asyncio
 import collections
 import contextlib
 import json
+import os
 import random
 import secrets
 import threading
@@ -677,7 +678,8 @@ def route_handlers(server: EngineServer) -> dict[str, Endpoint]:
     """
 
     async def health(body: dict):
-        return {"status": "ok", "weight_version": str(server.weight_version), **server.load()}
+        # pid: whoever started this process knows it is this server answering on the port, not another one
+        return {"status": "ok", "weight_version": str(server.weight_version), "pid": os.getpid(), **server.load()}
 
     async def model_info(body: dict):
         return {"model_path": server.model_path, "tokenizer_path": server.model_path,
