@@ -304,13 +304,13 @@ def test_a_picked_port_taken_before_the_engine_binds_it_starts_it_on_another():
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     try:
-        proc = EngineProcess("tiny", start_timeout_s=120)
+        proc = EngineProcess("tiny", start_timeout_s=120, device="cpu")
         proc.port = taken.getsockname()[1]  # as if another process had taken the port picked for it
         with proc.launch().wait_healthy():
             assert proc.port != taken.getsockname()[1] and proc.port_retries < 3  # started again (at least once)
             health = httpx.get(proc.url + "/health", timeout=10).json()
             assert health["pid"] == proc.proc.pid
-        given = EngineProcess("tiny", port=taken.getsockname()[1], start_timeout_s=120)  # a port the caller chose
+        given = EngineProcess("tiny", port=taken.getsockname()[1], start_timeout_s=120, device="cpu")  # a given port
         with pytest.raises(RuntimeError, match="address already in use"):
             given.launch().wait_healthy()
         given.kill()
