@@ -106,8 +106,37 @@ def test_paused_holds_the_worker_between_two_batches():
         with source.paused():
             begun = list(started)
             time.sleep(0.3)  # long enough for two more batches, were the worker free
-            assert started == begun  # nothing started while paused (the one running when asked finished first)
+            assert started == begun  # nothing started while paused (the ones queued when asked finished first)
         assert source.next(2).samples[0].prompt == "2"
+
+
+def test_a_batch_queued_before_a_sync_is_generated_before_it_even_if_its_worker_starts_late():
+    """Which weights a batch comes from must not depend on thread timing (`[rl] deterministic` runs repeat): a batch
+    queued before `paused()` (the weight sync's block) is generated before the block, also when the worker has not
+    started it yet (here: a worker that starts each batch 0.2 s late, as a loaded machine's may)."""
+    version = [0]
+
+    def batches():
+        m = 0
+        while True:
+            m += 1
+            yield RolloutBatch(samples=(Sample(prompt=str(m), tokens=(1, 2), response_length=1),),
+                               metadata={"version": version[0]})
+
+    backend = ThreadBackend(batches(), threaded=True)
+    generate = backend._generate
+
+    def late(step):
+        time.sleep(0.2)
+        return generate(step)
+
+    backend._generate = late
+    with RolloutService(backend, num_steps=4, ahead=1) as source:
+        assert source.next(1).metadata["version"] == 0  # batch 2 is queued now, its worker not started yet
+        with source.paused():
+            version[0] = 1  # the sync after step 1
+        assert source.next(2).metadata["version"] == 0  # queued before the sync: generated before it
+        assert source.next(3).metadata["version"] == 1
 
 
 class _Pausable:

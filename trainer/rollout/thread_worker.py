@@ -111,7 +111,12 @@ class ThreadBackend:
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """The batch being generated finishes first (it stays queued for its take); no other starts in the block."""
+        """The batches queued before the block (generating or not started yet) finish first (they stay queued for
+        their take); no other starts in the block. Waiting for a queued batch that has not started yet keeps the
+        weights each batch is generated from independent of thread timing: a batch queued before a sync is always
+        generated before it (under load the worker could otherwise start it after the sync, and `[rl]
+        deterministic` runs differed in the version a batch came from)."""
+        concurrent.futures.wait(list(self._pending.values()))
         with self._engines:
             yield
 
