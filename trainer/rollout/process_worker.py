@@ -17,7 +17,7 @@ ahead (`limit`), `version()` is the weight version the batches started next are 
     parent (rank 0)                                   child
     take(step, limit)    ──("take", step, limit, version())──►  may generate the batches of steps up to limit
                          ◄─("batch", step, batch, snapshot)  snapshot: rollout_state() right after drawing it
-    paused()             ──("pause",)──►               finishes the batch it is on, then answers
+    paused()             ──("pause",)──►               finishes the batches it may generate, then answers
                          ◄─("paused",)                  and starts no other until
                          ──("resume", version())──►
     requeue(groups)      ──("requeue", groups)──►      (stale groups: generated again, first in a later batch)
@@ -134,8 +134,9 @@ class RolloutProcess:
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """The engines idle inside (the child's batch in progress finishes first); `version()` after the block is
-        the weight version the next batches start from."""
+        """The engines idle inside (the batches the child was allowed before it finish first, started or not:
+        ThreadBackend.paused says why); `version()` after the block is the weight version the next batches start
+        from."""
         self._send("pause")
         while self._receive()[0] != "paused":
             pass
@@ -246,7 +247,9 @@ async def _serve(conn: Any, recipe: RolloutRecipe) -> None:
     buffer = recipe.data_buffer
     gc.freeze()  # what this process keeps for its life, out of the collector's full passes (trainer/backend/heap.py)
     inbox_send, inbox = trio.open_memory_channel(math.inf)
-    ctl = {"limit": 0, "version": manager.weight_version, "paused": False}
+    # pausing: a pause asked for, answered once the batches already allowed (steps up to limit) are generated, so the
+    # weights a batch comes from never depend on when the messages arrived (as ThreadBackend.paused)
+    ctl = {"limit": 0, "version": manager.weight_version, "paused": False, "pausing": False}
 
     def apply(msg: tuple) -> None:
         kind = msg[0]
@@ -255,8 +258,7 @@ async def _serve(conn: Any, recipe: RolloutRecipe) -> None:
         elif kind == "requeue":
             manager.requeue(msg[1])
         elif kind == "pause":
-            ctl["paused"] = True
-            conn.send(("paused",))
+            ctl["pausing"] = True
         elif kind == "resume":
             ctl["paused"], ctl["version"] = False, msg[1]
         else:
@@ -285,6 +287,9 @@ async def _serve(conn: Any, recipe: RolloutRecipe) -> None:
                         continue
                     except trio.WouldBlock:
                         pass
+                    if ctl["pausing"] and step > ctl["limit"]:  # every batch allowed before the pause is out
+                        ctl["pausing"], ctl["paused"] = False, True
+                        conn.send(("paused",))
                     if not ctl["paused"] and step <= ctl["limit"]:
                         break
                     apply(await inbox.receive())
