@@ -1,6 +1,7 @@
 """Generation throughput: the embedded engine's batched KV-cache sampler vs plain `transformers` `generate`.
 
-Same model, same prompts, same number of new tokens (no early stop: both produce exactly B x new tokens), greedy
+Same model (the engine's providers on a copy switched to the engine's attention, as the server serves it), same
+prompts, same number of new tokens (no early stop: both produce exactly B x new tokens), greedy
 and sampled. The engine runs three ways: its eager decode ("engine"), its decode as CUDA graphs ("engine-graphs",
 [engines] cuda_graphs: on the CPU the same static step uncaptured) and, on CUDA, the torch.compile'd decode the
 server uses there by default ("engine-compiled"; its compile is the warm-up round's). The figure is generated
@@ -15,11 +16,13 @@ says which.
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import torch
 from _bench_utils import plan_entry, skip_unless_fits
 
+from engines.embedded.attention import use_engine_attention
 from engines.embedded.generation import Row, generate_rows
 from engines.embedded.graphs import GraphDecode
 from engines.embedded.presets import build_tiny_model
@@ -106,17 +109,28 @@ PROVIDERS = ("engine", "engine-graphs", "engine-compiled", "transformers")
 _DECODERS: dict = {}  # per model: the graphs (captured once, replayed by every round) and the compiled forward
 
 
+def _engine_model(model):
+    """The model as the engine serves it (engines/embedded/presets.py): a copy switched to the engine's attention
+    (engines/embedded/attention.py), so that the transformers provider keeps transformers' sdpa."""
+    twin = _DECODERS.get((id(model), "engine-model"))
+    if twin is None:
+        twin = _DECODERS[id(model), "engine-model"] = copy.deepcopy(model)
+        use_engine_attention(twin)
+    return twin
+
+
 def _provider(provider: str, model):
-    """The provider's function of (model, prompts, new, temperature)."""
+    """The provider's function of (model, prompts, new, temperature): the engine's on its engine-served copy."""
     if provider == "transformers":
         return _hf
+    served = _engine_model(model)
     if provider == "engine-graphs":
-        graphs = _DECODERS.setdefault((id(model), provider), GraphDecode(model, pad_id=0))
-        return lambda *a: _engine(*a, graphs=graphs)
+        graphs = _DECODERS.setdefault((id(model), provider), GraphDecode(served, pad_id=0))
+        return lambda m, *a: _engine(served, *a, graphs=graphs)
     if provider == "engine-compiled":
-        compiled = _DECODERS.setdefault((id(model), provider), torch.compile(model.forward, dynamic=True))
-        return lambda *a: _engine(*a, decode_fn=compiled)
-    return _engine
+        compiled = _DECODERS.setdefault((id(model), provider), torch.compile(served.forward, dynamic=True))
+        return lambda m, *a: _engine(served, *a, decode_fn=compiled)
+    return lambda m, *a: _engine(served, *a)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])

@@ -14,7 +14,8 @@
 #   demo_graphs      the same demo with nothing compiled: the engine by CUDA graphs ([engines] cuda_graphs, item 8),
 #                    training through packed_sdpa ([trainer] attention: no FlexAttention compile); the per-step
 #                    time_generate_s / time_train_s and SFT's first step tell the two apart;
-#   engine_decode    bench_generate.py's engine decode eager vs graphs vs compiled (greedy, full size);
+#   engine_decode    bench_generate.py's engine decode eager vs graphs vs compiled (greedy, full size), and
+#                    bench_decode_attention.py (the decode attention without repeat_kv's copies);
 #   new_gpu_tests    this round's gpu tests on their own (graph capture, KV budget, packed_sdpa vs flex, compiled step);
 #   demo_compiled    a short demo with compile on (item 5: the compiled trainer on CUDA);
 #   gpu_check        every gpu test and the weight sync.
@@ -60,10 +61,13 @@ stage engine_decode
 timeout 50 python3 -m pytest -q -p no:cacheprovider bench/bench_generate.py --benchmark-only -k "engine and greedy" \
   --benchmark-json="$R/bench_generate.json" > "$R/bench_generate.log" 2>&1
 echo "rc=$?" >> "$R/bench_generate.log"
+timeout 20 python3 -m pytest -q -p no:cacheprovider bench/bench_decode_attention.py --benchmark-only \
+  --benchmark-json="$R/bench_decode_attention.json" > "$R/bench_decode_attention.log" 2>&1
+echo "rc=$?" >> "$R/bench_decode_attention.log"
 
 stage new_gpu_tests  # this round's gpu tests first, on their own (gpu_check below runs every gpu test again)
 timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_graphs.py tests/test_kv_budget.py \
-  tests/test_attention_choice.py tests/test_trainer_core.py --junitxml="$R/new_gpu_tests.xml" > "$R/new_gpu_tests.log" 2>&1
+  tests/test_attention_choice.py tests/test_trainer_core.py tests/test_engine_attention.py --junitxml="$R/new_gpu_tests.xml" > "$R/new_gpu_tests.log" 2>&1
 echo "rc=$?" >> "$R/new_gpu_tests.log"
 
 stage demo_compiled
@@ -76,13 +80,14 @@ for d in gs_demo gs_demog gs_democ; do
 done
 
 stage gpu_check
-timeout 150 python3 bench/gpu_check.py --out "$R/gpu_check" --timeout 135 --skip demo,distributed,benchmarks,tune \
+timeout 130 python3 bench/gpu_check.py --out "$R/gpu_check" --timeout 115 --skip demo,distributed,benchmarks,tune \
   > "$R/gpu_check.log" 2>&1
 echo "rc=$?" >> "$R/gpu_check.log"
 
 stage done
 tar czf "$OUT/all.tgz" -C "$R" .
 cp "$R/stages.txt" "$R/tune_logits.log" "$R/demo.log" "$R/demo_graphs.log" "$R/bench_generate.log" \
+  "$R/bench_decode_attention.log" \
   "$R/new_gpu_tests.log" "$R/demo_compiled.log" "$R/gpu_check.log" "$OUT/" 2>/dev/null
 tail -n 3 "$R/demo.log" "$R/demo_graphs.log" "$R/new_gpu_tests.log" "$R/demo_compiled.log" "$R/gpu_check.log"
 cat "$R/stages.txt"

@@ -216,10 +216,15 @@ def test_models_the_static_step_would_not_compute_decode_without_graphs():
 
 
 @pytest.mark.gpu
-def test_captured_graphs_replay_the_eager_decode_on_cuda():
-    """Captured and replayed on CUDA (float32, so the tokens are comparable): the tokens of a mixed batch (groups,
-    different lengths, stops) equal the eager decode's, every static step was captured once, none failed."""
+@pytest.mark.parametrize("engine_attention", [False, True])
+def test_captured_graphs_replay_the_eager_decode_on_cuda(engine_attention):
+    """Captured and replayed on CUDA (float32, so the tokens are comparable), through transformers' sdpa and the
+    engine's attention: the tokens of a mixed batch (groups, different lengths, stops) equal the eager decode's,
+    every static step was captured once, none failed; every graph writes its logits into rows of one output buffer
+    (a new one only when a larger bucket comes)."""
     model = build_tiny_model(21, arch="qwen2").cuda()
+    if engine_attention:
+        use_engine_attention(model)
     g = torch.Generator().manual_seed(21)
     rows = [Row(prompt=tuple(torch.randint(6, model.config.vocab_size, (int(n),), generator=g).tolist()),
                 temperature=0.8, top_p=1.0, top_k=0, max_new_tokens=int(m), stop_ids=frozenset(), seed=100 + i)
@@ -232,6 +237,10 @@ def test_captured_graphs_replay_the_eager_decode_on_cuda():
         again = generate_rows(model, rows, pad_id=0, graphs=graphs)
     assert graphs.failed is None, graphs.failed
     assert graphs.captures >= 3 and graphs.captures == len(graphs.steps)
+    largest = max(rows for rows, *_ in graphs.steps)
+    assert graphs._logits.shape[0] == largest
+    buffers = {step.logits.untyped_storage().data_ptr() for step in graphs.steps.values()}
+    assert graphs._logits.untyped_storage().data_ptr() in buffers and len(buffers) <= largest.bit_length()
     for e, c, a in zip(eager, captured, again):
         assert c.output_ids == e.output_ids == a.output_ids
         assert max([abs(p - q) for p, q in zip(c.logprobs, e.logprobs)] + [0.0]) <= 1e-4

@@ -124,3 +124,108 @@ def test_engine_models_use_it_on_the_cpu_and_decode_the_same_logits(tmp_path):
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
     use_engine_attention(ref)  # only sdpa models are switched: this one is sdpa again -> switched
     assert ref.config._attn_implementation == ENGINE_SDPA
+
+
+def _decode_case(g, b, h, kv_heads, d, cap, dtype, device="cpu"):
+    """A decode step's inputs: q [B, H, 1, D] as q_proj's view (one token a row), strided cache views [B, Hkv, L, D]
+    of a buffer of `cap` columns, a left-padding mask [B, 1, 1, L] (every row keeps at least its newest key)."""
+    length = int(torch.randint(1, cap + 1, (1,), generator=g))
+    q = torch.randn(b, 1, h, d, generator=g).to(device, dtype).transpose(1, 2)
+    k_buf, v_buf = (torch.randn(b, kv_heads, cap, d, generator=g).to(device, dtype) for _ in range(2))
+    real = torch.randint(1, length + 1, (b,), generator=g)
+    mask = torch.arange(length)[None, :] >= (length - real)[:, None]  # [B, L]
+    return q, k_buf[:, :, :length], v_buf[:, :, :length], mask[:, None, None, :].to(device)
+
+
+def _attention64(q, k, v, mask, scale):
+    """The float64 reference on the same values: [B, H, 1, D] queries, [B, Hkv, L, D] keys/values -> [B, 1, H, D]."""
+    q, k, v = (t.double() for t in (q, k, v))
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1)
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+    return (torch.softmax(scores, -1) @ v).transpose(1, 2)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_half_precision_decode_folds_the_query_heads_instead_of_copying_the_cache(kv_heads, dtype, seed,
+                                                                                  monkeypatch):
+    """A decode step off the matmul path (half precision here; CUDA takes the same branch) runs SDPA on the queries
+    folded as [B, Hkv, n_rep, D], also where transformers' sdpa path copies each KV head per query head (repeat_kv):
+    under torch.compile (the CUDA engine's decode) and in transformers before its own pack_gqa (5.17, the GPU
+    machine's). Ours never calls repeat_kv; it equals transformers' pack_gqa path bit for bit and is as close to the
+    float64 attention as transformers' repeat_kv path is. A speculative step in half precision is transformers'."""
+    import transformers.integrations.sdpa_attention as sdpa_module
+
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, mask = _decode_case(g, 9, 8, kv_heads, 32, 70, dtype)
+    module = _Attn(8 // kv_heads)
+    exact = _attention64(q, k, v, mask, 0.21)
+    packed, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.21)
+    copies = []
+    repeat_kv = sdpa_module.repeat_kv
+    monkeypatch.setattr(sdpa_module, "repeat_kv", lambda x, n: copies.append(n) or repeat_kv(x, n))
+    monkeypatch.setattr(sdpa_module, "is_torchdynamo_compiling", lambda: True)  # as the compiled decode traces it
+    copied, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.21)
+    assert copies == ([8 // kv_heads] * 2 if kv_heads < 8 else [])  # transformers: repeat_kv(key), repeat_kv(value)
+    got, _ = engine_attention(module, q, k, v, mask, scaling=0.21)
+    assert copies == [8 // kv_heads] * 2  # ours: none
+    assert got.shape == packed.shape == (9, 1, 8, 32) and got.dtype == dtype
+    assert torch.equal(got, packed)
+    ours, theirs = ((t.double() - exact).abs().max().item() for t in (got, copied))
+    eps = torch.finfo(dtype).eps
+    assert ours <= theirs + eps and ours <= 4 * eps, (ours, theirs)
+    q3 = torch.randn(9, 8, 3, 32, generator=g).to(dtype)
+    mask3 = mask.expand(9, 1, 3, k.shape[2]).tril(k.shape[2] - 3)
+    assert torch.equal(engine_attention(module, q3, k, v, mask3)[0], sdpa_attention_forward(module, q3, k, v, mask3)[0])
+
+
+def test_bf16_engine_models_decode_the_logits_of_transformers_sdpa_bit_for_bit(tmp_path):
+    """A bf16 engine model (the CUDA engines' dtype) decoding left-padded rows step by step through ENGINE_SDPA:
+    the logits of the same model under transformers' sdpa (whose decode packs the query heads as ours does since
+    transformers 5.2x: the same kernel on the same numbers), bit for bit."""
+    from engines.tiny import build_tokenizer
+
+    build_tiny_model(0, arch="qwen2", hidden_size=64, num_heads=4, num_kv_heads=2).save_pretrained(tmp_path / "m")
+    build_tokenizer().save_pretrained(tmp_path / "m")
+    ours, _ = load_engine_model(str(tmp_path / "m"), dtype=torch.bfloat16)
+    ref, _ = load_engine_model(str(tmp_path / "m"), dtype=torch.bfloat16)
+    ref.set_attn_implementation("sdpa")
+    assert ours.config._attn_implementation == ENGINE_SDPA
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(6, 200, (4, 11), generator=g)
+    mask = torch.ones(4, 11, dtype=torch.long)
+    mask[0, :5], mask[3, :1] = 0, 0
+    outs = []
+    for model in (ours, ref):
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+            cache, m, logits = out.past_key_values, mask, [out.logits[:, -1]]
+            for _ in range(5):
+                m = torch.cat([m, torch.ones(4, 1, dtype=m.dtype)], 1)
+                out = model(input_ids=logits[-1].argmax(-1, keepdim=True), attention_mask=m, past_key_values=cache,
+                            use_cache=True)
+                logits.append(out.logits[:, -1])
+        outs.append(torch.stack(logits))
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.gpu
+def test_cuda_decode_reads_the_cache_without_copying_it():
+    """On CUDA (bf16, a Qwen2.5-0.5B-like 14 query over 2 KV heads, 256 rows x 2048 columns): the decode attention
+    allocates less than a tenth of the per-query-head copy transformers' sdpa makes, and its outputs are transformers'
+    to bf16 rounding."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v, mask = _decode_case(g, 256, 14, 2, 64, 2048, torch.bfloat16, device="cuda")
+    module = _Attn(7)
+    want, _ = sdpa_attention_forward(module, q, k, v, mask)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    got, _ = engine_attention(module, q, k, v, mask)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    copy = 2 * k.shape[0] * 14 * k.shape[2] * 64 * 2  # repeat_kv's keys and values [B, H, L, D] in bf16
+    assert extra < copy / 10, (extra, copy)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=0)

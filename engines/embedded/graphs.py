@@ -26,8 +26,10 @@ LoRA rows and speculative steps decode eagerly as before (engines/embedded/gener
 On the CPU `GraphDecode` runs the same static step without capturing it (no CUDA graphs there): how the tests prove
 the step, the padding and the pool against the engine's ordinary decode. On CUDA a capture that fails leaves that
 step eager, and MAX_CAPTURE_FAILURES of them turn graphs off for the engine with one warning (a speed fallback,
-never a different answer). Costs not yet measured on a GPU: with a mask, transformers' sdpa copies each KV head per
-query head (repeat_kv) over the whole capacity C, and each graph's private memory pool is outside the KV budget.
+never a different answer). The graphs share one memory pool and write their logits into one buffer outside it
+(`GraphDecode._output`), and the engine's attention reads each KV head once (engines/embedded/attention.py: where
+transformers' sdpa would copy the whole capacity C per query head), so the pool holds about one step's activations
+and logits; it is outside the KV budget (not yet measured on a GPU).
 """
 
 from __future__ import annotations
@@ -159,7 +161,8 @@ class _StaticLayer(CacheLayerMixin):
 @dataclass
 class _Step:
     """One graph's static tensors: inputs ids, pos [Bb, 1] and col [1] (written before each replay), the cache
-    layers over the pooled buffers, the output logits [Bb, V] fp32, and the graph (None on the CPU)."""
+    layers over the pooled buffers, the output logits [Bb, V] fp32 (rows of the engine's one output buffer:
+    `GraphDecode._output`), and the graph (None on the CPU)."""
 
     ids: torch.Tensor
     pos: torch.Tensor
@@ -190,6 +193,7 @@ class GraphDecode:
         self.failures = 0  # captures that failed
         self.failed: str | None = None  # why capturing failed (CUDA) when graphs are off for this engine
         self._mempool = torch.cuda.graph_pool_handle() if self.capture else None
+        self._logits: torch.Tensor | None = None  # [R, V] fp32, R the largest bucket captured: every graph's output
 
     def _drop(self, buffer: torch.Tensor) -> None:
         """The pool let `buffer`'s set go: the graphs over it go too (they hold its memory)."""
@@ -224,13 +228,25 @@ class GraphDecode:
         return step
 
     def _forward(self, step: _Step) -> torch.Tensor:
-        """The static step: logits [Bb, V] fp32. Row i attends to columns [col - pos_i, col] of its cache row."""
+        """The static step: logits [Bb, V] in the model's dtype. Row i attends to columns [col - pos_i, col] of its
+        cache row."""
         columns = torch.arange(step.cache.layers[0].keys.shape[2], device=self.device)  # [C]
         start = step.col - step.pos  # [Bb, 1]: a pad row (pos 0) starts at col: its own column only
         mask = (columns[None, :] >= start) & (columns[None, :] <= step.col)  # [Bb, C]
         out = self.model(input_ids=step.ids, attention_mask=mask[:, None, None, :], position_ids=step.pos,
                          past_key_values=step.cache, use_cache=True)
-        return out.logits[:, -1].float()
+        return out.logits[:, -1]
+
+    def _output(self, rows: int, vocab: int) -> torch.Tensor:
+        """[rows, V] fp32 rows of the output buffer every graph writes its logits into. It lives outside the graphs'
+        memory pool, so a graph's pool keeps only its step's temporaries, which the next capture reuses (one shared
+        pool): the pool holds the largest step's, not every graph's logits (a graph per row bucket and cache
+        buffers, ~Bb x V x 4 bytes each: 155 MB at 256 rows of a 152k vocabulary). A larger bucket gets a new buffer
+        (the graphs over the old one keep it): at most twice the largest. One decode at a time reads it, before the
+        next replay, as it read each graph's own logits before."""
+        if self._logits is None or self._logits.shape[0] < rows or self._logits.shape[1] != vocab:
+            self._logits = torch.empty((rows, vocab), dtype=torch.float32, device=self.device)
+        return self._logits[:rows]
 
     def _capture(self, step: _Step) -> None:
         """Record `step` as a CUDA graph: two eager runs on a side stream first (lazy initialisation: cuBLAS
@@ -240,14 +256,15 @@ class GraphDecode:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._forward(step)
+                vocab = self._forward(step).shape[1]
         torch.cuda.current_stream().wait_stream(side)
+        logits = self._output(step.ids.shape[0], vocab)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the trainer's thread may run CUDA work meanwhile (async RL, an in-process engine); the
         # default ("global") would make its allocations fail the capture
         with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
-            step.logits = self._forward(step)
-        step.graph = graph
+            logits.copy_(self._forward(step))  # the cast to fp32 and the write to the buffer: one kernel
+        step.logits, step.graph = logits, graph
 
     def decode(self, cache: KVCache, last: torch.Tensor, pos: torch.Tensor) -> torch.Tensor | None:
         """Logits [P, V] fp32 of the step, or None when graphs are off (capture failed): decode eagerly then."""
@@ -267,7 +284,7 @@ class GraphDecode:
             layer.length = length
         if not self.capture:
             self.captures += fresh
-            logits = self._forward(step)
+            logits = self._forward(step).float()
         else:
             if step.graph is None:
                 try:

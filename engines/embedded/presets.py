@@ -47,5 +47,5 @@ def load_engine_model(spec: str, *, seed: int = 0, dtype: torch.dtype | None = N
     else:
         raise ValueError(f"--model {spec!r}: expected 'tiny' or an existing folder with a Hugging Face model")
     model = model.to(device).eval()
-    use_engine_attention(model)  # CPU decode steps as matmuls (engines/embedded/attention.py)
+    use_engine_attention(model)  # decode steps without repeat_kv's copies (engines/embedded/attention.py)
     return model, tok
