@@ -425,14 +425,21 @@ def test_the_reference_recorder_sees_host_reads():
 
 
 # ------------------------------------------------------------------------------------------------ compiled decode
-def test_a_compiled_decode_traces_the_cache_without_recompiling_per_step():
+@pytest.mark.parametrize("served", [False, True], ids=["sdpa-fp32", "engine-bf16"])
+def test_a_compiled_decode_traces_the_cache_without_recompiling_per_step(served):
     """torch.compile(dynamic=True) over the model's forward (the server's CUDA decode; aot_eager here: dynamo and
     AOT autograd, which is where in-place cache writes can break): the same tokens as eager while rows join and
-    leave, and a handful of graphs for ~30 steps (first call, then dynamic sizes, and batch size 1)."""
+    leave, and a handful of graphs for ~30 steps (first call, then dynamic sizes, and batch size 1). Also as the
+    CUDA engine serves a model: bf16 through the engine's attention (its folded decode traced by dynamo)."""
     from torch._dynamo.utils import counters
 
+    from engines.embedded.attention import ENGINE_SDPA, use_engine_attention
+
     g = torch.Generator().manual_seed(12)
-    model = build_tiny_model(6, arch="llama")
+    model = build_tiny_model(6, arch="llama", dtype=torch.bfloat16 if served else torch.float32)
+    if served:
+        use_engine_attention(model)
+        assert model.config._attn_implementation == ENGINE_SDPA
     rows = [_random_row(g, 1000, prompt=tuple(torch.randint(6, 200, (int(n),), generator=g).tolist()),
                         max_new_tokens=int(m))
             for n, m in zip(torch.randint(1, 9, (6,), generator=g), torch.randint(4, 30, (6,), generator=g))]
