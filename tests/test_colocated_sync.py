@@ -59,7 +59,9 @@ def test_colocated_sync_matches_trainer_logprobs_over_two_syncs(engine):
     assert max(sender.meta.rows) > 0 and max(sender.meta.bucket_nbytes) <= 20 << 10  # large ones go in row chunks
     n_buckets = len(sender.meta.bucket_nbytes)
     assert n_buckets > 4  # both slots are reused within one sync
-    assert not glob.glob("/dev/shm/rlkernels-weights-*")  # names unlinked once mapped: nothing can leak
+    # names unlinked once mapped: nothing can leak (this process's slots: another test worker's sender may be
+    # between creating and unlinking its own)
+    assert not glob.glob(f"/dev/shm/rlkernels-weights-{os.getpid()}-*")
     slots = [s.data_ptr() for s in sender._slots]
     for step in range(2):  # the second sync reuses the slots the engine mapped at init_group
         train_step(trainer, seed=step)
