@@ -185,6 +185,24 @@ def test_half_precision_decode_folds_the_query_heads_instead_of_copying_the_cach
     assert torch.equal(engine_attention(module, q3, k, v, mask3)[0], sdpa_attention_forward(module, q3, k, v, mask3)[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["fold", "matmuls"])
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_values_with_their_own_head_dim(dtype, q_len):
+    """Values of another head dim than queries and keys (MLA-style models: 24 vs 16 here): the output is
+    [B, q, H, Dv], transformers' sdpa result on both of our paths (it reshaped to the query's D before)."""
+    g = torch.Generator().manual_seed(8)
+    b, h, hkv, length = 3, 4, 2, 11
+    q = torch.randn(b, h, q_len, 24, generator=g).to(dtype)
+    k = torch.randn(b, hkv, length, 24, generator=g).to(dtype)
+    v = torch.randn(b, hkv, length, 16, generator=g).to(dtype)
+    mask = torch.ones(b, 1, q_len, length, dtype=torch.bool).tril(length - q_len)
+    mask[0, ..., :4] = False
+    got, _ = engine_attention(_Attn(2), q, k, v, mask)
+    want, _ = sdpa_attention_forward(_Attn(2), q, k, v, mask)
+    assert got.shape == want.shape == (b, q_len, h, 16)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2 if dtype == torch.bfloat16 else 1e-6, rtol=0)
+
+
 def test_bf16_engine_models_decode_the_logits_of_transformers_sdpa_bit_for_bit(tmp_path):
     """A bf16 engine model (the CUDA engines' dtype) decoding left-padded rows step by step through ENGINE_SDPA:
     the logits of the same model under transformers' sdpa (whose decode packs the query heads as ours does since
@@ -216,20 +234,27 @@ def test_bf16_engine_models_decode_the_logits_of_transformers_sdpa_bit_for_bit(t
 
 
 @pytest.mark.gpu
-def test_cuda_decode_reads_the_cache_without_copying_it():
-    """On CUDA (bf16, a Qwen2.5-0.5B-like 14 query over 2 KV heads, 256 rows x 2048 columns): the decode attention
-    allocates less than a tenth of the per-query-head copy transformers' sdpa makes, and its outputs are transformers'
-    to bf16 rounding."""
+def test_cuda_decode_reads_the_cache_without_copying_it(monkeypatch):
+    """On CUDA (bf16, a Qwen2.5-0.5B-like 14 query over 2 KV heads, 256 rows x 2048 columns), as the compiled decode
+    traces it: the decode attention never calls repeat_kv, allocates less than a tenth of the per-query-head copy
+    transformers' sdpa makes there, and its outputs are transformers' to bf16 rounding."""
+    import transformers.integrations.sdpa_attention as sdpa_module
+
     g = torch.Generator().manual_seed(7)
     q, k, v, mask = _decode_case(g, 256, 14, 2, 64, 2048, torch.bfloat16, device="cuda")
     module = _Attn(7)
     want, _ = sdpa_attention_forward(module, q, k, v, mask)
+    copies = []
+    repeat_kv = sdpa_module.repeat_kv
+    monkeypatch.setattr(sdpa_module, "repeat_kv", lambda x, n: copies.append(n) or repeat_kv(x, n))
+    monkeypatch.setattr(sdpa_module, "is_torchdynamo_compiling", lambda: True, raising=False)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     got, _ = engine_attention(module, q, k, v, mask)
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
+    assert copies == []
     copy = 2 * k.shape[0] * 14 * k.shape[2] * 64 * 2  # repeat_kv's keys and values [B, H, L, D] in bf16
     assert extra < copy / 10, (extra, copy)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=0)

@@ -49,14 +49,15 @@ MAX_QUERY_TOKENS = 1 + MAX_SPECULATIVE_TOKENS
 def engine_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                      **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers attention function: query [B, H, q, D], key/value [B, Hkv, L, D] -> ([B, q, H, D], None).
+    """transformers attention function: query [B, H, q, D], key [B, Hkv, L, D], value [B, Hkv, L, Dv] ->
+    ([B, q, H, Dv], None).
 
     The cases it takes (a bool mask [B, 1, q, L], no dropout or extra terms, H a multiple of Hkv): a decode step
     (q = 1) anywhere; on the CPU in float32/64 also a speculative step (q <= MAX_QUERY_TOKENS) and a prefill.
     Query head h reads KV head h // (H / Hkv) (transformers' repeat_kv order). The matmul path's masked scores are
     the dtype's min, not -inf, so a row with every key masked gets finite (unused) outputs instead of NaN."""
     b, h, q_len, d = query.shape
-    hkv, n_keys = key.shape[1], key.shape[2]
+    hkv, n_keys, dv = key.shape[1], key.shape[2], value.shape[-1]  # dv: the values' head dim (MLA: != d)
     plain = (attention_mask is None or attention_mask.dtype != torch.bool
              or attention_mask.shape != (b, 1, q_len, n_keys)
              or dropout != 0.0 or h % hkv or any(kwargs.get(k) is not None for k in _OTHER_TERMS))
@@ -70,7 +71,7 @@ def engine_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         # (a view of q_proj's output for one token a row); the mask [B, 1, 1, L] broadcasts over the n_rep rows
         out = torch.nn.functional.scaled_dot_product_attention(query.reshape(b, hkv, n_rep, d), key, value,
                                                                attn_mask=attention_mask, scale=scale)
-        return out.reshape(b, 1, h, d), None  # query head kv * n_rep + r is row r of KV head kv
+        return out.reshape(b, 1, h, dv), None  # query head kv * n_rep + r is row r of KV head kv
     if q_len > MAX_QUERY_TOKENS:  # a prefill: SDPA reading each KV head for its query heads (enable_gqa), where
         # transformers' path copies the keys and values per query head first (repeat_kv: it uses GQA only without a
         # mask); the same flash kernel on the same numbers, equal bit for bit, 5-30 % faster at an agent's turn-2
@@ -86,8 +87,8 @@ def engine_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     else:  # the mask [B, 1, q, L] broadcast over the n_rep heads of a KV head
         scores = scores.view(b, hkv, n_rep, q_len, n_keys).masked_fill(
             ~attention_mask[:, :, None], torch.finfo(scores.dtype).min).view(b, hkv, n_rep * q_len, n_keys)
-    out = torch.matmul(torch.softmax(scores, dim=-1), value)  # [B, Hkv, n_rep * q, D]
-    return out.view(b, h, q_len, d).transpose(1, 2), None
+    out = torch.matmul(torch.softmax(scores, dim=-1), value)  # [B, Hkv, n_rep * q, Dv]
+    return out.view(b, h, q_len, dv).transpose(1, 2), None
 
 
 def use_engine_attention(model: torch.nn.Module) -> None:
