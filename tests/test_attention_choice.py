@@ -13,11 +13,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from test_local_backend import _samples  # three groups of four: shared prompts, masks, engine log-probs
 
+import trainer.backend.attention as attention
 from engines.tiny import tiny_model_config
 from kernels import use_backend
-from trainer.backend.attention import PACKED_SDPA, choose_attn_implementation, flash_attn_available
+from trainer.backend.attention import (
+    PACKED_SDPA,
+    choose_attn_implementation,
+    flash_attn_available,
+    native_gqa,
+    sdpa_gqa,
+)
 from trainer.backend.steps import build_components, forward_backward, trainer_config_from
 from trainer.batching.micro_batches import build_micro_batches
 from trainer.batching.shared_prompt import build_shared_micro_batches
@@ -61,6 +69,54 @@ def test_every_packed_implementation_trains_the_same_step(share):
         for name, g in grads.items():
             ref = want_grads[name]
             assert (g - ref).norm() <= 1e-5 * max(ref.norm(), 1e-6), (impl, name, (g - ref).norm(), ref.norm())
+
+
+@pytest.mark.parametrize("share", [False, True], ids=["plain", "shared_prompts"])
+def test_packed_sdpa_repeats_the_kv_heads_where_sdpa_would_not_fuse_gqa(share, monkeypatch):
+    """Where SDPA has no fused grouped-query kernel (CUDA with a mask, or float32: enable_gqa falls back to the math
+    kernel's O(L^2) float32 scores), packed_sdpa repeats each KV head for its query heads instead: the same step
+    (loss and every gradient to 1e-6 relative) as the CPU's native GQA, every SDPA call then with as many KV heads
+    as query heads and enable_gqa off. The CPU stands in for CUDA by answering native_gqa as CUDA would with a mask
+    (trees pass their block mask; plain rows are causal, no mask: float32 here, also not fused on CUDA)."""
+    with use_backend("torch"):
+        native = _step(PACKED_SDPA, share)
+        calls = []
+        sdpa = F.scaled_dot_product_attention
+
+        def recorded(q, k, v, *args, enable_gqa=False, **kwargs):
+            calls.append((q.shape[1], k.shape[1], enable_gqa))
+            return sdpa(q, k, v, *args, enable_gqa=enable_gqa, **kwargs)
+
+        monkeypatch.setattr(attention, "native_gqa", lambda *a: False)
+        monkeypatch.setattr(F, "scaled_dot_product_attention", recorded)
+        repeated = _step(PACKED_SDPA, share)
+    assert calls and all(h == hkv == 4 and not gqa for h, hkv, gqa in calls), calls[:4]
+    assert abs(repeated[0]["loss"] - native[0]["loss"]) <= 1e-6 * max(1.0, abs(native[0]["loss"]))
+    for name, g in repeated[1].items():
+        ref = native[1][name]
+        assert (g - ref).norm() <= 1e-6 * max(ref.norm(), 1e-6), (name, (g - ref).norm(), ref.norm())
+
+
+def test_native_gqa_is_asked_only_of_fused_kernels(monkeypatch):
+    """native_gqa: the CPU's kernels always; CUDA's flash kernel only in half precision, unmasked, head dim <= 256."""
+
+    assert native_gqa("cpu", torch.float32, True, 64) and native_gqa("cpu", torch.bfloat16, False, 512)
+    assert native_gqa("cuda", torch.bfloat16, False, 128) and native_gqa("cuda", torch.float16, False, 256)
+    assert not native_gqa("cuda", torch.bfloat16, True, 128)  # a mask: the math kernel
+    assert not native_gqa("cuda", torch.float32, False, 64)  # no flash kernel in float32
+    assert not native_gqa("cuda", torch.bfloat16, False, 512)
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, h, 5, 8, generator=g, dtype=torch.float64) for h in (6, 2, 2))
+    assert sdpa_gqa(q, k, v, None)[2] is True and sdpa_gqa(q, q, q, None)[2] is False
+    mask = torch.rand(5, 5, generator=g) < 0.6
+    mask.fill_diagonal_(True)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    # as CUDA would answer with a mask: the KV heads repeated in transformers' order (query head h reads KV head
+    # h // 3), the same attention
+    monkeypatch.setattr(attention, "native_gqa", lambda *a: False)
+    k2, v2, gqa = sdpa_gqa(q, k, v, mask)
+    assert not gqa and k2.shape == v2.shape == (2, 6, 5, 8)
+    torch.testing.assert_close(F.scaled_dot_product_attention(q, k2, v2, attn_mask=mask), want, atol=1e-12, rtol=0)
 
 
 def test_names_that_cannot_train_here_are_errors_naming_the_fix():

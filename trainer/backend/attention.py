@@ -424,16 +424,37 @@ def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
         return _rows(x, packed_gather_index.flatten()).unflatten(0, (s, lmax)).transpose(1, 2)
 
     q, k, v = gather(query), gather(key), gather(value)
-    # GQA natively (query head h reads kv head h // (H / Hkv), transformers' repeat_kv order); no repeated copies.
-    gqa = q.shape[1] != k.shape[1]
     mask = packed_block_mask
     if mask is not None and mask.dtype not in (torch.bool, q.dtype):  # computing in another dtype (mixed precision)
         mask = mask.to(q.dtype)
+    k, v, gqa = sdpa_gqa(q, k, v, mask)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
                                          scale=scaling, enable_gqa=gqa)  # [S, H, Lmax, D]
     flat = out.transpose(1, 2).reshape(s * lmax, q.shape[1], q.shape[3])  # [S * Lmax, H, D]
     flat = torch.cat([flat, flat.new_zeros(1, q.shape[1], q.shape[3])])  # + the padding tail's zero row
     return flat.index_select(0, packed_scatter_index)[None], None  # [1, N, H, D]
+
+
+def native_gqa(device_type: str, dtype: torch.dtype, masked: bool, head_dim: int) -> bool:
+    """Whether SDPA on `device_type` runs grouped-query attention (enable_gqa) in a fused kernel. The CPU's kernels
+    do, with a mask or without. CUDA's (torch 2.5 to 2.12 at least; the GPU machine has 2.11) take it in the flash
+    kernel only: half precision, no mask, head dim <= 256; a mask or float32 sends enable_gqa to the math kernel,
+    which materialises every score in float32 ([S, H, L, L] and its gradient: O(L^2) memory)."""
+    return device_type == "cpu" or (not masked and dtype in (torch.float16, torch.bfloat16) and head_dim <= 256)
+
+
+def sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(key, value, enable_gqa) for SDPA of q [.., H, Lq, D] over k, v [.., Hkv, Lk, D]: as they are with
+    enable_gqa where the device's fused kernels take it (native_gqa), else each KV head repeated for its H / Hkv
+    query heads (query head h reads KV head h // (H / Hkv), transformers' repeat_kv order): O(L) more memory for
+    the memory-efficient kernel instead of the math kernel's O(L^2)."""
+    h, hkv = q.shape[1], k.shape[1]
+    if h == hkv:
+        return k, v, False
+    if native_gqa(q.device.type, q.dtype, mask is not None, q.shape[-1]):
+        return k, v, True
+    return k.repeat_interleave(h // hkv, dim=1), v.repeat_interleave(h // hkv, dim=1), False
 
 
 def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -462,8 +483,9 @@ def _chunked_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q
         k_off += s * kc
         if mask is not None and mask.dtype not in (torch.bool, qs.dtype):  # computing in another dtype
             mask = mask.to(qs.dtype)
+        ks, vs, gqa = sdpa_gqa(qs, ks, vs, mask)
         out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
-                                             scale=scaling, enable_gqa=qs.shape[1] != ks.shape[1])  # [s, H, Q_c, D]
+                                             scale=scaling, enable_gqa=gqa)  # [s, H, Q_c, D]
         outs.append(out.transpose(1, 2).reshape(s * qc, heads, dim))
     outs.append(q.new_zeros(1, heads, dim))  # the padding tail's zero row
     return torch.cat(outs).index_select(0, scatter)[None]
