@@ -148,7 +148,8 @@ def _decode_case(g, b, h, kv_heads, d, cap, dtype, device="cpu"):
 
 
 def _attention64(q, k, v, mask, scale):
-    """The float64 reference on the same values: [B, H, 1, D] queries, [B, Hkv, L, D] keys/values -> [B, 1, H, D]."""
+    """The float64 reference on the same values: [B, H, q, D] queries, [B, Hkv, L, D] keys/values, mask
+    [B, 1, q, L] -> [B, q, H, D]."""
     q, k, v = (t.double() for t in (q, k, v))
     n_rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1)
@@ -165,8 +166,7 @@ def test_half_precision_decode_folds_the_query_heads_instead_of_copying_the_cach
     folded as [B, Hkv, n_rep, D], also where transformers' sdpa path copies each KV head per query head (repeat_kv):
     under torch.compile (the CUDA engine's decode) and in transformers before its own pack_gqa (5.17, the GPU
     machine's). Ours never calls repeat_kv; it equals transformers' pack_gqa path bit for bit (where transformers
-    has one) and is as close to the float64 attention as the repeat_kv path is. A speculative step in half precision
-    is transformers'."""
+    has one) and is as close to the float64 attention as the repeat_kv path is; a speculative step's too."""
     import transformers.integrations.sdpa_attention as sdpa_module
 
     g = torch.Generator().manual_seed(seed)
@@ -190,9 +190,18 @@ def test_half_precision_decode_folds_the_query_heads_instead_of_copying_the_cach
     ours, theirs = ((t.double() - exact).abs().max().item() for t in (got, copied))
     eps = torch.finfo(dtype).eps
     assert ours <= theirs + eps and ours <= 4 * eps, (ours, theirs)
+    # A speculative step (3 query tokens a row, causal among themselves): folded too, the mask repeated per head
     q3 = torch.randn(9, 8, 3, 32, generator=g).to(dtype)
-    mask3 = mask.expand(9, 1, 3, k.shape[2]).tril(k.shape[2] - 3)
-    assert torch.equal(engine_attention(module, q3, k, v, mask3)[0], sdpa_attention_forward(module, q3, k, v, mask3)[0])
+    keep = mask.clone()
+    keep[..., -3:] = True  # every row holds the three tokens fed now
+    mask3 = keep.expand(9, 1, 3, k.shape[2]).tril(k.shape[2] - 3)
+    got3, _ = engine_attention(module, q3, k, v, mask3, scaling=0.21)
+    assert copies == [] and got3.shape == (9, 3, 8, 32)
+    copied3 = torch.nn.functional.scaled_dot_product_attention(
+        q3, repeat_kv(k, n_rep), repeat_kv(v, n_rep), attn_mask=mask3, scale=0.21).transpose(1, 2)
+    exact3 = _attention64(q3, k, v, mask3, 0.21)
+    ours, theirs = ((t.double() - exact3).abs().max().item() for t in (got3, copied3))
+    assert ours <= theirs + eps and ours <= 4 * eps, (ours, theirs)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["fold", "matmuls"])

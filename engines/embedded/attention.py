@@ -19,10 +19,12 @@ Qwen2.5-0.5B (14 query heads over 2 KV heads), and a CUDA graph's memory pool he
   query heads of a KV head as its n_rep query rows (one token a row, so the [B, 1, 1, L] mask broadcasts over them
   unchanged): each KV head read once. Bit for bit transformers' own pack_gqa path; as close to float64 as its
   repeat_kv path (tests/test_engine_attention.py). bench/bench_decode_attention.py: bf16 on the CPU, 64 rows x 512
-  columns, 1.8 ms against 52 ms for the repeat_kv path;
+  columns, 1.8 ms against 52 ms for the repeat_kv path. A speculative step the same way, its q tokens a query
+  head's rows and the mask repeated over the n_rep heads;
 - prefill (more tokens a row) on the CPU in float32/64: torch's SDPA with enable_gqa (the same flash kernel as
-  transformers' path on the same numbers, without the copy). Prefill on other devices, a speculative step in half
-  precision and any call this does not recognise go to transformers' sdpa unchanged.
+  transformers' path on the same numbers, without the copy). Prefill on other devices and any call this does not
+  recognise go to transformers' sdpa unchanged (on CUDA its repeat_kv keeps SDPA's memory-efficient kernel:
+  enable_gqa with a mask would take the math kernel, O(L^2) float32 scores).
 
 `use_engine_attention(model)` switches a loaded model from "sdpa" to ENGINE_SDPA (engines/embedded/presets.py does it
 for every model the engine serves); the mask function stays sdpa's.
@@ -53,7 +55,7 @@ def engine_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     ([B, q, H, Dv], None).
 
     The cases it takes (a bool mask [B, 1, q, L], no dropout or extra terms, H a multiple of Hkv): a decode step
-    (q = 1) anywhere; on the CPU in float32/64 also a speculative step (q <= MAX_QUERY_TOKENS) and a prefill.
+    (q = 1) or a speculative one (q <= MAX_QUERY_TOKENS) anywhere; on the CPU in float32/64 also a prefill.
     Query head h reads KV head h // (H / Hkv) (transformers' repeat_kv order). The matmul path's masked scores are
     the dtype's min, not -inf, so a row with every key masked gets finite (unused) outputs instead of NaN."""
     b, h, q_len, d = query.shape
@@ -62,16 +64,21 @@ def engine_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
              or attention_mask.shape != (b, 1, q_len, n_keys)
              or dropout != 0.0 or h % hkv or any(kwargs.get(k) is not None for k in _OTHER_TERMS))
     matmuls = query.device.type == "cpu" and query.dtype in _FULL_PRECISION
-    if plain or not (matmuls or q_len == 1):
+    if plain or not (matmuls or q_len <= MAX_QUERY_TOKENS):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     scale = d ** -0.5 if scaling is None else scaling
     n_rep = h // hkv
-    if not matmuls:  # a decode step on CUDA or in half precision: SDPA on the folded queries [B, Hkv, n_rep, D]
-        # (a view of q_proj's output for one token a row); the mask [B, 1, 1, L] broadcasts over the n_rep rows
-        out = torch.nn.functional.scaled_dot_product_attention(query.reshape(b, hkv, n_rep, d), key, value,
-                                                               attn_mask=attention_mask, scale=scale)
-        return out.reshape(b, 1, h, dv), None  # query head kv * n_rep + r is row r of KV head kv
+    if not matmuls:  # a decode step on CUDA or in half precision: SDPA on the folded queries [B, Hkv, n_rep * q, D]
+        # (for one token a row a view of q_proj's output) under the mask [B, 1, 1, L], which broadcasts over the
+        # n_rep rows; a speculative step's [B, 1, q, L] is repeated for them ([B, 1, n_rep * q, L] bools: small
+        # beside the keys and values transformers would copy)
+        mask = attention_mask if q_len == 1 else attention_mask[:, :, None].expand(
+            b, 1, n_rep, q_len, n_keys).reshape(b, 1, n_rep * q_len, n_keys)
+        out = torch.nn.functional.scaled_dot_product_attention(query.reshape(b, hkv, n_rep * q_len, d), key, value,
+                                                               attn_mask=mask, scale=scale)
+        # row r * q + t of KV head kv is query head kv * n_rep + r's token t
+        return out.reshape(b, h, q_len, dv).transpose(1, 2), None
     if q_len > MAX_QUERY_TOKENS:  # a prefill: SDPA reading each KV head for its query heads (enable_gqa), where
         # transformers' path copies the keys and values per query head first (repeat_kv: it uses GQA only without a
         # mask); the same flash kernel on the same numbers, equal bit for bit, 5-30 % faster at an agent's turn-2
