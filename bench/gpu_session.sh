@@ -10,7 +10,8 @@
 #
 # In order, each under its own timeout so a hang loses only its stage (timeouts sum to 570 s):
 #   tune_logits      the from-logits kernels' config sweep (issue 42 item 9);
-#   demo_profiled    a short demo, compile off, under py-spy (where the GPU step's time goes: the demo < 30 s);
+#   demo_profiled    a short demo, compile off, under py-spy and with a torch.profiler trace of steps 20-21 of
+#                    each phase ([logging] profile_steps: where the GPU step's time goes; the demo < 30 s);
 #   demo_graphs      the same demo with nothing compiled: the engine by CUDA graphs ([engines] cuda_graphs, item 8),
 #                    training through packed_sdpa ([trainer] attention: no FlexAttention compile); the per-step
 #                    time_generate_s / time_train_s and SFT's first step tell the two apart;
@@ -44,13 +45,19 @@ echo "rc=$?" >> "$R/tune_logits.log"
 
 stage demo_profiled
 DEMO=(-m trainer demo --set sft.num_steps=100 --set rl.num_steps=30)
+# [logging] profile_steps: a torch.profiler trace of SFT's and RL's steps 20-21 (host ops, kernels and waits on one
+# timeline: what py-spy's Python stacks cannot show), beside py-spy's whole-run stacks
+PROFILED=(--set "logging.profile_steps=[20, 21]" --set output_dir=/tmp/gs_demo)
 if command -v py-spy > /dev/null; then
   timeout 95 py-spy record -r 200 --idle --threads --nonblocking --format raw -o "$R/demo_pyspy.txt" -- \
-    python3 "${DEMO[@]}" --set output_dir=/tmp/gs_demo > "$R/demo.log" 2>&1
+    python3 "${DEMO[@]}" "${PROFILED[@]}" > "$R/demo.log" 2>&1
 else
-  timeout 95 python3 "${DEMO[@]}" --set output_dir=/tmp/gs_demo > "$R/demo.log" 2>&1
+  timeout 95 python3 "${DEMO[@]}" "${PROFILED[@]}" > "$R/demo.log" 2>&1
 fi
 echo "rc=$?" >> "$R/demo.log"
+for phase in sft rl; do
+  mkdir -p "$R/profile_$phase" && cp /tmp/gs_demo/$phase/profile/* "$R/profile_$phase/" 2>/dev/null
+done
 
 stage demo_graphs
 timeout 70 python3 "${DEMO[@]}" --set engines.cuda_graphs=true --set trainer.attention=packed_sdpa \

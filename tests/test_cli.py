@@ -196,7 +196,7 @@ def test_sft_plus_rl_end_to_end_through_the_cli(tmp_path):
            "--set", f"output_dir=\"{out}\"", "--set", "sft.num_steps=4", "--set", "sft.batch_size=16",
            "--set", "rl.num_steps=2",
            "--set", "rl.rollout.rollout_batch_size=4", "--set", "rl.rollout.dynamic_filters=[]",
-           "--set", "eval.limit=16"]
+           "--set", "eval.limit=16", "--set", "logging.profile_steps=[2, 3]"]
     env = cpu_child_env()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -211,6 +211,13 @@ def test_sft_plus_rl_end_to_end_through_the_cli(tmp_path):
     assert rows[0]["eval/eval/accuracy"] == summary["accuracy_after_sft"] and "loss" not in rows[0]
     assert rows[2]["eval/eval/accuracy"] == summary["accuracy_after_rl"]
     assert "| after RL |" in proc.stdout
+    # [logging] profile_steps: SFT's steps 2 and 3 traced; RL's step 2 (its last), each step's ranges in the table
+    sft_table = (out / "sft" / "profile" / "steps_2-3.txt").read_text()
+    rl_table = (out / "rl" / "profile" / "steps_2-3.txt").read_text()
+    assert sft_table.startswith("steps [2, 3] of [2, 3]") and "sft.train" in sft_table
+    assert rl_table.startswith("steps [2] of [2, 3]") and all(r in rl_table for r in ("rl.generate", "rl.train",
+                                                                                        "rl.sync"))
+    assert (out / "rl" / "profile" / "steps_2-3.trace.json.gz").stat().st_size > 1000
     # Run again without --resume: it starts over instead of appending to the previous run's metrics.
     again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]

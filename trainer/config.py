@@ -725,8 +725,15 @@ class LoggingConfig:
     run_name: str | None = None  # the W&B run / TensorBoard run name (None: the run's name)
     rollouts_every: int = 0  # write every N-th RL step's samples to <rl output_dir>/rollouts/ (0: never)
     table_rows: int = 3  # samples per rollout table sent to backends that show tables (best, median, worst reward)
+    # [first, last]: trace those steps of each training phase with torch.profiler into <phase output_dir>/profile/
+    # (a Chrome trace and the ops by self CPU / CUDA time; trainer/profiling.py); [] (the default): none
+    profile_steps: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        steps = self.profile_steps
+        _check(steps == () or (len(steps) == 2 and all(isinstance(s, int) and not isinstance(s, bool) for s in steps)
+                               and 1 <= steps[0] <= steps[1]), "profile_steps",
+               f"{list(steps)}: give [first, last], two steps with 1 <= first <= last (e.g. [10, 12]), or [] for none")
         bad = [b for b in self.backends if b not in LOGGING_BACKENDS]
         _check(not bad, "backends", f"{bad}: choose from {LOGGING_BACKENDS}")
         _check("jsonl" in self.backends, "backends",

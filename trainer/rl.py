@@ -398,7 +398,7 @@ def _rl_step(run: _RLRun, source: Any, bar: Any, *, sync_s: float, unfinished: i
     -> dump -> checkpoint. Returns the last sync's seconds and the steps in a row with nothing to learn from."""
     config, state = run.config, run.state
     t_step = time.perf_counter()  # time_step_s: the wall time of this step, waits included
-    batch, gen_s = _timed(source.next, state.step + 1)
+    batch, gen_s = _timed("rl.generate", source.next, state.step + 1)
     # Every rank gets the same batch, so every rank stops alike (a collective-safe error).
     unfinished, warning = check_finishing(batch.samples, unfinished, config.rollout, step=state.step + 1)
     if warning is not None:
@@ -410,7 +410,7 @@ def _rl_step(run: _RLRun, source: Any, bar: Any, *, sync_s: float, unfinished: i
     # _reported: the checkpoint on the way out holds the whole step, and the log its row.
     with interrupts_held() as release:
         seen = _inspect(run.backend, batch) if due else None  # a forward too: held as the step's
-        (metrics, run.state), train_s = _timed(train_on_batch, run.backend, state, batch, config)
+        (metrics, run.state), train_s = _timed("rl.train", train_on_batch, run.backend, state, batch, config)
         metrics = step_metrics(metrics, batch, run.state, time_generate_s=gen_s, time_train_s=train_s,
                                time_sync_s=sync_s) | stale
         metrics.update(batch.metadata.get("reward_metrics", {}))  # [rewards] sources: reward/<label>_mean, judge/*
@@ -523,9 +523,11 @@ def _resume(components: TrainingComponents, output_dir: str, resumable: dict[str
     return state
 
 
-def _timed(fn: Callable[..., Any], *args: Any, **kw: Any) -> tuple[Any, float]:
+def _timed(label: str, fn: Callable[..., Any], *args: Any, **kw: Any) -> tuple[Any, float]:
+    """(fn's result, its seconds), under a profiler range named `label` ([logging] profile_steps' traces)."""
     t0 = time.perf_counter()
-    out = fn(*args, **kw)
+    with torch.profiler.record_function(label):
+        out = fn(*args, **kw)
     return out, time.perf_counter() - t0
 
 
@@ -537,7 +539,8 @@ def _sync(sender: WeightSync, version: int, *, on_failure: Callable[[], None] | 
     error that names the engine (the sender's) and the way on."""
     t0 = time.perf_counter()
     try:
-        sender.sync(weight_version=version)
+        with torch.profiler.record_function("rl.sync"):
+            sender.sync(weight_version=version)
     except WeightSyncError as e:
         if on_failure is None:
             raise

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from trainer.backend.checkpoint import Checkpointer, load_latest
 from trainer.backend.heap import frozen_heap
@@ -134,9 +135,10 @@ def run_sft_training(model: Any, conversations: Sequence[Conversation], config: 
             # A Ctrl-C / SIGTERM during the step waits for its row to be logged (trainer.stops.interrupts_held): the
             # checkpoint on the way out then holds the whole step, and the log its row.
             with interrupts_held():
-                fut, opt_fut = backend.forward_backward(datums, "nll", extra), backend.optim_step()
+                with torch.profiler.record_function("sft.train"):  # a range in [logging] profile_steps' traces
+                    fut, opt_fut = backend.forward_backward(datums, "nll", extra), backend.optim_step()
+                    metrics = {**fut.result().metrics, **opt_fut.result()}
                 position += config.batch_size
-                metrics = {**fut.result().metrics, **opt_fut.result()}
                 state = advanced(state, int(metrics["num_tokens"]))
                 if evaluation is not None and evaluation.due(state.step, config.num_steps):
                     metrics.update(evaluation.run(state.step))

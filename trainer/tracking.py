@@ -204,7 +204,8 @@ class MultiLogger:
 def build_logger(logging_cfg: LoggingConfig, *, phase: str, phase_dir: Path, run_dir: Path, run_name: str,
                  config_text: str, config: dict[str, Any], enabled: bool, keep_through: int | None) -> MultiLogger:
     """The loggers of one phase ("sft", "rl"): <phase_dir>/metrics.jsonl always; <run_dir>/tensorboard/<phase>
-    and a W&B run <run_name>-<phase> (group <run_name>) under <run_dir>/wandb when [logging] asks for them.
+    and a W&B run <run_name>-<phase> (group <run_name>) under <run_dir>/wandb when [logging] asks for them; the
+    step profiler (trainer.profiling) when [logging] profile_steps does.
     `enabled` False (ranks other than 0): the disabled JSONL logger only, no writer or W&B run is created.
     `keep_through`: the step the phase starts after (0 fresh, the checkpoint's step on resume, None: keep all)."""
     # on every rank and before anything is opened: a missing package fails all ranks alike, none waits on rank 0
@@ -213,6 +214,11 @@ def build_logger(logging_cfg: LoggingConfig, *, phase: str, phase_dir: Path, run
                                                 keep_through=keep_through)]
     if not enabled:
         return MultiLogger(loggers)
+    if logging_cfg.profile_steps:  # last: the other loggers' work for a step is inside its window
+        from trainer.profiling import StepProfiler
+
+        loggers.append(StepProfiler(*logging_cfg.profile_steps, Path(phase_dir) / "profile",
+                                    start_after=keep_through or 0))
     name = logging_cfg.run_name or run_name
     try:
         if "tensorboard" in logging_cfg.backends:
