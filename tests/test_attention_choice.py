@@ -136,6 +136,22 @@ def test_names_that_cannot_train_here_are_errors_naming_the_fix():
 
 
 @pytest.mark.gpu
+def test_packed_sdpa_on_cuda_never_needs_sdpas_math_kernel():
+    """On CUDA, with SDPA's math kernel ruled out (only flash and memory-efficient allowed: SDPA raises when neither
+    takes a call), packed_sdpa trains a step in float32 and in bf16, plain and shared-prompt layouts: native_gqa sends
+    enable_gqa only where a fused kernel takes it, and repeats the KV heads elsewhere."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    assert torch.cuda.is_available()
+    for dtype in ("float32", "bfloat16"):
+        for share in (False, True):
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+                metrics, grads, used = _step(PACKED_SDPA, share, param_dtype=dtype)
+            assert used == PACKED_SDPA and torch.isfinite(torch.tensor(metrics["loss"]))
+            assert all(bool(torch.isfinite(g).all()) for g in grads.values()), (dtype, share)
+
+
+@pytest.mark.gpu
 def test_packed_sdpa_trains_flex_attentions_step_on_cuda():
     """On CUDA ([trainer] attention = "packed_sdpa": torch's own SDPA kernels, no FlexAttention compile) the step
     equals FlexAttention's (the CUDA default without flash-attn), fp32, plain and shared-prompt layouts."""

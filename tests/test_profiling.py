@@ -69,11 +69,24 @@ def test_a_resumed_or_short_phase_traces_what_falls_in_the_window(tmp_path):
     assert short.prof is not None and short.written == []
     short.close()
     assert short.traced == [2] and (tmp_path / "b" / "steps_2-3.txt").read_text().startswith("steps [2] of [2, 3]")
+    # a finished phase resumed inside its window (4 steps, [2, 5]): it traces no step and keeps the earlier trace
+    again = StepProfiler(2, 5, tmp_path / "a", start_after=4)
+    assert again.prof is not None
+    again.close()
+    assert again.written == [] and "aten::cumsum" in _names(tmp_path / "a" / "steps_2-5.trace.json.gz")
     # resumed past the window: nothing runs, nothing is written
     past = StepProfiler(2, 3, tmp_path / "c", start_after=3)
     _run_steps(past, range(4, 6), lambda s: lambda x: torch.cumsum(x, 0))
     past.close()
     assert past.prof is None and past.written == [] and not (tmp_path / "c").exists()
+
+
+def test_a_trace_that_cannot_be_written_is_a_warning(tmp_path):
+    (tmp_path / "profile").write_text("a file where the folder would go")
+    profiler = StepProfiler(1, 1, tmp_path / "profile")
+    with pytest.warns(RuntimeWarning, match=r"profile_steps: writing the trace of steps \[1\].*the run goes on"):
+        _run_steps(profiler, range(1, 3), lambda s: lambda x: torch.cumsum(x, 0))
+    assert profiler.prof is None and profiler.written == []
 
 
 @pytest.mark.parametrize("steps, message", [([3], "two steps"), ([0, 2], "1 <= first"), ([4, 2], "first <= last"),

@@ -286,7 +286,7 @@ class _RLRun:
     manager: AsyncRolloutManager
     rewards: RewardSources
     points: ResumePoints
-    logger: MetricsLogger
+    logger: MetricsLogger | None  # opened last by _setup
     pad_id: int
     state: TrainingState
     ckpt: Checkpointer | None = None
@@ -328,14 +328,15 @@ def _setup(model: Any, data_buffer: Any, config: RLTrainingConfig, tcfg: Trainer
     # A checkpoint of step n holds the data position and rollout state of when batch n was drawn, not the live
     # ones (batch n+1 may be drawn already): the resumed run draws exactly the batches an uninterrupted one would.
     points = ResumePoints(resumable, step=state.step, keep=config.generation_ahead + 2)
-    logger = open_logger(logger, Path(tcfg.output_dir) / "metrics.jsonl", enabled=comp is None or comp.rank == 0,
-                         keep_through=state.step)
     run = _RLRun(config=config, tcfg=tcfg, backend=backend, components=comp, manager=manager, rewards=rewards,
-                 points=points, logger=logger, pad_id=pad_id, state=state, **parts)
+                 points=points, logger=None, pad_id=pad_id, state=state, **parts)
     extra = lambda: points.at(run.state.step)  # noqa: E731 - read at save time
     run.ckpt = Checkpointer(comp, lambda: run.state, extra, save_every=tcfg.save_every, critic=critic) if comp \
         else RemoteCheckpointer(None, lambda: run.state, extra, save_every=tcfg.save_every, backend=backend,
                                 output_dir=tcfg.output_dir)
+    # last: the caller's `with` closes it, and with it what opening starts ([logging] profile_steps' profiler)
+    run.logger = open_logger(logger, Path(tcfg.output_dir) / "metrics.jsonl", enabled=comp is None or comp.rank == 0,
+                             keep_through=state.step)
     return run
 
 

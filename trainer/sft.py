@@ -120,10 +120,11 @@ def run_sft_training(model: Any, conversations: Sequence[Conversation], config: 
     state, saved = load_latest(comp, tcfg.output_dir) if resume else (TrainingState(), {})
     position = int(saved.get("data_position", 0))
     ckpt = Checkpointer(comp, lambda: state, lambda: {"data_position": position}, save_every=tcfg.save_every)
-    logger = open_logger(logger, Path(tcfg.output_dir) / "metrics.jsonl", enabled=comp.rank == 0,
-                         keep_through=state.step)
     history: list[dict] = []
     backend = LocalBackend(comp, tcfg, pad_id=pad_token_id(tokenizer))
+    # last before the `with` that closes it: what opening starts ([logging] profile_steps' profiler) always stops
+    logger = open_logger(logger, Path(tcfg.output_dir) / "metrics.jsonl", enabled=comp.rank == 0,
+                         keep_through=state.step)
     with (contextlib.closing(logger),
           progress(config.num_steps, initial=state.step, desc="sft", enabled=comp.rank == 0) as bar, ckpt,
           frozen_heap()):

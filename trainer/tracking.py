@@ -214,11 +214,6 @@ def build_logger(logging_cfg: LoggingConfig, *, phase: str, phase_dir: Path, run
                                                 keep_through=keep_through)]
     if not enabled:
         return MultiLogger(loggers)
-    if logging_cfg.profile_steps:  # last: the other loggers' work for a step is inside its window
-        from trainer.profiling import StepProfiler
-
-        loggers.append(StepProfiler(*logging_cfg.profile_steps, Path(phase_dir) / "profile",
-                                    start_after=keep_through or 0))
     name = logging_cfg.run_name or run_name
     try:
         if "tensorboard" in logging_cfg.backends:
@@ -232,6 +227,11 @@ def build_logger(logging_cfg: LoggingConfig, *, phase: str, phase_dir: Path, run
         with contextlib.suppress(Exception):
             MultiLogger(loggers).close()
         raise
+    if logging_cfg.profile_steps:  # last: the other loggers' work for a step is inside its window, as the step's
+        from trainer.profiling import StepProfiler
+
+        loggers.append(StepProfiler(*logging_cfg.profile_steps, Path(phase_dir) / "profile",
+                                    start_after=keep_through or 0))
     return MultiLogger(loggers)
 
 
