@@ -179,11 +179,17 @@ def _lora_rank(rank: int, world: int, port: int, out: str) -> None:
 
 
 def _close_group(dist) -> None:
-    """Both ranks reach the teardown together: a rank that tears its gloo pairs down while the other is still
-    writing results (rank 0 saves) can abort with "terminate called without an active exception" (seen once in a
-    full-suite run under load)."""
+    """Both ranks reach the teardown together, then leave without the interpreter's and C++'s exit-time
+    destructors. A rank that tore its gloo pairs down while the other was still writing results (rank 0 saves)
+    aborted with "terminate called without an active exception" (seen once in a full-suite run under load); with
+    the barrier first it was seen once more (a fresh-clone `make test` of 2026-11-29, rank 1 of the LoRA run; 0 of
+    20 runs beside three CPU hogs reproduced it): a std::thread destroyed while joinable at exit. The results are
+    saved before the barrier, so the rank's exit status is all that is left to report."""
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def gae_config():
