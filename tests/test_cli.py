@@ -1,5 +1,6 @@
 """The command line: config loading and errors, and one real `sft+rl` run through `python -m trainer`."""
 
+import gzip
 import json
 import os
 import subprocess
@@ -217,7 +218,12 @@ def test_sft_plus_rl_end_to_end_through_the_cli(tmp_path):
     assert sft_table.startswith("steps [2, 3] of [2, 3]") and "sft.train" in sft_table
     assert rl_table.startswith("steps [2] of [2, 3]") and all(r in rl_table for r in ("rl.generate", "rl.train",
                                                                                         "rl.sync"))
-    assert (out / "rl" / "profile" / "steps_2-3.trace.json.gz").stat().st_size > 1000
+    with gzip.open(out / "rl" / "profile" / "steps_2-3.trace.json.gz", "rt") as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    # the sync's ranges on both sides (the trainer hands buckets out, the in-process engine's thread loads them), and
+    # the ops of more than one thread (profile_all_threads: the engine's model thread too)
+    assert {"sync.hand_out", "sync.load_bucket"} <= {e["name"] for e in events}
+    assert len({e["tid"] for e in events if e["name"].startswith("aten::")}) >= 2
     # Run again without --resume: it starts over instead of appending to the previous run's metrics.
     again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]

@@ -186,7 +186,8 @@ class WeightReceiver:
             s = k % 2
             if stream is not None:
                 stream.wait_event(c.events[s][0])  # the trainer's pack of this slot is done (on the GPU)
-            load_into([targets[i] for i in members], unpack_bucket(meta, members, c.slots[s]))
+            with torch.profiler.record_function("sync.load_bucket"):  # a range in a trainer's profiler trace
+                load_into([targets[i] for i in members], unpack_bucket(meta, members, c.slots[s]))
             if stream is not None:
                 c.events[s][1].record(stream)  # the trainer's next pack of this slot waits for our copy
             send_seq(c.sock, got)

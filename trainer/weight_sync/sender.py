@@ -437,7 +437,8 @@ class WeightSyncSender:
                 self._send_per_tensor(gathered, calls)
             else:
                 self._send_buckets(gathered, calls, on_bucket)
-            calls.join(self.timeout_s, "the weight update")
+            with torch.profiler.record_function("sync.engines_done"):  # the engines' answers to the update call
+                calls.join(self.timeout_s, "the weight update")
             if self._disk is not None:
                 self._disk.reload(self._disk.write_tensors(version, kept), version)
         except (WeightSyncError, OSError) as e:  # OSError: a socket to an engine that died (BrokenPipeError, ...)
@@ -489,6 +490,7 @@ class WeightSyncSender:
                 self._free_slot(b + 2, inflight, calls)
         self._seq += len(sizes)
 
+    @torch.profiler.record_function("sync.free_slot")  # a range in [logging] profile_steps' traces
     def _free_slot(self, b: int, inflight: list, calls: EngineCalls) -> None:
         """Before packing bucket b into slot b % 2: bucket b-2's broadcast finished and every colocated engine
         signalled that it copied bucket b-2 out (on CUDA, the pack then waits for their copy on the GPU)."""
@@ -506,6 +508,7 @@ class WeightSyncSender:
         if self._events is not None:
             torch.cuda.current_stream(self.device).wait_event(self._events[s][1])
 
+    @torch.profiler.record_function("sync.hand_out")
     def _hand_out(self, b: int, calls: EngineCalls, on_bucket):
         """Bucket b is packed in slot b % 2: broadcast it (async) and signal the colocated engines."""
         work = None
