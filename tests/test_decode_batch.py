@@ -12,7 +12,9 @@ issue 26 item 7).
   stop tokens end rows, a group shares one prefill and the cache grows past its first capacity. The cache's
   in-place joins, moved rows, rebuilds and growth all happen in the run (asserted, so the comparison covers them).
 - A decode step reads the host once (tokens and log-probs in one transfer); an abort reads it never.
-- A compiled decode (torch.compile, dynamic shapes) traces the cache without graph breaks or per-step recompiles.
+- The compiled decode (engines/embedded/compiled_decode.py) traces the cache without graph breaks, in one graph for
+  every row count (a plain dynamic compile needs three), and falls back to that plain compile where a compiler
+  rejects its unbacked rows.
 """
 
 from __future__ import annotations
@@ -425,44 +427,96 @@ def test_the_reference_recorder_sees_host_reads():
 
 
 # ------------------------------------------------------------------------------------------------ compiled decode
-@pytest.mark.parametrize("served", [False, True], ids=["sdpa-fp32", "engine-bf16"])
-def test_a_compiled_decode_traces_the_cache_without_recompiling_per_step(served):
-    """torch.compile(dynamic=True) over the model's forward (the server's CUDA decode; aot_eager here: dynamo and
-    AOT autograd, which is where in-place cache writes can break): the same tokens as eager while rows join and
-    leave, and a handful of graphs for ~30 steps (first call, then dynamic sizes, and batch size 1). Also as the
-    CUDA engine serves a model: bf16 through the engine's attention (its folded decode traced by dynamo)."""
-    from torch._dynamo.utils import counters
-
-    from engines.embedded.attention import ENGINE_SDPA, use_engine_attention
-
-    g = torch.Generator().manual_seed(12)
-    model = build_tiny_model(6, arch="llama", dtype=torch.bfloat16 if served else torch.float32)
-    if served:
-        use_engine_attention(model)
-        assert model.config._attn_implementation == ENGINE_SDPA
-    rows = [_random_row(g, 1000, prompt=tuple(torch.randint(6, 200, (int(n),), generator=g).tolist()),
+def _compiled_decode_rows(g: torch.Generator) -> list[Row]:
+    """Six rows of 1-8 prompt tokens and 4-29 new ones: joined two a step, they finish one by one, so a run decodes
+    2 rows first (as many as the cache's rows and the tiny model's KV heads: the sizes duck sizing would tie), then
+    more, fewer, and its last row alone."""
+    return [_random_row(g, 1000, prompt=tuple(torch.randint(6, 200, (int(n),), generator=g).tolist()),
                         max_new_tokens=int(m))
             for n, m in zip(torch.randint(1, 9, (6,), generator=g), torch.randint(4, 30, (6,), generator=g))]
 
-    def run(decode_fn):
-        batch, out, pending, step = DecodeBatch(model, pad_id=0, decode_fn=decode_fn), {}, list(enumerate(rows)), 0
-        while pending or len(batch):
-            admit = [(r, i) for i, r in pending[:2]]
-            pending = pending[2:]
-            out.update(batch.step(admit))
-            step += 1
-        return out, step
 
-    eager, _ = run(None)
+def _decode_all(model, rows: list[Row], decode_fn) -> tuple[dict, collections.Counter]:
+    """Every row decoded by one DecodeBatch joining two a step: (results by row, how many decode forwards ran at
+    each row count; empty for the eager forward, decode_fn None)."""
+    sizes: collections.Counter = collections.Counter()
+
+    def counted(**kwargs):
+        sizes[kwargs["input_ids"].shape[0]] += 1
+        return decode_fn(**kwargs)
+
+    batch, out, pending = DecodeBatch(model, pad_id=0, decode_fn=counted if decode_fn else None), {}, \
+        list(enumerate(rows))
+    while pending or len(batch):
+        admit = [(r, i) for i, r in pending[:2]]
+        pending = pending[2:]
+        out.update(batch.step(admit))
+    return out, sizes
+
+
+@pytest.mark.parametrize("served", [False, True], ids=["sdpa-fp32", "engine-bf16"])
+def test_a_compiled_decode_is_one_graph_for_every_row_count(served):
+    """engines.embedded.compiled_decode (the server's CUDA decode; aot_eager here: dynamo and AOT autograd, which is
+    where in-place cache writes can break): the same tokens as eager while rows join and leave, and one graph for
+    ~30 steps at 1 to 5 rows, the cache rebuilt and grown. A plain torch.compile(dynamic=True) of the same forward
+    traces three (duck sizing, then the last row alone), each an inductor compile on CUDA. Also as the CUDA engine
+    serves a model: bf16 through the engine's attention (its folded decode traced by dynamo)."""
+    from torch._dynamo.utils import counters
+
+    from engines.embedded.attention import ENGINE_SDPA, use_engine_attention
+    from engines.embedded.compiled_decode import compiled_decode
+
+    model = build_tiny_model(6, arch="llama", dtype=torch.bfloat16 if served else torch.float32)
+    assert model.config.num_key_value_heads == 2  # the first step's row count: the coincidence duck sizing ties
+    if served:
+        use_engine_attention(model)
+        assert model.config._attn_implementation == ENGINE_SDPA
+    rows = _compiled_decode_rows(torch.Generator().manual_seed(12))
+
+    eager, _ = _decode_all(model, rows, None)
+    graphs = {}
+    for name, fn in (("plain", torch.compile(model.forward, dynamic=True, backend="aot_eager")),
+                     ("ours", compiled_decode(model, backend="aot_eager"))):
+        torch._dynamo.reset()
+        counters.clear()
+        out, sizes = _decode_all(model, rows, fn)
+        graphs[name] = counters["stats"]["unique_graphs"]
+        assert not counters["graph_break"], dict(counters)
+        assert sum(sizes.values()) > 25 and sizes[1] > 0 and max(sizes) >= 4, sizes
+        for i in range(len(rows)):
+            assert out[i].output_ids == eager[i].output_ids
+            torch.testing.assert_close(torch.tensor(out[i].logprobs), torch.tensor(eager[i].logprobs),
+                                       atol=1e-5, rtol=0)
+    assert graphs == {"plain": 3, "ours": 1}, graphs
+
+
+def test_a_compiled_decode_falls_back_to_a_plain_compile_where_the_compiler_rejects_unbacked_rows():
+    """A compiler that rejects the unbacked row dimension (a stand-in for a backend that cannot lower it; none seen
+    on the CPU) costs a warning and more compiles, never the step: the engine decodes through a plain dynamic
+    compile, with the same tokens as eager."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    from engines.embedded.compiled_decode import compiled_decode
+
+    model = build_tiny_model(7, arch="llama")
+    rows = _compiled_decode_rows(torch.Generator().manual_seed(13))
+    seen = []
+
+    def picky(gm, example_inputs):
+        values = [n.meta.get("example_value") for n in gm.graph.find_nodes(op="placeholder")]
+        unbacked = any(isinstance(v, torch.Tensor) and free_unbacked_symbols(v.shape) for v in values)
+        seen.append(unbacked)
+        if unbacked:
+            raise NotImplementedError("this backend lowers no unbacked sizes")
+        return gm.forward
+
+    eager, _ = _decode_all(model, rows, None)
     torch._dynamo.reset()
-    counters.clear()
-    compiled, steps = run(torch.compile(model.forward, dynamic=True, backend="aot_eager"))
-    assert steps > 25
-    assert counters["stats"]["unique_graphs"] <= 3 and not counters["graph_break"], dict(counters)
+    with pytest.warns(RuntimeWarning, match="could not trace its rows as unbacked"):
+        out, _ = _decode_all(model, rows, compiled_decode(model, backend=picky))
+    assert seen[0] and not any(seen[1:]) and len(seen) >= 2, seen
     for i in range(len(rows)):
-        assert compiled[i].output_ids == eager[i].output_ids
-        torch.testing.assert_close(torch.tensor(compiled[i].logprobs), torch.tensor(eager[i].logprobs),
-                                   atol=1e-5, rtol=0)
+        assert out[i].output_ids == eager[i].output_ids
 
 
 # ------------------------------------------------------------------------------------------------ on a GPU

@@ -50,6 +50,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from engines.embedded.compiled_decode import compiled_decode
 from engines.embedded.drafts import NgramDrafts
 from engines.embedded.fast_decode import plain_decode
 from engines.embedded.generation import DecodeBatch, Row, RowResult
@@ -237,7 +238,7 @@ class EngineServer:
             compile_decode = self.device.type == "cuda" and not cuda_graphs
         # Decode is the hot loop (one token per row per call): compiled on CUDA only; on the CPU eager, through
         # engines/embedded/fast_decode.py where it is exact for the model (its logits equal the forward's).
-        self.decode_fn = torch.compile(model.forward, dynamic=True) if compile_decode else plain_decode(model)
+        self.decode_fn = compiled_decode(model) if compile_decode else plain_decode(model)
         # Idle pooled buffers between batches: half the KV budget (a batch's worst case counts its rebuild twice)
         idle = None if self.kv_budget is None else self.kv_budget // 2
         self.graphs = GraphDecode(model, pad_id=self.pad_id, max_idle_cells=idle) if cuda_graphs else None
