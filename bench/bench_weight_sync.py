@@ -32,9 +32,10 @@ from engines.sglang import SGLangEngine  # noqa: E402
 from trainer.weight_sync import WeightSyncSender  # noqa: E402
 
 
-def qwen25_05b_shapes(num_layers: int = 24, vocab: int = 151936) -> dict[str, tuple[int, ...]]:
-    """Parameter names/shapes of Qwen2.5-0.5B (hidden 896, 14 q heads / 2 kv heads of 64, MLP 4864, tied lm_head)."""
-    h, kv, inter = 896, 128, 4864
+def qwen25_05b_shapes(num_layers: int = 24, vocab: int = 151936, *, h: int = 896, kv: int = 128,
+                      inter: int = 4864) -> dict[str, tuple[int, ...]]:
+    """Parameter names/shapes of Qwen2.5-0.5B (hidden 896, 14 q heads / 2 kv heads of 64, MLP 4864, tied lm_head);
+    other widths keep its 290 tensors (the `narrow` run)."""
     shapes = {"model.embed_tokens.weight": (vocab, h)}
     for i in range(num_layers):
         p = f"model.layers.{i}."
@@ -121,15 +122,27 @@ def _start_engine(shapes, device: str):
     return proc, eng
 
 
-def measure(*, small: bool = False, device: str = "cpu", engine_device: str | None = None, repeats: int = 3,
-            bucket_bytes: int | None = None, transports: tuple[str, ...] = ("colocated", "broadcast")) -> dict:
+# The narrow run: Qwen2.5-0.5B's 290 tensors at these widths (3.5 MB), in as many buckets as its CUDA colocated sync
+# has (33 of 64 MiB), so the time is the sync's fixed costs (the HTTP call, the bucket signals, a copy call per
+# tensor on each side), not its bytes.
+NARROW = {"vocab": 512, "h": 64, "kv": 16, "inter": 128}
+NARROW_BUCKETS = 33
+
+
+def measure(*, small: bool = False, narrow: bool = False, device: str = "cpu", engine_device: str | None = None,
+            repeats: int = 3, bucket_bytes: int | None = None,
+            transports: tuple[str, ...] = ("colocated", "broadcast")) -> dict:
     """Every transport against one engine process, and a copy of the same bytes, in one run: after one warm-up
     sync each (buffers allocated, pages touched), `repeats` interleaved rounds (copy, then each transport), so a
-    change in the machine's load hits every contender alike; the best time of each is reported."""
-    shapes = qwen25_05b_shapes(num_layers=2, vocab=8192) if small else qwen25_05b_shapes()
+    change in the machine's load hits every contender alike; the best time of each is reported (and the median)."""
+    shapes = (qwen25_05b_shapes(num_layers=2, vocab=8192) if small else qwen25_05b_shapes(**NARROW) if narrow
+              else qwen25_05b_shapes())
     model = ShapeModel(shapes, fill=True, device=device)
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    out = {"model": "qwen2.5-0.5b-shapes" + (" (2 layers, 8k vocab)" if small else ""), "bytes": nbytes,
+    if narrow and bucket_bytes is None:
+        bucket_bytes = -(-nbytes // NARROW_BUCKETS)
+    label = " (2 layers, 8k vocab)" if small else f" (narrow: {NARROW})" if narrow else ""
+    out = {"model": "qwen2.5-0.5b-shapes" + label, "tensors": len(shapes), "bytes": nbytes,
            "dtype": "float32", "device": device, "engine_device": engine_device or device,
            "threads": torch.get_num_threads(), "load_1min": os.getloadavg()[0],
            "cpus": os.cpu_count(), "repeats": repeats}
@@ -158,21 +171,23 @@ def measure(*, small: bool = False, device: str = "cpu", engine_device: str | No
     for name, ts in times.items():
         out[f"{name}_gbps"] = nbytes / min(ts) / 1e9
         out[f"{name}_ms"] = 1e3 * min(ts)
+        out[f"{name}_median_ms"] = 1e3 * sorted(ts)[len(ts) // 2]
     for transport in transports:
         out[f"{transport}_vs_memcpy"] = out[f"{transport}_gbps"] / out["memcpy_gbps"]
     out["load_1min_after"] = os.getloadavg()[0]
     return out
 
 
-def run_all(*, small: bool = False, device: str = "cpu", repeats: int = 3, bucket_bytes: int | None = None) -> dict:
+def run_all(*, small: bool = False, narrow: bool = False, device: str = "cpu", repeats: int = 3,
+            bucket_bytes: int | None = None) -> dict:
     """Both transports where this machine can run them: on GPU the colocated engine shares the trainer's GPU and
     the broadcast one needs a second GPU (NCCL refuses two ranks on one device)."""
+    kw = {"small": small, "narrow": narrow, "device": device, "repeats": repeats, "bucket_bytes": bucket_bytes}
     if not device.startswith("cuda"):
-        return measure(small=small, device=device, repeats=repeats, bucket_bytes=bucket_bytes)
-    res = measure(small=small, device=device, repeats=repeats, bucket_bytes=bucket_bytes, transports=("colocated",))
+        return measure(**kw)
+    res = measure(**kw, transports=("colocated",))
     if torch.cuda.device_count() > 1:
-        bc = measure(small=small, device=device, engine_device="cuda:1", repeats=repeats, bucket_bytes=bucket_bytes,
-                     transports=("broadcast",))
+        bc = measure(**kw, engine_device="cuda:1", transports=("broadcast",))
         res.update({k: v for k, v in bc.items() if k.startswith("broadcast")})
     else:
         res["broadcast_skipped"] = "one GPU: NCCL cannot broadcast to an engine on the trainer's own device"
@@ -199,6 +214,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="print one JSON object (default: a readable summary)")
     ap.add_argument("--small", action="store_true", help="2 layers, 8k vocab (a smoke run)")
+    ap.add_argument("--narrow", action="store_true", help="the 0.5B's 290 tensors at widths of 64 in 33 buckets: "
+                                                          "the sync's fixed costs, not its bytes")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bucket-mb", type=int, default=None, help="bucket (slot) size in MiB (default: the sender's, "
@@ -208,7 +225,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     bucket_bytes = args.bucket_mb << 20 if args.bucket_mb else None
-    res = run_all(small=args.small, device=args.device, repeats=args.repeats, bucket_bytes=bucket_bytes)
+    res = run_all(small=args.small, narrow=args.narrow, device=args.device, repeats=args.repeats,
+                  bucket_bytes=bucket_bytes)
     if args.json:
         print(json.dumps(res))
         return

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 import torch
@@ -48,6 +48,10 @@ class _Colocated:
     events: list | None  # [(written, read)] per slot on CUDA
     sock: socket.socket
     timeout_s: float
+    # Per slot, every entry's view in it for `views_meta` (the trainer sends the same plan every sync): a bucket's
+    # load then makes no view
+    views_meta: WeightMeta | None = None
+    views: list[list[torch.Tensor]] = field(default_factory=list)
 
 
 class WeightReceiver:
@@ -179,6 +183,9 @@ class WeightReceiver:
         if max(meta.bucket_nbytes) > cap:
             raise ValueError(f"bucket of {max(meta.bucket_nbytes)} bytes exceeds the attached slots ({cap} bytes)")
         stream = torch.cuda.current_stream(self.device) if c.events is not None else None
+        if c.views_meta != meta:
+            c.views = [unpack_bucket(meta, range(len(meta.names)), slot) for slot in c.slots]
+            c.views_meta = meta
         for k, members in enumerate(bucket_members(meta)):
             got = recv_seq(c.sock, timeout_s=c.timeout_s, what=f"waiting for bucket {k}")
             if got != seq + k + 1:
@@ -187,7 +194,7 @@ class WeightReceiver:
             if stream is not None:
                 stream.wait_event(c.events[s][0])  # the trainer's pack of this slot is done (on the GPU)
             with torch.profiler.record_function("sync.load_bucket"):  # a range in a trainer's profiler trace
-                load_into([targets[i] for i in members], unpack_bucket(meta, members, c.slots[s]))
+                load_into([targets[i] for i in members], [c.views[s][i] for i in members])
             if stream is not None:
                 c.events[s][1].record(stream)  # the trainer's next pack of this slot waits for our copy
             send_seq(c.sock, got)
@@ -287,5 +294,8 @@ def disk_targets(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str
 
 @torch.no_grad()
 def load_into(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-    for p, v in zip(targets, values):
-        p.copy_(v)  # casts when the engine serves another dtype than the trainer sent
+    """Copy each value into its target, casting where the engine serves another dtype than the trainer sent: one
+    foreach copy (on CUDA a few kernels for a bucket's tensors, not one launch each)."""
+    assert len(targets) == len(values), (len(targets), len(values))
+    if targets:
+        torch._foreach_copy_(targets, values)

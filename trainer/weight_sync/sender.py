@@ -59,6 +59,7 @@ from engines.weight_sync.wire import (
     remove_channel,
     send_seq,
     shutdown_group,
+    unpack_bucket,
     wait_work,
 )
 from trainer.weight_sync.common import (
@@ -158,6 +159,7 @@ class WeightSyncSender:
         self._disk: DiskWeightSync | None = None  # rank 0, when to_disk
         self._unknown_gpus: list[int] = []  # broadcast engines (NCCL) that do not say which GPU they hold
         self._slots: list[torch.Tensor] = []
+        self._views: tuple = ((), None, [])  # (slots, meta, per slot every entry's view in it): _slot_views
         self._events = None  # CUDA: [(written, read)] per slot
         self._channel = None  # listening socket
         self._socks: dict[int, object] = {}  # engine index -> connected signal socket
@@ -360,6 +362,7 @@ class WeightSyncSender:
         if self._events is not None:
             torch.cuda.current_stream(self.device).synchronize()  # no engine copy may still read a freed slot
         self.group, self._channel, self._socks, self._slots, self._events = None, None, {}, [], None
+        self._views = ((), None, [])  # the views hold the slots' memory
         if self._disk is not None:
             self._disk.close()  # removes its folder
             self._disk = None
@@ -463,27 +466,42 @@ class WeightSyncSender:
             work = broadcast_async(self.group, t.contiguous())
             wait_work(work, timeout_s=self.timeout_s, what=f"broadcast of {self.meta.names[i]}", check=calls.check)
 
+    def _slot_views(self) -> list[list[torch.Tensor]]:
+        """Per slot, every entry's view in it ([shape] in its dtype at its offset; entry e of bucket b is packed
+        into slot b % 2): built once per slots and plan, so packing a bucket makes no view."""
+        slots, meta, views = self._views
+        if slots is not self._slots or meta is not self.meta:
+            views = [unpack_bucket(self.meta, range(len(self.meta.names)), slot) for slot in self._slots]
+            self._views = (self._slots, self.meta, views)
+        return views
+
     def _send_buckets(self, gathered: Iterator, calls: EngineCalls, on_bucket) -> None:
         sizes = self.meta.bucket_nbytes
         if not self._slots or self._slots[0].numel() < max(sizes):  # broadcast-only: plain buffers, kept
             self._slots = [torch.empty(max(sizes), dtype=torch.uint8, device=self.device) for _ in range(2)]
+        views = self._slot_views()
         inflight: list = [None, None]  # per slot: the broadcast work of the bucket it holds
         current = -1
+        # The bucket's copies, issued together once it is complete (one foreach copy: on CUDA a few kernels for the
+        # bucket's tensors instead of one launch each). Holds at most a bucket's worth of gathered tensors.
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
         for i, t in gathered:
             for e in self._entries[i]:  # one entry, or the row chunks of a parameter larger than a bucket
                 b = self.meta.bucket_index[e]
                 if b != current:
                     if current >= 0:
+                        _pack(dsts, srcs)
                         inflight[current % 2] = self._hand_out(current, calls, on_bucket)
                     current = b
                     self._free_slot(b, inflight, calls)
                 shape = self.meta.shapes[e]
-                src = t if tuple(t.shape) == shape else t.narrow(0, self.meta.rows[e], shape[0])
-                off = self.meta.offsets[e]
-                self._slots[b % 2][off:off + src.numel() * src.element_size()].view(src.dtype).view(shape).copy_(src)
+                dsts.append(views[b % 2][e])
+                srcs.append(t if tuple(t.shape) == shape else t.narrow(0, self.meta.rows[e], shape[0]))
             if self.per_tensor and self.group is not None:  # stock engines beside colocated ones: one per tensor
                 wait_work(broadcast_async(self.group, t.contiguous()), timeout_s=self.timeout_s,
                           what=f"broadcast of {self.meta.names[self._entries[i][0]]}", check=calls.check)
+        _pack(dsts, srcs)
         inflight[current % 2] = self._hand_out(current, calls, on_bucket)
         for b in (current - 1, current):
             if b >= 0:
@@ -527,6 +545,14 @@ class WeightSyncSender:
         if on_bucket is not None:
             on_bucket(b, len(self.meta.bucket_nbytes))
         return work
+
+
+def _pack(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """Copy srcs into their slot views dsts (same shapes and dtypes), then empty both lists."""
+    if dsts:
+        torch._foreach_copy_(dsts, srcs)
+    dsts.clear()
+    srcs.clear()
 
 
 def shares_gpu(ours: dict, gpus: Sequence[str] | None) -> bool:
