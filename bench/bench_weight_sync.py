@@ -210,6 +210,24 @@ def test_weight_sync_bandwidth(benchmark, request):
     assert result["colocated_gbps"] > 0 and ("broadcast_gbps" in result or "broadcast_skipped" in result)
 
 
+def test_weight_sync_fixed_costs(benchmark, request):
+    """The narrow run (the sync's fixed costs: Qwen2.5-0.5B's 290 tensors, 33 buckets' worth, 3.5 MB), colocated
+    only; once under --benchmark-disable."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    repeats = 3 if request.config.getoption("benchmark_disable") else 30
+    result = {}
+
+    def run():
+        result.update(measure(narrow=True, device=device, repeats=repeats, transports=("colocated",)))
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    if not result:
+        run()
+    benchmark.extra_info.update(result)
+    print("\n" + json.dumps(result, indent=1))
+    assert result["tensors"] == 290 and result["colocated_buckets"] >= NARROW_BUCKETS and result["colocated_ms"] > 0
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="print one JSON object (default: a readable summary)")
