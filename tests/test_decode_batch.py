@@ -512,7 +512,7 @@ def test_a_compiled_decode_falls_back_to_a_plain_compile_where_the_compiler_reje
 
     eager, _ = _decode_all(model, rows, None)
     torch._dynamo.reset()
-    with pytest.warns(RuntimeWarning, match="could not trace its rows as unbacked"):
+    with pytest.warns(RuntimeWarning, match="the engine's compiled decode: its dynamic compile failed"):
         out, _ = _decode_all(model, rows, compiled_decode(model, backend=picky))
     assert seen[0] and not any(seen[1:]) and len(seen) >= 2, seen
     for i in range(len(rows)):

@@ -11,7 +11,8 @@ document structure explicitly:
     sdpa                  4D bool mask [1, 1, N, N], True = attend                CPU reference
     eager                 4D additive float mask [1, 1, N, N] (0 / dtype min)    debugging
     flash_attention_2/3   cu_seq_lens_q/k + max_length_q/k (varlen kernel)        CUDA, flash-attn, bf16/fp16 compute
-    flex_attention        BlockMask with a document-causal mask_mod               CUDA otherwise (fp32 included)
+    flex_attention        BlockMask with a document-causal mask_mod               CUDA otherwise (fp32 included);
+                          through trainer.backend.flex (compiled once for every row length)
 
 transformers returns a 4D tensor or BlockMask mask as-is (masking_utils._preprocess_mask_arguments), so the same
 mask reaches every layer; the flash kwargs travel through **kwargs down to the attention function. packed_sdpa
@@ -55,6 +56,7 @@ from transformers.masking_utils import sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kernels.packing import PackedBatch, host_to_device
+from trainer.backend import flex  # noqa: F401 - registers packed_flex_attention over "flex_attention"
 from trainer.backend.sdpa_chunks import (
     branch_owned_chunks,
     branch_segments,

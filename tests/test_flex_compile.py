@@ -1,0 +1,122 @@
+"""trainer.backend.flex: FlexAttention over the trainer's packed rows through kernels.device.dynamic_compile (issue
+42: the compiles a GPU run pays before its first steps). Proven on the CPU under aot_eager (dynamo and AOT autograd,
+the graphs and recompiles inductor gets), forward only: the CPU has no FlexAttention backward.
+
+- The function transformers calls for "flex_attention" is ours once trainer.backend.attention is imported.
+- flex_attention over packed rows of four lengths: one graph through dynamic_compile, three as transformers compiles
+  it (static; dynamic, but the first row's block count tied to the KV heads by duck sizing; then untied); the outputs
+  equal the eager flex_attention's. (A row of one 128-token block would add a graph on either path: a size of 1
+  specialises; training rows are longer.)
+- A model on it gives packed_sdpa's logits on plain and shared-prompt (tree) rows, at 4 query heads (GQA inside
+  flex) and 6 (the KV heads repeated, as transformers repeats them for a head count that is not a power of two).
+- Calls it does not take (no BlockMask; a softcap) are transformers' flex_attention_forward's, call for call.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_packed_attention import V, random_sequences
+from test_shared_prompt import grouped_samples
+from torch.nn.attention.flex_attention import flex_attention
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+import trainer.backend.flex as flex
+from kernels import pack_batch, use_backend
+from trainer.backend.attention import PACKED_SDPA, flex_block_mask, packed_attention_kwargs
+from trainer.batching.shared_prompt import build_shared_micro_batches
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+
+@pytest.fixture
+def aot_eager(monkeypatch):
+    """The packed calls compiled by aot_eager, from a fresh dynamo cache."""
+    monkeypatch.setattr(flex, "BACKEND", "aot_eager")
+    monkeypatch.setattr(flex, "_compiled", {})
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _bucketed(lengths: list[int]) -> int:
+    """The packed row's length: the tokens rounded up to a multiple of 16 (a bucket)."""
+    return -(-sum(lengths) // 16) * 16
+
+
+def _graphs(fn) -> int:
+    """Graphs dynamo holds for `fn`'s code (each a compile of its own under inductor)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return len(_debug_get_cache_entry_list(fn.__code__))
+
+
+def test_transformers_calls_ours_for_flex_attention():
+    assert ALL_ATTENTION_FUNCTIONS["flex_attention"] is flex.packed_flex_attention
+
+
+def test_flex_over_packed_rows_is_one_graph_for_every_length(aot_eager):
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for lengths in ([90, 40, 126], [30, 5, 60, 1, 70], [200, 180], [17, 300, 50]):
+        with use_backend("torch"):
+            batch = pack_batch(random_sequences(sum(lengths), lengths), pad_to=_bucketed(lengths))
+        n = batch.padded_len
+        q, k, v = torch.randn(1, 4, n, 16, generator=g), torch.randn(1, 2, n, 16, generator=g), \
+            torch.randn(1, 2, n, 16, generator=g)
+        rows.append((q, k, v, flex_block_mask(batch.seq_index)))
+    assert rows[0][3].kv_num_blocks.shape[-1] == 2 == rows[0][1].shape[1]  # 2 row blocks, 2 KV heads
+    graphs = {}
+    for name, fn in (("transformers", torch.compile(flex_attention, backend="aot_eager")),
+                     ("ours", flex.compiled_flex_attention())):
+        torch._dynamo.reset()
+        for q, k, v, mask in rows:
+            out = fn(q, k, v, block_mask=mask, enable_gqa=True)
+            torch.testing.assert_close(out, flex_attention(q, k, v, block_mask=mask, enable_gqa=True), rtol=0,
+                                       atol=1e-6)
+        graphs[name] = _graphs(flex_attention)
+    # transformers' compile: static at 256 tokens, dynamic at the next length but with the block count still tied to
+    # the KV heads (2), then once more at 3 blocks
+    assert graphs == {"transformers": 3, "ours": 1}, graphs
+
+
+def _model(attn: str, heads: int, seed: int = 0):
+    cls = LlamaConfig if heads == 6 else Qwen2Config
+    cfg = cls(vocab_size=V, hidden_size=96 if heads == 6 else 64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=heads, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("heads", [4, 6])
+def test_a_model_on_flex_attention_gives_packed_sdpas_logits(aot_eager, heads):
+    flexed, ref = _model("flex_attention", heads), _model(PACKED_SDPA, heads)
+    assert flexed.config._attn_implementation == "flex_attention"
+    with use_backend("torch"):
+        plain = [(pack_batch(random_sequences(heads + i, lengths), pad_to=_bucketed(lengths)), None)
+                 for i, lengths in enumerate(([40, 7, 90], [130, 30]))]
+        trees = [(mb.row, mb.trees) for mb in build_shared_micro_batches(grouped_samples(heads), token_budget=128,
+                                                                         bucket_size=16)]
+    with torch.no_grad():
+        for batch, tree in plain + trees:
+            ours = flexed(**packed_attention_kwargs(flexed, batch, tree)).logits[0, :batch.num_tokens]
+            want = ref(**packed_attention_kwargs(ref, batch, tree)).logits[0, :batch.num_tokens]
+            torch.testing.assert_close(ours, want, rtol=0, atol=1e-5)
+    assert _graphs(flex_attention) >= 1  # the calls went through the compiled function
+
+
+def test_calls_without_a_block_mask_or_with_a_softcap_are_transformers(monkeypatch):
+    seen = []
+
+    def recording(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        seen.append((attention_mask, kwargs.get("softcap")))
+        return query.transpose(1, 2), None
+
+    monkeypatch.setattr(flex, "flex_attention_forward", recording)
+    q = k = v = torch.randn(1, 2, 8, 4)
+    mask = flex_block_mask(torch.zeros(8, dtype=torch.long))
+    dense = torch.zeros(1, 1, 8, 8)
+    flex.packed_flex_attention(None, q, k, v, dense, scaling=0.5)
+    flex.packed_flex_attention(None, q, k, v, mask, scaling=0.5, softcap=30.0)
+    assert seen == [(dense, None), (mask, 30.0)]
