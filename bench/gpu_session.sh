@@ -11,7 +11,8 @@
 # In order, each under its own timeout so a hang loses only its stage (timeouts sum to 570 s):
 #   tune_logits      the from-logits kernels' config sweep (issue 42 item 9);
 #   demo_profiled    a short demo, compile off, under py-spy and with a torch.profiler trace of steps 20-21 of
-#                    each phase ([logging] profile_steps: where the GPU step's time goes; the demo < 30 s);
+#                    each phase ([logging] profile_steps: where the GPU step's time goes; the demo < 30 s); every
+#                    demo logs dynamo's recompiles (TORCH_LOGS=recompiles);
 #   demo_graphs      the same demo with nothing compiled: the engine by CUDA graphs ([engines] cuda_graphs, item 8),
 #                    training through packed_sdpa ([trainer] attention: no FlexAttention compile); the per-step
 #                    time_generate_s / time_train_s and SFT's first step tell the two apart;
@@ -48,6 +49,9 @@ DEMO=(-m trainer demo --set sft.num_steps=100 --set rl.num_steps=30)
 # [logging] profile_steps: a torch.profiler trace of SFT's and RL's steps 20-21 (host ops, kernels and waits on one
 # timeline: what py-spy's Python stacks cannot show), beside py-spy's whole-run stacks
 PROFILED=(--set "logging.profile_steps=[20, 21]" --set output_dir=/tmp/gs_demo)
+# dynamo's recompiles into the demos' logs: the engine's compiled decode and FlexAttention should compile once each
+# (per grad mode and mask), kernels.device.dynamic_compile; a "Recompiling" line names the guard that failed
+export TORCH_LOGS=recompiles
 if command -v py-spy > /dev/null; then
   timeout 95 py-spy record -r 200 --idle --threads --nonblocking --format raw -o "$R/demo_pyspy.txt" -- \
     python3 "${DEMO[@]}" "${PROFILED[@]}" > "$R/demo.log" 2>&1
