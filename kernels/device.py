@@ -168,46 +168,23 @@ def release_host_threads() -> bool:
     return pause is not None and pause(1) == 0  # 1: omp_pause_soft (the runtime may start them again)
 
 
-def dynamic_compile(fn: Callable, *, backend: str | Callable = "inductor", unbacked: tuple[str, ...] = (),
-                    what: str = "this function") -> Callable:
-    """torch.compile(fn, dynamic=True, backend=backend), called so that one graph serves every size.
+def dynamic_compile(fn: Callable, *, backend: str | Callable = "inductor") -> Callable:
+    """torch.compile(fn, dynamic=True, backend=backend), called with duck sizing off.
 
-    A dynamic compile alone still specialises where sizes coincide at the first call: duck sizing gives sizes that
+    A dynamic compile alone still specialises where sizes coincide at its first call: duck sizing gives sizes that
     happen to be equal one symbol (a packed row's block count and the KV heads; a decode batch's rows and its
     cache's), so a later call where they differ recompiles, or a dimension is traced as a constant because its twin
-    was. And a size traced at >= 2 guards `2 <= size` (0/1 specialisation), so a size of 1 recompiles. Each is an
-    inductor compile: seconds on a cold CUDA machine. So every call runs with duck sizing off (read only while
-    dynamo traces), and the first dimension of the keyword tensors named in `unbacked` is marked unbacked (never
-    specialised to 0 or 1, never tied to another), on a view so the caller's tensors stay unmarked.
+    was (the heads are). Each is an inductor compile: seconds on a cold CUDA machine. Duck sizing is read only while
+    dynamo traces, so every call runs with it off (a process-wide setting, restored after the call).
 
-    Should the compiler reject that (not seen on the CPU's inductor or aot_eager; not yet run on CUDA), `fn` is
-    compiled again as a plain dynamic compile, with a warning naming `what`: more compiles, the same results."""
-    import warnings
-
+    Left as it is: a size traced at >= 2 guards `2 <= size` (0/1 specialisation), so the first call with a size of
+    1 compiles once more. Unbacked sizes would avoid that, but the CUDA SDPA's size checks guard on them."""
     import torch.fx.experimental._config as fx_config
-    from torch._dynamo.decorators import mark_unbacked
-    from torch._dynamo.exc import TorchDynamoException
 
     compiled = torch.compile(fn, dynamic=True, backend=backend)
-    fallback: list[Callable] = []  # the plain compile, once the first one failed
 
     def call(*args, **kwargs):
-        if fallback:
-            return fallback[0](*args, **kwargs)
-        marked = dict(kwargs)
-        for name in unbacked:
-            t = kwargs.get(name)
-            if isinstance(t, torch.Tensor):
-                marked[name] = t.view_as(t)  # the mark is the tensor object's
-                mark_unbacked(marked[name], 0)
-        try:
-            with fx_config.patch(use_duck_shape=False):
-                return compiled(*args, **marked)
-        except TorchDynamoException as e:
-            why = " ".join(str(e).split())[:300]
-            warnings.warn(f"{what}: its dynamic compile failed ({why}); it compiles again where sizes specialise "
-                          "instead (more compiles, the same results)", RuntimeWarning, stacklevel=2)
-            fallback.append(torch.compile(fn, dynamic=True, backend=backend))
-            return fallback[0](*args, **kwargs)
+        with fx_config.patch(use_duck_shape=False):
+            return compiled(*args, **kwargs)
 
     return call

@@ -12,9 +12,8 @@ issue 26 item 7).
   stop tokens end rows, a group shares one prefill and the cache grows past its first capacity. The cache's
   in-place joins, moved rows, rebuilds and growth all happen in the run (asserted, so the comparison covers them).
 - A decode step reads the host once (tokens and log-probs in one transfer); an abort reads it never.
-- The compiled decode (engines/embedded/compiled_decode.py) traces the cache without graph breaks, in one graph for
-  every row count (a plain dynamic compile needs three), and falls back to that plain compile where a compiler
-  rejects its unbacked rows.
+- The compiled decode (kernels.device.dynamic_compile) traces the cache without graph breaks, in two graphs for every
+  row count (>= 2 rows, and one row; a plain dynamic compile needs three).
 """
 
 from __future__ import annotations
@@ -455,16 +454,17 @@ def _decode_all(model, rows: list[Row], decode_fn) -> tuple[dict, collections.Co
 
 
 @pytest.mark.parametrize("served", [False, True], ids=["sdpa-fp32", "engine-bf16"])
-def test_a_compiled_decode_is_one_graph_for_every_row_count(served):
-    """engines.embedded.compiled_decode (the server's CUDA decode; aot_eager here: dynamo and AOT autograd, which is
-    where in-place cache writes can break): the same tokens as eager while rows join and leave, and one graph for
-    ~30 steps at 1 to 5 rows, the cache rebuilt and grown. A plain torch.compile(dynamic=True) of the same forward
-    traces three (duck sizing, then the last row alone), each an inductor compile on CUDA. Also as the CUDA engine
-    serves a model: bf16 through the engine's attention (its folded decode traced by dynamo)."""
+def test_a_compiled_decode_is_two_graphs_for_every_row_count(served):
+    """The server's CUDA decode, kernels.device.dynamic_compile over the model's forward (aot_eager here: dynamo and
+    AOT autograd, which is where in-place cache writes can break): the same tokens as eager while rows join and
+    leave, and two graphs for ~30 steps at 1 to 5 rows, the cache rebuilt and grown (rows >= 2, then the last row
+    alone). A plain torch.compile(dynamic=True) of the same forward traces three (duck sizing ties the first call's
+    rows to the cache's and the KV heads), each an inductor compile on CUDA. Also as the CUDA engine serves a model:
+    bf16 through the engine's attention (its folded decode traced by dynamo)."""
     from torch._dynamo.utils import counters
 
     from engines.embedded.attention import ENGINE_SDPA, use_engine_attention
-    from engines.embedded.compiled_decode import compiled_decode
+    from kernels.device import dynamic_compile
 
     model = build_tiny_model(6, arch="llama", dtype=torch.bfloat16 if served else torch.float32)
     assert model.config.num_key_value_heads == 2  # the first step's row count: the coincidence duck sizing ties
@@ -476,7 +476,7 @@ def test_a_compiled_decode_is_one_graph_for_every_row_count(served):
     eager, _ = _decode_all(model, rows, None)
     graphs = {}
     for name, fn in (("plain", torch.compile(model.forward, dynamic=True, backend="aot_eager")),
-                     ("ours", compiled_decode(model, backend="aot_eager"))):
+                     ("ours", dynamic_compile(model.forward, backend="aot_eager"))):
         torch._dynamo.reset()
         counters.clear()
         out, sizes = _decode_all(model, rows, fn)
@@ -487,36 +487,7 @@ def test_a_compiled_decode_is_one_graph_for_every_row_count(served):
             assert out[i].output_ids == eager[i].output_ids
             torch.testing.assert_close(torch.tensor(out[i].logprobs), torch.tensor(eager[i].logprobs),
                                        atol=1e-5, rtol=0)
-    assert graphs == {"plain": 3, "ours": 1}, graphs
-
-
-def test_a_compiled_decode_falls_back_to_a_plain_compile_where_the_compiler_rejects_unbacked_rows():
-    """A compiler that rejects the unbacked row dimension (a stand-in for a backend that cannot lower it; none seen
-    on the CPU) costs a warning and more compiles, never the step: the engine decodes through a plain dynamic
-    compile, with the same tokens as eager."""
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-
-    from engines.embedded.compiled_decode import compiled_decode
-
-    model = build_tiny_model(7, arch="llama")
-    rows = _compiled_decode_rows(torch.Generator().manual_seed(13))
-    seen = []
-
-    def picky(gm, example_inputs):
-        values = [n.meta.get("example_value") for n in gm.graph.find_nodes(op="placeholder")]
-        unbacked = any(isinstance(v, torch.Tensor) and free_unbacked_symbols(v.shape) for v in values)
-        seen.append(unbacked)
-        if unbacked:
-            raise NotImplementedError("this backend lowers no unbacked sizes")
-        return gm.forward
-
-    eager, _ = _decode_all(model, rows, None)
-    torch._dynamo.reset()
-    with pytest.warns(RuntimeWarning, match="the engine's compiled decode: its dynamic compile failed"):
-        out, _ = _decode_all(model, rows, compiled_decode(model, backend=picky))
-    assert seen[0] and not any(seen[1:]) and len(seen) >= 2, seen
-    for i in range(len(rows)):
-        assert out[i].output_ids == eager[i].output_ids
+    assert graphs == {"plain": 3, "ours": 2}, graphs
 
 
 # ------------------------------------------------------------------------------------------------ on a GPU

@@ -50,7 +50,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from engines.embedded.compiled_decode import compiled_decode
 from engines.embedded.drafts import NgramDrafts
 from engines.embedded.fast_decode import plain_decode
 from engines.embedded.generation import DecodeBatch, Row, RowResult
@@ -69,7 +68,7 @@ from engines.weight_sync.receiver import (
     read_safetensors_folder,
 )
 from engines.weight_sync.wire import WEIGHT_UPDATE_FORMATS, WeightMeta, lora_adapter_field
-from kernels.device import release_host_threads, shared_stream
+from kernels.device import dynamic_compile, release_host_threads, shared_stream
 
 T = TypeVar("T")
 
@@ -236,9 +235,11 @@ class EngineServer:
         if compile_decode is None:  # graphs replace the compiled step (no compile time; the eager forward is their
             # fallback if capturing fails)
             compile_decode = self.device.type == "cuda" and not cuda_graphs
-        # Decode is the hot loop (one token per row per call): compiled on CUDA only; on the CPU eager, through
-        # engines/embedded/fast_decode.py where it is exact for the model (its logits equal the forward's).
-        self.decode_fn = compiled_decode(model) if compile_decode else plain_decode(model)
+        # Decode is the hot loop (one token per row per call): compiled on CUDA only, with dynamic shapes as rows join
+        # and leave; dynamic_compile keeps duck sizing from tying the batch's rows to its cache's at the first call
+        # (a plain dynamic compile traced the demo's decode three times, this twice: the last one for a single row).
+        # On the CPU eager, through engines/embedded/fast_decode.py where it is exact for the model.
+        self.decode_fn = dynamic_compile(model.forward) if compile_decode else plain_decode(model)
         # Idle pooled buffers between batches: half the KV budget (a batch's worst case counts its rebuild twice)
         idle = None if self.kv_budget is None else self.kv_budget // 2
         self.graphs = GraphDecode(model, pad_id=self.pad_id, max_idle_cells=idle) if cuda_graphs else None

@@ -38,7 +38,7 @@ def compiled_flex_attention(backend: str | object = None):
     """flex_attention compiled once for every size (kernels.device.dynamic_compile), one per backend."""
     backend = BACKEND if backend is None else backend
     if backend not in _compiled:
-        _compiled[backend] = dynamic_compile(flex_attention, backend=backend, what="FlexAttention over packed rows")
+        _compiled[backend] = dynamic_compile(flex_attention, backend=backend)
     return _compiled[backend]
 
 
