@@ -42,12 +42,6 @@ def compiled_flex_attention(backend: str | object = None):
     return _compiled[backend]
 
 
-def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """[B, Hkv, N, D] -> [B, Hkv * n_rep, N, D], each KV head repeated for its query heads (transformers' order)."""
-    b, h, n, d = x.shape
-    return x if n_rep == 1 else x[:, :, None].expand(b, h, n_rep, n, d).reshape(b, h * n_rep, n, d)
-
-
 def packed_flex_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           attention_mask, scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers attention function for "flex_attention": query [B, H, N, D], key/value [B, Hkv, N, D], a
@@ -57,8 +51,8 @@ def packed_flex_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
         return flex_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     heads = query.shape[1]
     gqa = (heads & (heads - 1)) == 0  # as transformers: flex's GQA for a power-of-two query head count only
-    if not gqa:
-        key, value = _repeat_kv(key, heads // key.shape[1]), _repeat_kv(value, heads // value.shape[1])
+    if not gqa:  # each KV head repeated for its query heads (transformers' repeat_kv order)
+        key, value = key.repeat_interleave(heads // key.shape[1], 1), value.repeat_interleave(heads // key.shape[1], 1)
     attend = flex_attention if torch.compiler.is_compiling() else compiled_flex_attention()
     out = attend(query, key, value, block_mask=attention_mask, enable_gqa=gqa, scale=scaling,
                  kernel_options=kwargs.get("kernel_options"))
