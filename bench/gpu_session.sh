@@ -49,14 +49,14 @@ DEMO=(-m trainer demo --set sft.num_steps=100 --set rl.num_steps=30)
 # [logging] profile_steps: a torch.profiler trace of SFT's and RL's steps 20-21 (host ops, kernels and waits on one
 # timeline: what py-spy's Python stacks cannot show), beside py-spy's whole-run stacks
 PROFILED=(--set "logging.profile_steps=[20, 21]" --set output_dir=/tmp/gs_demo)
-# dynamo's recompiles into the demos' logs: the engine's compiled decode and FlexAttention should compile once each
-# (per grad mode and mask), kernels.device.dynamic_compile; a "Recompiling" line names the guard that failed
-export TORCH_LOGS=recompiles
+# dynamo's recompiles into the demos' logs (kernels.device.dynamic_compile: the engine's decode twice, FlexAttention
+# once per grad mode and mask); a "Recompiling" line names the guard that failed
+RECOMPILES=(env TORCH_LOGS=recompiles)
 if command -v py-spy > /dev/null; then
-  timeout 95 py-spy record -r 200 --idle --threads --nonblocking --format raw -o "$R/demo_pyspy.txt" -- \
-    python3 "${DEMO[@]}" "${PROFILED[@]}" > "$R/demo.log" 2>&1
+  timeout 95 "${RECOMPILES[@]}" py-spy record -r 200 --idle --threads --nonblocking --format raw \
+    -o "$R/demo_pyspy.txt" -- python3 "${DEMO[@]}" "${PROFILED[@]}" > "$R/demo.log" 2>&1
 else
-  timeout 95 python3 "${DEMO[@]}" "${PROFILED[@]}" > "$R/demo.log" 2>&1
+  timeout 95 "${RECOMPILES[@]}" python3 "${DEMO[@]}" "${PROFILED[@]}" > "$R/demo.log" 2>&1
 fi
 echo "rc=$?" >> "$R/demo.log"
 for phase in sft rl; do
@@ -64,7 +64,7 @@ for phase in sft rl; do
 done
 
 stage demo_graphs
-timeout 70 python3 "${DEMO[@]}" --set engines.cuda_graphs=true --set trainer.attention=packed_sdpa \
+timeout 70 "${RECOMPILES[@]}" python3 "${DEMO[@]}" --set engines.cuda_graphs=true --set trainer.attention=packed_sdpa \
   --set output_dir=/tmp/gs_demog > "$R/demo_graphs.log" 2>&1
 echo "rc=$?" >> "$R/demo_graphs.log"
 
@@ -85,7 +85,7 @@ timeout 60 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_engine_att
 echo "rc=$?" >> "$R/new_gpu_tests.log"
 
 stage demo_compiled
-timeout 85 python3 "${DEMO[@]}" --set trainer.compile=true --set output_dir=/tmp/gs_democ > "$R/demo_compiled.log" 2>&1
+timeout 85 "${RECOMPILES[@]}" python3 "${DEMO[@]}" --set trainer.compile=true --set output_dir=/tmp/gs_democ > "$R/demo_compiled.log" 2>&1
 echo "rc=$?" >> "$R/demo_compiled.log"
 for d in gs_demo gs_demog gs_democ; do
   mkdir -p "$R/$d"

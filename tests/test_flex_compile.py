@@ -9,7 +9,8 @@ the graphs and recompiles inductor gets), forward only: the CPU has no FlexAtten
   specialises; training rows are longer.)
 - A model on it gives packed_sdpa's logits on plain and shared-prompt (tree) rows, at 4 query heads (GQA inside
   flex) and 6 (the KV heads repeated, as transformers repeats them for a head count that is not a power of two).
-- Calls it does not take (no BlockMask; a softcap) are transformers' flex_attention_forward's, call for call.
+- Calls it does not take (no BlockMask; a softcap, attention sinks, a position bias, dropout) are transformers'
+  flex_attention_forward's, call for call.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def test_calls_without_a_block_mask_or_with_a_softcap_are_transformers(monkeypat
     seen = []
 
     def recording(module, query, key, value, attention_mask, scaling=None, **kwargs):
-        seen.append((attention_mask, kwargs.get("softcap")))
+        seen.append((attention_mask, kwargs.get("softcap")))  # a call made by transformers' function
         return query.transpose(1, 2), None
 
     monkeypatch.setattr(flex, "flex_attention_forward", recording)
@@ -118,5 +119,8 @@ def test_calls_without_a_block_mask_or_with_a_softcap_are_transformers(monkeypat
     mask = flex_block_mask(torch.zeros(8, dtype=torch.long))
     dense = torch.zeros(1, 1, 8, 8)
     flex.packed_flex_attention(None, q, k, v, dense, scaling=0.5)
-    flex.packed_flex_attention(None, q, k, v, mask, scaling=0.5, softcap=30.0)
-    assert seen == [(dense, None), (mask, 30.0)]
+    modifiers = ({"softcap": 30.0}, {"s_aux": torch.zeros(2)}, {"position_bias": torch.zeros(1, 2, 8, 8)},
+                 {"dropout": 0.1})
+    for kw in modifiers:
+        flex.packed_flex_attention(None, q, k, v, mask, scaling=0.5, **kw)
+    assert [m for m, _ in seen] == [dense, *[mask] * len(modifiers)] and seen[1][1] == 30.0

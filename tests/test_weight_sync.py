@@ -11,8 +11,9 @@ import trio
 from engines.embedded.presets import build_tiny_model
 from engines.protocol import EngineError
 from engines.weight_sync.receiver import WeightReceiver
-from engines.weight_sync.wire import ALIGN, WeightMeta, WeightSyncError, dtype_from_wire, plan_buckets
+from engines.weight_sync.wire import ALIGN, WeightMeta, WeightSyncError, copy_all, dtype_from_wire, plan_buckets
 from trainer.weight_sync import WeightSyncSender
+from trainer.weight_sync import sender as sender_mod
 
 
 def test_plan_buckets_layout_is_aligned_disjoint_and_in_bounds():
@@ -90,9 +91,13 @@ def _perturb(model, seed):
             p.add_(torch.randn(p.shape, generator=g) * 0.01)
 
 
-@pytest.mark.parametrize("mode,bucket_bytes,n_engines", [("bucketed", 16 << 10, 1), ("bucketed", 512 << 20, 2),
-                                                         ("per_tensor", 512 << 20, 1)])
-def test_sync_in_process_makes_weights_bitwise_equal(mode, bucket_bytes, n_engines):
+@pytest.mark.parametrize("mode,bucket_bytes,n_engines,pack_bytes",
+                         [("bucketed", 16 << 10, 1, None), ("bucketed", 16 << 10, 1, 2 << 10),
+                          ("bucketed", 512 << 20, 2, None), ("per_tensor", 512 << 20, 1, None)])
+def test_sync_in_process_makes_weights_bitwise_equal(mode, bucket_bytes, n_engines, pack_bytes, monkeypatch):
+    """pack_bytes: the sender copies what it holds into the slot every 2 KiB, mid-bucket (PACK_BYTES)."""
+    if pack_bytes is not None:
+        monkeypatch.setattr(sender_mod, "PACK_BYTES", pack_bytes)
     trainer = build_tiny_model(seed=1)
     _perturb(trainer, 123)
     engines = [InProcessEngine(build_tiny_model(seed=1)) for _ in range(n_engines)]
@@ -267,3 +272,27 @@ def test_both_senders_share_the_weight_sync_protocol(tmp_path):
     assert disk.sync() == 5 and disk.weight_version == 5 and disk.last_sync_s >= 0
     assert sorted(os.listdir(disk.folder)) == ["v5"] and os.path.dirname(disk.folder) == str(tmp_path)
     disk.close()
+
+
+def test_copy_all_equals_copying_one_by_one():
+    """wire.copy_all (the sender's pack, the engine's load): each dst equal to dst.copy_(src) on fresh random values,
+    with casts, a strided dst, a broadcast src, and dsts of mixed dtypes (copied one by one)."""
+    g = torch.Generator().manual_seed(9)
+
+    def case(mixed: bool):
+        base = torch.zeros(6, 10)
+        dsts = [torch.zeros(3, 4), base[:, ::2], torch.zeros(5, 7, dtype=torch.bfloat16 if mixed else torch.float32),
+                torch.zeros(4, 3)]
+        srcs = [torch.randn(3, 4, generator=g), torch.randn(6, 5, generator=g), torch.randn(5, 7, generator=g),
+                torch.randn(3, generator=g)]
+        return dsts, srcs
+
+    for mixed in (False, True):
+        dsts, srcs = case(mixed)
+        want = [d.clone().copy_(s) for d, s in zip(dsts, srcs)]
+        copy_all(dsts, srcs)
+        for d, w in zip(dsts, want):
+            assert d.dtype == w.dtype and torch.equal(d, w)
+    copy_all([], [])  # nothing to copy is no error
+    with pytest.raises(AssertionError):
+        copy_all([torch.zeros(2)], [])

@@ -24,6 +24,7 @@ from engines.weight_sync.wire import (
     bucket_members,
     build_group,
     connect_channel,
+    copy_all,
     create_store,
     device_identity,
     dtype_from_wire,
@@ -292,10 +293,7 @@ def disk_targets(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str
     return {n: params[n] for n in tensors if n in params}
 
 
-@torch.no_grad()
 def load_into(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-    """Copy each value into its target, casting where the engine serves another dtype than the trainer sent: one
-    foreach copy (on CUDA a few kernels for a bucket's tensors, not one launch each)."""
-    assert len(targets) == len(values), (len(targets), len(values))
-    if targets:
-        torch._foreach_copy_(targets, values)
+    """Copy each value into its target, casting where the engine serves another dtype than the trainer sent
+    (wire.copy_all: one foreach copy where it can)."""
+    copy_all(targets, values)

@@ -246,6 +246,21 @@ def unpack_bucket(meta: WeightMeta, indices, bucket: torch.Tensor) -> list[torch
     return out
 
 
+@torch.no_grad()
+def copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """dsts[i].copy_(srcs[i]) for every i (casting where the dtypes differ), as one foreach copy where the dsts share
+    a dtype and so do the srcs: on CUDA a few kernels for a bucket's tensors instead of one launch each. Mixed dtypes
+    copy one by one (CUDA's foreach copy took its kernel from the first dst's dtype before pytorch#173531)."""
+    assert len(dsts) == len(srcs), (len(dsts), len(srcs))
+    if not dsts:
+        return
+    if len({t.dtype for t in dsts}) == 1 and len({t.dtype for t in srcs}) == 1:
+        torch._foreach_copy_(dsts, srcs)
+        return
+    for d, s in zip(dsts, srcs):
+        d.copy_(s)
+
+
 # ----------------------------------------------------------------------------------------------- process group
 def create_store(master_address: str, master_port: int, *, is_master: bool, timeout_s: float) -> dist.TCPStore:
     """The rendezvous store: trainer rank 0 hosts it (port 0 = pick a free one; read `store.port`).

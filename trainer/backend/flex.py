@@ -51,7 +51,7 @@ def packed_flex_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
         return flex_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     heads = query.shape[1]
     gqa = (heads & (heads - 1)) == 0  # as transformers: flex's GQA for a power-of-two query head count only
-    if not gqa:  # each KV head repeated for its query heads (transformers' repeat_kv order)
+    if not gqa and heads != key.shape[1]:  # each KV head repeated for its query heads (transformers' order)
         key, value = key.repeat_interleave(heads // key.shape[1], 1), value.repeat_interleave(heads // key.shape[1], 1)
     attend = flex_attention if torch.compiler.is_compiling() else compiled_flex_attention()
     out = attend(query, key, value, block_mask=attention_mask, enable_gqa=gqa, scale=scaling,

@@ -47,6 +47,7 @@ from engines.weight_sync.wire import (
     WeightSyncError,
     broadcast_async,
     build_group,
+    copy_all,
     create_slots,
     create_store,
     device_identity,
@@ -76,6 +77,8 @@ from trainer.weight_sync.common import (
 from trainer.weight_sync.disk import DiskWeightSync
 
 TRANSPORTS = ("auto", "broadcast", "colocated")
+# The gathered tensors a sync holds before copying them into a slot (they are copied together: one foreach copy)
+PACK_BYTES = 16 << 20
 BUCKETING_MODES = ("auto", "bucketed", "per_tensor")  # WeightSyncSender(mode=...): the broadcast's wire format
 LORA_SYNCS = ("auto", "adapters", "merged")  # WeightSyncSender(lora=...): what a LoRA model sends
 
@@ -482,22 +485,27 @@ class WeightSyncSender:
         views = self._slot_views()
         inflight: list = [None, None]  # per slot: the broadcast work of the bucket it holds
         current = -1
-        # The bucket's copies, issued together once it is complete (one foreach copy: on CUDA a few kernels for the
-        # bucket's tensors instead of one launch each). Holds at most a bucket's worth of gathered tensors.
+        # A bucket's copies go together (wire.copy_all: on CUDA a few kernels for its tensors instead of one launch
+        # each), issued once PACK_BYTES of them are held (a gathered or cast tensor is an allocation of its own, so
+        # holding a whole bucket's would raise the sync's peak memory by a bucket) and when the bucket is complete.
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
+        held = 0
         for i, t in gathered:
             for e in self._entries[i]:  # one entry, or the row chunks of a parameter larger than a bucket
                 b = self.meta.bucket_index[e]
                 if b != current:
                     if current >= 0:
-                        _pack(dsts, srcs)
+                        held = _pack(dsts, srcs)
                         inflight[current % 2] = self._hand_out(current, calls, on_bucket)
                     current = b
                     self._free_slot(b, inflight, calls)
                 shape = self.meta.shapes[e]
                 dsts.append(views[b % 2][e])
                 srcs.append(t if tuple(t.shape) == shape else t.narrow(0, self.meta.rows[e], shape[0]))
+                held += srcs[-1].numel() * srcs[-1].element_size()
+                if held >= PACK_BYTES:
+                    held = _pack(dsts, srcs)
             if self.per_tensor and self.group is not None:  # stock engines beside colocated ones: one per tensor
                 wait_work(broadcast_async(self.group, t.contiguous()), timeout_s=self.timeout_s,
                           what=f"broadcast of {self.meta.names[self._entries[i][0]]}", check=calls.check)
@@ -547,12 +555,12 @@ class WeightSyncSender:
         return work
 
 
-def _pack(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """Copy srcs into their slot views dsts (same shapes and dtypes), then empty both lists."""
-    if dsts:
-        torch._foreach_copy_(dsts, srcs)
+def _pack(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> int:
+    """Copy srcs into their slot views dsts (same shapes), then empty both lists; returns the bytes now held (0)."""
+    copy_all(dsts, srcs)
     dsts.clear()
     srcs.clear()
+    return 0
 
 
 def shares_gpu(ours: dict, gpus: Sequence[str] | None) -> bool:
