@@ -18,7 +18,8 @@
 #                    time_generate_s / time_train_s and SFT's first step tell the two apart;
 #   engine_decode    bench_generate.py's engine decode eager vs graphs vs compiled (greedy, full size), and
 #                    bench_decode_attention.py (the decode attention without repeat_kv's copies);
-#   new_gpu_tests    this round's gpu tests on their own (graph capture, KV budget, packed_sdpa vs flex, compiled step);
+#   new_gpu_tests    this round's gpu tests on their own (graph capture, KV budget, packed_sdpa vs flex, the compile
+#                    counts of FlexAttention and the engine's decode, compiled step);
 #   demo_compiled    a short demo with compile on (item 5: the compiled trainer on CUDA);
 #   gpu_check        every gpu test and the weight sync.
 # Each stage copies what came before to $OUT/run; the end writes $OUT/all.tgz and prints the stage times.
@@ -64,7 +65,7 @@ for phase in sft rl; do
 done
 
 stage demo_graphs
-timeout 70 "${RECOMPILES[@]}" python3 "${DEMO[@]}" --set engines.cuda_graphs=true --set trainer.attention=packed_sdpa \
+timeout 60 "${RECOMPILES[@]}" python3 "${DEMO[@]}" --set engines.cuda_graphs=true --set trainer.attention=packed_sdpa \
   --set output_dir=/tmp/gs_demog > "$R/demo_graphs.log" 2>&1
 echo "rc=$?" >> "$R/demo_graphs.log"
 
@@ -79,13 +80,14 @@ echo "rc=$?" >> "$R/bench_decode_attention.log"
 stage new_gpu_tests  # this round's gpu tests first, on their own (gpu_check below runs every gpu test again)
 # -v: a line per test as it ends (the JUnit XML is written only at the end, which a timeout never reaches); the
 # compiled trainer's test (inductor's compile: the slowest) last
-timeout 60 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_engine_attention.py tests/test_cuda_graphs.py \
-  tests/test_kv_budget.py tests/test_attention_choice.py tests/test_trainer_core.py \
+timeout 80 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_engine_attention.py tests/test_cuda_graphs.py \
+  tests/test_kv_budget.py tests/test_attention_choice.py tests/test_flex_compile.py tests/test_decode_batch.py \
+  tests/test_trainer_core.py \
   --junitxml="$R/new_gpu_tests.xml" > "$R/new_gpu_tests.log" 2>&1
 echo "rc=$?" >> "$R/new_gpu_tests.log"
 
 stage demo_compiled
-timeout 85 "${RECOMPILES[@]}" python3 "${DEMO[@]}" --set trainer.compile=true --set output_dir=/tmp/gs_democ > "$R/demo_compiled.log" 2>&1
+timeout 75 "${RECOMPILES[@]}" python3 "${DEMO[@]}" --set trainer.compile=true --set output_dir=/tmp/gs_democ > "$R/demo_compiled.log" 2>&1
 echo "rc=$?" >> "$R/demo_compiled.log"
 for d in gs_demo gs_demog gs_democ; do
   mkdir -p "$R/$d"

@@ -426,12 +426,12 @@ def test_the_reference_recorder_sees_host_reads():
 
 
 # ------------------------------------------------------------------------------------------------ compiled decode
-def _compiled_decode_rows(g: torch.Generator) -> list[Row]:
+def _compiled_decode_rows(g: torch.Generator, **fields) -> list[Row]:
     """Six rows of 1-8 prompt tokens and 4-29 new ones: joined two a step, they finish one by one, so a run decodes
     2 rows first (as many as the cache's rows and the tiny model's KV heads: the sizes duck sizing would tie), then
-    more, fewer, and its last row alone."""
+    more, fewer, and its last row alone. fields: the rows' sampling (temperature=0.0: greedy)."""
     return [_random_row(g, 1000, prompt=tuple(torch.randint(6, 200, (int(n),), generator=g).tolist()),
-                        max_new_tokens=int(m))
+                        max_new_tokens=int(m), **fields)
             for n, m in zip(torch.randint(1, 9, (6,), generator=g), torch.randint(4, 30, (6,), generator=g))]
 
 
@@ -520,6 +520,31 @@ def test_decode_steps_on_cuda_issue_no_host_sync_but_the_read():
     tok, _ = sample_with_logprobs(logits, params, rows, torch.tensor(positions, device="cuda"))
     for i, row in enumerate(rows):
         assert int(tok[i]) == _reference_sample(logits[i], row, positions[i])[0]
+
+
+@pytest.mark.gpu
+def test_the_compiled_decode_on_cuda_is_two_graphs():
+    """On CUDA, inductor (the server's decode there): kernels.device.dynamic_compile gives eager's greedy tokens and
+    log-probs over ~30 steps at 1 to 5 rows, in two graphs (rows >= 2, then one row; a plain dynamic compile of the
+    same forward traces three on the CPU). fp32, so the tokens are comparable; the engine's attention as served."""
+    from torch._dynamo.utils import counters
+
+    from engines.embedded.attention import use_engine_attention
+    from kernels.device import dynamic_compile
+
+    model = build_tiny_model(6, arch="llama").cuda()
+    use_engine_attention(model)
+    rows = _compiled_decode_rows(torch.Generator().manual_seed(12), temperature=0.0, top_k=-1, top_p=1.0)
+    eager, _ = _decode_all(model, rows, None)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, sizes = _decode_all(model, rows, dynamic_compile(model.forward))
+    assert sizes[1] > 0 and max(sizes) >= 4, sizes
+    for i in range(len(rows)):
+        assert compiled[i].output_ids == eager[i].output_ids
+        torch.testing.assert_close(torch.tensor(compiled[i].logprobs), torch.tensor(eager[i].logprobs), atol=1e-4,
+                                   rtol=0)
+    assert counters["stats"]["unique_graphs"] <= 2 and not counters["graph_break"], dict(counters)
 
 
 def test_padding_chunks_bound_the_padding_and_cover_every_row():

@@ -82,6 +82,43 @@ def test_flex_over_packed_rows_is_one_graph_for_every_length(aot_eager):
     assert graphs == {"transformers": 3, "ours": 1}, graphs
 
 
+@pytest.mark.gpu
+def test_flex_over_packed_rows_on_cuda_compiles_once_per_grad_mode():
+    """On CUDA, inductor (FlexAttention's Triton templates): packed rows of four lengths, bf16, forward and backward,
+    then forward under no_grad: one graph for each, the outputs and gradients as SDPA's under the dense
+    block-causal mask (float32, bf16 tolerances)."""
+    from torch._dynamo.utils import counters
+
+    from trainer.backend.attention import block_causal_mask
+
+    torch._dynamo.reset()
+    counters.clear()
+    fn = flex.compiled_flex_attention("inductor")
+    g = torch.Generator().manual_seed(4)
+    for grad in (True, False):
+        for lengths in ([90, 40, 126], [30, 5, 60, 1, 70], [200, 180], [17, 300, 50]):
+            with use_backend("torch"):
+                batch = pack_batch(random_sequences(sum(lengths), lengths), pad_to=_bucketed(lengths))
+            n = batch.padded_len
+            qkv = [torch.randn(1, h, n, 64, generator=g).cuda().bfloat16().requires_grad_(grad) for h in (4, 2, 2)]
+            mask = flex_block_mask(batch.seq_index.cuda())
+            with torch.set_grad_enabled(grad):
+                out = fn(*qkv, block_mask=mask, enable_gqa=True)
+            ref_in = [t.detach().float().requires_grad_(grad) for t in qkv]
+            dense = block_causal_mask(batch.seq_index.cuda())
+            with torch.set_grad_enabled(grad):
+                ref = torch.nn.functional.scaled_dot_product_attention(*ref_in, attn_mask=dense, enable_gqa=True)
+            real = batch.seq_index.cuda() >= 0
+            torch.testing.assert_close(out.float()[:, :, real], ref[:, :, real], atol=2e-2, rtol=2e-2)
+            if grad:
+                up = torch.randn(out.shape, generator=g).cuda()
+                got = torch.autograd.grad(out.float(), qkv, up.bfloat16().float())
+                want = torch.autograd.grad(ref, ref_in, up)
+                for a, b in zip(got, want):
+                    assert (a.float() - b).norm() / b.norm() < 1e-2  # design.md: bf16 gradients
+    assert counters["stats"]["unique_graphs"] <= 2 and not counters["graph_break"], dict(counters)
+
+
 def _model(attn: str, heads: int, seed: int = 0):
     cls = LlamaConfig if heads == 6 else Qwen2Config
     cfg = cls(vocab_size=V, hidden_size=96 if heads == 6 else 64, intermediate_size=128, num_hidden_layers=2,
