@@ -20,6 +20,8 @@ Not returned: the log-sum-exp transformers asks flex for on CUDA (its attention 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface
@@ -34,7 +36,7 @@ _SCORE_KWARGS = ("softcap", "s_aux", "position_bias")
 _compiled: dict = {}  # backend -> flex_attention through dynamic_compile
 
 
-def compiled_flex_attention(backend: str | object = None):
+def compiled_flex_attention(backend: str | Callable | None = None) -> Callable:
     """flex_attention compiled once for every size (kernels.device.dynamic_compile), one per backend."""
     backend = BACKEND if backend is None else backend
     if backend not in _compiled:
