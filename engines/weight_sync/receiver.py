@@ -36,6 +36,7 @@ from engines.weight_sync.wire import (
     recv_seq,
     send_seq,
     shutdown_group,
+    slot_views,
     unpack_bucket,
     wait_work,
 )
@@ -185,7 +186,7 @@ class WeightReceiver:
             raise ValueError(f"bucket of {max(meta.bucket_nbytes)} bytes exceeds the attached slots ({cap} bytes)")
         stream = torch.cuda.current_stream(self.device) if c.events is not None else None
         if c.views_meta != meta:
-            c.views = [unpack_bucket(meta, range(len(meta.names)), slot) for slot in c.slots]
+            c.views = slot_views(meta, c.slots)
             c.views_meta = meta
         for k, members in enumerate(bucket_members(meta)):
             got = recv_seq(c.sock, timeout_s=c.timeout_s, what=f"waiting for bucket {k}")

@@ -246,6 +246,12 @@ def unpack_bucket(meta: WeightMeta, indices, bucket: torch.Tensor) -> list[torch
     return out
 
 
+def slot_views(meta: WeightMeta, slots: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Per slot (a uint8 buffer any of `meta`'s buckets may occupy), every entry's view in it: what the colocated
+    sender packs into and the engine loads from, made once per plan (a bucket's copy then makes no view)."""
+    return [unpack_bucket(meta, range(len(meta.names)), slot) for slot in slots]
+
+
 @torch.no_grad()
 def copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     """dsts[i].copy_(srcs[i]) for every i (casting where the dtypes differ), as one foreach copy where the dsts share

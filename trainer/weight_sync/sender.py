@@ -60,7 +60,7 @@ from engines.weight_sync.wire import (
     remove_channel,
     send_seq,
     shutdown_group,
-    unpack_bucket,
+    slot_views,
     wait_work,
 )
 from trainer.weight_sync.common import (
@@ -474,7 +474,7 @@ class WeightSyncSender:
         into slot b % 2): built once per slots and plan, so packing a bucket makes no view."""
         slots, meta, views = self._views
         if slots is not self._slots or meta is not self.meta:
-            views = [unpack_bucket(self.meta, range(len(self.meta.names)), slot) for slot in self._slots]
+            views = slot_views(self.meta, self._slots)
             self._views = (self._slots, self.meta, views)
         return views
 
