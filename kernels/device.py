@@ -169,28 +169,33 @@ def release_host_threads() -> bool:
     return pause is not None and pause(1) == 0  # 1: omp_pause_soft (the runtime may start them again)
 
 
-# dynamic_compile's calls, one at a time: the duck-sizing flag they set is process-wide in torch <= 2.11 (the GPU
+# without_duck_sizing's calls, one at a time: the duck-sizing flag they set is process-wide in torch <= 2.11 (the GPU
 # image's), where two threads' set-and-restore could interleave and leave it off, or restore it under a trace
 _NO_DUCK_LOCK = threading.RLock()
 
 
 def dynamic_compile(fn: Callable, *, backend: str | Callable = "inductor") -> Callable:
-    """torch.compile(fn, dynamic=True, backend=backend), called with duck sizing off.
+    """torch.compile(fn, dynamic=True, backend=backend), called with duck sizing off (`without_duck_sizing`).
 
     A dynamic compile alone still specialises where sizes coincide at its first call: duck sizing gives sizes that
     happen to be equal one symbol (a packed row's block count and the KV heads; a decode batch's rows and its
     cache's), so a later call where they differ recompiles, or a dimension is traced as a constant because its twin
-    was (the heads are). Each is an inductor compile: seconds on a cold CUDA machine. Duck sizing is read only while
-    dynamo traces, so each call turns it off and back (~4 us, torch's closure patcher): for the calling thread in
-    torch >= 2.12, process-wide before, so the calls hold one lock (the engine's decode and the trainer's attention
-    can run on two threads). Another thread's compile may then trace with duck sizing off too: fewer specialisations,
-    the same results.
+    was (the heads are). Each is an inductor compile: seconds on a cold CUDA machine.
 
     Left as it is: a size traced at >= 2 guards `2 <= size` (0/1 specialisation), so the first call with a size of
     1 compiles once more. Unbacked sizes would avoid that, but the CUDA SDPA's size checks guard on them."""
+    return without_duck_sizing(torch.compile(fn, dynamic=True, backend=backend))
+
+
+def without_duck_sizing(compiled: Callable) -> Callable:
+    """`compiled` (a torch.compile'd callable), each call traced with duck sizing off: a dynamic size gets a symbol
+    of its own even where it equals another at that call. Duck sizing is read only while dynamo traces, so each
+    call turns it off and back (~4 us, torch's closure patcher): for the calling thread in torch >= 2.12,
+    process-wide before, so the calls hold one lock (the engine's decode and the trainer's blocks can run on two
+    threads). Another thread's compile may then trace with duck sizing off too: fewer specialisations, the same
+    results."""
     import torch.fx.experimental._config as fx_config
 
-    compiled = torch.compile(fn, dynamic=True, backend=backend)
     no_duck = fx_config._make_closure_patcher(use_duck_shape=False)
 
     def call(*args, **kwargs):

@@ -144,6 +144,50 @@ def test_a_model_on_flex_attention_gives_packed_sdpas_logits(aot_eager, heads):
     assert _graphs(flex_attention) >= 1  # the calls went through the compiled function
 
 
+def _rows(seed: int) -> list:
+    """(PackedBatch, PromptTrees or None): plain rows of four lengths (one a single sequence), then shared-prompt
+    (tree) rows."""
+    with use_backend("torch"):
+        plain = [(pack_batch(random_sequences(seed + i, lengths), pad_to=-(-sum(lengths) // 128) * 128), None)
+                 for i, lengths in enumerate(([90, 40, 126], [500], [30, 5, 60, 1, 70, 200], [700, 20]))]
+        mbs = build_shared_micro_batches(grouped_samples(seed, groups=60), token_budget=512, bucket_size=128)
+    trees = [(mb.row, mb.trees) for mb in mbs]
+    assert len({b.padded_len for b, _ in plain}) >= 4 and len({b.padded_len for b, _ in trees}) >= 2
+    return plain + trees
+
+
+def test_compiled_blocks_on_flex_attention_trace_one_graph_for_every_row_length(aot_eager):
+    """compile_blocks over FlexAttention (the CUDA default without flash-attn), forward under no_grad (the KL
+    reference's): one graph for every row length of the document mask and one for the tree mask, where dynamo's
+    default traces the first length static too (the BlockMask's lengths are plain ints, which it guards on); the
+    hidden states equal the eager model's."""
+    from torch._dynamo.utils import counters
+
+    from trainer.backend.attention import packed_hidden_states
+    from trainer.backend.parallel import ParallelConfig, compile_blocks
+
+    eager, rows = _model("flex_attention", 4), _rows(5)
+    with torch.no_grad():
+        wants = [packed_hidden_states(eager, batch, trees)[:batch.num_tokens] for batch, trees in rows]
+    graphs = {}
+    for name in ("dynamo's default", "ours"):
+        model = _model("flex_attention", 4)
+        if name == "ours":
+            compile_blocks(model, ParallelConfig(compile_backend="aot_eager"))
+        else:
+            for block in model.model.layers:
+                block.forward = torch.compile(block.forward, backend="aot_eager")
+        torch._dynamo.reset()
+        counters.clear()
+        with torch.no_grad():
+            for (batch, trees), want in zip(rows, wants):
+                got = packed_hidden_states(model, batch, trees)[:batch.num_tokens]
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        graphs[name] = counters["stats"]["unique_graphs"]
+    # dynamo's default: the document mask static, then dynamic, then the tree mask (dynamic by then); ours one each
+    assert graphs == {"dynamo's default": 3, "ours": 2}, graphs
+
+
 def test_calls_without_a_block_mask_or_with_a_softcap_are_transformers(monkeypatch):
     seen = []
 

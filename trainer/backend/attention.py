@@ -56,7 +56,8 @@ from transformers.masking_utils import sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kernels.packing import PackedBatch, host_to_device
-from trainer.backend import flex  # noqa: F401 - registers packed_flex_attention over "flex_attention"
+from trainer.backend import flex  # also registers packed_flex_attention over "flex_attention"
+from trainer.backend.parallel import blocks_compiled
 from trainer.backend.sdpa_chunks import (
     branch_owned_chunks,
     branch_segments,
@@ -185,8 +186,10 @@ def _block_mask(partial: torch.Tensor, full: torch.Tensor, mask_mod: Callable, n
         cols = torch.argsort(t, dim=-1, descending=True, stable=True)
         return t.sum(-1, dtype=torch.int32), cols.to(torch.int32)
 
-    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=block_size, mask_mod=mask_mod,
+    mask = BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=block_size, mask_mod=mask_mod,
                                     seq_lengths=(n, n))
+    setattr(mask, flex.PACKED_ROW, True)  # its lengths are the row's (flex.packed_flex_attention)
+    return mask
 
 
 def flex_block_mask(seq_index: torch.Tensor, block_size: int = 128):
@@ -597,11 +600,6 @@ def _model_dtype(model) -> torch.dtype:
 SHARED_PROMPT_IMPLS = (PACKED_SDPA, "sdpa", "eager", "flex_attention", *_FLASH)  # paths with a tree layout
 
 
-def _blocks_compiled(model) -> bool:
-    """Whether any module of `model` runs compiled (trainer.backend.parallel.compile_blocks: Module.compile)."""
-    return any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
-
-
 def supports_shared_prompts(model) -> bool:
     """Whether the model's attn_implementation can run the shared-prompt layout (trainer.batching.shared_prompt).
 
@@ -617,7 +615,7 @@ def _tree_attention_kwargs(impl: str, model, batch: PackedBatch, trees: PromptTr
         dev = batch.input_ids.device
         kw = {"attention_mask": packed_placeholder_mask(dev)}
         dtype = _model_dtype(model)
-        if not _blocks_compiled(model):  # eager: each branch's owned queries, in chunks of alike shapes
+        if not blocks_compiled(model):  # eager: each branch's owned queries, in chunks of alike shapes
             live = sum(1 for q in owned_queries(trees.paths) if q)
             queries = batch.num_tokens / max(1, live)  # each real token: one query
             # Short answers take the tree without building the owned layout (a few ms of host work a forward).
@@ -672,13 +670,17 @@ def packed_attention_kwargs(model, batch: PackedBatch, trees: PromptTrees | None
         # The empty 4D placeholder: transformers passes it through (no position_ids packing detection, no
         # mask.all() check: no host sync), so no N x N tensor exists; the segments travel as the two index tensors.
         kw["attention_mask"] = packed_placeholder_mask(ids.device)
-        segments = sum(1 for n in batch.lengths if n > 0) + (batch.padded_len > batch.num_tokens)
-        if segments > 1 and not _blocks_compiled(model):  # sequences in batches of alike lengths (sdpa_chunks)
+        real = sum(1 for n in batch.lengths if n > 0)
+        if blocks_compiled(model):
+            # One padded batch (no data-dependent number of SDPA calls to specialise), for a row of one sequence
+            # too: every row then calls the blocks with the same arguments, so one graph serves them all (a row
+            # of one sequence still compiles once more: its batch of 1 specialises, see compile_blocks).
+            if real:
+                gather, scatter = packed_segment_indices(batch.seq_index, batch.lengths)
+                kw.update(packed_gather_index=gather, packed_scatter_index=scatter)
+        elif real + (batch.padded_len > batch.num_tokens) > 1:  # sequences in batches of alike lengths (sdpa_chunks)
             gather, scatter, chunks = plain_chunked_indices(batch.lengths, batch.padded_len, ids.device)
             kw.update(packed_gather_index=gather, packed_scatter_index=scatter, packed_chunks=chunks)
-        elif segments > 1:  # compiled blocks: one padded batch (no data-dependent number of SDPA calls to specialise)
-            gather, scatter = packed_segment_indices(batch.seq_index, batch.lengths)
-            kw.update(packed_gather_index=gather, packed_scatter_index=scatter)
         # else one plain causal sequence (or an all-padding row): sdpa with is_causal
     elif impl == "sdpa":
         kw["attention_mask"] = block_causal_mask(batch.seq_index, torch.bool)

@@ -19,14 +19,16 @@ from __future__ import annotations
 import dataclasses
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.attention.flex_attention import BlockMask
 
+from kernels.device import without_duck_sizing
 from trainer.backend.memory import auto_activation_checkpointing
 
 ROOT_PREFIX = "lm."
@@ -46,7 +48,10 @@ class ParallelConfig:
 
     compile: bool = True  # torch.compile each decoder block
     compile_backend: str = "inductor"  # tests on CPU use "aot_eager" (same graphs and recompiles, no C++ build)
-    compile_dynamic: bool | None = None  # None: dynamo's default (static first, dynamic after a shape change)
+    # None: the packed row's sizes dynamic from the first call (one graph for every packed length: compile_blocks);
+    # True: every size and module constant a symbol (torch.compile's dynamic=True); False: static, one graph per
+    # bucketed length
+    compile_dynamic: bool | None = None
     # Recompute each block's activations in the backward (less memory, one more forward of each block). Unset
     # (auto): on for models above 1B parameters, whose saved activations outgrow the rest (trainer.backend.memory).
     activation_checkpointing: bool | None = None
@@ -156,9 +161,67 @@ def apply_ac(model: nn.Module) -> None:
 
 
 def compile_blocks(model: nn.Module, config: ParallelConfig) -> None:
-    """torch.compile each decoder block in place (`Module.compile`, so state-dict keys do not change)."""
+    """torch.compile each decoder block's forward in place (an attribute of the instance: state-dict keys do not
+    change, and FSDP2's hooks run around it, uncompiled, as they would graph-break anyway); the blocks of a class
+    share its graphs.
+
+    compile_dynamic None (the default): the packed row's sizes are dynamic from the first call, duck sizing off.
+    dynamo's own default compiles the first row length static, then again dynamic: two inductor compiles of the
+    block's forward and backward, per grad mode and attention layout, where the static one serves only rows of
+    that length (every later step runs the dynamic one). `dynamic=True` instead makes everything a symbol, module
+    constants and FSDP's buffers included (4x the trace time on the CPU test). So each call marks the sizes of its
+    tensor arguments dynamic (`_mark_dynamic`): the hidden states, position embeddings and packing indices, and a
+    FlexAttention BlockMask's tables and the tensors its mask_mod reads; the ones that are really constant (the
+    hidden size, the head dim) are specialised by the first op against a weight. Duck sizing would tie sizes that
+    coincide at that call (a row of 2048 tokens and a hidden size of 2048, then traced as a constant).
+    Left: a size of 1 specialises (a packed_sdpa row of one sequence is a batch of 1: it compiles once more).
+    """
     for block in decoder_layers(model):
-        block.compile(backend=config.compile_backend, dynamic=config.compile_dynamic)
+        compiled = torch.compile(block.forward, backend=config.compile_backend, dynamic=config.compile_dynamic)
+        if config.compile_dynamic is None:
+            compiled = _marking_dynamic(without_duck_sizing(compiled))
+        compiled.compiled_block = True  # blocks_compiled
+        block.forward = compiled
+
+
+def blocks_compiled(model: nn.Module) -> bool:
+    """Whether compile_blocks compiled any block of `model` (the packed attention inputs differ: see
+    trainer.backend.attention.packed_attention_kwargs)."""
+    return any(getattr(m.__dict__.get("forward"), "compiled_block", False) for m in model.modules())
+
+
+def _marking_dynamic(compiled: Callable) -> Callable:
+    def call(*args, **kwargs):
+        for t in _tensors((args, kwargs)):
+            _mark_dynamic(t)
+        return compiled(*args, **kwargs)
+
+    return call
+
+
+def _mark_dynamic(t: torch.Tensor) -> None:
+    """Every size > 1 of `t` (and of the tensor it views) dynamic at dynamo's next trace of it: a mark on the tensor,
+    no trace, no copy."""
+    for d, n in enumerate(t.shape):
+        if n > 1:
+            torch._dynamo.maybe_mark_dynamic(t, d)
+    if t._base is not None:  # a view is traced as its base viewed
+        _mark_dynamic(t._base)
+
+
+def _tensors(x: Any) -> Iterator[torch.Tensor]:
+    """The tensors a block call receives: in tuples, lists, dicts, and a BlockMask (its tables and what its mask_mod
+    closes over: the row's sequence ids or tree ends)."""
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (tuple, list)):
+        for y in x:
+            yield from _tensors(y)
+    elif isinstance(x, dict):
+        yield from _tensors(tuple(x.values()))
+    elif isinstance(x, BlockMask):
+        yield from _tensors(tuple(vars(x).values()))
+        yield from _tensors(tuple(c.cell_contents for c in getattr(x.mask_mod, "__closure__", None) or ()))
 
 
 def compute_dtype(device_type: str, config: ParallelConfig) -> torch.dtype:
