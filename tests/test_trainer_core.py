@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -15,9 +14,10 @@ import torch
 import torch.nn.functional as F
 from device_support import cpu_child_env
 
+from bench.compile_counts import compiled_steps
 from engines.tiny import tiny_model_config
 from kernels import use_backend
-from trainer.backend.attention import PACKED_SDPA, _attn_implementation
+from trainer.backend.attention import PACKED_SDPA
 from trainer.backend.futures import TrainFuture
 from trainer.backend.models import load_hf_model
 from trainer.backend.steps import (
@@ -185,10 +185,10 @@ def test_compiled_blocks_trace_one_graph_for_every_packed_length():
     trace one graph for every length, and one more for rows of a single sequence (a batch of 1 specialises), where
     dynamo's default traced four (static; dynamic; the single sequence; no packing indices)."""
     with use_backend("torch"):
-        graphs, singles, impl = _compiled_step_graphs("aot_eager")
-    assert impl == PACKED_SDPA
-    assert singles == {True, False}  # the rows had both kinds
-    assert graphs == 2
+        got = compiled_steps("aot_eager")
+    assert got["attn_implementation"] == PACKED_SDPA
+    assert len(got["row_lengths"]) >= 3 and got["single_sequence_rows"] == [False, True]  # the rows varied
+    assert got["graphs"] == 2, got
 
 
 @pytest.mark.gpu
@@ -197,37 +197,10 @@ def test_the_compiled_step_on_cuda_recompiles_within_the_buckets():
     stays out of compiled blocks) trains over >= 3 packed shapes with finite losses in one graph for every length
     (FlexAttention's BlockMask lengths made dynamic: trainer.backend.flex), or packed_sdpa's two."""
     assert torch.cuda.is_available()
-    graphs, singles, impl = _compiled_step_graphs("inductor")
-    assert graphs == (len(singles) if impl == PACKED_SDPA else 1), (graphs, singles, impl)
-
-
-def _compiled_step_graphs(backend: str) -> tuple[int, set[bool], str]:
-    """10 SFT steps of 1-3 random sequences over compiled blocks -> (graphs dynamo traced, whether each row held a
-    single sequence, the attn_implementation)."""
-    from torch._dynamo.utils import counters
-
-
-    torch._dynamo.reset()
-    counters.clear()
-    budget, bucket = 128, 32
-    sft = SFTTrainingConfig(token_budget=budget, micro_batch_buckets=bucket, optim=OptimConfig(lr=1e-3))
-    cfg = trainer_config_from(sft, compile=True, compile_backend=backend)
-    comp = build_components(tiny_model_config(), cfg)
-    state, shapes, singles = TrainingState(), set(), set()
-    for step in range(10):
-        g = torch.Generator().manual_seed(step)
-        n = int(torch.randint(1, 4, (), generator=g))
-        samples = [Sample(prompt="", tokens=torch.randint(6, 90, (int(torch.randint(4, 120, (), generator=g)),),
-                                                          generator=g).tolist(), response_length=3)
-                   for _ in range(n)]
-        mbs = build_micro_batches(samples, token_budget=budget, bucket_size=bucket)
-        shapes |= {mb.row.padded_len for mb in mbs}
-        singles |= {sum(1 for n in mb.row.lengths if n > 0) == 1 for mb in mbs}
-        fut = forward_backward(comp, mbs)
-        _, state = optim_step(comp, state, num_tokens=fut.num_tokens)
-        assert math.isfinite(fut.result()["loss"])
-    assert len(shapes) >= 3, shapes  # the test really varied the packed lengths
-    return counters["stats"]["unique_graphs"], singles, _attn_implementation(comp.model)
+    got = compiled_steps("inductor")
+    assert got["device"] == "cuda" and len(got["row_lengths"]) >= 3, got
+    packed_sdpa = got["attn_implementation"] == PACKED_SDPA
+    assert got["graphs"] == (len(got["single_sequence_rows"]) if packed_sdpa else 1), got
 
 
 def test_two_ranks_match_one_process(tmp_path):
