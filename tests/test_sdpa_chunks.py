@@ -214,6 +214,8 @@ def test_compiled_blocks_keep_one_padded_batch_and_both_equal_each_sequence_alon
     on); eager blocks get the chunks. Both forwards equal each sequence run alone."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from trainer.backend.parallel import ParallelConfig, compile_blocks
+
     cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     torch.manual_seed(0)
@@ -229,7 +231,7 @@ def test_compiled_blocks_keep_one_padded_batch_and_both_equal_each_sequence_alon
         kw = packed_attention_kwargs(model, batch)
         assert "packed_chunks" in kw and kw["packed_gather_index"].dim() == 1
         eager = packed_hidden_states(model, batch)
-        model.model.layers[0].compile(backend="eager")
+        compile_blocks(model, ParallelConfig(compile_backend="eager"))
         kw = packed_attention_kwargs(model, batch)
         assert "packed_chunks" not in kw and kw["packed_gather_index"].shape == (4, 90)
         compiled = packed_hidden_states(model, batch)

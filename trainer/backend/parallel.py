@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.attention.flex_attention import BlockMask
+from torch.utils.weak import WeakIdKeyDictionary
 
 from kernels.device import without_duck_sizing
 from trainer.backend.memory import auto_activation_checkpointing
@@ -199,12 +200,20 @@ def _marking_dynamic(compiled: Callable) -> Callable:
     return call
 
 
+# Tensors and BlockMasks already marked: a forward passes the same position embeddings, packing indices and mask to
+# every block, so only the first block's call walks them (the marking is ~30 us a call otherwise)
+_MARKED = WeakIdKeyDictionary()
+
+
 def _mark_dynamic(t: torch.Tensor) -> None:
     """Every size > 1 of `t` (and of the tensor it views) dynamic at dynamo's next trace of it: a mark on the tensor,
     no trace, no copy."""
+    if t in _MARKED:
+        return
     for d, n in enumerate(t.shape):
         if n > 1:
             torch._dynamo.maybe_mark_dynamic(t, d)
+    _MARKED[t] = True
     if t._base is not None:  # a view is traced as its base viewed
         _mark_dynamic(t._base)
 
@@ -219,7 +228,8 @@ def _tensors(x: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(y)
     elif isinstance(x, dict):
         yield from _tensors(tuple(x.values()))
-    elif isinstance(x, BlockMask):
+    elif isinstance(x, BlockMask) and x not in _MARKED:
+        _MARKED[x] = True
         yield from _tensors(tuple(vars(x).values()))
         yield from _tensors(tuple(c.cell_contents for c in getattr(x.mask_mod, "__closure__", None) or ()))
 
