@@ -78,9 +78,10 @@ timeout 20 python3 -m pytest -q -p no:cacheprovider bench/bench_decode_attention
 echo "rc=$?" >> "$R/bench_decode_attention.log"
 
 stage new_gpu_tests  # this round's gpu tests first, on their own (gpu_check below runs every gpu test again)
-# -v: a line per test as it ends (the JUnit XML is written only at the end, which a timeout never reaches); the
+# -v: a line per test as it ends (the JUnit XML is written only at the end, which a timeout never reaches); -rP: the
+# passed tests' output too (the compiled trainer's steps: graphs and seconds, bench/compile_counts.py); the
 # compiled trainer's test (inductor's compile: the slowest) last
-timeout 80 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_engine_attention.py tests/test_cuda_graphs.py \
+timeout 80 python3 -m pytest -v -rP -p no:cacheprovider -m gpu tests/test_engine_attention.py tests/test_cuda_graphs.py \
   tests/test_kv_budget.py tests/test_attention_choice.py tests/test_flex_compile.py tests/test_decode_batch.py \
   tests/test_trainer_core.py \
   --junitxml="$R/new_gpu_tests.xml" > "$R/new_gpu_tests.log" 2>&1

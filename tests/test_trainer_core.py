@@ -198,6 +198,7 @@ def test_the_compiled_step_on_cuda_recompiles_within_the_buckets():
     (FlexAttention's BlockMask lengths made dynamic: trainer.backend.flex), or packed_sdpa's two."""
     assert torch.cuda.is_available()
     got = compiled_steps("inductor")
+    print(json.dumps(got))  # the steps' times: bench/gpu_session.sh keeps this test's output (-rP)
     assert got["device"] == "cuda" and len(got["row_lengths"]) >= 3, got
     packed_sdpa = got["attn_implementation"] == PACKED_SDPA
     assert got["graphs"] == (len(got["single_sequence_rows"]) if packed_sdpa else 1), got
