@@ -5,9 +5,9 @@ cold GPU run pays before its first steps).
 
 Runs SFT steps of 1-3 random sequences (4-119 tokens each) over the tiny preset with [trainer] compile on, packed to
 rows of a 128-token budget in 32-token buckets, so the rows' lengths change step to step and some hold a single
-sequence. Prints one JSON line: dynamo's graph count, the attn_implementation, whether each row held one sequence,
-each step's wall time and loss. Run it with a fresh TORCHINDUCTOR_CACHE_DIR to time cold compiles; the tests count
-the graphs with it (tests/test_trainer_core.py).
+sequence. Prints one JSON line: dynamo's graph and graph-break counts, the attn_implementation, whether each row
+held one sequence, each step's wall time and loss. Run it with a fresh TORCHINDUCTOR_CACHE_DIR to time cold
+compiles; the tests count the graphs with it (tests/test_trainer_core.py).
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ def compiled_steps(backend: str, steps: int = 10) -> dict:
         seconds.append(round(time.perf_counter() - t, 2))
     assert all(math.isfinite(x) for x in losses), losses
     return {"backend": backend, "device": str(next(comp.model.parameters()).device.type),
-            "graphs": counters["stats"]["unique_graphs"], "attn_implementation": _attn_implementation(comp.model),
+            "graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values()),
+            "attn_implementation": _attn_implementation(comp.model),
             "row_lengths": sorted(lengths), "single_sequence_rows": sorted(singles), "step_s": seconds,
             "total_s": round(sum(seconds), 1), "losses": [round(x, 6) for x in losses]}
 

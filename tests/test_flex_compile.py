@@ -184,6 +184,7 @@ def test_compiled_blocks_on_flex_attention_trace_one_graph_for_every_row_length(
                 got = packed_hidden_states(model, batch, trees)[:batch.num_tokens]
                 torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
         graphs[name] = counters["stats"]["unique_graphs"]
+        assert not counters["graph_break"], dict(counters["graph_break"])  # the BlockMask's lengths set in the graph
     # dynamo's default: the document mask static, then dynamic, then the tree mask (dynamic by then); ours one each
     assert graphs == {"dynamo's default": 3, "ours": 2}, graphs
 

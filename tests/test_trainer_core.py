@@ -188,7 +188,7 @@ def test_compiled_blocks_trace_one_graph_for_every_packed_length():
         got = compiled_steps("aot_eager")
     assert got["attn_implementation"] == PACKED_SDPA
     assert len(got["row_lengths"]) >= 3 and got["single_sequence_rows"] == [False, True]  # the rows varied
-    assert got["graphs"] == 2, got
+    assert got["graphs"] == 2 and got["graph_breaks"] == 0, got
 
 
 @pytest.mark.gpu
@@ -201,7 +201,7 @@ def test_the_compiled_step_on_cuda_recompiles_within_the_buckets():
     print(json.dumps(got))  # the steps' times: bench/gpu_session.sh keeps this test's output (-rP)
     assert got["device"] == "cuda" and len(got["row_lengths"]) >= 3, got
     packed_sdpa = got["attn_implementation"] == PACKED_SDPA
-    assert got["graphs"] == (len(got["single_sequence_rows"]) if packed_sdpa else 1), got
+    assert got["graphs"] == (len(got["single_sequence_rows"]) if packed_sdpa else 1) and got["graph_breaks"] == 0, got
 
 
 def test_two_ranks_match_one_process(tmp_path):
