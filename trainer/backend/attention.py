@@ -673,8 +673,9 @@ def packed_attention_kwargs(model, batch: PackedBatch, trees: PromptTrees | None
         real = sum(1 for n in batch.lengths if n > 0)
         if blocks_compiled(model):
             # One padded batch (no data-dependent number of SDPA calls to specialise), for a row of one sequence
-            # too: every row then calls the blocks with the same arguments, so one graph serves them all (a row
-            # of one sequence still compiles once more: its batch of 1 specialises, see compile_blocks).
+            # too: every row with tokens then calls the blocks with the same arguments, so one graph serves them
+            # all (a row of one sequence still compiles once more: its batch of 1 specialises, see compile_blocks;
+            # an all-padding row, which keeps ranks in step, is plain sdpa: a graph of its own).
             if real:
                 gather, scatter = packed_segment_indices(batch.seq_index, batch.lengths)
                 kw.update(packed_gather_index=gather, packed_scatter_index=scatter)

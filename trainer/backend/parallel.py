@@ -4,8 +4,10 @@
                            (eager blocks only: uses_liger)
     apply_ac               activation checkpointing of every decoder block (HF's non-reentrant path): as set, or
                            by default above 1B parameters
-    compile_blocks         per-decoder-block torch.compile (small graphs, one per block class; fast to build)
-    fully_shard            each block, then the root (a TrainModule wrapping the LM), one MixedPrecisionPolicy
+    fully_shard            each block, one MixedPrecisionPolicy
+    compile_blocks         per-decoder-block torch.compile (small graphs, one per block class; fast to build), of
+                           the forward fully_shard's class gives each block
+    fully_shard            the root (a TrainModule wrapping the LM)
 
 The root is a thin `TrainModule` and not the HF model because the training loss reads the lm_head *weight*
 directly (kernels.linear_policy_loss fuses lm_head + log-softmax so full logits never exist). FSDP2 all-gathers
@@ -247,7 +249,7 @@ def mixed_precision(device_type: str, config: ParallelConfig) -> MixedPrecisionP
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, config: ParallelConfig) -> TrainModule:
-    """Apply Liger (CUDA), AC, per-block compile, then fully_shard per block and on the root; returns the root.
+    """Apply Liger (CUDA), AC, fully_shard per block, per-block compile, then fully_shard on the root; returns it.
 
     Works on a meta-device model (call `root.to_empty(device=...)` and load weights afterwards).
     """
@@ -256,13 +258,16 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, config: ParallelConfig) -> T
         apply_liger(model)
     if auto_activation_checkpointing(config.activation_checkpointing, sum(p.numel() for p in model.parameters())):
         apply_ac(model)
-    if config.compile:
-        compile_blocks(model, config)
     mp = mixed_precision(mesh.device_type, config)
     n = len(layers)
     for i, block in enumerate(layers):
         # The last block's parameters are needed again at once by the backward: keep them gathered.
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < n - 1)
+    if config.compile:
+        # After fully_shard, which gives each block a class of its own: transformers' activation checkpointing
+        # wraps every subclass's forward and checkpoints only in the outermost wrapper, so a forward bound before
+        # would run unchecked.
+        compile_blocks(model, config)
     root = TrainModule(model)
     fully_shard(root, mesh=mesh, mp_policy=mp)
     return root
