@@ -169,9 +169,11 @@ def release_host_threads() -> bool:
     return pause is not None and pause(1) == 0  # 1: omp_pause_soft (the runtime may start them again)
 
 
-# without_duck_sizing's calls, one at a time: the duck-sizing flag they set is process-wide in torch <= 2.11 (the GPU
-# image's), where two threads' set-and-restore could interleave and leave it off, or restore it under a trace
-_NO_DUCK_LOCK = threading.RLock()
+# without_duck_sizing's calls, one at a time where the duck-sizing flag they set is process-wide (torch <= 2.11, the
+# GPU image's): two threads' set-and-restore could interleave and leave it off, or restore it under a trace. From
+# 2.12 torch's config is per thread (a ContextVar), and the calls (every compiled block's) need not wait on each other.
+_CONFIG_PER_THREAD = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 12)
+_NO_DUCK_LOCK = contextlib.nullcontext() if _CONFIG_PER_THREAD else threading.RLock()
 
 
 def dynamic_compile(fn: Callable, *, backend: str | Callable = "inductor") -> Callable:
@@ -191,7 +193,7 @@ def without_duck_sizing(compiled: Callable) -> Callable:
     """`compiled` (a torch.compile'd callable), each call traced with duck sizing off: a dynamic size gets a symbol
     of its own even where it equals another at that call. Duck sizing is read only while dynamo traces, so each
     call turns it off and back (~4 us, torch's closure patcher): for the calling thread in torch >= 2.12,
-    process-wide before, so the calls hold one lock (the engine's decode and the trainer's blocks can run on two
+    process-wide before, where the calls hold one lock (the engine's decode and the trainer's blocks can run on two
     threads). Another thread's compile may then trace with duck sizing off too: fewer specialisations, the same
     results."""
     import torch.fx.experimental._config as fx_config

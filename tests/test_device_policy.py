@@ -104,3 +104,29 @@ def test_tuned_host_malloc_keeps_a_freed_step_buffer_and_the_user_setting_wins()
     left = _malloc_child({"LD_PRELOAD": ""})
     assert left["applied"] == {}
     assert left["grew"] > 60 and left["kept"] < 8, left
+
+
+def test_without_duck_sizing_locks_only_where_torchs_config_is_process_wide():
+    """kernels.device.without_duck_sizing holds a lock around each call only where a config flag set by one thread is
+    seen by another (torch <= 2.11); the version rule it uses must agree with what this torch does. Its calls turn
+    duck sizing off inside and leave it as it was."""
+    import threading
+
+    import torch.fx.experimental._config as fx_config
+
+    from kernels import device
+
+    seen = {}
+    restore = fx_config._make_closure_patcher(use_duck_shape=False)()
+    try:
+        other = threading.Thread(target=lambda: seen.setdefault("other", fx_config.use_duck_shape))
+        other.start()
+        other.join()
+        seen["self"] = fx_config.use_duck_shape
+    finally:
+        restore()
+    assert seen["self"] is False
+    assert device._CONFIG_PER_THREAD == (seen["other"] is True), seen  # per thread: the other thread kept duck sizing
+    assert isinstance(device._NO_DUCK_LOCK, type(threading.RLock())) != device._CONFIG_PER_THREAD
+    inside = device.without_duck_sizing(lambda: fx_config.use_duck_shape)()
+    assert inside is False and fx_config.use_duck_shape is True
