@@ -205,14 +205,20 @@ class DecodeBatch:
 
     def __init__(self, model, *, pad_id: int, decode_fn: Callable | None = None, adapters: Any = None,
                  prefix_cache: PrefixCache | None = None, drafts: NgramDrafts | None = None,
-                 graphs: GraphDecode | None = None):
+                 graphs: GraphDecode | None = None, min_decode_rows: int = 1):
         """adapters: the engine's AdapterSet (engines/embedded/lora.py), told each forward's row slots; None: the
         base model only. prefix_cache: where finished rows leave their KV and joining rows look for their prompt's
         prefix (engines/embedded/prefix_cache.py); None: every prompt is prefilled whole. drafts: speculative
         decoding's draft source (engines/embedded/drafts.py; `_verify`); None: one token a row and forward.
         graphs: the decode step as CUDA graphs (engines/embedded/graphs.py: the cache's buffers then come from its
-        pool and stay with it across batches); None: `decode_fn`."""
+        pool and stay with it across batches); None: `decode_fn`. min_decode_rows: `decode_fn` is fed at least this
+        many cache rows, the last one repeated into spare rows of the buffers (which hold that many): a compiled
+        decode_fn (the server's on CUDA, 2) then never traces a batch of one row, whose size of 1 would specialise a
+        graph of its own (another inductor compile; a prompt's samples start as one cache row). The spare rows'
+        outputs are dropped: a decoder's rows never mix."""
+        assert min_decode_rows >= 1, min_decode_rows
         self.model, self.pad_id, self.adapters, self.graphs = model, pad_id, adapters, graphs
+        self.min_decode_rows = min_decode_rows
         self.prefix_cache, self.drafts = prefix_cache, drafts
         self.decode_fn = decode_fn or model.forward
         self.device = next(model.parameters()).device
@@ -290,9 +296,17 @@ class DecodeBatch:
             columns = torch.arange(length + 1, device=self.device)
             mask = columns[None, :] >= (length - self.pos)[:, None]
             decode = self.model.forward if adapted else self.decode_fn
+            p = len(self.last)
+            spare = 0 if adapted else max(0, self.min_decode_rows - p)
+            last, pos = self.last, self.pos
+            if spare:  # [P + spare]: the last cache row's inputs again, into the buffers' next rows (min_decode_rows)
+                last, pos, mask = (torch.cat([t, t[-1:].expand(spare, *t.shape[1:])]) for t in (last, pos, mask))
+                self.cache.view(p + spare, length)
             with self._adapter_rows(self.slots, rows):
-                logits = decode(input_ids=self.last[:, None], attention_mask=mask, position_ids=self.pos[:, None],
-                                past_key_values=self.cache, use_cache=True).logits[:, -1].float()
+                logits = decode(input_ids=last[:, None], attention_mask=mask, position_ids=pos[:, None],
+                                past_key_values=self.cache, use_cache=True).logits[:p, -1].float()
+            if spare:
+                self.cache.view(p, length + 1)
         self.pos = self.pos + 1
         for a in self.rows:
             a.cached += 1
@@ -421,7 +435,7 @@ class DecodeBatch:
         hold a row for every row of the batch, the most it can need once all of them diverge (`_fork`)."""
         rows, u, prompt_len = [r for r, _ in new], pre.kv[0][0].shape[0], pre.kv[0][0].shape[2]
         first = self.cache.rows if self.cache is not None else 0
-        needed = max(first + u, len(self.rows) + len(rows))
+        needed = max(first + u, len(self.rows) + len(rows), self.min_decode_rows)
         if self.cache is None:
             self.cache = self._allocate(pre.kv, needed, _capacity(prompt_len, self._limit(prompt_len, rows)))
             self.cache.view(0, prompt_len)

@@ -236,9 +236,11 @@ class EngineServer:
             # fallback if capturing fails)
             compile_decode = self.device.type == "cuda" and not cuda_graphs
         # Decode is the hot loop (one token per row per call): compiled on CUDA only, with dynamic shapes as rows join
-        # and leave; dynamic_compile keeps duck sizing from tying the batch's rows to its cache's at the first call
-        # (a plain dynamic compile traced the demo's decode three times, this twice: the last one for a single row).
+        # and leave; dynamic_compile keeps duck sizing from tying the batch's rows to its cache's at the first call,
+        # and its batches never feed it a single row (DecodeBatch's min_decode_rows), whose size of 1 would
+        # specialise a graph of its own: one graph for every batch.
         # On the CPU eager, through engines/embedded/fast_decode.py where it is exact for the model.
+        self.compile_decode = compile_decode  # its batches feed it >= 2 rows (DecodeBatch's min_decode_rows)
         self.decode_fn = dynamic_compile(model.forward) if compile_decode else plain_decode(model)
         # Idle pooled buffers between batches: half the KV budget (a batch's worst case counts its rebuild twice)
         idle = None if self.kv_budget is None else self.kv_budget // 2
@@ -264,7 +266,8 @@ class EngineServer:
 
     def _new_batch(self) -> DecodeBatch:
         return DecodeBatch(self.model, pad_id=self.pad_id, decode_fn=self.decode_fn, adapters=self.adapters,
-                           prefix_cache=self.prefix_cache, drafts=self.drafts, graphs=self.graphs)
+                           prefix_cache=self.prefix_cache, drafts=self.drafts, graphs=self.graphs,
+                           min_decode_rows=2 if self.compile_decode else 1)
 
     def _write_adapter(self, slot: int, modules) -> None:
         """On the model thread: write an adapter into `slot`; the prefix cache forgets that slot's KV."""
