@@ -300,6 +300,7 @@ class DecodeBatch:
             spare = 0 if adapted else max(0, self.min_decode_rows - p)
             last, pos = self.last, self.pos
             if spare:  # [P + spare]: the last cache row's inputs again, into the buffers' next rows (min_decode_rows)
+                assert p + spare <= self.cache.rows_capacity, (p, spare, self.cache.rows_capacity)  # see _join
                 last, pos, mask = (torch.cat([t, t[-1:].expand(spare, *t.shape[1:])]) for t in (last, pos, mask))
                 self.cache.view(p + spare, length)
             with self._adapter_rows(self.slots, rows):
