@@ -240,6 +240,46 @@ def test_compiled_blocks_keep_one_padded_batch_and_both_equal_each_sequence_alon
     torch.testing.assert_close(compiled[:total], alone, atol=1e-5, rtol=0)
 
 
+def test_compiled_blocks_give_every_row_the_same_arguments_an_all_padding_row_too():
+    """Compiled packed_sdpa blocks (aot_eager) over rows of several sequences, of one, and all padding (the row a rank
+    with fewer micro-batches runs to keep in step): two graphs (a batch of one sequence specialises; the padding row
+    is one too), the real rows' hidden states equal the eager model's, the padding row's attention outputs are 0 (as
+    any padding tail's) and its hidden states finite."""
+    from torch._dynamo.utils import counters
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trainer.backend.parallel import ParallelConfig, compile_blocks
+    from trainer.batching.micro_batches import _padding_row
+
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    eager = LlamaForCausalLM(cfg).eval()
+    eager.config._attn_implementation = PACKED_SDPA
+    model = LlamaForCausalLM(cfg).eval()
+    model.load_state_dict(eager.state_dict())
+    model.config._attn_implementation = PACKED_SDPA
+    compile_blocks(model, ParallelConfig(compile_backend="aot_eager"))
+    g = torch.Generator().manual_seed(5)
+    with use_backend("torch"):
+        rows = [pack_batch([torch.randint(0, 97, (n,), generator=g) for n in lengths], pad_to=pad)
+                for lengths, pad in (([30, 50, 7], 96), ([100], 128), ([60, 61], 128), ([40], 64))]
+    padding = _padding_row(64, pad_id=0, num_tokens=0, num_seqs=0).row
+    kw = packed_attention_kwargs(model, padding)
+    assert kw["packed_gather_index"].shape == (1, 64) and (kw["packed_scatter_index"] == 64).all()
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        for batch in rows[:2] + [padding] + rows[2:]:
+            got = packed_hidden_states(model, batch)
+            if batch is padding:
+                assert torch.isfinite(got).all()
+                continue
+            want = packed_hidden_states(eager, batch)
+            torch.testing.assert_close(got[:batch.num_tokens], want[:batch.num_tokens], atol=1e-5, rtol=0)
+    assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"], dict(counters)
+
+
 def test_index_tensors_reach_cuda_through_pinned_memory(monkeypatch):
     """packed_sdpa on CUDA ([trainer] attention = "packed_sdpa"): every index or mask tensor its layouts build on
     the host goes to the device through kernels.packing.host_to_device (pinned memory, non_blocking), never by a

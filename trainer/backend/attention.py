@@ -673,12 +673,15 @@ def packed_attention_kwargs(model, batch: PackedBatch, trees: PromptTrees | None
         real = sum(1 for n in batch.lengths if n > 0)
         if blocks_compiled(model):
             # One padded batch (no data-dependent number of SDPA calls to specialise), for a row of one sequence
-            # too: every row with tokens then calls the blocks with the same arguments, so one graph serves them
-            # all (a row of one sequence still compiles once more: its batch of 1 specialises, see compile_blocks;
-            # an all-padding row, which keeps ranks in step, is plain sdpa: a graph of its own).
+            # too: every row then calls the blocks with the same arguments, so one graph serves them all (a row of
+            # one sequence still compiles once more: its batch of 1 specialises, see compile_blocks).
             if real:
                 gather, scatter = packed_segment_indices(batch.seq_index, batch.lengths)
-                kw.update(packed_gather_index=gather, packed_scatter_index=scatter)
+            else:  # an all-padding row (ranks kept in step): one sequence of padding, its outputs 0 as a tail's
+                n = batch.padded_len
+                gather = torch.arange(n, device=ids.device)[None]  # [1, N]
+                scatter = torch.full((n,), n, dtype=torch.long, device=ids.device)  # [N]: the zero row
+            kw.update(packed_gather_index=gather, packed_scatter_index=scatter)
         elif real + (batch.padded_len > batch.num_tokens) > 1:  # sequences in batches of alike lengths (sdpa_chunks)
             gather, scatter, chunks = plain_chunked_indices(batch.lengths, batch.padded_len, ids.device)
             kw.update(packed_gather_index=gather, packed_scatter_index=scatter, packed_chunks=chunks)
