@@ -57,13 +57,15 @@ def packed_flex_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     gqa = (heads & (heads - 1)) == 0  # as transformers: flex's GQA for a power-of-two query head count only
     if not gqa and heads != key.shape[1]:  # each KV head repeated for its query heads (transformers' order)
         key, value = key.repeat_interleave(heads // key.shape[1], 1), value.repeat_interleave(heads // key.shape[1], 1)
-    attend = flex_attention if torch.compiler.is_compiling() else compiled_flex_attention()
-    if torch.compiler.is_compiling() and getattr(attention_mask, PACKED_ROW, False):
-        # A packed row's own mask: its seq_lengths are the row's length as plain ints, which dynamo would guard on
-        # (flex_attention compares them with the query's), tracing the row length as a constant. Inside compiled
-        # blocks (trainer.backend.parallel.compile_blocks) they become the query's and key's sizes: the same
-        # numbers, but dynamic.
-        attention_mask.seq_lengths = (query.shape[-2], key.shape[-2])
+    if not torch.compiler.is_compiling():
+        attend = compiled_flex_attention()
+    else:  # inside compiled blocks (trainer.backend.parallel.compile_blocks): dynamo traces flex_attention itself
+        attend = flex_attention
+        if getattr(attention_mask, PACKED_ROW, False):
+            # A packed row's own mask: its seq_lengths are the row's length as plain ints, which dynamo would guard
+            # on (flex_attention compares them with the query's), tracing the row length as a constant. They become
+            # the query's and key's sizes: the same numbers, but dynamic.
+            attention_mask.seq_lengths = (query.shape[-2], key.shape[-2])
     out = attend(query, key, value, block_mask=attention_mask, enable_gqa=gqa, scale=scaling,
                  kernel_options=kwargs.get("kernel_options"))
     return out.transpose(1, 2).contiguous(), None
