@@ -178,6 +178,8 @@ def compile_blocks(model: nn.Module, config: ParallelConfig) -> None:
     hidden size, the head dim) are specialised by the first op against a weight. Duck sizing would tie sizes that
     coincide at that call (a row of 2048 tokens and a hidden size of 2048, then traced as a constant).
     Left: a size of 1 specialises (a packed_sdpa row of one sequence is a batch of 1: it compiles once more).
+    Marking that size dynamic under torch's backed_size_oblivious gave one graph under aot_eager, but inductor's
+    compiled backward failed its stride check (bench/results/compile_counts-cpu-2core.json, tried_and_dropped).
     """
     for block in decoder_layers(model):
         compiled = torch.compile(block.forward, backend=config.compile_backend, dynamic=config.compile_dynamic)
