@@ -50,7 +50,7 @@ DEMO=(-m trainer demo --set sft.num_steps=100 --set rl.num_steps=30)
 # [logging] profile_steps: a torch.profiler trace of SFT's and RL's steps 20-21 (host ops, kernels and waits on one
 # timeline: what py-spy's Python stacks cannot show), beside py-spy's whole-run stacks
 PROFILED=(--set "logging.profile_steps=[20, 21]" --set output_dir=/tmp/gs_demo)
-# dynamo's recompiles into the demos' logs (kernels.device.dynamic_compile: the engine's decode twice, FlexAttention
+# dynamo's recompiles into the demos' logs (kernels.device.dynamic_compile: the engine's decode once, FlexAttention
 # once per grad mode and mask); a "Recompiling" line names the guard that failed
 RECOMPILES=(env TORCH_LOGS=recompiles)
 if command -v py-spy > /dev/null; then

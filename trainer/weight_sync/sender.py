@@ -496,7 +496,8 @@ class WeightSyncSender:
                 b = self.meta.bucket_index[e]
                 if b != current:
                     if current >= 0:
-                        held = _pack(dsts, srcs)
+                        _pack(dsts, srcs)
+                        held = 0
                         inflight[current % 2] = self._hand_out(current, calls, on_bucket)
                     current = b
                     self._free_slot(b, inflight, calls)
@@ -505,7 +506,8 @@ class WeightSyncSender:
                 srcs.append(t if tuple(t.shape) == shape else t.narrow(0, self.meta.rows[e], shape[0]))
                 held += srcs[-1].numel() * srcs[-1].element_size()
                 if held >= PACK_BYTES:
-                    held = _pack(dsts, srcs)
+                    _pack(dsts, srcs)
+                    held = 0
             if self.per_tensor and self.group is not None:  # stock engines beside colocated ones: one per tensor
                 wait_work(broadcast_async(self.group, t.contiguous()), timeout_s=self.timeout_s,
                           what=f"broadcast of {self.meta.names[self._entries[i][0]]}", check=calls.check)
@@ -555,12 +557,11 @@ class WeightSyncSender:
         return work
 
 
-def _pack(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> int:
-    """Copy srcs into their slot views dsts (same shapes), then empty both lists; returns the bytes now held (0)."""
+def _pack(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """Copy srcs into their slot views dsts (same shapes), then empty both lists."""
     copy_all(dsts, srcs)
     dsts.clear()
     srcs.clear()
-    return 0
 
 
 def shares_gpu(ours: dict, gpus: Sequence[str] | None) -> bool:
