@@ -306,22 +306,30 @@ def test_rows_admitted_together_are_answered_as_each_finishes(engine):
     """The model thread steps on without the loop while only the running rows need a step (EngineServer._steps); a
     request whose rows finish in such a step is answered then, not when the batch drains. Both requests are queued
     while the engine is paused, so they join in one step and nothing else arrives: the short one finishes
-    mid-run."""
+    mid-run. The step each request finished in is the server's own count (meta_info.decode_step), so it does not
+    depend on how soon the client gets a core; the long row (500 tokens) leaves the client ample steps to see it
+    still running when the short answer arrives."""
     client = SGLangEngine(engine.url, api_key=KEY)
-    long = SamplingParams(temperature=0.8, max_new_tokens=200, seed=8, ignore_eos=True)
+    long = SamplingParams(temperature=0.8, max_new_tokens=500, seed=8, ignore_eos=True)
     short = SamplingParams(temperature=1.0, max_new_tokens=3, n=2, seed=9, ignore_eos=True)
     solo_short = trio.run(client.generate, [[40, 41]], short)[0]
     seen = {}
+
+    def raw(prompt: list[int], sp: SamplingParams) -> list[dict]:
+        body = {"input_ids": [prompt], "sampling_params": {"temperature": sp.temperature, "n": sp.n, "seed": sp.seed,
+                                                            "max_new_tokens": sp.max_new_tokens, "ignore_eos": True}}
+        return httpx.post(engine.url + "/generate", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                          timeout=60).json()
 
     async def main():
         await client.pause_generation()
 
         async def gen_long():
-            seen["long"] = (await client.generate([[7, 8, 9, 10]], long))[0][0]
+            seen["long"] = await trio.to_thread.run_sync(raw, [7, 8, 9, 10], long)
 
         async def gen_short():
-            seen["short"] = (await client.generate([[40, 41]], short))[0]
-            seen["when_short_done"] = _load(engine)
+            seen["short"] = await trio.to_thread.run_sync(raw, [40, 41], short)
+            seen["when_short_done"] = await trio.to_thread.run_sync(_load, engine)
 
         async with trio.open_nursery() as n:
             n.start_soon(gen_long)
@@ -333,13 +341,18 @@ def test_rows_admitted_together_are_answered_as_each_finishes(engine):
         seen["steps_before"] = steps_before
 
     trio.run(main)
-    done = seen["when_short_done"]
+    done, start = seen["when_short_done"], seen["steps_before"]
     assert done["num_running_rows"] == 1, done  # the long row still ran when the short request was answered
-    assert done["decode_steps"] - seen["steps_before"] < 100, done  # answered within a few steps of finishing
-    assert len(seen["long"].output_ids) == 200 and seen["long"].finish_reason == "length"
+    # Paused, the engine took no step after `start`: the three rows joined in step start + 1, which sampled each
+    # one's first token, so 3 tokens end in step start + 3 and 500 in step start + 500.
+    assert [o["meta_info"]["decode_step"] for o in seen["short"]] == [start + 3] * 2, (seen["short"], start)
+    (long_out,) = seen["long"]
+    assert long_out["meta_info"]["decode_step"] == start + 500, start
+    assert len(long_out["output_ids"]) == 500 and long_out["meta_info"]["finish_reason"]["type"] == "length"
     for a, b in zip(solo_short, seen["short"]):
-        assert a.output_ids == b.output_ids and len(b.output_ids) == 3
-        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+        assert a.output_ids == b["output_ids"] and len(b["output_ids"]) == 3
+        got = [lp for lp, _, _ in b["meta_info"]["output_token_logprobs"]]
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(got), atol=1e-5, rtol=0)
 
 
 def test_decode_batch_admitting_rows_between_steps_gives_the_solo_results():

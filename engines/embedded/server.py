@@ -116,11 +116,12 @@ class _Request:
     def __post_init__(self):
         self.results, self.remaining = [None] * len(self.rows), len(self.rows)
 
-    def deliver(self, k: int, result: RowResult, version: int) -> None:
+    def deliver(self, k: int, result: RowResult, version: int, step: int) -> None:
+        """Row k's result, from the decode step `step` (the engine's count) in which it finished or was cut."""
         self.results[k] = result
         self.remaining -= 1
         if self.remaining == 0 and not self.future.done():
-            self.future.set_result((self.results, version))
+            self.future.set_result((self.results, version, step))
 
 
 def _model_thread(threads: int | None) -> ThreadPoolExecutor:
@@ -338,12 +339,12 @@ class EngineServer:
             finally:
                 self.stepping, self.admitting = False, []
                 self.step_seconds += time.perf_counter() - t0
-            self._deliver(done)
+            self._deliver(done, self.steps)  # the model thread is idle: its last step is the one counted last
 
-    def _deliver(self, done: list) -> None:
-        """On the loop: hand finished rows to their requests."""
+    def _deliver(self, done: list, step: int) -> None:
+        """On the loop: hand the rows that finished in decode step `step` to their requests."""
         for (req, k), result in done:
-            req.deliver(k, result, self.weight_version)
+            req.deliver(k, result, self.weight_version, step)
 
     async def on_model_thread(self, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args) on the model thread (a load, an adapter write, a flush), between two decode steps: the steps
@@ -380,8 +381,8 @@ class EngineServer:
                 if self._wanted():  # the step after the last one counted when it was answered, as before
                     break
                 self.steps += 1
-            if done:
-                loop.call_soon_threadsafe(self._deliver, done)
+            if done:  # from the step counted before this one
+                loop.call_soon_threadsafe(self._deliver, done, self.steps - 1)
             done = self.batch.step([])
         return done
 
@@ -449,7 +450,8 @@ class EngineServer:
             if not req.future.done():
                 req.future.set_exception(error)
 
-    async def submit(self, rows: list[Row]) -> tuple[list[RowResult], int]:
+    async def submit(self, rows: list[Row]) -> tuple[list[RowResult], int, int]:
+        """The rows' results, the weight version they ended on, and the decode step in which the last one finished."""
         if self.kv_cache_tokens is not None:
             for r in rows:
                 need = self._cells(1, len(r.prompt), r.max_new_tokens)
@@ -469,7 +471,7 @@ class EngineServer:
         kept, n = collections.deque(), 0
         for row, (req, k) in self.waiting:
             if rid is None or row.rid == rid:
-                req.deliver(k, RowResult([], [], "abort"), self.weight_version)
+                req.deliver(k, RowResult([], [], "abort"), self.weight_version, self.steps)
                 n += 1
             else:
                 kept.append((row, (req, k)))
@@ -640,7 +642,7 @@ def parse_rids(body: dict, n_prompts: int) -> list[str]:
     raise BadRequest(f"'rid' must be a string or a list of {n_prompts} strings (one per prompt)")
 
 
-def _output(server: EngineServer, r: RowResult, prompt_len: int, version: int, rid: str) -> dict:
+def _output(server: EngineServer, r: RowResult, prompt_len: int, version: int, step: int, rid: str) -> dict:
     reason = {"type": r.finish_reason}
     if r.finish_reason == "stop":
         reason["matched"] = r.output_ids[-1]
@@ -662,6 +664,8 @@ def _output(server: EngineServer, r: RowResult, prompt_len: int, version: int, r
             "weight_version": str(version),
             # ours: (first token index, version) of each run of tokens one weight version produced
             "weight_versions": [[i, v] for i, v in r.versions],
+            # ours: the decode step (get_server_info's decode_steps count) in which the request's last row finished
+            "decode_step": step,
         },
     }
 
@@ -713,11 +717,12 @@ def route_handlers(server: EngineServer) -> dict[str, Endpoint]:
         if not server.weights_consistent:
             raise BadRequest("the last weight sync failed part-way; generation resumes after a successful sync",
                              status=503)
-        results, version = await server.submit(rows)
+        results, version, step = await server.submit(rows)
         outs, k = [], 0
         for prompt, s, rid in zip(prompts, sps, rids):
             for j in range(s["n"]):
-                outs.append(_output(server, results[k], len(prompt), version, rid if s["n"] == 1 else f"{rid}-{j}"))
+                rid_j = rid if s["n"] == 1 else f"{rid}-{j}"
+                outs.append(_output(server, results[k], len(prompt), version, step, rid_j))
                 k += 1
         return outs if (is_batch or len(outs) > 1) else outs[0]
 
