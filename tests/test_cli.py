@@ -138,6 +138,15 @@ def test_main_reports_bad_config_without_a_traceback(capsys, tmp_path):
     assert "no such file" in capsys.readouterr().err
 
 
+def test_a_missing_relative_config_names_the_directory_it_was_looked_for_in(capsys, tmp_path, monkeypatch):
+    """`python -m trainer demo` outside the checkout: the error says where configs/demo.toml was looked for."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["demo"]) == 2
+    err = capsys.readouterr().err
+    assert f"--config configs/demo.toml: no such file in {tmp_path};" in err and "checkout's root" in err, err
+    assert "Traceback" not in err
+
+
 def test_whole_config_is_validated_before_any_work(capsys, monkeypatch):
     """A bad RL loss value fails at load time, before SFT trains; so do missing files and reward functions."""
     import trainer.cli as cli

@@ -79,7 +79,11 @@ def load_run_config(path: str | Path, overrides: Sequence[str] = (), mode: str |
     starts. `name` defaults to the file's stem."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"--config {path}: no such file (see configs/ for examples)")
+        # A relative path is read from the current directory: name it, since `python -m trainer demo` run outside
+        # the project's checkout looks for configs/demo.toml there.
+        where = "" if path.is_absolute() else f" in {Path.cwd()}"
+        raise ConfigError(f"--config {path}: no such file{where}; the project's configs/ holds examples (`make demo` "
+                          f"runs configs/demo.toml from the checkout's root)")
     try:
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
