@@ -257,7 +257,7 @@ def test_a_million_prompts_cost_no_python_object_per_row(tmp_path, cache):
 @pytest.mark.parametrize("data_toml, msg", [
     ('train = [{path = "data/gsm8k_style_train.parquet", weight = -1}]', r"\[data\].train\[0\].weight: must be"),
     ('train = ["data/gsm8k_style_train.parquet", "data/nope.parquet"]',
-     r"\[data\].train: 'data/nope.parquet': no such file or folder"),
+     r"\[data\].train: 'data/nope.parquet': no such file or folder in .+ \(relative paths are read from there\)"),
     ('train = "data/gsm8k_style_train.parquet"\neval = [{path = "data/gsm8k_style_test.parquet", key = 1}]',
      r"\[data\].eval\[0\]: unknown key\(s\) \['key'\]"),
     ('train = "data/gsm8k_style_train.parquet"\nprompt_kee = "question"', r"unknown config key\(s\) \['prompt_kee'\]"),

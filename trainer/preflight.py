@@ -116,7 +116,7 @@ def check_inputs(cfg: RunConfig, mode: str, *, resume: bool = False) -> None:
             continue
         for spec in data_specs(getattr(data, key), data.mapping(), where=f"[data].{key}"):
             if not Path(spec.path).exists():
-                raise FileNotFoundError(f"[data].{key}: {spec.path!r}: no such file or folder")
+                raise _not_found(f"[data].{key}", spec.path)
     rollout, rolls_out = cfg.rl.rollout, mode != "sft"  # rl, sft+rl, demo and generate generate rollouts
     if rolls_out or has_eval_sets(cfg):  # evaluation runs the same episodes as the rollouts
         check_rollout_functions(rollout, filters=rolls_out)
@@ -139,12 +139,19 @@ def check_inputs(cfg: RunConfig, mode: str, *, resume: bool = False) -> None:
     for s in cfg.eval.sets:  # [[eval.sets]]: their files and rewards ([data]'s when unset)
         for spec in data_specs(s.path, s.mapping(data), where=f"[[eval.sets]] {s.name!r}"):
             if not Path(spec.path).exists():
-                raise FileNotFoundError(f"[[eval.sets]] {s.name!r}: {spec.path!r}: no such file or folder")
+                raise _not_found(f"[[eval.sets]] {s.name!r}", spec.path)
         if (s.reward or data.reward) is not None:
             load_reward_fn(s.reward or data.reward)
         elif not own:
             raise ValueError(f"[[eval.sets]] {s.name!r}: no reward; set its reward or [data].reward{alternative}")
     _check_data(cfg, mode)
+
+
+def _not_found(key: str, path: str) -> FileNotFoundError:
+    """A data file the config names is missing. A relative path is read from the current directory, not the
+    config's: the error names that directory, which is what a run started elsewhere gets wrong."""
+    where = "" if Path(path).is_absolute() else f" in {Path.cwd()} (relative paths are read from there)"
+    return FileNotFoundError(f"{key}: {path!r}: no such file or folder{where}")
 
 
 def _check_model_inputs(cfg: RunConfig, mode: str) -> None:
