@@ -17,6 +17,7 @@ The previous run's folder is made by hand: the fresh start only looks at what is
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -390,6 +391,18 @@ def test_with_resume_nothing_is_removed_so_a_checkpoint_inside_the_run_is_fine(t
 
 
 # ----------------------------------------------------------------------------------------------- folders it loads
+def test_a_missing_relative_model_path_names_the_directory_it_is_read_from(tmp_path, monkeypatch):
+    """A relative [model].path is read from the current directory (not the config's): a run started elsewhere is
+    told where it looked. A folder that exists without config.json keeps its own error."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=rf"\[model\]\.path: 'models/sft': no such file or folder in "
+                                          rf"{re.escape(str(tmp_path))} \(relative paths are read from there\)"):
+        load_run_config(DEMO, ['model.path="models/sft"'], mode="rl")
+    (tmp_path / "models" / "sft").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"\[model\]\.path = models/sft: not a Hugging Face model folder"):
+        load_run_config(DEMO, ['model.path="models/sft"'], mode="rl")
+
+
 @pytest.mark.parametrize("key, make, message", [
     ("rl.critic.path", lambda tmp: tmp / "no_such_critic", "not a Hugging Face model folder (no config.json)"),
     ("rl.critic.path", lambda tmp: in_run(tmp, "config_only/config.json", json.dumps(

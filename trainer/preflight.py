@@ -161,6 +161,8 @@ def _check_model_inputs(cfg: RunConfig, mode: str) -> None:
     from trainer.backend.export import check_checkpoint_exists
     from trainer.backend.models import check_model_folder
 
+    if cfg.model.path is not None and not Path(cfg.model.path).exists():
+        raise _not_found("[model].path", cfg.model.path)
     if cfg.model.path is not None and not (Path(cfg.model.path) / "config.json").is_file():
         raise FileNotFoundError(f"[model].path = {cfg.model.path}: not a Hugging Face model folder (no config.json)")
     if cfg.model.path is not None:
