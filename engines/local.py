@@ -165,11 +165,12 @@ class LocalEngine(SGLangEngine):
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+        self.server.closing = True  # first: a model thread stepping by itself stops after its step in flight
         if self._thread.is_alive():
             asyncio.run_coroutine_threadsafe(cancel_tasks(), self._loop).result(timeout=30)
             self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=30)
-        self.server.model_thread.shutdown(wait=False, cancel_futures=True)
+        self.server.shutdown()
         self._loop.close()
 
 

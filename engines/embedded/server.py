@@ -185,8 +185,9 @@ class EngineServer:
 
     Continuous batching: the scheduler (`_loop`, on the event loop) runs one `DecodeBatch.step` at a time on the
     model thread, admitting queued rows between steps (up to `max_batch_rows` running). Aborts are applied before
-    the next step. A weight update holds admission, waits until no row is running, loads, then lets rows in, so
-    every completion comes from one weight version.
+    the next step, to rows being admitted by the step in flight too, and while paused in place. A weight update
+    holds admission, waits until no row is running, loads, then lets rows in, so every completion comes from one
+    weight version.
 
     threads: the model thread's torch intra-op threads (None: the process's). OpenMP's thread count is per calling
     thread, so an engine inside the trainer's process can decode on fewer threads than the trainer steps with.
@@ -262,6 +263,7 @@ class EngineServer:
         self.stepping = False  # a step is on the model thread
         self.model_work = 0  # other work queued for (or on) the model thread: on_model_thread
         self.handoff = threading.Lock()  # the model thread's look at `_wanted` and its step count vs an abort
+        self.closing = False  # shutdown(): the model thread stops stepping by itself (`_wanted`)
         self.running, self.wakeup = asyncio.Event(), asyncio.Event()
         self._scheduler: asyncio.Task | None = None
 
@@ -304,8 +306,11 @@ class EngineServer:
 
     async def _loop(self):
         while True:
-            if not (self.abort_all or self.abort_rids):
-                await self.running.wait()  # paused: rows stay in place
+            # Paused: rows stay in place until a continue, or until an abort cuts them (abort() sets `wakeup`; the
+            # cut runs as a step that samples nothing, so its requests are answered while the engine stays paused).
+            while not self.running.is_set() and not (self.abort_all or self.abort_rids):
+                self.wakeup.clear()
+                await self.wakeup.wait()
             self.wakeup.clear()
             cut = None if self.abort_all else set(self.abort_rids)
             has_cut = self.abort_all or bool(self.abort_rids)
@@ -318,7 +323,7 @@ class EngineServer:
                 while (self.waiting and len(self.batch) + len(admit) < self.max_batch_rows
                        and fits(self.waiting[0][0])):
                     admit.append(self.waiting.popleft())
-            if not admit and not has_cut and (not len(self.batch) or not self.running.is_set()):
+            if not admit and (not len(self.batch) or (not has_cut and not self.running.is_set())):
                 await self.wakeup.wait()
                 continue
             self.stepping = True
@@ -345,6 +350,12 @@ class EngineServer:
         """On the loop: hand the rows that finished in decode step `step` to their requests."""
         for (req, k), result in done:
             req.deliver(k, result, self.weight_version, step)
+
+    def shutdown(self) -> None:
+        """Stop the model thread: it leaves its own stepping after the step in flight (`_wanted`; the loop that would
+        deliver the rows is going away) and runs no queued work. Idempotent."""
+        self.closing = True
+        self.model_thread.shutdown(wait=False, cancel_futures=True)
 
     async def on_model_thread(self, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args) on the model thread (a load, an adapter write, a flush), between two decode steps: the steps
@@ -394,7 +405,7 @@ class EngineServer:
         head = waiting[0][0] if waiting else None
         admissible = head is not None and len(self.batch) < self.max_batch_rows and self._admission()(head)
         return (admissible or self.abort_all or bool(self.abort_rids) or self.holds > 0
-                or self.model_work > 0 or not self.running.is_set())
+                or self.model_work > 0 or not self.running.is_set() or self.closing)
 
     def _start_budget(self) -> None:
         """On the loop, when a batch starts: the budget it is admitted under (the given one, or measured now) and the
@@ -476,7 +487,13 @@ class EngineServer:
             else:
                 kept.append((row, (req, k)))
         self.waiting = kept
-        running = [a for a in self.batch.rows if rid is None or a.row.rid == rid]
+        # Running rows, and rows the step in flight is admitting: those are in batch.rows only once their prefill
+        # is done (DecodeBatch._join), and stay in `admitting` until the step returns; counted once each (by
+        # identity), less any already answered. The flag stops the model thread at its next look (`_wanted`) and
+        # the loop cuts them from the batch.
+        running = {id(a.row) for a in list(self.batch.rows) if rid is None or a.row.rid == rid}
+        running |= {id(r) for r, (req, k) in self.admitting
+                    if (rid is None or r.rid == rid) and req.results[k] is None}
         if running:
             with self.handoff:  # the model thread's next step either sees it or was counted before it
                 if rid is None:
@@ -912,7 +929,7 @@ def build_app(server: EngineServer, api_key: str | None = None) -> Starlette:
     async def lifespan(app):
         await server.start()
         yield
-        server.model_thread.shutdown(wait=False, cancel_futures=True)
+        server.shutdown()
 
     app = Starlette(routes=routes, lifespan=lifespan)
     return ApiKeyMiddleware(app, api_key) if api_key else app
