@@ -133,7 +133,10 @@ def test_abort_by_rid_cuts_a_running_request_short(local):
     assert local.server.num_running_rows == 0
 
 
-def test_weight_sync_reaches_the_local_engine_through_shared_memory(local):
+def test_weight_sync_reaches_the_local_engine_through_shared_memory(local, monkeypatch):
+    ran = []  # what ran on the model thread through EngineServer._then_idle (its stream, its thread release)
+    then_idle = local.server._then_idle
+    monkeypatch.setattr(local.server, "_then_idle", lambda fn, *a: (ran.append(fn.__name__), then_idle(fn, *a))[1])
     trainer = build_tiny_model(ENGINE_SEED)
     with torch.no_grad():
         for p in trainer.parameters():
@@ -147,6 +150,7 @@ def test_weight_sync_reaches_the_local_engine_through_shared_memory(local):
     res = verify_sync(trainer, [local], PROMPTS, expected_version=41)
     assert res.ok and res.max_abs_diff[0] <= 1e-5, res
     assert trio.run(local.get_weight_version) == 41
+    assert "receive_colocated" in ran, ran  # was: run on the model thread directly, outside the engine's stream
     sender.close()
 
 

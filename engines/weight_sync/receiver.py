@@ -9,7 +9,6 @@ succeeds; weight_version only moves on success.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import socket
 from dataclasses import dataclass, field
@@ -234,8 +233,9 @@ async def colocated_request(server, body: dict) -> dict:
     targets = rec._targets(meta, lora is not None)  # 400 before touching any slot
     async with server.exclusive():  # no row decodes while the weights change
         try:
-            await asyncio.get_running_loop().run_in_executor(server.model_thread, rec.receive_colocated, meta,
-                                                             body["seq"], targets)
+            # on the model thread as its other work is (EngineServer.on_model_thread): on the engine's stream
+            # where it shares the trainer's, and the CPU's OpenMP pool released after it when no row runs
+            await server.on_model_thread(rec.receive_colocated, meta, body["seq"], targets)
             await load_synced_adapter(server, lora, meta, targets)
         except BaseException:
             server.weights_consistent = False
