@@ -124,8 +124,8 @@ def parse_sampling(body: Mapping[str, Any], *, logprobs_is_int: bool = False) ->
     _check(not body.get("top_logprobs"), "top_logprobs: the engines return the log-prob of the sampled token only; "
            "leave top_logprobs unset or 0 (logprobs=true gives each token's)", "top_logprobs")
     stop = body.get("stop")
-    stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    _check(all(isinstance(s, str) and s for s in stop) and len(stop) <= 4,
+    stop = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else () if stop is None else None
+    _check(stop is not None and all(isinstance(s, str) and s for s in stop) and len(stop) <= 4,
            f"stop={body.get('stop')!r}: give a string or a list of up to 4 non-empty strings", "stop")
     max_tokens = _int(body, "max_completion_tokens", 1)
     max_tokens = _int(body, "max_tokens", 1) if max_tokens is None else max_tokens
@@ -286,9 +286,12 @@ def _arguments(value: Any) -> Any:
 
 def same_assistant_turn(sent: Mapping[str, Any], returned: Mapping[str, Any]) -> bool:
     """Whether the assistant message an agent sent back is the one the server returned: the same text (null and ""
-    alike) and the same calls (names and arguments as JSON values; ids, which templates do not render, aside)."""
-    def calls(m: Mapping[str, Any]) -> list[tuple[str, Any]]:
-        return [(c["function"]["name"], _arguments(c["function"]["arguments"])) for c in m.get("tool_calls") or ()]
+    alike) and the same calls (names and arguments as JSON values: key order and whitespace aside; ids, which
+    templates do not render, aside). Arguments compare as canonical JSON text, not as Python values, where true, 1
+    and 1.0 are equal."""
+    def calls(m: Mapping[str, Any]) -> list[tuple[str, str]]:
+        return [(c["function"]["name"], json.dumps(_arguments(c["function"]["arguments"]), sort_keys=True))
+                for c in m.get("tool_calls") or ()]
 
     return (sent.get("content") or "") == (returned.get("content") or "") and calls(sent) == calls(returned)
 
@@ -484,10 +487,12 @@ def chat_chunks(response: Mapping[str, Any], pieces: Sequence[Sequence[str]], *,
         for k, part in enumerate(parts):
             lp = {"content": [lps[k]]} if per_token else ({"content": lps} if lps and k == len(parts) - 1 else None)
             yield event([{"index": i, "delta": {"content": part}, "logprobs": lp, "finish_reason": None}])
+        rest = {"content": lps} if lps and not parts else None  # no content chunk carried them: a turn of calls only
         if msg.get("tool_calls"):
             calls = [{"index": k, **t} for k, t in enumerate(msg["tool_calls"])]
-            yield event([{"index": i, "delta": {"tool_calls": calls}, "finish_reason": None}])
-        yield event([{"index": i, "delta": {}, "finish_reason": c["finish_reason"]}])
+            yield event([{"index": i, "delta": {"tool_calls": calls}, "logprobs": rest, "finish_reason": None}])
+            rest = None
+        yield event([{"index": i, "delta": {}, "logprobs": rest, "finish_reason": c["finish_reason"]}])
     if include_usage:
         yield event([], usage=response["usage"])
     yield "data: [DONE]\n\n"

@@ -32,6 +32,7 @@ from gateway_support import (
 )
 
 from engines.embedded.presets import build_tiny_model
+from engines.protocol import Completion
 from engines.registry import EngineSpec, build_engine
 from engines.sglang import SGLangEngine
 from engines.tiny import build_tokenizer
@@ -637,3 +638,126 @@ def test_sampled_evaluation_of_an_agent_is_seeded_and_reproducible(local):
     sampled = runs[0][1]
     assert len(sampled) == 8 and len({s for _, s, _ in sampled}) == 8  # 2 prompts x 2 samples x 2 requests
     assert "pass@1" in runs[0][0] and runs[0][0]["n"] == 2
+
+
+# ----------------------------------------------------------------------------------------------- found by review
+def continuing_completions_agent(row, endpoint):
+    """/v1/completions with a stop string, then the agent's own continuation of the text it got back: once with the
+    stop string written back (the recorded tokens continue) and once without it (a new root: the engine must see
+    exactly the agent's text, not the recorded tokens' stop string)."""
+    client = openai.OpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0)
+    first = f"Q: {row['prompt']}\nA:"
+    text = client.completions.create(model=endpoint.model, prompt=first, stop=["\n"], max_tokens=20).choices[0].text
+    prompts = [first + text + "\nQ: again\nA:", first + text + " Q: again\nA:"]
+    for prompt in prompts:
+        client.completions.create(model=endpoint.model, prompt=prompt, max_tokens=20)
+    return {"reward": 1.0, "metadata": {"got": [text] + prompts}}
+
+
+def test_a_completion_cut_by_a_stop_string_is_continued_only_by_a_prompt_that_holds_its_tokens():
+    """Was: the call's text was the returned text (the stop string cut off), so a prompt without the stop string
+    continued the recorded tokens, and the engine saw a newline the agent never sent."""
+    engine = Scripted(lambda text: " 1\nQ: junk")
+    batch = run_batch([engine], continuing_completions_agent, max_new_tokens=20, n_samples_per_prompt=1)
+    for s in batch.samples:
+        if "agent_part" in s.metadata:
+            continue
+        text, with_stop, without = s.metadata["got"]
+        assert text == " 1"
+        seen = [p for p in engine.prompts if p.startswith(f"Q: {s.prompt}\nA:") and "again" in p]
+        assert sorted(seen) == sorted([with_stop, without]), (seen, with_stop, without)
+    assert batch.metadata["agent_splits"] == 2  # per episode: the first call continued, the second a new root
+
+
+def n_choice_agent(row, endpoint):
+    client = openai.OpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0)
+    messages = [{"role": "user", "content": row["prompt"]}]
+    both = client.chat.completions.create(model=endpoint.model, messages=messages, n=2)
+    messages += [both.choices[1].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+    client.chat.completions.create(model=endpoint.model, messages=messages)
+    return {"reward": 1.0, "metadata": {"got": [c.finish_reason for c in both.choices]}}
+
+
+class TwoLengths(Scripted):
+    """With n = 2, choice 0 runs to the budget ("length") and choice 1 ends; one choice otherwise."""
+
+    async def generate(self, prompts, params, *, rids=None):
+        out = []
+        for p in prompts:
+            self.prompts.append(TOK.decode(list(p)))
+            row = []
+            for k in range(params.n):
+                ids = TOK.encode("x" * 50)[:params.max_new_tokens] if params.n > 1 and k == 0 else \
+                    TOK.encode("ok") + [IM_END_ID]
+                row.append(Completion(ids, [-0.5] * len(ids), "length" if len(ids) > 3 else "stop", 0, list(p)))
+            out.append(row)
+        return out
+
+
+def test_with_n_choices_only_the_sequence_a_limit_cut_is_truncated():
+    """Was: one of n choices cut at max_new_tokens marked every sequence of the episode TRUNCATED (masked out of the
+    loss with mask_truncated), the sibling the agent went on with and finished too."""
+    batch = run_batch([TwoLengths(lambda text: "")], n_choice_agent, max_new_tokens=20, n_samples_per_prompt=1)
+    for prompt in ("0+1=", "1+2="):
+        seqs = {s.metadata.get("agent_part", 0): s for s in batch.samples if s.prompt == prompt}
+        assert len(seqs) == 2
+        cut = next(s for s in seqs.values() if TOK.decode(list(s.tokens)).endswith("x" * 20))
+        went_on = next(s for s in seqs.values() if s is not cut)
+        assert cut.status == Status.TRUNCATED and cut.metadata["truncated_by"] == "length"
+        assert went_on.status == Status.COMPLETED and "truncated_by" not in went_on.metadata
+        assert TOK.decode(list(went_on.tokens)).endswith("more<|im_end|>\n<|im_start|>assistant\nok<|im_end|>")
+
+
+def tool_turn_agent(row, endpoint):
+    """A streamed turn of tool calls only (no text before the call), with log-probs; then reordered schema keys in a
+    second conversation, continued once; then requests the gateway must refuse in OpenAI's error shape."""
+    client = openai.OpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0)
+    messages = [{"role": "user", "content": row["prompt"]}]
+    plain = client.chat.completions.create(model=endpoint.model, messages=messages, tools=[CALC], logprobs=True)
+    stream = client.chat.completions.create(model=endpoint.model, messages=messages, tools=[CALC], logprobs=True,
+                                            stream=True)
+    streamed = [lp.logprob for chunk in stream for c in chunk.choices if c.logprobs is not None
+                for lp in c.logprobs.content or []]
+    reordered = {"function": dict(reversed(list(CALC["function"].items()))), "type": "function"}
+    chains = []
+    for tools, prompt in (([CALC], row["prompt"]), ([reordered], "other " + row["prompt"])):
+        chat = [{"role": "user", "content": prompt}]
+        m = client.chat.completions.create(model=endpoint.model, messages=chat, tools=tools).choices[0].message
+        chat += [m.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "42"}]
+        chains.append(client.chat.completions.create(model=endpoint.model, messages=chat, tools=tools)
+                      .choices[0].message.content)
+    errors = []
+    for call in (lambda: client.chat.completions.create(model=endpoint.model, messages=messages, stop=5),
+                 lambda: client.models.retrieve(endpoint.model),
+                 lambda: client.post("/responses", body={"model": endpoint.model}, cast_to=object)):
+        try:
+            call()
+            errors.append(None)
+        except openai.APIStatusError as e:
+            errors.append((e.status_code, e.body["message"] if isinstance(e.body, dict) else e.body))
+    return {"reward": 1.0, "metadata": {"got": [[lp.logprob for lp in plain.choices[0].logprobs.content], streamed,
+                                                chains, errors]}}
+
+
+def test_a_tool_only_turn_streams_its_logprobs_schemas_key_by_order_and_errors_are_openais():
+    """Was: a streamed turn of tool calls only lost its log-probs; a tool schema with its keys in another order was
+    served the other order's cached rendering (a 500 at the next turn); stop=5 was a plain-text 500 (which the SDK
+    retries) and unserved paths Starlette's plain-text 404."""
+    tok = build_tokenizer()
+    tok.chat_template = QWEN_LIKE
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call>'
+    engine = Scripted(lambda text: "It is 42." if "<tool_response>" in text else call)
+    cfg = RolloutConfig(rollout_batch_size=1, n_samples_per_prompt=1, max_new_tokens=100, agent=tool_turn_agent,
+                        max_turns=8, seed=1, agent_timeout_s=30.0)
+    manager = AsyncRolloutManager([engine], cfg, tokenizer=tok, check_health=False)
+
+    async def run():
+        async with manager:
+            return await manager.generate_batch(arithmetic_buffer(1))
+
+    (sample, *_) = trio.run(run).samples
+    plain, streamed, chains, errors = sample.metadata["got"]
+    assert len(plain) == len(TOK.encode(call)) + 1 and streamed == plain  # and <|im_end|>: streamed with the calls
+    assert chains == ["It is 42.", "It is 42."]
+    assert errors[0][0] == 400 and "stop=5" in errors[0][1]
+    assert [e[0] for e in errors[1:]] == [404, 404] and all("is not served here" in e[1] for e in errors[1:])

@@ -84,6 +84,9 @@ def test_the_assistant_turn_sent_back_is_matched_by_meaning_not_by_ids():
     changed["tool_calls"][0]["function"]["arguments"] = '{"a": 2, "b": [2]}'
     assert not same_assistant_turn(changed, returned)
     assert not same_assistant_turn({"role": "assistant", "content": "x"}, returned)
+    for other in ('{"a": true, "b": [2]}', '{"a": 1.0, "b": [2]}', '{"a": 1, "b": [2.0]}', '{"a": "1", "b": [2]}'):
+        changed["tool_calls"][0]["function"]["arguments"] = other  # equal to 1 / 2 in Python, another JSON value
+        assert not same_assistant_turn(changed, returned), other
 
 
 def test_a_stop_string_keeps_the_fewest_tokens_that_hold_it():

@@ -76,6 +76,22 @@ class _Episode:
     generate: GenerateN
 
 
+
+def _cut(out: Completion, limit: str | None) -> str | None:
+    """What cut this completion (Gateway._complete's `limit`) when it ended at its budget, else None."""
+    return limit if out.finish_reason == "length" else None
+
+
+async def _not_served(request: Any, exc: Exception) -> Any:
+    """A path or method the gateway does not serve (e.g. /v1/responses): OpenAI's error shape, not Starlette's
+    plain text (which the SDK cannot read)."""
+    from starlette.responses import JSONResponse
+
+    status = getattr(exc, "status_code", 404)
+    error = WireError(f"{request.method} {request.url.path} is not served here: the gateway serves POST "
+                      f"/v1/chat/completions, POST /v1/completions and GET /v1/models", status=status)
+    return JSONResponse(error.body(), status_code=status)
+
 class Gateway:
     """The HTTP server and the keys of the episodes in flight. `start()` from inside the trio run whose engines it
     calls (one rollout batch); `close()` stops the server. `parse`: the run's tool parser (text -> ParsedTurn)."""
@@ -147,7 +163,7 @@ class Gateway:
             Route(f"{prefix}/v1/completions", text, methods=["POST"]) for prefix in ("", "/episodes/{key}")
         ] + [
             Route(f"{prefix}/v1/models", self._models, methods=["GET"]) for prefix in ("", "/episodes/{key}")
-        ])
+        ], exception_handlers={404: _not_served, 405: _not_served})
 
     async def _models(self, request: Any) -> Any:
         from starlette.responses import JSONResponse
@@ -191,7 +207,11 @@ class Gateway:
         return episode
 
     # ------------------------------------------------------------------------------------------- trio side
-    async def _complete(self, episode: _Episode, prompt: Sample, n: int, asked: int | None) -> list[Completion]:
+    async def _complete(self, episode: _Episode, prompt: Sample, n: int,
+                        asked: int | None) -> tuple[list[Completion], str | None]:
+        """The engine's n completions of `prompt`, and what a completion that ends at its budget ("length") was cut
+        by: "context" (max_context_tokens left less), "length" (the run's max_new_tokens), or None (the request's own
+        max_tokens: the agent asked for that cut)."""
         rec = episode.recorder
         budget = rec.budget(prompt, asked)
         if budget <= 0:
@@ -203,22 +223,22 @@ class Gateway:
             rec.aborted = True
             raise WireError("the rollout batch filled: this episode is aborted (it starts again in a later batch)",
                             status=503)
-        if any(c.finish_reason == "length" for c in outs) and (asked is None or budget < asked):
-            rec.truncated_by = rec.truncated_by or ("context" if budget < rec.max_new_tokens else "length")
-        return outs
+        limit = None if asked is not None and budget >= asked else \
+            "context" if budget < rec.max_new_tokens else "length"
+        return outs, limit
 
     async def answer_chat(self, key: str, req: ChatRequest) -> tuple[dict, list[str]]:
         """The chat.completion for `req` in episode `key` (and its SSE chunks), every choice recorded."""
         episode = self._episode(key)
         rec = episode.recorder
         parent, prompt = rec.chat_prompt(req.messages, req.tools)
-        outs = await self._complete(episode, prompt, req.sampling.n, req.sampling.max_tokens)
+        outs, limit = await self._complete(episode, prompt, req.sampling.n, req.sampling.max_tokens)
         shaped = []
         for i, out in enumerate(outs):
             c = chat_choice(i, out.output_ids, out.logprobs, out.finish_reason, req, tokenizer=self.tokenizer,
                             parse=self.parse)
             rec.tool_calls += c.tool_calls
-            rec.record(parent, prompt, out, c.keep, messages=tuple(req.messages),
+            rec.record(parent, prompt, out, c.keep, messages=tuple(req.messages), cut=_cut(out, limit),
                        tools=tuple(Schema(t) for t in req.tools), reply=c.choice["message"])
             shaped.append(c)
         return chat_answer(self.model, shaped, len(prompt.tokens), req.sampling)
@@ -228,13 +248,17 @@ class Gateway:
         episode = self._episode(key)
         rec = episode.recorder
         parent, prompt = rec.completion_prompt(req.prompt)
-        outs = await self._complete(episode, prompt, req.sampling.n, req.sampling.max_tokens)
+        outs, limit = await self._complete(episode, prompt, req.sampling.n, req.sampling.max_tokens)
         prompt_text = req.prompt if isinstance(req.prompt, str) else None
         shaped = []
         for i, out in enumerate(outs):
             c = completion_choice(i, out.output_ids, out.logprobs, out.finish_reason, req, tokenizer=self.tokenizer)
-            rec.record(parent, prompt, out, c.keep,
-                       text=None if prompt_text is None else prompt_text + c.choice["text"])
+            # The text the recorded tokens stand for: the choice's text stops before a stop string and drops
+            # special tokens, but the tokens keep both. A later prompt continues this call only when it holds that
+            # whole text (the agent sent the stop string and the end token back); any other prompt is a new root.
+            kept = self.tokenizer.decode(list(out.output_ids[:c.keep]), skip_special_tokens=False)
+            rec.record(parent, prompt, out, c.keep, text=None if prompt_text is None else prompt_text + kept,
+                       cut=_cut(out, limit))
             shaped.append(c)
         return completion_answer(self.model, shaped, len(prompt.tokens), req.sampling)
 
@@ -316,15 +340,17 @@ async def run_agent_episode(sample: Sample, agent: Callable[..., Any], gateway: 
     finally:
         gateway.close_episode(endpoint)
     seconds = time.perf_counter() - t0
-    seqs = rec.sequences()
+    seqs, cuts = rec.sequences(), rec.sequence_cuts()
     meta = {"turns": rec.requests, "tool_calls": rec.tool_calls, "tool_errors": 0.0, "env_seconds": 0.0,
             "agent_seconds": seconds, "agent_splits": max(len(seqs) - 1, 0), **extra}
-    status = Status.TRUNCATED if rec.truncated_by else Status.COMPLETED
-    if rec.truncated_by:
-        meta["truncated_by"] = rec.truncated_by
+    # A refused request (rec.truncated_by) truncates the whole episode; a completion a limit cut, only the sequences
+    # that hold it (with n > 1, a sibling the agent went on with was not cut)
+    cuts = [rec.truncated_by or c for c in cuts]
+    truncated = next((c for c in cuts if c), None)
+    status = Status.TRUNCATED if truncated else Status.COMPLETED
     if rec.aborted:  # the batch filled mid-episode (the agent got a 503): cached, it starts again in a later batch
         status = Status.ABORTED
-    elif error is not None and not rec.truncated_by:
+    elif error is not None and not truncated:
         status, message = Status.FAILED, f"{type(error).__name__}: {error}"
         meta.update(agent_error=message, env_error=message)
         if isinstance(error, BlockedCallTimeout):
@@ -336,12 +362,18 @@ async def run_agent_episode(sample: Sample, agent: Callable[..., Any], gateway: 
     elif not seqs:
         status = Status.FAILED
         meta.update(agent_error="the agent returned without calling its endpoint", env_error="no request")
-    seqs = seqs or [sample]
+    seqs, cuts = seqs or [sample], cuts or [truncated]
     reward = 0.0 if status == Status.FAILED else None
-    out = [dataclasses.replace(s, status=status, reward=reward, response=_response(gateway, s),
-                               metadata={**s.metadata, **meta} if k == 0 else
-                               {**s.metadata, "agent_part": k, "agent_error": meta.get("agent_error")})
-           for k, s in enumerate(seqs)]
+
+    def own(cut: str | None) -> Status:  # a sequence's status: the episode's, or COMPLETED where no limit cut it
+        return (Status.TRUNCATED if cut else Status.COMPLETED) if status in (Status.TRUNCATED, Status.COMPLETED) \
+            else status
+
+    out = [dataclasses.replace(s, status=own(cut), reward=reward, response=_response(gateway, s),
+                               metadata={**s.metadata, **meta, "truncated_by": cut} if k == 0 else
+                               {**s.metadata, "agent_part": k, "agent_error": meta.get("agent_error"),
+                                "truncated_by": cut})
+           for k, (s, cut) in enumerate(zip(seqs, cuts))]
     out = [dataclasses.replace(s, metadata={k: v for k, v in s.metadata.items() if v is not None}) for s in out]
     return out, None if status == Status.FAILED else value
 

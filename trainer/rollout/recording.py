@@ -29,17 +29,25 @@ from trainer.types import Sample
 
 
 class Schema(dict):
-    """A tool's JSON schema that can key a cache (the template renderings are cached per tool set)."""
+    """A tool's JSON schema that can key a cache (the template renderings are cached per tool set). Equal only with
+    its keys in the same order, nested ones too: a template's `tojson` renders them in order, so the same keys in
+    another order are another rendering (and another prompt)."""
 
     def __hash__(self) -> int:  # type: ignore[override]
-        return hash(json.dumps(self, sort_keys=True))
+        return hash(json.dumps(self))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, dict) and json.dumps(self) == json.dumps(other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
 
 
 @dataclasses.dataclass(frozen=True)
 class Call:
     """One engine completion and its whole context. `messages`/`tools`: the chat request's (None for a completions
-    request); `reply`: the assistant message returned for it; `text`: prompt + completion text (completions only);
-    `ended`: it ends with the template's end-of-turn token."""
+    request); `reply`: the assistant message returned for it; `text`: the prompt + the recorded tokens' text, stop
+    strings and special tokens kept (completions only); `ended`: it ends with the template's end-of-turn token."""
 
     sample: Sample
     parent: int | None
@@ -48,6 +56,7 @@ class Call:
     reply: dict | None = None
     text: str | None = None
     ended: bool = True
+    cut: str | None = None  # a limit cut this completion ("length" or "context": Gateway._complete)
 
 
 class AgentRecorder:
@@ -170,6 +179,17 @@ class AgentRecorder:
         """The episode's training sequences: the sample of each call no other call continued, in call order."""
         parents = {c.parent for c in self.calls}
         return [c.sample for i, c in enumerate(self.calls) if i not in parents]
+
+    def sequence_cuts(self) -> list[str | None]:
+        """For each of `sequences()`: what cut a completion it holds (the first from its root), or None."""
+        parents = {c.parent for c in self.calls}
+        out = []
+        for i in (i for i in range(len(self.calls)) if i not in parents):
+            cut = None
+            while i is not None:
+                cut, i = self.calls[i].cut or cut, self.calls[i].parent
+            out.append(cut)
+        return out
 
     def counters(self) -> Mapping[str, Any]:
         return {"turns": self.requests, "tool_calls": self.tool_calls}
