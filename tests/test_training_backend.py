@@ -76,6 +76,31 @@ def test_logprobs_and_gradients_match_float64_reference(base, unembed):
     backend.close().result()
 
 
+def test_closing_one_client_leaves_the_others_adapters_training(base):
+    """Was: PEFT's delete_adapter, removing the adapter that ran last, froze every other adapter of those layers
+    (requires_grad False): a client trained on attention only and closed left another client's attention LoRA
+    frozen, its MLP and lm_head training (no error, other losses), or failed its backward outright."""
+    attn = LocalLoraBackend(base, "attn_only", LoraSpec(rank=4, seed=3, train_mlp=False, train_unembed=False), LOSSES,
+                            "/nonexistent")
+    # PEFT re-activates the first remaining adapter by name in each layer it removed the active one from, and
+    # freezes the others: "b_other" is that one, "full" (the client checked) one of the others
+    other = LocalLoraBackend(base, "b_other", LoraSpec(rank=4, seed=5), LOSSES, "/nonexistent")
+    full = LocalLoraBackend(base, "full", LoraSpec(rank=4, seed=4), LOSSES, "/nonexistent")
+    randomize(full, 8)
+    data = batch(9, base.vocab_size)
+    attn.forward_backward(data, "cross_entropy").result()  # its adapter is the active one in the attention layers
+    attn.close().result()
+    ref_lp, ref_grad = reference(base, "full", data)
+    full.forward_backward(data, "cross_entropy").result()
+    assert set(ref_grad) == set(full.params) and any("q_proj" in k for k in full.params)
+    for k, p in full.params.items():
+        assert p.requires_grad and p.grad is not None, k
+        rel = (p.grad.double() - ref_grad[k]).norm() / ref_grad[k].norm().clamp(min=1e-30)
+        assert rel <= 1e-4, (k, float(rel))
+    full.close().result()
+    other.close().result()
+
+
 def test_queued_in_submission_order_and_awaited_from_trio(base):
     """forward_backward, optim_step and forward queued before any is read run in that order (the forward sees
     the update); each future can be awaited from trio; bad input is refused at submission."""

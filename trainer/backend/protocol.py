@@ -179,8 +179,7 @@ class LoraBase:
         # targets from it (its defaults, q/v only): each adapter is injected with its own config alone.
         self.model.__dict__.pop("peft_config", None)
         peft.inject_adapter_in_model(config, self.model, adapter_name=name)
-        for n, p in self.model.named_parameters():  # PEFT's injection unfreezes only the newest adapter
-            p.requires_grad_(".lora_A." in n or ".lora_B." in n)
+        self._adapters_trainable()  # PEFT's injection unfreezes only the newest adapter
         for path, layer in lora_layers(self.model).items():
             if name not in layer.lora_A:
                 continue
@@ -194,7 +193,15 @@ class LoraBase:
         for layer in lora_layers(self.model).values():
             if name in layer.lora_A:
                 layer.delete_adapter(name)
+        # PEFT's delete_adapter, where it removes a layer's active adapter, activates another one there and freezes
+        # every other adapter of the layer: each op activates its own (`activate`), and all stay trainable
+        self._adapters_trainable()
         self.adapters.pop(name, None)
+
+    def _adapters_trainable(self) -> None:
+        """Every adapter's A and B take gradients, nothing else does (the base stays frozen)."""
+        for n, p in self.model.named_parameters():
+            p.requires_grad_(".lora_A." in n or ".lora_B." in n)
 
     def adapter_params(self, name: str) -> dict[str, nn.Parameter]:
         """{"<module path>.lora_A.weight" | ".lora_B.weight": parameter} of adapter `name` (PEFT's saved names)."""
