@@ -6,6 +6,7 @@ training clients (LoRA adapters on the shared base), so the tests do not depend 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -617,3 +618,96 @@ def test_stopping_the_server_fails_the_futures_in_flight(tmp_path):
         # The server is gone: release the SDK's threads (heartbeats) without the finish request, which the SDK would
         # retry for 5 min against a closed port.
         svc._session_holder.close()
+
+
+# ----------------------------------------------------------------------------------------------- found by review
+def test_checkpoints_are_not_overwritten_and_a_failed_load_changes_nothing(service):
+    """Was: save_state(name) over an existing checkpoint replaced it although the SDK's overwrite defaults to False;
+    load_state_with_optimizer of a sampler checkpoint (no optimizer state) failed after it had copied the weights
+    in; create_training_client_from_state_with_optimizer of one kept the client it had made."""
+    client = service.create_lora_training_client(base_model="tiny", rank=4, seed=41).result()
+    batch = random_batch(41)
+    train(client, batch, 1)
+    first = client.save_state("ckpt").result().path
+    sampler_path = client.save_weights_for_sampler("early").result().path
+    train(client, batch, 1)
+    with pytest.raises(tinker.RequestFailedError, match="exists: save under another name, or pass overwrite=True"):
+        client.save_state("ckpt").result(timeout=60)
+    later = forward_logprobs(client, batch)
+    check = service.create_training_client_from_state_with_optimizer(first).result()  # the first save, intact
+    assert train(check, batch, 1)  # it loads and trains
+    assert client.save_state("ckpt", overwrite=True).result().path == first
+    with pytest.warns(FutureWarning, match="load_state"):
+        failed = client.load_state_with_optimizer(sampler_path)
+    with pytest.raises(tinker.RequestFailedError, match="no optimizer state"):
+        failed.result(timeout=60)
+    assert all(np.array_equal(a, b) for a, b in zip(forward_logprobs(client, batch), later))  # unchanged
+    runs = len(service.create_rest_client().list_training_runs().result().training_runs)
+    with pytest.raises(tinker.RequestFailedError, match="no optimizer state"):
+        service.create_training_client_from_state_with_optimizer(sampler_path).result(timeout=60)
+    assert len(service.create_rest_client().list_training_runs().result().training_runs) == runs  # none kept
+
+
+def test_other_optimizers_are_refused_not_replaced_by_adamw(server, service):
+    """Was: a client created with another optimizer (DimuonOptimizerConfig) trained with AdamW, and its optim_step
+    parameters (sent as optimizer_params) were replaced by AdamW's defaults (lr 1e-4): the weights moved at lr 0."""
+    with pytest.raises(tinker.RequestFailedError, match="AdamW only"):
+        service.create_lora_training_client(base_model="tiny", rank=4, optimizer=types.DimuonOptimizerConfig()
+                                            ).result(timeout=60)
+    client = service.create_lora_training_client(base_model="tiny", rank=4, seed=42).result()
+    client.forward_backward(random_batch(42), "cross_entropy").result()
+    headers = {"X-API-Key": KEY}
+    body = {"model_id": client.model_id, "seq_id": 20_000, "optimizer_params": {"learning_rate": 0.0}}
+    rid = httpx.post(f"{server[0]}/api/v1/optim_step", json=body, headers=headers).json()["request_id"]
+    done = httpx.post(f"{server[0]}/api/v1/retrieve_future", json={"request_id": rid}, headers=headers).json()
+    assert "optimizer_params" in json.dumps(done) and "AdamW" in json.dumps(done), done
+
+
+def test_concurrent_creates_stay_within_max_clients(tmp_path):
+    """Was: the limit was read before each client's (slow) build and the client counted only after it, so ten
+    creates at once made nine clients under max_clients = 4."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from trainer.serve.clients import Service, UserError
+
+    service = Service({"tiny": str(tiny_folder(tmp_path))}, tmp_path / "out", max_clients=4)
+
+    def create(i: int):
+        try:
+            return service.create_model({"base_model": "tiny", "lora_config": {"rank": 2}, "model_id": f"m{i}"})
+        except UserError as e:
+            return e
+
+    with ThreadPoolExecutor(10) as pool:
+        got = list(pool.map(create, range(10)))
+    made = [g for g in got if not isinstance(g, Exception)]
+    refused = [g for g in got if isinstance(g, Exception)]
+    assert len(made) == 4 and len(service.models) == 4, [type(g).__name__ for g in got]
+    assert len(refused) == 6 and all(e.status == 429 and "max_clients = 4" in str(e) for e in refused)
+    service.unload(made[0].model_id)
+    assert not isinstance(create(10), Exception) and len(service.models) == 4  # a freed slot is taken again
+
+
+def test_training_requests_after_the_stop_are_answered_cancelled(tmp_path):
+    """Was: once stop_work had shut the workers down, a training request got an HTTP 500 ("cannot schedule new
+    futures after shutdown"), which the SDK retried until the port closed: its future never resolved. Now it is
+    answered as stop_work promises, "cancelled: the server is shutting down"."""
+    import asyncio
+
+    from trainer.serve import handlers
+    from trainer.serve.clients import Service
+
+    async def main():
+        service = Service({"tiny": str(tiny_folder(tmp_path))}, tmp_path / "out")
+        record = service.create_model({"base_model": "tiny", "lora_config": {"rank": 2}, "model_id": "m"})
+        service.stop_work()
+        for handler, body in ((handlers.optim_step, {"adam_params": {"learning_rate": 0.1}}),
+                              (handlers.save_weights, {"path": "late"}),
+                              (handlers.save_for_sampler, {})):
+            answer = await handler(service, {"model_id": record.model_id, "seq_id": 1, **body})
+            task = service.futures[answer["request_id"]].task
+            await asyncio.gather(task, return_exceptions=True)
+            assert task.cancelled(), handler.__name__
+        assert not (tmp_path / "out" / "m" / "weights" / "late").exists()
+
+    asyncio.run(main())

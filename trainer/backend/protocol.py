@@ -412,28 +412,32 @@ class LocalLoraBackend:
                 "task_type": "CAUSAL_LM"}
 
     def _load(self, path: str, optimizer: bool) -> None:
+        """The adapter (and with `optimizer` AdamW's state and the step count; without, a fresh AdamW from step 0)
+        from a checkpoint folder. Every file is read and checked before anything changes: a failed load leaves the
+        client as it was."""
         from safetensors import safe_open
         from safetensors.torch import load_file
 
         folder = Path(path)
         if not (folder / "adapter_model.safetensors").is_file():
             raise FileNotFoundError(f"{folder}: no adapter_model.safetensors (not a checkpoint of this server)")
+        opt = folder / "optimizer.safetensors"
+        if optimizer and not opt.is_file():
+            raise FileNotFoundError(f"{folder}: no optimizer state (a sampler checkpoint); load it without optimizer")
         weights = {k.removeprefix("base_model.model."): v
                    for k, v in load_file(str(folder / "adapter_model.safetensors")).items()}
-        self._copy_in(weights)
+        state, steps = {}, 0
+        if optimizer:
+            state = load_file(str(opt))
+            with safe_open(str(opt), "pt") as f:
+                steps = int((f.metadata() or {}).get("steps", 0))
+        self._copy_in(weights)  # checks every name and shape before it copies
         self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=1e-4, foreach=False)
-        if not optimizer:
-            return
-        opt = folder / "optimizer.safetensors"
-        if not opt.is_file():
-            raise FileNotFoundError(f"{folder}: no optimizer state (a sampler checkpoint); load it without optimizer")
-        state = load_file(str(opt))
         for k, p in self.params.items():
             fields = {f.split("/", 1)[1]: t for f, t in state.items() if f.split("/", 1)[0] == k}
             if fields:
                 self.optimizer.state[p] = {f: t.to(p.device) if f != "step" else t for f, t in fields.items()}
-        with safe_open(str(opt), "pt") as f:
-            self.steps = int((f.metadata() or {}).get("steps", 0))
+        self.steps = steps
 
     @torch.no_grad()
     def _copy_in(self, weights: Mapping[str, torch.Tensor]) -> None:

@@ -123,6 +123,8 @@ class Service:
         self._ids = itertools.count(1)
         self._loading = threading.Lock()  # base(), engine(), tokenizer() run in worker threads (asyncio.to_thread)
         self.stopping = False  # stop_work ran: new requests are answered as cancelled (the server is shutting down)
+        self._slots = threading.Lock()  # max_clients: a slot is taken before a client's (slow) build
+        self._building = 0  # clients being built (create_model runs in worker threads)
 
     # -- futures ---------------------------------------------------------------------------------------
     def submit(self, work: Awaitable[tuple[str, Any]], key: tuple | None = None, owner: str | None = None) -> str:
@@ -226,10 +228,23 @@ class Service:
         return self.models[model_id]
 
     def create_model(self, body: dict) -> TrainingModel:
-        """A training client: a fresh LoRA adapter (Tinker's LoraConfig) on base_model."""
-        if len(self.models) >= self.max_clients:
-            raise UserError(f"{len(self.models)} training clients already: [serve] max_clients = "
-                            f"{self.max_clients}; unload one (unload_model) or raise max_clients", status=429)
+        """A training client: a fresh LoRA adapter (Tinker's LoraConfig) on base_model, trained with AdamW."""
+        optimizer = body.get("optimizer_config") or {"type": "adamw"}
+        if not isinstance(optimizer, dict) or optimizer.get("type") != "adamw":
+            raise UserError(f"optimizer_config = {optimizer!r}: this server trains with AdamW only (the SDK's "
+                            f"default, AdamOptimizerConfig)")
+        with self._slots:  # counted with the clients still being built: concurrent creates cannot pass the limit
+            if len(self.models) + self._building >= self.max_clients:
+                raise UserError(f"{len(self.models) + self._building} training clients already: [serve] max_clients "
+                                f"= {self.max_clients}; unload one (unload_model) or raise max_clients", status=429)
+            self._building += 1
+        try:
+            return self._build_model(body)
+        finally:
+            with self._slots:
+                self._building -= 1
+
+    def _build_model(self, body: dict) -> TrainingModel:
         lora = body.get("lora_config") or {}
         if not isinstance(lora.get("rank"), int) or lora["rank"] <= 0:
             raise UserError(f"lora_config.rank = {lora.get('rank')!r}: a positive integer (full fine-tuning is not "
@@ -244,7 +259,8 @@ class Service:
         backend = LocalLoraBackend(base, adapter, spec, LOSSES, self.output_dir / model_id)
         record = TrainingModel(model_id, body["base_model"], body.get("session_id", ""), spec, backend,
                                datetime.now(UTC), body.get("user_metadata"))
-        self.models[model_id] = record
+        with self._slots:
+            self.models[model_id] = record
         return record
 
     def unload(self, model_id: str) -> None:

@@ -35,6 +35,8 @@ def _queue(service: Service, key: tuple, start, encode) -> str:
     `encode(result)` gives the future's payload."""
     if key in service.seen:
         return service.seen[key]
+    if service.stopping:  # the workers are shut down: answered "cancelled", as stop_work promises, nothing started
+        return service.fail(UserError("the server is shutting down"), key)
     try:
         fut: BackendFuture = start()
     except ValueError as e:
@@ -157,9 +159,13 @@ async def forward_backward(service: Service, request) -> dict:
 
 async def optim_step(service: Service, body: dict) -> dict:
     record = service.model(body["model_id"])
-    given = body.get("optim_params") or body.get("adam_params") or {}
-    params = AdamParams(**{k: float(v) for k, v in given.items() if k in AdamParams.__dataclass_fields__})
     key = (record.model_id, body.get("seq_id"), "train")
+    given = body.get("adam_params", body.get("optim_params"))
+    if not isinstance(given, dict):  # the SDK sends other optimizers' parameters as optimizer_params
+        what = "optimizer_params (another optimizer's)" if "optimizer_params" in body else "no adam_params"
+        return _future(service.fail(UserError(f"optim_step: {what}: this server trains with AdamW; give "
+                                              f"AdamParams"), key), record.model_id)
+    params = AdamParams(**{k: float(v) for k, v in given.items() if k in AdamParams.__dataclass_fields__})
     request_id = _queue(service, key, lambda: record.backend.optim_step(params),
                         lambda metrics: ("json", {"metrics": metrics}))
     return _future(request_id, record.model_id)
@@ -169,13 +175,17 @@ async def save_weights(service: Service, body: dict) -> dict:
     """save_state: adapter + optimizer state under tinker://<model_id>/weights/<name>."""
     record = service.model(body["model_id"])
     name = _checked_name(body.get("path") or f"state-{body.get('seq_id')}")
+    key = (record.model_id, body.get("seq_id"), "train")
+    if not body.get("overwrite") and (service.output_dir / record.model_id / "weights" / name).exists() and \
+            key not in service.seen:  # the SDK's save_state(name, overwrite=False): an existing checkpoint stays
+        return _future(service.fail(UserError(f"checkpoint {name!r} of {record.model_id} exists: save under another "
+                                              f"name, or pass overwrite=True"), key), record.model_id)
 
     def done(folder: str) -> tuple[str, Any]:
         from pathlib import Path
 
         return "json", {"type": "save_weights",
                         "path": service.record_checkpoint(record, "weights", name, Path(folder))}
-    key = (record.model_id, body.get("seq_id"), "train")
     return _future(_queue(service, key, lambda: record.backend.save_state(f"weights/{name}"), done), record.model_id)
 
 
@@ -197,6 +207,8 @@ async def save_for_sampler(service: Service, body: dict) -> dict:
                        record.model_id)
     if key in service.seen:
         return _future(service.seen[key], record.model_id)
+    if service.stopping:
+        return _future(service.fail(UserError("the server is shutting down"), key), record.model_id)
     weights = record.backend.get_weights()  # queued behind this client's earlier requests
 
     async def work() -> tuple[str, Any]:
@@ -229,7 +241,12 @@ async def load_weights(service: Service, body: dict) -> dict:
 
     async def work() -> tuple[str, Any]:
         await first
-        await service.model(model_id).backend.load_state(str(folder), optimizer).aresult()
+        try:
+            await service.model(model_id).backend.load_state(str(folder), optimizer).aresult()
+        except BaseException:  # e.g. a sampler checkpoint loaded with its optimizer: the client is not kept
+            if model_id in service.models:
+                service.unload(model_id)
+            raise
         return "json", {"type": "load_weights", "path": body["path"], "model_id": model_id}
     return _future(service.submit(work()), model_id)
 
