@@ -711,3 +711,41 @@ def test_training_requests_after_the_stop_are_answered_cancelled(tmp_path):
         assert not (tmp_path / "out" / "m" / "weights" / "late").exists()
 
     asyncio.run(main())
+
+
+def test_an_unloaded_clients_snapshots_are_bounded_with_the_checkpoint_samplers(tmp_path, monkeypatch):
+    """Was: the engine kept every training client's newest in-memory snapshots (KEEP_SNAPSHOTS) after unload_model,
+    for as long as the server ran. Now they stay sampleable, counted with the ownerless samplers of their base
+    (KEEP_CHECKPOINT_SAMPLERS, 1 here): the older is dropped from the engine, another client's are untouched."""
+    import asyncio
+
+    from engines.local import LocalEngine
+    from trainer.serve import clients, handlers
+    from trainer.serve.clients import Service, UserError
+
+    monkeypatch.setattr(clients, "KEEP_CHECKPOINT_SAMPLERS", 1)
+
+    async def main():
+        service = Service({"tiny": str(tiny_folder(tmp_path))}, tmp_path / "out",
+                          engine_factory=lambda path: LocalEngine(path, seed=0))
+        gone, kept = (service.create_model({"base_model": "tiny", "lora_config": {"rank": 2, "seed": s},
+                                            "model_id": f"m{s}"}) for s in (1, 2))
+        snaps = {}
+        for record in (gone, kept):
+            weights = await record.backend.get_weights().aresult()
+            snaps[record.model_id] = [await service.sampler_from_weights(record, f"s{k}", weights) for k in range(2)]
+        engine = service.engines["tiny"]
+        try:
+            answer = await handlers.unload_model(service, {"model_id": gone.model_id})
+            await service.futures[answer["request_id"]].task
+            old, new = snaps[gone.model_id]
+            with pytest.raises(UserError, match="was dropped"):
+                service.sampler(old)
+            assert service.sampler(new).owner is None
+            loaded = set(engine.server.adapter_names())
+            assert new in loaded and old not in loaded and set(snaps[kept.model_id]) <= loaded
+            assert all(service.sampler(s).owner == kept.model_id for s in snaps[kept.model_id])
+        finally:
+            engine.close()
+
+    asyncio.run(main())

@@ -286,8 +286,10 @@ class LocalLoraBackend:
         self.base, self.name, self.spec, self.loss_fns = base, name, spec, loss_fns
         self.checkpoint_dir = Path(checkpoint_dir)
         self.steps = 0
-        base.submit(lambda: base.add_adapter(name, spec)).result()
-        self.params = base.adapter_params(name)
+        def add() -> dict[str, nn.Parameter]:  # on the base's worker: another client's injection changes the layers
+            base.add_adapter(name, spec)
+            return base.adapter_params(name)
+        self.params = base.submit(add).result()
         self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=1e-4, foreach=False)
 
     # -- surface ---------------------------------------------------------------------------------------

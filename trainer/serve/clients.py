@@ -33,7 +33,7 @@ from trainer.serve.losses import LOSSES
 
 MAX_FUTURES = 20_000  # results kept for polling; the oldest finished quarter goes past it
 KEEP_SNAPSHOTS = 4  # in-memory sampler snapshots (engine adapters) per training client
-KEEP_CHECKPOINT_SAMPLERS = 16  # samplers of saved checkpoints (engine adapters) in all
+KEEP_CHECKPOINT_SAMPLERS = 16  # per base: samplers of saved checkpoints and of unloaded clients' snapshots
 MAX_COMPLETIONS = 4096  # ended requests a sampling session's completion log keeps for /retrieve_futures
 
 
@@ -336,9 +336,24 @@ class Service:
         engine = await asyncio.to_thread(self.engine, base_name)
         await engine.load_adapter_tensors(sampler_id, weights, spec.alpha / spec.rank)
         self.samplers[sampler_id] = Sampler(sampler_id, base_name, model_path, sampler_id, weights, spec)
-        await self._evict([s for s in self.samplers.values() if s.owner is None and s.adapter is not None],
-                          KEEP_CHECKPOINT_SAMPLERS, engine)
+        await self._evict_ownerless(base_name, engine)
         return sampler_id
+
+    async def release_snapshots(self, model_id: str) -> None:
+        """After unload_model: the client's in-memory snapshots stay sampleable, now counted with the checkpoints'
+        samplers of their base (its newest KEEP_CHECKPOINT_SAMPLERS kept), not kept per client for as long as the
+        server runs."""
+        mine = [s for s in self.samplers.values() if s.owner == model_id]
+        for sampler in mine:
+            sampler.owner = None
+        for base_name in {s.base_name for s in mine}:
+            await self._evict_ownerless(base_name, await asyncio.to_thread(self.engine, base_name))
+
+    async def _evict_ownerless(self, base_name: str, engine: Any) -> None:
+        """Keep the newest KEEP_CHECKPOINT_SAMPLERS adapters of `base_name`'s engine that no training client owns."""
+        await self._evict([s for s in self.samplers.values()
+                           if s.owner is None and s.adapter is not None and s.base_name == base_name],
+                          KEEP_CHECKPOINT_SAMPLERS, engine)
 
     async def _evict(self, samplers: list[Sampler], keep: int, engine: Any) -> None:
         """Unload all but the newest `keep` of `samplers` from the engine; sampling one later says it was dropped."""

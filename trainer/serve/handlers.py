@@ -141,6 +141,7 @@ async def unload_model(service: Service, body: dict) -> dict:
 
     async def work() -> tuple[str, Any]:
         service.unload(record.model_id)
+        await service.release_snapshots(record.model_id)
         return "json", {"type": "unload_model", "model_id": record.model_id}
     return _future(service.submit(work()), record.model_id)
 
