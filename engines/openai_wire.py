@@ -194,6 +194,9 @@ def parse_messages(value: Any) -> tuple[dict, ...]:
         if role == "assistant":
             for key in ("audio", "function_call"):
                 _check(not m.get(key), f"{where}.{key}: not supported (use tool_calls)", f"{where}.{key}")
+            for key in ("refusal", "annotations", "reasoning_content"):  # never in our answers; the prompt drops them
+                _check(not m.get(key), f"{where}.{key}: not supported (the chat template is given content and "
+                       f"tool_calls only): leave it empty", f"{where}.{key}")
         msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
                                "content": _content(m.get("content"), where)}
         if role == "tool":

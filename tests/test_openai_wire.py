@@ -13,6 +13,7 @@ from engines.openai_wire import (
     cut_at_stop,
     parse_chat_request,
     parse_completion_request,
+    parse_messages,
     same_assistant_turn,
     template_messages,
 )
@@ -131,3 +132,19 @@ def test_stream_pieces_never_split_a_character_across_deltas():
     cut = text[:5]  # a stop string's cut: the kept tokens hold more than the text returned
     keep = next(k for k in range(1, len(ids) + 1) if tok.decode(ids[:k]).startswith(cut))
     assert "".join(stream_pieces(tok, ids, keep, cut)) == cut
+
+
+def test_assistant_fields_the_prompt_would_drop_are_refused_unless_empty():
+    """Was: an assistant message's reasoning_content, refusal or annotations were dropped whatever they held (the
+    template is given content and tool_calls only): the engine's context silently differed from the agent's."""
+    from openai.types.chat import ChatCompletionMessage
+
+    sdk = ChatCompletionMessage(role="assistant", content="4").model_dump()  # as the SDK sends a reply back
+    assert {"refusal", "annotations"} <= set(sdk)
+    user = {"role": "user", "content": "2+2="}
+    assert parse_messages([user, sdk])[1] == {"role": "assistant", "content": "4"}
+    for key, value in (("reasoning_content", "let me think"), ("refusal", "no"),
+                       ("annotations", [{"type": "url_citation"}])):
+        with pytest.raises(WireError, match=rf"messages\[1\]\.{key}: not supported") as e:
+            parse_messages([user, {**sdk, key: value}])
+        assert e.value.param == f"messages[1].{key}"
