@@ -150,6 +150,30 @@ def test_ctrl_c_while_a_step_trains_resumes_on_the_same_batches(local, tmp_path,
     assert _logged_steps(tmp_path / "cut") == [1, 2, 3, 4]
 
 
+def test_with_two_ppo_epochs_a_batch_is_two_steps_and_a_resume_trains_the_same_batches(local, tmp_path, monkeypatch):
+    """Was: each batch advanced the step by ppo_epochs while the rollout side and its resume points counted batches
+    by the step: every checkpoint failed ("no resumable state recorded for step 2"), at the end of the run and on
+    Ctrl-C alike, and the rollout process generated a batch for each skipped step number, which nothing trained.
+    Now the rollout side counts batches (trainer.rl.batches_trained): 4 steps are 2 batches, and a Ctrl-C while
+    the second trains resumes on the uninterrupted run's batch."""
+    ref = Recorder()
+    monkeypatch.setattr(rl, "train_on_batch", ref)
+    _, state, _ = _run(local, _config(tmp_path / "full", ppo_epochs=2))
+    assert state.step == NUM_STEPS and sorted(ref.steps) == [2, 4]
+    assert (tmp_path / "full" / "checkpoints" / "step_00000004" / "state.json").is_file()
+    cut_cfg = _config(tmp_path / "cut", ppo_epochs=2)
+    monkeypatch.setattr(rl, "train_on_batch", Recorder(interrupt_at=3))
+    with pytest.raises(KeyboardInterrupt):
+        _run(local, cut_cfg)
+    saved = json.loads((tmp_path / "cut" / "checkpoints" / "step_00000002" / "state.json").read_text())
+    assert saved["extra"]["data_buffer"]["draws"] == 2  # one batch of two prompts
+    resumed = Recorder()
+    monkeypatch.setattr(rl, "train_on_batch", resumed)
+    _, state, _ = _run(local, cut_cfg, resume=True)
+    assert state.step == NUM_STEPS and sorted(resumed.steps) == [4]
+    assert resumed.steps[4] == ref.steps[4]  # the same prompts and rewards as the uninterrupted run's second batch
+
+
 def test_ctrl_c_during_the_post_step_sync_keeps_the_step_in_the_log(local, tmp_path):
     """Step 2 trained, then Ctrl-C in its sync: the checkpoint holds step 2, so the log must hold it as well."""
     cfg = _config(tmp_path)

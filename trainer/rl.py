@@ -55,7 +55,7 @@ from trainer.evaluation import Evaluation
 from trainer.metrics import MetricsLogger, open_logger, progress
 from trainer.rollout.dumps import RolloutDumps, rollout_rows, table_rows, write_rollouts
 from trainer.rollout.resume import ResumePoints
-from trainer.rollout.samples import build_batch_metadata, group_ids, pad_token_id
+from trainer.rollout.samples import build_batch_metadata, group_ids, pad_token_id, restart_group, sample_to_dict
 from trainer.rollout.service import rollout_service
 from trainer.rollout.staleness import within_staleness
 from trainer.stops import RunStopped, interrupts_held
@@ -242,6 +242,12 @@ def train_on_batch(backend: TrainingBackend, state: TrainingState, batch: Rollou
     return {k: float(v) for k, v in metrics.items()}, state
 
 
+def batches_trained(step: int, config: RLTrainingConfig) -> int:
+    """The rollout batches trained by optimizer step `step`: each batch is ppo_epochs optimizer steps (the steps
+    num_steps, the LR schedule and checkpoints count). The rollout side and its resume points count batches."""
+    return step // config.ppo_epochs
+
+
 def local_backend(components: TrainingComponents, config: RLTrainingConfig, tcfg: TrainerConfig, *, pad_id: int,
                   ref: TrainingComponents | None = None, critic: TrainingComponents | None = None) -> LocalBackend:
     """The RL step's LocalBackend over `components`: the KL reference `ref` (kl_coef > 0: _reference_components),
@@ -327,10 +333,10 @@ def _setup(model: Any, data_buffer: Any, config: RLTrainingConfig, tcfg: Trainer
         state = _resume(comp, tcfg.output_dir, resumable, critic=critic) if resume else TrainingState()
     # A checkpoint of step n holds the data position and rollout state of when batch n was drawn, not the live
     # ones (batch n+1 may be drawn already): the resumed run draws exactly the batches an uninterrupted one would.
-    points = ResumePoints(resumable, step=state.step, keep=config.generation_ahead + 2)
+    points = ResumePoints(resumable, step=batches_trained(state.step, config), keep=config.generation_ahead + 2)
     run = _RLRun(config=config, tcfg=tcfg, backend=backend, components=comp, manager=manager, rewards=rewards,
                  points=points, logger=None, pad_id=pad_id, state=state, **parts)
-    extra = lambda: points.at(run.state.step)  # noqa: E731 - read at save time
+    extra = lambda: points.at(batches_trained(run.state.step, config))  # noqa: E731 - read at save time
     run.ckpt = Checkpointer(comp, lambda: run.state, extra, save_every=tcfg.save_every, critic=critic) if comp \
         else RemoteCheckpointer(None, lambda: run.state, extra, save_every=tcfg.save_every, backend=backend,
                                 output_dir=tcfg.output_dir)
@@ -383,7 +389,7 @@ def run_rl_training(model: Any, data_buffer: Any, config: RLTrainingConfig, *, e
                                                    enabled=run.rank == 0) as bar,
           rollout_service(data_buffer, config, run.manager, sender, run.rank, on_failure=run.ckpt.save,
                           on_drawn=run.points.record, rewards=run.rewards, worker_cpus=tcfg.backend.rollout_cpus,
-                          first_step=run.state.step + 1) as source,
+                          first_step=batches_trained(run.state.step, config) + 1) as source,
           run.ckpt, frozen_heap()):
         sync_s = _sync(sender, run.state.weight_version)  # engines serve exactly the weights being trained
         if run.rank == 0 and evaluation is not None and evaluation.at_start and run.state.step == 0:
@@ -399,13 +405,18 @@ def _rl_step(run: _RLRun, source: Any, bar: Any, *, sync_s: float, unfinished: i
     -> dump -> checkpoint. Returns the last sync's seconds and the steps in a row with nothing to learn from."""
     config, state = run.config, run.state
     t_step = time.perf_counter()  # time_step_s: the wall time of this step, waits included
-    batch, gen_s = _timed("rl.generate", source.next, state.step + 1)
+    batch, gen_s = _timed("rl.generate", source.next, batches_trained(state.step, config) + 1)
     # Every rank gets the same batch, so every rank stops alike (a collective-safe error).
     unfinished, warning = check_finishing(batch.samples, unfinished, config.rollout, step=state.step + 1)
     if warning is not None:
         bar.warn(warning)
     trained_from = state.weight_version  # the batch's staleness is measured against these weights
-    batch, stale = within_staleness(batch, trained_from, config.staleness, requeue=source.requeue)
+    def requeue(groups: list[list[Sample]]) -> None:  # and into the resume points already recorded (checkpoints)
+        source.requeue(groups)
+        run.points.requeued(batches_trained(state.step, config) + 1,
+                            [[sample_to_dict(s) for s in restart_group(g)] for g in groups])
+
+    batch, stale = within_staleness(batch, trained_from, config.staleness, requeue=requeue)
     due = run.dumps is not None and run.dumps.due(state.step + 1)
     # A Ctrl-C / SIGTERM during the step waits for its end (trainer.stops.interrupts_held), then arrives inside
     # _reported: the checkpoint on the way out holds the whole step, and the log its row.

@@ -49,6 +49,7 @@ from trainer.rollout.samples import (
     first_failed_filter,
     prompt_token_ids,
     resolve_filters,
+    restart_group,
     restart_sample,
     sample_from_dict,
     sample_to_dict,
@@ -134,7 +135,7 @@ class AsyncRolloutManager:
         self._cancelled = False  # cancel() was called: no batch any more
         self._running: tuple[Any, trio.CancelScope] | None = None  # (trio token, scope) of the batch in flight
         self._next_engine = 0
-        self.stats: dict[str, int] = {"requests": 0, "retries": 0, "aborts_sent": 0}
+        self.stats: dict[str, int] = {"requests": 0, "retries": 0, "aborts_sent": 0, "unrequested_aborts": 0}
 
     # ----------------------------------------------------------------------------------------- lifecycle
     async def __aenter__(self) -> AsyncRolloutManager:
@@ -168,19 +169,22 @@ class AsyncRolloutManager:
         self._open = False
 
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint needs to resume rollouts exactly: cached partial groups, group counter, version."""
+        """What a checkpoint needs to resume rollouts exactly: cached partial groups, groups requeued and not drawn
+        again yet, group counter, version."""
         return {"weight_version": self.weight_version, "group_uid": self._group_uid,
-                "partial_groups": [[sample_to_dict(s) for s in g] for g in self.partial_groups]}
+                "partial_groups": [[sample_to_dict(s) for s in g] for g in self.partial_groups],
+                "requeued": [[sample_to_dict(s) for s in g] for g in list(self._requeued)]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.weight_version = int(state["weight_version"])
         self._group_uid = int(state["group_uid"])
         self.partial_groups = [[sample_from_dict(d) for d in g] for g in state["partial_groups"]]
+        self._requeued = collections.deque([sample_from_dict(d) for d in g] for g in state.get("requeued", ()))
 
     def requeue(self, groups: Sequence[Sequence[Sample]]) -> None:
         """Generate these groups again, from their prompts, first in line in a later batch (thread-safe)."""
         for g in groups:
-            self._requeued.append([restart_sample(s) for s in g])
+            self._requeued.append(restart_group(g))
 
     def set_weight_version(self, version: int) -> None:
         """The version the next batch is measured against (trainer.rollout.staleness.StalenessPolicy.train_version:
@@ -203,6 +207,8 @@ class AsyncRolloutManager:
             if attempt:
                 self.stats["retries"] += 1
                 await trio.sleep(c.retry_backoff_s * 2 ** (attempt - 1))
+                if self._stopping:  # the batch filled during the backoff: a retry sent now would run past its abort
+                    raise EngineUnavailableError(f"engine {engine.url}: the {what} was not retried: the batch filled")
             try:
                 with trio.fail_after(c.request_timeout_s):
                     return await fn(*args)
@@ -270,24 +276,28 @@ class AsyncRolloutManager:
                        metadata=meta) for j in range(self.config.n_samples_per_prompt)]
 
     def _refresh_cached(self, group: list[Sample]) -> tuple[list[Sample], int]:
-        """Restart the samples of a cached group that lag the trainer by more than max_staleness versions."""
-        out, restarted = [], 0
-        for s in group:
-            has_progress = s.response_length > 0 or s.status in (Status.COMPLETED, Status.TRUNCATED)
-            if has_progress and past_bound(self.weight_version, s.weight_version, self.config.max_staleness):
-                out.append(restart_sample(s))
-                restarted += 1
-            else:
-                out.append(s)
-        return out, restarted
+        """Restart the samples of a cached group that lag the trainer by more than max_staleness versions (an agent
+        episode that split restarts as one sample: its further sequences are dropped, restart_group)."""
+        stale = {s.index for s in group
+                 if (s.response_length > 0 or s.status in (Status.COMPLETED, Status.TRUNCATED))
+                 and past_bound(self.weight_version, s.weight_version, self.config.max_staleness)}
+        out = [s for s in group if s.index not in stale] + restart_group([s for s in group if s.index in stale])
+        return sorted(out, key=lambda s: s.index), len(stale)
 
     async def _run_part(self, slot: int, groups: dict[int, list[Sample]], engine: InferenceEngine,
                         js: list[int], budget: int) -> None:
-        """Continue samples `js` of group `slot` (all with `budget` new tokens left) in one request: n samples
-        of one prompt when they share their tokens (a fresh group), else one row per sample. The k-th row is
-        drawn with seed + k, a seed fixed by (run seed, group, first sample, segment): reproducible whatever
-        the arrival order."""
+        """Continue samples `js` of group `slot` (all with `budget` new tokens left): n samples of one prompt in one
+        request when they share their tokens (a fresh group), else one request per sample. The k-th row of a request
+        is drawn with seed + k, a seed fixed by (run seed, group, first sample, segment): reproducible whatever the
+        arrival order."""
         samples = [groups[slot][j] for j in js]
+        if len(js) > 1 and any(s.tokens != samples[0].tokens for s in samples):
+            # Samples that parted (resumed partial ones): one request each, so each gets its own seed; one request
+            # of n prompts would draw every row with the same seed (SamplingParams: seed + k over a prompt's n).
+            async with trio.open_nursery() as n:
+                for j in js:
+                    n.start_soon(self._run_part, slot, groups, engine, [j], budget)
+            return
         if budget <= 0:
             for j, s in zip(js, samples):
                 groups[slot][j] = dataclasses.replace(s, status=Status.TRUNCATED)
@@ -296,11 +306,9 @@ class AsyncRolloutManager:
         uid = samples[0].group_index
         seg = len(samples[0].metadata.get("weight_versions", ()))
         seed = request_seed(c.seed, uid, js[0], seg)
-        shared = all(s.tokens == samples[0].tokens for s in samples)
-        prompts = [samples[0].tokens] if shared else [s.tokens for s in samples]
         params = SamplingParams(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, max_new_tokens=budget,
-                                stop_token_ids=self.stop_ids, n=len(js) if shared else 1, seed=seed)
-        outs = await self._generate(engine, prompts, params, rid=f"g{uid}-s{js[0]}-{seg}-{slot}")
+                                stop_token_ids=self.stop_ids, n=len(js), seed=seed)
+        outs = await self._generate(engine, [samples[0].tokens], params, rid=f"g{uid}-s{js[0]}-{seg}-{slot}")
         if outs is None:
             return
         for j, s, out in zip(js, samples, outs):
@@ -315,20 +323,31 @@ class AsyncRolloutManager:
         """Generate the unfinished samples of group `slot` (state kept in `groups[slot]` as it progresses),
         then score it and report it on `done`. One request per distinct remaining budget (one for a fresh
         group)."""
-        parts: dict[int, list[int]] = {}
-        for j, s in enumerate(groups[slot]):
-            if s.status not in _FINISHED:
-                parts.setdefault(self.config.max_new_tokens - s.response_length, []).append(j)
-        async with trio.open_nursery() as n:
-            if self.driver is not None or self.agent is not None:  # episodes: one each, scored as they finish
-                run = self._run_episode if self.agent is None else self._run_agent
-                for j in (j for js in parts.values() for j in js):
-                    n.start_soon(run, slot, groups, engine, j)
-            else:
-                for budget, js in parts.items():
-                    n.start_soon(self._run_part, slot, groups, engine, js, budget)
-        if self._stopping or any(s.status in (Status.PENDING, Status.ABORTED) for s in groups[slot]):
-            return  # cut by the abort: stays in `groups`, cached for the next batch
+        for _ in range(self.config.max_retries + 1):
+            parts: dict[int, list[int]] = {}
+            for j, s in enumerate(groups[slot]):
+                if s.status not in _FINISHED:
+                    parts.setdefault(self.config.max_new_tokens - s.response_length, []).append(j)
+            async with trio.open_nursery() as n:
+                if self.driver is not None or self.agent is not None:  # episodes: one each, scored as they finish
+                    run = self._run_episode if self.agent is None else self._run_agent
+                    for j in (j for js in parts.values() for j in js):
+                        n.start_soon(run, slot, groups, engine, j)
+                else:
+                    for budget, js in parts.items():
+                        n.start_soon(self._run_part, slot, groups, engine, js, budget)
+            if self._stopping:
+                return  # cut by the batch-end abort: stays in `groups`, cached for the next batch
+            if not any(s.status in (Status.PENDING, Status.ABORTED) for s in groups[slot]):
+                break
+            # The engine cut rows nobody here asked it to (an operator's /abort_request, a scheduler's rejection):
+            # they go on from where they were; unreported, the group would be owed to the batch for ever (a hang)
+            self.stats["unrequested_aborts"] += 1
+        else:
+            raise EngineUnavailableError(
+                f"engine {engine.url} aborted the samples of group {groups[slot][0].group_index} "
+                f"{self.config.max_retries + 1} times without being asked (an operator's abort_request, or a server "
+                f"rejecting the requests); check its log, or raise max_retries")
         if self.driver is None and self.agent is None:
             groups[slot] = [await score_finished(s, self.reward_fn) for s in groups[slot]]
         if self.agent is not None:  # an agent episode that split: each training sequence its own sample
@@ -509,6 +528,12 @@ class AsyncRolloutManager:
                     while running:  # cut requests return their partial output
                         await trio.sleep(0.005)
             nursery.cancel_scope.cancel()
+        # Requests given up client-side (past abort_grace_s) may still run on their engines: stop them now, before
+        # the next batch starts (a process backend keeps one manager open for the whole run, so __aexit__ is late)
+        if self._orphaned:
+            with trio.move_on_after(2):
+                await self._abort(self._orphaned.values())
+            self._orphaned.clear()
 
 
 def generate_rollout_batches(data_buffer: Any, config: RolloutConfig, *, engines: Sequence[InferenceEngine] = (),

@@ -46,6 +46,19 @@ class ResumePoints:
             for old in sorted(self._at)[:-self._keep]:
                 del self._at[old]
 
+    def requeued(self, step: int, groups: list[list[dict[str, Any]]]) -> None:
+        """Groups handed back to the rollout manager while batch `step` trains (past the staleness bound: generated
+        again later; `groups` as the manager's state holds them, restarted, as dicts). The states recorded for
+        `step` and the batches drawn ahead of it were read before: a checkpoint of one of them must still hold
+        them, or a resumed run never generates those prompts."""
+        with self._lock:
+            for at in [s for s in self._at if s >= step]:
+                snap = self._at[at]
+                if "rollout_manager" in snap:
+                    manager = snap["rollout_manager"]
+                    self._at[at] = {**snap, "rollout_manager": {**manager,
+                                                                "requeued": [*manager.get("requeued", []), *groups]}}
+
     def at(self, step: int) -> dict[str, Any]:
         with self._lock:
             if step not in self._at:

@@ -217,6 +217,13 @@ def restart_sample(sample: Sample) -> Sample:
                                loss_mask=None, reward=None, status=Status.PENDING, metadata=meta)
 
 
+def restart_group(group: Sequence[Sample]) -> list[Sample]:
+    """A whole group pending again, one sample per episode: the further training sequences of an agent episode
+    that split (`agent_part`, trainer.rollout.gateway.unpack_parts) are dropped, not started as episodes of their
+    own (the group would hold more than n_samples_per_prompt)."""
+    return [restart_sample(s) for s in group if "agent_part" not in s.metadata]
+
+
 def build_batch_metadata(samples: Sequence[Sample], *, current_weight_version: int = 0,
                          counters: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Scalar statistics of a batch for logging (all plain Python numbers, JSON-serialisable)."""

@@ -223,5 +223,6 @@ def rollout_service(data_buffer: Any, config: RLTrainingConfig, manager: AsyncRo
         build = ROLLOUT_BACKENDS[config.rollout_worker]
         backend = build(data_buffer, config, manager, lambda: policy.train_version(sender.weight_version),
                         rewards=rewards, worker_cpus=worker_cpus, first_step=first_step)
-    return RolloutService(backend, num_steps=config.num_steps, ahead=policy.ahead, on_failure=on_failure,
+    batches = -(-config.num_steps // config.ppo_epochs)  # the service counts batches (ppo_epochs steps each)
+    return RolloutService(backend, num_steps=batches, ahead=policy.ahead, on_failure=on_failure,
                           on_drawn=on_drawn, engines=manager.engines, in_place=config.update_in_flight)
