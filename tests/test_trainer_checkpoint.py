@@ -172,6 +172,36 @@ def test_rng_states_resume_exactly_and_load_without_pickle(tmp_path):
     assert state.step == 1
 
 
+def test_saving_a_step_again_never_leaves_it_without_a_complete_copy(tmp_path, monkeypatch):
+    """Was: a second save of a step (Ctrl-C right after a periodic save, a finished phase resumed) removed the step's
+    folder before it renamed the new one into place: a kill in between left no complete checkpoint, and the next
+    --resume started from step 0. The same state is now not written again; another state of the same step number
+    replaces the old copy only once it is in place."""
+    import os
+
+    out = tmp_path / "run"
+    comp = build_components(tiny_model_config(), w.config(str(out), compile=False))
+    state, _ = w.train_steps(comp, TrainingState(), range(2))
+    save_checkpoint(comp, state, {"at": 1})
+    folder = latest_checkpoint(out)
+    written = (folder / "state.json").stat().st_mtime_ns
+    replace = os.replace
+
+    def killed(src, dst):  # what a kill between the removal and the rename would leave
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", killed)
+    save_checkpoint(comp, state, {"at": 2})  # the same step and state: nothing is rewritten
+    assert (folder / "state.json").stat().st_mtime_ns == written and latest_checkpoint(out) == folder
+    other = dataclasses.replace(state, tokens_seen=state.tokens_seen + 1)
+    calls = []
+    monkeypatch.setattr(os, "replace", lambda src, dst: (calls.append((Path(src).name, Path(dst).name)),
+                                                         replace(src, dst))[1])
+    save_checkpoint(comp, other, {"at": 3})
+    assert calls[:2] == [(folder.name, f".old_{folder.name}"), (f".tmp_{folder.name}", folder.name)]
+    assert load_checkpoint(comp, out)[0] == other and not list(out.glob("**/.old_*"))
+
+
 def test_resume_may_extend_num_steps_and_names_any_other_difference(tmp_path):
     out = tmp_path / "run"
     cfg = w.config(str(out), compile=False)  # num_steps 6

@@ -202,6 +202,8 @@ def save_checkpoint(components: TrainingComponents, state: TrainingState,
     tmp = root / f".tmp_step_{state.step:08d}"
     extra = dict(extra or {})
     json.dumps(extra)  # fail before writing anything when `extra` is not JSON data
+    if _holds(final, state):  # this very step is saved already (Ctrl-C right after a periodic save, a finished
+        return state          # phase resumed): rewriting it would only open a window without a complete copy
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -224,13 +226,25 @@ def save_checkpoint(components: TrainingComponents, state: TrainingState,
         if critic is not None:
             meta["critic_scheduler"] = critic.scheduler.state_dict()
         (tmp / "state.json").write_text(json.dumps(meta, indent=1, default=repr))
-        if final.exists():  # re-saving the same step (e.g. Ctrl-C right after a periodic save)
-            shutil.rmtree(final)
+        aside = final.with_name(f".old_{final.name}")
+        if final.exists():  # another save of this step number (a run that went on differently): the old copy goes
+            shutil.rmtree(aside, ignore_errors=True)  # only once the new one is in place
+            os.replace(final, aside)
         os.replace(tmp, final)
+        shutil.rmtree(aside, ignore_errors=True)
         for old in list_checkpoints(cfg.output_dir)[:-cfg.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return state
+
+
+def _holds(final: Path, state: TrainingState) -> bool:
+    """Whether `final` is a complete checkpoint of exactly `state` (read on every rank: the same answer)."""
+    try:
+        meta = json.loads((final / "state.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return meta.get("state") == json.loads(json.dumps(dataclasses.asdict(state), default=repr))
 
 
 # Fingerprinted settings a resume may change: a longer num_steps extends the run (the LR schedule then decays to
