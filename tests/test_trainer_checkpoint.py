@@ -188,7 +188,7 @@ def test_saving_a_step_again_never_leaves_it_without_a_complete_copy(tmp_path, m
     replace = os.replace
 
     def killed(src, dst):  # what a kill between the removal and the rename would leave
-        raise KeyboardInterrupt
+        raise RuntimeError("killed before the rename")
 
     monkeypatch.setattr(os, "replace", killed)
     save_checkpoint(comp, state, {"at": 2})  # the same step and state: nothing is rewritten
