@@ -172,3 +172,37 @@ def test_closing_the_in_process_engine_stops_the_model_threads_own_stepping(monk
     engine.server.model_thread.shutdown(wait=True)  # returns once the model thread has left its work
     assert len(calls) <= at_close + 1, (at_close, len(calls))  # at most the step that was in flight
     assert request.cancelled()  # the caller of the closed engine is not left waiting
+
+
+def test_rows_queued_or_paused_through_a_failed_sync_fail_instead_of_decoding_mixed_weights():
+    """Was: a request that passed /generate's check while a sync was in flight, or a row paused in place through
+    it, decoded after the sync failed part-way (some tensors new, some old) and was answered 200. Now both fail
+    with a 503, and the engine generates again once a sync succeeds."""
+    from engines.embedded.server import BadRequest
+
+    async def main():
+        server = _server()
+        handlers = route_handlers(server)
+        await server.start()
+        try:
+            running = asyncio.create_task(server.submit([_row("paused", 400)]))
+            await _until(lambda: server.steps >= 3, "the row to run")
+            await handlers["/pause_generation"].handler({"mode": "in_place"})
+            await _until(lambda: not server.stepping, "the model thread to stop")
+            async with server.exclusive():  # a weight load that fails part-way
+                queued = asyncio.create_task(server.submit([_row("queued", 5)]))
+                await _until(lambda: len(server.waiting) == 1, "the request to queue")
+                server.weights_consistent = False
+            await handlers["/continue_generation"].handler({})
+            for task in (queued, running):
+                with pytest.raises(BadRequest, match="failed part-way") as e:
+                    await asyncio.wait_for(task, WAIT_S)
+                assert e.value.status == 503
+            assert len(server.batch) == 0 and not server.waiting
+            server.weights_consistent = True  # the next sync succeeded
+            (after,), _, _ = await asyncio.wait_for(server.submit([_row("after", 3)]), WAIT_S)
+            assert after.finish_reason == "length" and len(after.output_ids) == 3
+        finally:
+            _stop(server)
+
+    asyncio.run(main())

@@ -312,6 +312,9 @@ class EngineServer:
                 self.wakeup.clear()
                 await self.wakeup.wait()
             self.wakeup.clear()
+            if not self.weights_consistent and not self.holds and (self.waiting or len(self.batch)):
+                self._refuse_inconsistent()
+                continue
             cut = None if self.abort_all else set(self.abort_rids)
             has_cut = self.abort_all or bool(self.abort_rids)
             self.abort_all, self.abort_rids = False, set()
@@ -345,6 +348,19 @@ class EngineServer:
                 self.stepping, self.admitting = False, []
                 self.step_seconds += time.perf_counter() - t0
             self._deliver(done, self.steps)  # the model thread is idle: its last step is the one counted last
+
+    def _refuse_inconsistent(self) -> None:
+        """On the loop, no step running: a sync failed part-way, so the weights mix two versions. Rows that were
+        queued behind it, or paused in place through it, fail with a 503 instead of decoding on them (new requests
+        are refused at /generate until a sync succeeds)."""
+        error = BadRequest("the last weight sync failed part-way; generation resumes after a successful sync",
+                           status=503)
+        self._fail([h for _, h in self.waiting] + [a.handle for a in self.batch.rows], error)
+        self.waiting = collections.deque()
+        if self.graphs is not None:
+            self.graphs.pool.give(self.batch.cache)
+        self.batch = self._new_batch()
+        self.batch.version = self.weight_version
 
     def _deliver(self, done: list, step: int) -> None:
         """On the loop: hand the rows that finished in decode step `step` to their requests."""
@@ -846,8 +862,13 @@ def route_handlers(server: EngineServer) -> dict[str, Endpoint]:
         if server.device.type != "cuda":
             raise BadRequest("update_weights_from_tensor (CUDA IPC) needs a CUDA engine; use the broadcast path")
         async with server.exclusive():
-            await server.on_model_thread(server.receiver.receive_ipc, buckets)
+            try:
+                await server.on_model_thread(server.receiver.receive_ipc, buckets)
+            except BaseException:  # a bucket refused after others were loaded: a partial update
+                server.weights_consistent = False
+                raise
             server.adapters.default = None  # a whole model: requests naming no adapter get it (load_synced_adapter)
+        server.weights_consistent = True
         v = _bump(body)
         return {"success": True, "message": "updated", "weight_version": str(v)}
 
