@@ -210,6 +210,17 @@ def test_resume_may_extend_num_steps_and_names_any_other_difference(tmp_path):
     save_checkpoint(comp, state, {})
     longer = dataclasses.replace(comp, config=cfg.replace(num_steps=20))
     assert load_checkpoint(longer, out)[0] == state  # extending a run is allowed
+    # The resumed step's learning rate is the longer schedule's (was: the old schedule's, for one step)
+    from trainer.backend.steps import warmup_cosine
+
+    extended = build_components(tiny_model_config(), cfg.replace(num_steps=20))
+    load_checkpoint(extended, out)
+    opt = cfg.optim
+    want = opt.lr * warmup_cosine(3, warmup_steps=opt.warmup_steps, num_steps=20, min_lr_ratio=opt.min_lr_ratio)
+    old = opt.lr * warmup_cosine(3, warmup_steps=opt.warmup_steps, num_steps=6, min_lr_ratio=opt.min_lr_ratio)
+    assert abs(want - old) > 1e-4 * opt.lr
+    assert extended.optimizer.param_groups[0]["lr"] == pytest.approx(want, rel=1e-12)
+    assert extended.scheduler.get_last_lr()[0] == pytest.approx(want, rel=1e-12)
     with pytest.raises(ValueError, match=r"num_steps = 2 is below the checkpoint's step 3"):
         load_checkpoint(dataclasses.replace(comp, config=cfg.replace(num_steps=2)), out)
     other = dataclasses.replace(comp, config=cfg.replace(num_steps=20, token_budget=cfg.token_budget * 2))

@@ -238,6 +238,17 @@ def save_checkpoint(components: TrainingComponents, state: TrainingState,
     return state
 
 
+def _follow_schedule(scheduler: Any) -> None:
+    """The learning rates of this run's schedule at the restored step. The checkpoint holds the ones its run's
+    schedule gave; a resume that extends num_steps has another schedule, which the optimizer would otherwise follow
+    only from the next step on (the same schedule gives the same rates: nothing changes)."""
+    if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        lrs = [base * lam(scheduler.last_epoch) for base, lam in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+        for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        scheduler._last_lr = lrs
+
+
 def _holds(final: Path, state: TrainingState) -> bool:
     """Whether `final` is a complete checkpoint of exactly `state` (read on every rank: the same answer)."""
     try:
@@ -464,10 +475,12 @@ def _load_verified(components: TrainingComponents, p: Path, critic: TrainingComp
     set_state_dict(components.root, components.optimizer, model_state_dict=sds["model"], optim_state_dict=sds["optim"],
                    options=_sd_options(components))
     components.scheduler.load_state_dict(meta["scheduler"])
+    _follow_schedule(components.scheduler)
     if critic is not None:
         set_state_dict(critic.root, critic.optimizer, model_state_dict=sds["critic_model"],
                        optim_state_dict=sds["critic_optim"], options=_sd_options(critic))
         critic.scheduler.load_state_dict(meta["critic_scheduler"])
+        _follow_schedule(critic.scheduler)
     rng_file = p / f"rng_rank{_rank()}.pt"
     if meta["world_size"] == components.world_size and rng_file.is_file():
         _set_rng_state(read_rng_file(rng_file))
