@@ -215,3 +215,22 @@ def test_fingerprints_of_earlier_checkpoints_still_match():
     rl = RLTrainingConfig(loss={"kl_coef": 0.1}, rollout=RolloutConfig(temperature=0.7), seed=3, token_budget=512,
                           micro_batch_buckets=64, optim=OptimConfig(lr=3e-4, betas=(0.9, 0.98)))
     assert trainer_config_from(rl, logprob_chunk_tokens=128, compile=False).fingerprint() == "b2c2d178c9d12387"
+
+
+def test_a_resume_that_changes_the_estimator_or_the_group_is_named():
+    """Was: advantage_estimator, ppo_epochs and n_samples_per_prompt were not fingerprinted: a resume with grpo ->
+    rloo (other loss math) or another group size went on silently. Checkpoints written before they were recorded
+    lack them and still resume; any other field missing on one side is still a difference."""
+    from trainer.backend.checkpoint import config_differences
+    from trainer.backend.steps import trainer_config_from
+
+    base = trainer_config_from(RLTrainingConfig()).fingerprint_fields()
+    for change, key in ((dict(advantage_estimator="rloo"), "rl.advantage_estimator"),
+                        (dict(ppo_epochs=2), "rl.ppo_epochs"),
+                        (dict(rollout=RolloutConfig(n_samples_per_prompt=7)), "rl.n_samples_per_prompt")):
+        other = trainer_config_from(RLTrainingConfig(**change)).fingerprint_fields()
+        assert list(config_differences(base, other)) == [key], change
+        before = {k: v for k, v in base.items() if k != "rl"}  # a checkpoint from before the fields were recorded
+        assert config_differences(before, other) == {}
+    lora = trainer_config_from(RLTrainingConfig(lora={"rank": 8})).fingerprint_fields()
+    assert any(k.startswith("lora.") for k in config_differences(base, lora))  # still refused

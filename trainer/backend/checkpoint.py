@@ -261,6 +261,9 @@ def _holds(final: Path, state: TrainingState) -> bool:
 # Fingerprinted settings a resume may change: a longer num_steps extends the run (the LR schedule then decays to
 # the new end; the step the checkpoint stopped at is kept).
 RESUMABLE_CHANGES = ("num_steps",)
+# Fingerprinted since 2026-11-29: a checkpoint written before has no record of them, so they are compared only when
+# it has one (any other field missing on one side is a difference: e.g. a LoRA run resumed without LoRA).
+RECORDED_LATER = ("rl.advantage_estimator", "rl.ppo_epochs", "rl.n_samples_per_prompt")
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -276,7 +279,7 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> dict[s
     left out."""
     a, b = _flat(saved), _flat(current)
     return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
-            if a.get(k) != b.get(k) and k not in RESUMABLE_CHANGES}
+            if a.get(k) != b.get(k) and k not in RESUMABLE_CHANGES and (k in a or k not in RECORDED_LATER)}
 
 
 class CheckpointMismatch(RunStopped, ValueError):

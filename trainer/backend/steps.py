@@ -175,14 +175,20 @@ class TrainerConfig:
              "bucket_size": self.micro_batch_buckets, "seed": self.seed}
         if self.lora is not None:  # LoRA runs only, so that the full runs' fingerprints stay what they were
             d["lora"] = dataclasses.asdict(self.lora)
+        if hasattr(self.phase, "advantage_estimator"):  # RL: the estimator and the group its baseline is taken from
+            d["rl"] = {"advantage_estimator": self.phase.advantage_estimator, "ppo_epochs": self.phase.ppo_epochs,
+                       "n_samples_per_prompt": self.phase.rollout.n_samples_per_prompt}
         if self.critic is not None:  # "gae" only, so that the other runs' fingerprints stay what they were
             d["gae"] = {"gamma": self.phase.gamma, "lam": self.phase.lam,
                         "whiten_advantages": self.phase.whiten_advantages, "critic": dataclasses.asdict(self.critic)}
         return json.loads(json.dumps(d, sort_keys=True, default=repr))
 
     def fingerprint(self) -> str:
-        """sha256 over `fingerprint_fields` (checkpoints refuse to resume on a mismatch, num_steps aside)."""
-        return hashlib.sha256(json.dumps(self.fingerprint_fields(), sort_keys=True).encode()).hexdigest()[:16]
+        """sha256 over `fingerprint_fields` (checkpoints refuse to resume on a mismatch, num_steps aside). The "rl"
+        fields, recorded since checkpoints store the fields (and compared field by field), stay out of the hash: the
+        checkpoints from before the fields were stored, compared by hash alone, still resume."""
+        fields = {k: v for k, v in self.fingerprint_fields().items() if k != "rl"}
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
