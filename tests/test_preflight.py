@@ -395,7 +395,7 @@ def test_a_missing_relative_model_path_names_the_directory_it_is_read_from(tmp_p
     """A relative [model].path is read from the current directory (not the config's): a run started elsewhere is
     told where it looked. A folder that exists without config.json keeps its own error."""
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ConfigError, match=rf"\[model\]\.path: 'models/sft': no such file or folder in "
+    with pytest.raises(ConfigError, match=rf"\[model\]\.path = models/sft: no such file or folder in "
                                           rf"{re.escape(str(tmp_path))} \(relative paths are read from there\)"):
         load_run_config(DEMO, ['model.path="models/sft"'], mode="rl")
     (tmp_path / "models" / "sft").mkdir(parents=True)

@@ -116,7 +116,7 @@ def check_inputs(cfg: RunConfig, mode: str, *, resume: bool = False) -> None:
             continue
         for spec in data_specs(getattr(data, key), data.mapping(), where=f"[data].{key}"):
             if not Path(spec.path).exists():
-                raise _not_found(f"[data].{key}", spec.path)
+                raise FileNotFoundError(f"[data].{key}: {spec.path!r}: {_missing(spec.path)}")
     rollout, rolls_out = cfg.rl.rollout, mode != "sft"  # rl, sft+rl, demo and generate generate rollouts
     if rolls_out or has_eval_sets(cfg):  # evaluation runs the same episodes as the rollouts
         check_rollout_functions(rollout, filters=rolls_out)
@@ -139,7 +139,7 @@ def check_inputs(cfg: RunConfig, mode: str, *, resume: bool = False) -> None:
     for s in cfg.eval.sets:  # [[eval.sets]]: their files and rewards ([data]'s when unset)
         for spec in data_specs(s.path, s.mapping(data), where=f"[[eval.sets]] {s.name!r}"):
             if not Path(spec.path).exists():
-                raise _not_found(f"[[eval.sets]] {s.name!r}", spec.path)
+                raise FileNotFoundError(f"[[eval.sets]] {s.name!r}: {spec.path!r}: {_missing(spec.path)}")
         if (s.reward or data.reward) is not None:
             load_reward_fn(s.reward or data.reward)
         elif not own:
@@ -147,11 +147,12 @@ def check_inputs(cfg: RunConfig, mode: str, *, resume: bool = False) -> None:
     _check_data(cfg, mode)
 
 
-def _not_found(key: str, path: str) -> FileNotFoundError:
-    """A data file the config names is missing. A relative path is read from the current directory, not the
-    config's: the error names that directory, which is what a run started elsewhere gets wrong."""
+def _missing(path: str) -> str:
+    """The end of the error for a file or folder the config names that is not there. A relative path is read from
+    the current directory, not the config's: the error names that directory, which is what a run started elsewhere
+    gets wrong."""
     where = "" if Path(path).is_absolute() else f" in {Path.cwd()} (relative paths are read from there)"
-    return FileNotFoundError(f"{key}: {path!r}: no such file or folder{where}")
+    return f"no such file or folder{where}"
 
 
 def _check_model_inputs(cfg: RunConfig, mode: str) -> None:
@@ -162,7 +163,7 @@ def _check_model_inputs(cfg: RunConfig, mode: str) -> None:
     from trainer.backend.models import check_model_folder
 
     if cfg.model.path is not None and not Path(cfg.model.path).exists():
-        raise _not_found("[model].path", cfg.model.path)
+        raise FileNotFoundError(f"[model].path = {cfg.model.path}: {_missing(cfg.model.path)}")
     if cfg.model.path is not None and not (Path(cfg.model.path) / "config.json").is_file():
         raise FileNotFoundError(f"[model].path = {cfg.model.path}: not a Hugging Face model folder (no config.json)")
     if cfg.model.path is not None:
