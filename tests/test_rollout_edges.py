@@ -90,7 +90,7 @@ def test_a_retry_due_after_the_batch_filled_is_not_sent():
 
     async def main():
         engine = Scripted(behave)
-        cfg = _config(rollout_batch_size=1, over_sampling_factor=2.0, retry_backoff_s=0.3, abort_grace_s=5.0)
+        cfg = _config(rollout_batch_size=1, over_sampling_factor=2.0, retry_backoff_s=0.3, abort_grace_s=30.0)
         manager = AsyncRolloutManager([engine], cfg, tokenizer=TOK, check_health=False)
         async with manager:
             t0 = trio.current_time()
@@ -102,7 +102,7 @@ def test_a_retry_due_after_the_batch_filled_is_not_sent():
     batch, engine, took = trio.run(main)
     assert len(batch.samples) == 2
     assert len(engine.calls) == 2, [c[2] for c in engine.calls]  # the failed attempt and the other group: no retry
-    assert took < 5.0  # nothing kept the batch waiting for abort_grace_s
+    assert took < 30.0  # nothing kept the batch waiting for abort_grace_s
 
 
 def test_resumed_partial_samples_are_each_drawn_with_their_own_seed():
