@@ -338,11 +338,7 @@ class EngineServer:
                 done = await loop.run_in_executor(self.model_thread, self._then_idle, self._steps,
                                                   cut if has_cut else False, admit, self.running.is_set(), loop)
             except Exception as e:  # noqa: BLE001 - delivered to every request that had a row in the batch
-                self._fail([h for _, h in admit] + [a.handle for a in self.batch.rows], e)
-                if self.graphs is not None:  # its buffers go back to the pool (its graphs hold them otherwise)
-                    self.graphs.pool.give(self.batch.cache)
-                self.batch = self._new_batch()
-                self.batch.version = self.weight_version
+                self._drop_batch([h for _, h in admit], e)
                 continue
             finally:
                 self.stepping, self.admitting = False, []
@@ -355,8 +351,13 @@ class EngineServer:
         are refused at /generate until a sync succeeds)."""
         error = BadRequest("the last weight sync failed part-way; generation resumes after a successful sync",
                            status=503)
-        self._fail([h for _, h in self.waiting] + [a.handle for a in self.batch.rows], error)
+        self._drop_batch([h for _, h in self.waiting], error)
         self.waiting = collections.deque()
+
+    def _drop_batch(self, handles: list, error: Exception) -> None:
+        """On the loop, no step running: fail `handles` and every running row with `error`, and go on with an empty
+        batch (the old one's buffers back to the pool: its graphs would hold them otherwise)."""
+        self._fail(handles + [a.handle for a in self.batch.rows], error)
         if self.graphs is not None:
             self.graphs.pool.give(self.batch.cache)
         self.batch = self._new_batch()
