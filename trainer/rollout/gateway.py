@@ -76,7 +76,6 @@ class _Episode:
     generate: GenerateN
 
 
-
 def _cut(out: Completion, limit: str | None) -> str | None:
     """What cut this completion (Gateway._complete's `limit`) when it ended at its budget, else None."""
     return limit if out.finish_reason == "length" else None
@@ -91,6 +90,7 @@ async def _not_served(request: Any, exc: Exception) -> Any:
     error = WireError(f"{request.method} {request.url.path} is not served here: the gateway serves POST "
                       f"/v1/chat/completions, POST /v1/completions and GET /v1/models", status=status)
     return JSONResponse(error.body(), status_code=status)
+
 
 class Gateway:
     """The HTTP server and the keys of the episodes in flight. `start()` from inside the trio run whose engines it
@@ -340,7 +340,8 @@ async def run_agent_episode(sample: Sample, agent: Callable[..., Any], gateway: 
     finally:
         gateway.close_episode(endpoint)
     seconds = time.perf_counter() - t0
-    seqs, cuts = rec.sequences(), rec.sequence_cuts()
+    leaves = rec.sequences()
+    seqs, cuts = [s for s, _ in leaves], [c for _, c in leaves]
     meta = {"turns": rec.requests, "tool_calls": rec.tool_calls, "tool_errors": 0.0, "env_seconds": 0.0,
             "agent_seconds": seconds, "agent_splits": max(len(seqs) - 1, 0), **extra}
     # A refused request (rec.truncated_by) truncates the whole episode; a completion a limit cut, only the sequences

@@ -175,20 +175,18 @@ class AgentRecorder:
         self.calls.append(Call(sample=sample, parent=parent, ended=ended, **call))
         return len(self.calls) - 1
 
-    def sequences(self) -> list[Sample]:
-        """The episode's training sequences: the sample of each call no other call continued, in call order."""
-        parents = {c.parent for c in self.calls}
-        return [c.sample for i, c in enumerate(self.calls) if i not in parents]
-
-    def sequence_cuts(self) -> list[str | None]:
-        """For each of `sequences()`: what cut a completion it holds (the first from its root), or None."""
+    def sequences(self) -> list[tuple[Sample, str | None]]:
+        """The episode's training sequences: the sample of each call no other call continued, in call order, with
+        what cut a completion it holds (the first from its root; None: no limit cut it)."""
         parents = {c.parent for c in self.calls}
         out = []
-        for i in (i for i in range(len(self.calls)) if i not in parents):
-            cut = None
-            while i is not None:
-                cut, i = self.calls[i].cut or cut, self.calls[i].parent
-            out.append(cut)
+        for i, leaf in enumerate(self.calls):
+            if i in parents:
+                continue
+            cut, j = None, i
+            while j is not None:
+                cut, j = self.calls[j].cut or cut, self.calls[j].parent
+            out.append((leaf.sample, cut))
         return out
 
     def counters(self) -> Mapping[str, Any]:
