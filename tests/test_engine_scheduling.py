@@ -4,6 +4,7 @@ step. Each test holds the model thread at one point with a gate (a threading.Eve
 in the window it is about, then checks what the server answered and the decode step it answered in."""
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -54,9 +55,19 @@ async def _until(predicate, what: str) -> None:
         await asyncio.sleep(0.002)
 
 
-def _stop(server: EngineServer) -> None:
-    server.shutdown()
-    server._scheduler.cancel()
+@contextlib.asynccontextmanager
+async def _running(gate: Gate | None = None):
+    """(a started server, its route handlers); at the end the gate is opened (a failed test leaves no model thread
+    waiting on it) and the server stopped."""
+    server = _server()
+    await server.start()
+    try:
+        yield server, route_handlers(server)
+    finally:
+        if gate is not None:
+            gate.opened.set()
+        server.shutdown()
+        server._scheduler.cancel()
 
 
 @pytest.mark.parametrize("how", ["abort_request", "pause_abort"])
@@ -68,10 +79,7 @@ def test_an_abort_reaches_a_row_while_the_step_in_flight_admits_it(monkeypatch, 
     monkeypatch.setattr(DecodeBatch, "_prefills", gate.wrap(DecodeBatch._prefills))
 
     async def main():
-        server = _server()
-        handlers = route_handlers(server)
-        await server.start()
-        try:
+        async with _running(gate) as (server, handlers):
             request = asyncio.create_task(server.submit([_row("r1", 60)]))
             await gate.reached()  # step 1 is prefilling the row: it has left the queue, it is not in the batch yet
             assert [r.rid for r, _ in server.admitting] == ["r1"] and len(server.batch) == 0
@@ -83,9 +91,6 @@ def test_an_abort_reaches_a_row_while_the_step_in_flight_admits_it(monkeypatch, 
             (result,), _, step = await asyncio.wait_for(request, WAIT_S)
             assert result.finish_reason == "abort" and len(result.output_ids) == 1, result
             assert step == 2 and server.steps == 2 and len(server.batch) == 0
-        finally:
-            gate.opened.set()
-            _stop(server)
 
     asyncio.run(main())
 
@@ -96,10 +101,7 @@ def test_an_abort_while_paused_in_place_is_answered_while_paused():
     answered with the tokens it had, the engine stays paused, and a continue resumes it."""
 
     async def main():
-        server = _server()
-        handlers = route_handlers(server)
-        await server.start()
-        try:
+        async with _running() as (server, handlers):
             request = asyncio.create_task(server.submit([_row("r1", 400)]))
             await _until(lambda: server.steps >= 5, "the row to run")
             await handlers["/pause_generation"].handler({"mode": "in_place"})
@@ -113,8 +115,6 @@ def test_an_abort_while_paused_in_place_is_answered_while_paused():
             await handlers["/continue_generation"].handler({})
             (after,), _, _ = await asyncio.wait_for(server.submit([_row("r2", 3)]), WAIT_S)
             assert after.finish_reason == "length" and len(after.output_ids) == 3
-        finally:
-            _stop(server)
 
     asyncio.run(main())
 
@@ -126,9 +126,7 @@ def test_an_abort_of_a_row_that_finishes_in_the_step_in_flight_adds_no_step(monk
     monkeypatch.setattr(DecodeBatch, "step", gate.wrap(DecodeBatch.step))
 
     async def main():
-        server = _server()
-        await server.start()
-        try:
+        async with _running(gate) as (server, _):
             request = asyncio.create_task(server.submit([_row("r1", 10)]))
             await gate.reached()
             assert server.abort("r1") == 1  # still running: it is cut at the next step, were there one
@@ -138,9 +136,6 @@ def test_an_abort_of_a_row_that_finishes_in_the_step_in_flight_adds_no_step(monk
             # the loop task ran on to its next wait before this coroutine resumed: no step was started since
             assert step == 10 and server.steps == 10 and gate.calls == 10
             assert not server.abort_all and not server.abort_rids
-        finally:
-            gate.opened.set()
-            _stop(server)
 
     asyncio.run(main())
 
@@ -181,10 +176,7 @@ def test_rows_queued_or_paused_through_a_failed_sync_fail_instead_of_decoding_mi
     from engines.embedded.server import BadRequest
 
     async def main():
-        server = _server()
-        handlers = route_handlers(server)
-        await server.start()
-        try:
+        async with _running() as (server, handlers):
             running = asyncio.create_task(server.submit([_row("paused", 400)]))
             await _until(lambda: server.steps >= 3, "the row to run")
             await handlers["/pause_generation"].handler({"mode": "in_place"})
@@ -202,7 +194,5 @@ def test_rows_queued_or_paused_through_a_failed_sync_fail_instead_of_decoding_mi
             server.weights_consistent = True  # the next sync succeeded
             (after,), _, _ = await asyncio.wait_for(server.submit([_row("after", 3)]), WAIT_S)
             assert after.finish_reason == "length" and len(after.output_ids) == 3
-        finally:
-            _stop(server)
 
     asyncio.run(main())
